@@ -1,0 +1,238 @@
+"""The numpy backend: runs a Plan on N simulated devices in one process.
+
+Each device owns buffers holding only its slice of every tensor. Preparing a plan turns every
+node into a closure over preallocated arrays (views cost nothing: they are numpy views of the
+owning buffer, built from the plan's per-device shapes, strides and offsets), so a decode step
+is one pass over closures plus one all-reduce per subgraph boundary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.ir.ops import OPS, Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.backends.numpy_kernels import Closure, kernel_for
+from metatp.passes.plan import DeviceLayout, Local, Plan
+
+__all__ = ["NumpyBackend", "NumpyExecutable"]
+
+# "exact": float32 throughout. "llamacpp": round activations before quantized/f16 matmuls as
+# llama.cpp's CPU backend does (Q8 blocks with an f16 scale), to compare logits with it. Its f16
+# KV cache is not emulated: rounding K/V alone moved our logits further from llama.cpp's.
+NUMERICS = ("exact", "llamacpp")
+
+_DTYPES = {GGMLType.F32: np.float32, GGMLType.I32: np.int32, GGMLType.F16: np.float16}
+
+
+def _dtype(t: Tensor) -> np.dtype:
+    try:
+        return np.dtype(_DTYPES[t.type])
+    except KeyError:
+        raise UnsupportedOpError(
+            f"numpy backend: tensor {t.name!r} of type {t.type.name} must be a weight (dequantized on upload)") from None
+
+
+def _shape(ne: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return (ne[3], ne[2], ne[1], ne[0])
+
+
+def _view(root: np.ndarray, t: Tensor, loc: Local) -> np.ndarray:
+    """The numpy view of `t` on one device: local shape/strides/offset into its root buffer."""
+    itemsize = root.itemsize
+    if loc.nelements == 0:
+        return np.empty(_shape(loc.ne), dtype=root.dtype)
+    if t.type not in _DTYPES or np.dtype(_DTYPES[t.type]).itemsize != itemsize:
+        raise UnsupportedOpError(f"numpy backend: view {t.name!r} of a {t.type.name} tensor is not supported")
+    return np.ndarray(_shape(loc.ne), dtype=root.dtype, buffer=root, offset=loc.offs,
+                      strides=tuple(reversed(loc.nb)))
+
+
+class NumpyBackend:
+    """N simulated devices; leaf buffers (weights, KV cache) persist across plans."""
+
+    name = "numpy"
+
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact") -> None:
+        if numerics not in NUMERICS:
+            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        self.numerics = numerics
+        self.layout = layout or DeviceLayout()
+        self.n = self.layout.n_devices
+        self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
+        self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
+        self._executables: dict[int, NumpyExecutable] = {}
+
+    # ---------------------------------------------------------------- leaf data
+    def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
+        """Store a leaf's value, split into per-device slices as the plan says."""
+        full = np.ascontiguousarray(full)
+        if full.shape != _shape(t.ne) and full.size == t.nelements:
+            full = full.reshape(_shape(t.ne))
+        if self.n == 1:
+            parts = [full]
+        else:
+            from metatp.backends.slicing import split_array
+
+            parts = split_array(full, t, plan.of(t), self.n)
+        for d in range(self.n):
+            self.leaf[d][t] = np.ascontiguousarray(parts[d])
+            self._transposed[d].pop(t, None)
+
+    def has(self, t: Tensor) -> bool:
+        return t in self.leaf[0]
+
+    def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
+        """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
+        tp = plan.of(t)
+        for d in range(self.n):
+            self.leaf[d][t] = np.zeros(_shape(tp.local[d].ne), dtype=_dtype(t))
+
+    def transposed(self, t: Tensor, d: int) -> np.ndarray:
+        """A weight stored (in, out)-contiguous for `x @ Wt` (made once, kept)."""
+        cache = self._transposed[d]
+        wt = cache.get(t)
+        if wt is None:
+            w = self.leaf[d][t]
+            wt = np.ascontiguousarray(w.reshape(w.shape[-2], w.shape[-1]).T)
+            cache[t] = wt
+        return wt
+
+    def allocated_bytes(self) -> list[int]:
+        """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
+        out = []
+        for d in range(self.n):
+            n = sum(a.nbytes for a in self.leaf[d].values()) + sum(a.nbytes for a in self._transposed[d].values())
+            n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
+            out.append(n)
+        return out
+
+    # ---------------------------------------------------------------- plans
+    def prepare(self, plan: Plan) -> NumpyExecutable:
+        ex = self._executables.get(id(plan))
+        if ex is None or ex.plan is not plan:
+            ex = NumpyExecutable(self, plan)
+            self._executables[id(plan)] = ex
+        return ex
+
+    def reset_kv(self) -> None:
+        for d in range(self.n):
+            for t, a in self.leaf[d].items():
+                if t.flags & Flag.KV_CACHE:
+                    a.fill(0)
+
+
+class _DeviceContext:
+    """What kernels may ask the backend while building closures for device `d`."""
+
+    def __init__(self, backend: NumpyBackend, d: int) -> None:
+        self.backend = backend
+        self.d = d
+
+    def is_weight(self, t: Tensor) -> bool:
+        return bool(t.flags & Flag.WEIGHT) and t.view_src is None and t.ne[2] == 1 and t.ne[3] == 1
+
+    def transposed(self, t: Tensor) -> np.ndarray:
+        return self.backend.transposed(t, self.d)
+
+    def activation_rounding(self, w: Tensor):
+        """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
+        if self.backend.numerics != "llamacpp" or not self.is_weight(w) or w.type == GGMLType.F32:
+            return None
+        from metatp.backends.numpy_kernels import quantize_q8_blocks, round_f16
+
+        return round_f16 if w.type in (GGMLType.F16, GGMLType.BF16) else quantize_q8_blocks
+
+
+class NumpyExecutable:
+    """A plan bound to buffers: per device, per subgraph, a list of closures."""
+
+    def __init__(self, backend: NumpyBackend, plan: Plan) -> None:
+        if plan.n_devices != backend.n:
+            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
+        self.backend = backend
+        self.plan = plan
+        n = backend.n
+        graph = plan.graph
+        self.arrays: list[dict[Tensor, np.ndarray]] = [{} for _ in range(n)]
+        self.inputs: dict[Tensor, np.ndarray] = {}
+        self.buffer_bytes = [0] * n
+        for t in graph.leaves:
+            if t.flags & Flag.INPUT:
+                arr = np.zeros(_shape(t.ne), dtype=_dtype(t))
+                self.inputs[t] = arr
+                for d in range(n):
+                    self.arrays[d][t] = arr     # inputs are mirrored and read-only: one array serves all
+            elif t.flags & Flag.KV_CACHE:
+                if not backend.has(t):
+                    backend.allocate_leaf(t, plan)
+                for d in range(n):
+                    self.arrays[d][t] = backend.leaf[d][t]
+            else:
+                if not backend.has(t):
+                    raise UnsupportedOpError(f"numpy backend: leaf {t.name!r} has no data (upload it first)")
+                for d in range(n):
+                    self.arrays[d][t] = backend.leaf[d][t]
+        self.steps: list[list[list[Closure]]] = []    # [subgraph][device] -> closures
+        for d in range(n):
+            self._bind_device(d)
+        for sub in plan.subgraphs:
+            per_dev = []
+            for d in range(n):
+                ctx = _DeviceContext(backend, d)
+                closures = []
+                for i in range(sub.start, sub.end + 1):
+                    node = graph.nodes[i]
+                    if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
+                        continue
+                    if not plan.of(node).compute[d]:
+                        continue
+                    srcs = [self.arrays[d][s] if s is not None else None for s in node.src]
+                    closures.append(kernel_for(node)(node, self.arrays[d][node], srcs, ctx))
+                per_dev.append(closures)
+            self.steps.append(per_dev)
+
+    def _bind_device(self, d: int) -> None:
+        arrays = self.arrays[d]
+        plan = self.plan
+        for node in plan.graph.nodes:
+            loc = plan.of(node).local[d]
+            if node.view_src is not None:
+                root = arrays[node.view_src]
+                arrays[node] = _view(root, node, loc)
+            else:
+                arr = np.zeros(_shape(loc.ne), dtype=_dtype(node))
+                self.buffer_bytes[d] += arr.nbytes
+                arrays[node] = arr
+
+    # ---------------------------------------------------------------- running
+    def set_input(self, t: Tensor, value: np.ndarray) -> None:
+        self.inputs[t][...] = np.asarray(value).reshape(self.inputs[t].shape)
+
+    def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
+        for t, v in (inputs or {}).items():
+            self.set_input(t, v)
+        plan = self.plan
+        n = self.backend.n
+        for sub, per_dev in zip(plan.subgraphs, self.steps):
+            for d in range(n):
+                for f in per_dev[d]:
+                    f()
+            red = sub.reduction
+            if red is not None and n > 1:
+                self._allreduce(plan.graph.nodes[red.node])
+
+    def _allreduce(self, node: Tensor) -> None:
+        from metatp.backends.allreduce import allreduce_butterfly
+
+        bufs = [self.arrays[d][node] for d in range(self.backend.n)]
+        allreduce_butterfly(bufs, list(self.plan.of(node).compute))
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The full value of `t` (gathered from slices; a PARTIAL value is summed)."""
+        if self.backend.n == 1:
+            return np.array(self.arrays[0][t], copy=True)
+        from metatp.backends.slicing import gather_array
+
+        return gather_array([self.arrays[d][t] for d in range(self.backend.n)], t, self.plan.of(t))

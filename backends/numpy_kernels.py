@@ -1,0 +1,396 @@
+"""numpy implementations of every registered op: the reference the GPU kernels are checked against.
+
+Each entry of `KERNELS` takes (node, out, srcs, backend-side helpers) and returns a
+zero-argument closure that computes `out` in place. Preparing closures once per plan keeps
+per-token Python work to one call per node. Everything stays float32: scalars are
+`np.float32` so numpy 2's promotion rules never turn a tensor into float64.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
+from metatp.ir.tensor import Tensor
+
+__all__ = ["KERNELS", "Closure", "rope_reference", "attention_reference"]
+
+Closure = Callable[[], None]
+F32 = np.float32
+
+
+def _fits(b: np.ndarray, a_shape: tuple[int, ...]) -> bool:
+    return all(x == y or x == 1 for x, y in zip(b.shape, a_shape))
+
+
+def _repeat_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """ggml_repeat: tile b so that it has `shape` (b's dims divide shape's)."""
+    reps = tuple(s // x for s, x in zip(shape, b.shape))
+    return np.tile(b, reps)
+
+
+def _binary(fn) -> Callable:
+    def make(node: Tensor, out: np.ndarray, src: Sequence[np.ndarray], ctx) -> Closure:
+        a, b = src[0], src[1]
+        if _fits(b, a.shape):
+            return lambda: fn(a, b, out=out)
+        return lambda: fn(a, _repeat_to(b, a.shape), out=out)
+    return make
+
+
+def _get_rows(node, out, src, ctx) -> Closure:
+    a, ids = src    # a (ne3, ne2, rows, ne0); ids (1, ne3, ne2, n); out (ne3, ne2, n, ne0)
+    if a.shape[:2] == (1, 1) and ids.shape[:3] == (1, 1, 1):
+        a2, i1, o2 = a[0, 0], ids[0, 0, 0], out[0, 0]
+        return lambda: np.take(a2, i1, axis=0, out=o2)
+
+    def run() -> None:
+        for i3 in range(out.shape[0]):
+            for i2 in range(out.shape[1]):
+                out[i3, i2] = a[i3, i2][ids[0, i3, i2]]
+    return run
+
+
+def _rms_norm(node, out, src, ctx) -> Closure:
+    x = src[0]
+    eps = F32(node.params["eps"])
+    inv_n = F32(1.0 / x.shape[-1])
+
+    def run() -> None:
+        ms = np.einsum("...i,...i->...", x, x)[..., None]
+        ms *= inv_n
+        ms += eps
+        np.sqrt(ms, out=ms)
+        np.divide(x, ms, out=out)
+    return run
+
+
+def _norm(node, out, src, ctx) -> Closure:
+    x = src[0]
+    eps = F32(node.params["eps"])
+
+    def run() -> None:
+        mean = x.mean(axis=-1, keepdims=True)
+        np.subtract(x, mean, out=out)
+        var = np.mean(out * out, axis=-1, keepdims=True)
+        var += eps
+        np.divide(out, np.sqrt(var), out=out)
+    return run
+
+
+def _scale(node, out, src, ctx) -> Closure:
+    x = src[0]
+    s, b = F32(node.params["s"]), F32(node.params["b"])
+    if b == 0:
+        return lambda: np.multiply(x, s, out=out)
+
+    def run() -> None:
+        np.multiply(x, s, out=out)
+        np.add(out, b, out=out)
+    return run
+
+
+def quantize_q8_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Round activations as ggml's CPU matmul does before a quantized dot product: blocks of 32
+    scaled to int8 with an f16 scale (Q8_0/Q8_1), then back to float32."""
+    xb = x.reshape(-1, 32)
+    d = np.abs(xb).max(axis=1, keepdims=True) * F32(1.0 / 127.0)
+    q = np.round(xb / np.where(d == 0, F32(1), d))
+    res = (q * d.astype(np.float16).astype(F32)).reshape(x.shape)
+    if out is None:
+        return res
+    out[...] = res
+    return out
+
+
+def _mul_mat(node, out, src, ctx) -> Closure:
+    a, b = src
+    w = node.src[0]
+    rounding = ctx.activation_rounding(w)
+    if rounding is not None and b.shape[-1] % 32 == 0:
+        # llama.cpp numerics: the activation is quantized (or made f16) before the dot product
+        bq = np.empty(b.shape, dtype=F32)
+        inner = _mul_mat(node, out, [a, bq], _ExactContext(ctx))
+
+        def run_rounded() -> None:
+            rounding(b, bq)
+            inner()
+        return run_rounded
+    wt = ctx.transposed(w) if ctx.is_weight(w) and a.shape[0] == 1 and a.shape[1] == 1 else None
+    if wt is not None:
+        # weights are kept (in, out)-contiguous: x @ Wt is ~1.3x faster than W @ x in numpy
+        b2 = b.reshape(-1, b.shape[-1]) if b.flags.c_contiguous else None
+        o2 = out.reshape(-1, out.shape[-1])
+        if b2 is not None:
+            return lambda: np.matmul(b2, wt, out=o2)
+        return lambda: np.matmul(b.reshape(-1, b.shape[-1]), wt, out=o2)
+    # general batched case: a (A3, A2, m, k), b (B3, B2, n, k); a repeats over b's batch dims
+    r3, r2 = b.shape[0] // a.shape[0], b.shape[1] // a.shape[1]
+
+    def run() -> None:
+        bb = b.reshape(a.shape[0], r3, a.shape[1], r2, b.shape[2], b.shape[3])
+        aa = a[:, None, :, None]
+        res = np.matmul(bb, aa.swapaxes(-1, -2))
+        out[...] = res.reshape(out.shape)
+    return run
+
+
+class _ExactContext:
+    """The same device context with activation rounding turned off (used once it is applied)."""
+
+    def __init__(self, ctx) -> None:
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def activation_rounding(self, w):
+        return None
+
+
+def round_f16(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    out[...] = x.astype(np.float16)
+    return out
+
+
+def _mul_mat_id(node, out, src, ctx) -> Closure:
+    a, b, ids = src      # a (1, E, m, k); b (1, T, n_b, k); ids (1, 1, T, n_used); out (1, T, n_used, m)
+    a3, b3, ids2, o3 = a[0], b[0], ids[0, 0], out[0]
+    n_b = b3.shape[1]
+
+    def run() -> None:
+        for e in np.unique(ids2):
+            t_idx, u_idx = np.nonzero(ids2 == e)
+            x = b3[t_idx, u_idx % n_b]
+            o3[t_idx, u_idx] = x @ a3[e].T
+    return run
+
+
+def _add_id(node, out, src, ctx) -> Closure:
+    a, b, ids = src      # a (1, T, n_used, n); b (1, 1, E, n); ids (1, 1, T, n_used)
+    b2, ids2 = b[0, 0], ids[0, 0]
+    return lambda: np.add(a[0], b2[ids2], out=out[0])
+
+
+def _copy(node, out, src, ctx) -> Closure:
+    x = src[0]
+    if x.shape == out.shape:
+        return lambda: np.copyto(out, x, casting="unsafe")
+    return lambda: np.copyto(out, np.ascontiguousarray(x).reshape(out.shape), casting="unsafe")
+
+
+def _set_rows(node, out, src, ctx) -> Closure:
+    rows, ids = src[0], src[1]   # rows (ne3, ne2, T, ne0); ids (1, ne12, ne11, T); out = the destination view
+    if out.shape[:2] == (1, 1) and rows.shape[:2] == (1, 1):
+        o2, r2, i1 = out[0, 0], rows[0, 0], ids[0, 0, 0]
+        def run() -> None:
+            o2[i1] = r2
+        return run
+
+    def run_nd() -> None:
+        for i3 in range(rows.shape[0]):
+            for i2 in range(rows.shape[1]):
+                idx = ids[0, i3 % ids.shape[1], i2 % ids.shape[2]]
+                out[i3 % out.shape[0], i2 % out.shape[1]][idx] = rows[i3, i2]
+    return run_nd
+
+
+def rope_cos_sin(pos: np.ndarray, n_dims: int, freq_base: float, freq_scale: float,
+                 freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables (T, n_dims/2) for positions `pos`."""
+    inv = freq_base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64).reshape(-1)[: n_dims // 2]
+    theta = pos.astype(np.float64)[:, None] * freq_scale * inv[None, :]
+    return np.cos(theta).astype(F32), np.sin(theta).astype(F32)
+
+
+def rope_reference(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: int, freq_base: float,
+                   freq_scale: float = 1.0, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """x: (T, H, D) float32 -> roped copy (normal: adjacent pairs; NEOX: halves)."""
+    out = np.array(x, dtype=F32, copy=True)
+    cos, sin = rope_cos_sin(pos, n_dims, freq_base, freq_scale, freq_factors)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if mode == RopeMode.NEOX:
+        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
+        out[..., : n_dims // 2] = x0 * cos - x1 * sin
+        out[..., n_dims // 2: n_dims] = x0 * sin + x1 * cos
+    else:
+        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2] = x0 * cos - x1 * sin
+        out[..., 1:n_dims:2] = x0 * sin + x1 * cos
+    return out
+
+
+def _rope(node, out, src, ctx) -> Closure:
+    x, pos = src[0], src[1]
+    ff = src[2] if len(src) > 2 and src[2] is not None else None
+    p = node.params
+    n_dims, mode = p["n_dims"], p["mode"]
+    h = n_dims // 2
+    x3, o3, pos1 = x[0], out[0], pos[0, 0, 0]   # (T, H, D)
+    if n_dims < x.shape[-1]:
+        tail = (x3[..., n_dims:], o3[..., n_dims:])
+    else:
+        tail = None
+    if mode == RopeMode.NEOX:
+        xa, xb, oa, ob = x3[..., :h], x3[..., h:n_dims], o3[..., :h], o3[..., h:n_dims]
+    else:
+        xa, xb, oa, ob = x3[..., 0:n_dims:2], x3[..., 1:n_dims:2], o3[..., 0:n_dims:2], o3[..., 1:n_dims:2]
+
+    def run() -> None:
+        cos, sin = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        a_cos, b_sin = xa * cos, xb * sin
+        np.subtract(a_cos, b_sin, out=oa)
+        np.multiply(xa, sin, out=ob)
+        np.add(ob, xb * cos, out=ob)
+        if tail is not None:
+            tail[1][...] = tail[0]
+    return run
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
+                        softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+    """q (H, T, D), k/v (Hkv, n_kv, D), mask (T, n_kv) additive -> (T, H, Dv). Consecutive q heads share a kv head."""
+    H, T, D = q.shape
+    Hkv, n_kv, Dv = v.shape
+    g = H // Hkv
+    qg = np.ascontiguousarray(q).reshape(Hkv, g * T, D)
+    s = np.matmul(qg, k.transpose(0, 2, 1))
+    s *= F32(scale)
+    if softcap:
+        s = F32(softcap) * np.tanh(s / F32(softcap))
+    s = s.reshape(Hkv, g, T, n_kv)
+    if mask is not None:
+        s += mask[:T]
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sk = sinks.reshape(Hkv, g, 1, 1).astype(F32)
+        m = np.maximum(m, sk)
+    np.subtract(s, m, out=s)
+    np.exp(s, out=s)
+    denom = s.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom += np.exp(sk - m)
+    s /= denom
+    o = np.matmul(s.reshape(Hkv, g * T, n_kv), v)
+    return o.reshape(H, T, Dv).transpose(1, 0, 2)
+
+
+def _flash_attn(node, out, src, ctx) -> Closure:
+    q, k, v = src[0][0], src[1][0], src[2][0]
+    mask = src[3][0, 0] if len(src) > 3 and src[3] is not None else None
+    sinks = src[4].reshape(-1) if len(src) > 4 and src[4] is not None else None
+    scale, softcap = node.params["scale"], node.params.get("softcap", 0.0)
+    o3 = out[0]
+
+    def run() -> None:
+        o3[...] = attention_reference(q, k, v, mask, scale, softcap, sinks)
+    return run
+
+
+def _soft_max(node, out, src, ctx) -> Closure:
+    x = src[0]
+    mask = src[1] if len(src) > 1 and src[1] is not None else None
+    scale = F32(node.params["scale"])
+
+    def run() -> None:
+        np.multiply(x, scale, out=out)
+        if mask is not None:
+            np.add(out, mask, out=out)
+        np.subtract(out, out.max(axis=-1, keepdims=True), out=out)
+        np.exp(out, out=out)
+        np.divide(out, out.sum(axis=-1, keepdims=True), out=out)
+    return run
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (F32(1) + np.exp(-x))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    c = F32(0.7978845608028654)
+    return F32(0.5) * x * (F32(1) + np.tanh(c * (x + F32(0.044715) * x * x * x)))
+
+
+_ACT = {
+    GluOp.SWIGLU.value: _silu, GluOp.GEGLU_TANH.value: _gelu_tanh,
+    UnaryOp.SILU.value: _silu, UnaryOp.GELU_TANH.value: _gelu_tanh,
+    UnaryOp.SIGMOID.value: lambda x: F32(1) / (F32(1) + np.exp(-x)),
+    UnaryOp.SOFTPLUS.value: lambda x: np.logaddexp(F32(0), x).astype(F32),
+}
+
+
+def _glu(node, out, src, ctx) -> Closure:
+    act = _ACT[node.params["glu"]]
+    if len(src) == 2 and src[1] is not None:
+        a, b = src
+    else:
+        x = src[0]
+        n = out.shape[-1]
+        a, b = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
+    if act is _silu:
+        def run_silu() -> None:
+            np.negative(a, out=out)
+            np.exp(out, out=out)
+            np.add(out, F32(1), out=out)
+            np.divide(a, out, out=out)
+            np.multiply(out, b, out=out)
+        return run_silu
+    return lambda: np.multiply(act(a), b, out=out)
+
+
+def _unary(node, out, src, ctx) -> Closure:
+    act = _ACT[node.params["unary"]]
+    x = src[0]
+    return lambda: np.copyto(out, act(x))
+
+
+def _top_k(node, out, src, ctx) -> Closure:
+    x = src[0]
+    k = node.params["k"]
+
+    def run() -> None:
+        idx = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+        out[...] = idx
+    return run
+
+
+def _sum_rows(node, out, src, ctx) -> Closure:
+    x = src[0]
+    return lambda: np.sum(x, axis=-1, keepdims=True, out=out)
+
+
+KERNELS: dict[Op, Callable[..., Closure]] = {
+    Op.GET_ROWS: _get_rows,
+    Op.RMS_NORM: _rms_norm,
+    Op.NORM: _norm,
+    Op.ADD: _binary(np.add),
+    Op.MUL: _binary(np.multiply),
+    Op.DIV: _binary(np.divide),
+    Op.ADD_ID: _add_id,
+    Op.SCALE: _scale,
+    Op.MUL_MAT: _mul_mat,
+    Op.MUL_MAT_ID: _mul_mat_id,
+    Op.CONT: _copy,
+    Op.CPY: _copy,
+    Op.SET_ROWS: _set_rows,
+    Op.ROPE: _rope,
+    Op.FLASH_ATTN_EXT: _flash_attn,
+    Op.SOFT_MAX: _soft_max,
+    Op.GLU: _glu,
+    Op.UNARY: _unary,
+    Op.ARGSORT_TOP_K: _top_k,
+    Op.SUM_ROWS: _sum_rows,
+}
+
+
+def kernel_for(node: Tensor) -> Callable[..., Closure]:
+    try:
+        return KERNELS[node.op]
+    except KeyError:
+        raise UnsupportedOpError(f"numpy backend: no kernel for op {node.op.name} (node {node.name!r})") from None

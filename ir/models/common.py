@@ -1,0 +1,83 @@
+"""Pieces shared by the model builders: the weight/KV leaf tensors and the batch description."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from metatp.ir import ops
+from metatp.ir.errors import ModelFormatError
+from metatp.ir.loader import HParams, Model
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+
+__all__ = ["BatchSpec", "ModelTensors", "KV_PAD"]
+
+KV_PAD = 256   # attended KV length is padded to a multiple of this, so decode graphs are reused
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What one forward pass computes: `n_tokens` new tokens attending over `n_kv` cache rows
+    (a multiple of KV_PAD, masked beyond the filled part), logits for `n_outputs` of them."""
+
+    n_tokens: int
+    n_kv: int
+    n_outputs: int
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.n_tokens, self.n_kv, self.n_outputs)
+
+
+class ModelTensors:
+    """Leaf tensors for every weight and KV-cache row block of one model context.
+
+    Made once per context and shared by every graph built for it, so a backend can map a
+    leaf to its buffer by identity.
+    """
+
+    def __init__(self, model: Model, n_ctx: int, kv_type: GGMLType = GGMLType.F32) -> None:
+        self.model = model
+        self.hp: HParams = model.hparams
+        self.n_ctx = n_ctx
+        self.kv_type = GGMLType(kv_type)
+        self.weights: dict[str, Tensor] = {
+            name: ops.new_tensor(name, info.ne, info.type, Flag.WEIGHT) for name, info in model.weights.items()
+        }
+        hp = self.hp
+        self.cache_k = [ops.new_tensor(f"cache_k_l{i}", (hp.n_embd_k_gqa(i), n_ctx), kv_type, Flag.KV_CACHE)
+                        for i in range(hp.n_layer)]
+        self.cache_v = [ops.new_tensor(f"cache_v_l{i}", (hp.n_embd_v_gqa(i), n_ctx), kv_type, Flag.KV_CACHE)
+                        for i in range(hp.n_layer)]
+
+    def w(self, name: str, ne: tuple[int, ...] | None = None) -> Tensor:
+        """A required weight, optionally checked against the shape the architecture expects."""
+        t = self.weights.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.model.path.name}: missing tensor {name!r} required by {self.hp.arch}")
+        if ne is not None:
+            want = tuple(ne) + (1,) * (4 - len(ne))
+            if t.ne != want:
+                raise ModelFormatError(
+                    f"{self.model.path.name}: tensor {name!r} has shape {list(t.ne[:len(ne)])}, "
+                    f"expected {list(ne)} for {self.hp.arch}")
+        return t
+
+    def opt(self, name: str) -> Tensor | None:
+        return self.weights.get(name)
+
+    def output_weight(self) -> Tensor:
+        """The lm head; tied models have none and reuse the token embedding."""
+        return self.weights.get("output.weight") or self.w("token_embd.weight")
+
+
+def graph_inputs(spec: BatchSpec) -> dict[str, Tensor]:
+    """Per-step input leaves: token ids, positions, KV row indices, attention mask, output rows."""
+    T = spec.n_tokens
+    inp = {
+        "tokens": ops.new_tensor("inp_tokens", (T,), GGMLType.I32, Flag.INPUT),
+        "pos": ops.new_tensor("inp_pos", (T,), GGMLType.I32, Flag.INPUT),
+        "kv_idxs": ops.new_tensor("inp_kv_idxs", (T,), GGMLType.I32, Flag.INPUT),
+        "kq_mask": ops.new_tensor("kq_mask", (spec.n_kv, T), GGMLType.F32, Flag.INPUT),
+    }
+    if spec.n_outputs != T:
+        inp["out_ids"] = ops.new_tensor("inp_out_ids", (spec.n_outputs,), GGMLType.I32, Flag.INPUT)
+    return inp

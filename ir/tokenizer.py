@@ -1,0 +1,607 @@
+"""Tokenizer built from GGUF metadata, with the same results as llama.cpp.
+
+The heavy lifting (BPE merges, regex pre-splitting, byte-level mapping) is done by the
+HuggingFace `tokenizers` library; this module only configures it the way llama.cpp reads
+the same metadata (`src/llama-vocab.cpp`), and does itself the parts llama.cpp does
+outside the BPE model, so that ids match llama.cpp's exactly:
+
+- special tokens are cut out of the text first, longest text first, like llama.cpp's
+  `tokenizer_st_partition`: control and unknown tokens only when `special=True`,
+  user-defined tokens always;
+- `tokenizer.ggml.model == "gpt2"`: byte-level BPE with the model's merges, pre-split by
+  the regexes llama.cpp uses for `tokenizer.ggml.pre`;
+- `tokenizer.ggml.model == "llama"` (SentencePiece BPE): llama.cpp merges adjacent
+  symbols into the vocabulary token with the highest score. That is a BPE whose merges
+  are every split of every token, ranked by the token's score, with byte fallback to
+  `<0xNN>` tokens. A space is prepended to each text fragment that starts the text or
+  follows a special token (when `add_space_prefix`), and spaces become U+2581.
+
+Decoding goes through `token_bytes` (llama.cpp's `token_to_piece`), not through HF
+decoders, so that a stream of tokens and a whole sequence give the same bytes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+from metatp.ir.errors import ConfigError, ModelFormatError
+
+__all__ = ["Tokenizer", "StreamDecoder"]
+
+# Token attributes, as llama.cpp's llama_token_attr bit flags.
+_UNKNOWN = 1 << 0
+_UNUSED = 1 << 1
+_NORMAL = 1 << 2
+_CONTROL = 1 << 3
+_USER_DEFINED = 1 << 4
+_BYTE = 1 << 5
+
+# GGUF token types (gguf.TokenType) -> attribute flags; anything else is "undefined" (0).
+_TYPE_TO_ATTR = {1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER_DEFINED, 5: _UNUSED, 6: _BYTE}
+
+_SPM_SPACE = "\u2581"  # '▁', SentencePiece's escaped space
+
+# ---------------------------------------------------------------- pre-tokenizers
+# The regexes llama.cpp uses per `tokenizer.ggml.pre` (llm_tokenizer_bpe). Where llama.cpp
+# rewrote a HF regex for std::regex (e.g. `(?i:'s|...)`), the original HF form is used:
+# the `tokenizers` library runs Oniguruma, which takes it as is.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SEED_CODER = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3 = [
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+
+
+class _Pre:
+    """How one `tokenizer.ggml.pre` value pre-splits text, and the flags llama.cpp ties to it."""
+
+    def __init__(self, regexes: list[str], *, ignore_merges: bool = False, add_bos: bool = False) -> None:
+        self.regexes = regexes
+        self.ignore_merges = ignore_merges  # a word that is a whole vocab token skips the merges
+        self.add_bos = add_bos  # llama.cpp's add_bos default for this pre-tokenizer
+
+
+def _pre_table() -> dict[str, _Pre]:
+    groups: list[tuple[tuple[str, ...], _Pre]] = [
+        (("default",), _Pre(_DEFAULT)),
+        (("gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+          "a.x-4.0", "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt",
+          "olmo", "jais", "exaone4", "trillion", "granite-docling"), _Pre([_GPT2])),
+        (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+          "jina-v5-nano", "dbrx", "smaug-bpe"), _Pre([_LLAMA3], ignore_merges=True, add_bos=True)),
+        (("glm4", "chatglm-bpe"), _Pre([_LLAMA3])),
+        (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+         _Pre([r"\p{N}", _GPT2])),
+        (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
+         _Pre([_QWEN2])),
+        (("qwen35",), _Pre([_QWEN35])),
+        (("falcon",), _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"])),
+        (("deepseek-coder",), _Pre(["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"])),
+        (("deepseek-v3", "hunyuan-dense", "joyai-llm"), _Pre(_DEEPSEEK3)),
+        (("tekken",), _Pre([_TEKKEN], ignore_merges=True, add_bos=True)),
+        (("gpt-4o", "llama4", "kanana2"), _Pre([_GPT4O])),
+        (("poro-chat", "bloom", "gpt3-finnish"), _Pre([r" ?[^(\s|.,!?…。，、।۔،)]+"])),
+        (("seed-coder",), _Pre([_SEED_CODER])),
+    ]
+    return {name: pre for names, pre in groups for name in names}
+
+
+_PRE_TOKENIZERS = _pre_table()
+
+# ---------------------------------------------------------------- end-of-generation detection
+# llama.cpp finds these tokens by their text (llama_vocab::impl::load); so do we. Where several
+# match, the first text in the tuple wins (llama.cpp's pick is the hash map's order).
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOM_TEXTS = ("<|eom_id|>",)
+_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                  "<|code_prefix|>", "<|prefix|>")
+_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                  "<|code_suffix|>", "<|suffix|>")
+_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                  "<|code_middle|>", "<|middle|>")
+_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
+_FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
+_FIM_SEP_TEXTS = ("<|file_sep|>",)
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+def _gpt2_byte_table() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+_CHAR_TO_BYTE = {c: b for b, c in _gpt2_byte_table().items()}
+
+
+# ---------------------------------------------------------------- metadata helpers
+def _str_list(md: Mapping[str, Any], key: str, required: bool) -> list[str] | None:
+    v = md.get(key)
+    if v is None:
+        if required:
+            raise ModelFormatError(f"tokenizer metadata: missing {key!r}")
+        return None
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise ModelFormatError(f"tokenizer metadata: {key!r} must be a list of strings")
+    return list(v)
+
+
+def _num_list(md: Mapping[str, Any], key: str, n: int, kind: type) -> list | None:
+    v = md.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or len(v) < n:
+        raise ModelFormatError(f"tokenizer metadata: {key!r} must be a list of at least {n} numbers")
+    try:
+        return [kind(x) for x in v[:n]]
+    except (TypeError, ValueError):
+        raise ModelFormatError(f"tokenizer metadata: {key!r} holds a non-number") from None
+
+
+def _flag(md: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = md.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, (bool, int)):
+        raise ModelFormatError(f"tokenizer metadata: {key!r} must be a boolean, got {v!r}")
+    return bool(v)
+
+
+def _token_id(md: Mapping[str, Any], key: str, default: int | None, n_vocab: int) -> int | None:
+    """A special-token id from the metadata; out-of-range ids fall back like llama.cpp (with a warning)."""
+    if default is not None and not 0 <= default < n_vocab:
+        default = None
+    v = md.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelFormatError(f"tokenizer metadata: {key!r} must be an integer, got {v!r}")
+    if not 0 <= v < n_vocab:
+        warnings.warn(f"tokenizer metadata: {key} = {v} is outside the vocabulary (size {n_vocab}); ignored",
+                      stacklevel=3)
+        return default
+    return v
+
+
+def _hf():
+    """Import `tokenizers` lazily: everything but building a tokenizer works without it."""
+    try:
+        import tokenizers
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise ConfigError("the 'tokenizers' package is required to tokenize text (pip install tokenizers)") from e
+    return tokenizers
+
+
+# ---------------------------------------------------------------- the tokenizer
+class Tokenizer:
+    """Text <-> token ids for one GGUF model, matching llama.cpp's tokenization.
+
+    Build it with `Tokenizer.from_metadata(md)`, where `md` maps GGUF keys to plain values.
+    """
+
+    n_vocab: int
+    bos_id: int | None
+    eos_id: int | None
+    eot_id: int | None
+    unk_id: int | None
+    pad_id: int | None
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    eog_ids: frozenset[int]
+    chat_template: str | None
+
+    def __init__(self, md: Mapping[str, Any]) -> None:
+        """Prefer `from_metadata`; this reads and checks the metadata and builds the HF model."""
+        model = md.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFormatError("tokenizer metadata: missing 'tokenizer.ggml.model'")
+        if model not in ("gpt2", "llama"):
+            raise ModelFormatError(
+                f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
+                "metatp supports 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+        self.model: str = model
+
+        tokens = _str_list(md, "tokenizer.ggml.tokens", required=True)
+        assert tokens is not None
+        n = len(tokens)
+        if n == 0:
+            raise ModelFormatError("tokenizer metadata: 'tokenizer.ggml.tokens' is empty")
+        # llama.cpp renames empty tokens so that they can never match text
+        self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self.n_vocab = n
+        self._token_to_id: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            j = self._token_to_id.setdefault(t, i)
+            if j != i:
+                raise ModelFormatError(f"tokenizer metadata: duplicate token {t!r} at ids {j} and {i}")
+
+        types = _num_list(md, "tokenizer.ggml.token_type", n, int) or [1] * n
+        self.token_types: list[int] = types
+        self.scores: list[float] = _num_list(md, "tokenizer.ggml.scores", n, float) or [0.0] * n
+        self._attrs: list[int] = [_TYPE_TO_ATTR.get(t, 0) for t in types]
+
+        spm = model == "llama"
+        if spm:
+            self.pre = None
+            self._pre = None
+            add_bos_default = True
+        else:
+            pre = md.get("tokenizer.ggml.pre")
+            if pre is None:
+                warnings.warn("tokenizer metadata: no 'tokenizer.ggml.pre'; using llama.cpp's 'default' "
+                              "pre-tokenizer (tokenization may be degraded)", stacklevel=3)
+                pre = "default"
+            if not isinstance(pre, str):
+                raise ModelFormatError(f"tokenizer metadata: 'tokenizer.ggml.pre' must be a string, got {pre!r}")
+            self.pre = pre
+            if pre not in _PRE_TOKENIZERS:
+                warnings.warn(f"tokenizer: unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); falling back to "
+                              "the GPT-2 regex, token ids may differ from llama.cpp's", stacklevel=3)
+            self._pre = _PRE_TOKENIZERS.get(pre, _Pre([_GPT2]))
+            add_bos_default = self._pre.add_bos
+
+        self.add_space_prefix = _flag(md, "tokenizer.ggml.add_space_prefix", spm)
+        self.add_bos = _flag(md, "tokenizer.ggml.add_bos_token", add_bos_default)
+        self.add_eos = _flag(md, "tokenizer.ggml.add_eos_token", False)
+
+        self.bos_id = _token_id(md, "tokenizer.ggml.bos_token_id", 1 if spm else None, n)
+        self.eos_id = _token_id(md, "tokenizer.ggml.eos_token_id", 2 if spm else None, n)
+        self.unk_id = _token_id(md, "tokenizer.ggml.unknown_token_id", 0 if spm else None, n)
+        self.pad_id = _token_id(md, "tokenizer.ggml.padding_token_id", None, n)
+        self.eot_id = _token_id(md, "tokenizer.ggml.eot_token_id", None, n)
+        eom_id = _token_id(md, "tokenizer.ggml.eom_token_id", None, n)
+        self.eog_ids = self._find_eog(md, eom_id)
+
+        tmpl = md.get("tokenizer.chat_template")
+        if tmpl is not None and not isinstance(tmpl, str):
+            raise ModelFormatError("tokenizer metadata: 'tokenizer.chat_template' must be a string")
+        self.chat_template = tmpl or None
+
+        # special tokens cut out of the text before BPE, longest first (llama.cpp sorts by byte length)
+        special = [i for i, a in enumerate(self._attrs) if a & (_CONTROL | _USER_DEFINED | _UNKNOWN)]
+        special.sort(key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
+        self._special_order: list[int] = special
+
+        self._pieces: list[bytes | None] = [None] * n
+        self._hf_tok = self._build_spm() if spm else self._build_bpe(md)
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any]) -> "Tokenizer":
+        """Build the tokenizer from GGUF key/values (`{key: field.contents()}`)."""
+        return cls(md)
+
+    # ------------------------------------------------------------ construction
+    def _find_eog(self, md: Mapping[str, Any], eom_id: int | None) -> frozenset[int]:
+        """End-of-generation ids, found like llama.cpp: metadata ids plus well-known token texts.
+
+        Tokens found this way are treated as control tokens even if the file says otherwise,
+        as llama.cpp does.
+        """
+        n = self.n_vocab
+        fim = {}
+        for what, texts in (("pre", _FIM_PRE_TEXTS), ("suf", _FIM_SUF_TEXTS), ("mid", _FIM_MID_TEXTS),
+                            ("pad", _FIM_PAD_TEXTS), ("rep", _FIM_REP_TEXTS), ("sep", _FIM_SEP_TEXTS)):
+            fim[what] = _token_id(md, f"tokenizer.ggml.fim_{what}_token_id", None, n)
+            if fim[what] is None:
+                fim[what] = self._first_with_text(texts)
+        if self.eot_id is None:
+            self.eot_id = self._first_with_text(_EOT_TEXTS)
+        if eom_id is None:
+            eom_id = self._first_with_text(_EOM_TEXTS)
+        for i in (self.eot_id, eom_id, *fim.values()):
+            if i is not None:
+                self._attrs[i] |= _CONTROL
+
+        eog = {fim[k] for k in ("pad", "rep", "sep") if fim[k] is not None}
+        for t in _EOG_TEXTS:
+            i = self._token_to_id.get(t)
+            if i is not None:
+                eog.add(i)
+                self._attrs[i] |= _CONTROL
+        eog.update(i for i in (self.eos_id, self.eot_id, eom_id) if i is not None)
+
+        texts = {self.tokens[i]: i for i in eog}
+        # gpt-oss / solar-open: "<|end|>" ends a message, not the generation
+        if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                                   or ("<|calls|>" in texts and "<|flush|>" in texts)):
+            eog.discard(texts["<|end|>"])
+            self._attrs[texts["<|end|>"]] = _USER_DEFINED
+        if "<|tool_response>" in texts and "</s>" in texts:
+            eog.discard(texts["</s>"])
+            self._attrs[texts["</s>"]] = _NORMAL
+
+        # control tokens named "unused" are unused (they still render as text when asked)
+        for i, a in enumerate(self._attrs):
+            if a & _CONTROL and "unused" in self.tokens[i]:
+                self._attrs[i] |= _UNUSED
+        return frozenset(eog)
+
+    def _first_with_text(self, texts: tuple[str, ...]) -> int | None:
+        return next((self._token_to_id[t] for t in texts if t in self._token_to_id), None)
+
+    def _build_bpe(self, md: Mapping[str, Any]):
+        """Byte-level BPE ('gpt2'): the model's vocab and merges, llama.cpp's pre-split regexes."""
+        hf = _hf()
+        merges_raw = _str_list(md, "tokenizer.ggml.merges", required=True)
+        assert merges_raw is not None and self._pre is not None
+        vocab = self._token_to_id
+        merges: list[tuple[str, str]] = []
+        dropped = 0
+        for m in merges_raw:
+            pos = m.find(" ", 1)  # llama.cpp splits at the first space after the first character
+            a, b = (m[:pos], m[pos + 1:]) if pos > 0 else ("", "")
+            if a in vocab and b in vocab and a + b in vocab:
+                merges.append((a, b))
+            else:
+                dropped += 1
+        if dropped:
+            warnings.warn(f"tokenizer: {dropped} of {len(merges_raw)} merges refer to tokens missing from the "
+                          "vocabulary; they are ignored", stacklevel=4)
+        bpe = hf.models.BPE(vocab=dict(vocab), merges=merges, ignore_merges=self._pre.ignore_merges)
+        tok = hf.Tokenizer(bpe)
+        steps = [hf.pre_tokenizers.Split(hf.Regex(r), behavior="isolated") for r in self._pre.regexes]
+        steps.append(hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tok.pre_tokenizer = hf.pre_tokenizers.Sequence(steps)
+        return tok
+
+    def _build_spm(self):
+        """SentencePiece BPE ('llama') as a HF BPE whose merges reproduce llama.cpp's score order.
+
+        llama.cpp repeatedly merges the adjacent pair whose concatenation is the vocabulary token
+        with the highest score (leftmost on ties). Listing every split (a, b) of every token t,
+        ordered by t's score, gives HF's BPE the same choices. Byte tokens are never merge parts
+        or results; characters missing from the vocabulary fall back to <0xNN> tokens.
+        """
+        hf = _hf()
+        vocab = self._token_to_id
+        is_byte = [bool(a & _BYTE) for a in self._attrs]
+        ranked: list[tuple[float, int, int, str, str]] = []
+        for i, t in enumerate(self.tokens):
+            if is_byte[i] or len(t) < 2:
+                continue
+            for k in range(1, len(t)):
+                a = vocab.get(t[:k])
+                if a is None or is_byte[a]:
+                    continue
+                b = vocab.get(t[k:])
+                if b is None or is_byte[b]:
+                    continue
+                ranked.append((-self.scores[i], i, k, t[:k], t[k:]))
+        ranked.sort()
+        unk = self.tokens[self.unk_id] if self.unk_id is not None else None
+        bpe = hf.models.BPE(vocab=dict(vocab), merges=[(a, b) for *_, a, b in ranked],
+                            byte_fallback=True, unk_token=unk, fuse_unk=False)
+        return hf.Tokenizer(bpe)
+
+    # ------------------------------------------------------------ encoding
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of `text`.
+
+        add_bos: None follows the model's `tokenizer.ggml.add_bos_token` (llama.cpp's default
+        when absent: True for SentencePiece and llama3-style BPE, False for other BPE).
+        special: parse control tokens written in the text (e.g. "<|im_start|>") as single
+        tokens, like llama.cpp's parse_special; user-defined tokens are always parsed.
+        The model's add_eos flag is not applied: an encoded prompt is meant to be continued.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"text to encode is not valid Unicode ({e.reason} at position {e.start})") from None
+        out: list[int] = []
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ConfigError("this model has no BOS token (tokenizer.ggml.bos_token_id), cannot add one")
+            out.append(self.bos_id)
+        prev_special = True
+        for frag in self._partition(text, special):
+            if isinstance(frag, int):
+                out.append(frag)
+                prev_special = True
+            else:
+                out.extend(self._encode_fragment(frag, prev_special))
+                prev_special = False
+        return out
+
+    def _partition(self, text: str, special: bool) -> list[str | int]:
+        """Split text into raw fragments and special-token ids (llama.cpp's tokenizer_st_partition)."""
+        frags: list[str | int] = [text] if text else []
+        for tid in self._special_order:
+            if not special and self._attrs[tid] & (_CONTROL | _UNKNOWN):
+                continue
+            tok = self.tokens[tid]
+            if tok not in text:
+                continue
+            out: list[str | int] = []
+            for f in frags:
+                if isinstance(f, int) or tok not in f:
+                    out.append(f)
+                    continue
+                for k, part in enumerate(f.split(tok)):
+                    if k:
+                        out.append(tid)
+                    if part:
+                        out.append(part)
+            frags = out
+        return frags
+
+    def _encode_fragment(self, frag: str, prev_special: bool) -> list[int]:
+        if self.model == "llama":
+            if self.add_space_prefix and prev_special:
+                frag = " " + frag
+            frag = frag.replace(" ", _SPM_SPACE)
+        return self._hf_tok.encode(frag, add_special_tokens=False).ids
+
+    # ------------------------------------------------------------ decoding
+    def _check_id(self, token_id: int) -> int:
+        if isinstance(token_id, bool) or not 0 <= int(token_id) < self.n_vocab:
+            raise ConfigError(f"token id {token_id!r} is outside the vocabulary (0..{self.n_vocab - 1})")
+        return int(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token contributes to the text (llama.cpp's token_to_piece, special=True).
+
+        Byte-level BPE maps characters back through the GPT-2 byte table; SentencePiece turns
+        '▁' into a space and <0xNN> into that byte; control, unknown and user-defined tokens give
+        their text; unused tokens give nothing. Partial UTF-8 is expected: join before decoding.
+        """
+        i = self._check_id(token_id)
+        piece = self._pieces[i]
+        if piece is None:
+            piece = self._pieces[i] = self._make_piece(i)
+        return piece
+
+    def _make_piece(self, i: int) -> bytes:
+        attr, text = self._attrs[i], self.tokens[i]
+        if attr & (_CONTROL | _UNKNOWN | _USER_DEFINED):
+            return text.encode("utf-8")
+        if attr & _NORMAL:
+            if self.model == "gpt2":
+                return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8")
+                                for c in text)
+            return text.replace(_SPM_SPACE, " ").encode("utf-8")
+        if attr & _BYTE:
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                try:
+                    return bytes([int(text[3:5], 16)])
+                except ValueError:
+                    pass
+            return text.encode("utf-8")
+        return b""
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control and unknown tokens: the ones `skip_special` leaves out of the text."""
+        return bool(self._attrs[self._check_id(token_id)] & (_CONTROL | _UNKNOWN))
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of a token sequence: the tokens' bytes joined, invalid UTF-8 shown as U+FFFD.
+
+        This is the concatenation of the tokens' pieces (what llama.cpp prints while generating),
+        so decoding a continuation keeps its leading space.
+        """
+        parts = [self.token_bytes(i) for i in ids if not (skip_special and self.is_special(i))]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------ chat
+    @cached_property
+    def _compiled_template(self):
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt: str) -> str:
+            return datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        try:
+            return env.from_string(self.chat_template)
+        except TemplateError as e:
+            raise ConfigError(f"the model's chat template does not compile: {e}") from None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render messages with the model's Jinja chat template (as HF transformers does).
+
+        The template sees `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
+        `raise_exception()` and any extra keyword arguments (e.g. `tools`).
+        The result contains special-token text: encode it with `special=True`, no extra BOS
+        if the template already writes one.
+        """
+        if self.chat_template is None:
+            raise ConfigError("this model has no chat template (tokenizer.chat_template); "
+                              "use plain-text prompts instead")
+        from jinja2 import TemplateError
+
+        tmpl = self._compiled_template
+        bos = self.tokens[self.bos_id] if self.bos_id is not None else ""
+        eos = self.tokens[self.eos_id] if self.eos_id is not None else ""
+        try:
+            return tmpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token=eos, **kwargs)
+        except TemplateError as e:
+            raise ConfigError(f"chat template: {e}") from None
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces without ever emitting half a UTF-8 character.
+
+    Tokens can carry partial characters (byte tokens, byte-level BPE pieces); the bytes of an
+    unfinished character are held back until it completes. Bytes that can never form a
+    character come out as U+FFFD.
+    """
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False) -> None:
+        self.tok = tok
+        self.skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became complete (may be "")."""
+        if self.skip_special and self.tok.is_special(token_id):
+            return ""
+        return self._dec.decode(self.tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Return what is left; an unfinished character at the end becomes U+FFFD."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out

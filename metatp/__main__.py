@@ -1,0 +1,3 @@
+from metatp.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The `metatp` command: generate, info, dump, bench. llama.cpp's flag spellings where they exist.
+
+Every deliberate error is one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Sequence
+
+from metatp.ir.errors import ConfigError, MetatpError
+
+__all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="context size (default 2048)")
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="auto | numpy | cupy (default auto)")
+    p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
+    p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor"], help="none | tensor")
+    p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
+
+
+def layout_kwargs(args: argparse.Namespace) -> dict:
+    """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count)."""
+    from metatp.passes.plan import DeviceLayout
+
+    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
+    n = args.devices if args.devices is not None else (len(ts) if ts else 1)
+    mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
+    return {"n_devices": n, "split_mode": mode, "tensor_split": ts}
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from metatp.api import LLM
+
+    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=args.seed, verbose=True, **layout_kwargs(args))
+    if args.prompt is None:
+        raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
+    kw = dict(max_tokens=None if args.n_predict < 0 else args.n_predict, temperature=args.temp, top_p=args.top_p,
+              top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+              repeat_penalty=args.repeat_penalty, stream=True)
+    if args.chat:
+        chunks = llm.create_chat_completion([{"role": "user", "content": args.prompt}], **kw)
+        for c in chunks:
+            sys.stdout.write(c["choices"][0]["delta"].get("content", ""))
+            sys.stdout.flush()
+    else:
+        sys.stdout.write(args.prompt)
+        for c in llm.create_completion(args.prompt, **kw):
+            sys.stdout.write(c["choices"][0]["text"])
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from metatp.tools.info import print_info
+
+    print_info(args.model)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="metatp", description="GGUF models with tensor parallelism, from Python")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text (streams to stdout)")
+    add_model_args(g)
+    add_layout_args(g)
+    g.add_argument("-p", "--prompt", default=None)
+    g.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (-1: until the context is full)")
+    g.add_argument("--temp", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("-s", "--seed", type=int, default=0)
+    g.add_argument("-r", "--reverse-prompt", dest="stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.set_defaults(func=_cmd_generate)
+
+    i = sub.add_parser("info", help="print metadata, tensor types and sizes")
+    i.add_argument("-m", "--model", default=None)
+    i.set_defaults(func=_cmd_info)
+
+    try:
+        from metatp.tools import dump as _dump
+
+        _dump.add_parser(sub)
+    except ImportError:
+        pass
+    try:
+        from metatp.tools import bench as _bench
+
+        _bench.add_parser(sub)
+    except ImportError:
+        pass
+    return ap
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"metatp: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _build_parser()
+    args = ap.parse_args(argv)
+    if getattr(args, "file", None):
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                args.prompt = f.read()
+        except OSError as e:
+            print(f"metatp: error: cannot read prompt file {args.file!r}: {e.strerror}", file=sys.stderr)
+            return 1
+    warnings.showwarning = _warning_line
+    try:
+        return int(args.func(args) or 0)
+    except MetatpError as e:
+        print(f"metatp: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nmetatp: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except MemoryError:
+        print("metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The forward-pass engine: graphs and plans per batch shape, weights on the backend, one KV cache.
+
+Graphs are built and compiled once per (n_tokens, padded KV length, n_outputs) and reused,
+so decoding a token costs one pass over prepared closures, not a rebuild.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from metatp.ir.errors import ContextOverflowError, UnsupportedOpError
+from metatp.ir.loader import Model
+from metatp.ir.models import BatchSpec, ModelTensors, build_graph
+from metatp.ir.models.common import KV_PAD
+from metatp.ir.tensor import Flag, GGMLType
+from metatp.passes.plan import DeviceLayout, Plan
+
+__all__ = ["Engine"]
+
+
+def padded_kv(n_used: int, n_ctx: int) -> int:
+    """Attended KV length: the used length rounded up to KV_PAD, capped at the context size."""
+    return min(-(-n_used // KV_PAD) * KV_PAD, n_ctx)
+
+
+class Engine:
+    """Runs forward passes of one model for one sequence on a backend."""
+
+    def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend, n_batch: int = 512) -> None:
+        self.model = model
+        self.n_ctx = n_ctx
+        self.layout = layout
+        self.backend = backend
+        self.n_batch = n_batch
+        self.tensors = ModelTensors(model, n_ctx, GGMLType.F32)
+        self.n_past = 0
+        self._plans: dict[tuple[int, int, int], tuple[Plan, object]] = {}
+        self._uploaded = False
+
+    # ---------------------------------------------------------------- compilation
+    def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
+        hit = self._plans.get(spec.key())
+        if hit is not None:
+            return hit
+        graph = build_graph(self.tensors, spec)
+        plan = self.compile(graph)
+        if not self._uploaded:
+            self._upload_weights(plan)
+        ex = self.backend.prepare(plan)
+        self._plans[spec.key()] = (plan, ex)
+        return plan, ex
+
+    def compile(self, graph) -> Plan:
+        from metatp.passes.plan import single_device_plan
+
+        if self.layout.split_mode == "none":
+            return single_device_plan(graph)
+        from metatp.passes.compile import compile_plan
+
+        return compile_plan(graph, self.layout, self.model.hparams)
+
+    def _upload_weights(self, plan: Plan) -> None:
+        """Every weight leaf goes to the backend once; every plan shares the split table."""
+        by_name = {t.name: t for t in plan.graph.leaves if t.flags & Flag.WEIGHT}
+        for name, t in by_name.items():
+            self.backend.upload(t, self.model.dequantize(name), plan)
+        missing = [t for t in self.tensors.weights.values() if t not in set(by_name.values())]
+        self._unused_weights = [t.name for t in missing]
+        self._uploaded = True
+
+    # ---------------------------------------------------------------- running
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Feed `tokens` after the cached ones; logits for the last token (or every token)."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + len(tokens)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
+        outs = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            last = start + self.n_batch >= len(tokens)
+            n_out = len(chunk) if all_logits else (1 if last else 0)
+            logits = self._forward_chunk(chunk, n_out)
+            if logits is not None:
+                outs.append(logits)
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
+
+    def _forward_chunk(self, tokens: list[int], n_outputs: int) -> np.ndarray | None:
+        T = len(tokens)
+        n_kv = padded_kv(self.n_past + T, self.n_ctx)
+        spec = BatchSpec(T, n_kv, max(n_outputs, 1))
+        plan, ex = self.plan_for(spec)
+        inp = plan.graph.meta["inputs"]
+        pos = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
+        ids = np.asarray(tokens, dtype=np.int64)
+        n_vocab = self.model.hparams.n_vocab
+        if ids.min() < 0 or ids.max() >= n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+            raise ValueError(f"token id {bad} is out of range for a vocabulary of {n_vocab}")
+        mask = np.full((T, n_kv), -np.inf, dtype=np.float32)
+        for i in range(T):
+            mask[i, : self.n_past + i + 1] = 0.0
+        feed = {inp["tokens"]: ids.astype(np.int32), inp["pos"]: pos, inp["kv_idxs"]: pos, inp["kq_mask"]: mask}
+        if "out_ids" in inp:
+            feed[inp["out_ids"]] = np.arange(T - spec.n_outputs, T, dtype=np.int32)
+        ex.run(feed)
+        self.n_past += T
+        if n_outputs == 0:
+            return None
+        logits = ex.read(plan.graph.meta["logits"])
+        return logits.reshape(-1, logits.shape[-1])

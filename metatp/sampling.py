@@ -1,0 +1,97 @@
+"""Sampling parameters (vLLM's names) and the sampler that turns logits into a token."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from metatp.ir.errors import ConfigError
+
+__all__ = ["SamplingParams", "Sampler"]
+
+
+def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+    if v < lo or (lo_open and v == lo) or v > hi:
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie)."""
+
+    max_tokens: int | None = 16
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 0):
+            raise ConfigError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
+        _number("temperature", self.temperature, 0.0)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise ConfigError(f"top_k must be -1/0 (disabled) or a positive integer, got {self.top_k!r}")
+        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not all(isinstance(s, str) for s in self.stop):
+                raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            self.stop = [s for s in self.stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax)."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
+        self.p = params
+        self.rng = np.random.default_rng(params.seed) if params.seed is not None else rng
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        p = self.p
+        x = np.asarray(logits, dtype=np.float32)
+        if p.repetition_penalty != 1.0 and len(history):
+            x = x.copy()
+            ids = np.unique(np.asarray(history, dtype=np.int64))
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
+        if p.greedy:
+            return int(np.argmax(x))
+        x = x.astype(np.float64) / p.temperature
+        if 0 < p.top_k < x.size:
+            kth = np.partition(x, -p.top_k)[-p.top_k]
+            x = np.where(x < kth, -np.inf, x)
+        x -= x.max()
+        probs = np.exp(x)
+        probs /= probs.sum()
+        if p.min_p > 0:
+            probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
+            keep = np.zeros_like(probs)
+            keep[order[:cut]] = probs[order[:cut]]
+            probs = keep
+        probs /= probs.sum()
+        return int(self.rng.choice(probs.size, p=probs))

@@ -1,0 +1,127 @@
+"""The Plan: everything a backend needs to run a graph on N devices, as plain data.
+
+Backends read it and never re-derive split decisions; the dump tool prints it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from metatp.ir.errors import ConfigError
+from metatp.ir.graph import Graph
+from metatp.ir.tensor import Tensor
+from metatp.passes.state import SplitState
+
+__all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Subgraph", "Plan", "single_device_plan"]
+
+SPLIT_MODES = ("none", "tensor")
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """How many devices, and how work is shared between them (llama.cpp's -sm / -ts)."""
+
+    n_devices: int = 1
+    split_mode: str = "none"
+    tensor_split: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_devices, int) or isinstance(self.n_devices, bool) or self.n_devices < 1:
+            raise ConfigError(f"n_devices must be an integer >= 1, got {self.n_devices!r}")
+        if self.n_devices > 16:
+            raise ConfigError(f"n_devices={self.n_devices}: at most 16 devices are supported")
+        if self.split_mode not in SPLIT_MODES:
+            raise ConfigError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}")
+        if self.split_mode == "none" and self.n_devices != 1:
+            raise ConfigError(f"n_devices={self.n_devices} needs split_mode='tensor' (split_mode='none' runs on one device)")
+        if self.tensor_split is not None:
+            ts = self.tensor_split
+            if len(ts) != self.n_devices:
+                raise ConfigError(f"tensor_split has {len(ts)} entries for {self.n_devices} devices")
+            for x in ts:
+                if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+                    raise ConfigError(f"tensor_split entries must be finite numbers >= 0, got {list(ts)}")
+            if sum(ts) <= 0:
+                raise ConfigError(f"tensor_split must have a positive entry, got {list(ts)}")
+
+    @staticmethod
+    def parse_split(text: str) -> tuple[float, ...]:
+        """Parse llama.cpp's `-ts 3,1` (also '3/1')."""
+        try:
+            return tuple(float(x) for x in text.replace("/", ",").split(",") if x.strip())
+        except ValueError:
+            raise ConfigError(f"tensor_split {text!r}: expected numbers separated by commas, e.g. 3,1") from None
+
+    def ratios(self) -> tuple[float, ...]:
+        return self.tensor_split if self.tensor_split is not None else (1.0,) * self.n_devices
+
+
+@dataclass(frozen=True)
+class Local:
+    """One device's view of a tensor: local shape, byte strides and view offset."""
+
+    ne: tuple[int, int, int, int]
+    nb: tuple[int, int, int, int]
+    offs: int = 0
+
+    @property
+    def nelements(self) -> int:
+        return self.ne[0] * self.ne[1] * self.ne[2] * self.ne[3]
+
+
+@dataclass
+class TensorPlan:
+    tensor: Tensor
+    state: SplitState            # assume_sync=False: PARTIAL where a reduction is pending
+    sync_state: SplitState       # assume_sync=True: what consumers see
+    local: list[Local]           # per device
+    compute: list[bool]          # per device: does it run this node (False = zero slice / skipped)
+
+
+@dataclass
+class Reduction:
+    node: int                    # index of the node whose value is all-reduced in place
+    covers: list[int]            # the PARTIAL nodes this one reduction stands for
+    nbytes: int                  # bytes of the reduced tensor (full size, per device)
+
+
+@dataclass
+class Subgraph:
+    start: int                   # first node index
+    end: int                     # last node index (inclusive)
+    reduction: Reduction | None  # all-reduce after the subgraph (None: nothing pending)
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    layout: DeviceLayout
+    tensors: dict[Tensor, TensorPlan]
+    subgraphs: list[Subgraph]
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def n_devices(self) -> int:
+        return self.layout.n_devices
+
+    def of(self, t: Tensor) -> TensorPlan:
+        return self.tensors[t]
+
+    @property
+    def reductions(self) -> list[Reduction]:
+        return [s.reduction for s in self.subgraphs if s.reduction is not None]
+
+
+def _full_local(t: Tensor) -> Local:
+    return Local(t.ne, t.nb, t.view_offs)
+
+
+def single_device_plan(graph: Graph) -> Plan:
+    """The trivial plan: one device, everything mirrored, one subgraph."""
+    m = SplitState.mirrored()
+    tensors = {t: TensorPlan(t, m, m, [_full_local(t)], [True]) for t in graph.tensors()}
+    subs = [Subgraph(0, len(graph.nodes) - 1, None)] if graph.nodes else []
+    return Plan(graph, DeviceLayout(), tensors, subs,
+                {"reductions_before_coalescing": 0, "reductions_per_step": 0, "bytes_reduced_per_step": 0})
