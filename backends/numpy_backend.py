@@ -13,7 +13,7 @@ import numpy as np
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import OPS, Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
-from metatp.backends.numpy_kernels import Closure, kernel_for
+from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
 from metatp.passes.plan import DeviceLayout, Local, Plan
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
@@ -126,9 +126,17 @@ class NumpyBackend:
 class _DeviceContext:
     """What kernels may ask the backend while building closures for device `d`."""
 
-    def __init__(self, backend: NumpyBackend, d: int) -> None:
+    def __init__(self, backend: NumpyBackend, d: int, step_memo: dict) -> None:
         self.backend = backend
         self.d = d
+        self._memo = step_memo
+
+    def per_step(self, key, make):
+        """A value computed once per run and shared by every node that asks (e.g. rope tables)."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = make()
+        return hit
 
     def is_weight(self, t: Tensor) -> bool:
         return bool(t.flags & Flag.WEIGHT) and t.view_src is None and t.ne[2] == 1 and t.ne[3] == 1
@@ -177,21 +185,53 @@ class NumpyExecutable:
         self.steps: list[list[list[Closure]]] = []    # [subgraph][device] -> closures
         for d in range(n):
             self._bind_device(d)
+        self._step_memo: dict = {}
+        fused = self._fusable_norms()            # MUL node -> the RMS_NORM it absorbs
+        absorbed = set(fused.values())
         for sub in plan.subgraphs:
             per_dev = []
             for d in range(n):
-                ctx = _DeviceContext(backend, d)
+                ctx = _DeviceContext(backend, d, self._step_memo)
                 closures = []
                 for i in range(sub.start, sub.end + 1):
                     node = graph.nodes[i]
                     if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
                         continue
-                    if not plan.of(node).compute[d]:
+                    if not plan.of(node).compute[d] or node in absorbed:
+                        continue
+                    rms = fused.get(node)
+                    if rms is not None:
+                        a = self.arrays[d]
+                        closures.append(rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node]))
                         continue
                     srcs = [self.arrays[d][s] if s is not None else None for s in node.src]
                     closures.append(kernel_for(node)(node, self.arrays[d][node], srcs, ctx))
                 per_dev.append(closures)
             self.steps.append(per_dev)
+
+    def _fusable_norms(self) -> dict[Tensor, Tensor]:
+        """MUL nodes whose src0 is an RMS_NORM read by nothing else (and src1 a weight row) -> that norm.
+
+        The pair runs as one closure; the norm's own buffer is never written."""
+        plan, graph = self.plan, self.plan.graph
+        sub_of = {}
+        for k, sub in enumerate(plan.subgraphs):
+            for i in range(sub.start, sub.end + 1):
+                sub_of[graph.nodes[i]] = k
+        readers = graph.consumers()
+        out: dict[Tensor, Tensor] = {}
+        for node in graph.nodes:
+            if node.op is not Op.MUL or node.src[0].op is not Op.RMS_NORM:
+                continue
+            rms, w = node.src[0], node.src[1]
+            if readers.get(rms) != [node] or not (w.flags & Flag.WEIGHT) or w.ne != (rms.ne[0], 1, 1, 1):
+                continue
+            if sub_of[rms] != sub_of[node] or plan.of(rms).state.is_partial or rms.flags & Flag.OUTPUT:
+                continue
+            if list(plan.of(rms).compute) != list(plan.of(node).compute):
+                continue
+            out[node] = rms
+        return out
 
     def _bind_device(self, d: int) -> None:
         arrays = self.arrays[d]
@@ -215,6 +255,7 @@ class NumpyExecutable:
             self.set_input(t, v)
         plan = self.plan
         n = self.backend.n
+        self._step_memo.clear()
         for sub, per_dev in zip(plan.subgraphs, self.steps):
             for d in range(n):
                 for f in per_dev[d]:

@@ -68,6 +68,21 @@ def _rms_norm(node, out, src, ctx) -> Closure:
     return run
 
 
+def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> Closure:
+    """RMS_NORM followed by MUL with a weight, fused: one pass fewer over the activation."""
+    eps32 = F32(eps)
+    inv_n = F32(1.0 / x.shape[-1])
+
+    def run() -> None:
+        ms = np.einsum("...i,...i->...", x, x)[..., None]
+        ms *= inv_n
+        ms += eps32
+        np.sqrt(ms, out=ms)
+        np.multiply(x, w, out=out)
+        np.divide(out, ms, out=out)
+    return run
+
+
 def _norm(node, out, src, ctx) -> Closure:
     x = src[0]
     eps = F32(node.params["eps"])
@@ -241,9 +256,14 @@ def _rope(node, out, src, ctx) -> Closure:
     else:
         xa, xb, oa, ob = x3[..., 0:n_dims:2], x3[..., 1:n_dims:2], o3[..., 0:n_dims:2], o3[..., 1:n_dims:2]
 
-    def run() -> None:
+    key = ("rope", n_dims, p["freq_base"], p["freq_scale"], id(pos), id(ff))
+
+    def tables() -> tuple[np.ndarray, np.ndarray]:
         cos, sin = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        return cos[:, None, :], sin[:, None, :]
+
+    def run() -> None:
+        cos, sin = ctx.per_step(key, tables)     # every layer shares one table per step
         a_cos, b_sin = xa * cos, xb * sin
         np.subtract(a_cos, b_sin, out=oa)
         np.multiply(xa, sin, out=ob)

@@ -1,0 +1,210 @@
+"""`metatp bench`: throughput in llama-bench's shape (pp512, tg128, tg128 @ d2048).
+
+Every combination of the comma-separated options gets a row with tokens/s as mean ± std over
+`-r` repetitions. Tensor-parallel rows also show their speed relative to the single-device row of
+the same test measured in the same invocation, as llama.cpp's PR tables do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BenchConfig", "run_bench", "add_parser", "format_rows"]
+
+
+@dataclass
+class BenchConfig:
+    model: str | None = None
+    n_prompt: list[int] = field(default_factory=lambda: [512])
+    n_gen: list[int] = field(default_factory=lambda: [128])
+    n_depth: list[int] = field(default_factory=lambda: [0])
+    repetitions: int = 5
+    backend: str = "auto"
+    n_devices: list[int] = field(default_factory=lambda: [1])
+    split_mode: list[str] = field(default_factory=lambda: ["none"])
+    tensor_split: list[tuple[float, ...] | None] = field(default_factory=lambda: [None])
+    seed: int = 0
+
+
+def _int_list(text: str) -> list[int]:
+    from metatp.ir.errors import ConfigError
+
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in vals):
+        raise ConfigError(f"values must be >= 0, got {text!r}")
+    return vals
+
+
+def _layouts(cfg: BenchConfig) -> list[tuple[int, str, tuple[float, ...] | None]]:
+    """Distinct (n_devices, split_mode, tensor_split); a single-device baseline joins any tensor run."""
+    out = []
+    for n, sm, ts in itertools.product(cfg.n_devices, cfg.split_mode, cfg.tensor_split):
+        if ts is not None:
+            n = len(ts)
+        if sm == "none":
+            n, ts = 1, None
+        key = (n, sm, ts)
+        if key not in out:
+            out.append(key)
+    if any(sm == "tensor" for _, sm, _ in out) and (1, "none", None) not in out:
+        out.insert(0, (1, "none", None))
+    return out
+
+
+def _time_prompt(eng, tokens: list[int], depth: list[int]) -> float:
+    eng.reset()
+    if depth:
+        eng.forward(depth)
+    t0 = time.perf_counter()
+    eng.forward(tokens)
+    return time.perf_counter() - t0
+
+
+def _time_gen(eng, n_gen: int, depth: list[int], first: int) -> float:
+    eng.reset()
+    eng.forward(depth or [first])
+    tok = first
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        tok = int(np.argmax(eng.forward([tok])))
+    return time.perf_counter() - t0
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reductions_per_token(eng) -> int | None:
+    from metatp.ir.models import BatchSpec
+    from metatp.engine import padded_kv
+
+    plan, _ = eng.plan_for(BatchSpec(1, padded_kv(1, eng.n_ctx), 1))
+    return int(plan.stats.get("reductions_per_step", 0))
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
+    """Measure every combination; returns llama-bench-style rows (dicts)."""
+    from metatp.api import LLM
+
+    rng = np.random.default_rng(cfg.seed)
+    rows: list[dict] = []
+    for n_dev, sm, ts in _layouts(cfg):
+        n_ctx = max([p + d for p in cfg.n_prompt for d in cfg.n_depth] + [g + d + 1 for g in cfg.n_gen for d in cfg.n_depth] + [16])
+        llm = LLM(cfg.model, n_ctx=n_ctx, backend=cfg.backend, n_devices=n_dev, split_mode=sm,
+                  tensor_split=list(ts) if ts else None, seed=cfg.seed)
+        eng = llm.engine
+        vocab = llm.n_vocab
+        base = {
+            "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
+            "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
+            "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "", "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
+        }
+        red = _reductions_per_token(eng)
+        tests = [(p, 0, d) for p in cfg.n_prompt if p > 0 for d in cfg.n_depth] + \
+                [(0, g, d) for g in cfg.n_gen if g > 0 for d in cfg.n_depth]
+        for n_prompt, n_gen, depth in tests:
+            depth_ids = [int(x) for x in rng.integers(0, vocab, depth)]
+            samples = []
+            for rep in range(cfg.repetitions + 1):          # the first run warms up (plans, weights)
+                if n_prompt:
+                    toks = [int(x) for x in rng.integers(0, vocab, n_prompt)]
+                    sec = _time_prompt(eng, toks, depth_ids)
+                    n = n_prompt
+                else:
+                    sec = _time_gen(eng, n_gen, depth_ids, int(rng.integers(0, vocab)))
+                    n = n_gen
+                if rep:
+                    samples.append(n / sec)
+            name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+            if depth:
+                name += f" @ d{depth}"
+            row = dict(base, test=name, n_prompt=n_prompt, n_gen=n_gen, n_depth=depth,
+                       avg_ts=statistics.fmean(samples), stddev_ts=statistics.pstdev(samples) if len(samples) > 1 else 0.0,
+                       samples_ts=samples, reductions_per_token=red, peak_memory_bytes=_peak_rss())
+            rows.append(row)
+            if progress:
+                progress(row)
+        del llm, eng
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """vs_none: tokens/s of a row divided by the single-device row of the same test."""
+    base = {r["test"]: r["avg_ts"] for r in rows if r["split_mode"] == "none"}
+    for r in rows:
+        b = base.get(r["test"])
+        r["vs_none"] = r["avg_ts"] / b if b else None
+
+
+def format_rows(rows: list[dict], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    if fmt == "csv":
+        buf = io.StringIO()
+        keys = [k for k in rows[0] if k != "samples_ts"] if rows else []
+        w = csv.DictWriter(buf, fieldnames=keys + ["samples_ts"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: r[k] for k in keys}, "samples_ts": ";".join(f"{x:.3f}" for x in r["samples_ts"])})
+        return buf.getvalue()
+    head = ["model", "size", "backend", "devices", "sm", "ts", "test", "t/s", "vs -sm none", "reductions/tok"]
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * len(head)) + " |"]
+    for r in rows:
+        size = Path(r["model_filename"]).stat().st_size / 2**20 if Path(r["model_filename"]).exists() else 0
+        ratio = f"{r['vs_none']:.2f}x" if r["vs_none"] is not None else ""
+        lines.append("| " + " | ".join([
+            r["model_type"], f"{size:.1f} MiB", r["backend"], str(r["n_devices"]), r["split_mode"], r["tensor_split"],
+            r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio, str(r["reductions_per_token"])]) + " |")
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="llama-bench style throughput benchmark")
+    b.add_argument("-m", "--model", default=None)
+    b.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, comma-separated (default 512)")
+    b.add_argument("-n", "--n-gen", default="128", help="generation lengths, comma-separated (default 128)")
+    b.add_argument("-d", "--n-depth", default="0", help="KV depth before each test, comma-separated")
+    b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("--backend", default="auto")
+    b.add_argument("--devices", default="1", help="device counts, comma-separated")
+    b.add_argument("-sm", "--split-mode", default="none", help="none,tensor")
+    b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
+    b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    b.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from metatp.ir.errors import ConfigError
+    from metatp.passes.plan import DeviceLayout
+
+    if args.repetitions < 1:
+        raise ConfigError("-r must be >= 1")
+    modes = [m.strip() for m in args.split_mode.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("none", "tensor"):
+            raise ConfigError(f"-sm: unknown split mode {m!r} (none, tensor)")
+    ts = [DeviceLayout.parse_split(t) for t in args.tensor_split.split(",")] if args.tensor_split else [None]
+    cfg = BenchConfig(model=args.model, n_prompt=_int_list(args.n_prompt), n_gen=_int_list(args.n_gen),
+                      n_depth=_int_list(args.n_depth), repetitions=args.repetitions, backend=args.backend,
+                      n_devices=_int_list(args.devices), split_mode=modes, tensor_split=ts)
+    rows = run_bench(cfg, progress=lambda r: print(f"  {r['split_mode']} x{r['n_devices']} {r['test']}: "
+                                                   f"{r['avg_ts']:.2f} t/s", file=sys.stderr))
+    print(format_rows(rows, args.output))
+    return 0
