@@ -14,6 +14,7 @@ from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import OPS, Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
+from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import DeviceLayout, Local, Plan
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
@@ -76,9 +77,43 @@ class NumpyBackend:
             from metatp.backends.slicing import split_array
 
             parts = split_array(full, t, plan.of(t), self.n)
+        only_matmul = self._only_matmul_weight(t, plan)
         for d in range(self.n):
-            self.leaf[d][t] = np.ascontiguousarray(parts[d])
+            part = np.ascontiguousarray(parts[d])
             self._transposed[d].pop(t, None)
+            if only_matmul:
+                # read only as mul_mat's src0: keep just the (in, out) layout the kernel wants
+                wt = np.ascontiguousarray(part.reshape(part.shape[-2], part.shape[-1]).T)
+                self._transposed[d][t] = wt
+                self.leaf[d][t] = wt.T.reshape(part.shape)   # a strided view of the same memory
+            else:
+                self.leaf[d][t] = part if part.flags.owndata else part.copy()
+
+    @staticmethod
+    def _only_matmul_weight(t: Tensor, plan: Plan) -> bool:
+        if not (t.flags & Flag.WEIGHT) or t.ne[2] != 1 or t.ne[3] != 1:
+            return False
+        readers = [n for n in plan.graph.nodes if any(s is t for s in n.src) or n.view_src is t]
+        return bool(readers) and all(n.op is Op.MUL_MAT and n.src[0] is t and n.view_src is None for n in readers)
+
+    def storage_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
+        """Bytes this backend keeps for a weight slice of local shape `local_ne` (f32, one or two layouts)."""
+        n = int(np.prod(local_ne)) * 4
+        if not (t.flags & Flag.WEIGHT) or self._only_matmul_weight(t, plan):
+            return n
+        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in plan.graph.nodes)
+        return 2 * n if mm else n
+
+    def memory_budget(self) -> tuple[int | None, bool]:
+        """(bytes available, shared by all devices?): simulated devices share the host's memory."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, True
+        except OSError:
+            pass
+        return None, True
 
     def has(self, t: Tensor) -> bool:
         return t in self.leaf[0]
@@ -103,7 +138,8 @@ class NumpyBackend:
         """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
         out = []
         for d in range(self.n):
-            n = sum(a.nbytes for a in self.leaf[d].values()) + sum(a.nbytes for a in self._transposed[d].values())
+            owned = [a for a in self.leaf[d].values() if a.base is None or a.flags.owndata]
+            n = sum(a.nbytes for a in owned) + sum(a.nbytes for a in self._transposed[d].values())
             n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
             out.append(n)
         return out
@@ -230,21 +266,27 @@ class NumpyExecutable:
                 continue
             if list(plan.of(rms).compute) != list(plan.of(node).compute):
                 continue
+            x = rms.src[0]
+            x_root = x.view_src or x
+            if x_root.op is not Op.NONE and not any(graph.index[r] > graph.index[node]
+                                                    for r in readers.get(x, []) + readers.get(x_root, [])):
+                continue   # the fused closure reads x at the MUL: x's memory must still be live there
             out[node] = rms
         return out
 
     def _bind_device(self, d: int) -> None:
+        """Node arrays for device d: owners are placed in one arena (dead buffers reused), views map onto them."""
         arrays = self.arrays[d]
         plan = self.plan
+        offsets, size = assign_offsets(plan, d, lambda t: _dtype(t).itemsize)
+        arena = np.zeros(max(size, 1), dtype=np.uint8)
+        self.buffer_bytes[d] = arena.nbytes
         for node in plan.graph.nodes:
             loc = plan.of(node).local[d]
             if node.view_src is not None:
-                root = arrays[node.view_src]
-                arrays[node] = _view(root, node, loc)
+                arrays[node] = _view(arrays[node.view_src], node, loc)
             else:
-                arr = np.zeros(_shape(loc.ne), dtype=_dtype(node))
-                self.buffer_bytes[d] += arr.nbytes
-                arrays[node] = arr
+                arrays[node] = np.ndarray(_shape(loc.ne), dtype=_dtype(node), buffer=arena, offset=offsets[node])
 
     # ---------------------------------------------------------------- running
     def set_input(self, t: Tensor, value: np.ndarray) -> None:

@@ -85,11 +85,15 @@ class LLM:
     `n_devices`/`split_mode`/`tensor_split` follow llama.cpp (-sm tensor -ts 3,1).
     `numerics`: "exact" (float32) or "llamacpp" (numpy backend only: round activations and the KV
     cache as llama.cpp's CPU backend does, to compare logits with it).
+    `memory_budget`: bytes per device ("8GiB"); default: what the backend reports free. The memory
+    plan is checked before any weight is loaded; `fit_context=True` shrinks n_ctx to fit instead
+    of refusing.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 2048, backend: str = "auto",
                  n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
-                 seed: int = 0, n_batch: int = 512, numerics: str = "exact", verbose: bool = False) -> None:
+                 seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
+                 fit_context: bool = False, verbose: bool = False) -> None:
         from metatp.backends import create_backend
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
@@ -119,8 +123,51 @@ class LLM:
         self.backend = create_backend(backend, self.layout, numerics)
         self.n_ctx = n_ctx
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
+        self.memory = self._check_memory(memory_budget, fit_context, n_batch)
         self._rng = np.random.default_rng(seed)
         self.verbose = verbose
+
+    def _check_memory(self, budget, fit: bool, n_batch: int):
+        """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget."""
+        from metatp.engine import Engine
+        from metatp.ir.errors import MemoryPlanError
+        from metatp.passes.memory import fit_context, format_bytes, parse_bytes
+
+        mem = self.engine.memory_plan()
+        limit, shared = self.backend.memory_budget()
+        if budget is not None:
+            limit, shared = parse_bytes(budget), False
+        if limit is None:
+            return mem
+
+        def need(m) -> list[int]:          # simulated devices share one pool: compare the sum
+            return [sum(m.totals())] if shared else m.totals()
+
+        def fits(m) -> bool:
+            return max(need(m)) <= limit
+
+        if fits(mem):
+            return mem
+
+        def engine_for(n_ctx: int) -> Engine:
+            return Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
+
+        fitted = fit_context(lambda n: engine_for(n).memory_plan(), fits, self.n_ctx)
+        if fit and fitted > 0:
+            self.n_ctx = fitted
+            self.engine = engine_for(fitted)
+            return self.engine.memory_plan()
+        totals = need(mem)
+        d = max(range(len(totals)), key=lambda j: totals[j])
+        where = "in all" if shared else f"on device {d}"
+        parts = (f"weights {format_bytes(mem.weights[d])}, KV cache {format_bytes(mem.kv[d])} for "
+                 f"n_ctx={self.n_ctx}, buffers {format_bytes(mem.compute[d])}")
+        if shared and mem.n_devices > 1:
+            parts = f"{mem.n_devices} simulated devices; device 0: " + parts
+        advice = (f"n_ctx={fitted} would fit (or pass fit_context=True / --fit)" if fitted > 0 else
+                  "even the smallest context does not fit: use more devices or a smaller model")
+        raise MemoryPlanError(f"does not fit: needs {format_bytes(totals[d])} {where} ({parts}) but the budget is "
+                              f"{format_bytes(limit)}; {advice}")
 
     # ---------------------------------------------------------------- tokens
     @property

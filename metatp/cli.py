@@ -25,6 +25,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
     p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor"], help="none | tensor")
     p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
+    p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
+    p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
@@ -34,7 +36,8 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
     n = args.devices if args.devices is not None else (len(ts) if ts else 1)
     mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
-    return {"n_devices": n, "split_mode": mode, "tensor_split": ts}
+    return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
+            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False)}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -17,7 +17,19 @@ from metatp.ir.models.common import KV_PAD
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "sliding_window_mask"]
+
+
+def sliding_window_mask(mask: np.ndarray, pos: np.ndarray, window: int) -> np.ndarray:
+    """The causal mask with rows `window` or more positions back hidden as well (llama.cpp's standard
+    SWA: the token at position p sees cache row j iff j <= p and p - j < window). Cache row j
+    holds position j, as the engine writes token p to row p."""
+    if window <= 0:
+        return mask
+    rows = np.arange(mask.shape[1])
+    out = mask.copy()
+    out[pos[:, None] - rows[None, :] >= window] = -np.inf
+    return out
 
 
 def padded_kv(n_used: int, n_ctx: int) -> int:
@@ -60,6 +72,15 @@ class Engine:
         from metatp.passes.compile import compile_plan
 
         return compile_plan(graph, self.layout, self.model.hparams)
+
+    def memory_plan(self):
+        """Per-device bytes at the largest batch this engine runs (before any weight is loaded)."""
+        from metatp.passes.memory import plan_memory
+
+        T = min(self.n_batch, self.n_ctx)
+        spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
+        plan = self.compile(build_graph(self.tensors, spec))
+        return plan_memory(plan, self.backend.storage_bytes, self.n_ctx)
 
     def _upload_weights(self, plan: Plan) -> None:
         """Every weight leaf goes to the backend once; every plan shares the split table."""
@@ -108,6 +129,8 @@ class Engine:
         for i in range(T):
             mask[i, : self.n_past + i + 1] = 0.0
         feed = {inp["tokens"]: ids.astype(np.int32), inp["pos"]: pos, inp["kv_idxs"]: pos, inp["kq_mask"]: mask}
+        if "kq_mask_swa" in inp:
+            feed[inp["kq_mask_swa"]] = sliding_window_mask(mask, pos, self.model.hparams.sliding_window)
         if "out_ids" in inp:
             feed[inp["out_ids"]] = np.arange(T - spec.n_outputs, T, dtype=np.int32)
         ex.run(feed)

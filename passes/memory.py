@@ -1,0 +1,199 @@
+"""Memory planning: per-device bytes for weights, KV cache and compute buffers, from a Plan.
+
+Computed before any weight is loaded, so a configuration that cannot fit is refused with a
+message that says what would fit (llama.cpp's `--fit`, which its tensor mode lacks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from metatp.ir.errors import MemoryPlanError
+from metatp.ir.ops import OPS, Op
+from metatp.ir.tensor import Flag, Tensor
+from metatp.passes.plan import Plan
+
+__all__ = ["MemoryPlan", "plan_memory", "fit_context", "assign_offsets", "parse_bytes", "format_bytes"]
+
+# bytes a backend keeps for one weight: (tensor, local ne, plan) -> bytes
+WeightBytes = Callable[[Tensor, tuple[int, ...], Plan], int]
+
+_ITEM = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
+
+
+def _nelements(ne: tuple[int, ...]) -> int:
+    n = 1
+    for x in ne:
+        n *= x
+    return n
+
+
+@dataclass
+class MemoryPlan:
+    """Per-device byte counts (index = device)."""
+
+    weights: list[int]
+    kv: list[int]
+    compute: list[int]
+    kv_per_token: list[int]      # KV bytes per context token, per device
+    n_ctx: int
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.weights)
+
+    def total(self, d: int) -> int:
+        return self.weights[d] + self.kv[d] + self.compute[d]
+
+    def totals(self) -> list[int]:
+        return [self.total(d) for d in range(self.n_devices)]
+
+    def as_dict(self) -> dict:
+        return {"n_ctx": self.n_ctx, "weights": self.weights, "kv": self.kv, "compute": self.compute,
+                "kv_per_token": self.kv_per_token, "total": self.totals()}
+
+
+def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int) -> MemoryPlan:
+    """Bytes per device for `plan` (use the largest batch plan: compute buffers scale with it)."""
+    n = plan.n_devices
+    weights, kv, compute, kv_tok = [0] * n, [0] * n, [0] * n, [0] * n
+    for t in plan.graph.leaves:
+        tp = plan.of(t)
+        for d in range(n):
+            loc = tp.local[d]
+            if t.flags & Flag.WEIGHT:
+                weights[d] += weight_bytes(t, loc.ne, plan)
+            elif t.flags & Flag.KV_CACHE:
+                b = _nelements(loc.ne) * _ITEM.get(t.type.name, 4)
+                kv[d] += b
+                kv_tok[d] += b // max(t.ne[1], 1)
+            else:
+                compute[d] += _nelements(loc.ne) * _ITEM.get(t.type.name, 4)
+    for d in range(n):
+        compute[d] += assign_offsets(plan, d, lambda t: _ITEM.get(t.type.name, 4))[1]
+    return MemoryPlan(weights, kv, compute, kv_tok, n_ctx)
+
+
+def fit_context(plan_for_ctx: Callable[[int], MemoryPlan], fits: Callable[[MemoryPlan], bool],
+                n_ctx_max: int, granule: int = 256) -> int:
+    """The largest n_ctx (a multiple of `granule`, or n_ctx_max) whose memory plan fits; 0 if none.
+
+    Binary search over whole granules: buffers grow with the attended length too, so every
+    candidate is planned for real rather than extrapolated."""
+    if fits(plan_for_ctx(n_ctx_max)):
+        return n_ctx_max
+    lo, hi = 0, (n_ctx_max - 1) // granule          # candidates k * granule, k in 1..hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(plan_for_ctx(mid * granule)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * granule
+
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'8GiB', '512M', '1.5GB' or an int -> bytes."""
+    from metatp.ir.errors import ConfigError
+
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ConfigError(f"memory budget must be positive, got {text}")
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"cannot read memory size {text!r} (e.g. 8GiB, 512MB)") from None
+    if unit not in _UNITS or value <= 0:
+        raise ConfigError(f"cannot read memory size {text!r} (e.g. 8GiB, 512MB)")
+    return int(value * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- buffer reuse
+
+ALIGN = 64
+
+
+def _owner(t: Tensor) -> Tensor:
+    return t.view_src if t.view_src is not None else t
+
+
+def owns_buffer(node: Tensor) -> bool:
+    """Nodes that need memory of their own (views, CPY and SET_ROWS write into their source)."""
+    return node.view_src is None
+
+
+def assign_offsets(plan: Plan, d: int, itemsize: Callable[[Tensor], int],
+                   keep: set[Tensor] | None = None) -> tuple[dict[Tensor, int], int]:
+    """Offsets of every buffer-owning node of device d in one arena, reusing dead buffers.
+
+    A buffer lives from its node until the last node that reads it or any view of it; graph
+    outputs and `keep` live to the end. A node's output is placed before its dying inputs are
+    freed, so no kernel ever writes over memory it still reads. Best-fit over a free list, like
+    ggml-alloc. Returns (offsets, arena size)."""
+    nodes = plan.graph.nodes
+    keep = set(keep or ()) | {_owner(t) for t in plan.graph.outputs}
+    last: dict[Tensor, int] = {}
+    for i, n in enumerate(nodes):
+        for s in n.src:
+            if s is not None:
+                last[_owner(s)] = i
+        if n.view_src is not None:
+            last[n.view_src] = max(last.get(n.view_src, -1), i)
+    dying: dict[int, list[Tensor]] = {}
+    for t, i in last.items():
+        if t.op is not Op.NONE and t not in keep:
+            dying.setdefault(i, []).append(t)
+    free: list[tuple[int, int]] = []          # (offset, size)
+    offsets: dict[Tensor, int] = {}
+    sizes: dict[Tensor, int] = {}
+    top = 0
+    for i, n in enumerate(nodes):
+        if owns_buffer(n):
+            size = -(-max(_nelements(plan.of(n).local[d].ne) * itemsize(n), 1) // ALIGN) * ALIGN
+            best = None
+            for k, (off, sz) in enumerate(free):
+                if sz >= size and (best is None or sz < free[best][1]):
+                    best = k
+            if best is None:
+                offsets[n] = top
+                top += size
+            else:
+                off, sz = free.pop(best)
+                offsets[n] = off
+                if sz > size:
+                    free.append((off + size, sz - size))
+            sizes[n] = size
+        for t in dying.get(i, ()):
+            if t in offsets:
+                free.append((offsets[t], sizes[t]))
+        if len(free) > 1:
+            free = _coalesce(free)
+    return offsets, top
+
+
+def _coalesce(free: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    free.sort()
+    out = [free[0]]
+    for off, sz in free[1:]:
+        o, s = out[-1]
+        if o + s == off:
+            out[-1] = (o, s + sz)
+        else:
+            out.append((off, sz))
+    return out
