@@ -152,6 +152,12 @@ class NumpyBackend:
             self._executables[id(plan)] = ex
         return ex
 
+    def release(self, plan: Plan) -> None:
+        """Forget a plan's executable and its buffers."""
+        ex = self._executables.get(id(plan))
+        if ex is not None and ex.plan is plan:
+            del self._executables[id(plan)]
+
     def reset_kv(self) -> None:
         for d in range(self.n):
             for t, a in self.leaf[d].items():

@@ -16,6 +16,8 @@ from metatp.sampling import Sampler, SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
+DEFAULT_N_CTX = 2048
+
 
 @dataclass
 class CompletionOutput:
@@ -82,6 +84,7 @@ class LLM:
     """A GGUF model on one or more (simulated or real) devices.
 
     `model`: a GGUF path or a known model name; None is the default small model.
+    `n_ctx`: context size; default 2048, capped at the model's trained context.
     `n_devices`/`split_mode`/`tensor_split` follow llama.cpp (-sm tensor -ts 3,1).
     `numerics`: "exact" (float32) or "llamacpp" (numpy backend only: round activations and the KV
     cache as llama.cpp's CPU backend does, to compare logits with it).
@@ -90,7 +93,7 @@ class LLM:
     of refusing.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int = 2048, backend: str = "auto",
+    def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
                  n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
                  seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
                  fit_context: bool = False, verbose: bool = False) -> None:
@@ -100,7 +103,7 @@ class LLM:
         from metatp.models import resolve_model
         from metatp.passes.plan import DeviceLayout
 
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0):
             raise ConfigError(f"n_ctx must be a positive integer, got {n_ctx!r}")
         if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch <= 0:
             raise ConfigError(f"n_batch must be a positive integer, got {n_batch!r}")
@@ -113,7 +116,9 @@ class LLM:
         self.model_path = resolve_model(model, quiet=not verbose)
         self.model = load_model(self.model_path)
         hp = self.model.hparams
-        if n_ctx > hp.n_ctx_train:
+        if n_ctx is None:        # default: 2048, capped at what the model was trained for
+            n_ctx = min(DEFAULT_N_CTX, hp.n_ctx_train)
+        elif n_ctx > hp.n_ctx_train:
             warnings.warn(f"n_ctx={n_ctx} is beyond the model's trained context of {hp.n_ctx_train}; "
                           "quality may degrade", stacklevel=2)
         if self.layout.split_mode == "tensor" and n_devices > min(hp.n_head_kv):

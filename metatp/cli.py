@@ -17,7 +17,8 @@ __all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
-    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=2048, help="context size (default 2048)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                   help="context size (default 2048, capped at the model's trained context)")
 
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ so decoding a token costs one pass over prepared closures, not a rebuild.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -48,20 +49,28 @@ class Engine:
         self.n_batch = n_batch
         self.tensors = ModelTensors(model, n_ctx, GGMLType.F32)
         self.n_past = 0
-        self._plans: dict[tuple[int, int, int], tuple[Plan, object]] = {}
+        self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
+        self.max_plans = 12
         self._uploaded = False
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
-        hit = self._plans.get(spec.key())
+        """The compiled plan and prepared executable for a batch shape (LRU-cached: prompts of
+        many lengths must not grow memory without bound)."""
+        key = spec.key()
+        hit = self._plans.get(key)
         if hit is not None:
+            self._plans.move_to_end(key)
             return hit
         graph = build_graph(self.tensors, spec)
         plan = self.compile(graph)
         if not self._uploaded:
             self._upload_weights(plan)
         ex = self.backend.prepare(plan)
-        self._plans[spec.key()] = (plan, ex)
+        self._plans[key] = (plan, ex)
+        while len(self._plans) > self.max_plans:
+            _, (old_plan, _) = self._plans.popitem(last=False)
+            self.backend.release(old_plan)
         return plan, ex
 
     def compile(self, graph) -> Plan:
