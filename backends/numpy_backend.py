@@ -8,6 +8,8 @@ is one pass over closures plus one all-reduce per subgraph boundary.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from metatp.ir.errors import ConfigError, UnsupportedOpError
@@ -239,7 +241,12 @@ class NumpyExecutable:
                     node = graph.nodes[i]
                     if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
                         continue
-                    if not plan.of(node).compute[d] or node in absorbed:
+                    tp = plan.of(node)
+                    if not tp.compute[d]:
+                        if tp.zero_fill is not None and tp.zero_fill[d]:
+                            closures.append(functools.partial(self.arrays[d][node].fill, 0))
+                        continue
+                    if node in absorbed:
                         continue
                     rms = fused.get(node)
                     if rms is not None:

@@ -95,7 +95,7 @@ class Engine:
         """Every weight leaf goes to the backend once; every plan shares the split table."""
         by_name = {t.name: t for t in plan.graph.leaves if t.flags & Flag.WEIGHT}
         for name, t in by_name.items():
-            self.backend.upload(t, self.model.dequantize(name), plan)
+            self.backend.upload(t, self.model.dequantize(self.tensors.source_name(name)), plan)
         missing = [t for t in self.tensors.weights.values() if t not in set(by_name.values())]
         self._unused_weights = [t.name for t in missing]
         self._uploaded = True

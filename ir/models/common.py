@@ -42,6 +42,7 @@ class ModelTensors:
         self.weights: dict[str, Tensor] = {
             name: ops.new_tensor(name, info.ne, info.type, Flag.WEIGHT) for name, info in model.weights.items()
         }
+        self.aliases: dict[str, str] = {}
         hp = self.hp
         self.cache_k = [ops.new_tensor(f"cache_k_l{i}", (hp.n_embd_k_gqa(i), n_ctx), kv_type, Flag.KV_CACHE)
                         for i in range(hp.n_layer)]
@@ -65,8 +66,21 @@ class ModelTensors:
         return self.weights.get(name)
 
     def output_weight(self) -> Tensor:
-        """The lm head; tied models have none and reuse the token embedding."""
-        return self.weights.get("output.weight") or self.w("token_embd.weight")
+        """The lm head. A tied model stores none: it reads the token embedding's data, but as a leaf
+        of its own named `output.weight`, so the split table can split it along the vocabulary
+        while the embedding lookup stays mirrored (llama.cpp mirrors both, so every device
+        computes the whole lm head)."""
+        out = self.weights.get("output.weight")
+        if out is None:
+            emb = self.w("token_embd.weight")
+            out = ops.new_tensor("output.weight", emb.ne, emb.type, Flag.WEIGHT)
+            self.weights["output.weight"] = out
+            self.aliases["output.weight"] = "token_embd.weight"
+        return out
+
+    def source_name(self, name: str) -> str:
+        """The GGUF tensor that holds a leaf's data (differs only for the tied lm head)."""
+        return self.aliases.get(name, name)
 
 
 def graph_inputs(spec: BatchSpec) -> dict[str, Tensor]:
