@@ -1,0 +1,436 @@
+// metatp: flash attention (decode split-KV + merge, and causal prefill tiled over queries).
+//
+// Q:    f32 [D, n_head, n_tokens], element (d, h, t) at q + h*q_s1 + t*q_s2.
+// K, V: cache [D, n_head_kv, n_kv] (f16 / bf16 / f32), element (d, h, j) at k + h*k_s1 + j*k_s2.
+// mask: optional f32 [n_kv, n_tokens] additive mask (0 / -inf), element (j, t) at mask + t*mask_s1 + j.
+// out:  f32 [D, n_head, n_tokens] contiguous.
+// Query head h reads KV head h / G, G = n_head / n_head_kv (ggml's broadcast rule).
+// Score s = scale * (q . k); with softcap > 0, s = softcap * tanh(s / softcap); then + mask.
+// causal != 0: key j is visible to query token t only when j <= t + causal_offset
+// (causal_offset = n_kv - n_tokens when the queries are the last n_tokens positions).
+// A query with no visible key gets 0 (not NaN).
+// All strides are in elements. All scalars are int32 / float32.
+#include "quant.cuh"
+
+extern __shared__ float mt_attn_smem[];
+
+// 8 consecutive K values as f32. `vec` says the address is 16-byte aligned.
+template <typename KV>
+__device__ __forceinline__ void mt_load8(const typename KV::T* p, bool vec, float* o);
+
+template <>
+__device__ __forceinline__ void mt_load8<MtF16>(const mt_u16* p, bool vec, float* o) {
+    if (vec) {
+        const uint4 u = *(const uint4*)p;
+        o[0] = mt_h2f((mt_u16)(u.x & 0xffffu)); o[1] = mt_h2f((mt_u16)(u.x >> 16));
+        o[2] = mt_h2f((mt_u16)(u.y & 0xffffu)); o[3] = mt_h2f((mt_u16)(u.y >> 16));
+        o[4] = mt_h2f((mt_u16)(u.z & 0xffffu)); o[5] = mt_h2f((mt_u16)(u.z >> 16));
+        o[6] = mt_h2f((mt_u16)(u.w & 0xffffu)); o[7] = mt_h2f((mt_u16)(u.w >> 16));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = mt_h2f(p[i]);
+    }
+}
+template <>
+__device__ __forceinline__ void mt_load8<MtBF16>(const mt_u16* p, bool vec, float* o) {
+    if (vec) {
+        const uint4 u = *(const uint4*)p;
+        o[0] = __uint_as_float(u.x << 16); o[1] = __uint_as_float(u.x & 0xffff0000u);
+        o[2] = __uint_as_float(u.y << 16); o[3] = __uint_as_float(u.y & 0xffff0000u);
+        o[4] = __uint_as_float(u.z << 16); o[5] = __uint_as_float(u.z & 0xffff0000u);
+        o[6] = __uint_as_float(u.w << 16); o[7] = __uint_as_float(u.w & 0xffff0000u);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = mt_bf2f(p[i]);
+    }
+}
+template <>
+__device__ __forceinline__ void mt_load8<MtF32>(const float* p, bool vec, float* o) {
+    if (vec) {
+        const float4 a = *(const float4*)p;
+        const float4 b = *(const float4*)(p + 4);
+        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
+        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = p[i];
+    }
+}
+
+__device__ __forceinline__ float mt_attn_score(float dot, float scale, float softcap) {
+    float s = dot * scale;
+    if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
+    return s;
+}
+
+// ------------------------------------------------------------------ decode
+// grid (n_split, n_head_kv * n_qgroup, n_tokens), block (nth): nth = max(64, D rounded up
+// to 32) threads, nth >= D, D <= 256. One block: NG query heads of one KV head, one token,
+// keys [split*chunk, split*chunk + chunk). Keys go in tiles of nth, one key per thread
+// for q.k (K row read with 16-byte loads), an online softmax per head by one warp,
+// then P.V with one output dim per thread.
+// dynamic smem floats: NG*D (q) + NG*nth (scores) + 3*NG (m, l, alpha).
+template <typename KV, int NG>
+__device__ __forceinline__ void attn_decode_impl(
+    const float* __restrict__ q, const typename KV::T* __restrict__ k,
+    const typename KV::T* __restrict__ v, const float* __restrict__ mask,
+    float* __restrict__ out, float* __restrict__ part, int D, int n_head, int n_head_kv,
+    int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2,
+    int mask_s1, int chunk, float scale, float softcap, int causal, int causal_offset) {
+    const int nth = blockDim.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, nwarps = nth >> 5;
+    const int G = n_head / n_head_kv;
+    const int n_qgroup = (G + NG - 1) / NG;
+    const int kvh = blockIdx.y / n_qgroup;
+    const int h0 = kvh * G + (blockIdx.y - kvh * n_qgroup) * NG;  // first query head
+    const int ng = min(NG, kvh * G + G - h0);                      // heads in this block
+    const int tok = blockIdx.z;
+    const int split = blockIdx.x, n_split = gridDim.x;
+
+    float* q_s = mt_attn_smem;       // [NG][D]
+    float* s_s = q_s + NG * D;       // [NG][nth]
+    float* m_s = s_s + NG * nth;     // [NG]
+    float* l_s = m_s + NG;           // [NG]
+    float* a_s = l_s + NG;           // [NG]
+
+    for (int e = tid; e < NG * D; e += nth) {
+        const int g = e / D, d = e - g * D;
+        q_s[e] = g < ng ? q[(mt_i64)tok * q_s2 + (mt_i64)(h0 + g) * q_s1 + d] : 0.0f;
+    }
+    if (tid < NG) {
+        m_s[tid] = MT_NEG_BIG;
+        l_s[tid] = 0.0f;
+    }
+    float acc[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) acc[g] = 0.0f;
+
+    const int start = split * chunk;
+    int end = min(n_kv, start + chunk);
+    if (causal) end = min(end, tok + causal_offset + 1);
+
+    const typename KV::T* kh = k + (mt_i64)kvh * k_s1;
+    const typename KV::T* vh = v + (mt_i64)kvh * v_s1;
+    const int vw = (int)(16 / sizeof(typename KV::T));  // elements per 16 bytes
+    const bool kvec = ((((mt_u64)kh) & 15u) == 0) && (k_s2 % vw == 0) && (D % 8 == 0);
+    const int D8 = D & ~7;
+    __syncthreads();
+
+    for (int t0 = start; t0 < end; t0 += nth) {
+        // ---- scores, one key per thread
+        const int j = t0 + tid;
+        if (j < end) {
+            float dot[NG];
+#pragma unroll
+            for (int g = 0; g < NG; ++g) dot[g] = 0.0f;
+            const typename KV::T* kr = kh + (mt_i64)j * k_s2;
+            for (int d = 0; d < D8; d += 8) {
+                float kf[8];
+                mt_load8<KV>(kr + d, kvec, kf);
+#pragma unroll
+                for (int g = 0; g < NG; ++g) {
+                    if (g < ng) {
+                        const float* qg = q_s + g * D + d;
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) dot[g] = fmaf(qg[i], kf[i], dot[g]);
+                    }
+                }
+            }
+            for (int d = D8; d < D; ++d) {
+                const float kf = KV::load(kr + d);
+#pragma unroll
+                for (int g = 0; g < NG; ++g)
+                    if (g < ng) dot[g] = fmaf(q_s[g * D + d], kf, dot[g]);
+            }
+            const float mv = mask ? mask[(mt_i64)tok * mask_s1 + j] : 0.0f;
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < ng) s_s[g * nth + tid] = mt_attn_score(dot[g], scale, softcap) + mv;
+        } else {
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < ng) s_s[g * nth + tid] = -MT_INF;
+        }
+        __syncthreads();
+
+        // ---- online softmax, one warp per head
+        for (int g = warp; g < ng; g += nwarps) {
+            float* sg = s_s + g * nth;
+            float mx = -MT_INF;
+            for (int i = lane; i < nth; i += 32) mx = fmaxf(mx, sg[i]);
+            mx = mt_warp_max(mx);
+            const float m_old = m_s[g];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int i = lane; i < nth; i += 32) {
+                const float p = expf(sg[i] - m_new);
+                sg[i] = p;
+                sum += p;
+            }
+            sum = mt_warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = expf(m_old - m_new);
+                m_s[g] = m_new;
+                l_s[g] = l_s[g] * alpha + sum;
+                a_s[g] = alpha;
+            }
+        }
+        __syncthreads();
+
+        // ---- P.V, one output dim per thread
+        if (tid < D) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < ng) acc[g] *= a_s[g];
+            const int nk = min(nth, end - t0);
+            const typename KV::T* vr = vh + (mt_i64)t0 * v_s2 + tid;
+            for (int i = 0; i < nk; ++i) {
+                const float vv = KV::load(vr + (mt_i64)i * v_s2);
+#pragma unroll
+                for (int g = 0; g < NG; ++g)
+                    if (g < ng) acc[g] = fmaf(s_s[g * nth + i], vv, acc[g]);
+            }
+        }
+        __syncthreads();
+    }
+
+    if (tid < D) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            if (g < ng) {
+                const int h = h0 + g;
+                const mt_i64 row = (mt_i64)tok * n_head + h;
+                if (n_split == 1) {
+                    const float l = l_s[g];
+                    out[row * D + tid] = l > 0.0f ? acc[g] / l : 0.0f;
+                } else {
+                    part[(row * n_split + split) * D + tid] = acc[g];
+                    if (tid == 0) {
+                        float* ml = part + (mt_i64)n_tokens * n_head * n_split * D;
+                        ml[(row * n_split + split) * 2 + 0] = m_s[g];
+                        ml[(row * n_split + split) * 2 + 1] = l_s[g];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// attn_decode_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
+//     float *out, float *part, int32 D, int32 n_head, int32 n_head_kv, int32 n_tokens,
+//     int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2,
+//     int32 mask_s1, int32 chunk, float32 scale, float32 softcap, int32 causal,
+//     int32 causal_offset)
+// kv in {f16, bf16, f32} (f16/bf16 as uint16), NG in {1, 2, 4, 8} query heads per block.
+// grid (n_split, n_head_kv * ceil(G/NG), n_tokens), block (nth) with nth % 32 == 0,
+// nth >= max(D, 64), D <= 256; dynamic smem 4*(NG*D + NG*nth + 3*NG) bytes;
+// chunk = keys per split (n_split * chunk >= n_kv). With n_split == 1 the result goes
+// straight to out; otherwise partials go to part (floats: n_tokens*n_head*n_split*(D+2))
+// and attn_merge_f32 finishes.
+#define MT_DECODE_ENTRY(kvname, KV, NG)                                                       \
+    extern "C" __global__ void __launch_bounds__(256) attn_decode_##kvname##_g##NG(          \
+        const float* q, const KV::T* k, const KV::T* v, const float* mask, float* out,      \
+        float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1,     \
+        int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,            \
+        float scale, float softcap, int causal, int causal_offset) {                        \
+        attn_decode_impl<KV, NG>(q, k, v, mask, out, part, D, n_head, n_head_kv, n_tokens,  \
+                                 n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, chunk,   \
+                                 scale, softcap, causal, causal_offset);                     \
+    }
+#define MT_DECODE_ENTRIES(kvname, KV) \
+    MT_DECODE_ENTRY(kvname, KV, 1)    \
+    MT_DECODE_ENTRY(kvname, KV, 2)    \
+    MT_DECODE_ENTRY(kvname, KV, 4)    \
+    MT_DECODE_ENTRY(kvname, KV, 8)
+
+MT_DECODE_ENTRIES(f16, MtF16)
+MT_DECODE_ENTRIES(bf16, MtBF16)
+MT_DECODE_ENTRIES(f32, MtF32)
+
+// attn_merge_f32(const float *part, float *out, int32 D, int32 n_head, int32 n_tokens,
+//                int32 n_split)
+// Combines the n_split partials (acc, m, l) of attn_decode_* with log-sum-exp weights:
+// out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s (0 when the sum is 0).
+// grid (n_head, n_tokens), block (bx), bx % 32 == 0 (any size; threads loop over D).
+extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, int n_head,
+                                          int n_tokens, int n_split) {
+    const mt_i64 row = (mt_i64)blockIdx.y * n_head + blockIdx.x;
+    const float* ml = part + (mt_i64)n_tokens * n_head * n_split * D + row * n_split * 2;
+    float M = MT_NEG_BIG;
+    for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[2 * s]);
+    float L = 0.0f;
+    for (int s = 0; s < n_split; ++s) L += expf(ml[2 * s] - M) * ml[2 * s + 1];
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float* pa = part + row * n_split * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < n_split; ++s) o += expf(ml[2 * s] - M) * pa[(mt_i64)s * D + d];
+        out[row * D + d] = o * inv;
+    }
+}
+
+// ------------------------------------------------------------------ prefill
+// grid (ceil(n_tokens*G / 16), n_head_kv), block (128). A block owns 16 "rows"
+// (query token, head-in-group) pairs r = t*G + g of one KV head, so K/V tiles of 32 keys
+// are read once per 16 rows. Scores: a warp per 4 rows x 32 keys (lane = key);
+// online softmax per row by one warp; P.V with dims tid and tid+128 per thread.
+// dynamic smem floats: 16*D (q) + 32*(D+1) (K or V tile, padded) + 16*32 (P) + 3*16.
+#define MT_PF_NR 16
+#define MT_PF_BK 32
+#define MT_PF_NTH 128
+template <typename KV>
+__device__ __forceinline__ void attn_prefill_impl(
+    const float* __restrict__ q, const typename KV::T* __restrict__ k,
+    const typename KV::T* __restrict__ v, const float* __restrict__ mask,
+    float* __restrict__ out, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,
+    int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, float scale,
+    float softcap, int causal, int causal_offset) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int G = n_head / n_head_kv;
+    const int kvh = blockIdx.y;
+    const int r0 = blockIdx.x * MT_PF_NR;
+    const int n_rows = n_tokens * G;
+    const int Dp = D + 1;
+
+    float* q_s = mt_attn_smem;                 // [NR][D]
+    float* kv_s = q_s + MT_PF_NR * D;          // [BK][D+1]
+    float* p_s = kv_s + MT_PF_BK * Dp;         // [NR][BK]
+    float* m_s = p_s + MT_PF_NR * MT_PF_BK;    // [NR]
+    float* l_s = m_s + MT_PF_NR;               // [NR]
+    float* a_s = l_s + MT_PF_NR;               // [NR]
+
+    for (int e = tid; e < MT_PF_NR * D; e += MT_PF_NTH) {
+        const int r = e / D, d = e - r * D;
+        const int rg = r0 + r;
+        float val = 0.0f;
+        if (rg < n_rows) {
+            const int t = rg / G, g = rg - t * G;
+            val = q[(mt_i64)t * q_s2 + (mt_i64)(kvh * G + g) * q_s1 + d];
+        }
+        q_s[e] = val;
+    }
+    if (tid < MT_PF_NR) {
+        m_s[tid] = MT_NEG_BIG;
+        l_s[tid] = 0.0f;
+    }
+    float acc[MT_PF_NR][2];
+#pragma unroll
+    for (int r = 0; r < MT_PF_NR; ++r) acc[r][0] = acc[r][1] = 0.0f;
+
+    int kv_end = n_kv;
+    if (causal) {
+        const int last_tok = min(n_rows - 1, r0 + MT_PF_NR - 1) / G;
+        kv_end = min(kv_end, last_tok + causal_offset + 1);
+    }
+    const typename KV::T* kh = k + (mt_i64)kvh * k_s1;
+    const typename KV::T* vh = v + (mt_i64)kvh * v_s1;
+    __syncthreads();
+
+    for (int kb = 0; kb < kv_end; kb += MT_PF_BK) {
+        // ---- K tile -> smem (f32, rows padded to D+1 against bank conflicts)
+        for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
+            const int kk = e / D, d = e - kk * D;
+            const int j = kb + kk;
+            kv_s[kk * Dp + d] = j < kv_end ? KV::load(kh + (mt_i64)j * k_s2 + d) : 0.0f;
+        }
+        __syncthreads();
+
+        // ---- scores: warp w does rows w, w+4, w+8, w+12; lane = key
+        {
+            const int j = kb + lane;
+            const float* kr = kv_s + lane * Dp;
+            for (int r = warp; r < MT_PF_NR; r += MT_PF_NTH / 32) {
+                const int rg = r0 + r;
+                float s = -MT_INF;
+                if (rg < n_rows && j < kv_end) {
+                    const int t = rg / G;
+                    if (!causal || j <= t + causal_offset) {
+                        const float* qr = q_s + r * D;
+                        float dot = 0.0f;
+                        for (int d = 0; d < D; ++d) dot = fmaf(qr[d], kr[d], dot);
+                        s = mt_attn_score(dot, scale, softcap);
+                        if (mask) s += mask[(mt_i64)t * mask_s1 + j];
+                    }
+                }
+                // online softmax for row r over this tile (the warp holds all 32 keys)
+                const float mx = mt_warp_max(s);
+                const float m_old = m_s[r];
+                const float m_new = fmaxf(m_old, mx);
+                const float p = expf(s - m_new);
+                const float sum = mt_warp_sum(p);
+                p_s[r * MT_PF_BK + lane] = p;
+                if (lane == 0) {
+                    const float alpha = expf(m_old - m_new);
+                    m_s[r] = m_new;
+                    l_s[r] = l_s[r] * alpha + sum;
+                    a_s[r] = alpha;
+                }
+            }
+        }
+        __syncthreads();
+
+        // ---- V tile -> smem (K tile no longer needed)
+        for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
+            const int kk = e / D, d = e - kk * D;
+            const int j = kb + kk;
+            kv_s[kk * Dp + d] = j < kv_end ? KV::load(vh + (mt_i64)j * v_s2 + d) : 0.0f;
+        }
+        __syncthreads();
+
+        // ---- P.V
+#pragma unroll
+        for (int r = 0; r < MT_PF_NR; ++r) {
+            const float a = a_s[r];
+            acc[r][0] *= a;
+            acc[r][1] *= a;
+        }
+        const int d0 = tid, d1 = tid + MT_PF_NTH;
+        for (int kk = 0; kk < MT_PF_BK; ++kk) {
+            const float v0 = d0 < D ? kv_s[kk * Dp + d0] : 0.0f;
+            const float v1 = d1 < D ? kv_s[kk * Dp + d1] : 0.0f;
+#pragma unroll
+            for (int r = 0; r < MT_PF_NR; ++r) {
+                const float p = p_s[r * MT_PF_BK + kk];
+                acc[r][0] = fmaf(p, v0, acc[r][0]);
+                acc[r][1] = fmaf(p, v1, acc[r][1]);
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int r = 0; r < MT_PF_NR; ++r) {
+        const int rg = r0 + r;
+        if (rg < n_rows) {
+            const int t = rg / G, g = rg - t * G;
+            const float l = l_s[r];
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            float* o = out + ((mt_i64)t * n_head + kvh * G + g) * D;
+            if (tid < D) o[tid] = acc[r][0] * inv;
+            if (tid + MT_PF_NTH < D) o[tid + MT_PF_NTH] = acc[r][1] * inv;
+        }
+    }
+}
+
+// attn_prefill_<kv>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
+//     float *out, int32 D, int32 n_head, int32 n_head_kv, int32 n_tokens, int32 n_kv,
+//     int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1,
+//     float32 scale, float32 softcap, int32 causal, int32 causal_offset)
+// kv in {f16, bf16, f32}. grid (ceil(n_tokens * G / 16), n_head_kv), block (128), D <= 256,
+// dynamic smem 4*(16*D + 32*(D+1) + 16*32 + 48) bytes (> 48 KiB for D > 176: raise the
+// kernel's max_dynamic_shared_size_bytes).
+#define MT_PREFILL_ENTRY(kvname, KV)                                                          \
+    extern "C" __global__ void __launch_bounds__(MT_PF_NTH) attn_prefill_##kvname(           \
+        const float* q, const KV::T* k, const KV::T* v, const float* mask, float* out, int D, \
+        int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1,      \
+        int k_s2, int v_s1, int v_s2, int mask_s1, float scale, float softcap, int causal,    \
+        int causal_offset) {                                                                  \
+        attn_prefill_impl<KV>(q, k, v, mask, out, D, n_head, n_head_kv, n_tokens, n_kv, q_s1, \
+                              q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, scale, softcap, causal,  \
+                              causal_offset);                                                 \
+    }
+
+MT_PREFILL_ENTRY(f16, MtF16)
+MT_PREFILL_ENTRY(bf16, MtBF16)
+MT_PREFILL_ENTRY(f32, MtF32)

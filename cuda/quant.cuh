@@ -1,0 +1,328 @@
+// metatp CUDA kernels: common helpers and ggml weight block layouts.
+//
+// Header-free on purpose: NVRTC (used by cupy.RawModule) has no host headers, and
+// <cuda_fp16.h>/<cuda_bf16.h> need CCCL paths that differ between CuPy versions.
+// f16 conversions go through PTX `cvt`, bf16 through bit manipulation.
+// The Python loader (backends/cuda_kernels.py) pastes this file in place of the
+// `#include "quant.cuh"` line before handing a source to NVRTC; nvcc finds it as
+// a normal include next to the .cu file.
+//
+// Code must stay C++11-compatible (CuPy 13 compiles with -std=c++11, CuPy 14 with c++17).
+#ifndef METATP_QUANT_CUH
+#define METATP_QUANT_CUH
+
+typedef unsigned char mt_u8;
+typedef unsigned short mt_u16;
+typedef unsigned int mt_u32;
+typedef signed char mt_i8;
+typedef long long mt_i64;
+typedef unsigned long long mt_u64;
+
+#define MT_INF (__int_as_float(0x7f800000))
+// Start value for running maxima in online softmax: large and finite, so that
+// exp(m_old - m_new) never evaluates (-inf) - (-inf) = NaN on fully masked rows.
+#define MT_NEG_BIG (-1.0e30f)
+#define MT_WARP 32
+
+// ---------------------------------------------------------------- conversions
+#ifndef MT_HOST_EMU
+__device__ __forceinline__ float mt_h2f(mt_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ mt_u16 mt_f2h(float f) {
+    mt_u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#else
+// MT_HOST_EMU: the sources compiled as host C++ by a CPU emulation harness (testing only).
+__device__ __forceinline__ float mt_h2f(mt_u16 h) {
+    _Float16 x;
+    __builtin_memcpy(&x, &h, 2);
+    return (float)x;
+}
+__device__ __forceinline__ mt_u16 mt_f2h(float f) {
+    const _Float16 x = (_Float16)f;
+    mt_u16 h;
+    __builtin_memcpy(&h, &x, 2);
+    return h;
+}
+#endif
+
+__device__ __forceinline__ float mt_bf2f(mt_u16 b) {
+    return __uint_as_float(((mt_u32)b) << 16);
+}
+
+// Same rounding as ggml_compute_fp32_to_bf16 / gguf.quants.BF16: NaN -> quiet NaN,
+// everything else round-to-nearest-even on the upper 16 bits.
+__device__ __forceinline__ mt_u16 mt_f2bf(float f) {
+    mt_u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (mt_u16)((u >> 16) | 64u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (mt_u16)(u >> 16);
+}
+
+// Storage types of activations / caches. f16 and bf16 live in 16-bit words.
+struct MtF32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const float* p) { return *p; }
+    static __device__ __forceinline__ void store(float* p, float v) { *p = v; }
+};
+struct MtF16 {
+    typedef mt_u16 T;
+    static __device__ __forceinline__ float load(const mt_u16* p) { return mt_h2f(*p); }
+    static __device__ __forceinline__ void store(mt_u16* p, float v) { *p = mt_f2h(v); }
+};
+struct MtBF16 {
+    typedef mt_u16 T;
+    static __device__ __forceinline__ float load(const mt_u16* p) { return mt_bf2f(*p); }
+    static __device__ __forceinline__ void store(mt_u16* p, float v) { *p = mt_f2bf(v); }
+};
+
+// ------------------------------------------------------------------- loads
+// Quant blocks are only guaranteed 2-byte aligned (Q4_0 = 18 bytes, Q8_0 = 34,
+// Q6_K = 210), so wider words are assembled from 16-bit loads.
+__device__ __forceinline__ mt_u16 mt_ld16(const mt_u8* p) {
+    return *(const mt_u16*)p;
+}
+__device__ __forceinline__ mt_u32 mt_ld32(const mt_u8* p) {
+    return (mt_u32)mt_ld16(p) | ((mt_u32)mt_ld16(p + 2) << 16);
+}
+__device__ __forceinline__ float mt_ldh(const mt_u8* p) { return mt_h2f(mt_ld16(p)); }
+
+// ------------------------------------------------------------ reductions
+__device__ __forceinline__ float mt_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float mt_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, <= 1024; 1-D blocks).
+// `scratch` needs 32 floats. Every thread gets the result.
+__device__ __forceinline__ float mt_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    v = mt_warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : 0.0f;
+    return mt_warp_sum(v);
+}
+__device__ __forceinline__ float mt_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nw = blockDim.x >> 5;
+    v = mt_warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : -MT_INF;
+    return mt_warp_max(v);
+}
+
+// ------------------------------------------------------------ weight types
+// Every weight type is described by one struct:
+//   QK      elements per block          BYTES   bytes per block
+//   NCHUNK  chunks per block            CW      elements per chunk
+//   idx(c, k)       position inside the block of value k of chunk c
+//   load(b, c, v)   dequantize chunk c of the block at b into v[0..CW)
+// Dequantisation is written with explicit _rn intrinsics so the results match
+// gguf.quants (numpy, f32) bit for bit.
+
+struct WF32 {
+    enum { QK = 1, BYTES = 4, NCHUNK = 1, CW = 1 };
+    static __device__ __forceinline__ int idx(int, int) { return 0; }
+    static __device__ __forceinline__ void load(const mt_u8* b, int, float* v) {
+        v[0] = *(const float*)b;
+    }
+};
+
+struct WF16 {
+    enum { QK = 1, BYTES = 2, NCHUNK = 1, CW = 1 };
+    static __device__ __forceinline__ int idx(int, int) { return 0; }
+    static __device__ __forceinline__ void load(const mt_u8* b, int, float* v) {
+        v[0] = mt_ldh(b);
+    }
+};
+
+struct WBF16 {
+    enum { QK = 1, BYTES = 2, NCHUNK = 1, CW = 1 };
+    static __device__ __forceinline__ int idx(int, int) { return 0; }
+    static __device__ __forceinline__ void load(const mt_u8* b, int, float* v) {
+        v[0] = mt_bf2f(mt_ld16(b));
+    }
+};
+
+// Q4_0: f16 d, 16 bytes; element i<16 = low nibble of qs[i], i>=16 = high nibble of qs[i-16].
+// Chunk c (0..3): bytes qs[4c..4c+3] -> elements 4c..4c+3 (low), 16+4c..16+4c+3 (high).
+struct WQ4_0 {
+    enum { QK = 32, BYTES = 18, NCHUNK = 4, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) {
+        return (k < 4) ? 4 * c + k : 12 + 4 * c + k;
+    }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const float d = mt_ldh(b);
+        const mt_u32 q = mt_ld32(b + 2 + 4 * c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = __fmul_rn(d, (float)((int)((q >> (8 * k)) & 15u) - 8));
+            v[4 + k] = __fmul_rn(d, (float)((int)((q >> (8 * k + 4)) & 15u) - 8));
+        }
+    }
+};
+
+// Q4_1: f16 d, f16 m, 16 bytes of nibbles (same order as Q4_0); value q*d + m.
+struct WQ4_1 {
+    enum { QK = 32, BYTES = 20, NCHUNK = 4, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) {
+        return (k < 4) ? 4 * c + k : 12 + 4 * c + k;
+    }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const float d = mt_ldh(b);
+        const float m = mt_ldh(b + 2);
+        const mt_u32 q = mt_ld32(b + 4 + 4 * c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = __fadd_rn(__fmul_rn(d, (float)((q >> (8 * k)) & 15u)), m);
+            v[4 + k] = __fadd_rn(__fmul_rn(d, (float)((q >> (8 * k + 4)) & 15u)), m);
+        }
+    }
+};
+
+// Q8_0: f16 d, 32 int8. Chunk c (0..3) = elements 8c..8c+7.
+struct WQ8_0 {
+    enum { QK = 32, BYTES = 34, NCHUNK = 4, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) { return 8 * c + k; }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const float d = mt_ldh(b);
+        const mt_u8* q = b + 2 + 8 * c;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const mt_u16 w = mt_ld16(q + 2 * k);
+            v[2 * k] = __fmul_rn((float)(mt_i8)(w & 0xffu), d);
+            v[2 * k + 1] = __fmul_rn((float)(mt_i8)(w >> 8), d);
+        }
+    }
+};
+
+// K-quants: super-blocks of 256 elements.
+// 6-bit scale/min j (0..7) of Q4_K/Q5_K (ggml get_scale_min_k4).
+__device__ __forceinline__ void mt_scale_min_k4(int j, const mt_u8* s, int* sc, int* mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+// Q4_K (144 bytes): f16 d, f16 dmin, scales[12], qs[128]. Sub-block j (32 elements)
+// uses qs[32*(j/2) .. +32], low nibbles for even j, high for odd j; value
+// (d*sc_j)*q - (dmin*m_j). Chunk c (0..31): pair p = c/8, l0 = 4*(c%8):
+// bytes qs[32p+l0 .. +4] -> elements 64p+l0+k (low) and 64p+32+l0+k (high).
+struct WQ4_K {
+    enum { QK = 256, BYTES = 144, NCHUNK = 32, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) {
+        const int p = c >> 3, l0 = (c & 7) * 4;
+        return 64 * p + l0 + ((k < 4) ? k : 28 + k);
+    }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const int p = c >> 3, l0 = (c & 7) * 4;
+        const float d = mt_ldh(b), dmin = mt_ldh(b + 2);
+        int sc0, m0, sc1, m1;
+        mt_scale_min_k4(2 * p, b + 4, &sc0, &m0);
+        mt_scale_min_k4(2 * p + 1, b + 4, &sc1, &m1);
+        const float d0 = __fmul_rn(d, (float)sc0), dm0 = __fmul_rn(dmin, (float)m0);
+        const float d1 = __fmul_rn(d, (float)sc1), dm1 = __fmul_rn(dmin, (float)m1);
+        const mt_u32 q = mt_ld32(b + 16 + 32 * p + l0);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[k] = __fsub_rn(__fmul_rn(d0, (float)((q >> (8 * k)) & 15u)), dm0);
+            v[4 + k] = __fsub_rn(__fmul_rn(d1, (float)((q >> (8 * k + 4)) & 15u)), dm1);
+        }
+    }
+};
+
+// Q5_K (176 bytes): f16 d, f16 dmin, scales[12], qh[32], qs[128]. Like Q4_K plus a
+// fifth bit: element 32j+l takes bit j of qh[l].
+struct WQ5_K {
+    enum { QK = 256, BYTES = 176, NCHUNK = 32, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) { return WQ4_K::idx(c, k); }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const int p = c >> 3, l0 = (c & 7) * 4;
+        const float d = mt_ldh(b), dmin = mt_ldh(b + 2);
+        int sc0, m0, sc1, m1;
+        mt_scale_min_k4(2 * p, b + 4, &sc0, &m0);
+        mt_scale_min_k4(2 * p + 1, b + 4, &sc1, &m1);
+        const float d0 = __fmul_rn(d, (float)sc0), dm0 = __fmul_rn(dmin, (float)m0);
+        const float d1 = __fmul_rn(d, (float)sc1), dm1 = __fmul_rn(dmin, (float)m1);
+        const mt_u32 h = mt_ld32(b + 16 + l0);
+        const mt_u32 q = mt_ld32(b + 48 + 32 * p + l0);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const mt_u32 hb = h >> (8 * k);
+            const mt_u32 qlo = ((q >> (8 * k)) & 15u) | (((hb >> (2 * p)) & 1u) << 4);
+            const mt_u32 qhi = ((q >> (8 * k + 4)) & 15u) | (((hb >> (2 * p + 1)) & 1u) << 4);
+            v[k] = __fsub_rn(__fmul_rn(d0, (float)qlo), dm0);
+            v[4 + k] = __fsub_rn(__fmul_rn(d1, (float)qhi), dm1);
+        }
+    }
+};
+
+// Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], f16 d. For half h (128 elements)
+// and l in 0..31: element 128h + l + 32k (k = 0..3) =
+//   (ql[64h + l + 32*(k&1)] >> 4*(k>>1)) & 15  |  ((qh[32h + l] >> 2k) & 3) << 4,  minus 32,
+// times d * scales[(128h + l + 32k) / 16]. Chunk c (0..31): h = c/16, l0 = 2*(c%16),
+// value index kk = 2k + i for l = l0 + i.
+struct WQ6_K {
+    enum { QK = 256, BYTES = 210, NCHUNK = 32, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int kk) {
+        const int h = c >> 4, l0 = (c & 15) * 2;
+        return 128 * h + l0 + (kk & 1) + 32 * (kk >> 1);
+    }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const int h = c >> 4, l0 = (c & 15) * 2;
+        const float d = mt_ldh(b + 208);
+        const mt_u32 qa = mt_ld16(b + 64 * h + l0);
+        const mt_u32 qb = mt_ld16(b + 64 * h + l0 + 32);
+        const mt_u32 qh = mt_ld16(b + 128 + 32 * h + l0);
+        const int sbase = 192 + 8 * h + (l0 >> 4);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float ds = __fmul_rn(d, (float)(mt_i8)b[sbase + 2 * k]);
+            const mt_u32 ql = (k & 1) ? qb : qa;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const mt_u32 lo = (ql >> (8 * i + 4 * (k >> 1))) & 15u;
+                const mt_u32 hi = (qh >> (8 * i + 2 * k)) & 3u;
+                const int q = (int)(lo | (hi << 4)) - 32;
+                v[2 * k + i] = __fmul_rn(ds, (float)q);
+            }
+        }
+    }
+};
+
+// Instantiate MACRO(suffix, WeightType) for every supported weight type.
+#define MT_FOR_ALL_WTYPES(M) \
+    M(f32, WF32)             \
+    M(f16, WF16)             \
+    M(bf16, WBF16)           \
+    M(q8_0, WQ8_0)           \
+    M(q4_0, WQ4_0)           \
+    M(q4_1, WQ4_1)           \
+    M(q4_k, WQ4_K)           \
+    M(q5_k, WQ5_K)           \
+    M(q6_k, WQ6_K)
+
+#endif  // METATP_QUANT_CUH
