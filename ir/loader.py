@@ -184,35 +184,38 @@ class Model:
         return sum(w.n_bytes for w in self.weights.values())
 
 
-def _field_value(f: Any) -> Any:
-    try:
-        return f.contents()
-    except Exception as e:  # gguf raises assorted numpy errors on malformed fields
-        raise ModelFormatError(f"metadata field {f.name!r}: cannot be decoded ({e})") from None
+def load_model(path: str | os.PathLike, with_tokenizer: bool = True) -> Model:
+    """Open and validate a GGUF file; weights remain memory-mapped.
 
-
-def load_model(path: str | os.PathLike) -> Model:
-    """Open and validate a GGUF file; weights remain memory-mapped."""
+    with_tokenizer=False skips reading the vocabulary (tools that only build graphs)."""
     p = Path(path)
     if not p.exists():
         raise ModelNotFoundError(f"model file not found: {p}")
     if p.is_dir():
         raise ModelNotFoundError(f"model path is a directory, not a GGUF file: {p}")
+    from metatp.ir.gguf_reader import read_metadata
     from metatp.ir.gguf_validate import validate_gguf
 
-    validate_gguf(p)
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(p, "r")
-    except Exception as e:  # validated already; anything left is still a format problem
-        raise ModelFormatError(f"{p.name}: cannot be read as GGUF ({type(e).__name__}: {e})") from None
-    metadata = {name: _field_value(f) for name, f in reader.fields.items()}
+    layout = validate_gguf(p)
+    metadata = read_metadata(p, layout.n_kv, with_string_arrays=with_tokenizer)
+    data = np.memmap(p, dtype=np.uint8, mode="r") if layout.tensors else None
     weights: dict[str, WeightInfo] = {}
-    for t in reader.tensors:
-        ggml_type = GGMLType(int(t.tensor_type))
-        ne = tuple(int(x) for x in t.shape)
-        if ne[0] % block_size(ggml_type):
-            raise ModelFormatError(f"{t.name}: ne[0]={ne[0]} is not a multiple of the {ggml_type.name} block size")
-        weights[t.name] = WeightInfo(t.name, ggml_type, ne, t.data)
+    for t in layout.tensors:
+        ggml_type = GGMLType(int(t.ggml_type))
+        start = layout.data_offset + t.offset
+        raw = data[start:start + t.n_bytes]
+        weights[t.name] = WeightInfo(t.name, ggml_type, tuple(int(x) for x in t.ne), _typed_view(raw, ggml_type, t.ne))
     return Model(p, metadata, weights)
+
+
+def _typed_view(raw: np.ndarray, ggml_type: GGMLType, ne: tuple[int, ...]) -> np.ndarray:
+    """Stored data as gguf returns it: plain types as their dtype (numpy shape reversed ne),
+    quantized types as uint8 rows."""
+    shape = tuple(reversed([int(x) for x in ne]))
+    plain = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.I32: np.int32,
+             GGMLType.I8: np.int8, GGMLType.I16: np.int16, GGMLType.F64: np.float64, GGMLType.I64: np.int64}
+    if ggml_type in plain:
+        return raw.view(plain[ggml_type]).reshape(shape)
+    if ggml_type == GGMLType.BF16:
+        return raw.view(np.uint16).reshape(shape)
+    return raw.reshape(*shape[:-1], -1)
