@@ -307,9 +307,20 @@ def _flash_attn(node, out, src, ctx) -> Closure:
     sinks = src[4].reshape(-1) if len(src) > 4 and src[4] is not None else None
     scale, softcap = node.params["scale"], node.params.get("softcap", 0.0)
     o3 = out[0]
+    if mask is None:
+        def run_unmasked() -> None:
+            o3[...] = attention_reference(q, k, v, None, scale, softcap, sinks)
+        return run_unmasked
+    src_mask = node.src[3]
+
+    def visible() -> int:
+        # cache rows past the last one any query can see contribute exactly 0: skip them
+        cols = np.flatnonzero(np.isfinite(mask[: q.shape[1]]).any(axis=0))
+        return int(cols[-1]) + 1 if cols.size else 1
 
     def run() -> None:
-        o3[...] = attention_reference(q, k, v, mask, scale, softcap, sinks)
+        n = ctx.per_step(("visible", id(src_mask)), visible)
+        o3[...] = attention_reference(q, k[:, :n], v[:, :n], mask[:, :n], scale, softcap, sinks)
     return run
 
 
