@@ -90,10 +90,11 @@ class Model:
         self.weights = weights
         self.arch = str(metadata.get("general.architecture", ""))
         self.name = str(metadata.get("general.name", path.stem))
-        from metatp.ir.models import check_architecture
+        from metatp.ir.models import check_architecture, prepare_hparams
 
         check_architecture(self.arch)
         self.hparams = self._read_hparams()
+        prepare_hparams(self.hparams, self.metadata)     # per-architecture fields (e.g. gemma3's SWA layers)
 
     # ---------------------------------------------------------------- metadata
     def _key(self, suffix: str, default: Any = None, required: bool = False) -> Any:

@@ -1,0 +1,135 @@
+"""Gemma 3 graph: interleaved sliding-window / global attention, sandwich norms, GELU-tanh gated FFN.
+
+Mirrors llama.cpp's `llm_build_gemma3<iswa=true>` node for node:
+- the token embedding is scaled by sqrt(n_embd);
+- RMS norms everywhere, weights used as stored (llama.cpp's converter already added Gemma's +1);
+- per-head RMS q/k norms, NEOX rope with `{arch}.rope.freq_base` on global layers and 10000 on
+  sliding-window layers (llama.cpp hard-codes rope_freq_base_train_swa = 10000 for gemma3);
+- Q is multiplied by f_attention_scale = 1/sqrt(head_dim) (1/sqrt(n_embd/n_head) for the 27B,
+  62-layer model) and attention runs with kq_scale 1.0;
+- sliding-window layers attend through their own mask input `kq_mask_swa` (standard SWA: a token
+  at position p sees cache row j iff j <= p and p - j < window);
+- post_attention_norm / post_ffw_norm on the branch outputs before each residual add;
+- no final logit soft-capping (llama.cpp applies it only to the non-iswa variant).
+
+Layer il is a sliding-window layer unless (il + 1) % 6 == 0 (llama.cpp's set_swa_pattern(6)).
+`hparams_fixup` writes that pattern into `HParams.swa_layers`, which the split table reads to
+rotate the remainder device per layer class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from metatp.ir import ops
+from metatp.ir.graph import Graph
+from metatp.ir.loader import HParams
+from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
+from metatp.ir.models.llama import kv_store_and_attend
+from metatp.ir.ops import GluOp, RopeMode
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+
+__all__ = ["build_gemma3", "hparams_fixup", "swa_pattern", "attention_scale", "SWA_PERIOD", "SWA_FREQ_BASE"]
+
+SWA_PERIOD = 6              # every 6th layer is global
+SWA_FREQ_BASE = 10000.0     # rope base of the sliding-window layers
+
+
+def swa_pattern(n_layer: int, period: int = SWA_PERIOD) -> list[bool]:
+    """Per layer: True for sliding-window attention (llama_hparams::set_swa_pattern)."""
+    return [period == 0 or il % period < period - 1 for il in range(n_layer)]
+
+
+def hparams_fixup(hp: HParams, metadata: dict[str, Any]) -> None:
+    """Fill in what llama.cpp's gemma3 loader hard-codes: the SWA layer pattern and the SWA rope base.
+    Idempotent, so it may run on every graph build."""
+    if hp.sliding_window > 0:
+        hp.swa_layers = swa_pattern(hp.n_layer)
+    else:
+        hp.swa_layers = [False] * hp.n_layer
+    hp.rope_freq_base_swa = SWA_FREQ_BASE
+
+
+def attention_scale(hp: HParams) -> float:
+    """f_attention_scale: 1/sqrt(n_embd/n_head) for Gemma 3 27B (62 layers), else 1/sqrt(head_dim)."""
+    if hp.n_layer == 62:
+        return 1.0 / math.sqrt(hp.n_embd / hp.n_head)
+    return 1.0 / math.sqrt(hp.head_dim_k)
+
+
+def _rms(t: ModelTensors, x: Tensor, weight_name: str, ne: tuple[int, ...], name: str) -> Tensor:
+    return ops.mul(ops.rms_norm(x, t.hp.norm_eps), t.w(weight_name, ne), name=name)
+
+
+def _rope_params(hp: HParams, il: int) -> tuple[float, float]:
+    """(freq_base, freq_scale) of layer il: the SWA layers use base 10000 and no scaling."""
+    if hp.is_swa(il):
+        return hp.rope_freq_base_swa, 1.0
+    return hp.rope_freq_base, hp.rope_freq_scale
+
+
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec) -> Tensor:
+    hp = t.hp
+    T = spec.n_tokens
+    p = f"blk.{il}"
+    hd, n_head, n_head_kv = hp.head_dim_k, hp.n_head, hp.n_head_kv[il]
+    q = ops.mul_mat(t.w(f"{p}.attn_q.weight", (hp.n_embd, hd * n_head)), cur)
+    k = ops.mul_mat(t.w(f"{p}.attn_k.weight", (hp.n_embd, hd * n_head_kv)), cur)
+    v = ops.mul_mat(t.w(f"{p}.attn_v.weight", (hp.n_embd, hp.head_dim_v * n_head_kv)), cur)
+    q = ops.reshape(q, hd, n_head, T, name=f"Qcur-{il}")
+    k = ops.reshape(k, hd, n_head_kv, T, name=f"Kcur-{il}")
+    v = ops.reshape(v, hp.head_dim_v, n_head_kv, T, name=f"Vcur-{il}")
+    base, fscale = _rope_params(hp, il)
+    q = _rms(t, q, f"{p}.attn_q_norm.weight", (hd,), f"Qnorm-{il}")
+    q = ops.rope(q, inp["pos"], hp.rope_dims, RopeMode.NEOX, base, fscale, name=f"Qrope-{il}")
+    k = _rms(t, k, f"{p}.attn_k_norm.weight", (hd,), f"Knorm-{il}")
+    k = ops.rope(k, inp["pos"], hp.rope_dims, RopeMode.NEOX, base, fscale, name=f"Krope-{il}")
+    q = ops.scale(q, attention_scale(hp), name=f"Qscaled-{il}")
+    mask = inp["kq_mask_swa"] if hp.is_swa(il) else inp["kq_mask"]
+    att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0, mask=mask)
+    return ops.mul_mat(t.w(f"{p}.attn_output.weight", (hp.head_dim_v * n_head, hp.n_embd)), att,
+                       name=f"attn_out-{il}")
+
+
+def _ffn_geglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
+    """LLM_FFN_GELU + LLM_FFN_PAR: gelu_tanh(gate x) * (up x), then down."""
+    hp = t.hp
+    p = f"blk.{il}"
+    up = ops.mul_mat(t.w(f"{p}.ffn_up.weight", (hp.n_embd, hp.n_ff[il])), cur)
+    gate = ops.mul_mat(t.w(f"{p}.ffn_gate.weight", (hp.n_embd, hp.n_ff[il])), cur)
+    act = ops.glu_split(gate, up, GluOp.GEGLU_TANH, name=f"ffn_geglu-{il}")
+    return ops.mul_mat(t.w(f"{p}.ffn_down.weight", (hp.n_ff[il], hp.n_embd)), act, name=f"ffn_out-{il}")
+
+
+def _swa_mask_input(spec: BatchSpec) -> Tensor:
+    """The second attention mask (sliding window), filled by the engine next to kq_mask."""
+    return ops.new_tensor("kq_mask_swa", (spec.n_kv, spec.n_tokens), GGMLType.F32, Flag.INPUT)
+
+
+def build_gemma3(t: ModelTensors, spec: BatchSpec) -> Graph:
+    hp = t.hp
+    hparams_fixup(hp, t.model.metadata)
+    E = hp.n_embd
+    inp = graph_inputs(spec)
+    if any(hp.swa_layers):
+        inp["kq_mask_swa"] = _swa_mask_input(spec)
+    x = ops.get_rows(t.w("token_embd.weight", (E, hp.n_vocab)), inp["tokens"], name="inp_embd")
+    x = ops.scale(x, math.sqrt(E), name="inp_scaled")
+    for il in range(hp.n_layer):
+        p = f"blk.{il}"
+        cur = _rms(t, x, f"{p}.attn_norm.weight", (E,), f"attn_norm-{il}")
+        cur = _attention(t, il, cur, inp, spec)
+        if il == hp.n_layer - 1 and "out_ids" in inp:
+            cur = ops.get_rows(cur, inp["out_ids"], name="attn_out_sel")
+            x = ops.get_rows(x, inp["out_ids"], name="inp_sel")
+        cur = _rms(t, cur, f"{p}.post_attention_norm.weight", (E,), f"attn_post_norm-{il}")
+        sa_out = ops.add(cur, x, name=f"sa_out-{il}")
+        cur = _rms(t, sa_out, f"{p}.ffn_norm.weight", (E,), f"ffn_norm-{il}")
+        cur = _ffn_geglu(t, il, cur)
+        cur = _rms(t, cur, f"{p}.post_ffw_norm.weight", (E,), f"ffn_post_norm-{il}")
+        x = ops.add(cur, sa_out, name=f"l_out-{il}")
+    x = _rms(t, x, "output_norm.weight", (E,), "result_norm")
+    logits = ops.mul_mat(t.output_weight(), x, name="result_output")
+    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
+                 meta={"inputs": inp, "logits": logits, "spec": spec})
