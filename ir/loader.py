@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from metatp.ir.errors import ModelFormatError, ModelNotFoundError, UnsupportedArchitectureError
-from metatp.ir.tensor import GGMLType, block_size
+from metatp.ir.errors import ModelFormatError, ModelNotFoundError
+from metatp.ir.tensor import GGMLType
 
 __all__ = ["HParams", "WeightInfo", "Model", "load_model"]
 

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ContextOverflowError, UnsupportedOpError
+from metatp.ir.errors import ContextOverflowError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD

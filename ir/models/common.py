@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from metatp.ir import ops
 from metatp.ir.errors import ModelFormatError
 from metatp.ir.loader import HParams, Model
 from metatp.ir.tensor import Flag, GGMLType, Tensor
+
+if TYPE_CHECKING:
+    from metatp.ir.graph import Graph
 
 __all__ = ["BatchSpec", "ModelTensors", "KV_PAD"]
 
@@ -81,6 +85,39 @@ class ModelTensors:
     def source_name(self, name: str) -> str:
         """The GGUF tensor that holds a leaf's data (differs only for the tied lm head)."""
         return self.aliases.get(name, name)
+
+
+def linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, ...] | None = None) -> Tensor:
+    """W x (+ b when the model has a bias for W); `ne` checks W's shape."""
+    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
+    b = t.opt(f"{name}.bias")
+    return ops.add(y, b) if b is not None else y
+
+
+def embed(t: ModelTensors, inp: dict[str, Tensor]) -> Tensor:
+    """The token embedding lookup [n_embd, T]."""
+    return ops.get_rows(t.w("token_embd.weight", (t.hp.n_embd, t.hp.n_vocab)), inp["tokens"], name="inp_embd")
+
+
+def rms_norm_weighted(t: ModelTensors, x: Tensor, weight_name: str, name: str) -> Tensor:
+    """rms_norm(x) * weight (the weight must be a row of n_embd)."""
+    return ops.mul(ops.rms_norm(x, t.hp.norm_eps), t.w(weight_name, (x.ne[0],)), name=name)
+
+
+def output_graph(t: ModelTensors, spec: BatchSpec, inp: dict[str, Tensor], logits: Tensor) -> Graph:
+    """The finished forward graph; the engine finds its inputs and logits in `meta`."""
+    from metatp.ir.graph import Graph
+
+    return Graph([logits], name=f"{t.hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
+                 meta={"inputs": inp, "logits": logits, "spec": spec})
+
+
+def select_outputs(inp: dict[str, Tensor], il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:
+    """In the last layer keep only the rows whose logits are wanted (llama.cpp's inp_out_ids)."""
+    if il != n_layer - 1 or "out_ids" not in inp:
+        return xs
+    names = ("attn_out_sel", "inp_sel", "ffn_inp_sel")
+    return tuple(ops.get_rows(x, inp["out_ids"], name=names[i] if i < 3 else f"sel_{i}") for i, x in enumerate(xs))
 
 
 def graph_inputs(spec: BatchSpec) -> dict[str, Tensor]:

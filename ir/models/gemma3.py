@@ -25,8 +25,8 @@ from typing import Any
 from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.loader import HParams
-from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
-from metatp.ir.models.llama import kv_store_and_attend
+from metatp.ir.models.common import BatchSpec, ModelTensors, embed, graph_inputs, output_graph, select_outputs
+from metatp.ir.models.llama import kv_store_and_attend, lm_head
 from metatp.ir.ops import GluOp, RopeMode
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 
@@ -114,15 +114,13 @@ def build_gemma3(t: ModelTensors, spec: BatchSpec) -> Graph:
     inp = graph_inputs(spec)
     if any(hp.swa_layers):
         inp["kq_mask_swa"] = _swa_mask_input(spec)
-    x = ops.get_rows(t.w("token_embd.weight", (E, hp.n_vocab)), inp["tokens"], name="inp_embd")
+    x = embed(t, inp)
     x = ops.scale(x, math.sqrt(E), name="inp_scaled")
     for il in range(hp.n_layer):
         p = f"blk.{il}"
         cur = _rms(t, x, f"{p}.attn_norm.weight", (E,), f"attn_norm-{il}")
         cur = _attention(t, il, cur, inp, spec)
-        if il == hp.n_layer - 1 and "out_ids" in inp:
-            cur = ops.get_rows(cur, inp["out_ids"], name="attn_out_sel")
-            x = ops.get_rows(x, inp["out_ids"], name="inp_sel")
+        cur, x = select_outputs(inp, il, hp.n_layer, cur, x)
         cur = _rms(t, cur, f"{p}.post_attention_norm.weight", (E,), f"attn_post_norm-{il}")
         sa_out = ops.add(cur, x, name=f"sa_out-{il}")
         cur = _rms(t, sa_out, f"{p}.ffn_norm.weight", (E,), f"ffn_norm-{il}")
@@ -130,6 +128,4 @@ def build_gemma3(t: ModelTensors, spec: BatchSpec) -> Graph:
         cur = _rms(t, cur, f"{p}.post_ffw_norm.weight", (E,), f"ffn_post_norm-{il}")
         x = ops.add(cur, sa_out, name=f"l_out-{il}")
     x = _rms(t, x, "output_norm.weight", (E,), "result_norm")
-    logits = ops.mul_mat(t.output_weight(), x, name="result_output")
-    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    return output_graph(t, spec, inp, lm_head(t, x))

@@ -7,23 +7,19 @@ op sequence the meta backend sees.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from metatp.ir import ops
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
+from metatp.ir.models.common import (BatchSpec, ModelTensors, embed, graph_inputs, linear, output_graph,
+                                     rms_norm_weighted, select_outputs)
 from metatp.ir.ops import GluOp, RopeMode
 from metatp.ir.tensor import Tensor
 
-__all__ = ["build_llama", "attention_block", "kv_store_and_attend"]
+__all__ = ["build_llama", "attention_block", "kv_store_and_attend", "ffn_swiglu", "rope_mode", "lm_head", "FFN", "Attention"]
 
-
-def _linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, int] | None = None) -> Tensor:
-    """W x (+ b if the model has a bias for W)."""
-    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
-    b = t.opt(f"{name}.bias")
-    if b is not None:
-        y = ops.add(y, b)
-    return y
+FFN = Callable[[ModelTensors, int, Tensor], Tensor]    # (tensors, layer, normed input) -> FFN output
+Attention = Callable[[ModelTensors, int, Tensor, dict, BatchSpec], Tensor]   # (..., inputs, batch) -> attn output
 
 
 def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tensor, inp: dict[str, Tensor],
@@ -50,15 +46,20 @@ def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     return ops.reshape(att, hd_v * hp.n_head, T, name=f"attn_flat-{il}")
 
 
+def rope_mode(arch: str) -> RopeMode:
+    """llama.cpp's llama_model_rope_type: llama/mistral rotate adjacent pairs, the Qwen family halves."""
+    return RopeMode.NORMAL if arch in ("llama", "mistral") else RopeMode.NEOX
+
+
 def attention_block(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec) -> Tensor:
     """Q/K/V projections (+biases), optional q/k norms, rope, cache, attention, output projection."""
     hp = t.hp
     T = spec.n_tokens
     p = f"blk.{il}"
     n_head, n_head_kv = hp.n_head, hp.n_head_kv[il]
-    q = _linear(t, cur, f"{p}.attn_q", (hp.n_embd, hp.head_dim_k * n_head))
-    k = _linear(t, cur, f"{p}.attn_k", (hp.n_embd, hp.head_dim_k * n_head_kv))
-    v = _linear(t, cur, f"{p}.attn_v", (hp.n_embd, hp.head_dim_v * n_head_kv))
+    q = linear(t, cur, f"{p}.attn_q", (hp.n_embd, hp.head_dim_k * n_head))
+    k = linear(t, cur, f"{p}.attn_k", (hp.n_embd, hp.head_dim_k * n_head_kv))
+    v = linear(t, cur, f"{p}.attn_v", (hp.n_embd, hp.head_dim_v * n_head_kv))
     q = ops.reshape(q, hp.head_dim_k, n_head, T, name=f"Qcur-{il}")
     k = ops.reshape(k, hp.head_dim_k, n_head_kv, T, name=f"Kcur-{il}")
     v = ops.reshape(v, hp.head_dim_v, n_head_kv, T, name=f"Vcur-{il}")
@@ -67,39 +68,45 @@ def attention_block(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor
         q = ops.mul(ops.rms_norm(q, hp.norm_eps), qn, name=f"Qnorm-{il}")
     if kn is not None:
         k = ops.mul(ops.rms_norm(k, hp.norm_eps), kn, name=f"Knorm-{il}")
-    mode = RopeMode.NEOX if hp.arch in ("qwen2", "qwen3") else RopeMode.NORMAL
+    mode = rope_mode(hp.arch)
     q = ops.rope(q, inp["pos"], hp.rope_dims, mode, hp.rope_freq_base, hp.rope_freq_scale, name=f"Qrope-{il}")
     k = ops.rope(k, inp["pos"], hp.rope_dims, mode, hp.rope_freq_base, hp.rope_freq_scale, name=f"Krope-{il}")
     att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0 / math.sqrt(hp.head_dim_k))
-    return _linear(t, att, f"{p}.attn_output", (hp.head_dim_v * n_head, hp.n_embd))
+    return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * n_head, hp.n_embd))
 
 
 def ffn_swiglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     hp = t.hp
     p = f"blk.{il}"
-    gate = _linear(t, cur, f"{p}.ffn_gate", (hp.n_embd, hp.n_ff[il]))
-    up = _linear(t, cur, f"{p}.ffn_up", (hp.n_embd, hp.n_ff[il]))
+    gate = linear(t, cur, f"{p}.ffn_gate", (hp.n_embd, hp.n_ff[il]))
+    up = linear(t, cur, f"{p}.ffn_up", (hp.n_embd, hp.n_ff[il]))
     act = ops.glu_split(gate, up, GluOp.SWIGLU, name=f"ffn_act-{il}")
-    return _linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
+    return linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
 
 
-def build_llama(t: ModelTensors, spec: BatchSpec) -> Graph:
+def build_llama(t: ModelTensors, spec: BatchSpec, attention: Attention | None = None, ffn: FFN = ffn_swiglu) -> Graph:
+    """Pre-norm residual layers: x += attn(norm(x)); x += ffn(norm(x)).
+
+    The attention and FFN blocks vary by architecture (phi3's fused QKV, MoE experts)."""
     hp = t.hp
+    attention = attention or attention_block
     inp = graph_inputs(spec)
-    x = ops.get_rows(t.w("token_embd.weight", (hp.n_embd, hp.n_vocab)), inp["tokens"], name="inp_embd")
+    x = embed(t, inp)
     for il in range(hp.n_layer):
         p = f"blk.{il}"
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps, name=f"norm-{il}"), t.w(f"{p}.attn_norm.weight", (hp.n_embd,)),
-                      name=f"attn_norm-{il}")
-        cur = attention_block(t, il, cur, inp, spec)
-        if il == hp.n_layer - 1 and "out_ids" in inp:
-            cur = ops.get_rows(cur, inp["out_ids"], name="attn_out_sel")
-            x = ops.get_rows(x, inp["out_ids"], name="inp_sel")
+        cur = rms_norm_weighted(t, x, f"{p}.attn_norm.weight", f"attn_norm-{il}")
+        cur = attention(t, il, cur, inp, spec)
+        cur, x = select_outputs(inp, il, hp.n_layer, cur, x)
         x = ops.add(cur, x, name=f"ffn_inp-{il}")
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w(f"{p}.ffn_norm.weight", (hp.n_embd,)), name=f"ffn_norm-{il}")
-        cur = ffn_swiglu(t, il, cur)
+        cur = rms_norm_weighted(t, x, f"{p}.ffn_norm.weight", f"ffn_norm-{il}")
+        cur = ffn(t, il, cur)
         x = ops.add(cur, x, name=f"l_out-{il}")
-    x = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w("output_norm.weight", (hp.n_embd,)), name="result_norm")
+    x = rms_norm_weighted(t, x, "output_norm.weight", "result_norm")
+    return output_graph(t, spec, inp, lm_head(t, x))
+
+
+def lm_head(t: ModelTensors, x: Tensor) -> Tensor:
+    """Logits = output.weight x (+ output.bias when the model has one)."""
     logits = ops.mul_mat(t.output_weight(), x, name="result_output")
-    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    ob = t.opt("output.bias")
+    return ops.add(logits, ob, name="result_output_b") if ob is not None else logits

@@ -22,16 +22,15 @@ softmax probabilities is never that small for the expert counts these models use
 
 from __future__ import annotations
 
-import math
 
 from metatp.ir import ops
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
-from metatp.ir.models.llama import kv_store_and_attend
-from metatp.ir.ops import GluOp, RopeMode, UnaryOp
+from metatp.ir.models.common import BatchSpec, ModelTensors
+from metatp.ir.models.llama import build_llama
+from metatp.ir.ops import GluOp, UnaryOp
 from metatp.ir.tensor import Tensor
 
-__all__ = ["build_moe", "build_moe_ffn", "normalises_expert_weights", "expert_weights_scale"]
+__all__ = ["build_moe", "build_moe_ffn", "moe_ffn", "normalises_expert_weights", "expert_weights_scale"]
 
 # llama.cpp's `norm_w` argument of build_moe_ffn, per architecture
 _NORMALISE_WEIGHTS = {"qwen3moe": True, "qwen2moe": False, "llama": True}
@@ -40,46 +39,6 @@ _NORMALISE_WEIGHTS = {"qwen3moe": True, "qwen2moe": False, "llama": True}
 def normalises_expert_weights(arch: str) -> bool:
     """Whether the selected experts' weights are renormalised to sum to 1 (llama.cpp's norm_w)."""
     return _NORMALISE_WEIGHTS[arch]
-
-
-def _linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, ...] | None = None) -> Tensor:
-    """W x (+ b when the model has a bias for W)."""
-    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
-    b = t.opt(f"{name}.bias")
-    return ops.add(y, b) if b is not None else y
-
-
-# ---------------------------------------------------------------- attention
-
-
-def _rope_mode(arch: str) -> RopeMode:
-    """llama.cpp's llama_model_rope_type: the Qwen family rotates halves, llama adjacent pairs."""
-    return RopeMode.NORMAL if arch == "llama" else RopeMode.NEOX
-
-
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec) -> Tensor:
-    """q/k/v (+ qwen2 biases), qwen3 per-head RMS q/k norms, rope, cache, attention, wo."""
-    hp = t.hp
-    T = spec.n_tokens
-    p = f"blk.{il}"
-    hd, n_head, n_head_kv = hp.head_dim_k, hp.n_head, hp.n_head_kv[il]
-    q = _linear(t, cur, f"{p}.attn_q", (hp.n_embd, hd * n_head))
-    k = _linear(t, cur, f"{p}.attn_k", (hp.n_embd, hd * n_head_kv))
-    v = _linear(t, cur, f"{p}.attn_v", (hp.n_embd, hp.head_dim_v * n_head_kv))
-    q = ops.reshape(q, hd, n_head, T, name=f"Qcur-{il}")
-    k = ops.reshape(k, hd, n_head_kv, T, name=f"Kcur-{il}")
-    v = ops.reshape(v, hp.head_dim_v, n_head_kv, T, name=f"Vcur-{il}")
-    mode = _rope_mode(hp.arch)
-    qn = t.opt(f"{p}.attn_q_norm.weight")
-    if qn is not None:
-        q = ops.mul(ops.rms_norm(q, hp.norm_eps), qn, name=f"Qnorm-{il}")
-    q = ops.rope(q, inp["pos"], hp.rope_dims, mode, hp.rope_freq_base, hp.rope_freq_scale, name=f"Qrope-{il}")
-    kn = t.opt(f"{p}.attn_k_norm.weight")
-    if kn is not None:
-        k = ops.mul(ops.rms_norm(k, hp.norm_eps), kn, name=f"Knorm-{il}")
-    k = ops.rope(k, inp["pos"], hp.rope_dims, mode, hp.rope_freq_base, hp.rope_freq_scale, name=f"Krope-{il}")
-    att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0 / math.sqrt(hd))
-    return _linear(t, att, f"{p}.attn_output", (hp.head_dim_v * n_head, hp.n_embd))
 
 
 # ---------------------------------------------------------------- experts
@@ -158,27 +117,14 @@ def _shared_expert(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     return ops.mul(out, gate_sig, name=f"ffn_shexp_out-{il}")
 
 
+def moe_ffn(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
+    """The routed experts (+ the shared expert when the model has one) for layer il."""
+    out = build_moe_ffn(t, il, cur, normalises_expert_weights(t.hp.arch))
+    if t.opt(f"blk.{il}.ffn_up_shexp.weight") is not None:
+        out = ops.add(out, _shared_expert(t, il, cur), name=f"ffn_out-{il}")
+    return out
+
+
 def build_moe(t: ModelTensors, spec: BatchSpec) -> Graph:
     """Pre-norm residual layers whose FFN is a routed mixture of experts (+ a shared expert if present)."""
-    hp = t.hp
-    normalise = normalises_expert_weights(hp.arch)
-    inp = graph_inputs(spec)
-    x = ops.get_rows(t.w("token_embd.weight", (hp.n_embd, hp.n_vocab)), inp["tokens"], name="inp_embd")
-    for il in range(hp.n_layer):
-        p = f"blk.{il}"
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps, name=f"norm-{il}"), t.w(f"{p}.attn_norm.weight", (hp.n_embd,)),
-                      name=f"attn_norm-{il}")
-        cur = _attention(t, il, cur, inp, spec)
-        if il == hp.n_layer - 1 and "out_ids" in inp:
-            cur = ops.get_rows(cur, inp["out_ids"], name="attn_out_sel")
-            x = ops.get_rows(x, inp["out_ids"], name="inp_sel")
-        x = ops.add(cur, x, name=f"ffn_inp-{il}")
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w(f"{p}.ffn_norm.weight", (hp.n_embd,)), name=f"ffn_norm-{il}")
-        moe_out = build_moe_ffn(t, il, cur, normalise)
-        if t.opt(f"{p}.ffn_up_shexp.weight") is not None:
-            moe_out = ops.add(moe_out, _shared_expert(t, il, cur), name=f"ffn_out-{il}")
-        x = ops.add(moe_out, x, name=f"l_out-{il}")
-    x = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w("output_norm.weight", (hp.n_embd,)), name="result_norm")
-    logits = ops.mul_mat(t.output_weight(), x, name="result_output")
-    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    return build_llama(t, spec, ffn=moe_ffn)

@@ -18,19 +18,12 @@ import math
 
 from metatp.ir import ops
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
-from metatp.ir.models.llama import kv_store_and_attend
-from metatp.ir.ops import GluOp, RopeMode
+from metatp.ir.models.common import BatchSpec, ModelTensors, embed, graph_inputs, linear, output_graph, select_outputs
+from metatp.ir.models.llama import ffn_swiglu, kv_store_and_attend
+from metatp.ir.ops import RopeMode
 from metatp.ir.tensor import Tensor
 
 __all__ = ["build_command_r", "logit_scale"]
-
-
-def _linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, int] | None = None) -> Tensor:
-    """W x (+ b when the model has a bias for W)."""
-    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
-    b = t.opt(f"{name}.bias")
-    return ops.add(y, b) if b is not None else y
 
 
 def _layer_norm(t: ModelTensors, x: Tensor, weight: Tensor, name: str) -> Tensor:
@@ -49,9 +42,9 @@ def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], sp
     T = spec.n_tokens
     p = f"blk.{il}"
     hd, n_head, n_head_kv = hp.head_dim_k, hp.n_head, hp.n_head_kv[il]
-    q = _linear(t, cur, f"{p}.attn_q", (hp.n_embd, hd * n_head))
-    k = _linear(t, cur, f"{p}.attn_k", (hp.n_embd, hd * n_head_kv))
-    v = _linear(t, cur, f"{p}.attn_v", (hp.n_embd, hp.head_dim_v * n_head_kv))
+    q = linear(t, cur, f"{p}.attn_q", (hp.n_embd, hd * n_head))
+    k = linear(t, cur, f"{p}.attn_k", (hp.n_embd, hd * n_head_kv))
+    v = linear(t, cur, f"{p}.attn_v", (hp.n_embd, hp.head_dim_v * n_head_kv))
     q = ops.reshape(q, hd, n_head, T, name=f"Qcur-{il}")
     k = ops.reshape(k, hd, n_head_kv, T, name=f"Kcur-{il}")
     v = ops.reshape(v, hp.head_dim_v, n_head_kv, T, name=f"Vcur-{il}")
@@ -66,32 +59,19 @@ def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], sp
     k = ops.rope(k, inp["pos"], hp.rope_dims, RopeMode.NORMAL, hp.rope_freq_base, hp.rope_freq_scale,
                  name=f"Krope-{il}")
     att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0 / math.sqrt(hd))
-    return _linear(t, att, f"{p}.attn_output", (hp.head_dim_v * n_head, hp.n_embd))
-
-
-def _ffn_swiglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
-    hp = t.hp
-    p = f"blk.{il}"
-    gate = _linear(t, cur, f"{p}.ffn_gate", (hp.n_embd, hp.n_ff[il]))
-    up = _linear(t, cur, f"{p}.ffn_up", (hp.n_embd, hp.n_ff[il]))
-    act = ops.glu_split(gate, up, GluOp.SWIGLU, name=f"ffn_swiglu-{il}")
-    return _linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
+    return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * n_head, hp.n_embd))
 
 
 def build_command_r(t: ModelTensors, spec: BatchSpec) -> Graph:
     """Command-R: one LayerNorm per layer feeding attention and FFN in parallel."""
     hp = t.hp
     inp = graph_inputs(spec)
-    x = ops.get_rows(t.w("token_embd.weight", (hp.n_embd, hp.n_vocab)), inp["tokens"], name="inp_embd")
+    x = embed(t, inp)
     for il in range(hp.n_layer):
         h = _layer_norm(t, x, t.w(f"blk.{il}.attn_norm.weight", (hp.n_embd,)), f"attn_norm-{il}")
         attn_out = _attention(t, il, h, inp, spec)
-        ffn_inp = h
-        if il == hp.n_layer - 1 and "out_ids" in inp:
-            attn_out = ops.get_rows(attn_out, inp["out_ids"], name="attn_out_sel")
-            x = ops.get_rows(x, inp["out_ids"], name="inp_sel")
-            ffn_inp = ops.get_rows(ffn_inp, inp["out_ids"], name="ffn_inp_sel")
-        ffn_out = _ffn_swiglu(t, il, ffn_inp)
+        attn_out, x, ffn_inp = select_outputs(inp, il, hp.n_layer, attn_out, x, h)
+        ffn_out = ffn_swiglu(t, il, ffn_inp)
         branches = ops.add(attn_out, ffn_out, name=f"attn_ffn-{il}")   # PARTIAL + PARTIAL: one reduction
         x = ops.add(branches, x, name=f"l_out-{il}")
     x = _layer_norm(t, x, t.w("output_norm.weight", (hp.n_embd,)), "result_norm")
@@ -99,5 +79,4 @@ def build_command_r(t: ModelTensors, spec: BatchSpec) -> Graph:
     s = logit_scale(t)
     if s:
         logits = ops.scale(logits, s, name="result_output_scaled")
-    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    return output_graph(t, spec, inp, logits)

@@ -14,18 +14,12 @@ import math
 from metatp.ir import ops
 from metatp.ir.errors import ModelFormatError
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors, graph_inputs
+from metatp.ir.models.common import BatchSpec, ModelTensors, linear
+from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, Op, RopeMode
 from metatp.ir.tensor import Tensor
 
 __all__ = ["build_phi3", "fused_qkv_views", "cache_rows", "store_kv_and_attend"]
-
-
-def _linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, int] | None = None) -> Tensor:
-    """W x (+ b when the model has a bias for W)."""
-    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
-    b = t.opt(f"{name}.bias")
-    return ops.add(y, b) if b is not None else y
 
 
 def fused_qkv_views(t: ModelTensors, il: int, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,48 +84,25 @@ def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], sp
     hp = t.hp
     p = f"blk.{il}"
     n_qkv = hp.head_dim_k * (hp.n_head + 2 * hp.n_head_kv[il])
-    qkv = _linear(t, cur, f"{p}.attn_qkv", (hp.n_embd, n_qkv))
+    qkv = linear(t, cur, f"{p}.attn_qkv", (hp.n_embd, n_qkv))
     q, k, v = fused_qkv_views(t, il, qkv)
     q = ops.rope(q, inp["pos"], hp.rope_dims, RopeMode.NEOX, hp.rope_freq_base, hp.rope_freq_scale, name=f"Qrope-{il}")
     k = ops.rope(k, inp["pos"], hp.rope_dims, RopeMode.NEOX, hp.rope_freq_base, hp.rope_freq_scale, name=f"Krope-{il}")
     q = ops.scale(q, 1.0 / math.sqrt(hp.head_dim_k), name=f"Qscaled-{il}")
     att = store_kv_and_attend(t, il, q, k, v, inp, spec, kq_scale=1.0)
-    return _linear(t, att, f"{p}.attn_output", (hp.head_dim_v * hp.n_head, hp.n_embd))
+    return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * hp.n_head, hp.n_embd))
 
 
 def _ffn_fused_swiglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     """ffn_up holds [gate; up] (2*n_ff rows): swiglu = silu(first half) * second half."""
     hp = t.hp
     p = f"blk.{il}"
-    up = _linear(t, cur, f"{p}.ffn_up", (hp.n_embd, 2 * hp.n_ff[il]))
+    up = linear(t, cur, f"{p}.ffn_up", (hp.n_embd, 2 * hp.n_ff[il]))
     act = ops.glu_fused(up, GluOp.SWIGLU, name=f"ffn_swiglu-{il}")
-    return _linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
+    return linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
 
 
 def build_phi3(t: ModelTensors, spec: BatchSpec) -> Graph:
     """Phi-3: pre-norm residual layers with fused QKV and fused up+gate."""
     _check_supported(t)
-    hp = t.hp
-    inp = graph_inputs(spec)
-    x = ops.get_rows(t.w("token_embd.weight", (hp.n_embd, hp.n_vocab)), inp["tokens"], name="inp_embd")
-    for il in range(hp.n_layer):
-        p = f"blk.{il}"
-        residual = x
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps, name=f"norm-{il}"), t.w(f"{p}.attn_norm.weight", (hp.n_embd,)),
-                      name=f"attn_norm-{il}")
-        cur = _attention(t, il, cur, inp, spec)
-        if il == hp.n_layer - 1 and "out_ids" in inp:
-            cur = ops.get_rows(cur, inp["out_ids"], name="attn_out_sel")
-            residual = ops.get_rows(residual, inp["out_ids"], name="inp_sel")
-        x = ops.add(cur, residual, name=f"ffn_inp-{il}")
-        residual = x
-        cur = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w(f"{p}.ffn_norm.weight", (hp.n_embd,)), name=f"ffn_norm-{il}")
-        cur = _ffn_fused_swiglu(t, il, cur)
-        x = ops.add(residual, cur, name=f"l_out-{il}")
-    x = ops.mul(ops.rms_norm(x, hp.norm_eps), t.w("output_norm.weight", (hp.n_embd,)), name="result_norm")
-    logits = ops.mul_mat(t.output_weight(), x, name="result_output")
-    ob = t.opt("output.bias")
-    if ob is not None:
-        logits = ops.add(logits, ob, name="result_output_b")
-    return Graph([logits], name=f"{hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    return build_llama(t, spec, attention=_attention, ffn=_ffn_fused_swiglu)
