@@ -78,6 +78,13 @@ class TensorPlan:
     sync_state: SplitState       # assume_sync=True: what consumers see
     local: list[Local]           # per device
     compute: list[bool]          # per device: does it run this node (False = zero slice / skipped)
+    # per device: the node is not computed there but a later node on that device reads it as an
+    # exact zero (an un-reduced partial sum whose slice is empty): the backend fills its buffer
+    # with zeros (a fill, not x*0). None: no device needs it.
+    zero_fill: list[bool] | None = None
+    # PARTIAL leaves (e.g. ffn_down_exps.bias): the device that holds the full value; every other
+    # device holds zeros, so the sum is exact even when some device has an empty slice.
+    owner: int | None = None
 
 
 @dataclass
@@ -85,6 +92,9 @@ class Reduction:
     node: int                    # index of the node whose value is all-reduced in place
     covers: list[int]            # the PARTIAL nodes this one reduction stands for
     nbytes: int                  # bytes of the reduced tensor (full size, per device)
+    # per device: does it contribute (False: its slice was empty, the all-reduce fills zeros).
+    # Always equal to the reduced node's TensorPlan.compute. None: every device.
+    active: list[bool] | None = None
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""Full arrays <-> per-device slices, following a tensor's split state (set_tensor / get_tensor).
+
+numpy arrays have shape reversed(ne): ggml dim `a` is numpy axis `ndim-1-a` of the 4-D view.
+Along a split axis the full tensor is, for each segment s, for each repeat r < nr[s], for each
+device j, device j's chunk; device j's slice is its chunks in that order (`SplitState.chunks`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metatp.ir.tensor import Tensor
+from metatp.passes.plan import TensorPlan
+
+__all__ = ["split_array", "gather_array"]
+
+
+def _as4d(a: np.ndarray, ne) -> np.ndarray:
+    return a.reshape(ne[3], ne[2], ne[1], ne[0])
+
+
+def _local_ne(t: Tensor, tp: TensorPlan, st, j: int) -> tuple[int, int, int, int]:
+    """Device j's shape: the plan's lowered Local, or (before lowering) from the state."""
+    if tp.local:
+        return tp.local[j].ne
+    ne = list(t.ne)
+    ne[st.axis] = st.extent(j)
+    return tuple(ne)
+
+
+def split_array(full: np.ndarray, tensor: Tensor, tplan: TensorPlan, n_devices: int) -> list[np.ndarray]:
+    """Per-device slices of a leaf's full value (any shape with the tensor's element count); each
+    slice has the 4-D numpy shape reversed(local ne).
+
+    split: each device gets its chunks; MIRRORED: a copy each; PARTIAL: the full value on the
+    owner device (`tplan.owner`, default 0) and zeros elsewhere, so the sum is exact."""
+    st = tplan.state
+    f4 = _as4d(np.asarray(full), tensor.ne)
+    if st.is_mirrored:
+        return [np.array(f4, copy=True) for _ in range(n_devices)]
+    if st.is_partial:
+        owner = tplan.owner if tplan.owner is not None else 0
+        return [np.array(f4, copy=True) if j == owner else np.zeros_like(f4) for j in range(n_devices)]
+    ax = 3 - st.axis
+    parts = []
+    for j in range(n_devices):
+        ne = _local_ne(tensor, tplan, st, j)
+        parts.append(np.empty((ne[3], ne[2], ne[1], ne[0]), dtype=f4.dtype))
+    for j, g, loc, length in st.chunks():
+        src = [slice(None)] * 4
+        dst = [slice(None)] * 4
+        src[ax] = slice(g, g + length)
+        dst[ax] = slice(loc, loc + length)
+        parts[j][tuple(dst)] = f4[tuple(src)]
+    return parts
+
+
+def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> np.ndarray:
+    """The full value from per-device buffers, as they are after a step (the sync state: a
+    reduced node reads as MIRRORED). split: chunks put back in place; MIRRORED: device 0's copy;
+    PARTIAL: the sum over the devices that computed it (the others hold exact zeros)."""
+    st = tplan.sync_state
+    shape = _as4d_shape(tensor.ne)
+    if st.is_mirrored:
+        return np.array(parts[0], copy=True).reshape(shape)
+    if st.is_partial:
+        active = [j for j in range(len(parts)) if tplan.compute[j]]
+        out = np.zeros(shape, dtype=parts[0].dtype)
+        for j in active:
+            out += parts[j].reshape(shape)
+        return out
+    ax = 3 - st.axis
+    out = np.empty(shape, dtype=parts[0].dtype)
+    p4 = [np.asarray(p).reshape(_as4d_shape(_local_ne(tensor, tplan, st, j))) for j, p in enumerate(parts)]
+    for j, g, loc, length in st.chunks():
+        src = [slice(None)] * 4
+        dst = [slice(None)] * 4
+        src[ax] = slice(loc, loc + length)
+        dst[ax] = slice(g, g + length)
+        out[tuple(dst)] = p4[j][tuple(src)]
+    return out
+
+
+def _as4d_shape(ne) -> tuple[int, int, int, int]:
+    return (ne[3], ne[2], ne[1], ne[0])
