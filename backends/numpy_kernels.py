@@ -54,32 +54,31 @@ def _get_rows(node, out, src, ctx) -> Closure:
     return run
 
 
+def rms_scale(x: np.ndarray, eps: np.float32) -> np.ndarray:
+    """1 / sqrt(mean(x^2) + eps) per row, as ggml computes it (sum in double, the rest in float)."""
+    n = x.shape[-1]
+    mean = (np.einsum("...i,...i->...", x, x, dtype=np.float64) / n).astype(F32)[..., None]
+    mean += eps
+    np.sqrt(mean, out=mean)
+    return np.divide(F32(1), mean, out=mean)
+
+
 def _rms_norm(node, out, src, ctx) -> Closure:
     x = src[0]
     eps = F32(node.params["eps"])
-    inv_n = F32(1.0 / x.shape[-1])
 
     def run() -> None:
-        ms = np.einsum("...i,...i->...", x, x)[..., None]
-        ms *= inv_n
-        ms += eps
-        np.sqrt(ms, out=ms)
-        np.divide(x, ms, out=out)
+        np.multiply(x, rms_scale(x, eps), out=out)
     return run
 
 
 def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> Closure:
-    """RMS_NORM followed by MUL with a weight, fused: one pass fewer over the activation."""
+    """RMS_NORM followed by MUL with a weight, in one closure (same rounding as the two ops)."""
     eps32 = F32(eps)
-    inv_n = F32(1.0 / x.shape[-1])
 
     def run() -> None:
-        ms = np.einsum("...i,...i->...", x, x)[..., None]
-        ms *= inv_n
-        ms += eps32
-        np.sqrt(ms, out=ms)
-        np.multiply(x, w, out=out)
-        np.divide(out, ms, out=out)
+        np.multiply(x, rms_scale(x, eps32), out=out)
+        np.multiply(out, w, out=out)
     return run
 
 
