@@ -35,3 +35,14 @@ def default_model_path() -> Path | None:
         return resolve_model(None, quiet=True)
     except Exception as e:  # no network and no cache: the real-model tests cannot run
         pytest.skip(f"default model unavailable: {e}")
+
+
+def pytest_sessionstart(session) -> None:
+    """Fetch the default model once up front (a fresh CI machine has no cache), so tests that
+    look for the cached file run instead of skipping. Without a network they skip."""
+    from metatp.models import resolve_model
+
+    try:
+        resolve_model(None, quiet=True)
+    except Exception:
+        pass

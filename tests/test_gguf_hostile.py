@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from metatp.models import cache_dir
 from metatp.ir.errors import ModelFormatError, ModelNotFoundError
 from metatp.ir.gguf_validate import (
     MAX_ARRAY_ELEMENTS_TOTAL,
@@ -42,7 +43,7 @@ from metatp.tools.fuzz_gguf import (
     splice_int,
 )
 
-REAL_MODEL = Path("/root/.cache/metatp/SmolLM2-135M-Instruct.Q4_1.gguf")
+REAL_MODEL = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 

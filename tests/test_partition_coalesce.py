@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from metatp.models import cache_dir
 from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.tensor import Flag
@@ -16,7 +17,7 @@ from metatp.passes.state import SplitState
 from test_tp_equivalence import (assert_close, check_equivalent, leaf, llama_case, llama_hparams, moe_case,
                                  parallel_case, rand, run_single, run_split, values_for)
 
-REAL_MODEL = Path("/root/.cache/metatp/SmolLM2-135M-Instruct.Q4_1.gguf")
+REAL_MODEL = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def node_named(plan, name):

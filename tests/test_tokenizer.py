@@ -19,17 +19,19 @@ from hypothesis import strategies as st
 from metatp.ir.errors import ConfigError, ModelFormatError
 from metatp.ir.tokenizer import _PRE_TOKENIZERS, StreamDecoder, Tokenizer
 
-SMOLLM_GGUF = Path("/root/.cache/metatp/SmolLM2-135M-Instruct.Q4_1.gguf")
-SMOLLM_CASES = Path("/work/shared/refs/smollm2/cases.json")
-GEMMA_GGUF = Path("/root/.cache/metatp/gemma-3-270m-q4_k_m.gguf")
+from metatp.models import cache_dir  # noqa: E402
+
+SMOLLM_GGUF = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM_CASES = Path(__file__).resolve().parents[2] / "shared" / "refs" / "smollm2" / "cases.json"
+GEMMA_GGUF = cache_dir() / "gemma-3-270m-q4_k_m.gguf"
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
 def _read_metadata(path: Path) -> dict:
-    gguf = pytest.importorskip("gguf")
-    reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items()}
+    from metatp.ir.loader import load_model
+
+    return load_model(path).metadata
 
 
 # ---------------------------------------------------------------- reference: llama.cpp's SPM, in Python
