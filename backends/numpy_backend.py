@@ -57,10 +57,12 @@ class NumpyBackend:
 
     name = "numpy"
 
-    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact") -> None:
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False) -> None:
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.numerics = numerics
+        self.threads = threads          # run the simulated devices in parallel threads
+        self._pool = None
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
         self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
@@ -154,6 +156,16 @@ class NumpyBackend:
             self._executables[id(plan)] = ex
         return ex
 
+    def pool(self):
+        """Worker threads for devices 1..n-1 (device 0 runs on the caller's thread), or None."""
+        if not self.threads or self.n == 1:
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.n - 1, thread_name_prefix="metatp-dev")
+        return self._pool
+
     def release(self, plan: Plan) -> None:
         """Forget a plan's executable and its buffers."""
         ex = self._executables.get(id(plan))
@@ -165,6 +177,11 @@ class NumpyBackend:
             for t, a in self.leaf[d].items():
                 if t.flags & Flag.KV_CACHE:
                     a.fill(0)
+
+
+def _run_all(closures: list[Closure]) -> None:
+    for f in closures:
+        f()
 
 
 class _DeviceContext:
@@ -311,10 +328,17 @@ class NumpyExecutable:
         plan = self.plan
         n = self.backend.n
         self._step_memo.clear()
+        pool = self.backend.pool()
         for sub, per_dev in zip(plan.subgraphs, self.steps):
-            for d in range(n):
-                for f in per_dev[d]:
-                    f()
+            if pool is None:
+                for d in range(n):
+                    for f in per_dev[d]:
+                        f()
+            else:   # simulated devices run side by side: numpy releases the GIL inside BLAS
+                futures = [pool.submit(_run_all, per_dev[d]) for d in range(1, n)]
+                _run_all(per_dev[0])
+                for fut in futures:
+                    fut.result()
             red = sub.reduction
             if red is not None and n > 1:
                 self._allreduce(plan.graph.nodes[red.node])
