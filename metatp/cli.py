@@ -6,6 +6,7 @@ Every deliberate error is one line on stderr and a non-zero exit, never a traceb
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -138,6 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError:
         print("metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", file=sys.stderr)
         return 1
+    except Exception as e:  # a bug: still one line for the user, the traceback on request
+        if os.environ.get("METATP_DEBUG"):
+            raise
+        print(f"metatp: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("metatp: hint: this is a bug in metatp; rerun with METATP_DEBUG=1 for the traceback", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
