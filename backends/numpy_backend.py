@@ -91,7 +91,7 @@ class NumpyBackend:
                 self._transposed[d][t] = wt
                 self.leaf[d][t] = wt.T.reshape(part.shape)   # a strided view of the same memory
             else:
-                self.leaf[d][t] = part if part.flags.owndata else part.copy()
+                self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
 
     @staticmethod
     def _only_matmul_weight(t: Tensor, plan: Plan) -> bool:
@@ -142,7 +142,7 @@ class NumpyBackend:
         """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
         out = []
         for d in range(self.n):
-            owned = [a for a in self.leaf[d].values() if a.base is None or a.flags.owndata]
+            owned = [a for a in self.leaf[d].values() if not _aliases(a, self._transposed[d].values())]
             n = sum(a.nbytes for a in owned) + sum(a.nbytes for a in self._transposed[d].values())
             n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
             out.append(n)
@@ -177,6 +177,11 @@ class NumpyBackend:
             for t, a in self.leaf[d].items():
                 if t.flags & Flag.KV_CACHE:
                     a.fill(0)
+
+
+def _aliases(a: np.ndarray, others) -> bool:
+    """Is `a` a view of one of `others` (a weight kept only in its transposed layout)?"""
+    return a.base is not None and any(np.may_share_memory(a, o) for o in others if o.size == a.size)
 
 
 def _run_all(closures: list[Closure]) -> None:

@@ -93,11 +93,19 @@ class Engine:
 
     def _upload_weights(self, plan: Plan) -> None:
         """Every weight leaf goes to the backend once; every plan shares the split table."""
-        by_name = {t.name: t for t in plan.graph.leaves if t.flags & Flag.WEIGHT}
-        for name, t in by_name.items():
-            self.backend.upload(t, self.model.dequantize(self.tensors.source_name(name)), plan)
-        missing = [t for t in self.tensors.weights.values() if t not in set(by_name.values())]
-        self._unused_weights = [t.name for t in missing]
+        leaves = [t for t in plan.graph.leaves if t.flags & Flag.WEIGHT]
+        sources = [self.tensors.source_name(t.name) for t in leaves]
+        shared = {s for s in sources if sources.count(s) > 1}     # the tied lm head and the embedding
+        cache: dict[str, np.ndarray] = {}
+        for t, src in zip(leaves, sources):
+            data = cache.get(src)
+            if data is None:
+                data = self.model.dequantize(src)
+                if src in shared:
+                    cache[src] = data
+            self.backend.upload(t, data, plan)
+        used = set(leaves)
+        self._unused_weights = [t.name for t in self.tensors.weights.values() if t not in used]
         self._uploaded = True
 
     # ---------------------------------------------------------------- running
