@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from metatp.ir.errors import MemoryPlanError
-from metatp.ir.ops import OPS, Op
+from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.plan import Plan
 

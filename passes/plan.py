@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from metatp.ir.errors import ConfigError
 from metatp.ir.graph import Graph

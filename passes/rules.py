@@ -526,7 +526,6 @@ def rule_rope(node, srcs):
 def rule_flash_attn(node, srcs):
     """q [D, T, H], k/v [D, n_kv, Hkv] -> [Dv, H, T]: heads on AXIS_2 give the output AXIS_1."""
     q, k, v = srcs[0], srcs[1], srcs[2]
-    mask = srcs[3] if len(srcs) > 3 else None
     sinks = srcs[4] if len(srcs) > 4 else None
     _need_mirrored(node, srcs, 3, "mask")
     if q.is_mirrored and k.is_mirrored and v.is_mirrored and (sinks is None or sinks.is_mirrored):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llama_reference import _rmsnorm as rmsnorm, _rope as rope   # the same plain building blocks
+
 
 @dataclass
 class Config:
@@ -34,29 +36,11 @@ class Config:
 # ---------------------------------------------------------------- building blocks
 
 
-def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
 def layernorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """LayerNorm without bias."""
     mu = x.mean(axis=-1, keepdims=True)
     var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
     return (x - mu) / np.sqrt(var + eps) * w
-
-
-def rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray:
-    """x: (T, H, D). Rotate pairs by pos * base^(-2i/D): halves (neox) or adjacent pairs."""
-    T, H, D = x.shape
-    freqs = base ** (-np.arange(0, D, 2) / D)
-    rot = np.exp(1j * pos[:, None] * freqs[None, :])[:, None, :]
-    if neox:
-        z = (x[..., : D // 2] + 1j * x[..., D // 2:]) * rot
-        return np.concatenate([z.real, z.imag], axis=-1)
-    z = (x[..., 0::2] + 1j * x[..., 1::2]) * rot
-    out = np.empty_like(x)
-    out[..., 0::2], out[..., 1::2] = z.real, z.imag
-    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -1,9 +1,11 @@
-"""Every CUDA kernel against a numpy reference (needs CuPy and a CUDA GPU).
+"""Every CUDA kernel against a numpy reference, on a GPU and on the CPU emulator.
 
 The checks live in ``tools/gpu_kernels_check.py`` (also a standalone script printing a
 markdown table); each group here runs one of them and fails with the table of failing
-cases. Without a GPU the GPU tests skip; the few tests at the end check the numpy
-oracles themselves and run anywhere.
+cases. Each group runs twice: on a real GPU through CuPy (marked ``gpu``, skipped without
+one) and on the kernel emulator (the same sources compiled as host C++ by g++, one fiber
+per CUDA thread; skipped without a C++ compiler). The few tests at the end check the
+numpy oracles themselves and run anywhere.
 """
 
 from __future__ import annotations
@@ -13,19 +15,17 @@ import math
 import numpy as np
 import pytest
 
-from metatp.backends.cuda_kernels import gpu_available
+from metatp.backends.cuda_kernels import emulator_available, gpu_available
 from metatp.tools import gpu_kernels_check as gkc
 
 requires_gpu = pytest.mark.skipif(
     not gpu_available(), reason="no CUDA GPU (cupy not installed or no device visible)"
 )
+requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler (g++)")
 
 
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("group", gkc.CHECK_NAMES)
-def test_kernel_group(group):
-    results = gkc.check_all_kernels([group], seed=1234, time_reps=0)
+def _check(group: str, emulate: bool) -> None:
+    results = gkc.check_all_kernels([group], seed=1234, time_reps=0, emulate=emulate)
     assert results, "no cases ran"
     bad = [r for r in results if not r["pass"]]
     if bad:
@@ -34,6 +34,38 @@ def test_kernel_group(group):
             for r in bad if r.get("error")
         )
         pytest.fail(f"{len(bad)}/{len(results)} cases failed\n{gkc.markdown_table(bad)}\n{details}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("group", gkc.CHECK_NAMES)
+def test_kernel_group(group):
+    _check(group, emulate=False)
+
+
+@requires_cxx
+@pytest.mark.parametrize("group", gkc.CHECK_NAMES)
+def test_kernel_group_on_emulator(group):
+    _check(group, emulate=True)
+
+
+@requires_cxx
+def test_emulator_refuses_what_a_gpu_refuses():
+    """Argument C types, block size limits and dynamic shared memory are checked at launch."""
+    from metatp.backends import cuda_kernels as ck
+
+    with ck.use_emulator():
+        x = np.ones((2, 64), np.float32)
+        k = ck.get_kernel("norm", "rms_norm_f32")
+        ints = [np.int32(v) for v in (64, 2, 1, 2, 64, 0, 0, 64, 0, 0)]
+        with pytest.raises(TypeError, match="np.float32"):
+            k((2,), (64,), (x, None, x, *ints, 1e-5))                    # a Python float
+        with pytest.raises(RuntimeError, match="invalid launch"):
+            k((2,), (2048,), (x, None, x, *ints, np.float32(1e-5)))
+        attn = ck.get_kernel("attn", "attn_prefill_f16")
+        with pytest.raises(RuntimeError, match="max_dynamic_shared_size_bytes"):
+            attn((1,), (128,), (None,) * 6 + (np.int32(0),) * 12 + (np.float32(0),) * 2
+                 + (np.int32(0),) * 2, shared_mem=64 * 1024)
 
 
 # ------------------------------------------------------------- oracle sanity (CPU)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metatp.ir.errors import ConfigError, ModelFormatError
-from metatp.ir.tokenizer import _PRE_TOKENIZERS, StreamDecoder, Tokenizer
+from metatp.ir.tokenizer import _PRE_TOKENIZERS, StreamDecoder, Tokenizer, _gpt2_byte_table
 
 from metatp.models import cache_dir  # noqa: E402
 
@@ -158,20 +158,9 @@ def spm() -> Tokenizer:
     return Tokenizer.from_metadata(_spm_metadata(SPM_CORPUS, 120))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(33, 127)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
 def _bpe_metadata(**extra) -> dict:
     """A byte-level BPE ('gpt2') vocab: all 256 byte symbols, a few merges, chat control tokens."""
-    b2u = _bytes_to_unicode()
+    b2u = _gpt2_byte_table()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [b2u[b] for b in range(256)]
     types = [CONTROL] * 3 + [NORMAL] * 256
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2"]

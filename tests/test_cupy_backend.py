@@ -1,0 +1,391 @@
+"""The cupy backend against the numpy reference.
+
+Every backend test runs twice: on the CPU emulator of the CUDA kernels (`EmuRuntime`: the
+same kernel sources compiled as host C++, numpy arrays, work in issue order, CUDA graphs
+recorded and replayed; needs g++) and on a real GPU through CuPy (marked `gpu`, skipped
+without one). The pure-Python parts (wire thresholds, the butterfly schedule, raw weight
+slicing) run everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from metatp.backends import cuda_kernels as ck
+from metatp.backends.allreduce import allreduce_butterfly
+from metatp.backends.cupy_backend import (CupyBackend, EmuRuntime, WireThresholds, butterfly_schedule,
+                                          quant_only_weight, simulate_schedule, split_raw, wire_dtype)
+from metatp.backends.numpy_backend import NumpyBackend
+from metatp.engine import Engine
+from metatp.ir import ops
+from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.ir.graph import Graph
+from metatp.ir.loader import load_model
+from metatp.ir.tensor import Flag, GGMLType
+from metatp.passes import DeviceLayout, compile_plan
+from metatp.passes.plan import single_device_plan
+from metatp.passes.state import SplitState
+from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+
+requires_gpu = pytest.mark.skipif(not ck.gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
+requires_cxx = pytest.mark.skipif(not ck.emulator_available(), reason="no host C++ compiler for the kernel emulator")
+
+RUNTIMES = [pytest.param("emu", marks=requires_cxx, id="emulator"),
+            pytest.param("gpu", marks=[pytest.mark.gpu, requires_gpu], id="gpu")]
+
+Q_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_1", "gate": "Q4_1", "up": "Q4_1", "down": "Q4_1",
+           "embd": "Q8_0"}
+SMALL = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, types=Q_TYPES, seed=3)
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
+
+
+class RawEngine(Engine):
+    """The engine with the one-line change the cupy backend wants: weights as GGUF bytes."""
+
+    def _upload_weights(self, plan) -> None:
+        for t in plan.graph.leaves:
+            if t.flags & Flag.WEIGHT:
+                src = self.tensors.source_name(t.name)
+                self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
+        self._uploaded = True
+
+
+def runtime(kind: str, **kw):
+    return EmuRuntime(**kw) if kind == "emu" else None
+
+
+def layout_for(n: int, ts=None) -> DeviceLayout:
+    return DeviceLayout(n, "tensor" if n > 1 else "none", tuple(ts) if ts else None)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cupy") / "small.gguf"
+    write_synthetic_gguf(path, SMALL)
+    return load_model(path)
+
+
+def engines(model, kind, n=1, ts=None, ref_n=None, **backend_kw):
+    """(cupy engine, numpy reference engine) for the same model and context."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lay = layout_for(n, ts)
+        ref_lay = lay if ref_n is None else layout_for(ref_n)
+        be = CupyBackend(lay, runtime=runtime(kind), **backend_kw)
+        return RawEngine(model, 512, lay, be), Engine(model, 512, ref_lay, NumpyBackend(ref_lay))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def run_teacher_forced(eng, ref, steps: int):
+    """Prefill PROMPT, then `steps` decode tokens chosen by the reference; logits of both."""
+    got, want = [eng.forward(PROMPT)], [ref.forward(PROMPT)]
+    for _ in range(steps):
+        tok = int(np.argmax(want[-1]))
+        got.append(eng.forward([tok]))
+        want.append(ref.forward([tok]))
+    return got, want
+
+
+def assert_same_greedy(got, want, tol: float) -> None:
+    """Same argmax, unless the reference's top two are closer than the numerical tolerance."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        ia, ib = int(np.argmax(a)), int(np.argmax(b))
+        if ia != ib:
+            margin = float(b[ib] - b[ia])
+            assert margin <= tol * np.abs(b).max(), f"step {i}: greedy token {ia} != {ib} (margin {margin})"
+
+
+# ============================================================== pure Python (everywhere)
+def test_wire_dtype_follows_llamacpp_cutoffs():
+    for n, limit in ((1, 32768), (2, 32768), (3, 131072), (4, 262144), (8, 262144)):
+        assert wire_dtype(n, limit - 1) == "f32"
+        assert wire_dtype(n, limit) == "bf16"
+    assert wire_dtype(4, 10**9, "f32") == "f32"          # exact mode kept
+    assert wire_dtype(2, 1, "bf16") == "bf16"
+    assert wire_dtype(3, 100, "auto", WireThresholds(n2=10, n3=50, n4=99)) == "bf16"
+    with pytest.raises(ConfigError):
+        wire_dtype(2, 1, "fp8")
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_butterfly_schedule_matches_reference_bits(n):
+    rng = np.random.default_rng(n)
+    vals = [rng.standard_normal(37).astype(np.float32) for _ in range(n)]
+    active = [j % 3 != 1 for j in range(n)]
+    active[0] = True
+    a = [v.copy() for v in vals]
+    b = [v.copy() for v in vals]
+    for j in range(n):
+        if not active[j]:
+            a[j][:] = np.nan                                # garbage on devices that did not compute
+            b[j][:] = np.nan
+    simulate_schedule(a, butterfly_schedule(n), active)
+    allreduce_butterfly(b, active)
+    exact = sum(v for v, on in zip(vals, active) if on)
+    for x, y in zip(a, b):
+        assert np.array_equal(x, y) and np.array_equal(x, a[0])
+        np.testing.assert_allclose(x, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_butterfly_schedule_shape():
+    assert butterfly_schedule(1) == []
+    assert len(butterfly_schedule(4)) == 2                  # log2(4) rounds
+    rounds = butterfly_schedule(6)                          # fold, 2 doubling rounds, copy back
+    assert [len(r) for r in rounds] == [2, 4, 4, 2]
+    assert {t.op for t in rounds[-1]} == {"copy"}
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_split_raw_cuts_whole_blocks(axis):
+    """Slicing the GGUF bytes then dequantizing == dequantizing then slicing the floats."""
+    gguf = pytest.importorskip("gguf")
+    from metatp.backends.slicing import split_array
+
+    rng = np.random.default_rng(0)
+    ne = (256, 12)
+    x = rng.standard_normal((ne[1], ne[0])).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_1)
+    full = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(ne[1], ne[0])
+    w = ops.new_tensor("blk.0.w.weight", ne, GGMLType.Q4_1, Flag.WEIGHT)
+    xin = ops.new_tensor("x", (ne[0] if axis == 1 else ne[1], 1), GGMLType.F32, Flag.INPUT)
+    per = [128, 0, 128] if axis == 0 else [4, 0, 8]
+    g = Graph([ops.mul_mat(w, xin) if axis == 1 else ops.mul_mat(ops.transpose(w), xin)])
+    plan = compile_plan(g, DeviceLayout(3, "tensor", (1, 0, 1)), overrides={w: SplitState.split(axis, per)})
+    parts = split_raw(raw, w, GGMLType.Q4_1, plan.of(w), 3)
+    want = split_array(full, w, plan.of(w), 3)
+    for p, q in zip(parts, want):
+        deq = gguf.quants.dequantize(p.reshape(-1, p.shape[-1]), gguf.GGMLQuantizationType.Q4_1) if p.size else \
+            np.zeros((0,))
+        assert np.array_equal(deq.reshape(-1), np.asarray(q).reshape(-1))
+
+
+def test_weights_stay_quantized_only_for_matmul_and_get_rows():
+    w = ops.new_tensor("blk.0.attn_q.weight", (64, 32), GGMLType.Q4_1, Flag.WEIGHT)
+    e = ops.new_tensor("token_embd.weight", (64, 50), GGMLType.Q8_0, Flag.WEIGHT)
+    nw = ops.new_tensor("blk.0.attn_norm.weight", (64,), GGMLType.F32, Flag.WEIGHT)
+    ids = ops.new_tensor("ids", (2,), GGMLType.I32, Flag.INPUT)
+    x = ops.get_rows(e, ids)
+    y = ops.mul_mat(w, ops.mul(x, nw))
+    plan = single_device_plan(Graph([y]))
+    assert quant_only_weight(w, plan) and quant_only_weight(e, plan)
+    assert not quant_only_weight(nw, plan)
+
+
+def test_cupy_backend_refuses_bad_options():
+    with pytest.raises(ConfigError):
+        CupyBackend(DeviceLayout(), runtime=EmuRuntime(), wire="fp8")
+    with pytest.raises(ConfigError):
+        CupyBackend(DeviceLayout(), runtime=EmuRuntime(), numerics="llamacpp")
+    with pytest.raises(ConfigError):     # NCCL cannot use one GPU twice
+        CupyBackend(layout_for(2), runtime=EmuRuntime(n_gpus=1), allreduce="nccl")
+
+
+# ============================================================== backend (emulator and GPU)
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_single_device_logits_match_numpy(small_model, kind):
+    eng, ref = engines(small_model, kind, kv_dtype="f32", matmul_dtype="f32")
+    got, want = run_teacher_forced(eng, ref, 4)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert_same_greedy(got, want, 0.0)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_default_numerics_f16_kv_and_gemm(small_model, kind):
+    """f16 KV cache and f16 operands for the prefill GEMM: close, same greedy tokens."""
+    eng, ref = engines(small_model, kind)
+    got, want = run_teacher_forced(eng, ref, 4)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 2e-2
+    assert_same_greedy(got, want, 4e-2)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+@pytest.mark.parametrize("n, ts", [(3, None), (3, (1, 2, 0.5)), (2, (3, 1))])
+def test_virtual_devices_match_single_device(small_model, kind, n, ts):
+    """Tensor parallel on virtual devices (one GPU), uneven splits, vs the numpy single device."""
+    eng, ref = engines(small_model, kind, n=n, ts=ts, ref_n=1, kv_dtype="f32", matmul_dtype="f32")
+    assert eng.backend.virtual or kind == "gpu"
+    got, want = run_teacher_forced(eng, ref, 3)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert_same_greedy(got, want, 1e-4)
+
+
+def test_emulated_gpus_use_nccl_and_graph_segments(small_model):
+    """Three distinct (emulated) GPUs: NCCL all-reduce, CUDA graphs as per-subgraph segments."""
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    lay = layout_for(3, (1, 2, 1))
+    be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32")
+    assert be.allreduce_strategy == "nccl"
+    eng, ref = RawEngine(small_model, 512, lay, be), Engine(small_model, 512, lay, NumpyBackend(lay))
+    got, want = run_teacher_forced(eng, ref, 3)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert be.rt.nccl_calls > 0 and be.rt.graph_launches > 0
+    assert any(ex.graph_mode == "segments" for ex in be._executables.values())
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+@pytest.mark.parametrize("n", [1, 3])
+def test_cuda_graph_replay_equals_eager(small_model, kind, n):
+    lay = layout_for(n, (1, 2, 1) if n == 3 else None)
+    eager = RawEngine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=False))
+    graph = RawEngine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=True))
+    a, b = eager.forward(PROMPT), graph.forward(PROMPT)
+    assert np.array_equal(a, b)
+    for _ in range(4):
+        tok = int(np.argmax(a))
+        a, b = eager.forward([tok]), graph.forward([tok])
+        assert np.array_equal(a, b)          # same kernels, same order: the same bits
+    modes = [ex.graph_mode for ex in graph.backend._executables.values()]
+    assert "whole" in modes
+    assert all(ex.graph_mode is None for ex in eager.backend._executables.values())
+
+
+# ---------------------------------------------------------------- all-reduce
+def mlp_case(n, ts, m=48, k=64, f=256, T=2, seed=0):
+    """x -> up (column split) -> down (row split, PARTIAL, all-reduced): the reduced node and
+    its value; a zero in ts makes a device with empty slices (inactive in the reduction)."""
+    rng = np.random.default_rng(seed)
+    x = ops.new_tensor("x", (k, T), GGMLType.F32, Flag.INPUT)
+    wu = ops.new_tensor("blk.0.ffn_up.weight", (k, f), GGMLType.F32, Flag.WEIGHT)
+    wd = ops.new_tensor("blk.0.ffn_down.weight", (f, m), GGMLType.F32, Flag.WEIGHT)
+    out = ops.mul_mat(wd, ops.mul_mat(wu, x), name="down")
+    g = Graph([out])
+    total = sum(ts)
+    per = [int(f * t / total) // 32 * 32 for t in ts]
+    per[-1] += f - sum(per)
+    plan = compile_plan(g, DeviceLayout(n, "tensor", tuple(ts)),
+                        overrides={wu: SplitState.split(1, per), wd: SplitState.split(0, per)})
+    vals = {wu: rng.standard_normal((f, k)).astype(np.float32) * 0.1,
+            wd: rng.standard_normal((m, f)).astype(np.float32) * 0.1}
+    xin = rng.standard_normal((T, k)).astype(np.float32)
+    want = (xin.astype(np.float64) @ vals[wu].T.astype(np.float64)) @ vals[wd].T.astype(np.float64)
+    return plan, vals, {x: xin}, out, want
+
+
+def run_mlp(backend, plan, vals, feed, out, garbage: bool = True):
+    for t, v in vals.items():
+        backend.upload(t, v, plan)
+    ex = backend.prepare(plan)
+    if garbage:          # NaN in the reduced buffer of devices that do not compute it
+        for d in range(backend.n):
+            if not plan.of(out).compute[d]:
+                ex.arrays[d][out][...] = np.nan
+        for gpu in ex._leads:
+            backend.rt.device_synchronize(gpu)
+    ex.run(feed)
+    return ex.read(out).reshape(out.ne[1], out.ne[0])
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+@pytest.mark.parametrize("n, ts", [(2, (1, 1)), (3, (1, 0, 2)), (5, (1, 1, 0, 1, 1))])
+def test_allreduce_butterfly_f32_with_inactive_devices(kind, n, ts):
+    plan, vals, feed, out, want = mlp_case(n, ts)
+    assert not all(plan.of(out).compute) or 0 not in ts
+    be = CupyBackend(plan.layout, runtime=runtime(kind), wire="f32", allreduce="butterfly")
+    got = run_mlp(be, plan, vals, feed, out)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
+@pytest.mark.parametrize("n, ts", [(2, (1, 1)), (3, (1, 0, 2)), (4, (1, 1, 1, 1))])
+def test_allreduce_bf16_wire_error_bound(kind, n, ts):
+    """BF16 on the wire: every partial and partial sum rounded to 8 significant bits."""
+    plan, vals, feed, out, want = mlp_case(n, ts)
+    be = CupyBackend(plan.layout, runtime=runtime(kind), wire="auto", wire_thresholds=WireThresholds(1, 1, 1))
+    got = run_mlp(be, plan, vals, feed, out)
+    bound = 2.0 ** -8 * (math.ceil(math.log2(n)) + 2) * np.abs(want).max()
+    assert np.abs(got - want).max() <= bound
+    assert np.abs(got - want).max() > 0          # it really went through bf16
+
+
+def test_allreduce_emulated_nccl_with_inactive_devices():
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    plan, vals, feed, out, want = mlp_case(3, (1, 0, 2))
+    for wire in ("f32", "bf16"):
+        be = CupyBackend(plan.layout, runtime=EmuRuntime(n_gpus=3), wire=wire, allreduce="nccl")
+        got = run_mlp(be, plan, vals, feed, out)
+        assert be.rt.nccl_calls == 1
+        tol = 2.0 ** -8 * 4 * np.abs(want).max() if wire == "bf16" else 1e-5 * np.abs(want).max()
+        assert np.abs(got - want).max() <= tol
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_nccl_one_rank_smoke():
+    """A 1-rank communicator on the one GPU: f32 and bf16 all-reduce leave the value as it is."""
+    from metatp.backends.cupy_backend import CupyRuntime
+
+    rt = CupyRuntime()
+    if rt.nccl_module() is None:
+        pytest.skip("NCCL not available to cupy")
+    import cupy as cp
+
+    comms = rt.nccl_comms([0])
+    stream = rt.new_stream(0)
+    x = cp.arange(1000, dtype=cp.float32)
+    b = cp.asarray(np.arange(1000, dtype=np.float32).view(np.uint32) >> 16).astype(cp.uint16)
+    with stream:
+        rt.nccl_allreduce([(comms[0], x.data.ptr, x.size, "f32", stream)])
+        rt.nccl_allreduce([(comms[0], b.data.ptr, b.size, "bf16", stream)])
+    stream.synchronize()
+    assert np.array_equal(cp.asnumpy(x), np.arange(1000, dtype=np.float32))
+    assert np.array_equal(cp.asnumpy(b), (np.arange(1000, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+
+# ---------------------------------------------------------------- coverage and errors
+@pytest.mark.parametrize("kind", RUNTIMES)
+def test_moe_and_fused_qkv_architectures(tmp_path, kind):
+    """MUL_MAT_ID, top-k, ADD_ID, views into a fused QKV: qwen3moe and phi3, two devices."""
+    specs = [SynthSpec(arch="qwen3moe", qk_norm=True, head_dim=32, n_expert=4, n_expert_used=2, n_ff_exp=256,
+                       expert_down_bias=True, seed=23, types={"down_exps": "Q4_K", "up_exps": "Q8_0"}),
+             SynthSpec(arch="phi3", fused_qkv=True, fused_up_gate=True, n_ff=512, tied=False, seed=21,
+                       types={"qkv": "Q8_0", "o": "Q8_0", "down": "Q6_K", "up": "Q4_0"})]
+    for i, spec in enumerate(specs):
+        path = tmp_path / f"m{i}.gguf"
+        write_synthetic_gguf(path, spec)
+        model = load_model(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            eng, ref = engines(model, kind, n=2, ts=(3, 1), kv_dtype="f32", matmul_dtype="f32")
+        ids = [5, 17, 200, 3, 99, 42, 7, 8, 150, 11]
+        assert rel_err(eng.forward(ids, all_logits=True), ref.forward(ids, all_logits=True)) < 1e-4
+        assert rel_err(eng.forward([12]), ref.forward([12])) < 1e-4
+
+
+def test_unsupported_op_is_named():
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    q = ops.new_tensor("q", (16, 1, 2), GGMLType.F32, Flag.INPUT)
+    k = ops.new_tensor("k", (16, 4, 1), GGMLType.F32, Flag.INPUT)
+    sinks = ops.new_tensor("sinks", (2,), GGMLType.F32, Flag.WEIGHT)
+    att = ops.flash_attn_ext(q, k, k, None, 0.25, sinks=sinks)
+    plan = single_device_plan(Graph([att]))
+    be = CupyBackend(DeviceLayout(), runtime=EmuRuntime())
+    be.upload(sinks, np.zeros(2, np.float32), plan)
+    with pytest.raises(UnsupportedOpError, match="FLASH_ATTN_EXT"):
+        be.prepare(plan)
+
+
+def test_memory_accounting_counts_raw_weights(small_model):
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    eng, _ = engines(small_model, "emu")
+    mem = eng.memory_plan()
+    f32_bytes = sum(int(np.prod(w.ne)) * 4 for w in small_model.weights.values())
+    assert mem.weights[0] < f32_bytes / 3          # Q4_1 / Q8_0 blocks, not floats
+    eng.forward(PROMPT)
+    assert eng.backend.allocated_bytes()[0] > 0
