@@ -2,66 +2,60 @@
 
 The kernels are plain CUDA C with ``extern "C"`` entry points; every family (one ``.cu``
 file) becomes one ``cupy.RawModule`` compiled by NVRTC from source, once per device, and
-cached. The Python functions below take CuPy arrays plus Python ints/floats, convert the
+cached. The Python functions below take arrays plus Python ints/floats, convert the
 scalars to ``np.int32`` / ``np.float32`` (a Python float given to a ``float`` parameter
 would be passed as a double), pick grid/block, and launch on the current stream of the
 current device.
 
+Two things make these helpers usable by a backend that prepares a plan once and replays it:
+
+* ``recording()``: inside it, ``launch`` does not launch but appends a :class:`Launch`
+  (kernel, grid, block, typed args) to a list. ``Launch.frozen()`` replaces arrays by raw
+  pointers, so replaying costs one RawKernel call. A captured CUDA graph replays the same
+  arguments, so every per-step value (positions, KV length) is read from device memory.
+* ``use_emulator()``: the same sources compiled as host C++ (one fiber per CUDA thread,
+  ``__syncthreads`` and warp shuffles emulated), launched on numpy arrays. It needs only
+  g++ and lets every kernel be checked against numpy on a machine without a GPU. It checks
+  what a real launch would refuse too: block/grid limits, shared memory, and the C type of
+  every argument (``np.int32`` / ``np.float32`` / pointer).
+
 Importing this module needs neither CuPy nor a GPU; CuPy is imported on first use.
 
 Conventions (ggml): a weight has ``ne = [in, out]``, stored as ``out`` rows of ``in``
-elements (each row a sequence of quant blocks). In CuPy a ggml tensor with
-``ne = [a, b, c, d]`` is an array of shape ``(d, c, b, a)``. f16 tensors are
-``float16`` arrays, bf16 tensors are ``uint16`` arrays holding the bit patterns.
-Strides passed to kernels are in elements unless a name says ``bytes``.
+elements (each row a sequence of quant blocks). An array holding a ggml tensor with
+``ne = [a, b, c, d]`` has shape ``(d, c, b, a)``. f16 tensors are ``float16`` arrays,
+bf16 tensors are ``uint16`` arrays holding the bit patterns. Strides passed to kernels
+are in elements unless a name says ``bytes``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import hashlib
 import math
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 __all__ = [
-    "FAMILIES",
-    "WEIGHT_TYPES",
-    "gpu_available",
-    "kernel_sources",
-    "module_source",
-    "expected_entry_points",
-    "get_kernel",
-    "launch",
-    "compile_all",
-    "dequantize",
-    "matvec",
-    "rms_norm",
-    "rope",
-    "set_rows",
-    "flash_attn_decode",
-    "flash_attn_prefill",
-    "flash_attn",
-    "binary",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "add_inplace",
-    "scale",
-    "fill",
-    "silu",
-    "gelu",
-    "swiglu",
-    "geglu",
-    "soft_max",
-    "argmax",
-    "get_rows",
-    "copy",
-    "f32_to_bf16",
-    "bf16_to_f32",
+    "FAMILIES", "WEIGHT_TYPES", "MATVEC_MAX_TOKENS", "Launch",
+    "gpu_available", "emulator_available", "kernel_sources", "module_source",
+    "expected_entry_points", "get_kernel", "launch", "recording", "use_emulator", "Emulator",
+    "compile_all", "device_ptr",
+    "dequantize", "matvec", "matvec_multi", "matvec_glu", "matvec_id", "rms_norm", "norm", "sum_rows", "rope",
+    "set_rows", "flash_attn_decode", "flash_attn_prefill", "flash_attn", "binary", "add", "sub",
+    "mul", "div", "add_inplace", "add_id", "unary", "scale", "fill", "silu", "gelu", "sigmoid",
+    "softplus", "swiglu", "geglu", "soft_max", "argmax", "top_k", "get_rows", "copy",
+    "f32_to_bf16", "bf16_to_f32",
 ]
 
 #: One CUDA source (and one RawModule) per op family.
@@ -83,11 +77,16 @@ WEIGHT_TYPES: dict[str, tuple[int, int]] = {
 _CHUNK_ELEMS = {"f32": 1, "f16": 1, "bf16": 1, "q8_0": 8, "q4_0": 8, "q4_1": 8,
                 "q4_k": 8, "q5_k": 8, "q6_k": 8}
 
+#: matvec handles up to this many tokens per launch (llama.cpp's MMVQ_MAX_BATCH_SIZE).
+MATVEC_MAX_TOKENS = 8
 _MATVEC_NT = (1, 2, 4, 8)
 _ATTN_NG = (1, 2, 4, 8)
 _KV_TYPES = ("f16", "bf16", "f32")
 _CPY_PAIRS = (("f32", "f32"), ("f32", "f16"), ("f16", "f32"), ("f16", "f16"),
               ("f32", "bf16"), ("bf16", "f32"))
+_UNARY_OPS = ("scale", "silu", "gelu", "sigmoid", "softplus")
+_GLU_ACTS = ("swiglu", "geglu")
+_TOPK_MAX = 256
 
 #: Options handed to NVRTC (CuPy adds -arch of the device, -ftz=true and its -std).
 COMPILE_OPTIONS: tuple[str, ...] = ()
@@ -163,30 +162,35 @@ def expected_entry_points() -> dict[str, list[str]]:
     wt = list(WEIGHT_TYPES)
     return {
         "dequant": [f"dequant_{t}_{o}" for t in wt for o in ("f32", "f16")],
-        "matvec": [f"matvec_{t}_t{n}" for t in wt for n in _MATVEC_NT],
-        "norm": ["rms_norm_f32"],
+        "matvec": [f"matvec_{t}_t{n}" for t in wt for n in _MATVEC_NT]
+        + [f"matvec_multi_{t}" for t in wt]
+        + [f"matvec_{a}_{t}" for t in wt for a in _GLU_ACTS]
+        + [f"matvec_id_{t}" for t in wt],
+        "norm": ["rms_norm_f32", "norm_f32", "sum_rows_f32"],
         "rope": ["rope_norm_f32", "rope_neox_f32"],
         "kv": [f"set_rows_f32_{t}" for t in _KV_TYPES],
         "attn": [f"attn_decode_{t}_g{g}" for t in _KV_TYPES for g in _ATTN_NG]
         + ["attn_merge_f32"]
         + [f"attn_prefill_{t}" for t in _KV_TYPES],
         "elementwise": [f"binary_{op}_f32" for op in ("add", "sub", "mul", "div")]
-        + ["add_inplace_f32", "add_inplace_f32_bf16", "add_inplace_bf16", "scale_f32",
-           "fill_f32", "silu_f32", "gelu_f32", "swiglu_f32", "geglu_f32", "soft_max_f32",
-           "argmax_f32"]
+        + ["add_inplace_f32", "add_inplace_f32_bf16", "add_inplace_bf16", "fill_f32"]
+        + [f"unary_{op}_f32" for op in _UNARY_OPS]
+        + ["swiglu_f32", "geglu_f32", "soft_max_f32", "argmax_f32"]
         + [f"get_rows_{t}" for t in wt]
+        + ["add_id_f32", "top_k_f32"]
         + [f"cpy_{a}_{b}" for a, b in _CPY_PAIRS]
         + ["f32_to_bf16", "bf16_to_f32"],
     }
 
 
-# --------------------------------------------------------------------------- cupy
-def _cupy():
-    import cupy  # noqa: PLC0415 - lazy on purpose
+def _family_of(name: str) -> str:
+    for fam, names in expected_entry_points().items():
+        if name in names:
+            return fam
+    raise KeyError(f"no kernel named {name!r}")
 
-    return cupy
 
-
+# --------------------------------------------------------------------------- engines
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
     try:
@@ -199,51 +203,158 @@ def gpu_available() -> bool:
         return False
 
 
-_lock = threading.Lock()
-_modules: dict[tuple[str, int], Any] = {}
-_functions: dict[tuple[str, str, int], Any] = {}
-_sm_count: dict[int, int] = {}
-_smem_set: dict[tuple[str, str, int], int] = {}
+class _CupyEngine:
+    """Kernels compiled by NVRTC through cupy.RawModule, arrays are cupy arrays."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        self._modules: dict[tuple[str, int], Any] = {}
+        self._sms: dict[int, int] = {}
+
+    @staticmethod
+    def cupy():
+        import cupy  # noqa: PLC0415 - lazy on purpose
+
+        return cupy
+
+    def device_id(self) -> int:
+        return int(self.cupy().cuda.runtime.getDevice())
+
+    def module(self, family: str, dev: int):
+        key = (family, dev)
+        mod = self._modules.get(key)
+        if mod is None:
+            mod = self.cupy().RawModule(code=module_source(family), options=COMPILE_OPTIONS)
+            self._modules[key] = mod
+        return mod
+
+    def empty(self, shape, dtype):
+        return self.cupy().empty(shape, dtype=dtype)
+
+    def sm_count(self) -> int:
+        dev = self.device_id()
+        n = self._sms.get(dev)
+        if n is None:
+            try:
+                n = int(self.cupy().cuda.Device(dev).attributes["MultiProcessorCount"])
+            except Exception:  # noqa: BLE001
+                n = 80
+            self._sms[dev] = n
+        return n
 
 
-def _device_id() -> int:
-    return int(_cupy().cuda.runtime.getDevice())
+_CUPY = _CupyEngine()
+_engines: list[Any] = []          # use_emulator() pushes here; empty: CuPy
+_lock = threading.RLock()
+_functions: dict[tuple[Any, str, str, int], Any] = {}   # (engine, family, name, device)
+_smem_set: dict[tuple[Any, str, str, int], int] = {}
 
 
-def _module(family: str, dev: int):
-    key = (family, dev)
-    mod = _modules.get(key)
-    if mod is None:
+def _engine():
+    return _engines[-1] if _engines else _CUPY
+
+
+@contextlib.contextmanager
+def use_emulator(emulator: "Emulator | None" = None) -> Iterator["Emulator"]:
+    """Run every kernel of this module on the CPU emulator (numpy arrays) inside the block."""
+    emu = emulator or Emulator()
+    with _lock:
+        _engines.append(emu)
+    try:
+        yield emu
+    finally:
         with _lock:
-            mod = _modules.get(key)
-            if mod is None:
-                cp = _cupy()
-                mod = cp.RawModule(code=module_source(family), options=COMPILE_OPTIONS)
-                _modules[key] = mod
-    return mod
+            _engines.remove(emu)
 
 
 def get_kernel(family: str, name: str):
-    """The ``cupy.RawKernel`` ``name`` of ``family`` for the current device (cached)."""
-    dev = _device_id()
-    key = (family, name, dev)
+    """The kernel ``name`` of ``family`` for the current device (cached)."""
+    eng = _engine()
+    dev = eng.device_id()
+    key = (eng, family, name, dev)
     k = _functions.get(key)
     if k is None:
-        k = _module(family, dev).get_function(name)
-        _functions[key] = k
+        with _lock:
+            k = _functions.get(key)
+            if k is None:
+                k = eng.module(family, dev).get_function(name)
+                _functions[key] = k
     return k
 
 
+def device_ptr(a) -> int:
+    """The device address of an array's first element (cupy) or its host address (numpy)."""
+    if a is None:
+        return 0
+    data = getattr(a, "data", None)
+    ptr = getattr(data, "ptr", None)
+    if ptr is not None:
+        return int(ptr)
+    if isinstance(a, np.ndarray):
+        return int(a.ctypes.data)
+    raise TypeError(f"not an array: {type(a).__name__}")
+
+
+def _is_array(a) -> bool:
+    return isinstance(a, np.ndarray) or hasattr(getattr(a, "data", None), "ptr")
+
+
+@dataclass
+class Launch:
+    """One kernel launch, ready to be replayed: ``launch()`` with every argument fixed."""
+
+    kernel: Any
+    name: str
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    args: tuple
+    shared_mem: int = 0
+    keep: tuple = field(default=(), repr=False)   # arrays whose pointers `args` hold
+
+    def __call__(self) -> None:
+        self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+
+    def frozen(self) -> "Launch":
+        """The same launch with arrays replaced by raw pointers (np.uint64): cheaper to replay.
+        The arrays are kept alive by the Launch."""
+        arrays = tuple(a for a in self.args if _is_array(a))
+        args = tuple(np.uint64(device_ptr(a)) if (a is None or _is_array(a)) else a for a in self.args)
+        return Launch(self.kernel, self.name, self.grid, self.block, args, self.shared_mem,
+                      self.keep + arrays)
+
+
+_recorder = threading.local()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """Collect launches instead of running them (nested recordings are independent)."""
+    prev = getattr(_recorder, "launches", None)
+    out: list[Launch] = []
+    _recorder.launches = out
+    try:
+        yield out
+    finally:
+        _recorder.launches = prev
+
+
 def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
-    """Launch a kernel on the current stream (grid/block tuples, args already typed)."""
+    """Launch a kernel on the current stream (grid/block tuples, args already typed), or
+    record it inside ``recording()``."""
     k = get_kernel(family, name)
     if shared_mem > 48 * 1024:
-        key = (family, name, _device_id())
+        key = (_engine(), family, name, _engine().device_id())
         if _smem_set.get(key, 0) < shared_mem:
             k.max_dynamic_shared_size_bytes = int(shared_mem)
             _smem_set[key] = int(shared_mem)
-    k(tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args),
-      shared_mem=int(shared_mem))
+    item = Launch(k, name, tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args),
+                  int(shared_mem))
+    rec = getattr(_recorder, "launches", None)
+    if rec is not None:
+        rec.append(item)
+    else:
+        item()
 
 
 def compile_all(families=None) -> dict[str, float]:
@@ -261,16 +372,360 @@ def compile_all(families=None) -> dict[str, float]:
 
 
 def _sms() -> int:
-    dev = _device_id()
-    n = _sm_count.get(dev)
-    if n is None:
-        cp = _cupy()
-        try:
-            n = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-        except Exception:  # noqa: BLE001
-            n = 80
-        _sm_count[dev] = n
-    return n
+    return _engine().sm_count()
+
+
+def _empty(shape, dtype):
+    return _engine().empty(shape, dtype)
+
+
+# --------------------------------------------------------------------------- emulator
+_EMU_PRELUDE = r"""
+// ---- metatp CUDA emulator prelude: the kernels as host C++ (tests only) ----
+#include <ucontext.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cstddef>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define MT_HOST_EMU 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+
+struct mt_dim3 { unsigned int x, y, z; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+
+namespace mt_emu {
+struct Fiber {
+    ucontext_t ctx;
+    mt_dim3 tid;
+    int lin;    // linear thread index in the block (warp = lin / 32)
+    int wait;   // 0 runnable, 1 at __syncthreads, 2 at a warp exchange
+    bool done;
+};
+inline Fiber* cur = nullptr;
+inline mt_dim3 block_idx, block_dim, grid_dim;
+inline ucontext_t sched;
+inline unsigned char xch[1024 * 8];
+inline unsigned char* dyn_smem = nullptr;
+inline void (*launch_tramp)(void**) = nullptr;
+inline void** launch_args = nullptr;
+
+inline void yield_to_scheduler() { swapcontext(&cur->ctx, &sched); }
+inline void sync_block() { cur->wait = 1; yield_to_scheduler(); }
+inline void sync_warp() { cur->wait = 2; yield_to_scheduler(); }
+
+template <class T> inline T shfl_xor(T v, int o) {
+    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
+    const int lin = cur->lin;
+    memcpy(xch + 8 * lin, &v, sizeof(T));
+    sync_warp();
+    const int src = (lin & ~31) | ((lin & 31) ^ (o & 31));
+    T r;
+    memcpy(&r, xch + 8 * src, sizeof(T));
+    sync_warp();
+    return r;
+}
+
+template <class T> constexpr char kind() {
+    if constexpr (std::is_pointer_v<T>) return 'p';
+    else if constexpr (std::is_same_v<T, int>) return 'i';
+    else if constexpr (std::is_same_v<T, float>) return 'f';
+    else if constexpr (std::is_same_v<T, long long>) return 'l';
+    else return '?';
+}
+template <class... A> const char* sig(void (*)(A...)) {
+    static const char s[] = {kind<A>()..., 0};
+    return s;
+}
+template <class... A, size_t... I>
+void call(void (*f)(A...), void** a, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_cv_t<A>*>(a[I])...);
+}
+template <class... A> void invoke(void (*f)(A...), void** a) {
+    call(f, a, std::index_sequence_for<A...>{});
+}
+}  // namespace mt_emu
+
+#define threadIdx (mt_emu::cur->tid)
+#define blockIdx (mt_emu::block_idx)
+#define blockDim (mt_emu::block_dim)
+#define gridDim (mt_emu::grid_dim)
+#define __syncthreads() mt_emu::sync_block()
+
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return mt_emu::shfl_xor(v, o); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+template <class T> inline T min(T a, T b) { return b < a ? b : a; }
+template <class T> inline T max(T a, T b) { return a < b ? b : a; }
+// ---- end of prelude ----
+"""
+
+_EMU_LAUNCHER = r"""
+// ---- emulator launcher: blocks one after another, the threads of a block as fibers ----
+namespace mt_emu {
+static std::vector<Fiber> fibers;
+static std::vector<std::vector<char>> stacks;
+static const size_t kStack = 128 * 1024;
+static void fiber_main() {
+    launch_tramp(launch_args);
+    cur->done = true;
+}
+// Runs every fiber until all are done; releases warp exchanges and block barriers when every
+// live thread of the warp / block has reached them. Returns false on a deadlock.
+static bool run_block(int nth, char* err, int err_len) {
+    for (;;) {
+        for (int i = 0; i < nth; ++i) {
+            Fiber& f = fibers[i];
+            if (!f.done && f.wait == 0) {
+                cur = &f;
+                swapcontext(&sched, &f.ctx);
+            }
+        }
+        int live = 0, at_block = 0;
+        for (int i = 0; i < nth; ++i) {
+            if (!fibers[i].done) {
+                ++live;
+                at_block += fibers[i].wait == 1;
+            }
+        }
+        if (live == 0) return true;
+        bool released = false;
+        for (int w0 = 0; w0 < nth; w0 += 32) {
+            int wl = 0, ww = 0;
+            for (int i = w0; i < w0 + 32 && i < nth; ++i) {
+                if (!fibers[i].done) {
+                    ++wl;
+                    ww += fibers[i].wait == 2;
+                }
+            }
+            if (wl > 0 && ww == wl) {
+                for (int i = w0; i < w0 + 32 && i < nth; ++i) fibers[i].wait = 0;
+                released = true;
+            }
+        }
+        if (!released && at_block == live) {
+            for (int i = 0; i < nth; ++i) fibers[i].wait = 0;
+            released = true;
+        }
+        if (!released) {
+            snprintf(err, err_len, "deadlock in block (%u,%u,%u): %d live threads, %d at "
+                     "__syncthreads, the rest at a warp exchange", block_idx.x, block_idx.y,
+                     block_idx.z, live, at_block);
+            return false;
+        }
+    }
+}
+}  // namespace mt_emu
+
+extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, unsigned gy,
+                             unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned long smem, char* err, int err_len) {
+    using namespace mt_emu;
+    const long nth = (long)bx * by * bz;
+    if (nth <= 0 || nth > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx == 0 || gy == 0 ||
+        gz == 0 || gy > 65535 || gz > 65535 || gx > 2147483647u) {
+        snprintf(err, err_len, "invalid launch configuration grid (%u,%u,%u) block (%u,%u,%u)",
+                 gx, gy, gz, bx, by, bz);
+        return 1;
+    }
+    if ((long)fibers.size() < nth) fibers.resize(nth);
+    while ((long)stacks.size() < nth) stacks.emplace_back(kStack);
+    std::vector<unsigned char> smem_buf(smem + 64, 0xFF);   // NaN bytes: catch reads before writes
+    dyn_smem = (unsigned char*)(((uintptr_t)smem_buf.data() + 63) & ~(uintptr_t)63);
+    launch_tramp = tramp;
+    launch_args = args;
+    block_dim = {bx, by, bz};
+    grid_dim = {gx, gy, gz};
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) {
+                block_idx = {x, y, z};
+                for (long i = 0; i < nth; ++i) {
+                    Fiber& f = fibers[i];
+                    f.tid = {(unsigned)(i % bx), (unsigned)((i / bx) % by), (unsigned)(i / ((long)bx * by))};
+                    f.lin = (int)i;
+                    f.wait = 0;
+                    f.done = false;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks[i].data();
+                    f.ctx.uc_stack.ss_size = kStack;
+                    f.ctx.uc_link = &sched;
+                    makecontext(&f.ctx, (void (*)())fiber_main, 0);
+                }
+                if (!run_block((int)nth, err, err_len)) return 2;
+            }
+    return 0;
+}
+"""
+
+_SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
+
+
+def emulator_source(family: str) -> str:
+    """One family as host C++: prelude, the kernels (shared memory made static), trampolines."""
+    src = module_source(family)
+    src = _SHARED_EXTERN_RE.sub(lambda m: f"#define {m.group(2)} (({m.group(1)}*)mt_emu::dyn_smem)", src)
+    src = re.sub(r"\b__shared__\b", "static", src)
+    tramps = "\n".join(
+        f'extern "C" void mt_tramp_{n}(void** a) {{ mt_emu::invoke(&{n}, a); }}\n'
+        f'extern "C" const char* mt_sig_{n}() {{ return mt_emu::sig(&{n}); }}'
+        for n in expected_entry_points()[family])
+    return _EMU_PRELUDE + src + _EMU_LAUNCHER + tramps + "\n"
+
+
+def emulator_available() -> bool:
+    """True when a host C++ compiler for the emulator is on PATH."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+_EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
+
+
+def _emu_cache_dir() -> Path:
+    d = os.environ.get("METATP_EMU_CACHE")
+    path = Path(d) if d else Path(tempfile.gettempdir()) / f"metatp-emu-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _compile_emulator(family: str) -> Path:
+    """The shared library of one family (compiled once, cached by source hash)."""
+    cxx = os.environ.get("CXX", "g++")
+    src = emulator_source(family)
+    digest = hashlib.sha1((src + " ".join(_EMU_FLAGS) + cxx).encode()).hexdigest()[:16]
+    out = _emu_cache_dir() / f"{family}-{digest}.so"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        cpp = Path(tmp) / f"{family}.cpp"
+        cpp.write_text(src, encoding="utf-8")
+        so = Path(tmp) / out.name
+        r = subprocess.run([cxx, *_EMU_FLAGS, "-o", str(so), str(cpp)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"emulator build of {family}.cu failed:\n{r.stderr[-4000:]}")
+        os.replace(so, out)
+    return out
+
+
+class _EmuKernel:
+    """A kernel of the emulator, called like cupy.RawKernel."""
+
+    def __init__(self, emu: "Emulator", lib, name: str) -> None:
+        self.emu = emu
+        self.name = name
+        self._tramp = ctypes.cast(getattr(lib, f"mt_tramp_{name}"), ctypes.c_void_p)
+        sig_fn = getattr(lib, f"mt_sig_{name}")
+        sig_fn.restype = ctypes.c_char_p
+        self.signature = sig_fn().decode()
+        self._launch = lib.mt_emu_launch
+        self._launch.restype = ctypes.c_int
+        self.max_dynamic_shared_size_bytes = 0
+
+    def _convert(self, args) -> list:
+        if len(args) != len(self.signature):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.signature)} parameters")
+        out = []
+        for i, (a, kind) in enumerate(zip(args, self.signature)):
+            if kind == "p":
+                if not (a is None or _is_array(a) or isinstance(a, np.uint64)):
+                    raise TypeError(f"{self.name}: argument {i} must be an array or pointer, got {type(a).__name__}")
+                out.append(ctypes.c_uint64(int(a) if isinstance(a, np.uint64) else device_ptr(a)))
+            elif kind == "i":
+                if not isinstance(a, np.int32):
+                    raise TypeError(f"{self.name}: argument {i} must be np.int32, got {type(a).__name__}")
+                out.append(ctypes.c_int32(int(a)))
+            elif kind == "f":
+                if not isinstance(a, np.float32):
+                    raise TypeError(f"{self.name}: argument {i} must be np.float32, got {type(a).__name__}")
+                out.append(ctypes.c_float(float(a)))
+            else:
+                raise TypeError(f"{self.name}: parameter {i} has a type the emulator cannot pass")
+        return out
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None) -> None:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        if shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes:
+            raise RuntimeError(f"{self.name}: {shared_mem} bytes of dynamic shared memory need "
+                               "max_dynamic_shared_size_bytes raised first")
+        if shared_mem > 227 * 1024:
+            raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory exceed the device limit")
+        vals = self._convert(args)
+        self.emu.dispatch(lambda: self._run(grid, block, vals, shared_mem))
+
+    def _run(self, grid, block, vals, shared_mem) -> None:
+        ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+        err = ctypes.create_string_buffer(512)
+        rc = self._launch(self._tramp, ptrs, *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
+                          ctypes.c_ulong(shared_mem), err, ctypes.c_int(len(err)))
+        if rc != 0:
+            raise RuntimeError(f"{self.name}: {err.value.decode()}")
+
+
+class _EmuModule:
+    def __init__(self, emu: "Emulator", lib) -> None:
+        self.emu = emu
+        self.lib = lib
+
+    def get_function(self, name: str) -> _EmuKernel:
+        return _EmuKernel(self.emu, self.lib, name)
+
+
+class Emulator:
+    """The CPU stand-in for a GPU: numpy arrays, kernels compiled as host C++.
+
+    ``dispatch`` runs work at once, or appends it to ``capture`` while one is active
+    (what a backend's emulated CUDA-graph capture records and replays)."""
+
+    name = "emulator"
+    _libs: dict[Path, Any] = {}         # compiled library (by source hash) -> loaded ctypes handle
+
+    def __init__(self, sm_count: int = 4) -> None:
+        self._sm_count = sm_count
+        self.current_device = 0
+        self.capture: list | None = None
+        self.launches = 0
+
+    def device_id(self) -> int:
+        return self.current_device
+
+    def module(self, family: str, dev: int) -> _EmuModule:
+        with _lock:
+            path = _compile_emulator(family)
+            lib = Emulator._libs.get(path)
+            if lib is None:
+                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
+        return _EmuModule(self, lib)
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def sm_count(self) -> int:
+        return self._sm_count
+
+    def dispatch(self, work) -> None:
+        self.launches += 1
+        if self.capture is not None:
+            self.capture.append(work)
+        else:
+            work()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -366,10 +821,21 @@ def _as4(shape, strides) -> tuple[list[int], list[int]]:
     return ne, s
 
 
+def _nd(a) -> tuple[list[int], list[int]]:
+    """ggml (ne[0..3], element strides[0..3]) of an array."""
+    return _as4(a.shape, _estrides(a))
+
+
 def _check_f32(*arrays) -> None:
     for a in arrays:
         if a is not None and a.dtype != np.float32:
             raise TypeError(f"expected float32, got {a.dtype}")
+
+
+def _check_i32(*arrays) -> None:
+    for a in arrays:
+        if a is not None and a.dtype != np.int32:
+            raise TypeError(f"expected int32 indices, got {a.dtype}")
 
 
 def _tail(a, rows: int, row_stride: int):
@@ -383,6 +849,10 @@ def _tail(a, rows: int, row_stride: int):
     if a.ndim == 1:
         return a[rows * row_stride:]
     raise ValueError("expected a 1-D or 2-D array")
+
+
+def _row_block(ne0: int, cap: int = 1024) -> int:
+    return max(32, min(cap, _cdiv(max(1, ne0 // 4), 32) * 32))
 
 
 # --------------------------------------------------------------------------- dequant
@@ -422,27 +892,39 @@ def _matvec_block(units: int) -> tuple[int, int]:
     return 32, 8
 
 
-def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None,
-           w_row_bytes: int | None = None, x_stride: int | None = None,
-           y_stride: int | None = None) -> None:
-    """``y[t, r] = sum_i W[r, i] * x[t, i]`` for a few tokens (decode; any count works,
-    launched 8 tokens at a time).
-
-    ``w``: raw weight bytes, row r at ``r * w_row_bytes`` (default: packed rows of ne0).
-    ``x``: float32 (n_tokens, ne0) or (ne0,); ``y``: float32 (n_tokens, n_rows) or (n_rows,).
-    Token strides (elements) default to the arrays' leading strides.
-    """
+def _check_block_type(qtype, ne0: int) -> tuple[str, int, int]:
     t = _wtype(qtype)
     qk, nbytes = WEIGHT_TYPES[t]
     if ne0 % qk:
         raise ValueError(f"ne0={ne0} is not a multiple of the {t} block size {qk}")
-    _check_f32(x, y)
+    return t, qk, nbytes
+
+
+def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None,
+           w_row_bytes: int | None = None, x_stride: int | None = None,
+           y_stride: int | None = None, add=None, add_stride: int | None = None) -> None:
+    """``y[t, r] = sum_i W[r, i] * x[t, i] (+ add[t, r])`` for a few tokens (decode; any
+    count works, launched 8 tokens at a time).
+
+    ``w``: raw weight bytes, row r at ``r * w_row_bytes`` (default: packed rows of ne0).
+    ``x``: float32 (n_tokens, ne0) or (ne0,); ``y``: float32 (n_tokens, n_rows) or (n_rows,).
+    ``add``: optional float32 residual (same layout as y, stride ``add_stride``; 0 = one
+    row broadcast over the tokens, e.g. a bias). Token strides (elements) default to the
+    arrays' leading strides.
+    """
+    t, qk, nbytes = _check_block_type(qtype, ne0)
+    _check_f32(x, y, add)
     if n_tokens is None:
         n_tokens = x.shape[0] if x.ndim == 2 else 1
     if x_stride is None:
         x_stride = _estrides(x)[0] if x.ndim == 2 else ne0
     if y_stride is None:
         y_stride = _estrides(y)[0] if y.ndim == 2 else n_rows
+    if add is not None and add_stride is None:
+        add_stride = _estrides(add)[0] if add.ndim == 2 and add.shape[0] > 1 else (
+            0 if add.size == n_rows else n_rows)
+    if add is None:
+        add_stride = 0
     if w_row_bytes is None:
         w_row_bytes = ne0 // qk * nbytes
     x_small = x.shape[-1] < ne0 if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + ne0
@@ -456,34 +938,156 @@ def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None
     units = ne0 // qk * (qk // _CHUNK_ELEMS[t])
     bx, by = _matvec_block(units)
     grid = (_cdiv(n_rows, by),)
-    for t0 in range(0, n_tokens, 8):
-        nt = min(8, n_tokens - t0)
+    for t0 in range(0, n_tokens, MATVEC_MAX_TOKENS):
+        nt = min(MATVEC_MAX_TOKENS, n_tokens - t0)
         nt_k = next(n for n in _MATVEC_NT if n >= nt)
         xa = _tail(x, t0, x_stride)
         ya = _tail(y, t0, y_stride)
+        aa = None if add is None else (add if add_stride == 0 else _tail(add, t0, add_stride))
         launch("matvec", f"matvec_{t}_t{nt_k}", grid, (bx, by),
                (w, xa, ya, _i32(ne0), _i32(n_rows), _i32(w_row_bytes), _i32(nt),
-                _i32(x_stride), _i32(y_stride)))
+                _i32(x_stride), _i32(y_stride), aa, _i32(add_stride)))
 
 
-# --------------------------------------------------------------------------- norm
-def _row_block(ne0: int, cap: int = 1024) -> int:
-    return max(32, min(cap, _cdiv(max(1, ne0 // 4), 32) * 32))
+def _norm_args(x, ne0: int, norm_weight, eps: float | None) -> tuple:
+    """(norm_w, eps, flag) kernel arguments: RMS-normalise x first when eps is given."""
+    _check_f32(norm_weight)
+    if norm_weight is not None and norm_weight.size != ne0:
+        raise ValueError(f"norm weight has {norm_weight.size} elements for ne0={ne0}")
+    if eps is None:
+        return None, _f32(0.0), _i32(0)
+    return norm_weight, _f32(eps), _i32(1)
 
 
-def rms_norm(x, y, *, eps: float, weight=None, ne0: int | None = None,
-             n_rows: int | None = None, x_row_stride: int | None = None,
-             y_row_stride: int | None = None) -> None:
-    """``y = x / sqrt(mean(x^2) + eps) * weight`` per row of ne0 (weight None: no multiply)."""
-    _check_f32(x, y, weight)
-    ne0, n_rows, x_row_stride = _rows2d(x, ne0, n_rows, x_row_stride)
-    if y_row_stride is None:
-        y_row_stride = _rows2d(y, ne0, n_rows)[2]
+def matvec_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | None = None) -> None:
+    """One token, up to three weights sharing x: ``y_j = W_j @ x'`` in one launch (q, k, v).
+
+    jobs: (w, y, n_rows, row_bytes) per weight (raw bytes, f32 output of n_rows). With
+    ``eps`` given, x' = rms_norm(x, eps) * norm_weight (norm_weight None: no weight), so
+    the RMS_NORM before the projections needs no kernel of its own."""
+    if not 1 <= len(jobs) <= 3:
+        raise ValueError(f"matvec_multi takes 1 to 3 weights, got {len(jobs)}")
+    t, qk, nbytes = _check_block_type(qtype, ne0)
+    _check_f32(x)
+    if x.size < ne0:
+        raise ValueError(f"x {x.shape} too small for ne0={ne0}")
+    for _, y, n_rows, _ in jobs:
+        _check_f32(y)
+        if y.size < n_rows:
+            raise ValueError(f"y {y.shape} too small for {n_rows} rows")
+    jobs = list(jobs) + [(None, None, 0, 0)] * (3 - len(jobs))
+    bx, by = _matvec_block(ne0 // qk * (qk // _CHUNK_ELEMS[t]))
+    n_blocks = sum(_cdiv(j[2], by) for j in jobs)
+    if n_blocks == 0:
+        return
+    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
+    launch("matvec", f"matvec_multi_{t}", (n_blocks,), (bx, by),
+           (*(j[0] for j in jobs), *(j[1] for j in jobs), *(_i32(j[2]) for j in jobs),
+            *(_i32(j[3]) for j in jobs), x, _i32(ne0), nw, e, flag))
+
+
+def matvec_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int,
+               w_row_bytes: int | None = None, act: str = "swiglu", norm_weight=None,
+               eps: float | None = None) -> None:
+    """One token: ``y[r] = act(Wg[r] . x') * (Wu[r] . x')`` (gate/up projections + GLU fused).
+
+    act: "swiglu" (silu) or "geglu" (gelu-tanh). Both weights share type and row layout.
+    x' as in matvec_multi (the FFN's RMS norm folded in when eps is given)."""
+    if act not in _GLU_ACTS:
+        raise ValueError(f"act must be one of {_GLU_ACTS}, got {act!r}")
+    t, qk, nbytes = _check_block_type(qtype, ne0)
+    _check_f32(x, y)
+    if x.size < ne0 or y.size < n_rows:
+        raise ValueError(f"x {x.shape} / y {y.shape} too small for ne0={ne0}, n_rows={n_rows}")
+    if w_row_bytes is None:
+        w_row_bytes = ne0 // qk * nbytes
     if n_rows == 0:
         return
-    launch("norm", "rms_norm_f32", (n_rows,), (_row_block(ne0),),
-           (x, weight, y, _i32(ne0), _i32(n_rows), _i32(x_row_stride), _i32(y_row_stride),
-            _f32(eps)))
+    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
+    bx, by = _matvec_block(ne0 // qk * (qk // _CHUNK_ELEMS[t]))
+    launch("matvec", f"matvec_{act}_{t}", (_cdiv(n_rows, by),), (bx, by),
+           (w_gate, w_up, x, y, _i32(ne0), _i32(n_rows), _i32(w_row_bytes), nw, e, flag))
+
+
+def matvec_id(w, qtype, x, y, ids, *, ne0: int, n_rows: int, expert_bytes: int,
+              w_row_bytes: int | None = None) -> None:
+    """ggml MUL_MAT_ID: ``y[t, u] = W[ids[t, u]] @ x[t, u % n_b]``.
+
+    ``w``: experts' raw bytes, expert e at ``e * expert_bytes``; ``x`` float32
+    (n_tokens, n_b, ne0); ``y`` float32 (n_tokens, n_used, n_rows); ``ids`` int32
+    (n_tokens, n_used). Strides come from the arrays (rows contiguous)."""
+    t, qk, nbytes = _check_block_type(qtype, ne0)
+    _check_f32(x, y)
+    _check_i32(ids)
+    if x.ndim != 3 or y.ndim != 3 or ids.ndim != 2:
+        raise ValueError("matvec_id wants x (T, n_b, ne0), y (T, n_used, n_rows), ids (T, n_used)")
+    n_tok, n_b, _ = x.shape
+    n_used = ids.shape[1]
+    if y.shape != (n_tok, n_used, n_rows) or ids.shape[0] != n_tok or x.shape[2] != ne0:
+        raise ValueError(f"shapes do not match: x {x.shape}, y {y.shape}, ids {ids.shape}")
+    xs, ys, is_ = _estrides(x), _estrides(y), _estrides(ids)
+    if (ne0 > 1 and xs[2] != 1) or (n_rows > 1 and ys[2] != 1):
+        raise ValueError("rows of x and y must be contiguous")
+    if w_row_bytes is None:
+        w_row_bytes = ne0 // qk * nbytes
+    if n_rows * n_used * n_tok == 0:
+        return
+    bx, by = _matvec_block(ne0 // qk * (qk // _CHUNK_ELEMS[t]))
+    launch("matvec", f"matvec_id_{t}", (_cdiv(n_rows, by), n_used, n_tok), (bx, by),
+           (w, x, y, ids, _i32(ne0), _i32(n_rows), _i32(w_row_bytes), _i32(expert_bytes),
+            _i32(n_b), _i32(xs[1]), _i32(xs[0]), _i32(ys[1]), _i32(ys[0]), _i32(is_[1]),
+            _i32(is_[0])))
+
+
+# --------------------------------------------------------------------------- row reductions
+def _rows_nd(x, y) -> tuple[list[int], list[int], list[int]]:
+    ne, xs = _nd(x)
+    yne, ys = _nd(y)
+    if ne[1:] != yne[1:]:
+        raise ValueError(f"row dims differ: {x.shape} vs {y.shape}")
+    if (ne[0] > 1 and xs[0] != 1) or (yne[0] > 1 and ys[0] != 1):
+        raise ValueError("rows must be contiguous")
+    return ne, xs, ys
+
+
+def _norm(name: str, x, y, eps: float, weight) -> None:
+    _check_f32(x, y, weight)
+    ne, xs, ys = _rows_nd(x, y)
+    if tuple(x.shape) != tuple(y.shape):
+        raise ValueError(f"shape mismatch {x.shape} vs {y.shape}")
+    if weight is not None and weight.size != ne[0]:
+        raise ValueError(f"weight has {weight.size} elements for rows of {ne[0]}")
+    n_rows = ne[1] * ne[2] * ne[3]
+    if n_rows == 0 or ne[0] == 0:
+        return
+    launch("norm", name, (n_rows,), (_row_block(ne[0]),),
+           (x, weight, y, _i32(ne[0]), _i32(ne[1]), _i32(ne[2]), _i32(n_rows), _i32(xs[1]),
+            _i32(xs[2]), _i32(xs[3]), _i32(ys[1]), _i32(ys[2]), _i32(ys[3]), _f32(eps)))
+
+
+def rms_norm(x, y, *, eps: float, weight=None) -> None:
+    """``y = x / sqrt(mean(x^2) + eps) * weight`` per row (rows: any strided <= 4-D view;
+    weight None: no multiply; y may be x)."""
+    _norm("rms_norm_f32", x, y, eps, weight)
+
+
+def norm(x, y, *, eps: float, weight=None) -> None:
+    """Layer norm without bias: ``y = (x - mean) / sqrt(var + eps) * weight`` per row."""
+    _norm("norm_f32", x, y, eps, weight)
+
+
+def sum_rows(x, y) -> None:
+    """``y[..., 0] = x.sum(-1)`` (ggml SUM_ROWS: y has the shape of x with ne0 = 1)."""
+    _check_f32(x, y)
+    ne, xs = _nd(x)
+    yne, ys = _nd(y)
+    if yne[0] != 1 or yne[1:] != ne[1:] or (ne[0] > 1 and xs[0] != 1):
+        raise ValueError(f"sum_rows: x {x.shape} -> y {y.shape} does not fit")
+    n_rows = ne[1] * ne[2] * ne[3]
+    if n_rows:
+        launch("norm", "sum_rows_f32", (n_rows,), (_row_block(ne[0]),),
+               (x, y, _i32(ne[0]), _i32(ne[1]), _i32(ne[2]), _i32(n_rows), _i32(xs[1]),
+                _i32(xs[2]), _i32(xs[3]), _i32(ys[1]), _i32(ys[2]), _i32(ys[3])))
 
 
 # --------------------------------------------------------------------------- rope
@@ -503,35 +1107,48 @@ def _head_strides(a, head_dim: int, n_head: int, given) -> tuple[int, int]:
 
 def rope(x, y, pos, *, head_dim: int, n_head: int, n_tokens: int, n_dims: int,
          freq_base: float, freq_scale: float = 1.0, neox: bool = False, freq_factors=None,
-         attn_factor: float = 1.0, x_strides=None, y_strides=None) -> None:
+         attn_factor: float = 1.0, x_strides=None, y_strides=None, second=None) -> None:
     """RoPE on f32 ``x`` [n_tokens, n_head, head_dim] (numpy order) into ``y`` (may be x).
 
-    ``pos``: int32 [n_tokens]. ``x_strides``/``y_strides``: (head stride, token stride) in
-    elements; default from 3-D arrays, else contiguous. ``neox``: rotate halves.
+    ``pos``: int32 [n_tokens] in device memory (read by the kernel: a captured graph
+    replays with new positions). ``x_strides``/``y_strides``: (head stride, token stride)
+    in elements; default from 3-D arrays, else contiguous. ``neox``: rotate halves.
+    ``second``: optional (x2, y2, n_head2, x2_strides, y2_strides), rotated in the same
+    launch with the same positions (Q and K of a layer).
     """
     _check_f32(x, y, freq_factors)
-    if pos.dtype != np.int32:
-        raise TypeError("pos must be int32")
+    _check_i32(pos)
     if head_dim % 2 or n_dims % 2 or n_dims > head_dim:
         raise ValueError("head_dim and n_dims must be even and n_dims <= head_dim")
     xs1, xs2 = _head_strides(x, head_dim, n_head, x_strides)
     ys1, ys2 = _head_strides(y, head_dim, n_head, y_strides)
-    total = head_dim // 2 * n_head * n_tokens
+    x2 = y2 = None
+    n_head2, x2s, y2s = 0, (0, 0), (0, 0)
+    if second is not None:
+        x2, y2, n_head2, x2_strides, y2_strides = second
+        _check_f32(x2, y2)
+        x2s = _head_strides(x2, head_dim, n_head2, x2_strides)
+        y2s = _head_strides(y2, head_dim, n_head2, y2_strides)
+    total = head_dim // 2 * (n_head + n_head2) * n_tokens
     if total == 0:
         return
     launch("rope", "rope_neox_f32" if neox else "rope_norm_f32", _grid1d(total), (_BLOCK_1D,),
-           (x, y, pos, freq_factors, _i32(head_dim), _i32(n_head), _i32(n_tokens),
-            _i32(n_dims), _i32(xs1), _i32(xs2), _i32(ys1), _i32(ys2), _f32(freq_base),
+           (x, y, x2, y2, pos, freq_factors, _i32(head_dim), _i32(n_head), _i32(n_head2),
+            _i32(n_tokens), _i32(n_dims), _i32(xs1), _i32(xs2), _i32(ys1), _i32(ys2),
+            _i32(x2s[0]), _i32(x2s[1]), _i32(y2s[0]), _i32(y2s[1]), _f32(freq_base),
             _f32(freq_scale), _f32(attn_factor)))
 
 
 # --------------------------------------------------------------------------- kv
 def set_rows(src, dst, idx, *, ne0: int | None = None, n_rows: int | None = None,
-             src_row_stride: int | None = None, dst_row_stride: int | None = None) -> None:
-    """``dst[idx[r], :ne0] = src[r, :ne0]`` converting f32 to dst's type (f16/bf16/f32)."""
+             src_row_stride: int | None = None, dst_row_stride: int | None = None,
+             second=None) -> None:
+    """``dst[idx[r], :ne0] = src[r, :ne0]`` converting f32 to dst's type (f16/bf16/f32).
+    ``idx`` is read from device memory (a captured graph writes new rows each replay).
+    ``second``: optional (src2, dst2) stored with the same indices in the same launch
+    (the K and V rows of a layer; dst2 of dst's type)."""
     _check_f32(src)
-    if idx.dtype != np.int32:
-        raise TypeError("idx must be int32")
+    _check_i32(idx)
     ne0, n_src_rows, src_row_stride = _rows2d(src, ne0, None, src_row_stride)
     if n_rows is None:
         n_rows = int(idx.size)
@@ -540,31 +1157,39 @@ def set_rows(src, dst, idx, *, ne0: int | None = None, n_rows: int | None = None
     if dst_row_stride is None:
         dst_row_stride = _rows2d(dst)[2] if dst.ndim > 1 else ne0
     out = _act_type(dst)
-    if n_rows == 0 or ne0 == 0:
+    src2 = dst2 = None
+    ne0_2, s2, d2 = 0, 0, 0
+    if second is not None:
+        src2, dst2 = second
+        _check_f32(src2)
+        if _act_type(dst2) != out:
+            raise TypeError("both destinations must have the same type")
+        ne0_2, rows2, s2 = _rows2d(src2)
+        d2 = _rows2d(dst2)[2] if dst2.ndim > 1 else ne0_2
+        if src2.ndim > 1 and rows2 < n_rows:
+            raise ValueError(f"second source has {rows2} rows, need {n_rows}")
+    if n_rows == 0 or ne0 + ne0_2 == 0:
         return
-    launch("kv", f"set_rows_f32_{out}", _grid1d(ne0 * n_rows), (_BLOCK_1D,),
+    launch("kv", f"set_rows_f32_{out}", _grid1d((ne0 + ne0_2) * n_rows), (_BLOCK_1D,),
            (src, dst, idx, _i32(ne0), _i32(n_rows), _i32(src_row_stride),
-            _i32(dst_row_stride)))
+            _i32(dst_row_stride), src2, dst2, _i32(ne0_2), _i32(s2), _i32(d2)))
 
 
 # --------------------------------------------------------------------------- attention
-def _kv_strides(a, head_dim: int, n_head_kv: int, given):
-    return _head_strides(a, head_dim, n_head_kv, given)
-
-
-def _attn_common(q, k, v, out, mask, n_head, n_head_kv, head_dim, n_tokens, n_kv,
+def _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv, head_dim, n_tokens, n_kv,
                  q_strides, k_strides, v_strides, mask_stride, causal, causal_offset):
     _check_f32(q, out, mask)
+    _check_i32(kv_len)
     kvt = _act_type(k)
     if _act_type(v) != kvt:
         raise TypeError("k and v must have the same type")
-    if n_head % n_head_kv:
+    if n_head_kv <= 0 or n_head % n_head_kv:
         raise ValueError(f"n_head={n_head} is not a multiple of n_head_kv={n_head_kv}")
     if head_dim > 256:
         raise ValueError("head_dim > 256 is not supported")
     qs = _head_strides(q, head_dim, n_head, q_strides)
-    ks = _kv_strides(k, head_dim, n_head_kv, k_strides)
-    vs = _kv_strides(v, head_dim, n_head_kv, v_strides)
+    ks = _head_strides(k, head_dim, n_head_kv, k_strides)
+    vs = _head_strides(v, head_dim, n_head_kv, v_strides)
     if mask is not None and mask_stride is None:
         mask_stride = _estrides(mask)[0] if mask.ndim == 2 else n_kv
     if mask_stride is None:
@@ -588,21 +1213,33 @@ def choose_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int) -> int:
     return max(1, min(want, _cdiv(max(n_kv, 1), 64)))
 
 
+def decode_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int,
+                  n_splits: int | None = None) -> tuple[int, int]:
+    """(n_splits, chunk) flash_attn_decode will use (chunk = keys per split)."""
+    if n_splits is None:
+        n_splits = choose_splits(n_head_kv, n_head, n_tokens, n_kv)
+    n_splits = max(1, int(n_splits))
+    chunk = max(1, _cdiv(max(n_kv, 1), n_splits))
+    return max(1, _cdiv(max(n_kv, 1), chunk)), chunk
+
+
 def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
                       n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
                       causal: bool = True, causal_offset: int | None = None,
                       n_splits: int | None = None, workspace=None, q_strides=None,
-                      k_strides=None, v_strides=None, mask_stride: int | None = None) -> None:
+                      k_strides=None, v_strides=None, mask_stride: int | None = None,
+                      kv_len=None) -> None:
     """Split-KV flash attention for a few query tokens (decode).
 
     ``q``: f32 [n_tokens, n_head, head_dim]; ``k``/``v``: cache [n_ctx, n_head_kv, head_dim]
     (float16, uint16 = bf16, or float32), first ``n_kv`` rows used; ``out``: f32
     [n_tokens, n_head, head_dim] contiguous. ``mask``: optional f32 [n_tokens, n_kv]
     (additive). ``causal``: key j visible to token t iff j <= t + causal_offset (default
-    n_kv - n_tokens). ``workspace``: f32 scratch of ``attn_workspace_floats`` (allocated
-    when None and n_splits > 1). Strides: (head, row) in elements.
+    n_kv - n_tokens). ``kv_len``: optional int32 device scalar; keys at or beyond it are
+    skipped. ``workspace``: f32 scratch of ``attn_workspace_floats`` (allocated when None
+    and n_splits > 1). Strides: (head, row) in elements.
     """
-    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, n_head, n_head_kv,
+    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
                                                v_strides, mask_stride, causal, causal_offset)
     if n_tokens == 0:
@@ -610,23 +1247,19 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     g = n_head // n_head_kv
     ng = next(n for n in _ATTN_NG if n >= min(g, 8))
     n_qgroup = _cdiv(g, ng)
-    if n_splits is None:
-        n_splits = choose_splits(n_head_kv, n_head, n_tokens, n_kv)
-    n_splits = max(1, int(n_splits))
-    chunk = max(1, _cdiv(max(n_kv, 1), n_splits))
-    n_splits = max(1, _cdiv(max(n_kv, 1), chunk))
+    n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, n_kv, n_splits)
     nth = max(64, _cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng)
     if n_splits > 1:
         need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
-        if workspace is None or workspace.size < need:
-            if workspace is not None:
-                raise ValueError(f"workspace has {workspace.size} floats, need {need}")
-            workspace = _cupy().empty((need,), dtype=np.float32)
+        if workspace is None:
+            workspace = _empty((need,), np.float32)
+        elif workspace.size < need:
+            raise ValueError(f"workspace has {workspace.size} floats, need {need}")
         _check_f32(workspace)
     launch("attn", f"attn_decode_{kvt}_g{ng}", (n_splits, n_head_kv * n_qgroup, n_tokens),
            (nth,),
-           (q, k, v, mask, out, workspace if n_splits > 1 else None, _i32(head_dim),
+           (q, k, v, mask, kv_len, out, workspace if n_splits > 1 else None, _i32(head_dim),
             _i32(n_head), _i32(n_head_kv), _i32(n_tokens), _i32(n_kv), _i32(qs[0]),
             _i32(qs[1]), _i32(ks[0]), _i32(ks[1]), _i32(vs[0]), _i32(vs[1]), _i32(ms),
             _i32(chunk), _f32(scale), _f32(softcap), _i32(c), _i32(co)),
@@ -639,9 +1272,10 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
 def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
                        n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
                        causal: bool = True, causal_offset: int | None = None, q_strides=None,
-                       k_strides=None, v_strides=None, mask_stride: int | None = None) -> None:
+                       k_strides=None, v_strides=None, mask_stride: int | None = None,
+                       kv_len=None) -> None:
     """Flash attention tiled over queries (prefill); same arguments as flash_attn_decode."""
-    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, n_head, n_head_kv,
+    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
                                                v_strides, mask_stride, causal, causal_offset)
     if n_tokens == 0:
@@ -649,16 +1283,20 @@ def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: i
     g = n_head // n_head_kv
     smem = 4 * (16 * head_dim + 32 * (head_dim + 1) + 16 * 32 + 48)
     launch("attn", f"attn_prefill_{kvt}", (_cdiv(n_tokens * g, 16), n_head_kv), (128,),
-           (q, k, v, mask, out, _i32(head_dim), _i32(n_head), _i32(n_head_kv),
+           (q, k, v, mask, kv_len, out, _i32(head_dim), _i32(n_head), _i32(n_head_kv),
             _i32(n_tokens), _i32(n_kv), _i32(qs[0]), _i32(qs[1]), _i32(ks[0]), _i32(ks[1]),
             _i32(vs[0]), _i32(vs[1]), _i32(ms), _f32(scale), _f32(softcap), _i32(c),
             _i32(co)),
            shared_mem=smem)
 
 
+#: flash_attn uses the split-KV decode kernel up to this many query tokens.
+ATTN_DECODE_MAX_TOKENS = 4
+
+
 def flash_attn(q, k, v, out, **kw) -> None:
     """Decode kernel for n_tokens <= 4, prefill kernel otherwise."""
-    if kw["n_tokens"] <= 4:
+    if kw["n_tokens"] <= ATTN_DECODE_MAX_TOKENS:
         flash_attn_decode(q, k, v, out, **kw)
     else:
         kw.pop("n_splits", None)
@@ -678,9 +1316,9 @@ def binary(op: str, a, b, out) -> None:
     _check_f32(a, b, out)
     if tuple(out.shape) != tuple(a.shape):
         raise ValueError(f"out shape {out.shape} != a shape {a.shape}")
-    ne, as_ = _as4(a.shape, _estrides(a))
-    bne, bs = _as4(b.shape, _estrides(b))
-    _, ys = _as4(out.shape, _estrides(out))
+    ne, as_ = _nd(a)
+    bne, bs = _nd(b)
+    _, ys = _nd(out)
     for i in range(4):
         if bne[i] == 0 or ne[i] % bne[i]:
             raise ValueError(f"cannot broadcast b {b.shape} onto a {a.shape}")
@@ -728,13 +1366,42 @@ def add_inplace(y, x) -> None:
         launch("elementwise", name, _grid1d(y.size), (_BLOCK_1D,), (y, x, _i32(y.size)))
 
 
-def scale(x, out, s: float, b: float = 0.0) -> None:
-    """``out = x * s + b`` (contiguous f32; out may be x)."""
+def unary(op: str, x, out, p0: float = 0.0, p1: float = 0.0) -> None:
+    """``out = f(x)`` element-wise over strided <= 4-D f32 views (out may be x).
+
+    op: scale (x*p0 + p1), silu, gelu (tanh approximation), sigmoid, softplus."""
+    if op not in _UNARY_OPS:
+        raise ValueError(f"unknown unary op {op!r}; have {_UNARY_OPS}")
     _check_f32(x, out)
-    _check_contig(x, out)
-    if x.size:
-        launch("elementwise", "scale_f32", _grid1d(x.size), (_BLOCK_1D,),
-               (x, out, _i32(x.size), _f32(s), _f32(b)))
+    if tuple(x.shape) != tuple(out.shape):
+        raise ValueError(f"shape mismatch {x.shape} vs {out.shape}")
+    ne, xs = _nd(x)
+    _, ys = _nd(out)
+    total = ne[0] * ne[1] * ne[2] * ne[3]
+    if total:
+        launch("elementwise", f"unary_{op}_f32", _grid1d(total), (_BLOCK_1D,),
+               (x, out, *map(_i32, ne), *map(_i32, xs), *map(_i32, ys), _f32(p0), _f32(p1)))
+
+
+def scale(x, out, s: float, b: float = 0.0) -> None:
+    """``out = x * s + b`` (out may be x)."""
+    unary("scale", x, out, s, b)
+
+
+def silu(x, out) -> None:
+    unary("silu", x, out)
+
+
+def gelu(x, out) -> None:
+    unary("gelu", x, out)
+
+
+def sigmoid(x, out) -> None:
+    unary("sigmoid", x, out)
+
+
+def softplus(x, out) -> None:
+    unary("softplus", x, out)
 
 
 def fill(y, value: float = 0.0) -> None:
@@ -744,21 +1411,6 @@ def fill(y, value: float = 0.0) -> None:
     if y.size:
         launch("elementwise", "fill_f32", _grid1d(y.size), (_BLOCK_1D,),
                (y, _i32(y.size), _f32(value)))
-
-
-def _unary(name: str, x, out) -> None:
-    _check_f32(x, out)
-    _check_contig(x, out)
-    if x.size:
-        launch("elementwise", name, _grid1d(x.size), (_BLOCK_1D,), (x, out, _i32(x.size)))
-
-
-def silu(x, out) -> None:
-    _unary("silu_f32", x, out)
-
-
-def gelu(x, out) -> None:
-    _unary("gelu_f32", x, out)
 
 
 def _glu(name: str, gate, up, out) -> None:
@@ -806,34 +1458,69 @@ def soft_max(x, out, *, mask=None, scale: float = 1.0) -> None:
 def argmax(x, out) -> None:
     """``out[r] = argmax(x[r])`` (first index on ties); x f32 (rows, ne0), out int32 (rows,)."""
     _check_f32(x)
-    if out.dtype != np.int32:
-        raise TypeError("out must be int32")
+    _check_i32(out)
     ne0, n_rows, xs = _rows2d(x)
     if n_rows:
         launch("elementwise", "argmax_f32", (n_rows,), (_row_block(ne0),),
                (x, out, _i32(ne0), _i32(n_rows), _i32(xs)))
 
 
+def top_k(x, out, k: int) -> None:
+    """``out[r] = argsort(-x[r], stable)[:k]`` (int32); x f32 (rows, ne0), out (rows, k)."""
+    _check_f32(x)
+    _check_i32(out)
+    ne0, n_rows, xs = _rows2d(x)
+    kk, o_rows, ys = _rows2d(out)
+    if not 0 < k <= min(ne0, _TOPK_MAX) or kk != k or o_rows != n_rows:
+        raise ValueError(f"top_k: k={k} with x {x.shape}, out {out.shape} (k <= {_TOPK_MAX})")
+    if n_rows:
+        launch("elementwise", "top_k_f32", (n_rows,), (_row_block(ne0, 256),),
+               (x, out, _i32(ne0), _i32(n_rows), _i32(k), _i32(xs), _i32(ys)))
+
+
 def get_rows(src, qtype, idx, out, *, ne0: int, src_row_bytes: int | None = None,
-             dst_row_stride: int | None = None) -> None:
-    """``out[r] = dequant(src row idx[r])``; out f32 (n_idx, ne0), idx int32."""
-    t = _wtype(qtype)
-    qk, nbytes = WEIGHT_TYPES[t]
-    if ne0 % qk:
-        raise ValueError(f"ne0={ne0} is not a multiple of the {t} block size {qk}")
+             src_batch_bytes: tuple[int, int] = (0, 0)) -> None:
+    """ggml GET_ROWS: ``out[i3, i2, i1] = dequant(src row idx[i3, i2, i1] of batch (i2, i3))``.
+
+    ``src``: raw rows of a weight (any dtype, only the pointer is used) or an f32 array;
+    ``src_row_bytes`` / ``src_batch_bytes`` (bytes per i2, i3 step) describe its layout.
+    ``idx``: int32 (n,) or numpy order (ne3, ne2, n); ``out``: f32 (n, ne0) or (ne3, ne2, n, ne0).
+    """
+    t, qk, nbytes = _check_block_type(qtype, ne0)
     _check_f32(out)
-    if idx.dtype != np.int32:
-        raise TypeError("idx must be int32")
+    _check_i32(idx)
     if src_row_bytes is None:
         src_row_bytes = ne0 // qk * nbytes
-    if dst_row_stride is None:
-        dst_row_stride = _rows2d(out)[2] if out.ndim > 1 else ne0
-    n_idx = int(idx.size)
-    units = ne0 // qk * (qk // _CHUNK_ELEMS[t]) * n_idx
+    ine, is_ = _nd(idx)
+    one, os_ = _nd(out)
+    if one[0] != ne0 or one[1:] != ine[:3] or ine[3] != 1 or (ne0 > 1 and os_[0] != 1):
+        raise ValueError(f"get_rows: idx {idx.shape} and out {out.shape} do not fit ne0={ne0}")
+    n_idx, ne2, ne3 = ine[0], ine[1], ine[2]
+    units = ne0 // qk * (qk // _CHUNK_ELEMS[t]) * n_idx * ne2 * ne3
     if units:
         launch("elementwise", f"get_rows_{t}", _grid1d(units), (_BLOCK_1D,),
-               (src, idx, out, _i32(ne0), _i32(n_idx), _i32(src_row_bytes),
-                _i32(dst_row_stride)))
+               (src, idx, out, _i32(ne0), _i32(n_idx), _i32(ne2), _i32(ne3),
+                _i32(src_row_bytes), _i32(src_batch_bytes[0]), _i32(src_batch_bytes[1]),
+                _i32(is_[0]), _i32(is_[1]), _i32(is_[2]), _i32(os_[1]), _i32(os_[2]),
+                _i32(os_[3])))
+
+
+def add_id(a, b, ids, out) -> None:
+    """ggml ADD_ID: ``out[t, u] = a[t, u] + b[ids[t, u]]``; a/out f32 (T, n_used, ne0),
+    b f32 (n_expert, ne0), ids int32 (T, n_used)."""
+    _check_f32(a, b, out)
+    _check_i32(ids)
+    if a.ndim != 3 or b.ndim != 2 or ids.ndim != 2 or tuple(out.shape) != tuple(a.shape):
+        raise ValueError(f"add_id: a {a.shape}, b {b.shape}, ids {ids.shape}, out {out.shape}")
+    n_tok, n_used, ne0 = a.shape
+    as_, bs, is_, ys = _estrides(a), _estrides(b), _estrides(ids), _estrides(out)
+    if ne0 > 1 and (as_[2] != 1 or bs[1] != 1 or ys[2] != 1):
+        raise ValueError("add_id: rows must be contiguous")
+    if a.size:
+        launch("elementwise", "add_id_f32", _grid1d(a.size), (_BLOCK_1D,),
+               (a, b, ids, out, _i32(ne0), _i32(n_used), _i32(n_tok), _i32(as_[1]),
+                _i32(as_[0]), _i32(bs[0]), _i32(is_[1]), _i32(is_[0]), _i32(ys[1]),
+                _i32(ys[0])))
 
 
 def copy(src, dst) -> None:
@@ -843,8 +1530,8 @@ def copy(src, dst) -> None:
     ts, td = _act_type(src), _act_type(dst)
     if (ts, td) not in _CPY_PAIRS:
         raise TypeError(f"copy {ts} -> {td} is not supported")
-    ne, ss = _as4(src.shape, _estrides(src))
-    _, ds = _as4(dst.shape, _estrides(dst))
+    ne, ss = _nd(src)
+    _, ds = _nd(dst)
     total = ne[0] * ne[1] * ne[2] * ne[3]
     if total:
         launch("elementwise", f"cpy_{ts}_{td}", _grid1d(total), (_BLOCK_1D,),

@@ -3,6 +3,9 @@
 // Q:    f32 [D, n_head, n_tokens], element (d, h, t) at q + h*q_s1 + t*q_s2.
 // K, V: cache [D, n_head_kv, n_kv] (f16 / bf16 / f32), element (d, h, j) at k + h*k_s1 + j*k_s2.
 // mask: optional f32 [n_kv, n_tokens] additive mask (0 / -inf), element (j, t) at mask + t*mask_s1 + j.
+// kv_len: optional int32 read from device memory: keys j >= *kv_len are skipped (they must
+// be masked for every query anyway). It lets one launch (one captured CUDA graph) serve every
+// KV length up to n_kv: the host updates *kv_len before each replay, no argument changes.
 // out:  f32 [D, n_head, n_tokens] contiguous.
 // Query head h reads KV head h / G, G = n_head / n_head_kv (ggml's broadcast rule).
 // Score s = scale * (q . k); with softcap > 0, s = softcap * tanh(s / softcap); then + mask.
@@ -74,9 +77,10 @@ template <typename KV, int NG>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const typename KV::T* __restrict__ k,
     const typename KV::T* __restrict__ v, const float* __restrict__ mask,
-    float* __restrict__ out, float* __restrict__ part, int D, int n_head, int n_head_kv,
-    int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2,
-    int mask_s1, int chunk, float scale, float softcap, int causal, int causal_offset) {
+    const int* __restrict__ kv_len, float* __restrict__ out, float* __restrict__ part, int D,
+    int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2,
+    int v_s1, int v_s2, int mask_s1, int chunk, float scale, float softcap, int causal,
+    int causal_offset) {
     const int nth = blockDim.x;
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, nwarps = nth >> 5;
@@ -106,6 +110,7 @@ __device__ __forceinline__ void attn_decode_impl(
 #pragma unroll
     for (int g = 0; g < NG; ++g) acc[g] = 0.0f;
 
+    if (kv_len != 0) n_kv = max(0, min(n_kv, *kv_len));
     const int start = split * chunk;
     int end = min(n_kv, start + chunk);
     if (causal) end = min(end, tok + causal_offset + 1);
@@ -218,10 +223,10 @@ __device__ __forceinline__ void attn_decode_impl(
 }
 
 // attn_decode_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
-//     float *out, float *part, int32 D, int32 n_head, int32 n_head_kv, int32 n_tokens,
-//     int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2,
-//     int32 mask_s1, int32 chunk, float32 scale, float32 softcap, int32 causal,
-//     int32 causal_offset)
+//     const int32 *kv_len /* or null */, float *out, float *part, int32 D, int32 n_head,
+//     int32 n_head_kv, int32 n_tokens, int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1,
+//     int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1, int32 chunk, float32 scale,
+//     float32 softcap, int32 causal, int32 causal_offset)
 // kv in {f16, bf16, f32} (f16/bf16 as uint16), NG in {1, 2, 4, 8} query heads per block.
 // grid (n_split, n_head_kv * ceil(G/NG), n_tokens), block (nth) with nth % 32 == 0,
 // nth >= max(D, 64), D <= 256; dynamic smem 4*(NG*D + NG*nth + 3*NG) bytes;
@@ -230,13 +235,13 @@ __device__ __forceinline__ void attn_decode_impl(
 // and attn_merge_f32 finishes.
 #define MT_DECODE_ENTRY(kvname, KV, NG)                                                       \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_##kvname##_g##NG(          \
-        const float* q, const KV::T* k, const KV::T* v, const float* mask, float* out,      \
-        float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1,     \
-        int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,            \
-        float scale, float softcap, int causal, int causal_offset) {                        \
-        attn_decode_impl<KV, NG>(q, k, v, mask, out, part, D, n_head, n_head_kv, n_tokens,  \
-                                 n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, chunk,   \
-                                 scale, softcap, causal, causal_offset);                     \
+        const float* q, const KV::T* k, const KV::T* v, const float* mask, const int* kv_len, \
+        float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,     \
+        int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,    \
+        float scale, float softcap, int causal, int causal_offset) {                          \
+        attn_decode_impl<KV, NG>(q, k, v, mask, kv_len, out, part, D, n_head, n_head_kv,      \
+                                 n_tokens, n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2,         \
+                                 mask_s1, chunk, scale, softcap, causal, causal_offset);     \
     }
 #define MT_DECODE_ENTRIES(kvname, KV) \
     MT_DECODE_ENTRY(kvname, KV, 1)    \
@@ -283,9 +288,9 @@ template <typename KV>
 __device__ __forceinline__ void attn_prefill_impl(
     const float* __restrict__ q, const typename KV::T* __restrict__ k,
     const typename KV::T* __restrict__ v, const float* __restrict__ mask,
-    float* __restrict__ out, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,
-    int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, float scale,
-    float softcap, int causal, int causal_offset) {
+    const int* __restrict__ kv_len, float* __restrict__ out, int D, int n_head, int n_head_kv,
+    int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2,
+    int mask_s1, float scale, float softcap, int causal, int causal_offset) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int G = n_head / n_head_kv;
     const int kvh = blockIdx.y;
@@ -318,6 +323,7 @@ __device__ __forceinline__ void attn_prefill_impl(
 #pragma unroll
     for (int r = 0; r < MT_PF_NR; ++r) acc[r][0] = acc[r][1] = 0.0f;
 
+    if (kv_len != 0) n_kv = max(0, min(n_kv, *kv_len));
     int kv_end = n_kv;
     if (causal) {
         const int last_tok = min(n_rows - 1, r0 + MT_PF_NR - 1) / G;
@@ -414,21 +420,22 @@ __device__ __forceinline__ void attn_prefill_impl(
 }
 
 // attn_prefill_<kv>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
-//     float *out, int32 D, int32 n_head, int32 n_head_kv, int32 n_tokens, int32 n_kv,
-//     int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1,
-//     float32 scale, float32 softcap, int32 causal, int32 causal_offset)
+//     const int32 *kv_len /* or null */, float *out, int32 D, int32 n_head, int32 n_head_kv,
+//     int32 n_tokens, int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1,
+//     int32 v_s2, int32 mask_s1, float32 scale, float32 softcap, int32 causal,
+//     int32 causal_offset)
 // kv in {f16, bf16, f32}. grid (ceil(n_tokens * G / 16), n_head_kv), block (128), D <= 256,
 // dynamic smem 4*(16*D + 32*(D+1) + 16*32 + 48) bytes (> 48 KiB for D > 176: raise the
 // kernel's max_dynamic_shared_size_bytes).
 #define MT_PREFILL_ENTRY(kvname, KV)                                                          \
     extern "C" __global__ void __launch_bounds__(MT_PF_NTH) attn_prefill_##kvname(           \
-        const float* q, const KV::T* k, const KV::T* v, const float* mask, float* out, int D, \
-        int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1,      \
-        int k_s2, int v_s1, int v_s2, int mask_s1, float scale, float softcap, int causal,    \
-        int causal_offset) {                                                                  \
-        attn_prefill_impl<KV>(q, k, v, mask, out, D, n_head, n_head_kv, n_tokens, n_kv, q_s1, \
-                              q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, scale, softcap, causal,  \
-                              causal_offset);                                                 \
+        const float* q, const KV::T* k, const KV::T* v, const float* mask, const int* kv_len, \
+        float* out, int D, int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1,        \
+        int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, float scale,            \
+        float softcap, int causal, int causal_offset) {                                       \
+        attn_prefill_impl<KV>(q, k, v, mask, kv_len, out, D, n_head, n_head_kv, n_tokens,     \
+                              n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, scale,   \
+                              softcap, causal, causal_offset);                                \
     }
 
 MT_PREFILL_ENTRY(f16, MtF16)

@@ -69,33 +69,74 @@ extern "C" __global__ void add_inplace_bf16(mt_u16* y, const mt_u16* x, int n) {
     MT_GRID_STRIDE(i, n) y[i] = mt_f2bf(mt_bf2f(y[i]) + mt_bf2f(x[i]));
 }
 
-// scale_f32(const float *x, float *y, int32 n, float32 s, float32 b): y = x*s + b (y may alias x)
-extern "C" __global__ void scale_f32(const float* x, float* y, int n, float s, float b) {
-    MT_GRID_STRIDE(i, n) y[i] = fmaf(x[i], s, b);
-}
-
 // fill_f32(float *y, int32 n, float32 value)
 extern "C" __global__ void fill_f32(float* y, int n, float value) {
     MT_GRID_STRIDE(i, n) y[i] = value;
 }
 
 // --------------------------------------------------------- activations
-__device__ __forceinline__ float mt_silu(float x) { return x / (1.0f + expf(-x)); }
-// ggml gelu (tanh approximation)
-__device__ __forceinline__ float mt_gelu(float x) {
-    const float c = 0.7978845608028654f;  // sqrt(2/pi)
-    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
-}
 struct ActSilu { static __device__ __forceinline__ float f(float x) { return mt_silu(x); } };
 struct ActGelu { static __device__ __forceinline__ float f(float x) { return mt_gelu(x); } };
 
-// <silu|gelu>_f32(const float *x, float *y, int32 n)   (y may alias x)
-#define MT_UNARY_ENTRY(name, ACT)                                                  \
-    extern "C" __global__ void name##_f32(const float* x, float* y, int n) {      \
-        MT_GRID_STRIDE(i, n) y[i] = ACT::f(x[i]);                                  \
+// Element-wise maps with two float parameters p0, p1 (unused by most).
+struct MapScale {  // x * p0 + p1 (ggml SCALE)
+    static __device__ __forceinline__ float f(float x, float p0, float p1) {
+        return fmaf(x, p0, p1);
     }
-MT_UNARY_ENTRY(silu, ActSilu)
-MT_UNARY_ENTRY(gelu, ActGelu)
+};
+struct MapSilu {
+    static __device__ __forceinline__ float f(float x, float, float) { return mt_silu(x); }
+};
+struct MapGelu {
+    static __device__ __forceinline__ float f(float x, float, float) { return mt_gelu(x); }
+};
+struct MapSigmoid {
+    static __device__ __forceinline__ float f(float x, float, float) {
+        return 1.0f / (1.0f + expf(-x));
+    }
+};
+struct MapSoftplus {  // log(1 + e^x) without overflow
+    static __device__ __forceinline__ float f(float x, float, float) {
+        return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
+    }
+};
+
+template <typename MAP>
+__device__ __forceinline__ void unary_impl(const float* x, float* y, int ne0, int ne1, int ne2,
+                                           int ne3, int x_s0, int x_s1, int x_s2, int x_s3,
+                                           int y_s0, int y_s1, int y_s2, int y_s3, float p0,
+                                           float p1) {
+    const mt_i64 total = (mt_i64)ne0 * ne1 * ne2 * ne3;
+    MT_GRID_STRIDE(i, total) {
+        mt_i64 r = i;
+        const int i0 = (int)(r % ne0); r /= ne0;
+        const int i1 = (int)(r % ne1); r /= ne1;
+        const int i2 = (int)(r % ne2);
+        const int i3 = (int)(r / ne2);
+        const float v = x[(mt_i64)i0 * x_s0 + (mt_i64)i1 * x_s1 + (mt_i64)i2 * x_s2 +
+                          (mt_i64)i3 * x_s3];
+        y[(mt_i64)i0 * y_s0 + (mt_i64)i1 * y_s1 + (mt_i64)i2 * y_s2 + (mt_i64)i3 * y_s3] =
+            MAP::f(v, p0, p1);
+    }
+}
+
+// unary_<scale|silu|gelu|sigmoid|softplus>_f32(const float *x, float *y,
+//     int32 ne0, int32 ne1, int32 ne2, int32 ne3, int32 x_s0, int32 x_s1, int32 x_s2,
+//     int32 x_s3, int32 y_s0, int32 y_s1, int32 y_s2, int32 y_s3, float32 p0, float32 p1)
+// y = f(x) element-wise over a strided 4-D tensor (y may alias x with the same strides).
+// scale: x*p0 + p1; the others ignore p0/p1. Launch: 1-D grid-stride.
+#define MT_UNARY_ENTRY(name, MAP)                                                              \
+    extern "C" __global__ void unary_##name##_f32(                                             \
+        const float* x, float* y, int ne0, int ne1, int ne2, int ne3, int x_s0, int x_s1,      \
+        int x_s2, int x_s3, int y_s0, int y_s1, int y_s2, int y_s3, float p0, float p1) {      \
+        unary_impl<MAP>(x, y, ne0, ne1, ne2, ne3, x_s0, x_s1, x_s2, x_s3, y_s0, y_s1, y_s2,    \
+                        y_s3, p0, p1);                                                         \
+    }
+MT_UNARY_ENTRY(scale, MapScale)
+MT_UNARY_ENTRY(silu, MapSilu)
+MT_UNARY_ENTRY(gelu, MapGelu)
+MT_UNARY_ENTRY(sigmoid, MapSigmoid)
+MT_UNARY_ENTRY(softplus, MapSoftplus)
 
 // <swiglu|geglu>_f32(const float *gate, const float *up, float *y, int32 ne0, int32 n_rows,
 //                    int32 gate_row_stride, int32 up_row_stride, int32 y_row_stride)
@@ -208,36 +249,138 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // ------------------------------------------------------------ GET_ROWS
 // get_rows_<type>(const uint8 *src, const int32 *idx, float *dst, int32 ne0, int32 n_idx,
-//                 int32 src_row_bytes, int32 dst_row_stride)
-// dst row r (ne0 f32) = dequantized src row idx[r]. Types: all weight types of quant.cuh.
-// Launch: 1-D grid-stride over n_idx * ne0 / CW.
+//     int32 ne2, int32 ne3, int32 src_nb1, int32 src_nb2, int32 src_nb3,
+//     int32 idx_s0, int32 idx_s1, int32 idx_s2, int32 dst_s1, int32 dst_s2, int32 dst_s3)
+// ggml GET_ROWS: dst[i3, i2, i1, :] = dequant(src row idx[i1, i2, i3] of batch (i2, i3)),
+// i1 < n_idx, i2 < ne2, i3 < ne3. Source strides in bytes (rows are whole blocks), index
+// and destination strides in elements. Types: all weight types of quant.cuh (f32 covers
+// activations). Launch: 1-D grid-stride over n_idx * ne2 * ne3 * ne0 / CW.
 template <typename W>
 __device__ __forceinline__ void get_rows_impl(const mt_u8* __restrict__ src,
                                               const int* __restrict__ idx,
                                               float* __restrict__ dst, int ne0, int n_idx,
-                                              int src_row_bytes, int dst_row_stride) {
+                                              int ne2, int ne3, int src_nb1, int src_nb2,
+                                              int src_nb3, int idx_s0, int idx_s1, int idx_s2,
+                                              int dst_s1, int dst_s2, int dst_s3) {
     const int units = (ne0 / W::QK) * W::NCHUNK;
-    const mt_i64 total = (mt_i64)units * n_idx;
+    const mt_i64 total = (mt_i64)units * n_idx * ne2 * ne3;
     MT_GRID_STRIDE(i, total) {
-        const int r = (int)(i / units);
-        const int u = (int)(i - (mt_i64)r * units);
+        mt_i64 r = i / units;
+        const int u = (int)(i - r * units);
+        const int i1 = (int)(r % n_idx); r /= n_idx;
+        const int i2 = (int)(r % ne2);
+        const int i3 = (int)(r / ne2);
         const int ib = u / W::NCHUNK;
         const int c = u - ib * W::NCHUNK;
-        const mt_u8* b = src + (mt_i64)idx[r] * src_row_bytes + (mt_i64)ib * W::BYTES;
+        const int row = idx[(mt_i64)i1 * idx_s0 + (mt_i64)i2 * idx_s1 + (mt_i64)i3 * idx_s2];
+        const mt_u8* b = src + (mt_i64)row * src_nb1 + (mt_i64)i2 * src_nb2 +
+                         (mt_i64)i3 * src_nb3 + (mt_i64)ib * W::BYTES;
         float v[W::CW];
         W::load(b, c, v);
-        float* o = dst + (mt_i64)r * dst_row_stride + (mt_i64)ib * W::QK;
+        float* o = dst + (mt_i64)i1 * dst_s1 + (mt_i64)i2 * dst_s2 + (mt_i64)i3 * dst_s3 +
+                   (mt_i64)ib * W::QK;
 #pragma unroll
         for (int k = 0; k < W::CW; ++k) o[W::idx(c, k)] = v[k];
     }
 }
-#define MT_GET_ROWS_ENTRY(name, W)                                                            \
-    extern "C" __global__ void get_rows_##name(const mt_u8* src, const int* idx, float* dst, \
-                                               int ne0, int n_idx, int src_row_bytes,        \
-                                               int dst_row_stride) {                         \
-        get_rows_impl<W>(src, idx, dst, ne0, n_idx, src_row_bytes, dst_row_stride);          \
+#define MT_GET_ROWS_ENTRY(name, W)                                                             \
+    extern "C" __global__ void get_rows_##name(                                                \
+        const mt_u8* src, const int* idx, float* dst, int ne0, int n_idx, int ne2, int ne3,    \
+        int src_nb1, int src_nb2, int src_nb3, int idx_s0, int idx_s1, int idx_s2, int dst_s1,  \
+        int dst_s2, int dst_s3) {                                                              \
+        get_rows_impl<W>(src, idx, dst, ne0, n_idx, ne2, ne3, src_nb1, src_nb2, src_nb3,       \
+                         idx_s0, idx_s1, idx_s2, dst_s1, dst_s2, dst_s3);                      \
     }
 MT_FOR_ALL_WTYPES(MT_GET_ROWS_ENTRY)
+
+// ------------------------------------------------------------ ADD_ID
+// add_id_f32(const float *a, const float *b, const int32 *ids, float *y, int32 ne0,
+//     int32 n_used, int32 n_tok, int32 a_s1, int32 a_s2, int32 b_s1, int32 ids_s0,
+//     int32 ids_s1, int32 y_s1, int32 y_s2)
+// ggml ADD_ID (per-expert bias): y[t, u, :] = a[t, u, :] + b[ids[u, t], :] with
+// a/y element (i, u, t) at i + u*s1 + t*s2 and ids element (u, t) at u*ids_s0 + t*ids_s1.
+// Launch: 1-D grid-stride over ne0 * n_used * n_tok.
+extern "C" __global__ void add_id_f32(const float* a, const float* b, const int* ids, float* y,
+                                      int ne0, int n_used, int n_tok, int a_s1, int a_s2,
+                                      int b_s1, int ids_s0, int ids_s1, int y_s1, int y_s2) {
+    const mt_i64 total = (mt_i64)ne0 * n_used * n_tok;
+    MT_GRID_STRIDE(i, total) {
+        mt_i64 r = i / ne0;
+        const int c = (int)(i - r * ne0);
+        const int u = (int)(r % n_used);
+        const int t = (int)(r / n_used);
+        const int e = ids[(mt_i64)u * ids_s0 + (mt_i64)t * ids_s1];
+        y[(mt_i64)t * y_s2 + (mt_i64)u * y_s1 + c] =
+            a[(mt_i64)t * a_s2 + (mt_i64)u * a_s1 + c] + b[(mt_i64)e * b_s1 + c];
+    }
+}
+
+// ------------------------------------------------------------ TOP_K
+// Ordering of argsort(-x, stable): larger first, ties by index, NaN after everything.
+__device__ __forceinline__ bool mt_topk_better(float v, int i, float bv, int bi) {
+    if (bi < 0) return true;
+    const bool vn = v != v, bn = bv != bv;
+    if (vn != bn) return bn;
+    if (vn) return i < bi;
+    return v > bv || (v == bv && i < bi);
+}
+
+#define MT_TOPK_MAX 256
+// top_k_f32(const float *x, int32 *y, int32 ne0, int32 n_rows, int32 k, int32 x_row_stride,
+//           int32 y_row_stride)
+// y[r, 0..k) = indices of the k largest values of row r, largest first (ties: lower index
+// first; NaN last), as numpy's argsort(-x, kind="stable")[:k]. k <= 256.
+// Launch: grid (n_rows), block (bx), bx % 32 == 0, <= 1024.
+extern "C" __global__ void __launch_bounds__(1024)
+    top_k_f32(const float* x, int* y, int ne0, int n_rows, int k, int x_row_stride,
+              int y_row_stride) {
+    __shared__ int sel[MT_TOPK_MAX];
+    __shared__ float wv[32];
+    __shared__ int wi[32];
+    const int r = blockIdx.x;
+    if (r >= n_rows) return;
+    const float* xr = x + (mt_i64)r * x_row_stride;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int j = 0; j < k; ++j) {
+        float best = 0.0f;
+        int bi = -1;
+        for (int i = threadIdx.x; i < ne0; i += blockDim.x) {
+            bool taken = false;
+            for (int s = 0; s < j; ++s) taken = taken || (sel[s] == i);
+            const float v = xr[i];
+            if (!taken && mt_topk_better(v, i, best, bi)) {
+                best = v;
+                bi = i;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && mt_topk_better(ov, oi, best, bi)) {
+                best = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            wv[warp] = best;
+            wi[warp] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            best = wv[0];
+            bi = wi[0];
+            for (int w = 1; w < nw; ++w)
+                if (wi[w] >= 0 && mt_topk_better(wv[w], wi[w], best, bi)) {
+                    best = wv[w];
+                    bi = wi[w];
+                }
+            sel[j] = bi;
+            y[(mt_i64)r * y_row_stride + j] = bi;
+        }
+        __syncthreads();
+    }
+}
 
 // ------------------------------------------------------------ copies
 // cpy_<src>_<dst>(const S *src, D *dst, int32 ne0, int32 ne1, int32 ne2, int32 ne3,

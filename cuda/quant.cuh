@@ -84,6 +84,14 @@ struct MtBF16 {
     static __device__ __forceinline__ void store(mt_u16* p, float v) { *p = mt_f2bf(v); }
 };
 
+// ------------------------------------------------------------- activations
+__device__ __forceinline__ float mt_silu(float x) { return x / (1.0f + expf(-x)); }
+// ggml gelu (tanh approximation)
+__device__ __forceinline__ float mt_gelu(float x) {
+    const float c = 0.7978845608028654f;  // sqrt(2/pi)
+    return 0.5f * x * (1.0f + tanhf(c * x * (1.0f + 0.044715f * x * x)));
+}
+
 // ------------------------------------------------------------------- loads
 // Quant blocks are only guaranteed 2-byte aligned (Q4_0 = 18 bytes, Q8_0 = 34,
 // Q6_K = 210), so wider words are assembled from 16-bit loads.

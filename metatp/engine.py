@@ -97,7 +97,11 @@ class Engine:
         sources = [self.tensors.source_name(t.name) for t in leaves]
         shared = {s for s in sources if sources.count(s) > 1}     # the tied lm head and the embedding
         cache: dict[str, np.ndarray] = {}
+        raw = hasattr(self.backend, "upload_raw")     # GPU backends keep the GGUF encoding
         for t, src in zip(leaves, sources):
+            if raw:
+                self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
+                continue
             data = cache.get(src)
             if data is None:
                 data = self.model.dequantize(src)

@@ -2,6 +2,7 @@
 
     python -m metatp.tools.gpu_kernels_check            # markdown table, exit 1 on a failure
     python -m metatp.tools.gpu_kernels_check matvec attn_decode --reps 20
+    python -m metatp.tools.gpu_kernels_check --emulate      # no GPU: kernels as host C++
 
 ``check_all_kernels()`` returns one dict per case: name, dtype, shape, max_rel_err,
 threshold, pass, time_us (median of ``time_reps`` timed launches; None when not timed)
@@ -13,6 +14,7 @@ dequantisation). ``max_rel_err`` is max|out - ref| / max|ref|.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -26,17 +28,27 @@ CHECK_NAMES = (
     "compile",
     "dequant",
     "matvec",
+    "matvec_fused",
+    "matvec_multi",
+    "matvec_id",
     "rms_norm",
+    "norm_sum_rows",
     "rope",
+    "rope_pair",
     "set_rows",
+    "set_rows_pair",
     "attn_decode",
     "attn_prefill",
+    "attn_kv_len",
     "binary",
     "inplace_scale_fill",
     "activations",
+    "unary",
     "soft_max",
     "argmax",
+    "top_k",
     "get_rows",
+    "add_id",
     "copy",
     "bf16",
 )
@@ -182,30 +194,61 @@ def _silu(x):
 
 
 # ------------------------------------------------------------------- the checker
-class _Checker:
-    def __init__(self, seed: int, time_reps: int):
-        import cupy as cp  # noqa: PLC0415
+class _Arrays:
+    """The few array operations the checks need, on CuPy (a GPU) or numpy (the emulator)."""
 
+    def __init__(self, emulator=None):
+        self.emulated = emulator is not None
+        if self.emulated:
+            self.xp = np
+        else:
+            import cupy as cp  # noqa: PLC0415
+
+            self.xp = cp
+
+    def dev(self, a):
+        return self.xp.array(np.ascontiguousarray(a), copy=True)
+
+    def host(self, a):
+        return np.array(a, copy=True) if self.emulated else self.xp.asnumpy(a)
+
+    def full(self, shape, value, dtype=np.float32):
+        return self.xp.full(shape, value, dtype=dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def empty_like(self, a):
+        return self.xp.empty_like(a)
+
+    def sync(self):
+        if not self.emulated:
+            self.xp.cuda.runtime.deviceSynchronize()
+
+
+class _Checker:
+    def __init__(self, seed: int, time_reps: int, emulator=None):
         from metatp.backends import cuda_kernels as ck  # noqa: PLC0415
 
-        self.cp = cp
+        self.arrays = _Arrays(emulator)
+        self.cp = self.arrays.xp
         self.ck = ck
         self.rng = np.random.default_rng(seed)
-        self.time_reps = time_reps
+        self.time_reps = 0 if emulator is not None else time_reps
         self.results: list[dict] = []
 
     # device helpers
     def dev(self, a):
-        return self.cp.asarray(np.ascontiguousarray(a))
+        return self.arrays.dev(a)
 
     def nan(self, shape, dtype=np.float32):
-        return self.cp.full(shape, np.nan, dtype=dtype)
+        return self.arrays.full(shape, np.nan, dtype)
 
     def host(self, a):
-        return self.cp.asnumpy(a)
+        return self.arrays.host(a)
 
     def sync(self):
-        self.cp.cuda.runtime.deviceSynchronize()
+        self.arrays.sync()
 
     def time_us(self, run: Callable[[], None]) -> float | None:
         if self.time_reps <= 0:
@@ -393,6 +436,27 @@ class _Checker:
                                   x_strides=(D, 5 * H * D), y_strides=(D, 5 * H * D)),
                   lambda: self.host(dfused), ref_full, 1e-4)
 
+    def check_rope_pair(self):
+        """Q and K of a layer rotated in one launch (strided views of different head counts)."""
+        ck = self.ck
+        T, D = 3, 64
+        pos = self.rng.integers(0, 500, size=T).astype(np.int32)
+        dpos = self.dev(pos)
+        for neox in (False, True):
+            q = self.rng.standard_normal((T, 9, D)).astype(np.float32)
+            k = self.rng.standard_normal((T, 5 * D)).astype(np.float32)   # 3 heads + padding
+            kv = k[:, : 3 * D].reshape(T, 3, D)
+            ref = np.concatenate([ref_rope(q, pos, D, 10000.0, 1.0, neox).reshape(-1),
+                                  ref_rope(kv, pos, D, 10000.0, 1.0, neox).reshape(-1)])
+            dq, dk = self.dev(q), self.dev(k)
+            yq, yk = self.nan((T, 9, D)), self.nan((T, 3, D))
+            self.case("rope", f"{'neox' if neox else 'norm'} pair q+k", (D, 9 + 3, T),
+                      lambda dq=dq, dk=dk, yq=yq, yk=yk, neox=neox: ck.rope(
+                          dq, yq, dpos, head_dim=D, n_head=9, n_tokens=T, n_dims=D, freq_base=10000.0,
+                          neox=neox, second=(dk, yk, 3, (D, 5 * D), None)),
+                      lambda yq=yq, yk=yk: np.concatenate([self.host(yq).reshape(-1),
+                                                           self.host(yk).reshape(-1)]), ref, 1e-4)
+
     def check_set_rows(self):
         ck = self.ck
         ne0, n_slots = 96, 10
@@ -419,6 +483,24 @@ class _Checker:
             self.case("set_rows", f"f32->{name}", (ne0, 4),
                       lambda dst=dst: ck.set_rows(dsrc[:, :ne0], dst, didx),
                       get, ref_v, 0.0)
+
+    def check_set_rows_pair(self):
+        """K and V rows of a layer stored by one launch (different widths, strided source)."""
+        ck = self.ck
+        idx = np.array([5, 1], dtype=np.int32)
+        k = self.rng.standard_normal((2, 100)).astype(np.float32)
+        v = self.rng.standard_normal((2, 48)).astype(np.float32)
+        ck_init = np.zeros((8, 64), np.float16)
+        cv_init = np.zeros((8, 48), np.float16)
+        ref_k, ref_v = ck_init.copy(), cv_init.copy()
+        ref_k[idx] = k[:, :64].astype(np.float16)
+        ref_v[idx] = v.astype(np.float16)
+        dk, dv, didx = self.dev(k), self.dev(v), self.dev(idx)
+        ck_d, cv_d = self.dev(ck_init), self.dev(cv_init)
+        self.case("set_rows", "f32->f16 pair k+v", (64 + 48, 2),
+                  lambda: ck.set_rows(dk[:, :64], ck_d, didx, second=(dv, cv_d)),
+                  lambda: np.concatenate([self.host(ck_d).reshape(-1), self.host(cv_d).reshape(-1)]).astype(np.float64),
+                  np.concatenate([ref_k.reshape(-1), ref_v.reshape(-1)]).astype(np.float64), 0.0)
 
     def _kv(self, kvt, n_ctx, hkv, D):
         k = self.rng.standard_normal((n_ctx, hkv, D)).astype(np.float32)
@@ -551,7 +633,7 @@ class _Checker:
              0.0),
         )
         for label, y_init, xin, conv, ref, thr in cases:
-            y = self.cp.empty_like(y_init)
+            y = self.arrays.empty_like(y_init)
 
             def run(y=y, y_init=y_init, xin=xin):
                 y[...] = y_init  # fresh accumulator for every launch (timing reruns it)
@@ -610,7 +692,7 @@ class _Checker:
         x[2, :] = 1.0
         x[3, 4999] = 99.0
         dx = self.dev(x)
-        out = self.cp.full(rows, -1, dtype=np.int32)
+        out = self.arrays.full(rows, -1, np.int32)
         self.case("argmax", "f32", (ne0, rows), lambda: ck.argmax(dx, out),
                   lambda: self.host(out).astype(np.float64),
                   np.argmax(x, axis=1).astype(np.float64), 0.0,
@@ -646,7 +728,7 @@ class _Checker:
             src = self.dev(xs).transpose(2, 0, 3, 1)  # strided view
             ref_src = conv[s][1](xs).transpose(2, 0, 3, 1)
             ref = conv[d][1](conv[d][0](ref_src.astype(np.float32)))
-            dst = self.cp.zeros(src.shape, dtype=dt[d])
+            dst = self.arrays.zeros(src.shape, dt[d])
             self.case("copy", f"{s}->{d} strided", src.shape,
                       lambda src=src, dst=dst: ck.copy(src, dst),
                       lambda dst=dst, d=d: conv[d][1](self.host(dst)), ref, 0.0)
@@ -657,7 +739,7 @@ class _Checker:
         x = (self.rng.standard_normal(n) * 10).astype(np.float32)
         x[:4] = [np.inf, -np.inf, 0.0, -0.0]
         dx = self.dev(x)
-        out = self.cp.zeros(n, dtype=np.uint16)
+        out = self.arrays.zeros(n, np.uint16)
         self.case("f32_to_bf16", "f32->bf16", (n,), lambda: ck.f32_to_bf16(dx, out),
                   lambda: self.host(out).astype(np.float64),
                   f32_to_bf16_bits(x).astype(np.float64), 0.0)
@@ -667,24 +749,235 @@ class _Checker:
         self.case("bf16_to_f32", "bf16->f32", (n,), lambda: ck.bf16_to_f32(db, outf),
                   lambda: self.host(outf), bf16_bits_to_f32(bits).astype(np.float64), 0.0)
 
+    # ------------------------------------------------------------------ fused / new kernels
+    def check_matvec_fused(self):
+        """matvec + residual add (per token, and a broadcast bias), gate/up + GLU."""
+        ck = self.ck
+        n_rows, ne0 = 45, 512
+        for wt in ("q4_1", "q8_0", "q6_k", "f32"):
+            raw, deq = make_weight(self.rng, wt, n_rows, ne0)
+            d_raw = self.dev(raw)
+            for nt in (1, 3):
+                x = self.rng.standard_normal((nt, ne0)).astype(np.float32)
+                res = self.rng.standard_normal((nt, n_rows)).astype(np.float32)
+                ref = x.astype(np.float64) @ deq.astype(np.float64).T + res
+                dx, dres = self.dev(x), self.dev(res)
+                y = self.nan((nt, n_rows))
+                self.case("matvec+add", wt, (n_rows, ne0, nt),
+                          lambda d_raw=d_raw, dx=dx, y=y, dres=dres, wt=wt: ck.matvec(
+                              d_raw, wt, dx, y, ne0=ne0, n_rows=n_rows, add=dres),
+                          lambda y=y: self.host(y), ref, 1e-5 * math.sqrt(ne0))
+            bias = self.rng.standard_normal(n_rows).astype(np.float32)
+            x = self.rng.standard_normal((2, ne0)).astype(np.float32)
+            ref = x.astype(np.float64) @ deq.astype(np.float64).T + bias
+            dx, db = self.dev(x), self.dev(bias)
+            y = self.nan((2, n_rows))
+            self.case("matvec+bias", wt, (n_rows, ne0, 2),
+                      lambda d_raw=d_raw, dx=dx, y=y, db=db, wt=wt: ck.matvec(
+                          d_raw, wt, dx, y, ne0=ne0, n_rows=n_rows, add=db, add_stride=0),
+                      lambda y=y: self.host(y), ref, 1e-5 * math.sqrt(ne0))
+        for wt, act, fn in (("q4_1", "swiglu", _silu), ("q4_k", "geglu", _gelu),
+                            ("f16", "swiglu", _silu)):
+            ne0 = 256 if wt == "q4_k" else 576
+            rg, dg = make_weight(self.rng, wt, n_rows, ne0)
+            ru, du = make_weight(self.rng, wt, n_rows, ne0)
+            x = self.rng.standard_normal(ne0).astype(np.float32)
+            x64 = x.astype(np.float64)
+            ref = fn(dg.astype(np.float64) @ x64) * (du.astype(np.float64) @ x64)
+            drg, dru, dx = self.dev(rg), self.dev(ru), self.dev(x)
+            y = self.nan(n_rows)
+            self.case("matvec_glu", f"{wt} {act}", (n_rows, ne0),
+                      lambda drg=drg, dru=dru, dx=dx, y=y, wt=wt, ne0=ne0, act=act: ck.matvec_glu(
+                          drg, dru, wt, dx, y, ne0=ne0, n_rows=n_rows, act=act),
+                      lambda y=y: self.host(y), ref, 1e-4)
 
-def check_all_kernels(names=None, *, seed: int = 0, time_reps: int = 5) -> list[dict]:
-    """Run the kernel checks (all, or the groups in ``names``); one dict per case."""
+    def check_matvec_multi(self):
+        """q/k/v in one launch (3 weights, different row counts), with and without the RMS
+        norm of x folded in; a single weight with the norm (the lm head after the final norm);
+        gate/up + GLU with the norm."""
+        ck = self.ck
+        eps = 1e-5
+        ne0 = 576
+        x = self.rng.standard_normal(ne0).astype(np.float32) * 2
+        nw = (1.0 + 0.1 * self.rng.standard_normal(ne0)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        xn = x64 / np.sqrt((x64 * x64).mean() + eps) * nw
+        dx, dnw = self.dev(x), self.dev(nw)
+        for wt in ("q4_1", "q8_0", "f16"):
+            rows = (576, 192, 192)
+            ws = [make_weight(self.rng, wt, r, ne0) for r in rows]
+            dws = [self.dev(raw) for raw, _ in ws]
+            for norm in (False, True):
+                xin = xn if norm else x64
+                refs = [deq.astype(np.float64) @ xin for _, deq in ws]
+                ys = [self.nan(r) for r in rows]
+                jobs = [(dw, y, r, raw.shape[1]) for dw, y, r, (raw, _) in zip(dws, ys, rows, ws)]
+                self.case("matvec_multi", f"{wt} qkv" + (" +rms_norm" if norm else ""), (ne0, rows),
+                          lambda jobs=jobs, wt=wt, norm=norm: ck.matvec_multi(
+                              jobs, wt, dx, ne0=ne0, norm_weight=dnw if norm else None,
+                              eps=eps if norm else None),
+                          lambda ys=ys: np.concatenate([self.host(y) for y in ys]),
+                          np.concatenate(refs), 1e-5 * math.sqrt(ne0))
+        raw, deq = make_weight(self.rng, "q8_0", 999, ne0)
+        d_raw, y = self.dev(raw), self.nan(999)
+        self.case("matvec_multi", "q8_0 one weight +rms_norm (lm head)", (ne0, 999),
+                  lambda: ck.matvec_multi([(d_raw, y, 999, raw.shape[1])], "q8_0", dx, ne0=ne0,
+                                          norm_weight=dnw, eps=eps),
+                  lambda: self.host(y), deq.astype(np.float64) @ xn, 1e-5 * math.sqrt(ne0))
+        rg, dg = make_weight(self.rng, "q4_1", 300, ne0)
+        ru, du = make_weight(self.rng, "q4_1", 300, ne0)
+        ref = _silu(dg.astype(np.float64) @ xn) * (du.astype(np.float64) @ xn)
+        drg, dru, y = self.dev(rg), self.dev(ru), self.nan(300)
+        self.case("matvec_glu", "q4_1 swiglu +rms_norm", (300, ne0),
+                  lambda: ck.matvec_glu(drg, dru, "q4_1", dx, y, ne0=ne0, n_rows=300, act="swiglu",
+                                        norm_weight=dnw, eps=eps),
+                  lambda: self.host(y), ref, 1e-4)
+
+    def check_matvec_id(self):
+        """MUL_MAT_ID: per-token expert selection, x shared (n_b = 1) or per slot."""
+        ck = self.ck
+        n_exp, n_rows, ne0, n_used, T = 5, 24, 256, 2, 3
+        for wt in ("q4_0", "q8_0", "f32"):
+            raws, deqs = zip(*(make_weight(self.rng, wt, n_rows, ne0) for _ in range(n_exp)))
+            raw = np.ascontiguousarray(np.stack(raws))
+            expert_bytes = raw.shape[1] * raw.shape[2]
+            ids = np.array([[0, 4], [2, 2], [3, 1]], dtype=np.int32)
+            for n_b in (1, n_used):
+                x = self.rng.standard_normal((T, n_b, ne0)).astype(np.float32)
+                ref = np.zeros((T, n_used, n_rows))
+                for t in range(T):
+                    for u in range(n_used):
+                        ref[t, u] = deqs[ids[t, u]].astype(np.float64) @ x[t, u % n_b].astype(np.float64)
+                d_raw, dx, dids = self.dev(raw), self.dev(x), self.dev(ids)
+                y = self.nan((T, n_used, n_rows))
+                self.case("matvec_id", f"{wt} n_b={n_b}", (n_rows, ne0, n_used, T),
+                          lambda d_raw=d_raw, dx=dx, y=y, dids=dids, wt=wt: ck.matvec_id(
+                              d_raw, wt, dx, y, dids, ne0=ne0, n_rows=n_rows,
+                              expert_bytes=expert_bytes),
+                          lambda y=y: self.host(y), ref, 1e-5 * math.sqrt(ne0))
+
+    def check_norm_sum_rows(self):
+        """Layer norm, RMS norm on a strided 4-D view (per-head rows), SUM_ROWS."""
+        ck = self.ck
+        eps = 1e-5
+        x = self.rng.standard_normal((2, 3, 5, 70)).astype(np.float32) + 0.5
+        w = self.rng.standard_normal(64).astype(np.float32)
+        xv = x[:, :, :, 3:67]
+        x64 = xv.astype(np.float64)
+        mu = x64.mean(axis=-1, keepdims=True)
+        ref = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(axis=-1, keepdims=True) + eps) * w
+        dx, dw = self.dev(x), self.dev(w)
+        y = self.nan((2, 3, 5, 64))
+        self.case("norm", "f32 strided 4-D", (64, 5, 3, 2),
+                  lambda: ck.norm(dx[:, :, :, 3:67], y, eps=eps, weight=dw),
+                  lambda: self.host(y), ref, 1e-5)
+        ref = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
+        y2 = self.nan((2, 3, 5, 64))
+        self.case("rms_norm", "f32 strided 4-D", (64, 5, 3, 2),
+                  lambda: ck.rms_norm(dx[:, :, :, 3:67], y2, eps=eps),
+                  lambda: self.host(y2), ref, 1e-5)
+        out = self.nan((2, 3, 5, 1))
+        self.case("sum_rows", "f32 strided 4-D", (64, 5, 3, 2),
+                  lambda: ck.sum_rows(dx[:, :, :, 3:67], out), lambda: self.host(out),
+                  x64.sum(axis=-1, keepdims=True), 1e-5)
+
+    def check_unary(self):
+        ck = self.ck
+        x = (self.rng.standard_normal((3, 4, 50)) * 4).astype(np.float32)
+        x[0, 0, :3] = [-100.0, 100.0, 0.0]
+        dx = self.dev(x)
+        xv64 = x[:, :, 5:45].transpose(1, 0, 2).astype(np.float64)
+        refs = {"sigmoid": 1.0 / (1.0 + np.exp(-xv64)), "softplus": np.logaddexp(0.0, xv64),
+                "silu": _silu(xv64), "gelu": _gelu(xv64), "scale": xv64 * -0.5 + 2.0}
+        for op, ref in refs.items():
+            out = self.nan(xv64.shape)
+            self.case("unary", f"{op} strided", xv64.shape,
+                      lambda op=op, out=out: ck.unary(op, dx[:, :, 5:45].transpose(1, 0, 2), out,
+                                                      -0.5, 2.0),
+                      lambda out=out: self.host(out), ref, 1e-5)
+
+    def check_top_k(self):
+        ck = self.ck
+        rows, ne0, k = 5, 60, 6
+        x = self.rng.standard_normal((rows, ne0)).astype(np.float32)
+        x[1, [3, 7, 50]] = 9.0                     # ties: lower index first
+        x[2, :] = -np.inf                         # all -inf: indices in order
+        x[3, [0, 1]] = np.nan                     # NaN goes last
+        x[4, :10] = 0.0
+        x[4, 10:] = -1.0
+        ref = np.argsort(-x, axis=-1, kind="stable")[:, :k].astype(np.float64)
+        dx = self.dev(x)
+        out = self.arrays.full((rows, k), -1, np.int32)
+        self.case("top_k", "f32", (ne0, rows), lambda: ck.top_k(dx, out, k),
+                  lambda: self.host(out).astype(np.float64), ref, 0.0,
+                  err_fn=lambda o, r: 0.0 if np.array_equal(o, r) else math.inf)
+
+    def check_add_id(self):
+        ck = self.ck
+        T, n_used, ne0, n_exp = 3, 2, 40, 4
+        a = self.rng.standard_normal((T, n_used, ne0)).astype(np.float32)
+        b = self.rng.standard_normal((n_exp, ne0)).astype(np.float32)
+        ids = np.array([[3, 0], [1, 1], [2, 3]], dtype=np.int32)
+        ref = a.astype(np.float64) + b.astype(np.float64)[ids]
+        da, db, dids = self.dev(a), self.dev(b), self.dev(ids)
+        out = self.nan(a.shape)
+        self.case("add_id", "f32", (ne0, n_used, T), lambda: ck.add_id(da, db, dids, out),
+                  lambda: self.host(out), ref, 1e-6)
+
+    def check_attn_kv_len(self):
+        """kv_len in device memory: keys beyond it are never read (NaN there must not leak),
+        and changing it needs no new launch arguments (what a CUDA graph replays)."""
+        ck = self.ck
+        D, H, hkv, n_kv = 64, 9, 3, 256
+        ks, vs, k64, v64 = self._kv("f16", n_kv, hkv, D)
+        ks[100:] = np.nan
+        vs[100:] = np.nan
+        for T, kernel in ((1, "decode"), (6, "prefill")):
+            q = self.rng.standard_normal((T, H, D)).astype(np.float32)
+            dq, dk, dv = self.dev(q), self.dev(ks), self.dev(vs)
+            for used in (100, 37):
+                mask = np.full((T, n_kv), -np.inf, dtype=np.float32)
+                for t in range(T):
+                    mask[t, : used - T + t + 1] = 0.0
+                ref = ref_attention(q.astype(np.float64), k64[:used], v64[:used], 1 / 8.0,
+                                    mask[:, :used], 0.0, False)
+                dm = self.dev(mask)
+                dlen = self.dev(np.array([used], dtype=np.int32))
+                out = self.nan((T, H, D))
+                fn = ck.flash_attn_decode if kernel == "decode" else ck.flash_attn_prefill
+                self.case(f"attn_{kernel}", f"f16 kv_len={used}/{n_kv}", (D, H, hkv, n_kv, T),
+                          lambda fn=fn, dq=dq, dk=dk, dv=dv, dm=dm, dlen=dlen, out=out, T=T: fn(
+                              dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T,
+                              n_kv=n_kv, scale=1 / 8.0, mask=dm, causal=False, kv_len=dlen),
+                          lambda out=out: self.host(out), ref, 1e-4)
+
+
+
+def check_all_kernels(names=None, *, seed: int = 0, time_reps: int = 5,
+                      emulate: bool = False) -> list[dict]:
+    """Run the kernel checks (all, or the groups in ``names``); one dict per case.
+
+    emulate: run the kernels on the CPU emulator (``cuda_kernels.use_emulator``) instead of
+    a GPU (no timing)."""
+    from metatp.backends import cuda_kernels as ck  # noqa: PLC0415
+
     names = list(CHECK_NAMES if names is None else names)
     for n in names:
         if n not in CHECK_NAMES:
             raise ValueError(f"unknown check {n!r}; known: {CHECK_NAMES}")
-    try:
-        chk = _Checker(seed, time_reps)
-    except Exception as e:  # noqa: BLE001 - no cupy / no GPU
-        return [{"name": "setup", "dtype": "-", "shape": "-", "max_rel_err": None,
-                 "threshold": None, "pass": False, "time_us": None,
-                 "error": f"{type(e).__name__}: {e}"}]
-    for n in names:
+    ctx = ck.use_emulator() if emulate else contextlib.nullcontext()
+    with ctx as emu:
         try:
-            getattr(chk, f"check_{n}")()
-        except Exception as e:  # noqa: BLE001 - a crashing group becomes a failed row
-            chk.fail(n, e)
+            chk = _Checker(seed, time_reps, emu)
+        except Exception as e:  # noqa: BLE001 - no cupy / no GPU
+            return [{"name": "setup", "dtype": "-", "shape": "-", "max_rel_err": None,
+                     "threshold": None, "pass": False, "time_us": None,
+                     "error": f"{type(e).__name__}: {e}"}]
+        for n in names:
+            try:
+                getattr(chk, f"check_{n}")()
+            except Exception as e:  # noqa: BLE001 - a crashing group becomes a failed row
+                chk.fail(n, e)
     return chk.results
 
 
@@ -708,8 +1001,11 @@ def main(argv=None) -> int:
     ap.add_argument("names", nargs="*", help=f"check groups (default all): {' '.join(CHECK_NAMES)}")
     ap.add_argument("--reps", type=int, default=5, help="timed launches per case (0: no timing)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--emulate", action="store_true",
+                    help="run on the CPU emulator (g++) instead of a GPU")
     args = ap.parse_args(argv)
-    results = check_all_kernels(args.names or None, seed=args.seed, time_reps=args.reps)
+    results = check_all_kernels(args.names or None, seed=args.seed, time_reps=args.reps,
+                                emulate=args.emulate)
     print(markdown_table(results))
     bad = [r for r in results if not r["pass"]]
     for r in bad:
