@@ -249,6 +249,7 @@ class NumpyExecutable:
                 for d in range(n):
                     self.arrays[d][t] = backend.leaf[d][t]
         self.steps: list[list[list[Closure]]] = []    # [subgraph][device] -> closures
+        self.shared = self._shared_mirrored() if n > 1 and not backend.threads else set()
         for d in range(n):
             self._bind_device(d)
         self._step_memo: dict = {}
@@ -264,6 +265,8 @@ class NumpyExecutable:
                     if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
                         continue
                     tp = plan.of(node)
+                    if d > 0 and node in self.shared:
+                        continue            # device 0 computed it; this device reads the same array
                     if not tp.compute[d]:
                         if tp.zero_fill is not None and tp.zero_fill[d]:
                             closures.append(functools.partial(self.arrays[d][node].fill, 0))
@@ -309,16 +312,55 @@ class NumpyExecutable:
             out[node] = rms
         return out
 
+    def _shared_mirrored(self) -> set[Tensor]:
+        """Nodes whose value is bit-identical on every simulated device: mirrored, computed everywhere,
+        and reading only such values, mirrored leaves, or reduced (all-reduced) nodes. Device 0
+        computes them once and the other devices read its array; the plan is unchanged."""
+        plan, graph = self.plan, self.plan.graph
+        reduced = {graph.nodes[r.node] for r in plan.reductions}
+        same: set[Tensor] = {t for t in graph.leaves
+                             if plan.of(t).state.is_mirrored and not (t.flags & Flag.KV_CACHE)}
+        shared: set[Tensor] = set()
+        for node in graph.nodes:
+            tp = plan.of(node)
+            if node.op in (Op.SET_ROWS, Op.CPY) or not (tp.state.is_mirrored and tp.sync_state.is_mirrored):
+                continue
+            if not all(tp.compute) or (node.view_src is not None and node.view_src not in same):
+                continue
+            if all(s is None or s in same or s in reduced for s in node.src):
+                same.add(node)
+                shared.add(node)
+        return shared
+
+    def _late_reads(self) -> dict[Tensor, int]:
+        """Device 0 keeps each shared node until the end of the subgraph of its last reader: the
+        other devices run that subgraph after device 0 has finished it."""
+        plan, graph = self.plan, self.plan.graph
+        end_of = {}
+        for sub in plan.subgraphs:
+            for i in range(sub.start, sub.end + 1):
+                end_of[i] = sub.end
+        late: dict[Tensor, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for s in node.src:
+                root = s.view_src or s if s is not None else None
+                if root in self.shared:
+                    late[root] = max(late.get(root, -1), end_of[i])
+        return late
+
     def _bind_device(self, d: int) -> None:
         """Node arrays for device d: owners are placed in one arena (dead buffers reused), views map onto them."""
         arrays = self.arrays[d]
         plan = self.plan
-        offsets, size = assign_offsets(plan, d, lambda t: _dtype(t).itemsize)
+        late = self._late_reads() if d == 0 and self.shared else None
+        offsets, size = assign_offsets(plan, d, lambda t: _dtype(t).itemsize, live_until=late)
         arena = np.zeros(max(size, 1), dtype=np.uint8)
         self.buffer_bytes[d] = arena.nbytes
         for node in plan.graph.nodes:
             loc = plan.of(node).local[d]
-            if node.view_src is not None:
+            if d > 0 and node in self.shared:
+                arrays[node] = self.arrays[0][node]
+            elif node.view_src is not None:
                 arrays[node] = _view(arrays[node.view_src], node, loc)
             else:
                 arrays[node] = np.ndarray(_shape(loc.ne), dtype=_dtype(node), buffer=arena, offset=offsets[node])

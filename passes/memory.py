@@ -138,11 +138,12 @@ def owns_buffer(node: Tensor) -> bool:
 
 
 def assign_offsets(plan: Plan, d: int, itemsize: Callable[[Tensor], int],
-                   keep: set[Tensor] | None = None) -> tuple[dict[Tensor, int], int]:
+                   keep: set[Tensor] | None = None,
+                   live_until: dict[Tensor, int] | None = None) -> tuple[dict[Tensor, int], int]:
     """Offsets of every buffer-owning node of device d in one arena, reusing dead buffers.
 
     A buffer lives from its node until the last node that reads it or any view of it; graph
-    outputs and `keep` live to the end. A node's output is placed before its dying inputs are
+    outputs and `keep` live to the end, `live_until` extends chosen buffers. A node's output is placed before its dying inputs are
     freed, so no kernel ever writes over memory it still reads. Best-fit over a free list, like
     ggml-alloc. Returns (offsets, arena size)."""
     nodes = plan.graph.nodes
@@ -154,6 +155,8 @@ def assign_offsets(plan: Plan, d: int, itemsize: Callable[[Tensor], int],
                 last[_owner(s)] = i
         if n.view_src is not None:
             last[n.view_src] = max(last.get(n.view_src, -1), i)
+    for t, i in (live_until or {}).items():      # callers that read a buffer late (shared mirrored nodes)
+        last[t] = max(last.get(t, -1), i)
     dying: dict[int, list[Tensor]] = {}
     for t, i in last.items():
         if t.op is not Op.NONE and t not in keep:
