@@ -133,4 +133,5 @@ def single_device_plan(graph: Graph) -> Plan:
     tensors = {t: TensorPlan(t, m, m, [_full_local(t)], [True]) for t in graph.tensors()}
     subs = [Subgraph(0, len(graph.nodes) - 1, None)] if graph.nodes else []
     return Plan(graph, DeviceLayout(), tensors, subs,
-                {"reductions_before_coalescing": 0, "reductions_per_step": 0, "bytes_reduced_per_step": 0})
+                {"stage": "lowered", "reductions_before_coalescing": 0, "reductions_per_step": 0,
+                 "reductions_saved": 0, "bytes_reduced_per_step": 0, "n_subgraphs": len(subs)})
