@@ -9,6 +9,14 @@ import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run (a failure there is reproducible, never a coin toss);
+# local runs keep exploring new ones.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
+
 from metatp.tools.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
 
 
