@@ -31,14 +31,8 @@ are in elements unless a name says ``bytes``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import hashlib
 import math
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +42,8 @@ import numpy as np
 
 __all__ = [
     "FAMILIES", "WEIGHT_TYPES", "MATVEC_MAX_TOKENS", "Launch",
-    "gpu_available", "emulator_available", "kernel_sources", "module_source",
-    "expected_entry_points", "get_kernel", "launch", "recording", "use_emulator", "Emulator",
+    "gpu_available", "kernel_sources", "module_source",
+    "expected_entry_points", "get_kernel", "launch", "recording", "use_emulator",
     "compile_all", "device_ptr",
     "dequantize", "matvec", "matvec_multi", "matvec_glu", "matvec_id", "rms_norm", "norm", "sum_rows", "rope",
     "set_rows", "flash_attn_decode", "flash_attn_prefill", "flash_attn", "binary", "add", "sub",
@@ -255,9 +249,20 @@ def _engine():
     return _engines[-1] if _engines else _CUPY
 
 
+def __getattr__(name: str):
+    """The emulator lives in its own module (tests only); keep its names importable from here."""
+    if name in ("Emulator", "emulator_available", "emulator_source"):
+        from metatp.backends import cuda_emulator
+
+        return getattr(cuda_emulator, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @contextlib.contextmanager
-def use_emulator(emulator: "Emulator | None" = None) -> Iterator["Emulator"]:
+def use_emulator(emulator=None) -> Iterator:
     """Run every kernel of this module on the CPU emulator (numpy arrays) inside the block."""
+    from metatp.backends.cuda_emulator import Emulator
+
     emu = emulator or Emulator()
     with _lock:
         _engines.append(emu)
@@ -377,355 +382,6 @@ def _sms() -> int:
 
 def _empty(shape, dtype):
     return _engine().empty(shape, dtype)
-
-
-# --------------------------------------------------------------------------- emulator
-_EMU_PRELUDE = r"""
-// ---- metatp CUDA emulator prelude: the kernels as host C++ (tests only) ----
-#include <ucontext.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <cstddef>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-#define MT_HOST_EMU 1
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __restrict__ __restrict
-
-struct mt_dim3 { unsigned int x, y, z; };
-struct uint4 { unsigned int x, y, z, w; };
-struct float4 { float x, y, z, w; };
-
-namespace mt_emu {
-struct Fiber {
-    ucontext_t ctx;
-    mt_dim3 tid;
-    int lin;    // linear thread index in the block (warp = lin / 32)
-    int wait;   // 0 runnable, 1 at __syncthreads, 2 at a warp exchange
-    bool done;
-};
-inline Fiber* cur = nullptr;
-inline mt_dim3 block_idx, block_dim, grid_dim;
-inline ucontext_t sched;
-inline unsigned char xch[1024 * 8];
-inline unsigned char* dyn_smem = nullptr;
-inline void (*launch_tramp)(void**) = nullptr;
-inline void** launch_args = nullptr;
-
-inline void yield_to_scheduler() { swapcontext(&cur->ctx, &sched); }
-inline void sync_block() { cur->wait = 1; yield_to_scheduler(); }
-inline void sync_warp() { cur->wait = 2; yield_to_scheduler(); }
-
-template <class T> inline T shfl_xor(T v, int o) {
-    static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
-    const int lin = cur->lin;
-    memcpy(xch + 8 * lin, &v, sizeof(T));
-    sync_warp();
-    const int src = (lin & ~31) | ((lin & 31) ^ (o & 31));
-    T r;
-    memcpy(&r, xch + 8 * src, sizeof(T));
-    sync_warp();
-    return r;
-}
-
-template <class T> constexpr char kind() {
-    if constexpr (std::is_pointer_v<T>) return 'p';
-    else if constexpr (std::is_same_v<T, int>) return 'i';
-    else if constexpr (std::is_same_v<T, float>) return 'f';
-    else if constexpr (std::is_same_v<T, long long>) return 'l';
-    else return '?';
-}
-template <class... A> const char* sig(void (*)(A...)) {
-    static const char s[] = {kind<A>()..., 0};
-    return s;
-}
-template <class... A, size_t... I>
-void call(void (*f)(A...), void** a, std::index_sequence<I...>) {
-    f(*static_cast<std::remove_cv_t<A>*>(a[I])...);
-}
-template <class... A> void invoke(void (*f)(A...), void** a) {
-    call(f, a, std::index_sequence_for<A...>{});
-}
-}  // namespace mt_emu
-
-#define threadIdx (mt_emu::cur->tid)
-#define blockIdx (mt_emu::block_idx)
-#define blockDim (mt_emu::block_dim)
-#define gridDim (mt_emu::grid_dim)
-#define __syncthreads() mt_emu::sync_block()
-
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return mt_emu::shfl_xor(v, o); }
-template <class T> inline T __ldg(const T* p) { return *p; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
-inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
-template <class T> inline T min(T a, T b) { return b < a ? b : a; }
-template <class T> inline T max(T a, T b) { return a < b ? b : a; }
-// ---- end of prelude ----
-"""
-
-_EMU_LAUNCHER = r"""
-// ---- emulator launcher: blocks one after another, the threads of a block as fibers ----
-namespace mt_emu {
-static std::vector<Fiber> fibers;
-static std::vector<std::vector<char>> stacks;
-static const size_t kStack = 128 * 1024;
-static void fiber_main() {
-    launch_tramp(launch_args);
-    cur->done = true;
-}
-// Runs every fiber until all are done; releases warp exchanges and block barriers when every
-// live thread of the warp / block has reached them. Returns false on a deadlock.
-static bool run_block(int nth, char* err, int err_len) {
-    for (;;) {
-        for (int i = 0; i < nth; ++i) {
-            Fiber& f = fibers[i];
-            if (!f.done && f.wait == 0) {
-                cur = &f;
-                swapcontext(&sched, &f.ctx);
-            }
-        }
-        int live = 0, at_block = 0;
-        for (int i = 0; i < nth; ++i) {
-            if (!fibers[i].done) {
-                ++live;
-                at_block += fibers[i].wait == 1;
-            }
-        }
-        if (live == 0) return true;
-        bool released = false;
-        for (int w0 = 0; w0 < nth; w0 += 32) {
-            int wl = 0, ww = 0;
-            for (int i = w0; i < w0 + 32 && i < nth; ++i) {
-                if (!fibers[i].done) {
-                    ++wl;
-                    ww += fibers[i].wait == 2;
-                }
-            }
-            if (wl > 0 && ww == wl) {
-                for (int i = w0; i < w0 + 32 && i < nth; ++i) fibers[i].wait = 0;
-                released = true;
-            }
-        }
-        if (!released && at_block == live) {
-            for (int i = 0; i < nth; ++i) fibers[i].wait = 0;
-            released = true;
-        }
-        if (!released) {
-            snprintf(err, err_len, "deadlock in block (%u,%u,%u): %d live threads, %d at "
-                     "__syncthreads, the rest at a warp exchange", block_idx.x, block_idx.y,
-                     block_idx.z, live, at_block);
-            return false;
-        }
-    }
-}
-}  // namespace mt_emu
-
-extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, unsigned gy,
-                             unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                             unsigned long smem, char* err, int err_len) {
-    using namespace mt_emu;
-    const long nth = (long)bx * by * bz;
-    if (nth <= 0 || nth > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx == 0 || gy == 0 ||
-        gz == 0 || gy > 65535 || gz > 65535 || gx > 2147483647u) {
-        snprintf(err, err_len, "invalid launch configuration grid (%u,%u,%u) block (%u,%u,%u)",
-                 gx, gy, gz, bx, by, bz);
-        return 1;
-    }
-    if ((long)fibers.size() < nth) fibers.resize(nth);
-    while ((long)stacks.size() < nth) stacks.emplace_back(kStack);
-    std::vector<unsigned char> smem_buf(smem + 64, 0xFF);   // NaN bytes: catch reads before writes
-    dyn_smem = (unsigned char*)(((uintptr_t)smem_buf.data() + 63) & ~(uintptr_t)63);
-    launch_tramp = tramp;
-    launch_args = args;
-    block_dim = {bx, by, bz};
-    grid_dim = {gx, gy, gz};
-    for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                block_idx = {x, y, z};
-                for (long i = 0; i < nth; ++i) {
-                    Fiber& f = fibers[i];
-                    f.tid = {(unsigned)(i % bx), (unsigned)((i / bx) % by), (unsigned)(i / ((long)bx * by))};
-                    f.lin = (int)i;
-                    f.wait = 0;
-                    f.done = false;
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks[i].data();
-                    f.ctx.uc_stack.ss_size = kStack;
-                    f.ctx.uc_link = &sched;
-                    makecontext(&f.ctx, (void (*)())fiber_main, 0);
-                }
-                if (!run_block((int)nth, err, err_len)) return 2;
-            }
-    return 0;
-}
-"""
-
-_SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
-
-
-def emulator_source(family: str) -> str:
-    """One family as host C++: prelude, the kernels (shared memory made static), trampolines."""
-    src = module_source(family)
-    src = _SHARED_EXTERN_RE.sub(lambda m: f"#define {m.group(2)} (({m.group(1)}*)mt_emu::dyn_smem)", src)
-    src = re.sub(r"\b__shared__\b", "static", src)
-    tramps = "\n".join(
-        f'extern "C" void mt_tramp_{n}(void** a) {{ mt_emu::invoke(&{n}, a); }}\n'
-        f'extern "C" const char* mt_sig_{n}() {{ return mt_emu::sig(&{n}); }}'
-        for n in expected_entry_points()[family])
-    return _EMU_PRELUDE + src + _EMU_LAUNCHER + tramps + "\n"
-
-
-def emulator_available() -> bool:
-    """True when a host C++ compiler for the emulator is on PATH."""
-    return shutil.which(os.environ.get("CXX", "g++")) is not None
-
-
-_EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
-
-
-def _emu_cache_dir() -> Path:
-    d = os.environ.get("METATP_EMU_CACHE")
-    path = Path(d) if d else Path(tempfile.gettempdir()) / f"metatp-emu-{os.getuid()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _compile_emulator(family: str) -> Path:
-    """The shared library of one family (compiled once, cached by source hash)."""
-    cxx = os.environ.get("CXX", "g++")
-    src = emulator_source(family)
-    digest = hashlib.sha1((src + " ".join(_EMU_FLAGS) + cxx).encode()).hexdigest()[:16]
-    out = _emu_cache_dir() / f"{family}-{digest}.so"
-    if out.is_file():
-        return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        cpp = Path(tmp) / f"{family}.cpp"
-        cpp.write_text(src, encoding="utf-8")
-        so = Path(tmp) / out.name
-        r = subprocess.run([cxx, *_EMU_FLAGS, "-o", str(so), str(cpp)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"emulator build of {family}.cu failed:\n{r.stderr[-4000:]}")
-        os.replace(so, out)
-    return out
-
-
-class _EmuKernel:
-    """A kernel of the emulator, called like cupy.RawKernel."""
-
-    def __init__(self, emu: "Emulator", lib, name: str) -> None:
-        self.emu = emu
-        self.name = name
-        self._tramp = ctypes.cast(getattr(lib, f"mt_tramp_{name}"), ctypes.c_void_p)
-        sig_fn = getattr(lib, f"mt_sig_{name}")
-        sig_fn.restype = ctypes.c_char_p
-        self.signature = sig_fn().decode()
-        self._launch = lib.mt_emu_launch
-        self._launch.restype = ctypes.c_int
-        self.max_dynamic_shared_size_bytes = 0
-
-    def _convert(self, args) -> list:
-        if len(args) != len(self.signature):
-            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.signature)} parameters")
-        out = []
-        for i, (a, kind) in enumerate(zip(args, self.signature)):
-            if kind == "p":
-                if not (a is None or _is_array(a) or isinstance(a, np.uint64)):
-                    raise TypeError(f"{self.name}: argument {i} must be an array or pointer, got {type(a).__name__}")
-                out.append(ctypes.c_uint64(int(a) if isinstance(a, np.uint64) else device_ptr(a)))
-            elif kind == "i":
-                if not isinstance(a, np.int32):
-                    raise TypeError(f"{self.name}: argument {i} must be np.int32, got {type(a).__name__}")
-                out.append(ctypes.c_int32(int(a)))
-            elif kind == "f":
-                if not isinstance(a, np.float32):
-                    raise TypeError(f"{self.name}: argument {i} must be np.float32, got {type(a).__name__}")
-                out.append(ctypes.c_float(float(a)))
-            else:
-                raise TypeError(f"{self.name}: parameter {i} has a type the emulator cannot pass")
-        return out
-
-    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None) -> None:
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        block = tuple(block) + (1,) * (3 - len(block))
-        if shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes:
-            raise RuntimeError(f"{self.name}: {shared_mem} bytes of dynamic shared memory need "
-                               "max_dynamic_shared_size_bytes raised first")
-        if shared_mem > 227 * 1024:
-            raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory exceed the device limit")
-        vals = self._convert(args)
-        self.emu.dispatch(lambda: self._run(grid, block, vals, shared_mem))
-
-    def _run(self, grid, block, vals, shared_mem) -> None:
-        ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
-        err = ctypes.create_string_buffer(512)
-        rc = self._launch(self._tramp, ptrs, *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
-                          ctypes.c_ulong(shared_mem), err, ctypes.c_int(len(err)))
-        if rc != 0:
-            raise RuntimeError(f"{self.name}: {err.value.decode()}")
-
-
-class _EmuModule:
-    def __init__(self, emu: "Emulator", lib) -> None:
-        self.emu = emu
-        self.lib = lib
-
-    def get_function(self, name: str) -> _EmuKernel:
-        return _EmuKernel(self.emu, self.lib, name)
-
-
-class Emulator:
-    """The CPU stand-in for a GPU: numpy arrays, kernels compiled as host C++.
-
-    ``dispatch`` runs work at once, or appends it to ``capture`` while one is active
-    (what a backend's emulated CUDA-graph capture records and replays)."""
-
-    name = "emulator"
-    _libs: dict[Path, Any] = {}         # compiled library (by source hash) -> loaded ctypes handle
-
-    def __init__(self, sm_count: int = 4) -> None:
-        self._sm_count = sm_count
-        self.current_device = 0
-        self.capture: list | None = None
-        self.launches = 0
-
-    def device_id(self) -> int:
-        return self.current_device
-
-    def module(self, family: str, dev: int) -> _EmuModule:
-        with _lock:
-            path = _compile_emulator(family)
-            lib = Emulator._libs.get(path)
-            if lib is None:
-                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
-        return _EmuModule(self, lib)
-
-    def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
-
-    def sm_count(self) -> int:
-        return self._sm_count
-
-    def dispatch(self, work) -> None:
-        self.launches += 1
-        if self.capture is not None:
-            self.capture.append(work)
-        else:
-            work()
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 
-from metatp.backends.cuda_kernels import emulator_available, gpu_available
+from metatp.backends.cuda_emulator import emulator_available
+from metatp.backends.cuda_kernels import gpu_available
 from metatp.tools import gpu_kernels_check as gkc
 
 requires_gpu = pytest.mark.skipif(
