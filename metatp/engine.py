@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ContextOverflowError
+from metatp.ir.errors import ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD
@@ -66,6 +66,8 @@ class Engine:
         plan = self.compile(graph)
         if not self._uploaded:
             self._upload_weights(plan)
+        else:
+            self._check_weight_layout(plan)
         ex = self.backend.prepare(plan)
         self._plans[key] = (plan, ex)
         while len(self._plans) > self.max_plans:
@@ -108,9 +110,21 @@ class Engine:
                 if src in shared:
                     cache[src] = data
             self.backend.upload(t, data, plan)
+        persistent = [t for t in plan.graph.leaves if t.flags & (Flag.WEIGHT | Flag.KV_CACHE)]
+        self._weight_states = {t: plan.of(t).state for t in persistent}
         used = set(leaves)
         self._unused_weights = [t.name for t in self.tensors.weights.values() if t not in used]
         self._uploaded = True
+
+    def _check_weight_layout(self, plan: Plan) -> None:
+        """Weights (and the KV cache) were sliced once, for the first plan; every later plan must split them the same way
+        (the split table guarantees it; a difference would silently compute with wrong slices)."""
+        for t in plan.graph.leaves:
+            want = self._weight_states.get(t)
+            if want is not None and plan.of(t).state != want:
+                raise UnsupportedOpError(
+                    f"weight {t.name!r} is split as {plan.of(t).state} in a {plan.graph.name} plan but was "
+                    f"loaded as {want}; plans of one model must agree on weight splits")
 
     # ---------------------------------------------------------------- running
     def reset(self) -> None:
