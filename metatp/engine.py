@@ -52,6 +52,7 @@ class Engine:
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
         self.max_plans = 12
         self._uploaded = False
+        self._weight_states: dict = {}
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:

@@ -43,17 +43,6 @@ SMALL = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_voca
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 
 
-class RawEngine(Engine):
-    """The engine with the one-line change the cupy backend wants: weights as GGUF bytes."""
-
-    def _upload_weights(self, plan) -> None:
-        for t in plan.graph.leaves:
-            if t.flags & Flag.WEIGHT:
-                src = self.tensors.source_name(t.name)
-                self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
-        self._uploaded = True
-
-
 def runtime(kind: str, **kw):
     return EmuRuntime(**kw) if kind == "emu" else None
 
@@ -76,7 +65,7 @@ def engines(model, kind, n=1, ts=None, ref_n=None, **backend_kw):
         lay = layout_for(n, ts)
         ref_lay = lay if ref_n is None else layout_for(ref_n)
         be = CupyBackend(lay, runtime=runtime(kind), **backend_kw)
-        return RawEngine(model, 512, lay, be), Engine(model, 512, ref_lay, NumpyBackend(ref_lay))
+        return Engine(model, 512, lay, be), Engine(model, 512, ref_lay, NumpyBackend(ref_lay))
 
 
 def rel_err(a, b) -> float:
@@ -227,7 +216,7 @@ def test_emulated_gpus_use_nccl_and_graph_segments(small_model):
     lay = layout_for(3, (1, 2, 1))
     be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32")
     assert be.allreduce_strategy == "nccl"
-    eng, ref = RawEngine(small_model, 512, lay, be), Engine(small_model, 512, lay, NumpyBackend(lay))
+    eng, ref = Engine(small_model, 512, lay, be), Engine(small_model, 512, lay, NumpyBackend(lay))
     got, want = run_teacher_forced(eng, ref, 3)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
@@ -239,8 +228,8 @@ def test_emulated_gpus_use_nccl_and_graph_segments(small_model):
 @pytest.mark.parametrize("n", [1, 3])
 def test_cuda_graph_replay_equals_eager(small_model, kind, n):
     lay = layout_for(n, (1, 2, 1) if n == 3 else None)
-    eager = RawEngine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=False))
-    graph = RawEngine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=True))
+    eager = Engine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=False))
+    graph = Engine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=True))
     a, b = eager.forward(PROMPT), graph.forward(PROMPT)
     assert np.array_equal(a, b)
     for _ in range(4):
