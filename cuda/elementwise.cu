@@ -7,6 +7,21 @@
     for (mt_i64 i = (mt_i64)blockIdx.x * blockDim.x + threadIdx.x; i < (total); \
          i += (mt_i64)gridDim.x * blockDim.x)
 
+// A flat index over ne0*ne1*ne2*ne3 elements, split into its 4-D coordinates.
+struct Idx4 {
+    int i0, i1, i2, i3;
+    __device__ __forceinline__ Idx4(mt_i64 r, int ne0, int ne1, int ne2) {
+        i0 = (int)(r % ne0); r /= ne0;
+        i1 = (int)(r % ne1); r /= ne1;
+        i2 = (int)(r % ne2);
+        i3 = (int)(r / ne2);
+    }
+    // element offset of these coordinates under strides s0..s3
+    __device__ __forceinline__ mt_i64 at(int s0, int s1, int s2, int s3) const {
+        return (mt_i64)i0 * s0 + (mt_i64)i1 * s1 + (mt_i64)i2 * s2 + (mt_i64)i3 * s3;
+    }
+};
+
 // ------------------------------------------------------------ binary ops
 struct OpAdd { static __device__ __forceinline__ float f(float a, float b) { return a + b; } };
 struct OpSub { static __device__ __forceinline__ float f(float a, float b) { return a - b; } };
@@ -22,17 +37,11 @@ __device__ __forceinline__ void binary_impl(const float* a, const float* b, floa
                                             int y_s0, int y_s1, int y_s2, int y_s3) {
     const mt_i64 total = (mt_i64)ne0 * ne1 * ne2 * ne3;
     MT_GRID_STRIDE(i, total) {
-        mt_i64 r = i;
-        const int i0 = (int)(r % ne0); r /= ne0;
-        const int i1 = (int)(r % ne1); r /= ne1;
-        const int i2 = (int)(r % ne2);
-        const int i3 = (int)(r / ne2);
-        const float av = a[(mt_i64)i0 * a_s0 + (mt_i64)i1 * a_s1 + (mt_i64)i2 * a_s2 +
-                           (mt_i64)i3 * a_s3];
-        const float bv = b[(mt_i64)(i0 % b_ne0) * b_s0 + (mt_i64)(i1 % b_ne1) * b_s1 +
-                           (mt_i64)(i2 % b_ne2) * b_s2 + (mt_i64)(i3 % b_ne3) * b_s3];
-        y[(mt_i64)i0 * y_s0 + (mt_i64)i1 * y_s1 + (mt_i64)i2 * y_s2 + (mt_i64)i3 * y_s3] =
-            OP::f(av, bv);
+        const Idx4 p(i, ne0, ne1, ne2);
+        const float av = a[p.at(a_s0, a_s1, a_s2, a_s3)];
+        const float bv = b[(mt_i64)(p.i0 % b_ne0) * b_s0 + (mt_i64)(p.i1 % b_ne1) * b_s1 +
+                           (mt_i64)(p.i2 % b_ne2) * b_s2 + (mt_i64)(p.i3 % b_ne3) * b_s3];
+        y[p.at(y_s0, y_s1, y_s2, y_s3)] = OP::f(av, bv);
     }
 }
 
@@ -108,15 +117,8 @@ __device__ __forceinline__ void unary_impl(const float* x, float* y, int ne0, in
                                            float p1) {
     const mt_i64 total = (mt_i64)ne0 * ne1 * ne2 * ne3;
     MT_GRID_STRIDE(i, total) {
-        mt_i64 r = i;
-        const int i0 = (int)(r % ne0); r /= ne0;
-        const int i1 = (int)(r % ne1); r /= ne1;
-        const int i2 = (int)(r % ne2);
-        const int i3 = (int)(r / ne2);
-        const float v = x[(mt_i64)i0 * x_s0 + (mt_i64)i1 * x_s1 + (mt_i64)i2 * x_s2 +
-                          (mt_i64)i3 * x_s3];
-        y[(mt_i64)i0 * y_s0 + (mt_i64)i1 * y_s1 + (mt_i64)i2 * y_s2 + (mt_i64)i3 * y_s3] =
-            MAP::f(v, p0, p1);
+        const Idx4 p(i, ne0, ne1, ne2);
+        y[p.at(y_s0, y_s1, y_s2, y_s3)] = MAP::f(x[p.at(x_s0, x_s1, x_s2, x_s3)], p0, p1);
     }
 }
 
@@ -394,14 +396,8 @@ __device__ __forceinline__ void cpy_impl(const typename S::T* src, typename D::T
                                          int s3, int d0, int d1, int d2, int d3) {
     const mt_i64 total = (mt_i64)ne0 * ne1 * ne2 * ne3;
     MT_GRID_STRIDE(i, total) {
-        mt_i64 r = i;
-        const int i0 = (int)(r % ne0); r /= ne0;
-        const int i1 = (int)(r % ne1); r /= ne1;
-        const int i2 = (int)(r % ne2);
-        const int i3 = (int)(r / ne2);
-        const float v = S::load(src + (mt_i64)i0 * s0 + (mt_i64)i1 * s1 + (mt_i64)i2 * s2 +
-                                (mt_i64)i3 * s3);
-        D::store(dst + (mt_i64)i0 * d0 + (mt_i64)i1 * d1 + (mt_i64)i2 * d2 + (mt_i64)i3 * d3, v);
+        const Idx4 p(i, ne0, ne1, ne2);
+        D::store(dst + p.at(d0, d1, d2, d3), S::load(src + p.at(s0, s1, s2, s3)));
     }
 }
 // f16->f16 through f32 is exact (every f16 is an f32 that converts back unchanged).
