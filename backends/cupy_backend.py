@@ -1081,17 +1081,21 @@ class CupyExecutable:
                 return []          # keeping a prefill-sized tensor alive costs more than the launch
         return [_Fusion("norm", node, (norm_node,), keep=keep, parts={"norm": norm_node})]
 
+    def _later_partners(self, node: Tensor, taken):
+        """Later nodes of the same op reading the same src[1] (positions / row indices) as `node`."""
+        idx = self.plan.graph.index
+        for other in self._readers.get(node.src[1], []):
+            if other is not node and other.op is node.op and other not in taken and idx[other] > idx[node] \
+                    and other.src[1] is node.src[1]:
+                yield other
+
     def _rope_pair_fusion(self, node: Tensor, taken) -> list:
         """Two ROPEs with the same positions and parameters (Q and K of a layer) -> one launch at
         the later one."""
         if node.op is not Op.ROPE or node in taken:
             return []
         idx = self.plan.graph.index
-        for other in self._readers.get(node.src[1], []):
-            if other is node or other.op is not Op.ROPE or other in taken or idx[other] <= idx[node]:
-                continue
-            if other.src[1] is not node.src[1]:
-                continue
+        for other in self._later_partners(node, taken):
             if other.params != node.params or other.src[2:] != node.src[2:] or node.ne[0] != other.ne[0]:
                 continue
             if node.ne[2] != other.ne[2] or node.ne[3] != 1 or other.ne[3] != 1:
@@ -1108,17 +1112,12 @@ class CupyExecutable:
         layer) -> one launch at the later one."""
         if node.op is not Op.SET_ROWS or node in taken:
             return []
-        idx = self.plan.graph.index
-        for other in self._readers.get(node.src[1], []):
-            if other is node or other.op is not Op.SET_ROWS or other in taken or idx[other] <= idx[node]:
-                continue
-            if other.src[1] is not node.src[1]:
-                continue
+        for other in self._later_partners(node, taken):
             if node.src[0].ne[1] > ck.MATVEC_MAX_TOKENS or node.type != other.type:
                 continue
             if list(self.plan.of(node).compute) != list(self.plan.of(other).compute):
                 continue
-            if self._sub_of.get(node) != self._sub_of.get(other) or not self._uses_after(node, idx[other]):
+            if self._sub_of.get(node) != self._sub_of.get(other) or not self._uses_after(node, self.plan.graph.index[other]):
                 continue
             if any(node.view_src is r or other.view_src is r for r in (node.src[0], other.src[0])):
                 continue
