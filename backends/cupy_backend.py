@@ -553,15 +553,9 @@ class CupyBackend:
 
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
         """Store a leaf's float value (f32 on the device), split as the plan says."""
-        full = np.ascontiguousarray(full, dtype=np.float32)
-        if full.shape != _np_shape(t.ne) and full.size == t.nelements:
-            full = full.reshape(_np_shape(t.ne))
-        if self.n == 1:
-            parts = [full]
-        else:
-            from metatp.backends.slicing import split_array
+        from metatp.backends.slicing import device_slices
 
-            parts = split_array(full, t, plan.of(t), self.n)
+        parts = device_slices(np.ascontiguousarray(full, dtype=np.float32), t, plan.of(t), self.n)
         for d in range(self.n):
             part = np.ascontiguousarray(parts[d], dtype=np.float32)
             self.leaf[d][t] = self._store(d, part.reshape(_np_shape(plan.of(t).local[d].ne)))

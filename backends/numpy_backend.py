@@ -72,15 +72,9 @@ class NumpyBackend:
     # ---------------------------------------------------------------- leaf data
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
         """Store a leaf's value, split into per-device slices as the plan says."""
-        full = np.ascontiguousarray(full)
-        if full.shape != _shape(t.ne) and full.size == t.nelements:
-            full = full.reshape(_shape(t.ne))
-        if self.n == 1:
-            parts = [full]
-        else:
-            from metatp.backends.slicing import split_array
+        from metatp.backends.slicing import device_slices
 
-            parts = split_array(full, t, plan.of(t), self.n)
+        parts = device_slices(np.ascontiguousarray(full), t, plan.of(t), self.n)
         only_matmul = self._only_matmul_weight(t, plan)
         for d in range(self.n):
             part = np.ascontiguousarray(parts[d])

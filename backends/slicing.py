@@ -83,3 +83,14 @@ def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> 
 
 def _as4d_shape(ne) -> tuple[int, int, int, int]:
     return (ne[3], ne[2], ne[1], ne[0])
+
+
+def device_slices(full: np.ndarray, tensor, tplan, n_devices: int) -> list[np.ndarray]:
+    """A leaf's full host value (any shape with the right element count) -> one array per device,
+    as the plan splits it. What every backend's upload starts with."""
+    shape = (tensor.ne[3], tensor.ne[2], tensor.ne[1], tensor.ne[0])
+    if full.shape != shape and full.size == tensor.nelements:
+        full = full.reshape(shape)
+    if n_devices == 1:
+        return [full]
+    return split_array(full, tensor, tplan, n_devices)
