@@ -68,6 +68,7 @@ class NumpyBackend:
         self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._executables: dict[int, NumpyExecutable] = {}
+        self._readers_of: tuple[Plan | None, dict] = (None, {})
 
     # ---------------------------------------------------------------- leaf data
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
@@ -87,11 +88,20 @@ class NumpyBackend:
             else:
                 self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
 
-    @staticmethod
-    def _only_matmul_weight(t: Tensor, plan: Plan) -> bool:
+    def _readers(self, t: Tensor, plan: Plan) -> list[Tensor]:
+        """Nodes of the plan that read t (directly or as a view); one graph walk per plan."""
+        if self._readers_of[0] is not plan:
+            readers = plan.graph.consumers()
+            for n in plan.graph.nodes:
+                if n.view_src is not None and n not in readers.get(n.view_src, []):
+                    readers.setdefault(n.view_src, []).append(n)
+            self._readers_of = (plan, readers)
+        return self._readers_of[1].get(t, [])
+
+    def _only_matmul_weight(self, t: Tensor, plan: Plan) -> bool:
         if not (t.flags & Flag.WEIGHT) or t.ne[2] != 1 or t.ne[3] != 1:
             return False
-        readers = [n for n in plan.graph.nodes if any(s is t for s in n.src) or n.view_src is t]
+        readers = self._readers(t, plan)
         return bool(readers) and all(n.op is Op.MUL_MAT and n.src[0] is t and n.view_src is None for n in readers)
 
     def storage_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
@@ -99,7 +109,7 @@ class NumpyBackend:
         n = int(np.prod(local_ne)) * 4
         if not (t.flags & Flag.WEIGHT) or self._only_matmul_weight(t, plan):
             return n
-        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in plan.graph.nodes)
+        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in self._readers(t, plan))
         return 2 * n if mm else n
 
     def memory_budget(self) -> tuple[int | None, bool]:
