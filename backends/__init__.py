@@ -34,13 +34,14 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def create_backend(name: str, layout, numerics: str = "exact"):
-    """A backend instance for `layout` (a passes.plan.DeviceLayout)."""
+def create_backend(name: str, layout, numerics: str = "exact", cpu_kernels: bool | None = None):
+    """A backend instance for `layout` (a passes.plan.DeviceLayout). `cpu_kernels` (numpy only):
+    None uses the compiled decode kernels when they build, False never, True insists."""
     resolved = resolve_backend_name(name)
     if resolved == "numpy":
         from metatp.backends.numpy_backend import NumpyBackend
 
-        return NumpyBackend(layout, numerics=numerics)
+        return NumpyBackend(layout, numerics=numerics, cpu_kernels=cpu_kernels)
     from metatp.backends.cupy_backend import CupyBackend
 
     return CupyBackend(layout)

@@ -33,28 +33,28 @@ def reduce_steps(n: int) -> int:
 
 
 def allreduce_butterfly(bufs: list[np.ndarray], active: Sequence[bool] | None = None) -> None:
-    """Sum `bufs` in place with recursive doubling; every buffer ends with the same bits.
+    """Sum `bufs` in place with the bits of llama.cpp's butterfly; every buffer ends the same.
 
-    1. zero-fill inactive devices; 2. fold the devices beyond the largest power of two `p2`
-    into devices 0..n-p2-1; 3. butterfly over p2 devices: at distance off = p2/2, ..., 1 every
-    device adds its partner's value (all copies of a step are taken before its adds);
-    4. copy the result back to the folded devices."""
+    The butterfly (fold the devices beyond the largest power of two `p2` into 0..n-p2-1, then at
+    distance off = p2/2, ..., 1 every device adds its partner's value, then copy back to the
+    folded ones) leaves partners j and j^off with equal values after each step, because float
+    addition is commutative. So the lower half of each step already holds every value, and
+    this computes just that half — one add per pair and one broadcast, no temporaries — with
+    the same bits as the full exchange."""
     n = len(bufs)
     _zero_inactive(bufs, active)
     if n <= 1:
         return
     p2 = _pow2_floor(n)
     for j in range(p2, n):                       # fold
-        tmp = np.array(bufs[j], copy=True)
-        bufs[j - p2] += tmp
+        np.add(bufs[j - p2], bufs[j], out=bufs[j - p2])
     off = p2 // 2
     while off >= 1:
-        tmps = [np.array(bufs[j ^ off], copy=True) for j in range(p2)]   # all sends before the adds
-        for j in range(p2):
-            bufs[j] += tmps[j]
+        for j in range(off):
+            np.add(bufs[j], bufs[j + off], out=bufs[j])
         off //= 2
-    for j in range(p2, n):                       # copy back
-        bufs[j][...] = bufs[j - p2]
+    for j in range(1, n):                        # every device receives the result
+        np.copyto(bufs[j], bufs[0])
 
 
 def allreduce_sum(bufs: list[np.ndarray], active: Sequence[bool] | None = None) -> None:

@@ -10,12 +10,9 @@ ordering, alignment and speed still need a GPU. `cuda_kernels.use_emulator()` sw
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import re
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -245,30 +242,15 @@ def emulator_available() -> bool:
 _EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
 
 
-def _emu_cache_dir() -> Path:
-    d = os.environ.get("METATP_EMU_CACHE")
-    path = Path(d) if d else Path(tempfile.gettempdir()) / f"metatp-emu-{os.getuid()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _compile_emulator(family: str) -> Path:
     """The shared library of one family (compiled once, cached by source hash)."""
-    cxx = os.environ.get("CXX", "g++")
-    src = emulator_source(family)
-    digest = hashlib.sha1((src + " ".join(_EMU_FLAGS) + cxx).encode()).hexdigest()[:16]
-    out = _emu_cache_dir() / f"{family}-{digest}.so"
-    if out.is_file():
-        return out
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        cpp = Path(tmp) / f"{family}.cpp"
-        cpp.write_text(src, encoding="utf-8")
-        so = Path(tmp) / out.name
-        r = subprocess.run([cxx, *_EMU_FLAGS, "-o", str(so), str(cpp)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"emulator build of {family}.cu failed:\n{r.stderr[-4000:]}")
-        os.replace(so, out)
-    return out
+    from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+    try:
+        return build_shared_library(family, emulator_source(family), ".cpp", os.environ.get("CXX", "g++"),
+                                    _EMU_FLAGS, host_cache_dir("METATP_EMU_CACHE", "metatp-emu"))
+    except RuntimeError as e:
+        raise RuntimeError(f"emulator build of {family}.cu failed: {e}") from None
 
 
 class _EmuKernel:

@@ -38,11 +38,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from metatp.backends import cuda_kernels as ck
-from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
+from metatp.backends.slicing import local_raw_shape as _local_raw_shape, split_raw
+from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import OPS, GluOp, Op, RopeMode, UnaryOp
-from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
+from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
 from metatp.passes.memory import assign_offsets
-from metatp.passes.plan import DeviceLayout, Local, Plan, TensorPlan
+from metatp.passes.plan import DeviceLayout, Local, Plan
 
 __all__ = ["CupyBackend", "CupyExecutable", "CupyRuntime", "WireThresholds",
            "wire_dtype", "Transfer", "butterfly_schedule", "simulate_schedule", "split_raw",
@@ -375,42 +376,6 @@ class RawWeight:
 def _weight_type_name(t: GGMLType) -> str | None:
     name = GGMLType(t).name.lower()
     return name if name in ck.WEIGHT_TYPES else None
-
-
-def _local_raw_shape(t: GGMLType, ne) -> tuple[int, int, int, int]:
-    bs, ts = block_size(t), type_size(t)
-    return (ne[3], ne[2], ne[1], ne[0] // bs * ts)
-
-
-def split_raw(raw: np.ndarray, tensor: Tensor, ggml_type: GGMLType, tplan: TensorPlan,
-              n_devices: int) -> list[np.ndarray]:
-    """Per-device slices of a weight's raw bytes, as the plan splits it (whole quant blocks
-    along ne0: the split table guarantees block-aligned cuts). Each part is uint8 with numpy
-    shape (ne3, ne2, ne1, row bytes) of the device's local shape."""
-    ggml_type = GGMLType(ggml_type)
-    bs, ts = block_size(ggml_type), type_size(ggml_type)
-    full = np.ascontiguousarray(raw).view(np.uint8).reshape(_local_raw_shape(ggml_type, tensor.ne))
-    st = tplan.state
-    if st.is_mirrored or n_devices == 1:
-        return [full] * n_devices
-    if st.is_partial:
-        owner = tplan.owner if tplan.owner is not None else 0
-        return [full if j == owner else np.zeros_like(full) for j in range(n_devices)]
-    parts = [np.empty(_local_raw_shape(ggml_type, tplan.local[j].ne), dtype=np.uint8)
-             for j in range(n_devices)]
-    ax = 3 - st.axis
-    for j, g, loc, length in st.chunks():
-        if st.axis == 0:
-            if g % bs or loc % bs or length % bs:
-                raise SplitError(f"{tensor.name}: split of ne0 at {g}+{length} is not whole "
-                                 f"{ggml_type.name} blocks of {bs}")
-            g, loc, length = g // bs * ts, loc // bs * ts, length // bs * ts
-        src = [slice(None)] * 4
-        dst = [slice(None)] * 4
-        src[ax] = slice(g, g + length)
-        dst[ax] = slice(loc, loc + length)
-        parts[j][tuple(dst)] = full[tuple(src)]
-    return parts
 
 
 _QUANT_READERS = {Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS}

@@ -12,9 +12,11 @@ import functools
 
 import numpy as np
 
-from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.backends import cpu_kernels as qkernel
+from metatp.backends.affine_quant import AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes
+from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
 from metatp.ir.ops import OPS, Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size
 from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
 from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import DeviceLayout, Local, Plan
@@ -57,11 +59,18 @@ class NumpyBackend:
 
     name = "numpy"
 
-    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False) -> None:
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False,
+                 cpu_kernels: bool | None = None) -> None:
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.numerics = numerics
         self.threads = threads          # run the simulated devices in parallel threads
+        # few-token matmuls read int8-coded weights through the compiled kernel (None: when it builds)
+        if cpu_kernels and not qkernel.available():
+            raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {qkernel.kernel_info()}")
+        self.use_kernels = qkernel.available() if cpu_kernels is None else bool(cpu_kernels)
+        self.kernel_threads = qkernel.default_threads()
+        self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range((layout or DeviceLayout()).n_devices)]
         self._pool = None
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
@@ -88,6 +97,36 @@ class NumpyBackend:
             else:
                 self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
 
+    def keeps_encoded(self, t: Tensor, ggml_type: GGMLType, plan: Plan) -> bool:
+        """Is this weight also kept as int8 codes (for the kernel of few-token steps)?"""
+        return (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES
+                and self._only_matmul_weight(t, plan))
+
+    def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> None:
+        """After `upload`: keep a matmul weight's GGUF blocks as int8 codes + per-block scale and
+        offset too (~1.25 bytes a weight instead of 4): decode reads these. Mirrored slices share
+        one copy; a split that cuts quant blocks keeps the float32 path only."""
+        if not self.keeps_encoded(t, ggml_type, plan):
+            return
+        from metatp.backends.slicing import split_raw
+
+        try:
+            parts = split_raw(raw, t, GGMLType(ggml_type), plan.of(t), self.n)
+        except SplitError:
+            return
+        made: dict[int, AffineWeight] = {}
+        for d, part in enumerate(parts):
+            ne = plan.of(t).local[d].ne
+            if ne[0] * ne[1] == 0:
+                continue
+            aw = made.get(id(part))
+            if aw is None:
+                aw = made[id(part)] = affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0])
+            self._packed[d][t] = aw
+
+    def packed(self, t: Tensor, d: int) -> AffineWeight | None:
+        return self._packed[d].get(t)
+
     def _readers(self, t: Tensor, plan: Plan) -> list[Tensor]:
         """Nodes of the plan that read t (directly or as a view); one graph walk per plan."""
         if self._readers_of[0] is not plan:
@@ -107,7 +146,11 @@ class NumpyBackend:
     def storage_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
         """Bytes this backend keeps for a weight slice of local shape `local_ne` (f32, one or two layouts)."""
         n = int(np.prod(local_ne)) * 4
-        if not (t.flags & Flag.WEIGHT) or self._only_matmul_weight(t, plan):
+        if not (t.flags & Flag.WEIGHT):
+            return n
+        if self._only_matmul_weight(t, plan):
+            if self.keeps_encoded(t, t.type, plan) and local_ne[0] % block_size(t.type) == 0 and n:
+                n += affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0])
             return n
         mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in self._readers(t, plan))
         return 2 * n if mm else n
@@ -145,9 +188,14 @@ class NumpyBackend:
     def allocated_bytes(self) -> list[int]:
         """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
         out = []
+        seen: set[int] = set()      # an int8-coded weight mirrored on every device is one object
         for d in range(self.n):
             owned = [a for a in self.leaf[d].values() if not _aliases(a, self._transposed[d].values())]
             n = sum(a.nbytes for a in owned) + sum(a.nbytes for a in self._transposed[d].values())
+            for aw in self._packed[d].values():
+                if id(aw) not in seen:
+                    seen.add(id(aw))
+                    n += aw.nbytes
             n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
             out.append(n)
         return out
@@ -196,10 +244,20 @@ def _run_all(closures: list[Closure]) -> None:
 class _DeviceContext:
     """What kernels may ask the backend while building closures for device `d`."""
 
-    def __init__(self, backend: NumpyBackend, d: int, step_memo: dict) -> None:
+    def __init__(self, backend: NumpyBackend, d: int, step_memo: dict, plan_memo: dict | None = None) -> None:
         self.backend = backend
         self.d = d
         self._memo = step_memo
+        self._plan_memo = {} if plan_memo is None else plan_memo
+        self.use_kernels = backend.use_kernels
+
+    def persistent(self, key, make):
+        """A value made once per prepared plan and shared by every node that asks (e.g. a buffer
+        that per-step tables are written into, so compiled kernels can hold its address)."""
+        hit = self._plan_memo.get(key)
+        if hit is None:
+            hit = self._plan_memo[key] = make()
+        return hit
 
     def per_step(self, key, make):
         """A value computed once per run and shared by every node that asks (e.g. rope tables)."""
@@ -213,6 +271,14 @@ class _DeviceContext:
 
     def transposed(self, t: Tensor) -> np.ndarray:
         return self.backend.transposed(t, self.d)
+
+    def packed(self, t: Tensor) -> AffineWeight | None:
+        """The weight as int8 codes when the compiled kernel may read it, else None."""
+        return self.backend.packed(t, self.d) if self.backend.use_kernels else None
+
+    @property
+    def kernel_threads(self) -> int:
+        return self.backend.kernel_threads
 
     def activation_rounding(self, w: Tensor):
         """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
@@ -257,35 +323,54 @@ class NumpyExecutable:
         for d in range(n):
             self._bind_device(d)
         self._step_memo: dict = {}
+        plan_memo: dict = {}
         fused = self._fusable_norms()            # MUL node -> the RMS_NORM it absorbs
         absorbed = set(fused.values())
+        # Closures in two orders: per device (the threaded mode runs devices side by side) and
+        # node by node across devices (the default: devices are independent inside a subgraph,
+        # so any interleaving is valid, and one node's int8 matmuls on all devices become one
+        # compiled call with one parallel region).
+        self.node_major: list[list[Closure]] = []
         for sub in plan.subgraphs:
-            per_dev = []
-            for d in range(n):
-                ctx = _DeviceContext(backend, d, self._step_memo)
-                closures = []
-                for i in range(sub.start, sub.end + 1):
-                    node = graph.nodes[i]
-                    if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
-                        continue
-                    tp = plan.of(node)
-                    if d > 0 and node in self.shared:
-                        continue            # device 0 computed it; this device reads the same array
-                    if not tp.compute[d]:
-                        if tp.zero_fill is not None and tp.zero_fill[d]:
-                            closures.append(functools.partial(self.arrays[d][node].fill, 0))
-                        continue
-                    if node in absorbed:
-                        continue
-                    rms = fused.get(node)
-                    if rms is not None:
-                        a = self.arrays[d]
-                        closures.append(rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node]))
-                        continue
-                    srcs = [self.arrays[d][s] if s is not None else None for s in node.src]
-                    closures.append(kernel_for(node)(node, self.arrays[d][node], srcs, ctx))
-                per_dev.append(closures)
+            ctxs = [_DeviceContext(backend, d, self._step_memo, plan_memo) for d in range(n)]
+            per_dev: list[list[Closure]] = [[] for _ in range(n)]
+            order: list[Closure] = []
+            for i in range(sub.start, sub.end + 1):
+                node = graph.nodes[i]
+                at_node = []
+                for d in range(n):
+                    f = self._closure(node, d, ctxs[d], fused, absorbed)
+                    if f is not None:
+                        per_dev[d].append(f)
+                        at_node.append(f)
+                if len(at_node) > 1 and all(qkernel.is_qmatmul(f) for f in at_node):
+                    order.append(qkernel.group_qmatmul(at_node))
+                else:
+                    order.extend(at_node)
             self.steps.append(per_dev)
+            self.node_major.append(order)
+        self._reduce = self._allreduce_closures()
+
+    def _closure(self, node: Tensor, d: int, ctx: _DeviceContext, fused: dict, absorbed: set) -> Closure | None:
+        """What device d runs for `node`, or None (a view, a value another device computed, an
+        empty slice, or a norm fused into its multiply)."""
+        if OPS[node.op].is_view and node.op not in (Op.CPY, Op.SET_ROWS):
+            return None
+        tp = self.plan.of(node)
+        if d > 0 and node in self.shared:
+            return None             # device 0 computed it; this device reads the same array
+        if not tp.compute[d]:
+            if tp.zero_fill is not None and tp.zero_fill[d]:
+                return functools.partial(self.arrays[d][node].fill, 0)
+            return None
+        if node in absorbed:
+            return None
+        a = self.arrays[d]
+        rms = fused.get(node)
+        if rms is not None:
+            return rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node])
+        srcs = [a[s] if s is not None else None for s in node.src]
+        return kernel_for(node)(node, a[node], srcs, ctx)
 
     def _fusable_norms(self) -> dict[Tensor, Tensor]:
         """MUL nodes whose src0 is an RMS_NORM read by nothing else (and src1 a weight row) -> that norm.
@@ -380,25 +465,32 @@ class NumpyExecutable:
         n = self.backend.n
         self._step_memo.clear()
         pool = self.backend.pool()
-        for sub, per_dev in zip(plan.subgraphs, self.steps):
+        for sub, per_dev, order in zip(plan.subgraphs, self.steps, self.node_major):
             if pool is None:
-                for d in range(n):
-                    for f in per_dev[d]:
-                        f()
+                for f in order:
+                    f()
             else:   # simulated devices run side by side: numpy releases the GIL inside BLAS
                 futures = [pool.submit(_run_all, per_dev[d]) for d in range(1, n)]
                 _run_all(per_dev[0])
                 for fut in futures:
                     fut.result()
-            red = sub.reduction
-            if red is not None and n > 1:
-                self._allreduce(plan.graph.nodes[red.node])
+            if sub.reduction is not None and n > 1:
+                self._reduce[sub.reduction.node]()
 
-    def _allreduce(self, node: Tensor) -> None:
+    def _allreduce_closures(self) -> dict[int, Closure]:
+        """One prepared all-reduce per reduced node (the compiled one when it can take the buffers)."""
         from metatp.backends.allreduce import allreduce_butterfly
 
-        bufs = [self.arrays[d][node] for d in range(self.backend.n)]
-        allreduce_butterfly(bufs, list(self.plan.of(node).compute))
+        out = {}
+        for sub in self.plan.subgraphs:
+            if sub.reduction is None or self.backend.n == 1:
+                continue
+            node = self.plan.graph.nodes[sub.reduction.node]
+            bufs = [self.arrays[d][node] for d in range(self.backend.n)]
+            active = list(self.plan.of(node).compute)
+            run = qkernel.prepare_allreduce(bufs, active) if self.backend.use_kernels else None
+            out[sub.reduction.node] = run or functools.partial(allreduce_butterfly, bufs, active)
+        return out
 
     def read(self, t: Tensor) -> np.ndarray:
         """The full value of `t` (gathered from slices; a PARTIAL value is summed)."""

@@ -120,6 +120,12 @@ def quantize_q8_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
+# Up to this many tokens a matmul reads int8-coded weights (compiled kernel); above it the
+# float32 BLAS product wins (measured crossover ~20 tokens on a 2-core AVX-512 VM): it is
+# compute-bound there and BLAS blocks for the cache better than the kernel.
+PACKED_MAX_TOKENS = 16
+
+
 def _mul_mat(node, out, src, ctx) -> Closure:
     a, b = src
     w = node.src[0]
@@ -133,6 +139,13 @@ def _mul_mat(node, out, src, ctx) -> Closure:
             rounding(b, bq)
             inner()
         return run_rounded
+    aw = ctx.packed(w) if a.shape[0] == 1 and a.shape[1] == 1 else None
+    if (aw is not None and b.shape[0] == 1 and b.shape[1] == 1 and b.shape[2] <= PACKED_MAX_TOKENS
+            and b.strides[3] == 4 and out.strides[3] == 4):
+        # few tokens (decode): read the int8-coded weight, ~3x fewer bytes than float32
+        from metatp.backends.cpu_kernels import prepare_qmatmul
+
+        return prepare_qmatmul(aw, b[0, 0], out[0, 0], ctx.kernel_threads)
     wt = ctx.transposed(w) if ctx.is_weight(w) and a.shape[0] == 1 and a.shape[1] == 1 else None
     if wt is not None:
         # weights are kept (in, out)-contiguous: x @ Wt is ~1.3x faster than W @ x in numpy
@@ -261,6 +274,23 @@ def _rope(node, out, src, ctx) -> Closure:
         cos, sin = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
         return cos[:, None, :], sin[:, None, :]
 
+    if ctx.use_kernels and x3.shape[0] <= PACKED_MAX_TOKENS:
+        from metatp.backends.cpu_kernels import prepare_rope, rope_usable
+
+        if rope_usable(x3, o3):
+            # one compiled call instead of six numpy ones; the tables live in one buffer per plan
+            cs = ctx.persistent(key[:-2] + ("rope-buf", x3.shape[0]), lambda: np.empty((2, x3.shape[0], h), F32))
+
+            def fill() -> np.ndarray:
+                cs[0], cs[1] = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
+                return cs
+            kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs)
+
+            def run_kernel() -> None:
+                ctx.per_step(key + ("filled",), fill)
+                kernel()
+            return run_kernel
+
     def run() -> None:
         cos, sin = ctx.per_step(key, tables)     # every layer shares one table per step
         a_cos, b_sin = xa * cos, xb * sin
@@ -317,6 +347,16 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         cols = np.flatnonzero(np.isfinite(mask[: q.shape[1]]).any(axis=0))
         return int(cols[-1]) + 1 if cols.size else 1
 
+    if ctx.use_kernels and q.shape[1] <= PACKED_MAX_TOKENS:
+        from metatp.backends.cpu_kernels import attention_usable, prepare_attention
+
+        if attention_usable(q, k, v, o3) and mask.dtype == np.float32 and mask.strides[1] == 4:
+            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3)
+
+            def run_kernel() -> None:
+                kernel(ctx.per_step(("visible", id(src_mask)), visible))
+            return run_kernel
+
     def run() -> None:
         n = ctx.per_step(("visible", id(src_mask)), visible)
         o3[...] = attention_reference(q, k[:, :n], v[:, :n], mask[:, :n], scale, softcap, sinks)
@@ -363,6 +403,13 @@ def _glu(node, out, src, ctx) -> Closure:
         x = src[0]
         n = out.shape[-1]
         a, b = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
+    kind = {_silu: "silu", _gelu_tanh: "gelu_tanh"}.get(act)
+    if ctx.use_kernels and kind and a.ndim == 4 and a.shape[:2] == (1, 1) and a.shape[2] <= PACKED_MAX_TOKENS:
+        from metatp.backends.cpu_kernels import prepare_glu
+
+        kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind)
+        if kernel is not None:
+            return kernel
     if act is _silu:
         def run_silu() -> None:
             np.negative(a, out=out)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from metatp.ir.tensor import Tensor
+from metatp.ir.errors import SplitError
+from metatp.ir.tensor import GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import TensorPlan
 
-__all__ = ["split_array", "gather_array"]
+__all__ = ["split_array", "gather_array", "device_slices", "local_raw_shape", "split_raw"]
 
 
 def _as4d(a: np.ndarray, ne) -> np.ndarray:
@@ -94,3 +95,40 @@ def device_slices(full: np.ndarray, tensor, tplan, n_devices: int) -> list[np.nd
     if n_devices == 1:
         return [full]
     return split_array(full, tensor, tplan, n_devices)
+
+
+def local_raw_shape(t: GGMLType, ne) -> tuple[int, int, int, int]:
+    """numpy shape of a (local) weight's GGUF bytes: (ne3, ne2, ne1, bytes per row)."""
+    bs, ts = block_size(t), type_size(t)
+    return (ne[3], ne[2], ne[1], ne[0] // bs * ts)
+
+
+def split_raw(raw: np.ndarray, tensor: Tensor, ggml_type: GGMLType, tplan: TensorPlan,
+              n_devices: int) -> list[np.ndarray]:
+    """Per-device slices of a weight's raw bytes, as the plan splits it (whole quant blocks
+    along ne0: the split table guarantees block-aligned cuts). Each part is uint8 with numpy
+    shape (ne3, ne2, ne1, row bytes) of the device's local shape."""
+    ggml_type = GGMLType(ggml_type)
+    bs, ts = block_size(ggml_type), type_size(ggml_type)
+    full = np.ascontiguousarray(raw).view(np.uint8).reshape(local_raw_shape(ggml_type, tensor.ne))
+    st = tplan.state
+    if st.is_mirrored or n_devices == 1:
+        return [full] * n_devices
+    if st.is_partial:
+        owner = tplan.owner if tplan.owner is not None else 0
+        return [full if j == owner else np.zeros_like(full) for j in range(n_devices)]
+    parts = [np.empty(local_raw_shape(ggml_type, tplan.local[j].ne), dtype=np.uint8)
+             for j in range(n_devices)]
+    ax = 3 - st.axis
+    for j, g, loc, length in st.chunks():
+        if st.axis == 0:
+            if g % bs or loc % bs or length % bs:
+                raise SplitError(f"{tensor.name}: split of ne0 at {g}+{length} is not whole "
+                                 f"{ggml_type.name} blocks of {bs}")
+            g, loc, length = g // bs * ts, loc // bs * ts, length // bs * ts
+        src = [slice(None)] * 4
+        dst = [slice(None)] * 4
+        src[ax] = slice(g, g + length)
+        dst[ax] = slice(loc, loc + length)
+        parts[j][tuple(dst)] = full[tuple(src)]
+    return parts

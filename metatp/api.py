@@ -91,12 +91,15 @@ class LLM:
     `memory_budget`: bytes per device ("8GiB"); default: what the backend reports free. The memory
     plan is checked before any weight is loaded; `fit_context=True` shrinks n_ctx to fit instead
     of refusing.
+    `cpu_kernels` (numpy backend): few-token steps use compiled C kernels over int8-coded weights
+    (built on first use with the machine's C compiler; ~3x faster decode). None: when they build;
+    False: pure numpy; True: fail if they cannot be built. METATP_CPU_KERNELS=0 turns them off.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
                  n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
                  seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
-                 fit_context: bool = False, verbose: bool = False) -> None:
+                 fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
@@ -125,7 +128,7 @@ class LLM:
             warnings.warn(f"{n_devices} devices but only {min(hp.n_head_kv)} KV heads: "
                           "some devices get zero attention slices", stacklevel=2)
         self.tokenizer = self.model.tokenizer
-        self.backend = create_backend(backend, self.layout, numerics)
+        self.backend = create_backend(backend, self.layout, numerics, cpu_kernels)
         self.n_ctx = n_ctx
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)

@@ -111,6 +111,9 @@ class Engine:
                 if src in shared:
                     cache[src] = data
             self.backend.upload(t, data, plan)
+            keep_encoded = getattr(self.backend, "upload_encoded", None)     # numpy: int8 codes for decode
+            if keep_encoded is not None:
+                keep_encoded(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
         persistent = [t for t in plan.graph.leaves if t.flags & (Flag.WEIGHT | Flag.KV_CACHE)]
         self._weight_states = {t: plan.of(t).state for t in persistent}
         used = set(leaves)

@@ -37,6 +37,7 @@ class BenchConfig:
     split_mode: list[str] = field(default_factory=lambda: ["none"])
     tensor_split: list[tuple[float, ...] | None] = field(default_factory=lambda: [None])
     seed: int = 0
+    interleave: bool = False      # build every layout first, alternate repetitions between them
 
 
 def _int_list(text: str) -> list[int]:
@@ -98,51 +99,84 @@ def _reductions_per_token(eng) -> int | None:
     return int(plan.stats.get("reductions_per_step", 0))
 
 
-def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
-    """Measure every combination; returns llama-bench-style rows (dicts)."""
+def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts) -> tuple:
+    """(engine, the row fields that describe the setup) for one layout."""
     from metatp.api import LLM
 
+    n_ctx = max([p + d for p in cfg.n_prompt for d in cfg.n_depth] + [g + d + 1 for g in cfg.n_gen for d in cfg.n_depth] + [16])
+    llm = LLM(cfg.model, n_ctx=n_ctx, backend=cfg.backend, n_devices=n_dev, split_mode=sm,
+              tensor_split=list(ts) if ts else None, seed=cfg.seed)
+    kernels = ""
+    if type(llm.backend).name == "numpy":
+        from metatp.backends import cpu_kernels
+
+        kernels = cpu_kernels.kernel_info() if llm.backend.use_kernels else "off"
+    base = {
+        "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
+        "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
+        "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "",
+        "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels,
+        "reductions_per_token": _reductions_per_token(llm.engine),
+    }
+    return llm.engine, base
+
+
+def _measure(eng, test: tuple[int, int, int], depth_ids: list[int], rng, vocab: int) -> float:
+    """tokens/s of one run of a test."""
+    n_prompt, n_gen, _ = test
+    if n_prompt:
+        toks = [int(x) for x in rng.integers(0, vocab, n_prompt)]
+        return n_prompt / _time_prompt(eng, toks, depth_ids)
+    return n_gen / _time_gen(eng, n_gen, depth_ids, int(rng.integers(0, vocab)))
+
+
+def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
+    """Measure every combination; returns llama-bench-style rows (dicts).
+
+    Layouts run one after another (each freed before the next), or with `cfg.interleave` all are
+    built first and every repetition visits each in turn, so a machine whose speed drifts
+    (a shared VM) moves all of them alike and the ratios between them stay meaningful."""
     rng = np.random.default_rng(cfg.seed)
+    layouts = _layouts(cfg)
+    tests = [(p, 0, d) for p in cfg.n_prompt if p > 0 for d in cfg.n_depth] + \
+            [(0, g, d) for g in cfg.n_gen if g > 0 for d in cfg.n_depth]
+    groups = [layouts] if cfg.interleave else [[lay] for lay in layouts]
     rows: list[dict] = []
-    for n_dev, sm, ts in _layouts(cfg):
-        n_ctx = max([p + d for p in cfg.n_prompt for d in cfg.n_depth] + [g + d + 1 for g in cfg.n_gen for d in cfg.n_depth] + [16])
-        llm = LLM(cfg.model, n_ctx=n_ctx, backend=cfg.backend, n_devices=n_dev, split_mode=sm,
-                  tensor_split=list(ts) if ts else None, seed=cfg.seed)
-        eng = llm.engine
-        vocab = llm.n_vocab
-        base = {
-            "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
-            "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
-            "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "", "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""),
-        }
-        red = _reductions_per_token(eng)
-        tests = [(p, 0, d) for p in cfg.n_prompt if p > 0 for d in cfg.n_depth] + \
-                [(0, g, d) for g in cfg.n_gen if g > 0 for d in cfg.n_depth]
-        for n_prompt, n_gen, depth in tests:
-            depth_ids = [int(x) for x in rng.integers(0, vocab, depth)]
-            samples = []
+    for group in groups:
+        setups = [_setup(cfg, *lay) for lay in group]
+        vocab = setups[0][0].model.hparams.n_vocab
+        for test in tests:
+            depth_ids = [int(x) for x in rng.integers(0, vocab, test[2])]
+            samples: list[list[float]] = [[] for _ in setups]
             for rep in range(cfg.repetitions + 1):          # the first run warms up (plans, weights)
-                if n_prompt:
-                    toks = [int(x) for x in rng.integers(0, vocab, n_prompt)]
-                    sec = _time_prompt(eng, toks, depth_ids)
-                    n = n_prompt
-                else:
-                    sec = _time_gen(eng, n_gen, depth_ids, int(rng.integers(0, vocab)))
-                    n = n_gen
-                if rep:
-                    samples.append(n / sec)
-            name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
-            if depth:
-                name += f" @ d{depth}"
-            row = dict(base, test=name, n_prompt=n_prompt, n_gen=n_gen, n_depth=depth,
-                       avg_ts=statistics.fmean(samples), stddev_ts=statistics.pstdev(samples) if len(samples) > 1 else 0.0,
-                       samples_ts=samples, reductions_per_token=red, peak_memory_bytes=_peak_rss())
-            rows.append(row)
-            if progress:
-                progress(row)
-        del llm, eng
+                for i, (eng, _) in enumerate(setups):
+                    ts = _measure(eng, test, depth_ids, rng, vocab)
+                    if rep:
+                        samples[i].append(ts)
+            for (eng, base), got in zip(setups, samples):
+                row = _row(base, test, got)
+                rows.append(row)
+                if progress:
+                    progress(row)
+        del setups
+    order = {lay: i for i, lay in enumerate(layouts)}
+    rows.sort(key=lambda r: order[(r["n_devices"], r["split_mode"], _ts_key(r["tensor_split"]))])
     _add_ratios(rows)
     return rows
+
+
+def _ts_key(text: str):
+    return tuple(float(x) for x in text.split("/")) if text else None
+
+
+def _row(base: dict, test: tuple[int, int, int], samples: list[float]) -> dict:
+    n_prompt, n_gen, depth = test
+    name = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+    if depth:
+        name += f" @ d{depth}"
+    return dict(base, test=name, n_prompt=n_prompt, n_gen=n_gen, n_depth=depth,
+                avg_ts=statistics.fmean(samples), stddev_ts=statistics.pstdev(samples) if len(samples) > 1 else 0.0,
+                samples_ts=samples, peak_memory_bytes=_peak_rss())
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -187,6 +221,9 @@ def add_parser(sub) -> None:
     b.add_argument("-sm", "--split-mode", default="none", help="none,tensor")
     b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    b.add_argument("--interleave", action="store_true",
+                   help="load every layout first and alternate repetitions between them (steadier ratios "
+                        "on a machine whose speed drifts; peak memory is then the whole run's)")
     b.set_defaults(func=_cmd_bench)
 
 
@@ -203,7 +240,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     ts = [DeviceLayout.parse_split(t) for t in args.tensor_split.split(",")] if args.tensor_split else [None]
     cfg = BenchConfig(model=args.model, n_prompt=_int_list(args.n_prompt), n_gen=_int_list(args.n_gen),
                       n_depth=_int_list(args.n_depth), repetitions=args.repetitions, backend=args.backend,
-                      n_devices=_int_list(args.devices), split_mode=modes, tensor_split=ts)
+                      n_devices=_int_list(args.devices), split_mode=modes, tensor_split=ts,
+                      interleave=args.interleave)
     rows = run_bench(cfg, progress=lambda r: print(f"  {r['split_mode']} x{r['n_devices']} {r['test']}: "
                                                    f"{r['avg_ts']:.2f} t/s", file=sys.stderr))
     print(format_rows(rows, args.output))

@@ -1,0 +1,232 @@
+"""Repack GGUF quantized weights into an "affine int8 block" form for CPU kernels.
+
+Every supported GGUF type decodes, per small block of elements, as
+``value = scale * q + offset`` with an integer code ``q``. Here the codes are
+unpacked once (at model load) into a plain int8 matrix and the per-block
+``scale``/``offset`` into float32 matrices, so a kernel needs no bit twiddling:
+
+    value[r, i] == scale[r, i // block] * q[r, i] + offset[r, i // block]
+
+Exactness against ``gguf.quants.dequantize`` (float32 arithmetic, no FMA):
+every accepted type is **bit-exact**. Each type's own formula is at most one
+float32 multiply of the code by a float32 per-block factor and one add/sub of
+another float32 per-block factor, and those factors are computed here with the
+same float32 operations as gguf (``d*sc``, ``dmin*m``; f16->f32 is exact):
+
+* Q4_0, Q5_0, Q8_0, Q3_K, Q6_K: ``d*q`` (or ``(d*sc)*q``) -> ``offset=None``.
+* Q4_1, Q5_1: ``d*q + m`` -> ``scale=d``, ``offset=m``.
+* Q2_K, Q4_K, Q5_K: ``(d*sc)*q - dmin*m`` -> ``offset=-(dmin*m)``; negation is
+  exact and ``x - y == x + (-y)`` in IEEE arithmetic, so still bit-exact.
+
+All work is vectorized numpy over all blocks of the tensor at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.ir.tensor import GGMLType, block_size, type_size
+
+__all__ = ["AFFINE_TYPES", "AffineWeight", "affine_blocks", "affine_bytes", "dequantize_affine"]
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make field-wise ==/hash meaningless
+class AffineWeight:
+    """A weight as int8 codes plus per-block float32 scale and (optional) offset."""
+
+    q: np.ndarray  # int8 (rows, K)
+    scale: np.ndarray  # float32 (rows, K // block)
+    offset: np.ndarray | None  # float32 (rows, K // block); None for symmetric types
+    block: int  # elements sharing one (scale, offset): 16 or 32
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+
+
+# --- small vectorized bit helpers ------------------------------------------------------------
+
+
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The little-endian f16 at byte ``at`` of every block, as float32 of shape (N, 1)."""
+    return np.ascontiguousarray(blocks[:, at : at + 2]).view("<f2").astype(np.float32)
+
+
+def _fields(x: np.ndarray, width: int) -> np.ndarray:
+    """Split each byte of x (..., L) into its 8/width bit fields, lowest first: (..., 8/width, L)."""
+    shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(-1, 1)
+    return (x[..., None, :] >> shifts) & np.uint8((1 << width) - 1)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """Legacy 32-element blocks: element j is qs[j] low nibble, element j+16 its high nibble."""
+    return _fields(qs, 4).reshape(qs.shape[0], 32)
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unpack Q4_K/Q5_K's 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks -> two (N, 8)."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+# --- per-type unpackers: blocks (N, type_size) uint8 -> q (N, block_size), scale, offset --------
+# scale/offset have shape (N, block_size // block).
+
+_Unpacked = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+def _q4_0(b: np.ndarray) -> _Unpacked:
+    return _nibbles_32(b[:, 2:]).view(np.int8) - np.int8(8), _f16(b, 0), None
+
+
+def _q4_1(b: np.ndarray) -> _Unpacked:
+    return _nibbles_32(b[:, 4:]).view(np.int8), _f16(b, 0), _f16(b, 2)
+
+
+def _q5(b: np.ndarray, qh_at: int) -> np.ndarray:
+    """5-bit codes 0..31: low nibbles as Q4_x, bit i of the little-endian u32 qh is element i's bit 4."""
+    high = np.unpackbits(b[:, qh_at : qh_at + 4], axis=1, bitorder="little")
+    return (_nibbles_32(b[:, qh_at + 4 :]) | (high << 4)).view(np.int8)
+
+
+def _q5_0(b: np.ndarray) -> _Unpacked:
+    return _q5(b, 2) - np.int8(16), _f16(b, 0), None
+
+
+def _q5_1(b: np.ndarray) -> _Unpacked:
+    return _q5(b, 4), _f16(b, 0), _f16(b, 2)
+
+
+def _q8_0(b: np.ndarray) -> _Unpacked:
+    return b[:, 2:].view(np.int8), _f16(b, 0), None
+
+
+def _q2_k(b: np.ndarray) -> _Unpacked:
+    # scales[16] | qs[64] | d | dmin; sub-block of 16; code = 2-bit field
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    q = _fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 256).view(np.int8)
+    scale = _f16(b, 80) * (sc & 15).astype(np.float32)
+    offset = -(_f16(b, 82) * (sc >> 4).astype(np.float32))
+    return q, scale, offset
+
+
+def _q3_k(b: np.ndarray) -> _Unpacked:
+    # hmask[32] | qs[64] | scales[12] | d; code = 2-bit field - 4 unless its hmask bit is set
+    n = b.shape[0]
+    low = _fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 256)
+    hbit = _fields(b[:, 0:32], 1).reshape(n, 256)
+    q = low.view(np.int8) - ((hbit ^ np.uint8(1)) << 2).view(np.int8)
+    s = b[:, 96:108]
+    sc6 = _fields(s[:, 0:8], 4).reshape(n, 16) | (_fields(s[:, 8:12], 2).reshape(n, 16) << 4)
+    scale = _f16(b, 108) * (sc6.view(np.int8) - np.int8(32)).astype(np.float32)
+    return q, scale, None
+
+
+def _q4_k(b: np.ndarray) -> _Unpacked:
+    # d | dmin | scales[12] | qs[128]; each 32-byte run holds two 32-element sub-blocks (lo, hi)
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = _fields(b[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 256).view(np.int8)
+    return q, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _q5_k(b: np.ndarray) -> _Unpacked:
+    # d | dmin | scales[12] | qh[32] | qs[128]; bit k of qh[j] is bit 4 of element 32k+j
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    low = _fields(b[:, 48:176].reshape(n, 4, 32), 4).reshape(n, 256)
+    high = _fields(b[:, 16:48], 1).reshape(n, 256)
+    q = (low | (high << 4)).view(np.int8)
+    return q, _f16(b, 0) * sc, -(_f16(b, 2) * mn)
+
+
+def _q6_k(b: np.ndarray) -> _Unpacked:
+    # ql[128] | qh[64] | scales int8[16] | d; code = (4 low | 2 high bits) - 32, sub-block of 16
+    n = b.shape[0]
+    low = _fields(b[:, 0:128].reshape(n, 2, 64), 4).reshape(n, 256)
+    high = _fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 256)
+    q = (low | (high << 4)).view(np.int8) - np.int8(32)
+    scale = _f16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q, scale, None
+
+
+# type -> (elements per (scale, offset) block, has an offset, unpacker)
+_TYPES: dict[GGMLType, tuple[int, bool, Callable[[np.ndarray], _Unpacked]]] = {
+    GGMLType.Q4_0: (32, False, _q4_0),
+    GGMLType.Q4_1: (32, True, _q4_1),
+    GGMLType.Q5_0: (32, False, _q5_0),
+    GGMLType.Q5_1: (32, True, _q5_1),
+    GGMLType.Q8_0: (32, False, _q8_0),
+    GGMLType.Q2_K: (16, True, _q2_k),
+    GGMLType.Q3_K: (16, False, _q3_k),
+    GGMLType.Q4_K: (32, True, _q4_k),
+    GGMLType.Q5_K: (32, True, _q5_k),
+    GGMLType.Q6_K: (16, False, _q6_k),
+}
+
+AFFINE_TYPES: frozenset[GGMLType] = frozenset(_TYPES)
+
+
+def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray], _Unpacked]]:
+    """Validate (type, K) and return the type and its table entry."""
+    try:
+        t = GGMLType(ggml_type)
+    except ValueError:
+        raise UnsupportedOpError(f"affine repacking: unknown GGML type {ggml_type!r}") from None
+    if t not in _TYPES:
+        raise UnsupportedOpError(
+            f"affine repacking does not support GGML type {t.name}; supported: "
+            + ", ".join(sorted(x.name for x in AFFINE_TYPES))
+        )
+    bs = block_size(t)
+    if not isinstance(k, (int, np.integer)) or k <= 0 or k % bs:
+        raise ConfigError(f"K={k} is not a positive multiple of the {t.name} block size {bs}")
+    return (t, *_TYPES[t])
+
+
+def affine_bytes(ggml_type, rows: int, k: int) -> int:
+    """Bytes of the AffineWeight affine_blocks would build for a (rows, K) weight (for memory planning)."""
+    _, block, has_offset, _ = _spec(ggml_type, k)
+    return rows * k + rows * (k // block) * 4 * (2 if has_offset else 1)
+
+
+def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
+    """Repack raw GGUF rows into an AffineWeight.
+
+    raw: uint8 array of shape (rows, row_bytes), each row exactly the GGUF encoding of K
+    elements (as ``GGUFReader`` exposes a quantized 2-D tensor's ``data``).
+    """
+    t, block, _, unpack = _spec(ggml_type, k)
+    raw = np.asarray(raw)
+    want = k // block_size(t) * type_size(t)
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] != want:
+        raise ConfigError(
+            f"{t.name} raw data for K={k} must be uint8 of shape (rows, {want}); "
+            f"got {raw.dtype} of shape {raw.shape}"
+        )
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, type_size(t))
+    q, scale, offset = unpack(blocks)
+    return AffineWeight(
+        q=np.ascontiguousarray(q, dtype=np.int8).reshape(rows, k),
+        scale=np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, k // block),
+        offset=None if offset is None else np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, k // block),
+        block=block,
+    )
+
+
+def dequantize_affine(aw: AffineWeight) -> np.ndarray:
+    """Reference decode: float32 (rows, K) = scale * q + offset per block (multiply, then add)."""
+    rows, k = aw.q.shape
+    q = aw.q.reshape(rows, k // aw.block, aw.block).astype(np.float32)
+    out = aw.scale[:, :, None] * q
+    if aw.offset is not None:
+        out = out + aw.offset[:, :, None]
+    return out.reshape(rows, k)

@@ -1,0 +1,297 @@
+"""The numpy backend's compiled kernels (`csrc/cpu_kernels.c`) for few-token steps (decode).
+
+numpy has no BLAS for int8 or f16, so the only way it can read a weight in a decode step is as
+float32 — 4 bytes a weight, which makes decode bound by memory bandwidth. `qmatmul` reads the
+weights as int8 codes with a float32 scale/offset per block (see `affine_quant`) and keeps
+activations float32. `rope` and `attention` replace a dozen small numpy calls each (their fixed
+cost, not their arithmetic, is what a one-token step pays). The library is built on first use
+with the machine's C compiler (-O3 -march=native, OpenMP when available) and cached; where that
+is impossible (no compiler, METATP_CPU_KERNELS=0) `available()` is False and the backend keeps
+its numpy path, which is also the reference every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import shutil
+import warnings
+from importlib import resources
+from typing import Callable
+
+import numpy as np
+
+from metatp.backends.affine_quant import AffineWeight
+
+__all__ = ["available", "default_threads", "kernel_info", "prepare_qmatmul", "qmatmul", "prepare_rope",
+           "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul"]
+
+_FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
+    ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=gnu11", "-w"),   # no OpenMP runtime
+    ("-O3", "-fPIC", "-shared", "-std=gnu11", "-w"),                        # compiler without -march=native
+)
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _struct(name: str, fields: str) -> type[ctypes.Structure]:
+    """A ctypes mirror of one argument struct in cpu_kernels.c ("name:type ..."; i=int64,
+    f=float, p=pointer), fields in the C order."""
+    kinds = {"i": _I64, "f": _F32, "p": _PTR}
+    return type(name, (ctypes.Structure,), {"_fields_": [(f.split(":")[0], kinds[f.split(":")[1]])
+                                                         for f in fields.split()]})
+
+
+_ARGS = {
+    "metatp_qmatmul": _struct("QMatmulGroup", "n:i items:p nthreads:i"),
+    "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p"),
+    "metatp_attention": _struct("AttentionArgs", "T:i H:i Hkv:i D:i Dv:i n_kv:i q:p q_sh:i q_st:i k:p k_sh:i "
+                                                 "k_sj:i v:p v_sh:i v_sj:i mask:p m_st:i scale:f softcap:f "
+                                                 "sinks:p out:p o_st:i o_sh:i scratch:p"),
+    "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
+    "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
+}
+
+
+_QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i q:p scale:p offset:p x:p ldx:i ntok:i y:p ldy:i")
+
+
+class _Call:
+    """One prepared kernel call: the argument struct is built once; calling costs one ctypes
+    call with one pointer. Holds the arrays whose addresses the struct contains."""
+
+    def __init__(self, name: str, keep: tuple, **fields) -> None:
+        lib = _library()[0]
+        if lib is None:
+            raise RuntimeError(f"CPU kernels unavailable: {kernel_info()}")
+        self.name = name
+        self.args = _ARGS[name](**fields)
+        self.keep = keep
+        self._fn = functools.partial(getattr(lib, name), ctypes.addressof(self.args))
+
+    def __call__(self) -> None:
+        rc = self._fn()
+        if rc:
+            raise RuntimeError(f"{self.name} rejected its arguments (code {rc})")
+
+
+def _cpu_signature() -> str:
+    """Part of the cache key: a library built with -march=native runs only on a like CPU."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    sig += line
+    except OSError:
+        pass
+    return sig
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, a line saying which build or why none)."""
+    if os.environ.get("METATP_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, "off (METATP_CPU_KERNELS=0)"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None, f"off (no C compiler {cc!r} on PATH)"
+    from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+    source = resources.files("metatp.backends").joinpath("csrc/cpu_kernels.c").read_text(encoding="utf-8")
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            path = build_shared_library("cpu_kernels", source, ".c", cc, flags,
+                                        host_cache_dir("METATP_KERNEL_CACHE", "metatp-kernels"), _cpu_signature(),
+                                        libs=("-lm",))
+            lib = ctypes.CDLL(str(path))
+        except (RuntimeError, OSError) as e:
+            errors.append(str(e).splitlines()[0])
+            continue
+        for name in _ARGS:
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p]
+        openmp = "-fopenmp" in flags
+        return lib, f"cpu_kernels ({cc} {' '.join(f for f in flags if f.startswith(('-march', '-fopenmp')))})".replace(
+            " )", ")") + ("" if openmp else ", single-threaded")
+    warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "
+                  f"(slower): {errors[-1] if errors else 'unknown error'}", RuntimeWarning, stacklevel=2)
+    return None, "off (build failed)"
+
+
+def available() -> bool:
+    """True when the compiled kernel can be used on this machine."""
+    return _library()[0] is not None
+
+
+def kernel_info() -> str:
+    """One line for reports: which build is in use, or why none."""
+    return _library()[1]
+
+
+def default_threads() -> int:
+    """Threads for the kernel: METATP_NUM_THREADS, else OMP/OPENBLAS_NUM_THREADS, else the CPUs
+    this process may use (the same count numpy's BLAS takes)."""
+    for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _check(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray) -> None:
+    rows, k = aw.q.shape
+    if x2.ndim != 2 or x2.shape[1] != k or x2.dtype != np.float32 or (k > 1 and x2.strides[1] != 4):
+        raise ValueError(f"qmatmul: x must be float32 (n, {k}) with contiguous rows, got {x2.dtype} {x2.shape}")
+    if y2.shape != (x2.shape[0], rows) or y2.dtype != np.float32 or (rows > 1 and y2.strides[1] != 4):
+        raise ValueError(f"qmatmul: out must be float32 ({x2.shape[0]}, {rows}) with contiguous rows, got "
+                         f"{y2.dtype} {y2.shape}")
+    if not (aw.q.flags.c_contiguous and aw.scale.flags.c_contiguous
+            and (aw.offset is None or aw.offset.flags.c_contiguous)):
+        raise ValueError("qmatmul: weight arrays must be C-contiguous")
+
+
+def prepare_qmatmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: int | None = None
+                    ) -> Callable[[], None]:
+    """A closure computing y2 = x2 @ dequantize(aw).T in place, for these fixed arrays (their
+    addresses are taken once, so a call costs one ctypes call). x2: (n, K), y2: (n, rows)."""
+    _check(aw, x2, y2)
+    if x2.shape[0] == 0 or aw.q.shape[0] == 0:
+        return lambda: None
+    rows, k = aw.q.shape
+    item = _QMatmulArgs(rows=rows, k=k, block=aw.block, q=aw.q.ctypes.data, scale=aw.scale.ctypes.data,
+                        offset=None if aw.offset is None else aw.offset.ctypes.data, x=x2.ctypes.data,
+                        ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data, ldy=y2.strides[0] // 4)
+    return _qmatmul_group([(item, (aw, x2, y2))], nthreads or default_threads())
+
+
+def _qmatmul_group(items: list, nthreads: int) -> "_Call":
+    ptrs = (ctypes.c_void_p * len(items))(*[ctypes.addressof(it) for it, _ in items])
+    call = _Call("metatp_qmatmul", (items, ptrs), n=len(items), items=ctypes.addressof(ptrs), nthreads=nthreads)
+    call.items = items
+    return call
+
+
+def is_qmatmul(f) -> bool:
+    """Is `f` a closure made by `prepare_qmatmul` (so `group_qmatmul` can merge it)?"""
+    return isinstance(f, _Call) and f.name == "metatp_qmatmul"
+
+
+def group_qmatmul(calls: list) -> Callable[[], None]:
+    """One call doing the work of several `prepare_qmatmul` closures (independent products):
+    one parallel region instead of one each. Results are bit-identical to calling them in turn."""
+    items = [it for c in calls for it in c.items]
+    if len(calls) == 1 or len(items) > _MAX_GROUP_ITEMS:
+        return calls[0] if len(calls) == 1 else _run_in_turn(calls)
+    return _qmatmul_group(items, int(calls[0].args.nthreads))
+
+
+_MAX_GROUP_ITEMS = 64      # MAX_ITEMS in cpu_kernels.c
+
+
+def _run_in_turn(calls: list) -> Callable[[], None]:
+    def run() -> None:
+        for c in calls:
+            c()
+    return run
+
+
+def qmatmul(x: np.ndarray, aw: AffineWeight, out: np.ndarray | None = None, nthreads: int | None = None
+            ) -> np.ndarray:
+    """x (n, K) float32 @ dequantize(aw).T -> (n, rows): the one-off form of `prepare_qmatmul`."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, aw.q.shape[1])
+    y2 = np.empty((x2.shape[0], aw.q.shape[0]), dtype=np.float32) if out is None else out
+    prepare_qmatmul(aw, x2, y2, nthreads)()
+    return y2
+
+
+def _elems(a: np.ndarray, axis: int) -> int:
+    """Stride of `axis` in float32 elements."""
+    return a.strides[axis] // 4
+
+
+def rope_usable(x3: np.ndarray, o3: np.ndarray) -> bool:
+    """Can `prepare_rope` take these (T, H, D) float32 views (last dim contiguous)?"""
+    return (available() and x3.dtype == np.float32 and o3.dtype == np.float32 and x3.ndim == 3
+            and x3.shape == o3.shape and x3.strides[2] == 4 and o3.strides[2] == 4)
+
+
+def prepare_rope(x3: np.ndarray, o3: np.ndarray, n_dims: int, neox: bool, cos_sin: np.ndarray) -> Callable[[], None]:
+    """out = rope(x) for (T, H, D) views; cos_sin (2, T, n_dims/2) float32 holds the step's
+    tables (refilled in place each step, so its address stays valid)."""
+    T, H, D = x3.shape
+    if not rope_usable(x3, o3) or cos_sin.shape != (2, T, n_dims // 2) or not cos_sin.flags.c_contiguous:
+        raise ValueError(f"rope kernel: unsupported views x {x3.shape} {x3.strides}, tables {cos_sin.shape}")
+    return _Call("metatp_rope", (x3, o3, cos_sin), T=T, H=H, D=D, n_dims=n_dims, neox=int(bool(neox)),
+                 x=x3.ctypes.data, x_st=_elems(x3, 0), x_sh=_elems(x3, 1), out=o3.ctypes.data,
+                 o_st=_elems(o3, 0), o_sh=_elems(o3, 1), cs=cos_sin.ctypes.data)
+
+
+def attention_usable(q: np.ndarray, k: np.ndarray, v: np.ndarray, out3: np.ndarray) -> bool:
+    """q (H, T, D), k/v (Hkv, n_kv, D), out (T, H, Dv): float32 with contiguous last dims."""
+    arrs = (q, k, v, out3)
+    return (available() and all(a.dtype == np.float32 and a.ndim == 3 and a.strides[2] == 4 for a in arrs)
+            and q.shape[0] % k.shape[0] == 0 and k.shape[:2] == v.shape[:2] and q.shape[2] == k.shape[2]
+            and out3.shape == (q.shape[1], q.shape[0], v.shape[2]))
+
+
+def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
+                      softcap: float, sinks: np.ndarray | None, out3: np.ndarray
+                      ) -> Callable[[int], None]:
+    """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
+    the same as `numpy_kernels.attention_reference` (which the tests hold it to)."""
+    if not attention_usable(q, k, v, out3):
+        raise ValueError("attention kernel: unsupported views")
+    H, T, D = q.shape
+    Hkv, n_max, Dv = v.shape
+    if mask is not None and (mask.dtype != np.float32 or mask.strides[1] != 4 or mask.shape[1] < n_max):
+        raise ValueError("attention kernel: unsupported mask view")
+    sinks_c = None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
+    scratch = np.empty(max(n_max, 1), dtype=np.float32)
+    call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
+                 n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
+                 k_sh=_elems(k, 0), k_sj=_elems(k, 1), v=v.ctypes.data, v_sh=_elems(v, 0), v_sj=_elems(v, 1),
+                 mask=None if mask is None else mask.ctypes.data, m_st=0 if mask is None else _elems(mask, 0),
+                 scale=float(scale), softcap=float(softcap or 0.0),
+                 sinks=None if sinks_c is None else sinks_c.ctypes.data, out=out3.ctypes.data,
+                 o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data)
+    args = call.args
+
+    def run(n_kv: int) -> None:
+        args.n_kv = min(int(n_kv), n_max)
+        call()
+    run.keep = call
+    return run
+
+
+GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str) -> Callable[[], None] | None:
+    """out = act(a) * b over (T, n) row views with contiguous rows; None when the views or the
+    activation are not ones the kernel takes (the caller keeps numpy)."""
+    arrs = (a2, b2, o2)
+    if (not available() or act not in GLU_ACTS or any(x.dtype != np.float32 or x.ndim != 2 or x.strides[1] != 4
+                                                     for x in arrs) or not (a2.shape == b2.shape == o2.shape)):
+        return None
+    return _Call("metatp_glu", arrs, T=a2.shape[0], n=a2.shape[1], act=GLU_ACTS[act], a=a2.ctypes.data,
+                 a_st=_elems(a2, 0), b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
+
+
+def prepare_allreduce(bufs: list[np.ndarray], active: list[bool]) -> Callable[[], None] | None:
+    """The simulated all-reduce of `allreduce.allreduce_butterfly` (same bits) over these
+    float32 C-contiguous buffers; None when they are not such buffers."""
+    if (not available() or len(bufs) != len(active)
+            or any(b.dtype != np.float32 or not b.flags.c_contiguous or b.size != bufs[0].size for b in bufs)):
+        return None
+    ptrs = (ctypes.c_void_p * len(bufs))(*[b.ctypes.data for b in bufs])
+    flags = np.array([1 if a else 0 for a in active], dtype=np.uint8)
+    return _Call("metatp_allreduce", (bufs, ptrs, flags), n=len(bufs), count=bufs[0].size,
+                 bufs=ctypes.addressof(ptrs), active=flags.ctypes.data)

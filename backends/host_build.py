@@ -1,0 +1,53 @@
+"""Compile C/C++ source text into a shared library once and cache it by content.
+
+Used by the CPU kernels of the numpy backend and by the CUDA-kernel emulator: both ship source
+with the package and build it on first use with the machine's own compiler, so nothing binary
+is committed and the build matches the CPU it runs on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["build_shared_library", "host_cache_dir"]
+
+
+def host_cache_dir(env_var: str, prefix: str) -> Path:
+    """$env_var if set, else a per-user folder in the temp directory."""
+    d = os.environ.get(env_var)
+    path = Path(d) if d else Path(tempfile.gettempdir()) / f"{prefix}-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_shared_library(name: str, source: str, suffix: str, compiler: str, flags: Sequence[str],
+                         cache: Path, salt: str = "", libs: Sequence[str] = ()) -> Path:
+    """The path of `name-<hash>.so` built from `source` (a `suffix` file) with `compiler flags`
+    (`libs` go after the source, where the linker looks for them).
+
+    The hash covers the source, compiler, flags and `salt` (e.g. the CPU model when building
+    with -march=native), so a change of any of them builds anew. Concurrent builders are safe:
+    each writes in its own temporary folder and renames atomically. Raises RuntimeError with the
+    compiler's message on failure."""
+    digest = hashlib.sha1("\0".join([source, compiler, *flags, salt, *libs]).encode()).hexdigest()[:16]
+    out = cache / f"{name}-{digest}.so"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        src = Path(tmp) / f"{name}{suffix}"
+        src.write_text(source, encoding="utf-8")
+        so = Path(tmp) / out.name
+        try:
+            r = subprocess.run([compiler, *flags, "-o", str(so), str(src), *libs], capture_output=True, text=True,
+                               timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"building {name}{suffix} with {compiler} failed: {e}") from None
+        if r.returncode != 0:
+            raise RuntimeError(f"building {name}{suffix} with {compiler} failed:\n{r.stderr[-4000:]}")
+        os.replace(so, out)
+    return out

@@ -1,0 +1,198 @@
+"""The numpy backend's compiled CPU kernels (backends/csrc/cpu_kernels.c) against their numpy
+references, and the backend with them against the backend without them.
+
+Skipped only where no C compiler can build them (they are then unused: the backend keeps numpy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metatp.backends import cpu_kernels as ck
+from metatp.backends.affine_quant import AffineWeight, dequantize_affine
+from metatp.backends.allreduce import allreduce_butterfly
+from metatp.backends.numpy_kernels import attention_reference, rope_reference
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.kernel_info()}")
+
+F32 = np.float32
+
+
+def _affine(rng, rows: int, k: int, block: int, offset: bool) -> AffineWeight:
+    return AffineWeight(q=rng.integers(-32, 32, (rows, k)).astype(np.int8),
+                        scale=(rng.standard_normal((rows, k // block)) * 0.02).astype(F32),
+                        offset=(rng.standard_normal((rows, k // block)) * 0.02).astype(F32) if offset else None,
+                        block=block)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 70), units=st.integers(1, 12), block=st.sampled_from([16, 32]), offset=st.booleans(),
+       ntok=st.integers(1, 9), pad_x=st.integers(0, 5), pad_y=st.integers(0, 5), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**16))
+def test_qmatmul_matches_dequantized_product(rows, units, block, offset, ntok, pad_x, pad_y, threads, seed):
+    rng = np.random.default_rng(seed)
+    k = units * 32
+    aw = _affine(rng, rows, k, block, offset)
+    xbuf = rng.standard_normal((ntok, k + pad_x)).astype(F32)      # rows with a stride past K
+    ybuf = np.full((ntok, rows + pad_y), np.nan, dtype=F32)
+    x, y = xbuf[:, :k], ybuf[:, :rows]
+    ck.prepare_qmatmul(aw, x, y, threads)()
+    ref = x.astype(np.float64) @ dequantize_affine(aw).astype(np.float64).T
+    assert np.allclose(y, ref, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(ref).max(initial=0)))
+    assert np.isnan(ybuf[:, rows:]).all()          # nothing written past the rows
+
+
+def test_qmatmul_group_is_bit_identical_to_separate_calls():
+    rng = np.random.default_rng(1)
+    shapes = [(200, 576, 32, True), (64, 192, 16, False), (1, 32, 32, True), (300, 1536, 32, False)]
+    parts = []
+    for rows, k, block, off in shapes:
+        aw = _affine(rng, rows, k, block, off)
+        x = rng.standard_normal((3, k)).astype(F32)
+        parts.append((aw, x, np.empty((3, rows), F32), np.empty((3, rows), F32)))
+    for aw, x, y1, _ in parts:
+        ck.prepare_qmatmul(aw, x, y1, 2)()
+    ck.group_qmatmul([ck.prepare_qmatmul(aw, x, y2, 2) for aw, x, _, y2 in parts])()
+    for _, _, y1, y2 in parts:
+        assert np.array_equal(y1, y2)
+
+
+def test_qmatmul_rejects_bad_shapes():
+    aw = _affine(np.random.default_rng(0), 4, 64, 32, False)
+    with pytest.raises(ValueError, match="x must be float32"):
+        ck.prepare_qmatmul(aw, np.zeros((1, 32), F32), np.zeros((1, 4), F32))
+    with pytest.raises(ValueError, match="out must be float32"):
+        ck.prepare_qmatmul(aw, np.zeros((1, 64), F32), np.zeros((1, 5), F32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 8), H=st.integers(1, 5), half=st.integers(1, 16), extra=st.sampled_from([0, 4]),
+       neox=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_matches_reference(T, H, half, extra, neox, seed):
+    from metatp.backends.numpy_kernels import rope_cos_sin
+    from metatp.ir.ops import RopeMode
+
+    rng = np.random.default_rng(seed)
+    n_dims, D = 2 * half, 2 * half + extra
+    big = rng.standard_normal((T, H + 1, D + 3)).astype(F32)
+    x = big[:, 1:, :D]                                        # strided (T, H, D) view
+    pos = rng.integers(0, 4000, T).astype(np.int32)
+    cs = np.empty((2, T, half), F32)
+    cs[0], cs[1] = rope_cos_sin(pos, n_dims, 10000.0, 1.0)
+    out = np.full((T, H, D), np.nan, F32)
+    ck.prepare_rope(x, out, n_dims, neox, cs)()
+    mode = RopeMode.NEOX if neox else RopeMode.NORMAL
+    ref = rope_reference(x, pos, n_dims, mode, 10000.0)
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 4), Hkv=st.integers(1, 3), g=st.integers(1, 3), D=st.sampled_from([8, 16, 64]),
+       n_max=st.integers(1, 40), data=st.data(), softcap=st.sampled_from([0.0, 30.0]), sinks=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attention_matches_reference(T, Hkv, g, D, n_max, data, softcap, sinks, seed):
+    rng = np.random.default_rng(seed)
+    H = Hkv * g
+    n_vis = data.draw(st.integers(1, n_max))
+    q = rng.standard_normal((H, T, D)).astype(F32)
+    cache_k = rng.standard_normal((n_max, Hkv, D)).astype(F32)      # cache rows, heads inside: strided views
+    cache_v = rng.standard_normal((n_max, Hkv, D)).astype(F32)
+    k, v = cache_k.transpose(1, 0, 2), cache_v.transpose(1, 0, 2)
+    mask = np.zeros((T, n_max), F32)
+    for t in range(T):                                              # causal over the visible rows
+        mask[t, max(1, n_vis - T + t + 1):] = -np.inf
+    sk = rng.standard_normal(H).astype(F32) if sinks else None
+    out = np.full((T, H, D), np.nan, F32)
+    run = ck.prepare_attention(q, k, v, mask, 0.125, softcap, sk, out)
+    run(n_vis)
+    ref = attention_reference(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, softcap, sk)
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_glu_matches_numpy(act):
+    from metatp.backends.numpy_kernels import _gelu_tanh, _silu
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 2 * 300)) * 4).astype(F32)
+    a, b = x[:, :300], x[:, 300:]
+    out = np.empty((5, 300), F32)
+    ck.prepare_glu(a, b, out, act)()
+    ref = (_silu if act == "silu" else _gelu_tanh)(a) * b
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())   # 1 + tanh cancels near -1
+    assert ck.prepare_glu(a, b, out, "relu") is None        # not a kernel activation: numpy keeps it
+
+
+def _literal_butterfly(bufs, active):
+    """llama.cpp's exchange as written: every device adds a copy of its partner's value."""
+    n = len(bufs)
+    for b, on in zip(bufs, active):
+        if not on:
+            b.fill(0)
+    p2 = 1 << (n.bit_length() - 1)
+    for j in range(p2, n):
+        bufs[j - p2] += bufs[j].copy()
+    off = p2 // 2
+    while off >= 1:
+        tmps = [bufs[j ^ off].copy() for j in range(p2)]
+        for j in range(p2):
+            bufs[j] += tmps[j]
+        off //= 2
+    for j in range(p2, n):
+        bufs[j][...] = bufs[j - p2]
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_allreduce_kernel_and_numpy_have_the_butterfly_bits(n):
+    rng = np.random.default_rng(n)
+    base = [(rng.standard_normal(1000) * 10 ** rng.uniform(-3, 3, 1000)).astype(F32) for _ in range(n)]
+    active = [bool(rng.integers(0, 4)) or j == 0 for j in range(n)]
+    for j in range(n):
+        if not active[j]:
+            base[j][:] = np.nan                       # garbage in a device that computed nothing
+    ref = [b.copy() for b in base]
+    _literal_butterfly(ref, active)
+    fast = [b.copy() for b in base]
+    allreduce_butterfly(fast, active)
+    compiled = [b.copy() for b in base]
+    ck.prepare_allreduce(compiled, active)()
+    for j in range(n):
+        assert np.array_equal(fast[j], ref[j]) and np.array_equal(compiled[j], ref[j])
+    assert not np.isnan(ref[0]).any()
+
+
+# ------------------------------------------------------------------ the backend with / without them
+@pytest.mark.parametrize("n_devices,ts", [(1, None), (2, None), (3, [1, 2, 1])])
+def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
+    from metatp import LLM
+    from metatp.tools.synth import SynthSpec
+
+    spec = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=300, seed=7,
+                     types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q5_0", "gate": "Q5_1", "up": "Q4_1",
+                            "down": "Q8_0", "embd": "Q8_0"})
+    path, _ = synth_factory(spec)
+    logits = []
+    for kernels in (False, True):
+        llm = LLM(path, n_ctx=64, backend="numpy", n_devices=n_devices, tensor_split=ts, cpu_kernels=kernels)
+        eng = llm.engine
+        eng.forward(list(range(1, 12)))                    # prefill (BLAS above the few-token limit)
+        steps = [eng.forward([t]) for t in (5, 9, 200)]    # decode: the compiled kernels
+        logits.append(np.stack(steps))
+        if kernels:
+            assert any(eng.backend.packed(t, 0) is not None for t in eng.backend.leaf[0])
+    assert np.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4 * np.abs(logits[0]).max())
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
+
+
+def test_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("METATP_CPU_KERNELS", "0")
+    ck._library.cache_clear()
+    try:
+        assert not ck.available() and "METATP_CPU_KERNELS=0" in ck.kernel_info()
+    finally:
+        monkeypatch.delenv("METATP_CPU_KERNELS")
+        ck._library.cache_clear()
+    assert ck.available()
