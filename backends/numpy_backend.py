@@ -68,7 +68,7 @@ class NumpyBackend:
         # few-token matmuls read int8-coded weights through the compiled kernel (None: when it builds)
         if cpu_kernels and not qkernel.available():
             raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {qkernel.kernel_info()}")
-        self.use_kernels = qkernel.available() if cpu_kernels is None else bool(cpu_kernels)
+        self.use_kernels = cpu_kernels is not False and qkernel.available()    # False: never built
         self.kernel_threads = qkernel.default_threads()
         self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range((layout or DeviceLayout()).n_devices)]
         self._pool = None
