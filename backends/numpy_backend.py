@@ -89,6 +89,7 @@ class NumpyBackend:
         for d in range(self.n):
             part = np.ascontiguousarray(parts[d])
             self._transposed[d].pop(t, None)
+            self._packed[d].pop(t, None)         # new values: an int8 copy comes from upload_encoded
             if only_matmul:
                 # read only as mul_mat's src0: keep just the (in, out) layout the kernel wants
                 wt = np.ascontiguousarray(part.reshape(part.shape[-2], part.shape[-1]).T)

@@ -165,6 +165,7 @@ def test_allreduce_kernel_and_numpy_have_the_butterfly_bits(n):
 
 
 # ------------------------------------------------------------------ the backend with / without them
+@pytest.mark.filterwarnings("ignore:3 devices but only 2 KV heads")       # zero attention slices on purpose
 @pytest.mark.parametrize("n_devices,ts", [(1, None), (2, None), (3, [1, 2, 1])])
 def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
     from metatp import LLM
@@ -194,5 +195,25 @@ def test_kernels_can_be_turned_off(monkeypatch):
         assert not ck.available() and "METATP_CPU_KERNELS=0" in ck.kernel_info()
     finally:
         monkeypatch.delenv("METATP_CPU_KERNELS")
+        ck._library.cache_clear()
+    assert ck.available()
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
+    from metatp.backends.numpy_backend import NumpyBackend
+    from metatp.ir.errors import ConfigError
+
+    monkeypatch.setenv("CC", "false")                     # a "compiler" that always fails
+    monkeypatch.setenv("METATP_KERNEL_CACHE", str(tmp_path))
+    ck._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built"):
+            assert not ck.available()
+        assert ck.kernel_info() == "off (build failed)"
+        assert NumpyBackend().use_kernels is False        # the backend keeps numpy
+        with pytest.raises(ConfigError, match="unavailable"):
+            NumpyBackend(cpu_kernels=True)
+    finally:
+        monkeypatch.undo()
         ck._library.cache_clear()
     assert ck.available()
