@@ -48,12 +48,17 @@ def split_array(full: np.ndarray, tensor: Tensor, tplan: TensorPlan, n_devices: 
         ne = _local_ne(tensor, tplan, st, j)
         parts.append(np.empty((ne[3], ne[2], ne[1], ne[0]), dtype=f4.dtype))
     for j, g, loc, length in st.chunks():
-        src = [slice(None)] * 4
-        dst = [slice(None)] * 4
-        src[ax] = slice(g, g + length)
-        dst[ax] = slice(loc, loc + length)
-        parts[j][tuple(dst)] = f4[tuple(src)]
+        _copy_chunk(parts[j], loc, f4, g, length, ax)
     return parts
+
+
+def _copy_chunk(dst: np.ndarray, at: int, src: np.ndarray, start: int, length: int, axis: int) -> None:
+    """dst[at:at+length] = src[start:start+length] along numpy axis `axis` of 4-D arrays."""
+    d = [slice(None)] * 4
+    s = [slice(None)] * 4
+    d[axis] = slice(at, at + length)
+    s[axis] = slice(start, start + length)
+    dst[tuple(d)] = src[tuple(s)]
 
 
 def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> np.ndarray:
@@ -74,11 +79,7 @@ def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> 
     out = np.empty(shape, dtype=parts[0].dtype)
     p4 = [np.asarray(p).reshape(_as4d_shape(_local_ne(tensor, tplan, st, j))) for j, p in enumerate(parts)]
     for j, g, loc, length in st.chunks():
-        src = [slice(None)] * 4
-        dst = [slice(None)] * 4
-        src[ax] = slice(loc, loc + length)
-        dst[ax] = slice(g, g + length)
-        out[tuple(dst)] = p4[j][tuple(src)]
+        _copy_chunk(out, g, p4[j], loc, length, ax)
     return out
 
 
@@ -126,9 +127,5 @@ def split_raw(raw: np.ndarray, tensor: Tensor, ggml_type: GGMLType, tplan: Tenso
                 raise SplitError(f"{tensor.name}: split of ne0 at {g}+{length} is not whole "
                                  f"{ggml_type.name} blocks of {bs}")
             g, loc, length = g // bs * ts, loc // bs * ts, length // bs * ts
-        src = [slice(None)] * 4
-        dst = [slice(None)] * 4
-        src[ax] = slice(g, g + length)
-        dst[ax] = slice(loc, loc + length)
-        parts[j][tuple(dst)] = full[tuple(src)]
+        _copy_chunk(parts[j], loc, full, g, length, ax)
     return parts
