@@ -26,7 +26,8 @@ import numpy as np
 from metatp.backends.affine_quant import AffineWeight
 
 __all__ = ["available", "default_threads", "kernel_info", "prepare_qmatmul", "qmatmul", "prepare_rope",
-           "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul"]
+           "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul",
+           "prepare_dequant_matmul", "DEQUANT_CHUNK"]
 
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
@@ -52,6 +53,7 @@ _ARGS = {
                                                  "sinks:p out:p o_st:i o_sh:i scratch:p"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
+    "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i q:p scale:p offset:p out:p ldo:i nthreads:i"),
 }
 
 
@@ -295,3 +297,49 @@ def prepare_allreduce(bufs: list[np.ndarray], active: list[bool]) -> Callable[[]
     flags = np.array([1 if a else 0 for a in active], dtype=np.uint8)
     return _Call("metatp_allreduce", (bufs, ptrs, flags), n=len(bufs), count=bufs[0].size,
                  bufs=ctypes.addressof(ptrs), active=flags.ctypes.data)
+
+
+# Long prompts multiply with BLAS on float32 weights made from the codes a slab of rows at a time
+# (8 MiB per device: a slab stays in the last-level cache between the dequantize and the GEMM),
+# so a weight kept as int8 codes needs no float32 copy.
+DEQUANT_CHUNK = 1 << 21       # float32 elements of the per-device slab
+
+
+def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, slab: np.ndarray,
+                           nthreads: int | None = None) -> Callable[[], None]:
+    """y2 = x2 @ dequantize(aw).T with BLAS, dequantizing `slab.size // K` rows at a time into
+    `slab` (bit-identical to gguf's dequantized values). x2 (n, K), y2 (n, rows) float32."""
+    rows, k = aw.q.shape
+    if x2.shape[-1] != k or y2.shape != (x2.shape[0], rows) or slab.dtype != np.float32:
+        raise ValueError(f"dequant matmul: x {x2.shape}, out {y2.shape} do not fit weight {aw.q.shape}")
+    step = max(1, min(rows, slab.size // k))
+    if step * k > slab.size:
+        raise ValueError(f"dequant matmul: a row of {k} does not fit the {slab.size}-element slab")
+    calls = []
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w = slab[: (r1 - r0) * k].reshape(r1 - r0, k)
+        deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block,
+                    q=aw.q[r0:r1].ctypes.data, scale=aw.scale[r0:r1].ctypes.data,
+                    offset=None if aw.offset is None else aw.offset[r0:r1].ctypes.data, out=w.ctypes.data,
+                    ldo=k, nthreads=1)
+        calls.append((deq, w.T, y2[:, r0:r1]))
+
+    def run() -> None:
+        for deq, wt, out in calls:
+            deq()
+            np.matmul(x2, wt, out=out)
+    run.keep = (calls, x2, y2)
+    return run
+
+
+def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
+    """The float32 weight (rows, K) from its codes, with the compiled kernel (tests compare it
+    with `affine_quant.dequantize_affine`)."""
+    rows, k = aw.q.shape
+    out = np.empty((rows, k), np.float32)
+    if rows:
+        _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, q=aw.q.ctypes.data,
+              scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
+              out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads())()
+    return out

@@ -71,6 +71,8 @@ class NumpyBackend:
         self.use_kernels = cpu_kernels is not False and qkernel.available()    # False: never built
         self.kernel_threads = qkernel.default_threads()
         self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range((layout or DeviceLayout()).n_devices)]
+        self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
+        self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
         self._pool = None
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
@@ -85,6 +87,7 @@ class NumpyBackend:
         from metatp.backends.slicing import device_slices
 
         parts = device_slices(np.ascontiguousarray(full), t, plan.of(t), self.n)
+        self._encoded_only.discard(t)
         only_matmul = self._only_matmul_weight(t, plan)
         for d in range(self.n):
             part = np.ascontiguousarray(parts[d])
@@ -99,31 +102,62 @@ class NumpyBackend:
                 self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
 
     def keeps_encoded(self, t: Tensor, ggml_type: GGMLType, plan: Plan) -> bool:
-        """Is this weight also kept as int8 codes (for the kernel of few-token steps)?"""
-        return (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES
-                and self._only_matmul_weight(t, plan))
+        """Is this weight kept as int8 codes (instead of float32)? Those read only as a matmul's
+        weight or an embedding table (GET_ROWS), of a block type with one scale per 16/32."""
+        if not (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES and t.flags & Flag.WEIGHT):
+            return False
+        if t.ne[2] != 1 or t.ne[3] != 1:
+            return False
+        readers = self._readers(t, plan)
+        return bool(readers) and all(
+            n.view_src is None and n.src[0] is t and n.op in (Op.MUL_MAT, Op.GET_ROWS)
+            and not any(s is t for s in n.src[1:]) for n in readers)
 
-    def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> None:
-        """After `upload`: keep a matmul weight's GGUF blocks as int8 codes + per-block scale and
-        offset too (~1.25 bytes a weight instead of 4): decode reads these. Mirrored slices share
-        one copy; a split that cuts quant blocks keeps the float32 path only."""
+    def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> bool:
+        """Keep a matmul weight from its GGUF blocks as int8 codes + per-block float32 scale and
+        offset (~1.25 bytes a weight instead of 4) and no float32 copy: few-token steps read the
+        codes, long prompts dequantize slabs of them for BLAS. False (nothing stored) when the
+        weight is not such a weight or a split cuts its quant blocks: then `upload` it.
+        Mirrored slices share one copy."""
         if not self.keeps_encoded(t, ggml_type, plan):
-            return
+            return False
         from metatp.backends.slicing import split_raw
 
         try:
             parts = split_raw(raw, t, GGMLType(ggml_type), plan.of(t), self.n)
         except SplitError:
-            return
+            return False
         made: dict[int, AffineWeight] = {}
         for d, part in enumerate(parts):
             ne = plan.of(t).local[d].ne
+            self._transposed[d].pop(t, None)
+            # nothing reads the float32 view of an encoded-only weight: a zero-stride stand-in
+            # gives the executor its shape without memory
+            self.leaf[d][t] = np.broadcast_to(np.zeros((), np.float32), _shape(ne))
             if ne[0] * ne[1] == 0:
+                self._packed[d].pop(t, None)
                 continue
             aw = made.get(id(part))
             if aw is None:
                 aw = made[id(part)] = affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0])
             self._packed[d][t] = aw
+        self._encoded_only.add(t)
+        return True
+
+    def encoded_only(self, t: Tensor) -> bool:
+        return t in self._encoded_only
+
+    def slab(self, d: int) -> np.ndarray:
+        """Device d's buffer for dequantized weight slabs (one per device, reused by every matmul)."""
+        s = self._slabs.get(d)
+        if s is None:
+            s = self._slabs[d] = np.empty(qkernel.DEQUANT_CHUNK, np.float32)
+        return s
+
+    def workspace_bytes(self, plan: Plan) -> list[int]:
+        """Per device: bytes beyond weights, KV and the plan's buffers (the dequantization slab)."""
+        enc = any(self.keeps_encoded(t, t.type, plan) for t in plan.graph.leaves if t.flags & Flag.WEIGHT)
+        return [qkernel.DEQUANT_CHUNK * 4 if enc else 0] * self.n
 
     def packed(self, t: Tensor, d: int) -> AffineWeight | None:
         return self._packed[d].get(t)
@@ -149,9 +183,9 @@ class NumpyBackend:
         n = int(np.prod(local_ne)) * 4
         if not (t.flags & Flag.WEIGHT):
             return n
+        if self.keeps_encoded(t, t.type, plan) and local_ne[0] % block_size(t.type) == 0:
+            return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0]) if n else 0
         if self._only_matmul_weight(t, plan):
-            if self.keeps_encoded(t, t.type, plan) and local_ne[0] % block_size(t.type) == 0 and n:
-                n += affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0])
             return n
         mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in self._readers(t, plan))
         return 2 * n if mm else n
@@ -178,6 +212,8 @@ class NumpyBackend:
 
     def transposed(self, t: Tensor, d: int) -> np.ndarray:
         """A weight stored (in, out)-contiguous for `x @ Wt` (made once, kept)."""
+        if t in self._encoded_only:
+            raise UnsupportedOpError(f"numpy backend: {t.name!r} is kept as int8 codes only; no float32 layout")
         cache = self._transposed[d]
         wt = cache.get(t)
         if wt is None:
@@ -191,13 +227,15 @@ class NumpyBackend:
         out = []
         seen: set[int] = set()      # an int8-coded weight mirrored on every device is one object
         for d in range(self.n):
-            owned = [a for a in self.leaf[d].values() if not _aliases(a, self._transposed[d].values())]
+            owned = [a for t, a in self.leaf[d].items()
+                     if t not in self._encoded_only and not _aliases(a, self._transposed[d].values())]
             n = sum(a.nbytes for a in owned) + sum(a.nbytes for a in self._transposed[d].values())
             for aw in self._packed[d].values():
                 if id(aw) not in seen:
                     seen.add(id(aw))
                     n += aw.nbytes
             n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
+            n += self._slabs[d].nbytes if d in self._slabs else 0
             out.append(n)
         return out
 
@@ -276,6 +314,12 @@ class _DeviceContext:
     def packed(self, t: Tensor) -> AffineWeight | None:
         """The weight as int8 codes when the compiled kernel may read it, else None."""
         return self.backend.packed(t, self.d) if self.backend.use_kernels else None
+
+    def encoded_only(self, t: Tensor) -> bool:
+        return self.backend.encoded_only(t)
+
+    def slab(self) -> np.ndarray:
+        return self.backend.slab(self.d)
 
     @property
     def kernel_threads(self) -> int:

@@ -43,6 +43,22 @@ def _binary(fn) -> Callable:
 
 def _get_rows(node, out, src, ctx) -> Closure:
     a, ids = src    # a (ne3, ne2, rows, ne0); ids (1, ne3, ne2, n); out (ne3, ne2, n, ne0)
+    aw = ctx.packed(node.src[0]) if ctx.encoded_only(node.src[0]) else None
+    if aw is not None and ids.shape[:3] == (1, 1, 1):
+        # an embedding kept as int8 codes: dequantize just the rows asked for (same bits as gguf)
+        i1, o2, n, k = ids[0, 0, 0], out[0, 0], out.shape[2], aw.q.shape[1]
+        nb = k // aw.block
+
+        def run_codes() -> None:
+            rows = aw.q[i1].reshape(n, nb, aw.block).astype(F32)
+            np.multiply(rows, aw.scale[i1][:, :, None], out=rows)
+            if aw.offset is not None:
+                np.add(rows, aw.offset[i1][:, :, None], out=rows)
+            o2[...] = rows.reshape(n, k)
+        return run_codes
+    if ctx.encoded_only(node.src[0]):
+        raise UnsupportedOpError(f"numpy backend: GET_ROWS {node.name!r} with ids of shape {ids.shape} on an "
+                                 "int8-coded table")
     if a.shape[:2] == (1, 1) and ids.shape[:3] == (1, 1, 1):
         a2, i1, o2 = a[0, 0], ids[0, 0, 0], out[0, 0]
         return lambda: np.take(a2, i1, axis=0, out=o2)
@@ -146,6 +162,20 @@ def _mul_mat(node, out, src, ctx) -> Closure:
         from metatp.backends.cpu_kernels import prepare_qmatmul
 
         return prepare_qmatmul(aw, b[0, 0], out[0, 0], ctx.kernel_threads)
+    if aw is not None and ctx.encoded_only(w):
+        # more tokens (prefill) and no float32 copy kept: BLAS on slabs dequantized from the codes
+        from metatp.backends.cpu_kernels import prepare_dequant_matmul
+
+        if b.flags.c_contiguous and out.flags.c_contiguous:
+            return prepare_dequant_matmul(aw, b.reshape(-1, b.shape[-1]), out.reshape(-1, out.shape[-1]),
+                                          ctx.slab(), ctx.kernel_threads)
+
+        def run_copying() -> None:
+            res = np.empty((int(np.prod(b.shape[:-1])), aw.q.shape[0]), F32)
+            prepare_dequant_matmul(aw, np.ascontiguousarray(b).reshape(-1, b.shape[-1]), res, ctx.slab(),
+                                   ctx.kernel_threads)()
+            out[...] = res.reshape(out.shape)
+        return run_copying
     wt = ctx.transposed(w) if ctx.is_weight(w) and a.shape[0] == 1 and a.shape[1] == 1 else None
     if wt is not None:
         # weights are kept (in, out)-contiguous: x @ Wt is ~1.3x faster than W @ x in numpy

@@ -92,7 +92,8 @@ class Engine:
         T = min(self.n_batch, self.n_ctx)
         spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
         plan = self.compile(build_graph(self.tensors, spec))
-        return plan_memory(plan, self.backend.storage_bytes, self.n_ctx)
+        workspace = getattr(self.backend, "workspace_bytes", None)
+        return plan_memory(plan, self.backend.storage_bytes, self.n_ctx, workspace(plan) if workspace else None)
 
     def _upload_weights(self, plan: Plan) -> None:
         """Every weight leaf goes to the backend once; every plan shares the split table."""
@@ -101,9 +102,12 @@ class Engine:
         shared = {s for s in sources if sources.count(s) > 1}     # the tied lm head and the embedding
         cache: dict[str, np.ndarray] = {}
         raw = hasattr(self.backend, "upload_raw")     # GPU backends keep the GGUF encoding
+        keep_encoded = getattr(self.backend, "upload_encoded", None)     # numpy: int8 codes, no float32
         for t, src in zip(leaves, sources):
             if raw:
                 self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
+                continue
+            if keep_encoded is not None and keep_encoded(t, self.model.raw_bytes(src), self.model.weight(src).type, plan):
                 continue
             data = cache.get(src)
             if data is None:
@@ -111,9 +115,6 @@ class Engine:
                 if src in shared:
                     cache[src] = data
             self.backend.upload(t, data, plan)
-            keep_encoded = getattr(self.backend, "upload_encoded", None)     # numpy: int8 codes for decode
-            if keep_encoded is not None:
-                keep_encoded(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
         persistent = [t for t in plan.graph.leaves if t.flags & (Flag.WEIGHT | Flag.KV_CACHE)]
         self._weight_states = {t: plan.of(t).state for t in persistent}
         used = set(leaves)

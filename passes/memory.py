@@ -53,8 +53,9 @@ class MemoryPlan:
                 "kv_per_token": self.kv_per_token, "total": self.totals()}
 
 
-def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int) -> MemoryPlan:
-    """Bytes per device for `plan` (use the largest batch plan: compute buffers scale with it)."""
+def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: list[int] | None = None) -> MemoryPlan:
+    """Bytes per device for `plan` (use the largest batch plan: compute buffers scale with it).
+    `workspace`: per-device bytes a backend needs beyond the plan's buffers (counted as compute)."""
     n = plan.n_devices
     weights, kv, compute, kv_tok = [0] * n, [0] * n, [0] * n, [0] * n
     for t in plan.graph.leaves:
@@ -71,6 +72,7 @@ def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int) -> MemoryPlan
                 compute[d] += _nelements(loc.ne) * _ITEM.get(t.type.name, 4)
     for d in range(n):
         compute[d] += assign_offsets(plan, d, lambda t: _ITEM.get(t.type.name, 4))[1]
+        compute[d] += workspace[d] if workspace else 0
     return MemoryPlan(weights, kv, compute, kv_tok, n_ctx)
 
 

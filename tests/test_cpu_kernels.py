@@ -60,6 +60,22 @@ def test_qmatmul_group_is_bit_identical_to_separate_calls():
         assert np.array_equal(y1, y2)
 
 
+@pytest.mark.parametrize("block,offset", [(32, True), (32, False), (16, False), (16, True)])
+def test_dequantize_is_bit_identical_to_the_reference(block, offset):
+    aw = _affine(np.random.default_rng(block), 130, 256, block, offset)
+    assert np.array_equal(ck.dequantize(aw, 2).view(np.uint32), dequantize_affine(aw).view(np.uint32))
+
+
+@pytest.mark.parametrize("slab_rows", [1, 7, 64, 1000])
+def test_dequant_matmul_in_slabs_matches_blas(slab_rows):
+    rng = np.random.default_rng(slab_rows)
+    aw = _affine(rng, 100, 96, 32, True)
+    x = rng.standard_normal((40, 96)).astype(F32)
+    y = np.full((40, 100), np.nan, F32)
+    ck.prepare_dequant_matmul(aw, x, y, np.empty(slab_rows * 96, F32))()
+    assert np.allclose(y, x @ dequantize_affine(aw).T, rtol=1e-5, atol=1e-5)
+
+
 def test_qmatmul_rejects_bad_shapes():
     aw = _affine(np.random.default_rng(0), 4, 64, 32, False)
     with pytest.raises(ValueError, match="x must be float32"):
@@ -179,7 +195,7 @@ def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
     for kernels in (False, True):
         llm = LLM(path, n_ctx=64, backend="numpy", n_devices=n_devices, tensor_split=ts, cpu_kernels=kernels)
         eng = llm.engine
-        eng.forward(list(range(1, 12)))                    # prefill (BLAS above the few-token limit)
+        eng.forward(list(range(1, 24)))                    # prefill: BLAS on dequantized slabs (> 16 tokens)
         steps = [eng.forward([t]) for t in (5, 9, 200)]    # decode: the compiled kernels
         logits.append(np.stack(steps))
         if kernels:

@@ -20,6 +20,25 @@ def test_plan_matches_numpy_allocation_within_10_percent(synth_factory):
     assert abs(planned - actual) / actual < 0.10, (planned, actual)
 
 
+def test_plan_matches_allocation_with_int8_coded_weights(synth_factory):
+    """Quantized weights kept as int8 codes (compiled CPU kernels): no float32 copy, one
+    dequantization slab per device; the plan still matches what is allocated."""
+    from metatp.backends import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.kernel_info()}")
+    types = {r: "Q4_1" for r in ("q", "k", "v", "o", "gate", "up", "down")} | {"embd": "Q8_0"}
+    path, _ = synth_factory(SynthSpec(n_vocab=2000, n_embd=128, n_ff=256, seed=22, types=types))
+    for n_devices in (1, 2):
+        llm = LLM(str(path), n_ctx=256, backend="numpy", n_batch=64, n_devices=n_devices)
+        llm.score(list(range(2, 66)))                  # the largest plan: long-prompt matmuls use the slab
+        llm.generate("hi")
+        assert llm.backend._encoded_only                # some weights are kept as codes only
+        planned = sum(llm.memory.totals())
+        actual = sum(llm.backend.allocated_bytes())
+        assert abs(planned - actual) / actual < 0.10, (n_devices, planned, actual)
+
+
 def test_budget_refusal_names_what_fits(synth_factory):
     path, _ = synth_factory(SynthSpec(n_vocab=2000, n_embd=128, n_ff=256, seed=21))
     small = LLM(str(path), n_ctx=256, backend="numpy", n_batch=64)

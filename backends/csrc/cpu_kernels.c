@@ -368,3 +368,38 @@ int metatp_allreduce(const AllreduceArgs *a) {
     for (int64_t j = 1; j < n; j++) memcpy(bufs[j], bufs[0], sizeof(float) * (size_t)count);
     return 0;
 }
+
+/* ------------------------------------------------------------------ dequantize
+ * out[r][i] = scale[r][i/B] * q[r][i] + offset[r][i/B], rounded twice (a product, then a sum)
+ * exactly as gguf's float32 dequantizers do — no fused multiply-add — so the values are
+ * bit-identical to theirs. Rows are shared among threads. Used to feed BLAS for long prompts
+ * from int8 codes, so the float32 weights need not be kept. */
+typedef struct {
+    int64_t rows, k, block;
+    const int8_t *q;
+    const float *scale, *offset;   /* offset may be NULL */
+    float *out;
+    int64_t ldo, nthreads;
+} DequantArgs;
+
+__attribute__((optimize("fp-contract=off")))
+int metatp_dequant(const DequantArgs *a) {
+    if (a->block != 16 && a->block != 32) return -1;
+    if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0) return -2;
+    const int64_t k = a->k, B = a->block, nb = k / B;
+    const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t r = 0; r < a->rows; r++) {
+        const int8_t *q = a->q + r * k;
+        const float *s = a->scale + r * nb, *o = a->offset ? a->offset + r * nb : NULL;
+        float *out = a->out + r * a->ldo;
+        for (int64_t b = 0; b < nb; b++) {
+            const float sb = s[b], ob = o ? o[b] : 0.0f;
+            for (int64_t i = 0; i < B; i++) {
+                const float p = sb * (float)q[b * B + i];
+                out[b * B + i] = o ? p + ob : p;
+            }
+        }
+    }
+    return 0;
+}
