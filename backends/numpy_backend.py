@@ -72,6 +72,7 @@ class NumpyBackend:
         self.kernel_threads = qkernel.default_threads()
         self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range((layout or DeviceLayout()).n_devices)]
         self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
+        self._whole_codes: dict[tuple, AffineWeight] = {}   # GGUF data -> its codes, when not split
         self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
         self._pool = None
         self.layout = layout or DeviceLayout()
@@ -128,6 +129,10 @@ class NumpyBackend:
         except SplitError:
             return False
         made: dict[int, AffineWeight] = {}
+        whole = self.whole_encoded(t, plan)
+        key = (np.asarray(raw).__array_interface__["data"][0], np.asarray(raw).nbytes, int(ggml_type))
+        if whole and key in self._whole_codes:
+            made[id(parts[0])] = self._whole_codes[key]      # the tied lm head reuses the embedding's codes
         for d, part in enumerate(parts):
             ne = plan.of(t).local[d].ne
             self._transposed[d].pop(t, None)
@@ -141,8 +146,22 @@ class NumpyBackend:
             if aw is None:
                 aw = made[id(part)] = affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0])
             self._packed[d][t] = aw
+        if whole and made:
+            self._whole_codes[key] = next(iter(made.values()))
         self._encoded_only.add(t)
         return True
+
+    def whole_encoded(self, t: Tensor, plan: Plan) -> bool:
+        """Does every device hold the whole weight (one device, or mirrored)? Then one set of
+        codes serves every device and every leaf with the same GGUF data (a tied lm head)."""
+        st = plan.of(t).state
+        return self.n == 1 or st.is_mirrored
+
+    def storage_key(self, t: Tensor, plan: Plan, source: str):
+        """Weights with equal keys share one stored copy (count it once), or None."""
+        if self.keeps_encoded(t, t.type, plan) and self.whole_encoded(t, plan):
+            return ("codes", source)
+        return None
 
     def encoded_only(self, t: Tensor) -> bool:
         return t in self._encoded_only

@@ -93,7 +93,24 @@ class Engine:
         spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
         plan = self.compile(build_graph(self.tensors, spec))
         workspace = getattr(self.backend, "workspace_bytes", None)
-        return plan_memory(plan, self.backend.storage_bytes, self.n_ctx, workspace(plan) if workspace else None)
+        return plan_memory(plan, self._weight_bytes(), self.n_ctx, workspace(plan) if workspace else None)
+
+    def _weight_bytes(self):
+        """The backend's bytes per weight slice, counting once what it stores once (the codes of
+        a tied embedding and lm head, or of a mirrored weight, shared by every device)."""
+        key_of = getattr(self.backend, "storage_key", None)
+        if key_of is None:
+            return self.backend.storage_bytes
+        counted: set = set()
+
+        def weight_bytes(t, local_ne, plan) -> int:
+            key = key_of(t, plan, self.tensors.source_name(t.name))
+            if key is not None:
+                if key in counted:
+                    return 0
+                counted.add(key)
+            return self.backend.storage_bytes(t, local_ne, plan)
+        return weight_bytes
 
     def _upload_weights(self, plan: Plan) -> None:
         """Every weight leaf goes to the backend once; every plan shares the split table."""

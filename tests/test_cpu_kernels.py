@@ -199,7 +199,13 @@ def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
         steps = [eng.forward([t]) for t in (5, 9, 200)]    # decode: the compiled kernels
         logits.append(np.stack(steps))
         if kernels:
-            assert any(eng.backend.packed(t, 0) is not None for t in eng.backend.leaf[0])
+            be = eng.backend
+            assert any(be.packed(t, 0) is not None for t in be.leaf[0])
+            by_name = {t.name: t for t in be.leaf[0]}
+            embd, head = by_name["token_embd.weight"], by_name["output.weight"]   # tied
+            assert be.encoded_only(embd) and be.encoded_only(head)
+            if n_devices == 1:                                   # one set of codes for both leaves
+                assert be.packed(embd, 0) is be.packed(head, 0)
     assert np.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4 * np.abs(logits[0]).max())
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).all()
 
