@@ -31,21 +31,56 @@ import numpy as np
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
-__all__ = ["AFFINE_TYPES", "AffineWeight", "affine_blocks", "affine_bytes", "dequantize_affine"]
+__all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "AffineWeight", "affine_blocks", "affine_bytes", "dequantize_affine",
+           "pack_nibbles", "unpack_nibbles"]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make field-wise ==/hash meaningless
 class AffineWeight:
-    """A weight as int8 codes plus per-block float32 scale and (optional) offset."""
+    """A weight as integer codes plus per-block float32 scale and (optional) offset.
 
-    q: np.ndarray  # int8 (rows, K)
+    bits 8: `q` is int8 (rows, K), one code a byte. bits 4 (types whose codes fit a nibble):
+    `q` is uint8 (rows, K/2); in each 32-element group the 16 bytes hold elements 0..15 in their
+    low nibbles and 16..31 in their high nibbles, and a code is nibble - `bias`."""
+
+    q: np.ndarray  # int8 (rows, K), or uint8 (rows, K/2) with bits=4
     scale: np.ndarray  # float32 (rows, K // block)
     offset: np.ndarray | None  # float32 (rows, K // block); None for symmetric types
     block: int  # elements sharing one (scale, offset): 16 or 32
+    bits: int = 8
+    bias: int = 0  # bits=4: code = nibble - bias
 
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.q.shape[1] * (8 // self.bits)
+
+    def codes(self, rows=slice(None)) -> np.ndarray:
+        """int8 codes (rows, K) of the selected rows (unpacked from nibbles when bits=4)."""
+        q = self.q[rows]
+        return q if self.bits == 8 else unpack_nibbles(q, self.bias)
+
+
+def pack_nibbles(q: np.ndarray, bias: int) -> np.ndarray:
+    """int8 codes (rows, K), K % 32 == 0, each in [-bias, 15-bias] -> uint8 (rows, K/2)."""
+    rows, k = q.shape
+    u = (q.astype(np.int16) + bias).astype(np.uint8).reshape(rows, k // 32, 2, 16)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(rows, k // 2)
+
+
+def unpack_nibbles(p: np.ndarray, bias: int) -> np.ndarray:
+    """The inverse of pack_nibbles: uint8 (rows, K/2) -> int8 codes (rows, K)."""
+    rows, half = p.shape
+    g = p.reshape(rows, half // 16, 1, 16)
+    u = np.concatenate([g & 0x0F, g >> 4], axis=2).reshape(rows, half * 2)
+    return (u.astype(np.int16) - bias).astype(np.int8)
 
 
 # --- small vectorized bit helpers ------------------------------------------------------------
@@ -173,6 +208,11 @@ _TYPES: dict[GGMLType, tuple[int, bool, Callable[[np.ndarray], _Unpacked]]] = {
 
 AFFINE_TYPES: frozenset[GGMLType] = frozenset(_TYPES)
 
+# Types whose codes fit a nibble -> the bias that makes them 0..15 (stored 4 bits a code: decode
+# streams 0.75 instead of 1.25 bytes a weight).
+NIBBLE_BIAS: dict[GGMLType, int] = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q4_K: 0,
+                                    GGMLType.Q2_K: 0, GGMLType.Q3_K: 8}
+
 
 def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray], _Unpacked]]:
     """Validate (type, K) and return the type and its table entry."""
@@ -193,8 +233,9 @@ def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray]
 
 def affine_bytes(ggml_type, rows: int, k: int) -> int:
     """Bytes of the AffineWeight affine_blocks would build for a (rows, K) weight (for memory planning)."""
-    _, block, has_offset, _ = _spec(ggml_type, k)
-    return rows * k + rows * (k // block) * 4 * (2 if has_offset else 1)
+    t, block, has_offset, _ = _spec(ggml_type, k)
+    code_bytes = k // 2 if t in NIBBLE_BIAS and k % 32 == 0 else k
+    return rows * code_bytes + rows * (k // block) * 4 * (2 if has_offset else 1)
 
 
 def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
@@ -214,18 +255,23 @@ def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, type_size(t))
     q, scale, offset = unpack(blocks)
+    q = np.ascontiguousarray(q, dtype=np.int8).reshape(rows, k)
+    bits, bias = 8, 0
+    if t in NIBBLE_BIAS and k % 32 == 0:
+        bits, bias = 4, NIBBLE_BIAS[t]
+        q = pack_nibbles(q, bias)
     return AffineWeight(
-        q=np.ascontiguousarray(q, dtype=np.int8).reshape(rows, k),
+        q=q,
         scale=np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, k // block),
         offset=None if offset is None else np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, k // block),
-        block=block,
+        block=block, bits=bits, bias=bias,
     )
 
 
 def dequantize_affine(aw: AffineWeight) -> np.ndarray:
     """Reference decode: float32 (rows, K) = scale * q + offset per block (multiply, then add)."""
-    rows, k = aw.q.shape
-    q = aw.q.reshape(rows, k // aw.block, aw.block).astype(np.float32)
+    rows, k = aw.rows, aw.k
+    q = aw.codes().reshape(rows, k // aw.block, aw.block).astype(np.float32)
     out = aw.scale[:, :, None] * q
     if aw.offset is not None:
         out = out + aw.offset[:, :, None]

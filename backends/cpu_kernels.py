@@ -53,11 +53,13 @@ _ARGS = {
                                                  "sinks:p out:p o_st:i o_sh:i scratch:p"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
-    "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i q:p scale:p offset:p out:p ldo:i nthreads:i"),
+    "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
+                                             "nthreads:i"),
 }
 
 
-_QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i q:p scale:p offset:p x:p ldx:i ntok:i y:p ldy:i")
+_QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
+                                      "ldy:i")
 
 
 class _Call:
@@ -92,6 +94,24 @@ def _cpu_signature() -> str:
     return sig
 
 
+def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
+    """Build (or take from the cache) `csrc/cpu_kernels.c` with these compiler flags and load it.
+    Raises RuntimeError/OSError when that fails. (Tests also build other ISA paths with it.)"""
+    from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+    cc = cc or os.environ.get("CC", "cc")
+    source = resources.files("metatp.backends").joinpath("csrc/cpu_kernels.c").read_text(encoding="utf-8")
+    path = build_shared_library("cpu_kernels", source, ".c", cc, flags,
+                                host_cache_dir("METATP_KERNEL_CACHE", "metatp-kernels"), _cpu_signature(),
+                                libs=("-lm",))
+    lib = ctypes.CDLL(str(path))
+    for name in _ARGS:
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p]
+    return lib
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library or None, a line saying which build or why none)."""
@@ -100,26 +120,15 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         return None, f"off (no C compiler {cc!r} on PATH)"
-    from metatp.backends.host_build import build_shared_library, host_cache_dir
-
-    source = resources.files("metatp.backends").joinpath("csrc/cpu_kernels.c").read_text(encoding="utf-8")
     errors = []
     for flags in _FLAG_SETS:
         try:
-            path = build_shared_library("cpu_kernels", source, ".c", cc, flags,
-                                        host_cache_dir("METATP_KERNEL_CACHE", "metatp-kernels"), _cpu_signature(),
-                                        libs=("-lm",))
-            lib = ctypes.CDLL(str(path))
+            lib = build_library(flags, cc)
         except (RuntimeError, OSError) as e:
             errors.append(str(e).splitlines()[0])
             continue
-        for name in _ARGS:
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p]
-        openmp = "-fopenmp" in flags
-        return lib, f"cpu_kernels ({cc} {' '.join(f for f in flags if f.startswith(('-march', '-fopenmp')))})".replace(
-            " )", ")") + ("" if openmp else ", single-threaded")
+        shown = " ".join(f for f in flags if f.startswith(("-march", "-fopenmp")))
+        return lib, f"cpu_kernels ({cc} {shown})".replace(" )", ")") + ("" if "-fopenmp" in flags else ", single-threaded")
     warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "
                   f"(slower): {errors[-1] if errors else 'unknown error'}", RuntimeWarning, stacklevel=2)
     return None, "off (build failed)"
@@ -149,7 +158,7 @@ def default_threads() -> int:
 
 
 def _check(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray) -> None:
-    rows, k = aw.q.shape
+    rows, k = aw.rows, aw.k
     if x2.ndim != 2 or x2.shape[1] != k or x2.dtype != np.float32 or (k > 1 and x2.strides[1] != 4):
         raise ValueError(f"qmatmul: x must be float32 (n, {k}) with contiguous rows, got {x2.dtype} {x2.shape}")
     if y2.shape != (x2.shape[0], rows) or y2.dtype != np.float32 or (rows > 1 and y2.strides[1] != 4):
@@ -165,10 +174,11 @@ def prepare_qmatmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: 
     """A closure computing y2 = x2 @ dequantize(aw).T in place, for these fixed arrays (their
     addresses are taken once, so a call costs one ctypes call). x2: (n, K), y2: (n, rows)."""
     _check(aw, x2, y2)
-    if x2.shape[0] == 0 or aw.q.shape[0] == 0:
+    if x2.shape[0] == 0 or aw.rows == 0:
         return lambda: None
-    rows, k = aw.q.shape
-    item = _QMatmulArgs(rows=rows, k=k, block=aw.block, q=aw.q.ctypes.data, scale=aw.scale.ctypes.data,
+    rows, k = aw.rows, aw.k
+    item = _QMatmulArgs(rows=rows, k=k, block=aw.block, bits=aw.bits, bias=aw.bias, q=aw.q.ctypes.data,
+                        scale=aw.scale.ctypes.data,
                         offset=None if aw.offset is None else aw.offset.ctypes.data, x=x2.ctypes.data,
                         ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data, ldy=y2.strides[0] // 4)
     return _qmatmul_group([(item, (aw, x2, y2))], nthreads or default_threads())
@@ -208,8 +218,8 @@ def _run_in_turn(calls: list) -> Callable[[], None]:
 def qmatmul(x: np.ndarray, aw: AffineWeight, out: np.ndarray | None = None, nthreads: int | None = None
             ) -> np.ndarray:
     """x (n, K) float32 @ dequantize(aw).T -> (n, rows): the one-off form of `prepare_qmatmul`."""
-    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, aw.q.shape[1])
-    y2 = np.empty((x2.shape[0], aw.q.shape[0]), dtype=np.float32) if out is None else out
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, aw.k)
+    y2 = np.empty((x2.shape[0], aw.rows), dtype=np.float32) if out is None else out
     prepare_qmatmul(aw, x2, y2, nthreads)()
     return y2
 
@@ -309,7 +319,7 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
                            nthreads: int | None = None) -> Callable[[], None]:
     """y2 = x2 @ dequantize(aw).T with BLAS, dequantizing `slab.size // K` rows at a time into
     `slab` (bit-identical to gguf's dequantized values). x2 (n, K), y2 (n, rows) float32."""
-    rows, k = aw.q.shape
+    rows, k = aw.rows, aw.k
     if x2.shape[-1] != k or y2.shape != (x2.shape[0], rows) or slab.dtype != np.float32:
         raise ValueError(f"dequant matmul: x {x2.shape}, out {y2.shape} do not fit weight {aw.q.shape}")
     step = max(1, min(rows, slab.size // k))
@@ -319,7 +329,7 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         w = slab[: (r1 - r0) * k].reshape(r1 - r0, k)
-        deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block,
+        deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block, bits=aw.bits, bias=aw.bias,
                     q=aw.q[r0:r1].ctypes.data, scale=aw.scale[r0:r1].ctypes.data,
                     offset=None if aw.offset is None else aw.offset[r0:r1].ctypes.data, out=w.ctypes.data,
                     ldo=k, nthreads=1)
@@ -336,10 +346,11 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
 def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
     """The float32 weight (rows, K) from its codes, with the compiled kernel (tests compare it
     with `affine_quant.dequantize_affine`)."""
-    rows, k = aw.q.shape
+    rows, k = aw.rows, aw.k
     out = np.empty((rows, k), np.float32)
     if rows:
-        _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, q=aw.q.ctypes.data,
+        _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, bits=aw.bits, bias=aw.bias,
+              q=aw.q.ctypes.data,
               scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
               out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads())()
     return out

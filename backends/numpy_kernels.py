@@ -46,11 +46,11 @@ def _get_rows(node, out, src, ctx) -> Closure:
     aw = ctx.packed(node.src[0]) if ctx.encoded_only(node.src[0]) else None
     if aw is not None and ids.shape[:3] == (1, 1, 1):
         # an embedding kept as int8 codes: dequantize just the rows asked for (same bits as gguf)
-        i1, o2, n, k = ids[0, 0, 0], out[0, 0], out.shape[2], aw.q.shape[1]
+        i1, o2, n, k = ids[0, 0, 0], out[0, 0], out.shape[2], aw.k
         nb = k // aw.block
 
         def run_codes() -> None:
-            rows = aw.q[i1].reshape(n, nb, aw.block).astype(F32)
+            rows = aw.codes(i1).reshape(n, nb, aw.block).astype(F32)
             np.multiply(rows, aw.scale[i1][:, :, None], out=rows)
             if aw.offset is not None:
                 np.add(rows, aw.offset[i1][:, :, None], out=rows)
@@ -171,7 +171,7 @@ def _mul_mat(node, out, src, ctx) -> Closure:
                                           ctx.slab(), ctx.kernel_threads)
 
         def run_copying() -> None:
-            res = np.empty((int(np.prod(b.shape[:-1])), aw.q.shape[0]), F32)
+            res = np.empty((int(np.prod(b.shape[:-1])), aw.rows), F32)
             prepare_dequant_matmul(aw, np.ascontiguousarray(b).reshape(-1, b.shape[-1]), res, ctx.slab(),
                                    ctx.kernel_threads)()
             out[...] = res.reshape(out.shape)

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metatp.backends.affine_quant import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes,
-                                          dequantize_affine)
+from metatp.backends.affine_quant import (AFFINE_TYPES, NIBBLE_BIAS, AffineWeight, affine_blocks, affine_bytes,
+                                          dequantize_affine, pack_nibbles, unpack_nibbles)
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
@@ -63,7 +63,11 @@ def test_matches_gguf_bit_exactly(t, rows, n_blocks, seed):
     raw = random_raw(t, rows, k, seed)
     aw = affine_blocks(raw, t, k)
     assert aw.block == (16 if t in (T.Q2_K, T.Q3_K, T.Q6_K) else 32)
-    assert aw.q.dtype == np.int8 and aw.q.shape == (rows, k)
+    if t in NIBBLE_BIAS:             # codes that fit a nibble are stored two a byte
+        assert aw.bits == 4 and aw.q.dtype == np.uint8 and aw.q.shape == (rows, k // 2)
+    else:
+        assert aw.bits == 8 and aw.q.dtype == np.int8 and aw.q.shape == (rows, k)
+    assert aw.codes().dtype == np.int8 and aw.codes().shape == (rows, k) and (aw.rows, aw.k) == (rows, k)
     assert aw.scale.dtype == np.float32 and aw.scale.shape == (rows, k // aw.block)
     assert (aw.offset is None) == (t in SYMMETRIC)
     if aw.offset is not None:
@@ -87,8 +91,18 @@ def test_code_ranges():
     k = 256
     for t, lo, hi in [(T.Q4_0, -8, 7), (T.Q4_1, 0, 15), (T.Q5_0, -16, 15), (T.Q5_1, 0, 31), (T.Q8_0, -128, 127),
                       (T.Q2_K, 0, 3), (T.Q3_K, -4, 3), (T.Q4_K, 0, 15), (T.Q5_K, 0, 31), (T.Q6_K, -32, 31)]:
-        q = affine_blocks(random_raw(t, 64, k, seed=1), t, k).q
+        q = affine_blocks(random_raw(t, 64, k, seed=1), t, k).codes()
         assert q.min() == lo and q.max() == hi, t.name
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.sampled_from([0, 8]), st.integers(0, 2**16))
+def test_nibble_packing_round_trips(rows, groups, bias, seed):
+    q = np.random.default_rng(seed).integers(-bias, 16 - bias, (rows, 32 * groups)).astype(np.int8)
+    p = pack_nibbles(q, bias)
+    assert p.dtype == np.uint8 and p.shape == (rows, 16 * groups)
+    assert np.array_equal(unpack_nibbles(p, bias), q)
+    assert np.array_equal(p[:, :16] & 0x0F, (q[:, :16] + bias).astype(np.uint8))     # element j: low nibble
+    assert np.array_equal(p[:, :16] >> 4, (q[:, 16:32] + bias).astype(np.uint8))     # element 16+j: high
 
 
 @pytest.mark.parametrize("t", [T.F32, T.F16, T.BF16, T.Q8_1, T.Q8_K, T.IQ4_NL, T.IQ2_XXS, T.TQ2_0])

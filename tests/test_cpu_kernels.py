@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metatp.backends import cpu_kernels as ck
-from metatp.backends.affine_quant import AffineWeight, dequantize_affine
+from metatp.backends.affine_quant import AffineWeight, dequantize_affine, pack_nibbles
 from metatp.backends.allreduce import allreduce_butterfly
 from metatp.backends.numpy_kernels import attention_reference, rope_reference
 
@@ -21,21 +21,24 @@ pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavail
 F32 = np.float32
 
 
-def _affine(rng, rows: int, k: int, block: int, offset: bool) -> AffineWeight:
-    return AffineWeight(q=rng.integers(-32, 32, (rows, k)).astype(np.int8),
-                        scale=(rng.standard_normal((rows, k // block)) * 0.02).astype(F32),
-                        offset=(rng.standard_normal((rows, k // block)) * 0.02).astype(F32) if offset else None,
-                        block=block)
+def _affine(rng, rows: int, k: int, block: int, offset: bool, bits: int = 8, bias: int = 8) -> AffineWeight:
+    scale = (rng.standard_normal((rows, k // block)) * 0.02).astype(F32)
+    off = (rng.standard_normal((rows, k // block)) * 0.02).astype(F32) if offset else None
+    if bits == 4:
+        q = rng.integers(-bias, 16 - bias, (rows, k)).astype(np.int8)
+        return AffineWeight(q=pack_nibbles(q, bias), scale=scale, offset=off, block=block, bits=4, bias=bias)
+    return AffineWeight(q=rng.integers(-128, 128, (rows, k)).astype(np.int8), scale=scale, offset=off, block=block)
 
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 70), units=st.integers(1, 12), block=st.sampled_from([16, 32]), offset=st.booleans(),
-       ntok=st.integers(1, 9), pad_x=st.integers(0, 5), pad_y=st.integers(0, 5), threads=st.sampled_from([1, 2]),
-       seed=st.integers(0, 2**16))
-def test_qmatmul_matches_dequantized_product(rows, units, block, offset, ntok, pad_x, pad_y, threads, seed):
+       bits=st.sampled_from([8, 4]), bias=st.sampled_from([0, 8]), ntok=st.integers(1, 9), pad_x=st.integers(0, 5),
+       pad_y=st.integers(0, 5), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_qmatmul_matches_dequantized_product(rows, units, block, offset, bits, bias, ntok, pad_x, pad_y, threads,
+                                             seed):
     rng = np.random.default_rng(seed)
     k = units * 32
-    aw = _affine(rng, rows, k, block, offset)
+    aw = _affine(rng, rows, k, block, offset, bits, bias)
     xbuf = rng.standard_normal((ntok, k + pad_x)).astype(F32)      # rows with a stride past K
     ybuf = np.full((ntok, rows + pad_y), np.nan, dtype=F32)
     x, y = xbuf[:, :k], ybuf[:, :rows]
@@ -47,10 +50,10 @@ def test_qmatmul_matches_dequantized_product(rows, units, block, offset, ntok, p
 
 def test_qmatmul_group_is_bit_identical_to_separate_calls():
     rng = np.random.default_rng(1)
-    shapes = [(200, 576, 32, True), (64, 192, 16, False), (1, 32, 32, True), (300, 1536, 32, False)]
+    shapes = [(200, 576, 32, True, 8), (64, 192, 16, False, 4), (1, 32, 32, True, 4), (300, 1536, 32, False, 8)]
     parts = []
-    for rows, k, block, off in shapes:
-        aw = _affine(rng, rows, k, block, off)
+    for rows, k, block, off, bits in shapes:
+        aw = _affine(rng, rows, k, block, off, bits)
         x = rng.standard_normal((3, k)).astype(F32)
         parts.append((aw, x, np.empty((3, rows), F32), np.empty((3, rows), F32)))
     for aw, x, y1, _ in parts:
@@ -60,20 +63,53 @@ def test_qmatmul_group_is_bit_identical_to_separate_calls():
         assert np.array_equal(y1, y2)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block,offset", [(32, True), (32, False), (16, False), (16, True)])
-def test_dequantize_is_bit_identical_to_the_reference(block, offset):
-    aw = _affine(np.random.default_rng(block), 130, 256, block, offset)
+def test_dequantize_is_bit_identical_to_the_reference(block, offset, bits):
+    aw = _affine(np.random.default_rng(block), 130, 256, block, offset, bits)
     assert np.array_equal(ck.dequantize(aw, 2).view(np.uint32), dequantize_affine(aw).view(np.uint32))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("slab_rows", [1, 7, 64, 1000])
-def test_dequant_matmul_in_slabs_matches_blas(slab_rows):
+def test_dequant_matmul_in_slabs_matches_blas(slab_rows, bits):
     rng = np.random.default_rng(slab_rows)
-    aw = _affine(rng, 100, 96, 32, True)
+    aw = _affine(rng, 100, 96, 32, True, bits)
     x = rng.standard_normal((40, 96)).astype(F32)
     y = np.full((40, 100), np.nan, F32)
     ck.prepare_dequant_matmul(aw, x, y, np.empty(slab_rows * 96, F32))()
     assert np.allclose(y, x @ dequantize_affine(aw).T, rtol=1e-5, atol=1e-5)
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isa,flags", [
+    ("avx2", ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")),
+    ("generic", ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")),
+])
+def test_other_isa_builds_agree(monkeypatch, isa, flags):
+    """The AVX2 and plain-C code paths (other machines' builds) give the same products."""
+    if isa == "avx2" and not _cpu_has("avx2"):
+        pytest.skip("this CPU has no AVX2")
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 flags")
+    lib = ck.build_library(flags)
+    monkeypatch.setattr(ck, "_library", lambda: (lib, isa))
+    rng = np.random.default_rng(5)
+    for bits, block, off in [(8, 32, True), (4, 32, True), (4, 16, False), (8, 16, False)]:
+        aw = _affine(rng, 70, 192, block, off, bits)
+        x = rng.standard_normal((3, 192)).astype(F32)
+        ref = x.astype(np.float64) @ dequantize_affine(aw).astype(np.float64).T
+        assert np.allclose(ck.qmatmul(x, aw, nthreads=2), ref, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(ck.dequantize(aw), dequantize_affine(aw))
 
 
 def test_qmatmul_rejects_bad_shapes():

@@ -8,7 +8,8 @@
  * qmatmul:
  * Why: a decode step streams every weight once. As float32 that is 4 bytes a weight and the
  * step is bound by memory bandwidth; kept as int8 codes with one float32 scale (and offset)
- * per block of 16 or 32 it is ~1.25 bytes, and the codes are turned into floats in registers.
+ * per block of 16 or 32 it is ~1.25 bytes (~0.75 for types whose codes fit a nibble: those are
+ * stored two a byte), and the codes are turned into floats in registers.
  * Activations stay float32, so the result equals the float32 product of the dequantized
  * weights up to summation order.
  *
@@ -33,12 +34,29 @@ enum { UNIT = 16, MAX_GROUP = 4, CHAINS = 4 };
 static inline v16f load_codes(const int8_t *p) {
     return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* 16 nibbles (the low or high halves of 16 bytes) minus `bias` -> 16 floats */
+static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (high) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    return (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(bias)));
+}
 #elif defined(__AVX2__)
 #include <immintrin.h>
 static inline v16f load_codes(const int8_t *p) {
     union { __m256 h[2]; v16f v; } u;
     u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
     u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    return u.v;
+}
+static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (high) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const __m256i bias8 = _mm256_set1_epi32(bias);
+    union { __m256 h[2]; v16f v; } u;
+    u.h[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), bias8));
+    u.h[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), bias8));
     return u.v;
 }
 #elif defined(__ARM_NEON)
@@ -53,13 +71,38 @@ static inline v16f load_codes(const int8_t *p) {
     u.q[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
     return u.v;
 }
+static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
+    uint8x16_t b = vld1q_u8(p);
+    b = high ? vshrq_n_u8(b, 4) : vandq_u8(b, vdupq_n_u8(0x0F));
+    const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(b)));
+    const int16x8_t hi = vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(b)));
+    const int32x4_t bias4 = vdupq_n_s32(bias);
+    union { float32x4_t q[4]; v16f v; } u;
+    u.q[0] = vcvtq_f32_s32(vsubq_s32(vmovl_s16(vget_low_s16(lo)), bias4));
+    u.q[1] = vcvtq_f32_s32(vsubq_s32(vmovl_s16(vget_high_s16(lo)), bias4));
+    u.q[2] = vcvtq_f32_s32(vsubq_s32(vmovl_s16(vget_low_s16(hi)), bias4));
+    u.q[3] = vcvtq_f32_s32(vsubq_s32(vmovl_s16(vget_high_s16(hi)), bias4));
+    return u.v;
+}
 #else
 static inline v16f load_codes(const int8_t *p) {
     v16f v;
     for (int i = 0; i < UNIT; i++) v[i] = (float)p[i];
     return v;
 }
+static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
+    v16f v;
+    for (int i = 0; i < UNIT; i++) v[i] = (float)(((p[i] >> (high ? 4 : 0)) & 0x0F) - bias);
+    return v;
+}
 #endif
+
+/* Unit k (16 codes) of a row: int8 codes, or (bits 4) the low/high nibbles of 16 bytes, a
+ * 32-element group keeping elements 0..15 low and 16..31 high. */
+static inline __attribute__((always_inline)) v16f unit_codes(const void *q, int64_t k, int bits, int bias) {
+    if (bits == 4) return load_nibbles((const uint8_t *)q + (k >> 1) * UNIT, (int)(k & 1), bias);
+    return load_codes((const int8_t *)q + k * UNIT);
+}
 
 static inline v16f load_f32(const float *p) {
     v16f v;
@@ -75,7 +118,7 @@ static inline float hsum(v16f v) {
 
 /* One row against `nt` tokens (nt is a constant at every call site, so the loops unroll). */
 static inline __attribute__((always_inline)) void row_group(
-        const int8_t *q, const float *scale, int64_t units, int shift,
+        const void *q, int bits, int bias, const float *scale, int64_t units, int shift,
         const float *x, int64_t ldx, int nt, float *res) {
     v16f acc[MAX_GROUP][CHAINS];
     for (int t = 0; t < nt; t++)
@@ -84,20 +127,20 @@ static inline __attribute__((always_inline)) void row_group(
     for (; u + CHAINS <= units; u += CHAINS) {
         for (int c = 0; c < CHAINS; c++) {
             const int64_t k = u + c;
-            const v16f w = load_codes(q + k * UNIT) * scale[k >> shift];
+            const v16f w = unit_codes(q, k, bits, bias) * scale[k >> shift];
             for (int t = 0; t < nt; t++) acc[t][c] += w * load_f32(x + t * ldx + k * UNIT);
         }
     }
     for (; u < units; u++) {
-        const v16f w = load_codes(q + u * UNIT) * scale[u >> shift];
+        const v16f w = unit_codes(q, u, bits, bias) * scale[u >> shift];
         for (int t = 0; t < nt; t++) acc[t][0] += w * load_f32(x + t * ldx + u * UNIT);
     }
     for (int t = 0; t < nt; t++) res[t] = hsum((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
 }
 
 typedef struct {
-    int64_t rows, k, block;
-    const int8_t *q;
+    int64_t rows, k, block, bits, bias;   /* bits 8: int8 codes; bits 4: nibbles, code = nibble - bias */
+    const void *q;
     const float *scale, *offset;   /* offset may be NULL */
     const float *x;
     int64_t ldx, ntok;
@@ -116,6 +159,7 @@ typedef struct {
 static int qmm_check(const QMatmulArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0 || a->ntok < 1) return -2;
+    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0 && a->bias >= 0 && a->bias <= 15))) return -5;
     return 0;
 }
 
@@ -130,10 +174,14 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
         }
 }
 
+#define ROW_GROUP(NT) \
+    (a->bits == 4 ? row_group(qr, 4, bias, sr, units, shift, xt, ldx, NT, res) \
+                  : row_group(qr, 8, 0, sr, units, shift, xt, ldx, NT, res))
+
 static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
     const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx, ntok = a->ntok;
-    const int shift = a->block == 32 ? 1 : 0;
-    const int8_t *qr = a->q + r * k;
+    const int shift = a->block == 32 ? 1 : 0, bias = (int)a->bias;
+    const void *qr = (const uint8_t *)a->q + r * (k * a->bits / 8);
     const float *sr = a->scale + r * nb;
     for (int64_t t0 = 0; t0 < ntok; t0 += MAX_GROUP) {
         const float *xt = a->x + t0 * ldx;
@@ -141,10 +189,10 @@ static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
         const int64_t left = ntok - t0;
         const int nt = left < MAX_GROUP ? (int)left : MAX_GROUP;
         switch (nt) {
-            case 1: row_group(qr, sr, units, shift, xt, ldx, 1, res); break;
-            case 2: row_group(qr, sr, units, shift, xt, ldx, 2, res); break;
-            case 3: row_group(qr, sr, units, shift, xt, ldx, 3, res); break;
-            default: row_group(qr, sr, units, shift, xt, ldx, 4, res); break;
+            case 1: ROW_GROUP(1); break;
+            case 2: ROW_GROUP(2); break;
+            case 3: ROW_GROUP(3); break;
+            default: ROW_GROUP(4); break;
         }
         if (a->offset) {
             const float *orow = a->offset + r * nb;
@@ -375,8 +423,8 @@ int metatp_allreduce(const AllreduceArgs *a) {
  * bit-identical to theirs. Rows are shared among threads. Used to feed BLAS for long prompts
  * from int8 codes, so the float32 weights need not be kept. */
 typedef struct {
-    int64_t rows, k, block;
-    const int8_t *q;
+    int64_t rows, k, block, bits, bias;   /* codes as in QMatmulArgs */
+    const void *q;
     const float *scale, *offset;   /* offset may be NULL */
     float *out;
     int64_t ldo, nthreads;
@@ -386,19 +434,19 @@ __attribute__((optimize("fp-contract=off")))
 int metatp_dequant(const DequantArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0) return -2;
-    const int64_t k = a->k, B = a->block, nb = k / B;
+    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0))) return -5;
+    const int64_t k = a->k, B = a->block, nb = k / B, row_bytes = k * a->bits / 8;
     const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t r = 0; r < a->rows; r++) {
-        const int8_t *q = a->q + r * k;
+        const uint8_t *q = (const uint8_t *)a->q + r * row_bytes;
         const float *s = a->scale + r * nb, *o = a->offset ? a->offset + r * nb : NULL;
         float *out = a->out + r * a->ldo;
-        for (int64_t b = 0; b < nb; b++) {
-            const float sb = s[b], ob = o ? o[b] : 0.0f;
-            for (int64_t i = 0; i < B; i++) {
-                const float p = sb * (float)q[b * B + i];
-                out[b * B + i] = o ? p + ob : p;
-            }
+        const int shift = B == 32 ? 1 : 0, bits = (int)a->bits, bias = (int)a->bias;
+        for (int64_t u = 0; u < k / UNIT; u++) {    /* 16 codes at a time, as the matmul reads them */
+            v16f v = unit_codes(q, u, bits, bias) * s[u >> shift];
+            if (o) v = v + o[u >> shift];
+            memcpy(out + u * UNIT, &v, sizeof v);
         }
     }
     return 0;
