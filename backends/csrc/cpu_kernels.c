@@ -120,6 +120,29 @@ static inline float hsum(v16f v) {
 static inline __attribute__((always_inline)) void row_group(
         const void *q, int bits, int bias, const float *scale, int64_t units, int shift,
         const float *x, int64_t ldx, int nt, float *res) {
+    if (nt == 1 && shift == 1) {
+        /* one token, blocks of 32: sum each block's two units unscaled, then scale once per
+           block (3 floating-point operations per 32 codes instead of 4) */
+        v16f acc1[CHAINS];
+        for (int c = 0; c < CHAINS; c++) acc1[c] = (v16f){0};
+        const int64_t nb = units / 2;
+        int64_t b = 0;
+        for (; b + CHAINS <= nb; b += CHAINS) {
+            for (int c = 0; c < CHAINS; c++) {
+                const int64_t bb = b + c;
+                v16f p = unit_codes(q, 2 * bb, bits, bias) * load_f32(x + 2 * bb * UNIT);
+                p += unit_codes(q, 2 * bb + 1, bits, bias) * load_f32(x + (2 * bb + 1) * UNIT);
+                acc1[c] += scale[bb] * p;
+            }
+        }
+        for (; b < nb; b++) {
+            v16f p = unit_codes(q, 2 * b, bits, bias) * load_f32(x + 2 * b * UNIT);
+            p += unit_codes(q, 2 * b + 1, bits, bias) * load_f32(x + (2 * b + 1) * UNIT);
+            acc1[0] += scale[b] * p;
+        }
+        res[0] = hsum((acc1[0] + acc1[1]) + (acc1[2] + acc1[3]));
+        return;
+    }
     v16f acc[MAX_GROUP][CHAINS];
     for (int t = 0; t < nt; t++)
         for (int c = 0; c < CHAINS; c++) acc[t][c] = (v16f){0};
@@ -174,13 +197,20 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
         }
 }
 
+/* Nibble codes are read without their bias (one instruction less per 16 codes); the bias comes
+ * back per row as - bias * sum_b scale[b] * xsum[b]. */
 #define ROW_GROUP(NT) \
-    (a->bits == 4 ? row_group(qr, 4, bias, sr, units, shift, xt, ldx, NT, res) \
+    (a->bits == 4 ? row_group(qr, 4, 0, sr, units, shift, xt, ldx, NT, res) \
                   : row_group(qr, 8, 0, sr, units, shift, xt, ldx, NT, res))
+
+static int needs_xsum(const QMatmulArgs *a) {
+    return a->offset != NULL || (a->bits == 4 && a->bias != 0);
+}
 
 static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
     const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx, ntok = a->ntok;
-    const int shift = a->block == 32 ? 1 : 0, bias = (int)a->bias;
+    const int shift = a->block == 32 ? 1 : 0;
+    const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
     const void *qr = (const uint8_t *)a->q + r * (k * a->bits / 8);
     const float *sr = a->scale + r * nb;
     for (int64_t t0 = 0; t0 < ntok; t0 += MAX_GROUP) {
@@ -203,6 +233,14 @@ static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
                 res[t] += s;
             }
         }
+        if (bias != 0.0f) {
+            for (int t = 0; t < nt; t++) {
+                const float *xs = xsum + (t0 + t) * nb;
+                float s = 0.0f;
+                for (int64_t b = 0; b < nb; b++) s += sr[b] * xs[b];
+                res[t] -= bias * s;
+            }
+        }
         for (int t = 0; t < nt; t++) a->y[(t0 + t) * a->ldy + r] = res[t];
     }
 }
@@ -220,7 +258,7 @@ int metatp_qmatmul(const QMatmulGroup *g) {
         const int rc = qmm_check(a);
         if (rc) return rc;
         first_row[i + 1] = first_row[i] + a->rows;
-        xsum_at[i + 1] = xsum_at[i] + (a->offset ? a->k / a->block * a->ntok : 0);
+        xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * a->ntok : 0);
         work += a->rows * a->k * a->ntok;
     }
     float *xsum = NULL;
@@ -228,7 +266,7 @@ int metatp_qmatmul(const QMatmulGroup *g) {
         xsum = (float *)malloc(sizeof(float) * (size_t)xsum_at[n]);
         if (!xsum) return -3;
         for (int64_t i = 0; i < n; i++)
-            if (g->items[i]->offset) qmm_xsum(g->items[i], xsum + xsum_at[i]);
+            if (needs_xsum(g->items[i])) qmm_xsum(g->items[i], xsum + xsum_at[i]);
     }
     const int nthreads = work < (int64_t)1 << 16 ? 1 : (int)g->nthreads;   /* small: not worth waking threads */
     const int64_t total = first_row[n];
