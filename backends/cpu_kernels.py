@@ -2,7 +2,7 @@
 
 numpy has no BLAS for int8 or f16, so the only way it can read a weight in a decode step is as
 float32 — 4 bytes a weight, which makes decode bound by memory bandwidth. `qmatmul` reads the
-weights as int8 codes with a float32 scale/offset per block (see `affine_quant`) and keeps
+weights as 8- or 4-bit codes with a float32 scale/offset per block (see `affine_quant`) and keeps
 activations float32. `rope` and `attention` replace a dozen small numpy calls each (their fixed
 cost, not their arithmetic, is what a one-token step pays). The library is built on first use
 with the machine's C compiler (-O3 -march=native, OpenMP when available) and cached; where that
