@@ -31,8 +31,8 @@ import numpy as np
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
-__all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "AffineWeight", "affine_blocks", "affine_bytes", "dequantize_affine",
-           "pack_nibbles", "unpack_nibbles"]
+__all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "FLOAT_CODES", "AffineWeight", "encodable", "affine_blocks",
+           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles"]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make field-wise ==/hash meaningless
@@ -41,14 +41,17 @@ class AffineWeight:
 
     bits 8: `q` is int8 (rows, K), one code a byte. bits 4 (types whose codes fit a nibble):
     `q` is uint8 (rows, K/2); in each 32-element group the 16 bytes hold elements 0..15 in their
-    low nibbles and 16..31 in their high nibbles, and a code is nibble - `bias`."""
+    low nibbles and 16..31 in their high nibbles, and a code is nibble - `bias`. bits 16 (F16 and
+    BF16 weights): `q` is uint16 (rows, K) holding the half floats themselves (`bf16` says
+    which), with scale 1 and no offset, so the same kernels read them at 2 bytes a weight."""
 
-    q: np.ndarray  # int8 (rows, K), or uint8 (rows, K/2) with bits=4
+    q: np.ndarray  # int8 (rows, K), uint8 (rows, K/2) with bits=4, uint16 (rows, K) with bits=16
     scale: np.ndarray  # float32 (rows, K // block)
     offset: np.ndarray | None  # float32 (rows, K // block); None for symmetric types
     block: int  # elements sharing one (scale, offset): 16 or 32
     bits: int = 8
     bias: int = 0  # bits=4: code = nibble - bias
+    bf16: bool = False  # bits=16: bfloat16 instead of IEEE half
 
     @property
     def nbytes(self) -> int:
@@ -60,12 +63,19 @@ class AffineWeight:
 
     @property
     def k(self) -> int:
-        return self.q.shape[1] * (8 // self.bits)
+        return self.q.shape[1] * 2 if self.bits == 4 else self.q.shape[1]
 
     def codes(self, rows=slice(None)) -> np.ndarray:
-        """int8 codes (rows, K) of the selected rows (unpacked from nibbles when bits=4)."""
+        """Codes (rows, K) of the selected rows: int8 (unpacked from nibbles when bits=4), or the
+        float32 values of half floats when bits=16."""
         q = self.q[rows]
+        if self.bits == 16:
+            return _bf16_to_f32(q) if self.bf16 else q.view(np.float16).astype(np.float32)
         return q if self.bits == 8 else unpack_nibbles(q, self.bias)
+
+
+def _bf16_to_f32(q: np.ndarray) -> np.ndarray:
+    return (q.astype(np.uint32) << 16).view(np.float32)
 
 
 def pack_nibbles(q: np.ndarray, bias: int) -> np.ndarray:
@@ -206,12 +216,27 @@ _TYPES: dict[GGMLType, tuple[int, bool, Callable[[np.ndarray], _Unpacked]]] = {
     GGMLType.Q6_K: (16, False, _q6_k),
 }
 
-AFFINE_TYPES: frozenset[GGMLType] = frozenset(_TYPES)
+# Half-float weights: kept as they are (2 bytes a weight), read by the same kernels with scale 1.
+FLOAT_CODES: dict[GGMLType, bool] = {GGMLType.F16: False, GGMLType.BF16: True}   # type -> is bfloat16
+FLOAT_BLOCK = 32     # the (unit) scales of float codes come one per 32 elements
+
+AFFINE_TYPES: frozenset[GGMLType] = frozenset(_TYPES) | frozenset(FLOAT_CODES)
 
 # Types whose codes fit a nibble -> the bias that makes them 0..15 (stored 4 bits a code: decode
 # streams 0.75 instead of 1.25 bytes a weight).
 NIBBLE_BIAS: dict[GGMLType, int] = {GGMLType.Q4_0: 8, GGMLType.Q4_1: 0, GGMLType.Q4_K: 0,
                                     GGMLType.Q2_K: 0, GGMLType.Q3_K: 8}
+
+
+def encodable(ggml_type, k: int) -> bool:
+    """Can a weight of this type with rows of K elements be repacked (and read by the kernels)?"""
+    try:
+        t = GGMLType(ggml_type)
+    except ValueError:
+        return False
+    if t in FLOAT_CODES:
+        return k > 0 and k % FLOAT_BLOCK == 0
+    return t in _TYPES and k > 0 and k % block_size(t) == 0
 
 
 def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray], _Unpacked]]:
@@ -220,6 +245,10 @@ def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray]
         t = GGMLType(ggml_type)
     except ValueError:
         raise UnsupportedOpError(f"affine repacking: unknown GGML type {ggml_type!r}") from None
+    if t in FLOAT_CODES:
+        if not isinstance(k, (int, np.integer)) or k <= 0 or k % FLOAT_BLOCK:
+            raise ConfigError(f"K={k} is not a positive multiple of {FLOAT_BLOCK} ({t.name} weights as codes)")
+        return (t, FLOAT_BLOCK, False, None)
     if t not in _TYPES:
         raise UnsupportedOpError(
             f"affine repacking does not support GGML type {t.name}; supported: "
@@ -234,7 +263,7 @@ def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray]
 def affine_bytes(ggml_type, rows: int, k: int) -> int:
     """Bytes of the AffineWeight affine_blocks would build for a (rows, K) weight (for memory planning)."""
     t, block, has_offset, _ = _spec(ggml_type, k)
-    code_bytes = k // 2 if t in NIBBLE_BIAS and k % 32 == 0 else k
+    code_bytes = k // 2 if t in NIBBLE_BIAS and k % 32 == 0 else 2 * k if t in FLOAT_CODES else k
     return rows * code_bytes + rows * (k // block) * 4 * (2 if has_offset else 1)
 
 
@@ -253,6 +282,10 @@ def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
             f"got {raw.dtype} of shape {raw.shape}"
         )
     rows = raw.shape[0]
+    if t in FLOAT_CODES:
+        return AffineWeight(q=np.ascontiguousarray(raw).view(np.uint16).reshape(rows, k),
+                            scale=np.ones((rows, k // block), np.float32), offset=None, block=block, bits=16,
+                            bf16=FLOAT_CODES[t])
     blocks = np.ascontiguousarray(raw).reshape(-1, type_size(t))
     q, scale, offset = unpack(blocks)
     q = np.ascontiguousarray(q, dtype=np.int8).reshape(rows, k)

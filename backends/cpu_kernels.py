@@ -157,6 +157,11 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _code_format(aw: AffineWeight) -> dict:
+    """The struct fields that say how codes are stored (bits 16: bias 1 means bfloat16)."""
+    return {"bits": aw.bits, "bias": int(aw.bf16) if aw.bits == 16 else aw.bias}
+
+
 def _check(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray) -> None:
     rows, k = aw.rows, aw.k
     if x2.ndim != 2 or x2.shape[1] != k or x2.dtype != np.float32 or (k > 1 and x2.strides[1] != 4):
@@ -177,7 +182,7 @@ def prepare_qmatmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: 
     if x2.shape[0] == 0 or aw.rows == 0:
         return lambda: None
     rows, k = aw.rows, aw.k
-    item = _QMatmulArgs(rows=rows, k=k, block=aw.block, bits=aw.bits, bias=aw.bias, q=aw.q.ctypes.data,
+    item = _QMatmulArgs(rows=rows, k=k, block=aw.block, **_code_format(aw), q=aw.q.ctypes.data,
                         scale=aw.scale.ctypes.data,
                         offset=None if aw.offset is None else aw.offset.ctypes.data, x=x2.ctypes.data,
                         ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data, ldy=y2.strides[0] // 4)
@@ -329,7 +334,7 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         w = slab[: (r1 - r0) * k].reshape(r1 - r0, k)
-        deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block, bits=aw.bits, bias=aw.bias,
+        deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block, **_code_format(aw),
                     q=aw.q[r0:r1].ctypes.data, scale=aw.scale[r0:r1].ctypes.data,
                     offset=None if aw.offset is None else aw.offset[r0:r1].ctypes.data, out=w.ctypes.data,
                     ldo=k, nthreads=1)
@@ -349,7 +354,7 @@ def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
     rows, k = aw.rows, aw.k
     out = np.empty((rows, k), np.float32)
     if rows:
-        _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, bits=aw.bits, bias=aw.bias,
+        _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, **_code_format(aw),
               q=aw.q.ctypes.data,
               scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
               out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads())()

@@ -13,10 +13,10 @@ import functools
 import numpy as np
 
 from metatp.backends import cpu_kernels as qkernel
-from metatp.backends.affine_quant import AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes
+from metatp.backends.affine_quant import AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable
 from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
 from metatp.ir.ops import OPS, Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size
+from metatp.ir.tensor import Flag, GGMLType, Tensor
 from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
 from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import DeviceLayout, Local, Plan
@@ -109,6 +109,9 @@ class NumpyBackend:
             return False
         if t.ne[2] != 1 or t.ne[3] != 1:
             return False
+        local = plan.of(t).local
+        if local and not all(encodable(ggml_type, loc.ne[0]) for loc in local if loc.ne[0] * loc.ne[1]):
+            return False            # a device's rows would not be whole blocks for the kernels
         readers = self._readers(t, plan)
         return bool(readers) and all(
             n.view_src is None and n.src[0] is t and n.op in (Op.MUL_MAT, Op.GET_ROWS)
@@ -202,7 +205,7 @@ class NumpyBackend:
         n = int(np.prod(local_ne)) * 4
         if not (t.flags & Flag.WEIGHT):
             return n
-        if self.keeps_encoded(t, t.type, plan) and local_ne[0] % block_size(t.type) == 0:
+        if self.keeps_encoded(t, t.type, plan):
             return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0]) if n else 0
         if self._only_matmul_weight(t, plan):
             return n

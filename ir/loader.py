@@ -168,6 +168,11 @@ class Model:
         shape = tuple(reversed(w.ne))
         if w.type == GGMLType.F32:
             return np.asarray(w.raw, dtype=np.float32).reshape(shape)
+        if w.type in (GGMLType.F16, GGMLType.BF16):     # exact, and whatever shape the reader gave the raw view
+            h = np.ascontiguousarray(w.raw).view(np.uint16).reshape(shape)
+            if w.type == GGMLType.F16:
+                return h.view(np.float16).astype(np.float32)
+            return (h.astype(np.uint32) << 16).view(np.float32)
         try:
             out = quants.dequantize(np.asarray(w.raw), w.type)
         except NotImplementedError:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metatp.backends.affine_quant import (AFFINE_TYPES, NIBBLE_BIAS, AffineWeight, affine_blocks, affine_bytes,
-                                          dequantize_affine, pack_nibbles, unpack_nibbles)
+                                          dequantize_affine, encodable, pack_nibbles, unpack_nibbles)
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
@@ -50,7 +50,7 @@ def assert_bit_exact(aw: AffineWeight, raw: np.ndarray, t: GGMLType) -> None:
 
 
 def test_accepted_types_and_numbering():
-    assert AFFINE_TYPES == EXPECTED
+    assert AFFINE_TYPES == EXPECTED | {T.F16, T.BF16}
     for t in AFFINE_TYPES:  # metatp's GGMLType must number types exactly as gguf does
         assert int(t) == gguf.GGMLQuantizationType[t.name].value
 
@@ -105,7 +105,7 @@ def test_nibble_packing_round_trips(rows, groups, bias, seed):
     assert np.array_equal(p[:, :16] >> 4, (q[:, 16:32] + bias).astype(np.uint8))     # element 16+j: high
 
 
-@pytest.mark.parametrize("t", [T.F32, T.F16, T.BF16, T.Q8_1, T.Q8_K, T.IQ4_NL, T.IQ2_XXS, T.TQ2_0])
+@pytest.mark.parametrize("t", [T.F32, T.Q8_1, T.Q8_K, T.IQ4_NL, T.IQ2_XXS, T.TQ2_0])
 def test_unsupported_type(t):
     raw = np.zeros((1, type_size(t) * 8), np.uint8)
     with pytest.raises(UnsupportedOpError, match=t.name):
@@ -172,3 +172,22 @@ def test_real_model_gemma():
                 yield t, x.ne[0], np.asarray(data[start : start + x.n_bytes]).reshape(x.ne[1], -1)
 
     _check_tensors(tensors(), {T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0})
+
+
+@pytest.mark.parametrize("t", [T.F16, T.BF16])
+def test_half_float_weights_are_kept_as_they_are(t):
+    """F16/BF16 weights become 16-bit codes with scale 1: the values are exactly the file's."""
+    rng = np.random.default_rng(int(t))
+    vals = (rng.standard_normal((3, 64)) * 10 ** rng.uniform(-6, 4, (3, 64))).astype(np.float32)
+    vals[0, :4] = [0.0, -0.0, 6e-8, -65504.0] if t == T.F16 else [0.0, -0.0, 1e-30, -3e38]
+    if t == T.F16:
+        raw = vals.astype(np.float16).view(np.uint8)
+    else:
+        raw = (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    aw = affine_blocks(raw, t, 64)
+    assert aw.bits == 16 and aw.q.dtype == np.uint16 and aw.offset is None and (aw.rows, aw.k) == (3, 64)
+    assert aw.nbytes == affine_bytes(t, 3, 64)
+    np.testing.assert_array_equal(dequantize_affine(aw), gguf.quants.dequantize(raw, t).reshape(3, 64))
+    assert encodable(t, 64) and not encodable(t, 48)      # rows must be whole 32-element blocks
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        affine_blocks(raw[:, :96], t, 48)

@@ -24,6 +24,11 @@ F32 = np.float32
 def _affine(rng, rows: int, k: int, block: int, offset: bool, bits: int = 8, bias: int = 8) -> AffineWeight:
     scale = (rng.standard_normal((rows, k // block)) * 0.02).astype(F32)
     off = (rng.standard_normal((rows, k // block)) * 0.02).astype(F32) if offset else None
+    if bits == 16:              # half floats (bias 1: bfloat16), scale 1 as affine_blocks makes them
+        w = rng.standard_normal((rows, k)).astype(F32)
+        q = (w.view(np.uint32) >> 16).astype(np.uint16) if bias == 1 else w.astype(np.float16).view(np.uint16)
+        return AffineWeight(q=q, scale=np.ones((rows, k // 32), F32), offset=None, block=32, bits=16,
+                            bf16=bias == 1)
     if bits == 4:
         q = rng.integers(-bias, 16 - bias, (rows, k)).astype(np.int8)
         return AffineWeight(q=pack_nibbles(q, bias), scale=scale, offset=off, block=block, bits=4, bias=bias)
@@ -32,7 +37,8 @@ def _affine(rng, rows: int, k: int, block: int, offset: bool, bits: int = 8, bia
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 70), units=st.integers(1, 12), block=st.sampled_from([16, 32]), offset=st.booleans(),
-       bits=st.sampled_from([8, 4]), bias=st.sampled_from([0, 8]), ntok=st.integers(1, 9), pad_x=st.integers(0, 5),
+       bits=st.sampled_from([8, 4, 16]), bias=st.sampled_from([0, 8, 1]), ntok=st.integers(1, 9),
+       pad_x=st.integers(0, 5),
        pad_y=st.integers(0, 5), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_qmatmul_matches_dequantized_product(rows, units, block, offset, bits, bias, ntok, pad_x, pad_y, threads,
                                              seed):
@@ -63,10 +69,10 @@ def test_qmatmul_group_is_bit_identical_to_separate_calls():
         assert np.array_equal(y1, y2)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits,bias", [(8, 0), (4, 8), (4, 0), (16, 0), (16, 1)])
 @pytest.mark.parametrize("block,offset", [(32, True), (32, False), (16, False), (16, True)])
-def test_dequantize_is_bit_identical_to_the_reference(block, offset, bits):
-    aw = _affine(np.random.default_rng(block), 130, 256, block, offset, bits)
+def test_dequantize_is_bit_identical_to_the_reference(block, offset, bits, bias):
+    aw = _affine(np.random.default_rng(block), 130, 256, block, offset, bits, bias)
     assert np.array_equal(ck.dequantize(aw, 2).view(np.uint32), dequantize_affine(aw).view(np.uint32))
 
 
@@ -104,8 +110,9 @@ def test_other_isa_builds_agree(monkeypatch, isa, flags):
     lib = ck.build_library(flags)
     monkeypatch.setattr(ck, "_library", lambda: (lib, isa))
     rng = np.random.default_rng(5)
-    for bits, block, off in [(8, 32, True), (4, 32, True), (4, 16, False), (8, 16, False)]:
-        aw = _affine(rng, 70, 192, block, off, bits)
+    for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, True), (4, 0, 16, False), (8, 0, 16, False),
+                                   (16, 0, 32, False), (16, 1, 32, False)]:
+        aw = _affine(rng, 70, 192, block, off, bits, bias)
         x = rng.standard_normal((3, 192)).astype(F32)
         ref = x.astype(np.float64) @ dequantize_affine(aw).astype(np.float64).T
         assert np.allclose(ck.qmatmul(x, aw, nthreads=2), ref, rtol=1e-5, atol=1e-5)
@@ -224,8 +231,8 @@ def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
     from metatp.tools.synth import SynthSpec
 
     spec = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=300, seed=7,
-                     types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q5_0", "gate": "Q5_1", "up": "Q4_1",
-                            "down": "Q8_0", "embd": "Q8_0"})
+                     types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "F16", "gate": "BF16", "up": "Q4_1",
+                            "down": "Q5_0", "embd": "Q8_0"})
     path, _ = synth_factory(spec)
     logits = []
     for kernels in (False, True):

@@ -27,6 +27,27 @@ typedef float v16f __attribute__((vector_size(64)));
 
 enum { UNIT = 16, MAX_GROUP = 4, CHAINS = 4 };
 
+/* IEEE half -> float, exactly (for builds without a conversion instruction) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);                 /* inf / nan */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);         /* normal */
+    } else if (man == 0) {
+        bits = sign;                                             /* zero */
+    } else {                                                     /* subnormal: normalize */
+        int e = -1;
+        uint32_t m = man;
+        do { m <<= 1; e++; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* 16 int8 codes -> 16 floats. GCC scalarizes this conversion when written generically
    (__builtin_convertvector or a loop: 16 scalar converts), so each ISA gets its intrinsics. */
 #if defined(__AVX512F__)
@@ -40,6 +61,12 @@ static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
     if (high) b = _mm_srli_epi16(b, 4);
     b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
     return (v16f)_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b), _mm512_set1_epi32(bias)));
+}
+/* 16 IEEE halves or bfloat16s -> 16 floats (exact) */
+static inline v16f load_halves(const uint16_t *p, int bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (bf16) return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return (v16f)_mm512_cvtph_ps(h);
 }
 #elif defined(__AVX2__)
 #include <immintrin.h>
@@ -57,6 +84,19 @@ static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
     union { __m256 h[2]; v16f v; } u;
     u.h[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(b), bias8));
     u.h[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)), bias8));
+    return u.v;
+}
+static inline v16f load_halves(const uint16_t *p, int bf16) {
+    union { __m256 h[2]; v16f v; } u;
+    for (int i = 0; i < 2; i++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(p + 8 * i));
+#if defined(__F16C__)
+        u.h[i] = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+#else
+        u.h[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        if (!bf16) for (int j = 0; j < 8; j++) u.v[8 * i + j] = half_to_float(p[8 * i + j]);
+#endif
+    }
     return u.v;
 }
 #elif defined(__ARM_NEON)
@@ -84,6 +124,14 @@ static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
     u.q[3] = vcvtq_f32_s32(vsubq_s32(vmovl_s16(vget_high_s16(hi)), bias4));
     return u.v;
 }
+static inline v16f load_halves(const uint16_t *p, int bf16) {
+    union { float32x4_t q[4]; v16f v; } u;
+    for (int i = 0; i < 4; i++) {
+        const uint16x4_t h = vld1_u16(p + 4 * i);
+        u.q[i] = bf16 ? vreinterpretq_f32_u32(vshll_n_u16(h, 16)) : vcvt_f32_f16(vreinterpret_f16_u16(h));
+    }
+    return u.v;
+}
 #else
 static inline v16f load_codes(const int8_t *p) {
     v16f v;
@@ -95,12 +143,27 @@ static inline v16f load_nibbles(const uint8_t *p, int high, int bias) {
     for (int i = 0; i < UNIT; i++) v[i] = (float)(((p[i] >> (high ? 4 : 0)) & 0x0F) - bias);
     return v;
 }
+static inline v16f load_halves(const uint16_t *p, int bf16) {
+    v16f v;
+    for (int i = 0; i < UNIT; i++) {
+        if (bf16) {
+            const uint32_t bits = (uint32_t)p[i] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            v[i] = f;
+        } else {
+            v[i] = half_to_float(p[i]);
+        }
+    }
+    return v;
+}
 #endif
 
 /* Unit k (16 codes) of a row: int8 codes, or (bits 4) the low/high nibbles of 16 bytes, a
  * 32-element group keeping elements 0..15 low and 16..31 high. */
 static inline __attribute__((always_inline)) v16f unit_codes(const void *q, int64_t k, int bits, int bias) {
     if (bits == 4) return load_nibbles((const uint8_t *)q + (k >> 1) * UNIT, (int)(k & 1), bias);
+    if (bits == 16) return load_halves((const uint16_t *)q + k * UNIT, bias);   /* bias: 1 = bfloat16 */
     return load_codes((const int8_t *)q + k * UNIT);
 }
 
@@ -162,7 +225,8 @@ static inline __attribute__((always_inline)) void row_group(
 }
 
 typedef struct {
-    int64_t rows, k, block, bits, bias;   /* bits 8: int8 codes; bits 4: nibbles, code = nibble - bias */
+    /* bits 8: int8 codes; 4: nibbles, code = nibble - bias; 16: halves, bias 1 = bfloat16 */
+    int64_t rows, k, block, bits, bias;
     const void *q;
     const float *scale, *offset;   /* offset may be NULL */
     const float *x;
@@ -182,7 +246,8 @@ typedef struct {
 static int qmm_check(const QMatmulArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0 || a->ntok < 1) return -2;
-    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0 && a->bias >= 0 && a->bias <= 15))) return -5;
+    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0 && a->bias >= 0 && a->bias <= 15)
+          || (a->bits == 16 && (a->bias == 0 || a->bias == 1)))) return -5;
     return 0;
 }
 
@@ -201,7 +266,8 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
  * back per row as - bias * sum_b scale[b] * xsum[b]. */
 #define ROW_GROUP(NT) \
     (a->bits == 4 ? row_group(qr, 4, 0, sr, units, shift, xt, ldx, NT, res) \
-                  : row_group(qr, 8, 0, sr, units, shift, xt, ldx, NT, res))
+     : a->bits == 16 ? row_group(qr, 16, (int)a->bias, sr, units, shift, xt, ldx, NT, res) \
+                     : row_group(qr, 8, 0, sr, units, shift, xt, ldx, NT, res))
 
 static int needs_xsum(const QMatmulArgs *a) {
     return a->offset != NULL || (a->bits == 4 && a->bias != 0);
@@ -472,7 +538,7 @@ __attribute__((optimize("fp-contract=off")))
 int metatp_dequant(const DequantArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0) return -2;
-    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0))) return -5;
+    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0) || a->bits == 16)) return -5;
     const int64_t k = a->k, B = a->block, nb = k / B, row_bytes = k * a->bits / 8;
     const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
