@@ -309,7 +309,7 @@ def _rope(node, out, src, ctx) -> Closure:
 
         if rope_usable(x3, o3):
             # one compiled call instead of six numpy ones; the tables live in one buffer per plan
-            cs = ctx.persistent(key[:-2] + ("rope-buf", x3.shape[0]), lambda: np.empty((2, x3.shape[0], h), F32))
+            cs = ctx.persistent(key + ("rope-buf",), lambda: np.empty((2, x3.shape[0], h), F32))
 
             def fill() -> np.ndarray:
                 cs[0], cs[1] = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
