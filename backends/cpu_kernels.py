@@ -27,7 +27,7 @@ from metatp.backends.affine_quant import AffineWeight
 
 __all__ = ["available", "default_threads", "kernel_info", "prepare_qmatmul", "qmatmul", "prepare_rope",
            "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul",
-           "prepare_dequant_matmul", "DEQUANT_CHUNK"]
+           "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK"]
 
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
@@ -53,6 +53,7 @@ _ARGS = {
                                                  "sinks:p out:p o_st:i o_sh:i scratch:p"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
+    "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p"),
     "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
                                              "nthreads:i"),
 }
@@ -359,3 +360,24 @@ def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
               scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
               out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads())()
     return out
+
+
+def prepare_set_rows(rows2: np.ndarray, ids1: np.ndarray, dst2: np.ndarray) -> Callable[[], None] | None:
+    """dst2[ids1] = rows2 (float32 rows of n, int32 ids) as one compiled call; None when the
+    arrays are not ones it takes (the caller keeps numpy)."""
+    if (not available() or rows2.ndim != 2 or dst2.ndim != 2 or rows2.dtype != np.float32
+            or dst2.dtype != np.float32 or ids1.dtype != np.int32 or ids1.ndim != 1
+            or rows2.shape[1] != dst2.shape[1] or ids1.shape[0] != rows2.shape[0]
+            or not ids1.flags.c_contiguous or rows2.strides[1] != 4 or dst2.strides[1] != 4):
+        return None
+    call = _Call("metatp_set_rows", (rows2, ids1, dst2), T=rows2.shape[0], n=rows2.shape[1], src=rows2.ctypes.data,
+                 src_st=_elems(rows2, 0), dst=dst2.ctypes.data, dst_st=_elems(dst2, 0), dst_rows=dst2.shape[0],
+                 ids=ids1.ctypes.data)
+
+    def run() -> None:
+        try:
+            call()
+        except RuntimeError:
+            raise IndexError(f"set_rows: a row id is outside 0..{dst2.shape[0] - 1}: {ids1.tolist()}") from None
+    run.keep = call
+    return run

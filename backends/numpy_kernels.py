@@ -243,6 +243,13 @@ def _set_rows(node, out, src, ctx) -> Closure:
     rows, ids = src[0], src[1]   # rows (ne3, ne2, T, ne0); ids (1, ne12, ne11, T); out = the destination view
     if out.shape[:2] == (1, 1) and rows.shape[:2] == (1, 1):
         o2, r2, i1 = out[0, 0], rows[0, 0], ids[0, 0, 0]
+        if ctx.use_kernels and r2.shape[0] <= PACKED_MAX_TOKENS:
+            from metatp.backends.cpu_kernels import prepare_set_rows
+
+            kernel = prepare_set_rows(r2, i1, o2)
+            if kernel is not None:
+                return kernel
+
         def run() -> None:
             o2[i1] = r2
         return run

@@ -306,3 +306,21 @@ def test_devices_in_threads_match_one_thread(synth_factory):
         eng.forward(list(range(1, 20)))
         out.append(np.stack([eng.forward([t]) for t in (3, 7, 11)]))
     assert np.allclose(out[0], out[1], rtol=1e-5, atol=1e-5 * np.abs(out[0]).max())
+
+
+def test_set_rows_matches_numpy_and_refuses_bad_ids():
+    rng = np.random.default_rng(9)
+    cache = rng.standard_normal((50, 2, 40)).astype(F32)          # rows, then a head dim: strided rows
+    dst = cache[:, 1, :]
+    src_buf = rng.standard_normal((3, 48)).astype(F32)
+    src = src_buf[:, :40]
+    ids = np.array([7, 0, 49], np.int32)
+    want = dst.copy()
+    want[ids] = src
+    ck.prepare_set_rows(src, ids, dst)()
+    assert np.array_equal(dst, want)
+    bad = ck.prepare_set_rows(src, np.array([1, 50, 2], np.int32), dst)
+    with pytest.raises(IndexError, match="outside"):
+        bad()
+    assert np.array_equal(dst, want)                               # nothing written
+    assert ck.prepare_set_rows(src, ids.astype(np.int64), dst) is None     # not a kernel dtype

@@ -555,3 +555,23 @@ int metatp_dequant(const DequantArgs *a) {
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ set rows
+ * dst[ids[t]] = src[t] for T rows of n floats (the KV-cache write of a step); row strides in
+ * floats. An id outside [0, dst_rows) is refused (-1) before anything is written. */
+typedef struct {
+    int64_t T, n;
+    const float *src;
+    int64_t src_st;
+    float *dst;
+    int64_t dst_st, dst_rows;
+    const int32_t *ids;
+} SetRowsArgs;
+
+int metatp_set_rows(const SetRowsArgs *a) {
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->ids[t] < 0 || a->ids[t] >= a->dst_rows) return -1;
+    for (int64_t t = 0; t < a->T; t++)
+        memcpy(a->dst + a->ids[t] * a->dst_st, a->src + t * a->src_st, sizeof(float) * (size_t)a->n);
+    return 0;
+}
