@@ -173,10 +173,21 @@ static inline v16f load_f32(const float *p) {
     return v;
 }
 
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+/* Horizontal sum as a tree (16 -> 8 -> 4 -> 1): a row pays this once, and a chain of 16
+   dependent scalar adds costs more than the row's arithmetic on short rows. */
 static inline float hsum(v16f v) {
-    float s = 0.0f;
-    for (int i = 0; i < UNIT; i++) s += v[i];
-    return s;
+    v8f lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    const v8f a = lo + hi;
+    v4f l4, h4;
+    memcpy(&l4, &a, sizeof l4);
+    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
+    const v4f b = l4 + h4;
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* One row against `nt` tokens (nt is a constant at every call site, so the loops unroll). */
@@ -257,6 +268,7 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
     for (int64_t t = 0; t < a->ntok; t++)
         for (int64_t b = 0; b < nb; b++) {
             float s = 0.0f;
+#pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < a->block; i++) s += a->x[t * a->ldx + b * a->block + i];
             xsum[t * nb + b] = s;
         }
@@ -295,6 +307,7 @@ static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
             for (int t = 0; t < nt; t++) {
                 const float *xs = xsum + (t0 + t) * nb;
                 float s = 0.0f;
+#pragma omp simd reduction(+ : s)
                 for (int64_t b = 0; b < nb; b++) s += orow[b] * xs[b];
                 res[t] += s;
             }
@@ -303,6 +316,7 @@ static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
             for (int t = 0; t < nt; t++) {
                 const float *xs = xsum + (t0 + t) * nb;
                 float s = 0.0f;
+#pragma omp simd reduction(+ : s)
                 for (int64_t b = 0; b < nb; b++) s += sr[b] * xs[b];
                 res[t] -= bias * s;
             }
