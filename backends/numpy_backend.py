@@ -70,13 +70,13 @@ class NumpyBackend:
             raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {qkernel.kernel_info()}")
         self.use_kernels = cpu_kernels is not False and qkernel.available()    # False: never built
         self.kernel_threads = qkernel.default_threads()
-        self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range((layout or DeviceLayout()).n_devices)]
         self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
         self._whole_codes: dict[tuple, AffineWeight] = {}   # GGUF data -> its codes, when not split
         self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
         self._pool = None
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
+        self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range(self.n)]
         self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._executables: dict[int, NumpyExecutable] = {}
@@ -103,19 +103,23 @@ class NumpyBackend:
                 self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
 
     def keeps_encoded(self, t: Tensor, ggml_type: GGMLType, plan: Plan) -> bool:
-        """Is this weight kept as int8 codes (instead of float32)? Those read only as a matmul's
-        weight or an embedding table (GET_ROWS), of a block type with one scale per 16/32."""
-        if not (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES and t.flags & Flag.WEIGHT):
-            return False
-        if t.ne[2] != 1 or t.ne[3] != 1:
+        """Is this weight kept as codes (instead of float32)? Those read only as a matmul's
+        weight or an embedding table (GET_ROWS), of a type the kernels read."""
+        if not (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES):
             return False
         local = plan.of(t).local
         if local and not all(encodable(ggml_type, loc.ne[0]) for loc in local if loc.ne[0] * loc.ne[1]):
             return False            # a device's rows would not be whole blocks for the kernels
+        return self._read_only_as_weight(t, plan, (Op.MUL_MAT, Op.GET_ROWS))
+
+    def _read_only_as_weight(self, t: Tensor, plan: Plan, ops: tuple[Op, ...]) -> bool:
+        """A 2-D weight whose every reader takes it, unviewed, as src0 of one of `ops` (and only there)."""
+        if not (t.flags & Flag.WEIGHT) or t.ne[2] != 1 or t.ne[3] != 1:
+            return False
         readers = self._readers(t, plan)
         return bool(readers) and all(
-            n.view_src is None and n.src[0] is t and n.op in (Op.MUL_MAT, Op.GET_ROWS)
-            and not any(s is t for s in n.src[1:]) for n in readers)
+            n.view_src is None and n.src[0] is t and n.op in ops and not any(s is t for s in n.src[1:])
+            for n in readers)
 
     def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> bool:
         """Keep a matmul weight from its GGUF blocks as int8 codes + per-block float32 scale and
@@ -195,10 +199,7 @@ class NumpyBackend:
         return self._readers_of[1].get(t, [])
 
     def _only_matmul_weight(self, t: Tensor, plan: Plan) -> bool:
-        if not (t.flags & Flag.WEIGHT) or t.ne[2] != 1 or t.ne[3] != 1:
-            return False
-        readers = self._readers(t, plan)
-        return bool(readers) and all(n.op is Op.MUL_MAT and n.src[0] is t and n.view_src is None for n in readers)
+        return self._read_only_as_weight(t, plan, (Op.MUL_MAT,))
 
     def storage_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
         """Bytes this backend keeps for a weight slice of local shape `local_ne` (f32, one or two layouts)."""

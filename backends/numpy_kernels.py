@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from metatp.backends.cpu_kernels import (attention_usable, prepare_attention, prepare_dequant_matmul, prepare_glu,
+                                         prepare_qmatmul, prepare_rope, prepare_set_rows, rope_usable)
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
 from metatp.ir.tensor import Tensor
@@ -159,21 +161,21 @@ def _mul_mat(node, out, src, ctx) -> Closure:
     if (aw is not None and b.shape[0] == 1 and b.shape[1] == 1 and b.shape[2] <= PACKED_MAX_TOKENS
             and b.strides[3] == 4 and out.strides[3] == 4):
         # few tokens (decode): read the int8-coded weight, ~3x fewer bytes than float32
-        from metatp.backends.cpu_kernels import prepare_qmatmul
-
         return prepare_qmatmul(aw, b[0, 0], out[0, 0], ctx.kernel_threads)
     if aw is not None and ctx.encoded_only(w):
         # more tokens (prefill) and no float32 copy kept: BLAS on slabs dequantized from the codes
-        from metatp.backends.cpu_kernels import prepare_dequant_matmul
-
         if b.flags.c_contiguous and out.flags.c_contiguous:
             return prepare_dequant_matmul(aw, b.reshape(-1, b.shape[-1]), out.reshape(-1, out.shape[-1]),
                                           ctx.slab(), ctx.kernel_threads)
 
+        # strided operands: contiguous copies made once, the product prepared once
+        b_c = np.empty(b.shape, F32)
+        res = np.empty((int(np.prod(b.shape[:-1])), aw.rows), F32)
+        product = prepare_dequant_matmul(aw, b_c.reshape(-1, b.shape[-1]), res, ctx.slab(), ctx.kernel_threads)
+
         def run_copying() -> None:
-            res = np.empty((int(np.prod(b.shape[:-1])), aw.rows), F32)
-            prepare_dequant_matmul(aw, np.ascontiguousarray(b).reshape(-1, b.shape[-1]), res, ctx.slab(),
-                                   ctx.kernel_threads)()
+            np.copyto(b_c, b)
+            product()
             out[...] = res.reshape(out.shape)
         return run_copying
     wt = ctx.transposed(w) if ctx.is_weight(w) and a.shape[0] == 1 and a.shape[1] == 1 else None
@@ -244,8 +246,6 @@ def _set_rows(node, out, src, ctx) -> Closure:
     if out.shape[:2] == (1, 1) and rows.shape[:2] == (1, 1):
         o2, r2, i1 = out[0, 0], rows[0, 0], ids[0, 0, 0]
         if ctx.use_kernels and r2.shape[0] <= PACKED_MAX_TOKENS:
-            from metatp.backends.cpu_kernels import prepare_set_rows
-
             kernel = prepare_set_rows(r2, i1, o2)
             if kernel is not None:
                 return kernel
@@ -312,8 +312,6 @@ def _rope(node, out, src, ctx) -> Closure:
         return cos[:, None, :], sin[:, None, :]
 
     if ctx.use_kernels and x3.shape[0] <= PACKED_MAX_TOKENS:
-        from metatp.backends.cpu_kernels import prepare_rope, rope_usable
-
         if rope_usable(x3, o3):
             # one compiled call instead of six numpy ones; the tables live in one buffer per plan
             cs = ctx.persistent(key + ("rope-buf",), lambda: np.empty((2, x3.shape[0], h), F32))
@@ -385,8 +383,6 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         return int(cols[-1]) + 1 if cols.size else 1
 
     if ctx.use_kernels and q.shape[1] <= PACKED_MAX_TOKENS:
-        from metatp.backends.cpu_kernels import attention_usable, prepare_attention
-
         if attention_usable(q, k, v, o3) and mask.dtype == np.float32 and mask.strides[1] == 4:
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3)
 
@@ -442,8 +438,6 @@ def _glu(node, out, src, ctx) -> Closure:
         a, b = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
     kind = {_silu: "silu", _gelu_tanh: "gelu_tanh"}.get(act)
     if ctx.use_kernels and kind and a.ndim == 4 and a.shape[:2] == (1, 1) and a.shape[2] <= PACKED_MAX_TOKENS:
-        from metatp.backends.cpu_kernels import prepare_glu
-
         kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind)
         if kernel is not None:
             return kernel
