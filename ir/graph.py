@@ -94,9 +94,25 @@ class Graph:
         return g
 
     def check(self) -> None:
-        """Assert the topological-order invariant (used by tests and after passes)."""
+        """Assert the invariants above (compile_stages runs it before the passes; O(nodes)):
+        sources come before their readers, leaves are Op.NONE and nodes are not, and
+        `use_count` counts every source slot."""
         pos = {t: i for i, t in enumerate(self.nodes)}
+        leaves = set(self.leaves)
+        uses: dict[Tensor, int] = {}
         for i, n in enumerate(self.nodes):
+            if n.op is Op.NONE:
+                raise AssertionError(f"leaf {n.name!r} is listed as a node")
             for s in n.src:
-                if s is not None and s.op is not Op.NONE and pos.get(s, len(self.nodes)) >= i:
+                if s is None:
+                    continue
+                uses[s] = uses.get(s, 0) + 1
+                if s.op is Op.NONE:
+                    if s not in leaves:
+                        raise AssertionError(f"node {n.name!r} reads {s.name!r}, which is not a leaf of the graph")
+                elif pos.get(s, len(self.nodes)) >= i:
                     raise AssertionError(f"node {n.name} reads {s.name} before it is computed")
+        if any(t.op is not Op.NONE for t in self.leaves):
+            raise AssertionError("a computed tensor is listed as a leaf")
+        if uses != self.use_count:
+            raise AssertionError("use_count does not match the nodes' sources")

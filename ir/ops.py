@@ -65,18 +65,25 @@ class RopeMode(enum.IntEnum):
 class OpInfo:
     op: Op
     n_src: tuple[int, int]   # min, max number of sources
-    is_view: bool            # output aliases the memory of a source (no compute)
+    is_view: bool            # output aliases the memory of a source (CPY/SET_ROWS: their destination)
     doc: str
+    runs_kernel: bool = True  # a backend computes something (False: leaves and pure views)
+
+    @property
+    def is_pure_view(self) -> bool:
+        """Only re-describes memory (RESHAPE, VIEW, PERMUTE, TRANSPOSE): nothing to run.
+        CPY and SET_ROWS are views of their destination that do write it."""
+        return self.is_view and not self.runs_kernel
 
 
 OPS: dict[Op, OpInfo] = {}
 
 
-def _register(op: Op, n_src: tuple[int, int], is_view: bool, doc: str) -> None:
-    OPS[op] = OpInfo(op, n_src, is_view, doc)
+def _register(op: Op, n_src: tuple[int, int], is_view: bool, doc: str, runs_kernel: bool = True) -> None:
+    OPS[op] = OpInfo(op, n_src, is_view, doc, runs_kernel)
 
 
-_register(Op.NONE, (0, 0), False, "leaf tensor (weight, input, KV cache)")
+_register(Op.NONE, (0, 0), False, "leaf tensor (weight, input, KV cache)", runs_kernel=False)
 _register(Op.GET_ROWS, (2, 2), False, "rows of src0 picked by int32 ids src1")
 _register(Op.RMS_NORM, (1, 1), False, "x / sqrt(mean(x^2) + eps) per row")
 _register(Op.NORM, (1, 1), False, "(x - mean) / sqrt(var + eps) per row")
@@ -87,10 +94,10 @@ _register(Op.ADD_ID, (3, 3), False, "src0[:, e, t] + src1[:, ids[e, t]] (per-exp
 _register(Op.SCALE, (1, 1), False, "x * s + b")
 _register(Op.MUL_MAT, (2, 2), False, "src1 @ src0^T: [k,m] x [k,n] -> [m,n]")
 _register(Op.MUL_MAT_ID, (3, 3), False, "per-token expert matmuls selected by ids")
-_register(Op.RESHAPE, (1, 1), True, "same memory, new contiguous shape")
-_register(Op.VIEW, (1, 1), True, "strided window into src0")
-_register(Op.PERMUTE, (1, 1), True, "reorder dimensions")
-_register(Op.TRANSPOSE, (1, 1), True, "swap dims 0 and 1")
+_register(Op.RESHAPE, (1, 1), True, "same memory, new contiguous shape", runs_kernel=False)
+_register(Op.VIEW, (1, 1), True, "strided window into src0", runs_kernel=False)
+_register(Op.PERMUTE, (1, 1), True, "reorder dimensions", runs_kernel=False)
+_register(Op.TRANSPOSE, (1, 1), True, "swap dims 0 and 1", runs_kernel=False)
 _register(Op.CONT, (1, 1), False, "contiguous copy")
 _register(Op.CPY, (2, 2), True, "copy src0 into src1 (result aliases src1)")
 _register(Op.SET_ROWS, (3, 3), True, "dest[ids[i]] = rows[i]; src = (rows, ids, dest)")

@@ -1,7 +1,12 @@
 """Delayed-reduction coalescing: one all-reduce where several PARTIAL values meet.
 
+Requires: propagated `States` (both views) for the graph; `partial_nodes` lists the roots.
+Ensures: chains that cover every PARTIAL node exactly once, in ascending sink order, that do
+not overlap, and whose sink is not a view; no node outside a chain reads a member's value.
+
 Starting from a PARTIAL node, the pass walks forward and *adopts* every node that reads an
-un-reduced (pending) value and is linear in it, with its other operands MIRRORED:
+un-reduced (pending) value and is linear in it, with its other operands MIRRORED. Which ops are
+linear in what is each op's `linear_in` in `passes.rules.OP_RULES`; today:
 - ADD of pending values and PARTIAL leaves (expert bias; two partial branches, e.g. the
   parallel residual attn_out + ffn_out);
 - ADD_ID with a PARTIAL (or pending) bias and MIRRORED ids;
@@ -23,52 +28,44 @@ Safety, by construction rather than by pattern:
 
 from __future__ import annotations
 
+from metatp.ir.errors import SplitError
 from metatp.ir.graph import Graph
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Tensor
 from metatp.passes.partition import Chain, is_view_node, partial_nodes
 from metatp.passes.propagate import States
+from metatp.passes.rules import OP_RULES
 
 __all__ = ["coalesce", "grow_chain", "adoptable"]
 
-_VIEWLIKE = (Op.VIEW, Op.RESHAPE, Op.PERMUTE, Op.TRANSPOSE, Op.CONT, Op.SUM_ROWS)
+
+class _ChainOperands:
+    """`rules.Operands` for a chain being grown: which sources are pending, mirrored, PARTIAL leaves."""
+
+    def __init__(self, st: States, pending: set[Tensor]) -> None:
+        self.st = st
+        self.pending_set = pending
+
+    def pending(self, s: Tensor | None) -> bool:
+        return s is not None and s in self.pending_set
+
+    def mirrored(self, s: Tensor | None) -> bool:
+        return s is not None and s not in self.pending_set and self.st.sync[s].is_mirrored
+
+    def partial_leaf(self, s: Tensor | None) -> bool:
+        return s is not None and s.op is Op.NONE and self.st.state[s].is_partial
 
 
 def adoptable(c: Tensor, st: States, pending: set[Tensor]) -> bool:
-    """Can `c`, which reads at least one pending value, compute on un-reduced data?"""
+    """Can `c`, which reads at least one pending value, compute on un-reduced data?
+
+    The op's `linear_in` row in `rules.OP_RULES` decides; an op without one ends the chain."""
     if not st.state[c].is_mirrored:       # consumers-view result must be MIRRORED (all inputs M / bias)
         return False
-
-    def pend(s: Tensor | None) -> bool:
-        return s is not None and s in pending
-
-    def mirrored(s: Tensor | None) -> bool:
-        return s is not None and s not in pending and st.sync[s].is_mirrored
-
-    def pleaf(s: Tensor | None) -> bool:
-        return s is not None and s.op is Op.NONE and st.state[s].is_partial
-
-    src = c.src
-    op = c.op
-    if op is Op.ADD:
-        return all(pend(s) or pleaf(s) for s in src)
-    if op is Op.ADD_ID:
-        return pend(src[0]) and (pend(src[1]) or pleaf(src[1])) and mirrored(src[2])
-    if op is Op.MUL:
-        return (pend(src[0]) and mirrored(src[1])) or (mirrored(src[0]) and pend(src[1]))
-    if op is Op.DIV:
-        return pend(src[0]) and mirrored(src[1])
-    if op is Op.SCALE:
-        return pend(src[0]) and c.params.get("b", 0.0) == 0.0
-    if op in _VIEWLIKE:
-        return pend(src[0])
-    if op is Op.GET_ROWS:
-        return pend(src[0]) and mirrored(src[1])
-    if op is Op.ROPE:
-        return pend(src[0]) and all(mirrored(s) for s in src[1:] if s is not None)
-    if op is Op.MUL_MAT:
-        return (mirrored(src[0]) and pend(src[1])) or (pend(src[0]) and mirrored(src[1]))
-    return False
+    rule = OP_RULES.get(c.op)
+    if rule is None or rule.linear_in is None:
+        return False
+    return rule.linear_in(c, _ChainOperands(st, pending))
 
 
 def grow_chain(graph: Graph, st: States, i: int, roots_left: set[int]) -> Chain:
@@ -119,8 +116,6 @@ def grow_chain(graph: Graph, st: States, i: int, roots_left: set[int]) -> Chain:
             best = (len(members), len(roots))
         k += 1
     if best is None:
-        from metatp.ir.errors import SplitError
-
         raise SplitError(f"{root.op.name} node {root.name!r}: a PARTIAL view cannot be reduced in place and no "
                          f"linear consumer makes a copy of it; add a cont")
     n_members, n_roots = best

@@ -9,6 +9,12 @@ Stages, each available as a Plan snapshot for the dump tool (`stop_after=`):
 
 `coalesce=False` gives the final plan of the "partitioned" stage, lowered (tests compare the
 two). `overrides` pins leaf states (tests of the rules; the split table decides otherwise).
+
+Requires: a `Graph` that passes `Graph.check()` (checked here first, it is O(nodes)) and a
+valid `DeviceLayout`. Ensures: a Plan whose every tensor has a TensorPlan (states, per-device
+locals, compute flags), whose subgraphs cover the nodes in order, each ending at a reduction's
+sink (or the last node), and whose PARTIAL leaves have an owner. The graph is never mutated:
+every pass returns a side table keyed by Tensor.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ def compile_stages(graph: Graph, layout: DeviceLayout, hparams=None, *, coalesce
         out["built"] = Plan(graph, layout, {}, [], {"stage": "built", "n_subgraphs": 0})
     if last == 0:
         return out
+    graph.check()
     table = make_table(graph, layout, hparams)
     over = dict(overrides or {})
     n = layout.n_devices

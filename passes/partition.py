@@ -20,6 +20,11 @@ zeros elsewhere, so the reduced sum is exact whichever devices have empty slices
 the first device that computes every consumer anyway. A PARTIAL leaf read by a node that is
 not linear in it inside a chain (the bias-add could not be delayed) is mirrored instead,
 which is exact too (`partial_leaf_fixups`).
+
+Requires: propagated `States` and chains (from `minimal_chains` or `passes.coalesce`) that do
+not overlap. Ensures (`mark_compute`, `make_subgraphs`): a compute flag per tensor and device;
+no non-chain node that is not split is skipped on any device (checked: `_check_no_stale_mirrors`);
+contiguous subgraphs covering every node, each ending at a chain's sink with its Reduction.
 """
 
 from __future__ import annotations

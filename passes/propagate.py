@@ -5,6 +5,12 @@ Two views per tensor, as llama.cpp keeps them:
 - `sync_state` (assume_sync=True): what consumers see, i.e. MIRRORED for a node whose PARTIAL
   result is reduced before anyone reads it. Leaves keep one state in both views (a PARTIAL
   leaf is never reduced: its consumers must be linear in it).
+
+Requires: a graph whose leaves all have a split-table row (or an override; inputs are MIRRORED)
+and whose ops all have a row in `passes.rules.OP_RULES`.
+Ensures: both views for every leaf and node; leaf states cover their tensor exactly
+(`check_leaf_state`); every node state satisfied its rule and the take-over ratio
+(`rules.check_ratio`). Raises SplitError naming the op, node and input states otherwise.
 """
 
 from __future__ import annotations

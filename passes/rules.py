@@ -1,8 +1,14 @@
-"""Split-state propagation rules: one small function per op family, in one table keyed by Op.
+"""Everything the compiler knows about each op, in one row per op: `OP_RULES: dict[Op, OpRule]`.
 
-Every rule sees its sources' states as consumers see them (llama.cpp's `assume_sync=true`: a
-matmul's PARTIAL output looks MIRRORED, as if it had been reduced already). It returns the
-node's own state; a node whose result is PARTIAL is a reduction point.
+A row holds the op's split rule (propagation), its linearity in un-reduced operands (what
+coalescing may delay a reduction through) and, for view ops, its lowering (each device's
+strides and offset into the source's or destination's local memory). `passes/propagate.py`,
+`passes/coalesce.py` and `passes/lower.py` read this table; none keeps its own per-op switch.
+A new op adds one row here (tests/test_op_coverage.py names any piece missing).
+
+Split rules. Every rule sees its sources' states as consumers see them (llama.cpp's
+`assume_sync=true`: a matmul's PARTIAL output looks MIRRORED, as if it had been reduced
+already). It returns the node's own state; a node whose result is PARTIAL is a reduction point.
 
 Where llama.cpp passes a PARTIAL input through unchecked, these rules are strict: a PARTIAL
 input (only static PARTIAL leaves, e.g. an expert bias, can be seen here) is accepted by ops
@@ -12,8 +18,8 @@ the expert-bias pattern, exact only inside a delayed reduction; coalescing keeps
 promise or the compiler mirrors the leaf (see `passes/coalesce.py`).
 
 Layouts are exact: a state's segments say where each device's chunks sit in the full tensor,
-and reshape / view / copy rules move that layout through flat element order (the "pattern"
-helpers below), so a view at an offset into a fused QKV output lands on [Q_j|K_j|V_j].
+and reshape / view / copy rules move that layout through flat element order (the algebra of
+`passes/layout.py`), so a view at an offset into a fused QKV output lands on [Q_j|K_j|V_j].
 After each rule, llama.cpp's "take over ratio" invariant is checked for every split source:
 device j's share of the result is proportional to its share of that source; a rule result
 that breaks it (e.g. GQA heads out of step with their KV heads) is a SplitError.
@@ -23,23 +29,23 @@ Any combination not listed raises `SplitError` naming the op, the node and the i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from metatp.ir.errors import SplitError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Tensor, block_size, contiguous_nb, type_size
+from metatp.ir.tensor import Tensor
+from metatp.passes.layout import (ViewError, ViewMode, analyze_view, base_offset, elements_to_bytes, from_rounds,
+                                  inner_size, local_contiguous_nb, local_ne, local_start, owner_only,
+                                  reshape_state, rounds, same_layout)
+from metatp.passes.plan import Local
 from metatp.passes.state import SplitState
 
-__all__ = ["RULES", "apply_rule", "rounds", "same_layout", "reshape_state", "analyze_view", "ViewAnalysis",
-           "describe"]
+__all__ = ["OpRule", "OP_RULES", "RULES", "Operands", "apply_rule", "check_ratio", "describe", "on_axis",
+           "owner_only"]
 
 M = SplitState.mirrored()
 P = SplitState.partial()
-
-Rounds = list[tuple[tuple[int, ...], int]]   # [(per-device chunk lengths, repeats)] in layout order
-
 
 # ---------------------------------------------------------------- errors
 
@@ -53,280 +59,16 @@ def _fail(node: Tensor, srcs: Sequence[SplitState | None], reason: str) -> Split
     return SplitError(f"{node.op.name} node {node.name or '#' + str(node.id)!r}: {reason} (inputs: {ins})")
 
 
-# ---------------------------------------------------------------- layouts
-
-
-def rounds(st: SplitState, scale: int = 1) -> Rounds:
-    """The state's chunk rounds, merged where consecutive rounds are equal; lengths times `scale`."""
-    out: Rounds = []
-    for seg, nr in zip(st.ne, st.nr):
-        vec = tuple(x * scale for x in seg)
-        if nr == 0:
-            continue
-        if out and out[-1][0] == vec:
-            out[-1] = (vec, out[-1][1] + nr)
-        else:
-            out.append((vec, nr))
-    return out
-
-
-def _merge(rs: Rounds) -> Rounds:
-    out: Rounds = []
-    for vec, c in rs:
-        if c == 0:
-            continue
-        if out and out[-1][0] == vec:
-            out[-1] = (vec, out[-1][1] + c)
-        else:
-            out.append((vec, c))
-    return out
-
-
-def same_layout(a: SplitState, b: SplitState) -> bool:
-    """Same axis and every device holds the same chunks (stronger than llama.cpp's `equal`)."""
-    if a.axis != b.axis:
-        return False
-    return not a.is_split or rounds(a) == rounds(b)
-
-
-def _from_rounds(axis: int, rs: Rounds) -> SplitState:
-    return SplitState.segmented(axis, [(vec, c) for vec, c in rs])
-
-
-def reshape_state(rs: Rounds, dst_ne: Sequence[int], max_dim: int = 3, prefer_inner: int | None = None) -> SplitState | None:
-    """Express a flat chunk pattern along the dims of a new shape.
-
-    `rs` describes one block of the source in flat elements; the whole tensor is that block
-    repeated. Returns the state along the first dst dim b (<= max_dim) whose inner product
-    divides every chunk and whose block is a whole number of pattern periods; None if none.
-    `prefer_inner`: try first the dim whose inner product equals it (keeps the axis of a
-    reshape that does not touch the split dims)."""
-    block = sum(sum(vec) * c for vec, c in rs)
-    period = sum(rs[0][0]) if len(rs) == 1 else block
-    if period == 0:
-        return None
-    cands = list(range(max_dim + 1))
-    if prefer_inner is not None:
-        inner = 1
-        for b in range(max_dim + 1):
-            if inner == prefer_inner:
-                cands.remove(b)
-                cands.insert(0, b)
-                break
-            inner *= dst_ne[b]
-    for b in cands:
-        C = 1
-        for k in range(b):
-            C *= dst_ne[k]
-        Pd = C * dst_ne[b]
-        if Pd == 0 or Pd % period:
-            continue
-        if any(x % C for vec, _ in rs for x in vec):
-            continue
-        if len(rs) == 1:
-            segs: Rounds = [(tuple(x // C for x in rs[0][0]), Pd // period)]
-        else:
-            segs = _merge([(tuple(x // C for x in vec), c) for vec, c in rs] * (Pd // block))
-        return _from_rounds(b, segs)
-    return None
-
-
-def _inner(ne: Sequence[int], axis: int) -> int:
-    n = 1
-    for k in range(axis):
-        n *= ne[k]
-    return n
-
-
 def _reshape(node: Tensor, src: Tensor, st: SplitState, srcs: Sequence[SplitState | None]) -> SplitState:
     """Move a split through a change of shape with the same flat element order."""
     if not st.is_split:
         return st
-    inner = _inner(src.ne, st.axis)
+    inner = inner_size(src.ne, st.axis)
     out = reshape_state(rounds(st, inner), node.ne, prefer_inner=inner)
     if out is None:
         raise _fail(node, srcs, f"cannot reshape {list(src.ne)} split as {st} to {list(node.ne)} without moving "
                                 f"elements between devices")
     return out
-
-
-# ---------------------------------------------------------------- views
-
-
-@dataclass
-class ViewAnalysis:
-    """Where a VIEW sits in its split source (shared by the VIEW rule and lowering).
-
-    mode "window": view dims 0..inner_dims are contiguous and cover a flat range of one source
-    row (the source's dims 0..src_axis); "direct": view dim `dim` walks the source's split axis
-    with its stride (dims below stay inside one position, dims above step whole rows)."""
-
-    state: SplitState
-    mode: str = "same"         # "same" (not split / identical), "window", "direct"
-    src_axis: int = 0          # split axis of the source
-    dim: int = 0               # split dim of the view
-    inner_dims: int = 0        # window: view dims 0..inner_dims are contiguous
-    row_bytes: int = 0         # bytes of one source row at level src_axis (src.nb[src_axis+1])
-    outer_rows: int = 0        # whole source rows skipped by the offset
-    start: int = 0             # window: flat element offset in the row; direct: first position
-    within: int = 0            # direct: bytes into the first position
-    row_rounds: Rounds | None = None   # the row's chunk pattern (window: flat elements; direct: positions)
-    identical: bool = False    # same shape/strides/offset as the source
-
-
-class ViewError(SplitError):
-    """A view window that cannot be expressed per device (the reason, without the node context)."""
-
-
-def _elements_to_bytes(t: Tensor, n: int) -> int:
-    bs = block_size(t.type)
-    if n % bs:
-        raise ViewError(f"an offset of {n} elements is not a whole number of {t.type.name} blocks")
-    return n // bs * type_size(t.type)
-
-
-def _bytes_to_elements(t: Tensor, nbytes: int) -> int | None:
-    ts = type_size(t.type)
-    if nbytes % ts:
-        return None
-    return nbytes // ts * block_size(t.type)
-
-
-def _base_offs(t: Tensor) -> int:
-    return t.view_offs if t.view_src is not None else 0
-
-
-def _clip(rs: Rounds, start: int, length: int) -> Rounds:
-    """The rounds of the flat window [start, start+length) of one block."""
-    out: Rounds = []
-    pos = 0
-    end = start + length
-    for vec, c in rs:
-        width = sum(vec)
-        for _ in range(c):
-            if pos + width <= start:
-                pos += width
-                continue
-            if pos >= end:
-                break
-            clipped = []
-            p = pos
-            for x in vec:
-                lo, hi = max(p, start), min(p + x, end)
-                clipped.append(max(0, hi - lo))
-                p += x
-            out.append((tuple(clipped), 1))
-            pos += width
-        if pos >= end:
-            break
-    return _merge(out)
-
-
-def _contiguous_prefix(node: Tensor) -> int:
-    """The last dim d such that view dims 0..d are laid out contiguously (size-1 dims pass)."""
-    try:
-        cnb = contiguous_nb(node.type, node.ne)
-    except ValueError:
-        return -1
-    d = -1
-    for i in range(4):
-        if node.ne[i] == 1 or node.nb[i] == cnb[i]:
-            d = i
-        else:
-            break
-    return d
-
-
-def _outer_dims_step_rows(node: Tensor, first: int, row_bytes: int) -> bool:
-    return all(node.ne[i] == 1 or (row_bytes and node.nb[i] % row_bytes == 0) for i in range(first, 4))
-
-
-def _window_view(node, src, st, rel) -> ViewAnalysis:
-    a = st.axis
-    row_bytes = src.nb[a + 1] if a < 3 else src.nb[3] * src.ne[3]
-    inner = _inner(src.ne, a)
-    rowlen = inner * src.ne[a]
-    outer_rows, w = divmod(rel, row_bytes)
-    start = _bytes_to_elements(src, w)
-    if start is None:
-        raise ViewError(f"offset {rel} is not on an element boundary")
-    d = _contiguous_prefix(node)
-    if d < 0:
-        raise ViewError("the view's inner dims are not contiguous")
-    length = math.prod(node.ne[: d + 1])
-    if not _outer_dims_step_rows(node, d + 1, row_bytes):
-        raise ViewError("the view's outer dims do not step whole rows of the split source")
-    row_rounds = rounds(st, inner)
-    if length <= rowlen:
-        if start + length > rowlen:
-            raise ViewError("the window crosses a row of the split source")
-        rs = _clip(row_rounds, start, length)
-    else:
-        if start or length % rowlen:
-            raise ViewError("the window spans a partial row of the split source")
-        rs = _merge(row_rounds * (length // rowlen))
-    out = reshape_state(rs, node.ne, max_dim=d) if rs else None
-    if out is None:
-        raise ViewError(f"the window cannot be split along a dim of {list(node.ne)} without cutting a device's chunk")
-    return ViewAnalysis(out, "window", a, out.axis, d, row_bytes, outer_rows, start, 0, row_rounds)
-
-
-def _direct_view(node, src, st, rel) -> ViewAnalysis:
-    a = st.axis
-    step = src.nb[a]
-    row_bytes = src.nb[a + 1] if a < 3 else src.nb[3] * src.ne[3]
-    dims = [i for i in range(4) if node.ne[i] > 1 and node.nb[i] == step]
-    if len(dims) != 1:
-        raise ViewError("no view dim walks the split axis")
-    i = dims[0]
-    if any(node.ne[k] > 1 and node.nb[k] >= step for k in range(i)):
-        raise ViewError("the view's inner dims leave one position of the split axis")
-    if not _outer_dims_step_rows(node, i + 1, row_bytes):
-        raise ViewError("the view's outer dims do not step whole rows of the split source")
-    outer_rows, w = divmod(rel, row_bytes)
-    p0, within = divmod(w, step)
-    span = sum((node.ne[k] - 1) * node.nb[k] for k in range(i)) + type_size(node.type)
-    if within + span > step or p0 + node.ne[i] > src.ne[a]:
-        raise ViewError("the view leaves the split source")
-    pos_rounds = rounds(st)
-    rs = _clip(pos_rounds, p0, node.ne[i])
-    out = _from_rounds(i, rs)
-    return ViewAnalysis(out, "direct", a, i, i, row_bytes, outer_rows, p0, within, pos_rounds)
-
-
-def analyze_view(node: Tensor, src: Tensor, st: SplitState) -> ViewAnalysis:
-    """The view's state and the numbers lowering needs; raises ViewError for windows that
-    cannot be expressed per device."""
-    if not st.is_split:
-        return ViewAnalysis(st)
-    rel = node.view_offs - _base_offs(src)
-    if node.ne == src.ne and node.nb == src.nb and rel == 0:
-        return ViewAnalysis(st, identical=True)
-    if src.nb != contiguous_nb(src.type, src.ne):
-        raise ViewError(f"views into the non-contiguous split tensor {src.name!r} are not supported; "
-                        f"make it contiguous first")
-    try:
-        return _window_view(node, src, st, rel)
-    except ViewError as first:
-        try:
-            return _direct_view(node, src, st, rel)
-        except ViewError:
-            raise first from None
-
-
-def local_start(row_rounds: Rounds, start: int, j: int) -> int:
-    """How many of device j's elements precede flat position `start` in a source row."""
-    n = 0
-    pos = 0
-    for vec, c in row_rounds:
-        for _ in range(c):
-            for k, x in enumerate(vec):
-                if pos >= start:
-                    return n
-                if k == j:
-                    n += max(0, min(x, start - pos))
-                pos += x
-    return n
 
 
 # ---------------------------------------------------------------- rules
@@ -415,7 +157,7 @@ def rule_mul_mat(node, srcs):
     if w.is_mirrored and x.is_mirrored:
         return M
     if w.is_split and w.axis == 1 and x.is_mirrored:
-        return _from_rounds(0, rounds(w))           # column parallel: output rows follow W's columns
+        return from_rounds(0, rounds(w))           # column parallel: output rows follow W's columns
     if w.is_mirrored and x.is_split and x.axis >= 1:
         if x.axis == 1 or W.ne[x.axis] == 1:
             return x
@@ -443,7 +185,7 @@ def rule_mul_mat_id(node, srcs):
     if w.is_mirrored and x.is_mirrored:
         return M
     if w.is_split and w.axis == 1 and x.is_mirrored:
-        return _from_rounds(0, rounds(w))
+        return from_rounds(0, rounds(w))
     if w.is_split and x.is_split and w.axis == 0 and x.axis == 0:
         if same_layout(w, x):
             return P
@@ -591,33 +333,186 @@ def rule_top_k(node, srcs):
     return rule_per_row(node, srcs)
 
 
-RULES: dict[Op, Rule] = {
-    Op.NONE: rule_leaf,
-    Op.GET_ROWS: rule_get_rows,
-    Op.RMS_NORM: rule_per_row,
-    Op.NORM: rule_per_row,
-    Op.ADD: rule_binary,
-    Op.MUL: rule_binary,
-    Op.DIV: rule_binary,
-    Op.ADD_ID: rule_add_id,
-    Op.SCALE: rule_scale,
-    Op.MUL_MAT: rule_mul_mat,
-    Op.MUL_MAT_ID: rule_mul_mat_id,
-    Op.RESHAPE: rule_reshape,
-    Op.VIEW: rule_view,
-    Op.PERMUTE: rule_permute,
-    Op.TRANSPOSE: rule_transpose,
-    Op.CONT: rule_cont,
-    Op.CPY: rule_cpy,
-    Op.SET_ROWS: rule_set_rows,
-    Op.ROPE: rule_rope,
-    Op.FLASH_ATTN_EXT: rule_flash_attn,
-    Op.SOFT_MAX: rule_soft_max,
-    Op.GLU: rule_glu,
-    Op.UNARY: rule_unary,
-    Op.ARGSORT_TOP_K: rule_top_k,
-    Op.SUM_ROWS: rule_sum_rows,
+
+# ---------------------------------------------------------------- linearity (coalescing)
+
+
+class Operands(Protocol):
+    """How coalescing classifies a node's sources while it grows a chain (passes/coalesce.py)."""
+
+    def pending(self, s: Tensor | None) -> bool:
+        """An un-reduced chain value (a partial sum on every device)."""
+
+    def mirrored(self, s: Tensor | None) -> bool:
+        """Not pending, and the same full value on every device."""
+
+    def partial_leaf(self, s: Tensor | None) -> bool:
+        """A static PARTIAL leaf (the expert bias: the value on its owner, zeros elsewhere)."""
+
+
+# May the node compute on its pending operands and stay an un-reduced partial sum? (Only asked
+# for nodes that read a pending value and whose consumer-view state is MIRRORED.)
+LinearIn = Callable[[Tensor, Operands], bool]
+
+
+def linear_add(node: Tensor, o: Operands) -> bool:
+    """Sums of pending values and PARTIAL leaves (expert bias, two partial branches)."""
+    return all(o.pending(s) or o.partial_leaf(s) for s in node.src)
+
+
+def linear_add_id(node: Tensor, o: Operands) -> bool:
+    s = node.src
+    return o.pending(s[0]) and (o.pending(s[1]) or o.partial_leaf(s[1])) and o.mirrored(s[2])
+
+
+def linear_one_factor(node: Tensor, o: Operands) -> bool:
+    """Bilinear ops (MUL, MUL_MAT): one pending operand, the other MIRRORED."""
+    s = node.src
+    return (o.pending(s[0]) and o.mirrored(s[1])) or (o.mirrored(s[0]) and o.pending(s[1]))
+
+
+def linear_src0_by_mirrored_src1(node: Tensor, o: Operands) -> bool:
+    """DIV by a MIRRORED divisor; GET_ROWS with MIRRORED ids."""
+    return o.pending(node.src[0]) and o.mirrored(node.src[1])
+
+
+def linear_scale(node: Tensor, o: Operands) -> bool:
+    return o.pending(node.src[0]) and node.params.get("b", 0.0) == 0.0
+
+
+def linear_src0(node: Tensor, o: Operands) -> bool:
+    """Views, CONT and SUM_ROWS move or sum elements of their one source."""
+    return o.pending(node.src[0])
+
+
+def linear_rope(node: Tensor, o: Operands) -> bool:
+    return o.pending(node.src[0]) and all(o.mirrored(s) for s in node.src[1:] if s is not None)
+
+
+# ---------------------------------------------------------------- view lowering
+
+# Per-device Local of a view node from the already-lowered tensors and the consumer-view states
+# (passes/lower.py). The result aliases a source's (or the destination's) local memory.
+LowerView = Callable[[Tensor, Mapping[Tensor, list[Local]], Mapping[Tensor, SplitState], int], list[Local]]
+
+
+def lower_reshape(node: Tensor, local: Mapping[Tensor, list[Local]], sync: Mapping[Tensor, SplitState],
+                  n: int) -> list[Local]:
+    """Contiguous, at the source's local offset."""
+    src_loc = local[node.src[0]]
+    nes = [local_ne(node, sync[node], j) for j in range(n)]
+    return [Local(ne, local_contiguous_nb(node, ne), src_loc[j].offs) for j, ne in enumerate(nes)]
+
+
+def _permuted(axes: Sequence[int], src_loc: list[Local]) -> list[Local]:
+    out = []
+    for loc in src_loc:
+        ne, nb = [0] * 4, [0] * 4
+        for i, ax in enumerate(axes):
+            ne[ax] = loc.ne[i]
+            nb[ax] = loc.nb[i]
+        out.append(Local(tuple(ne), tuple(nb), loc.offs))
+    return out
+
+
+def lower_permute(node: Tensor, local: Mapping[Tensor, list[Local]], sync: Mapping[Tensor, SplitState],
+                  n: int) -> list[Local]:
+    """The source's local strides, permuted."""
+    return _permuted(node.params["axes"], local[node.src[0]])
+
+
+def lower_transpose(node: Tensor, local: Mapping[Tensor, list[Local]], sync: Mapping[Tensor, SplitState],
+                    n: int) -> list[Local]:
+    return _permuted((1, 0, 2, 3), local[node.src[0]])
+
+
+def lower_alias_dest(dest_index: int) -> LowerView:
+    """CPY / SET_ROWS: the result aliases the destination operand, so it takes its layout."""
+    def lower(node: Tensor, local: Mapping[Tensor, list[Local]], sync: Mapping[Tensor, SplitState],
+              n: int) -> list[Local]:
+        return list(local[node.src[dest_index]])
+    return lower
+
+
+def _row_bytes(loc: Local, axis: int) -> int:
+    return loc.nb[axis + 1] if axis < 3 else loc.nb[3] * loc.ne[3]
+
+
+def lower_view(node: Tensor, local: Mapping[Tensor, list[Local]], sync: Mapping[Tensor, SplitState],
+               n: int) -> list[Local]:
+    """The window's inner dims contiguous locally, dims that step whole source rows at the
+    source's local row stride, offset = the source's local offset plus the device's own
+    elements before the window start (exact for segmented layouts such as fused QKV)."""
+    src, st = node.src[0], sync[node]
+    src_state, src_loc = sync[src], local[src]
+    rel = node.view_offs - base_offset(src)
+    if not src_state.is_split:
+        return [Local(node.ne, node.nb, src_loc[j].offs + rel) for j in range(n)]
+    owner = owner_only(src_state)
+    if owner is not None and owner_only(st) == owner:
+        # one device holds everything: it sees the view exactly as a single device would
+        return [Local(node.ne, node.nb, src_loc[j].offs + rel) if j == owner else
+                Local(local_ne(node, st, j), node.nb, src_loc[j].offs) for j in range(n)]
+    va = analyze_view(node, src, src_state)
+    if va.identical:
+        return list(src_loc)
+    out = []
+    for j in range(n):
+        ne = local_ne(node, st, j)
+        row_j = _row_bytes(src_loc[j], va.src_axis)
+        if va.mode is ViewMode.WINDOW:   # inner dims contiguous, outer dims step local rows
+            cnb = local_contiguous_nb(node, ne)
+            nb = [cnb[i] if i <= va.inner_dims else node.nb[i] // va.row_bytes * row_j for i in range(4)]
+            inside = elements_to_bytes(src, local_start(va.row_rounds, va.start, j))
+        else:                            # DIRECT: strides below the row are unchanged
+            nb = [node.nb[i] if i <= va.dim else node.nb[i] // va.row_bytes * row_j for i in range(4)]
+            inside = local_start(va.row_rounds, va.start, j) * src.nb[va.src_axis] + va.within
+        out.append(Local(ne, tuple(nb), src_loc[j].offs + va.outer_rows * row_j + inside))
+    return out
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """One op's row: how a split moves through it, and what coalescing and lowering need."""
+
+    split: Rule                          # source states (consumer view) -> the node's state
+    linear_in: LinearIn | None = None    # None: a reduction cannot be delayed through this op
+    lower_view: LowerView | None = None  # view ops only (OpInfo.is_view): per-device Local
+
+
+OP_RULES: dict[Op, OpRule] = {
+    Op.NONE: OpRule(rule_leaf),
+    Op.GET_ROWS: OpRule(rule_get_rows, linear_src0_by_mirrored_src1),
+    Op.RMS_NORM: OpRule(rule_per_row),
+    Op.NORM: OpRule(rule_per_row),
+    Op.ADD: OpRule(rule_binary, linear_add),
+    Op.MUL: OpRule(rule_binary, linear_one_factor),
+    Op.DIV: OpRule(rule_binary, linear_src0_by_mirrored_src1),
+    Op.ADD_ID: OpRule(rule_add_id, linear_add_id),
+    Op.SCALE: OpRule(rule_scale, linear_scale),
+    Op.MUL_MAT: OpRule(rule_mul_mat, linear_one_factor),
+    Op.MUL_MAT_ID: OpRule(rule_mul_mat_id),
+    Op.RESHAPE: OpRule(rule_reshape, linear_src0, lower_reshape),
+    Op.VIEW: OpRule(rule_view, linear_src0, lower_view),
+    Op.PERMUTE: OpRule(rule_permute, linear_src0, lower_permute),
+    Op.TRANSPOSE: OpRule(rule_transpose, linear_src0, lower_transpose),
+    Op.CONT: OpRule(rule_cont, linear_src0),
+    Op.CPY: OpRule(rule_cpy, lower_view=lower_alias_dest(1)),
+    Op.SET_ROWS: OpRule(rule_set_rows, lower_view=lower_alias_dest(2)),
+    Op.ROPE: OpRule(rule_rope, linear_rope),
+    Op.FLASH_ATTN_EXT: OpRule(rule_flash_attn),
+    Op.SOFT_MAX: OpRule(rule_soft_max),
+    Op.GLU: OpRule(rule_glu),
+    Op.UNARY: OpRule(rule_unary),
+    Op.ARGSORT_TOP_K: OpRule(rule_top_k),
+    Op.SUM_ROWS: OpRule(rule_sum_rows, linear_src0),
 }
+
+# The split rules alone (tests and tools that only need propagation).
+RULES: dict[Op, Rule] = {op: r.split for op, r in OP_RULES.items()}
 
 
 def check_ratio(node: Tensor, out: SplitState, srcs: Sequence[SplitState | None]) -> None:
@@ -637,13 +532,6 @@ def check_ratio(node: Tensor, out: SplitState, srcs: Sequence[SplitState | None]
                 raise _fail(node, srcs, f"device {j}'s share of the result ({ext[j]}/{total}) is not proportional to "
                                         f"its share of {s.name or 'a source'} ({st.extent(j)}/{n_src})")
 
-
-def owner_only(st: SplitState | None) -> int | None:
-    """The device holding a split tensor entirely (all others hold nothing), else None."""
-    if st is None or not st.is_split:
-        return None
-    holders = [j for j, e in enumerate(st.extents()) if e]
-    return holders[0] if len(holders) == 1 else None
 
 
 def on_axis(st: SplitState, t: Tensor, axis: int) -> SplitState:

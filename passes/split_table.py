@@ -1,6 +1,6 @@
 """The weight/KV split table: how every weight and KV-cache leaf is spread over the devices.
 
-One row per tensor family (digest §2, llama.cpp's `llama_meta_device_get_split_state`):
+One row per tensor family (llama.cpp's `llama_meta_device_get_split_state`):
 column-parallel weights (q/k/v, ffn up/gate, the output head) split along ne[1], row-parallel
 weights (attn_output, ffn_down) along ne[0], the KV cache along whole heads, and the rest
 mirrored. A tensor that matches no row raises `SplitError` naming it: an unknown tensor is a
@@ -29,6 +29,11 @@ one granule of its ideal share (`|size_j - total*w_j/W| < g`), the sizes sum to 
 exactly, devices with weight 0 get nothing, and every share but the tail device's is a
 multiple of `g` (the tail is a whole number of heads/blocks). The rotation is counted per layer class
 (`is_swa`), so the device that absorbs ties moves from layer to layer.
+
+Requires: a validated `DeviceLayout` and the model's head geometry (`ModelDims`).
+Ensures: for every weight / KV leaf a state whose extents sum to the tensor's size along the
+split axis, with every device's share whole granules (all but at most one device) and whole
+heads / quant blocks; `propagate.check_leaf_state` re-checks each one.
 """
 
 from __future__ import annotations

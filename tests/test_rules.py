@@ -21,7 +21,8 @@ from metatp.ir.graph import Graph
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes import DeviceLayout, compile_plan
-from metatp.passes.rules import RULES
+from metatp.passes.layout import clip_rounds, local_start, merge_rounds, reshape_state, rounds
+from metatp.passes.rules import OP_RULES, RULES
 from metatp.passes.split_table import integer_weights, split_sizes
 from metatp.passes.state import SplitState
 from test_tp_equivalence import assert_close, run_single, upload_and_run
@@ -198,7 +199,26 @@ def test_rule_claims_hold_numerically(case: Case):
 
 
 def test_every_op_has_a_rule():
-    assert set(RULES) == set(Op)
+    assert set(RULES) == set(OP_RULES) == set(Op)
+
+
+def test_layout_rounds_are_canonical():
+    """rounds() drops empty repeats and merges equal consecutive rounds, like merge_rounds()."""
+    st = SplitState.segmented(0, [((2, 1), 1), ((2, 1), 2), ((0, 0), 0), ((1, 1), 1)])
+    assert rounds(st) == [((2, 1), 3), ((1, 1), 1)]
+    assert rounds(st, 4) == [((8, 4), 3), ((4, 4), 1)]
+    assert merge_rounds([((1,), 0), ((1,), 2), ((1,), 1)]) == [((1,), 3)]
+
+
+def test_layout_fused_qkv_pattern_moves_through_a_reshape_and_a_window():
+    """[Q_j | K_j | V_j] per device: flattening keeps the pattern, a window picks K's chunks."""
+    q, kv = (4, 2), (2, 2)                             # per device: q heads' elements, k (and v) elements
+    st = SplitState.segmented(0, [(q, 1), (kv, 2)])
+    flat = reshape_state(rounds(st), (sum(q) + 2 * sum(kv), 3, 1, 1), prefer_inner=1)
+    assert flat is not None and flat.axis == 0 and rounds(flat) == rounds(st)
+    k_window = clip_rounds(rounds(st), sum(q), sum(kv))  # the K part of one row
+    assert k_window == [(kv, 1)]
+    assert [local_start(rounds(st), sum(q), j) for j in range(2)] == [4, 2]   # each device's Q before K
 
 
 def _claim(build, leaves_states, layout=LAYOUTS[0]):
