@@ -124,9 +124,9 @@ def test_decode_after_prefill_matches_batched(synth_factory, name):
 
 
 def test_registry_lists_every_architecture(tmp_path, synth_factory):
-    from metatp.ir.models import _builders
+    from metatp.ir.models import ARCHS
 
-    assert set(SUPPORTED_ARCHITECTURES) == set(_builders())
+    assert set(SUPPORTED_ARCHITECTURES) == set(ARCHS)
     path, _ = synth_factory(SynthSpec(arch="mamba", seed=31))
     with pytest.raises(UnsupportedArchitectureError) as e:
         LLM(str(path), backend="numpy")

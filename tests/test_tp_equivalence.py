@@ -24,8 +24,8 @@ from metatp.backends.numpy_backend import NumpyBackend
 from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.loader import HParams
-from metatp.ir.models import BatchSpec, ModelTensors
-from metatp.ir.models.llama import build_llama
+from metatp.ir.models import BatchSpec, ModelTensors, build_graph
+
 from metatp.ir.ops import GluOp, RopeMode, UnaryOp
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 from metatp.passes import DeviceLayout, compile_plan
@@ -177,7 +177,7 @@ def llama_case(hp: HParams, T: int, n_ctx: int, n_past: int, n_outputs: int, see
     """(graph, values, inputs, outputs) for one llama step after `n_past` cached tokens."""
     rng = np.random.default_rng(seed)
     mt = ModelTensors(fake_model(hp, **model_kw), n_ctx)
-    g = build_llama(mt, BatchSpec(T, n_ctx, n_outputs))
+    g = build_graph(mt, BatchSpec(T, n_ctx, n_outputs))
     vals = values_for(g, rng)
     inp = g.meta["inputs"]
     pos = np.arange(n_past, n_past + T, dtype=np.int32)

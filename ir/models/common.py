@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from metatp.ir import ops
 from metatp.ir.errors import ModelFormatError
-from metatp.ir.loader import HParams, Model
+from metatp.ir.ops import RopeMode
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 
 if TYPE_CHECKING:
+    from metatp.ir.loader import HParams, Model
     from metatp.ir.graph import Graph
 
-__all__ = ["BatchSpec", "ModelTensors", "KV_PAD"]
+__all__ = ["ArchSpec", "BatchSpec", "ModelTensors", "KV_PAD", "graph_inputs", "output_graph", "select_outputs"]
 
 KV_PAD = 256   # attended KV length is padded to a multiple of this, so decode graphs are reused
 
@@ -29,6 +30,20 @@ class BatchSpec:
 
     def key(self) -> tuple[int, int, int]:
         return (self.n_tokens, self.n_kv, self.n_outputs)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What one architecture is, beyond the code its builder shares with others: the builder,
+    the rope mode (llama.cpp's llama_model_rope_type), what its loader hard-codes instead of
+    reading (`hparams_fixup`), and MoE routing details (llama.cpp's build_moe_ffn norm_w).
+    The table of these is `ir.models.registry.ARCHS`."""
+
+    name: str
+    build: Callable[["ModelTensors", BatchSpec, "ArchSpec"], "Graph"]
+    rope: RopeMode
+    hparams_fixup: Callable[[HParams, dict[str, Any]], None] | None = None
+    normalise_expert_weights: bool = False
 
 
 class ModelTensors:
@@ -85,23 +100,6 @@ class ModelTensors:
     def source_name(self, name: str) -> str:
         """The GGUF tensor that holds a leaf's data (differs only for the tied lm head)."""
         return self.aliases.get(name, name)
-
-
-def linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, ...] | None = None) -> Tensor:
-    """W x (+ b when the model has a bias for W); `ne` checks W's shape."""
-    y = ops.mul_mat(t.w(f"{name}.weight", ne), x)
-    b = t.opt(f"{name}.bias")
-    return ops.add(y, b) if b is not None else y
-
-
-def embed(t: ModelTensors, inp: dict[str, Tensor]) -> Tensor:
-    """The token embedding lookup [n_embd, T]."""
-    return ops.get_rows(t.w("token_embd.weight", (t.hp.n_embd, t.hp.n_vocab)), inp["tokens"], name="inp_embd")
-
-
-def rms_norm_weighted(t: ModelTensors, x: Tensor, weight_name: str, name: str) -> Tensor:
-    """rms_norm(x) * weight (the weight must be a row of n_embd)."""
-    return ops.mul(ops.rms_norm(x, t.hp.norm_eps), t.w(weight_name, (x.ne[0],)), name=name)
 
 
 def output_graph(t: ModelTensors, spec: BatchSpec, inp: dict[str, Tensor], logits: Tensor) -> Graph:

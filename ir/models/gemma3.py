@@ -13,22 +13,24 @@ Mirrors llama.cpp's `llm_build_gemma3<iswa=true>` node for node:
 - no final logit soft-capping (llama.cpp applies it only to the non-iswa variant).
 
 Layer il is a sliding-window layer unless (il + 1) % 6 == 0 (llama.cpp's set_swa_pattern(6)).
-`hparams_fixup` writes that pattern into `HParams.swa_layers`, which the split table reads to
-rotate the remainder device per layer class.
+`hparams_fixup` (run once by the loader) writes that pattern into `HParams.swa_layers`, which the
+split table reads to rotate the remainder device per layer class.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metatp.ir import ops
 from metatp.ir.graph import Graph
-from metatp.ir.loader import HParams
-from metatp.ir.models.common import BatchSpec, ModelTensors, embed, graph_inputs, output_graph, select_outputs
-from metatp.ir.models.llama import kv_store_and_attend, lm_head
+from metatp.ir.models.blocks import embed, kv_store_and_attend, linear, lm_head, project_qkv, rms_norm_weighted, rope
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, graph_inputs, output_graph, select_outputs
 from metatp.ir.ops import GluOp, RopeMode
 from metatp.ir.tensor import Flag, GGMLType, Tensor
+
+if TYPE_CHECKING:
+    from metatp.ir.loader import HParams
 
 __all__ = ["build_gemma3", "hparams_fixup", "swa_pattern", "attention_scale", "SWA_PERIOD", "SWA_FREQ_BASE"]
 
@@ -42,8 +44,7 @@ def swa_pattern(n_layer: int, period: int = SWA_PERIOD) -> list[bool]:
 
 
 def hparams_fixup(hp: HParams, metadata: dict[str, Any]) -> None:
-    """Fill in what llama.cpp's gemma3 loader hard-codes: the SWA layer pattern and the SWA rope base.
-    Idempotent, so it may run on every graph build."""
+    """Fill in what llama.cpp's gemma3 loader hard-codes: the SWA layer pattern and the SWA rope base."""
     if hp.sliding_window > 0:
         hp.swa_layers = swa_pattern(hp.n_layer)
     else:
@@ -58,10 +59,6 @@ def attention_scale(hp: HParams) -> float:
     return 1.0 / math.sqrt(hp.head_dim_k)
 
 
-def _rms(t: ModelTensors, x: Tensor, weight_name: str, ne: tuple[int, ...], name: str) -> Tensor:
-    return ops.mul(ops.rms_norm(x, t.hp.norm_eps), t.w(weight_name, ne), name=name)
-
-
 def _rope_params(hp: HParams, il: int) -> tuple[float, float]:
     """(freq_base, freq_scale) of layer il: the SWA layers use base 10000 and no scaling."""
     if hp.is_swa(il):
@@ -69,27 +66,20 @@ def _rope_params(hp: HParams, il: int) -> tuple[float, float]:
     return hp.rope_freq_base, hp.rope_freq_scale
 
 
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec) -> Tensor:
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+               rope_mode: RopeMode) -> Tensor:
     hp = t.hp
-    T = spec.n_tokens
     p = f"blk.{il}"
-    hd, n_head, n_head_kv = hp.head_dim_k, hp.n_head, hp.n_head_kv[il]
-    q = ops.mul_mat(t.w(f"{p}.attn_q.weight", (hp.n_embd, hd * n_head)), cur)
-    k = ops.mul_mat(t.w(f"{p}.attn_k.weight", (hp.n_embd, hd * n_head_kv)), cur)
-    v = ops.mul_mat(t.w(f"{p}.attn_v.weight", (hp.n_embd, hp.head_dim_v * n_head_kv)), cur)
-    q = ops.reshape(q, hd, n_head, T, name=f"Qcur-{il}")
-    k = ops.reshape(k, hd, n_head_kv, T, name=f"Kcur-{il}")
-    v = ops.reshape(v, hp.head_dim_v, n_head_kv, T, name=f"Vcur-{il}")
+    q, k, v = project_qkv(t, il, cur, spec.n_tokens)
     base, fscale = _rope_params(hp, il)
-    q = _rms(t, q, f"{p}.attn_q_norm.weight", (hd,), f"Qnorm-{il}")
-    q = ops.rope(q, inp["pos"], hp.rope_dims, RopeMode.NEOX, base, fscale, name=f"Qrope-{il}")
-    k = _rms(t, k, f"{p}.attn_k_norm.weight", (hd,), f"Knorm-{il}")
-    k = ops.rope(k, inp["pos"], hp.rope_dims, RopeMode.NEOX, base, fscale, name=f"Krope-{il}")
+    q = rms_norm_weighted(t, q, f"{p}.attn_q_norm.weight", f"Qnorm-{il}")
+    q = rope(t, q, inp, rope_mode, f"Qrope-{il}", base, fscale)
+    k = rms_norm_weighted(t, k, f"{p}.attn_k_norm.weight", f"Knorm-{il}")
+    k = rope(t, k, inp, rope_mode, f"Krope-{il}", base, fscale)
     q = ops.scale(q, attention_scale(hp), name=f"Qscaled-{il}")
     mask = inp["kq_mask_swa"] if hp.is_swa(il) else inp["kq_mask"]
     att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0, mask=mask)
-    return ops.mul_mat(t.w(f"{p}.attn_output.weight", (hp.head_dim_v * n_head, hp.n_embd)), att,
-                       name=f"attn_out-{il}")
+    return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * hp.n_head, hp.n_embd), out_name=f"attn_out-{il}")
 
 
 def _ffn_geglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
@@ -107,9 +97,8 @@ def _swa_mask_input(spec: BatchSpec) -> Tensor:
     return ops.new_tensor("kq_mask_swa", (spec.n_kv, spec.n_tokens), GGMLType.F32, Flag.INPUT)
 
 
-def build_gemma3(t: ModelTensors, spec: BatchSpec) -> Graph:
+def build_gemma3(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     hp = t.hp
-    hparams_fixup(hp, t.model.metadata)
     E = hp.n_embd
     inp = graph_inputs(spec)
     if any(hp.swa_layers):
@@ -118,14 +107,14 @@ def build_gemma3(t: ModelTensors, spec: BatchSpec) -> Graph:
     x = ops.scale(x, math.sqrt(E), name="inp_scaled")
     for il in range(hp.n_layer):
         p = f"blk.{il}"
-        cur = _rms(t, x, f"{p}.attn_norm.weight", (E,), f"attn_norm-{il}")
-        cur = _attention(t, il, cur, inp, spec)
+        cur = rms_norm_weighted(t, x, f"{p}.attn_norm.weight", f"attn_norm-{il}")
+        cur = _attention(t, il, cur, inp, spec, arch.rope)
         cur, x = select_outputs(inp, il, hp.n_layer, cur, x)
-        cur = _rms(t, cur, f"{p}.post_attention_norm.weight", (E,), f"attn_post_norm-{il}")
+        cur = rms_norm_weighted(t, cur, f"{p}.post_attention_norm.weight", f"attn_post_norm-{il}")
         sa_out = ops.add(cur, x, name=f"sa_out-{il}")
-        cur = _rms(t, sa_out, f"{p}.ffn_norm.weight", (E,), f"ffn_norm-{il}")
+        cur = rms_norm_weighted(t, sa_out, f"{p}.ffn_norm.weight", f"ffn_norm-{il}")
         cur = _ffn_geglu(t, il, cur)
-        cur = _rms(t, cur, f"{p}.post_ffw_norm.weight", (E,), f"ffn_post_norm-{il}")
+        cur = rms_norm_weighted(t, cur, f"{p}.post_ffw_norm.weight", f"ffn_post_norm-{il}")
         x = ops.add(cur, sa_out, name=f"l_out-{il}")
-    x = _rms(t, x, "output_norm.weight", (E,), "result_norm")
+    x = rms_norm_weighted(t, x, "output_norm.weight", "result_norm")
     return output_graph(t, spec, inp, lm_head(t, x))

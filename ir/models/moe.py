@@ -22,24 +22,16 @@ softmax probabilities is never that small for the expert counts these models use
 
 from __future__ import annotations
 
+import functools
 
 from metatp.ir import ops
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors
 from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, UnaryOp
 from metatp.ir.tensor import Tensor
 
-__all__ = ["build_moe", "build_moe_ffn", "moe_ffn", "normalises_expert_weights", "expert_weights_scale"]
-
-# llama.cpp's `norm_w` argument of build_moe_ffn, per architecture
-_NORMALISE_WEIGHTS = {"qwen3moe": True, "qwen2moe": False, "llama": True}
-
-
-def normalises_expert_weights(arch: str) -> bool:
-    """Whether the selected experts' weights are renormalised to sum to 1 (llama.cpp's norm_w)."""
-    return _NORMALISE_WEIGHTS[arch]
-
+__all__ = ["build_moe", "build_moe_ffn", "moe_ffn", "expert_weights_scale"]
 
 # ---------------------------------------------------------------- experts
 
@@ -117,14 +109,14 @@ def _shared_expert(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     return ops.mul(out, gate_sig, name=f"ffn_shexp_out-{il}")
 
 
-def moe_ffn(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
+def moe_ffn(t: ModelTensors, il: int, cur: Tensor, normalise: bool) -> Tensor:
     """The routed experts (+ the shared expert when the model has one) for layer il."""
-    out = build_moe_ffn(t, il, cur, normalises_expert_weights(t.hp.arch))
+    out = build_moe_ffn(t, il, cur, normalise)
     if t.opt(f"blk.{il}.ffn_up_shexp.weight") is not None:
         out = ops.add(out, _shared_expert(t, il, cur), name=f"ffn_out-{il}")
     return out
 
 
-def build_moe(t: ModelTensors, spec: BatchSpec) -> Graph:
+def build_moe(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     """Pre-norm residual layers whose FFN is a routed mixture of experts (+ a shared expert if present)."""
-    return build_llama(t, spec, ffn=moe_ffn)
+    return build_llama(t, spec, arch, ffn=functools.partial(moe_ffn, normalise=arch.normalise_expert_weights))

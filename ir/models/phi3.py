@@ -9,12 +9,14 @@ projection (LLM_FFN_SWIGLU, LLM_FFN_SEQ).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from metatp.ir import ops
 from metatp.ir.errors import ModelFormatError
 from metatp.ir.graph import Graph
-from metatp.ir.models.common import BatchSpec, ModelTensors, linear
+from metatp.ir.models.blocks import linear, rope
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors
 from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, Op, RopeMode
 from metatp.ir.tensor import Tensor
@@ -80,14 +82,15 @@ def _check_supported(t: ModelTensors) -> None:
         raise ModelFormatError(f"{t.model.path.name}: phi3 needs equal key and value head sizes")
 
 
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec) -> Tensor:
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+               rope_mode: RopeMode = RopeMode.NEOX) -> Tensor:
     hp = t.hp
     p = f"blk.{il}"
     n_qkv = hp.head_dim_k * (hp.n_head + 2 * hp.n_head_kv[il])
     qkv = linear(t, cur, f"{p}.attn_qkv", (hp.n_embd, n_qkv))
     q, k, v = fused_qkv_views(t, il, qkv)
-    q = ops.rope(q, inp["pos"], hp.rope_dims, RopeMode.NEOX, hp.rope_freq_base, hp.rope_freq_scale, name=f"Qrope-{il}")
-    k = ops.rope(k, inp["pos"], hp.rope_dims, RopeMode.NEOX, hp.rope_freq_base, hp.rope_freq_scale, name=f"Krope-{il}")
+    q = rope(t, q, inp, rope_mode, f"Qrope-{il}")
+    k = rope(t, k, inp, rope_mode, f"Krope-{il}")
     q = ops.scale(q, 1.0 / math.sqrt(hp.head_dim_k), name=f"Qscaled-{il}")
     att = store_kv_and_attend(t, il, q, k, v, inp, spec, kq_scale=1.0)
     return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * hp.n_head, hp.n_embd))
@@ -102,7 +105,8 @@ def _ffn_fused_swiglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     return linear(t, act, f"{p}.ffn_down", (hp.n_ff[il], hp.n_embd))
 
 
-def build_phi3(t: ModelTensors, spec: BatchSpec) -> Graph:
+def build_phi3(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     """Phi-3: pre-norm residual layers with fused QKV and fused up+gate."""
     _check_supported(t)
-    return build_llama(t, spec, attention=_attention, ffn=_ffn_fused_swiglu)
+    return build_llama(t, spec, arch, attention=functools.partial(_attention, rope_mode=arch.rope),
+                       ffn=_ffn_fused_swiglu)
