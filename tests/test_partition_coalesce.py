@@ -13,7 +13,7 @@ from metatp.ir.tensor import Flag
 from metatp.passes import STAGES, DeviceLayout, compile_plan
 from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
-from test_tp_equivalence import (assert_close, check_equivalent, leaf, llama_case, llama_hparams, moe_case,
+from helpers import (assert_close, check_equivalent, leaf, llama_case, llama_hparams, moe_case,
                                  parallel_case, rand, run_single, run_split, values_for)
 
 REAL_MODEL = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,7 +95,7 @@ def test_real_model_decode_plan_and_zero_attention_slices():
             inp["kv_idxs"]: np.array([3], np.int32), inp["kq_mask"]: mask}
     out = [g.meta["logits"]]
     want = run_single(g, vals, feed, out)[0]
-    from test_tp_equivalence import upload_and_run
+    from helpers import upload_and_run
 
     got = upload_and_run(g, plan, vals, feed, out)[0]
     assert_close(got, want, "real model, 4 devices", rtol=2e-4)

@@ -25,7 +25,7 @@ from metatp.passes.layout import clip_rounds, local_start, merge_rounds, reshape
 from metatp.passes.rules import OP_RULES, RULES
 from metatp.passes.split_table import integer_weights, split_sizes
 from metatp.passes.state import SplitState
-from test_tp_equivalence import assert_close, run_single, upload_and_run
+from helpers import assert_close, run_single, upload_and_run
 
 F32, I32 = GGMLType.F32, GGMLType.I32
 LAYOUTS = [DeviceLayout(2, "tensor", (3, 1)), DeviceLayout(3, "tensor", (2, 0, 1))]

@@ -13,7 +13,7 @@ from metatp.ir.errors import SplitError
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout
 from metatp.passes.split_table import ModelDims, SplitTable, integer_weights, rotation_priority, split_sizes
-from test_tp_equivalence import attn_hparams, llama_hparams
+from helpers import attn_hparams, llama_hparams
 
 Q4_1, Q8_0, F32 = GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F32
 
@@ -220,7 +220,7 @@ def test_rotation_counted_per_layer_class():
 
 def test_graph_dims_without_hparams():
     """Head geometry read off FLASH_ATTN_EXT (layer from the cache leaf) when no hparams are given."""
-    from test_tp_equivalence import llama_case
+    from helpers import llama_case
     from metatp.passes.compile import make_table
 
     hp = llama_hparams(n_layer=2, n_embd=32, n_head=6, n_head_kv=2, hd=8, n_ff=256)
