@@ -304,8 +304,10 @@ def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str) -> Cal
 
 
 def prepare_allreduce(bufs: list[np.ndarray], active: list[bool]) -> Callable[[], None] | None:
-    """The simulated all-reduce of `allreduce.allreduce_butterfly` (same bits) over these
-    float32 C-contiguous buffers; None when they are not such buffers."""
+    """The butterfly of `collectives.schedule.butterfly_schedule`, compiled (the same bits: it
+    sums only the lower half of each doubling round, and a + b == b + a), over these float32
+    C-contiguous buffers; None when they are not such buffers. `collectives.host.HOST_KERNELS`
+    registers it for mode "butterfly"."""
     if (not available() or len(bufs) != len(active)
             or any(b.dtype != np.float32 or not b.flags.c_contiguous or b.size != bufs[0].size for b in bufs)):
         return None

@@ -14,6 +14,7 @@ import numpy as np
 
 from metatp.backends import cpu_kernels as qkernel
 from metatp.backends.affine_quant import AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable
+from metatp.backends.collectives.host import HostCollective
 from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
 from metatp.ir.ops import OPS, Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
@@ -55,12 +56,16 @@ def _view(root: np.ndarray, t: Tensor, loc: Local) -> np.ndarray:
 
 
 class NumpyBackend:
-    """N simulated devices; leaf buffers (weights, KV cache) persist across plans."""
+    """N simulated devices; leaf buffers (weights, KV cache) persist across plans.
+
+    allreduce: a mode of `collectives.ALLREDUCE_MODES` run on the host: "auto" (the butterfly),
+    "butterfly", "ring", or llama.cpp's "none" / "internal" (both the butterfly here); the
+    device-only "nccl" raises ConfigError."""
 
     name = "numpy"
 
     def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False,
-                 cpu_kernels: bool | None = None) -> None:
+                 cpu_kernels: bool | None = None, allreduce: str = "auto") -> None:
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.numerics = numerics
@@ -70,6 +75,11 @@ class NumpyBackend:
             raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {qkernel.kernel_info()}")
         self.use_kernels = cpu_kernels is not False and qkernel.available()    # False: never built
         self.kernel_threads = qkernel.default_threads()
+        # the all-reduce between subgraphs ("auto": the butterfly); its compiled path, when the
+        # mode has one, gives the schedule's bits, so cpu_kernels changes speed, not results
+        self.collective = HostCollective(allreduce, use_kernels=self.use_kernels)
+        self.allreduce = self.collective.name
+        self.wire = "f32"               # simulated devices reduce in float32
         self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
         self._whole_codes: dict[tuple, AffineWeight] = {}   # GGUF data -> its codes, when not split
         self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
@@ -81,6 +91,11 @@ class NumpyBackend:
         self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._executables: dict[int, NumpyExecutable] = {}
         self._readers_of: tuple[Plan | None, dict] = (None, {})
+
+    @property
+    def allreduce_strategy(self) -> str:
+        """The all-reduce that runs ("none" on one device), named as CupyBackend names its own."""
+        return "none" if self.n == 1 else self.allreduce
 
     # ---------------------------------------------------------------- leaf data
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
@@ -546,9 +561,7 @@ class NumpyExecutable:
                 self._reduce[sub.reduction.node]()
 
     def _allreduce_closures(self) -> dict[int, Closure]:
-        """One prepared all-reduce per reduced node (the compiled one when it can take the buffers)."""
-        from metatp.backends.allreduce import allreduce_butterfly
-
+        """One prepared all-reduce per reduced node, by the backend's collective."""
         out = {}
         for sub in self.plan.subgraphs:
             if sub.reduction is None or self.backend.n == 1:
@@ -556,8 +569,7 @@ class NumpyExecutable:
             node = self.plan.graph.nodes[sub.reduction.node]
             bufs = [self.arrays[d][node] for d in range(self.backend.n)]
             active = list(self.plan.of(node).compute)
-            run = qkernel.prepare_allreduce(bufs, active) if self.backend.use_kernels else None
-            out[sub.reduction.node] = run or functools.partial(allreduce_butterfly, bufs, active)
+            out[sub.reduction.node] = self.backend.collective.prepare_allreduce(bufs, active)
         return out
 
     def read(self, t: Tensor) -> np.ndarray:

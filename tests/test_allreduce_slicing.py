@@ -1,4 +1,4 @@
-"""All-reduce (butterfly vs plain sum) and split/gather of full arrays by split state."""
+"""All-reduce (butterfly vs a float64 sum) and split/gather of full arrays by split state."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metatp.backends.allreduce import allreduce_butterfly, allreduce_sum, reduce_steps
+from metatp.backends.collectives import TransferOp, allreduce, butterfly_schedule
 from metatp.backends.slicing import gather_array, split_array
 from metatp.ir import ops
 from metatp.passes.plan import TensorPlan
@@ -24,23 +24,22 @@ def test_butterfly_equals_sum_with_nan_garbage_in_inactive(n, size, seed, data):
     vals = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
     bufs = [v.copy() if a else np.full(size, np.nan, np.float32) for v, a in zip(vals, active)]
     want = sum((v.astype(np.float64) for v, a in zip(vals, active) if a), np.zeros(size))
-    allreduce_butterfly(bufs, active)
+    allreduce(bufs, active, mode="butterfly")
     for b in bufs:
         assert not np.isnan(b).any()
         np.testing.assert_allclose(b, want, rtol=1e-5, atol=1e-5)
         assert np.array_equal(b, bufs[0])            # every device ends with the same bits
-    ref = [v.copy() if a else np.full(size, np.nan, np.float32) for v, a in zip(vals, active)]
-    allreduce_sum(ref, active)
-    np.testing.assert_allclose(ref[0], want, rtol=1e-5, atol=1e-5)
 
 
-def test_butterfly_in_place_on_strided_views_and_steps():
+def test_butterfly_in_place_on_strided_views_and_rounds():
     base = [np.arange(12, dtype=np.float32).reshape(3, 4) * (j + 1) for j in range(5)]
     views = [b[:, ::2] for b in base]
-    allreduce_butterfly(views, [True] * 5)
+    allreduce(views, [True] * 5, mode="butterfly")
     assert np.array_equal(base[3][:, ::2], np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2] * 15)
     assert np.array_equal(base[3][:, 1::2], np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1::2] * 4)
-    assert [reduce_steps(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    adds = [sum(t.op is TransferOp.ADD for t in r) > 0 for r in butterfly_schedule(5, 4).rounds]
+    assert adds == [True, True, True, False]         # fold + log2(4) doubling rounds, then copy back
+    assert [len(butterfly_schedule(n, 1).rounds) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [0, 1, 3, 2, 4, 3, 5, 4]
 
 
 # ---------------------------------------------------------------- split / gather

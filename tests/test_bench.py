@@ -11,7 +11,8 @@ from metatp.tools.bench import BenchConfig, format_rows, run_bench
 from metatp.tools.synth import SynthSpec
 
 FIELDS = {"model_filename", "backend", "n_devices", "split_mode", "tensor_split", "n_prompt", "n_gen", "n_depth",
-          "avg_ts", "stddev_ts", "samples_ts", "reductions_per_token", "peak_memory_bytes", "test", "vs_none"}
+          "avg_ts", "stddev_ts", "samples_ts", "reductions_per_token", "peak_memory_bytes", "test", "vs_none",
+          "allreduce", "allreduce_bytes_per_token"}
 
 
 def test_rows_carry_llama_bench_fields_and_ratios(synth_factory):
@@ -24,6 +25,9 @@ def test_rows_carry_llama_bench_fields_and_ratios(synth_factory):
     for r in rows:
         assert FIELDS <= r.keys() and len(r["samples_ts"]) == 2 and r["avg_ts"] > 0
         assert r["reductions_per_token"] == (0 if r["split_mode"] == "none" else 2 * 2)
+        # two devices: the butterfly is one exchange of each F32 [n_embd] vector
+        assert r["allreduce"] == ("none" if r["split_mode"] == "none" else "butterfly")
+        assert r["allreduce_bytes_per_token"] == (0 if r["split_mode"] == "none" else 2 * 2 * 64 * 4)
     base = {r["test"]: r["avg_ts"] for r in rows if r["split_mode"] == "none"}
     for r in rows:
         assert abs(r["vs_none"] - r["avg_ts"] / base[r["test"]]) < 1e-9

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from metatp.backends import cpu_kernels as ck
 from metatp.backends.affine_quant import AffineWeight, dequantize_affine, pack_nibbles
-from metatp.backends.allreduce import allreduce_butterfly
+from metatp.backends.collectives import HostCollective
 from metatp.backends.numpy_kernels import attention_reference, rope_reference
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"CPU kernels unavailable: {ck.kernel_info()}")
@@ -215,7 +215,7 @@ def test_allreduce_kernel_and_numpy_have_the_butterfly_bits(n):
     ref = [b.copy() for b in base]
     _literal_butterfly(ref, active)
     fast = [b.copy() for b in base]
-    allreduce_butterfly(fast, active)
+    HostCollective("butterfly").allreduce(fast, active)
     compiled = [b.copy() for b in base]
     ck.prepare_allreduce(compiled, active)()
     for j in range(n):

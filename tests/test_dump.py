@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from metatp.backends.collectives import butterfly_schedule, bytes_per_rank
 from metatp.ir import ops
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.ir.graph import Graph
@@ -211,12 +212,23 @@ def test_bill_reproduces_the_seed_example():
     subs = [Subgraph(i, i, Reduction(i, [i], h_bytes)) for i in range(2 * L)]
     plan = Plan(Graph([]), DeviceLayout(p, "tensor"), {}, subs, {})
     hp = SimpleNamespace(n_layer=L, n_embd=h_bytes // 4)     # the hidden state as F32 of the same bytes
-    bill = communication_bill(plan, Link("test", 20.0, 100.0), n_tokens=1, hparams=hp)
+    bill = communication_bill(plan, Link("test", 20.0, 100.0), n_tokens=1, hparams=hp, allreduce="ring")
     assert bill["reductions_per_step"] == 64
     assert bill["ring_bytes_per_rank_per_token"] == 4 * L * 4096 * 2 * (p - 1) // p == 786432
+    assert bill["allreduce"] == "ring" and bill["bytes_per_rank_per_token"] == 786432   # the real ring schedule
+    assert bill["bytes_moved_per_step"] == 786432 * p
     assert bill["tensor_vs_layer_ratio"] == pytest.approx(2 * L / (p - 1))
     assert bill["tensor_vs_layer_ratio_formula"] == pytest.approx(64 / 3)
     assert bill["latency_per_token_us"] == pytest.approx(64 * 20.0 + 786432 / 100e9 * 1e6)
+    # the default bills the butterfly the numpy backend runs: p = 4 is two full-buffer exchanges
+    fly = communication_bill(plan, Link("test", 20.0, 100.0), n_tokens=1, hparams=hp)
+    assert fly["allreduce"] == "butterfly" and fly["wire"] == "f32"
+    assert fly["bytes_per_rank_per_step"] == 64 * 2 * h_bytes
+    assert fly["latency_per_token_us"] == pytest.approx(64 * 20.0 + 64 * 2 * h_bytes / 100e9 * 1e6)
+    bf16 = communication_bill(plan, Link("test", 20.0, 100.0), hparams=hp, allreduce="nccl", wire="bf16")
+    assert bf16["allreduce"] == "nccl" and bf16["bytes_per_rank_per_step"] == 786432 // 2   # a BF16 ring
+    with pytest.raises(ConfigError, match="allreduce must be one of"):
+        communication_bill(plan, allreduce="tree")
 
 
 def test_bill_scales_with_devices_and_tokens():
@@ -229,8 +241,9 @@ def test_bill_scales_with_devices_and_tokens():
         assert bill["ring_bytes_per_rank_per_step"] == round(2 * (p - 1) / p * reduced)
         assert bill["ring_bytes_per_rank_per_token"] == round(2 * (p - 1) / p * reduced / 8)
         link = dump_mod.LINKS["pcie4"]
-        ring_us = bill["ring_bytes_per_rank_per_step"] / (link.bandwidth_gbs * 1e3)
-        step_us = len(plan.reductions) * link.latency_us + ring_us
+        per_rank = sum(bytes_per_rank(butterfly_schedule(p, r.nbytes // 4)) for r in plan.reductions)
+        assert bill["bytes_per_rank_per_step"] == per_rank and bill["bytes_per_rank_per_token"] == round(per_rank / 8)
+        step_us = len(plan.reductions) * link.latency_us + per_rank / (link.bandwidth_gbs * 1e3)
         assert bill["latency_per_step_us"] == pytest.approx(step_us, rel=1e-6)
         assert bill["latency_per_token_us"] == pytest.approx(step_us / 8, rel=1e-6)
     one = compile_plan(g, DeviceLayout(1, "none"), None)
@@ -341,6 +354,24 @@ def test_cli_prefill_with_tensor_split(synth_factory, capsys):
     assert c["n_tokens_per_step"] == 16 and c["layer_split_hop_bytes"] == 64 * 16 * 4
     w = data["summary"]["memory"]["weights"]
     assert w[0] > w[1]                                  # 3:1
+    assert c["allreduce"] == "butterfly" and c["wire"] == "f32"
+
+
+def test_cli_bills_the_chosen_allreduce(synth_factory, capsys):
+    path, _ = synth_factory(SynthSpec(n_layer=2, n_ff=256))
+    rc, out, err = _cli(capsys, "-m", str(path), "--devices", "3", "-c", "64", "--format", "json",
+                        "--allreduce", "ring", "--wire", "bf16")
+    assert rc == 0, err
+    data = json.loads(out)
+    c = data["summary"]["communication"]
+    assert c["allreduce"] == "ring" and c["wire"] == "bf16"
+    assert c["bytes_per_rank_per_step"] == sum(r["bytes_per_rank"] for r in data["reductions"])
+    for r in data["reductions"]:        # 64 floats over 3 ranks: chunks of 22, 21, 21 at 2 bytes
+        assert r["nbytes"] == 64 * 4 and r["bytes_per_rank"] == 2 * (22 + 22) * 2
+    rc, out, err = _cli(capsys, "-m", str(path), "--devices", "3", "-c", "64", "--allreduce", "nccl")
+    assert rc == 0 and "communication bill (nccl all-reduce, f32 on the wire)" in out
+    rc, out, err = _cli(capsys, "-m", str(path), "--allreduce", "tree")
+    assert rc == 1 and "allreduce must be one of auto, butterfly, ring" in err and "'tree'" in err
 
 
 def test_layer_filter_keeps_unnamed_and_selection_nodes_in_their_layer(synth_factory):

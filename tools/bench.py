@@ -91,12 +91,23 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reductions_per_token(eng) -> int | None:
-    from metatp.ir.models import BatchSpec
+def _decode_allreduces(eng, backend) -> dict:
+    """Row fields for one decode step's all-reduces: how many, the algorithm the backend runs and
+    the bytes its schedule moves on the busiest rank (collectives.allreduce_bytes)."""
+    from metatp.backends.collectives import WireThresholds, allreduce_bytes
     from metatp.engine import padded_kv
+    from metatp.ir.models import BatchSpec
 
     plan, _ = eng.plan_for(BatchSpec(1, padded_kv(1, eng.n_ctx), 1))
-    return int(plan.stats.get("reductions_per_step", 0))
+    strategy = backend.allreduce_strategy
+    wire = getattr(backend, "wire", "f32")
+    thresholds = getattr(backend, "wire_thresholds", WireThresholds())
+    per_rank = 0
+    if strategy != "none":
+        per_rank = sum(allreduce_bytes(strategy, plan.n_devices, r.nbytes // 4, wire, thresholds)[0]
+                       for r in plan.reductions)
+    return {"reductions_per_token": int(plan.stats.get("reductions_per_step", 0)),
+            "allreduce": strategy, "allreduce_bytes_per_token": per_rank}
 
 
 def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts) -> tuple:
@@ -116,7 +127,7 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts) -> tuple:
         "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
         "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "",
         "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels,
-        "reductions_per_token": _reductions_per_token(llm.engine),
+        **_decode_allreduces(llm.engine, llm.backend),
     }
     return llm.engine, base
 

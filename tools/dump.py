@@ -4,7 +4,8 @@ The compiler's output (a Plan) is plain data; this tool prints it for a person (
 program (json, schema in docs/dump-format.md) or as a picture (dot / svg, one cluster per
 subgraph, nodes coloured by split state). Its summary adds what the Plan implies: per-device
 weight and KV bytes, the mirrored overhead, and the communication bill of tensor parallelism
-(ring all-reduce bytes, reductions per token, tensor vs layer split, latency per token).
+(bytes the chosen all-reduce schedule moves, reductions per token, tensor vs layer split,
+latency per token).
 
 The graph is built from the GGUF header only (tensor infos and scalar metadata); no weight is
 read or dequantised, so dumping the default model takes well under two seconds.
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from metatp.backends.collectives.schedule import allreduce_bytes, resolve_mode
+from metatp.backends.collectives.wire import wire_dtype
 from metatp.ir.errors import ConfigError, MetatpError, SplitError
 from metatp.ir.graph import Graph
 from metatp.ir.ops import OPS, Op
@@ -170,9 +173,11 @@ def _state_data(st: SplitState | None) -> dict | None:
 class _View:
     """Everything the three formats share: ids, labels, layers, subgraph of each node, filter."""
 
-    def __init__(self, plan: Plan, layer: int | None) -> None:
+    def __init__(self, plan: Plan, layer: int | None, allreduce: str = "auto", wire: str = "f32") -> None:
         g = plan.graph
         self.plan = plan
+        self.allreduce = allreduce
+        self.wire = wire
         self.graph = g
         self.layers = node_layers(g)
         self.leaf_index = {t: k for k, t in enumerate(g.leaves)}
@@ -268,8 +273,13 @@ def _hop_bytes(plan: Plan, hparams, n_tokens: int) -> int:
     return max((r.nbytes for r in plan.reductions), default=0)
 
 
+def _reduction_bytes(n_devices: int, nbytes: int, allreduce: str, wire: str) -> tuple[int, int]:
+    """(busiest rank's bytes, bytes over all links) of one all-reduce of an F32 tensor of nbytes."""
+    return allreduce_bytes(allreduce, n_devices, nbytes // 4, wire)
+
+
 def communication_bill(plan: Plan, link: Link | str = "nvlink", *, n_tokens: int = 1,
-                       hparams=None) -> dict:
+                       hparams=None, allreduce: str = "auto", wire: str = "f32") -> dict:
     """The cost of the plan's all-reduces per step and per token, and tensor vs layer split.
 
     Formulas from the seed, section "归约的账单:每层两次,每 token 几十次" (the reduction bill:
@@ -283,18 +293,24 @@ def communication_bill(plan: Plan, link: Link | str = "nvlink", *, n_tokens: int
       V_TP / V_PP ~= 2L / (p-1). We report the plan's exact ratio (bytes all-reduced / bytes
       of p-1 hops) next to the seed's formula.
     The time estimate charges `link.latency_us` per all-reduce (the seed: "latency, not
-    bandwidth, dominates decode") plus the ring bytes over the link bandwidth."""
+    bandwidth, dominates decode") plus the bytes the busiest rank moves under the schedule of
+    `allreduce` (butterfly for "auto", as the numpy backend; `wire` "f32", "bf16" or "auto")
+    over the link bandwidth. The ring_* keys keep the textbook ring's 2(p-1)/p for comparison."""
     link = _link(link)
+    mode = resolve_mode(allreduce).name
+    wire_dtype(2, 0, wire)      # validates the wire mode
     p = plan.n_devices
     reductions = plan.reductions
     n_red = len(reductions)
     reduced = sum(r.nbytes for r in reductions)
     ring = 2 * (p - 1) / p if p > 1 else 0.0
     ring_bytes = ring * reduced
+    counts = [_reduction_bytes(p, r.nbytes, mode, wire) for r in reductions]
+    rank_bytes = sum(c[0] for c in counts)
     hop = _hop_bytes(plan, hparams, n_tokens)
     layer_bytes = (p - 1) * hop
     n_layer = _n_layer(plan.graph, hparams)
-    step_s = link.seconds(n_red, ring_bytes)
+    step_s = link.seconds(n_red, rank_bytes)
     layer_step_s = link.seconds(p - 1, layer_bytes) if p > 1 else 0.0
     t = max(n_tokens, 1)
     return {
@@ -307,6 +323,11 @@ def communication_bill(plan: Plan, link: Link | str = "nvlink", *, n_tokens: int
         "ring_factor": ring,
         "ring_bytes_per_rank_per_step": round(ring_bytes),
         "ring_bytes_per_rank_per_token": round(ring_bytes / t),
+        "allreduce": mode,
+        "wire": wire,
+        "bytes_per_rank_per_step": rank_bytes,
+        "bytes_per_rank_per_token": round(rank_bytes / t),
+        "bytes_moved_per_step": sum(c[1] for c in counts),
         "layer_split_hop_bytes": hop,
         "layer_split_bytes_per_step": layer_bytes,
         "tensor_vs_layer_ratio": reduced / layer_bytes if layer_bytes else None,
@@ -327,6 +348,7 @@ def _saved(stats: dict) -> int | None:
 
 
 def _summary(view: _View, lowered: Plan | None, link: Link, n_tokens: int, hparams, n_ctx: int) -> dict:
+    """Whole-plan totals: counts, memory, mirrored overhead and the communication bill."""
     plan = view.plan
     stats = plan.stats or {}
     compiled = bool(plan.subgraphs) or "reductions_per_step" in stats
@@ -346,7 +368,8 @@ def _summary(view: _View, lowered: Plan | None, link: Link, n_tokens: int, hpara
         "mirrored_weight_bytes": mirrored,
         "mirrored_overhead_bytes": mirrored * (plan.n_devices - 1),
         "memory": mem.as_dict() if mem is not None else None,
-        "communication": communication_bill(plan, link, n_tokens=n_tokens, hparams=hparams) if compiled else None,
+        "communication": communication_bill(plan, link, n_tokens=n_tokens, hparams=hparams,
+                                            allreduce=view.allreduce, wire=view.wire) if compiled else None,
     }
 
 
@@ -404,10 +427,10 @@ def _reduction_line(view: _View, i: int) -> str:
     rid, k, r = view.reduction_of[i]
     p = view.plan.n_devices
     covers = ", ".join(f"{c} {view.label(view.graph.nodes[c])}" for c in r.covers)
-    ring = 2 * (p - 1) / p * r.nbytes if p > 1 else 0
+    per_rank, _ = _reduction_bytes(p, r.nbytes, view.allreduce, view.wire)
     active = f" active={_flags(r.active)}" if r.active is not None else ""
     return (f"{'':5}  ==== all-reduce #{rid} of node {r.node} (end of subgraph {k}): {_bytes_exact(r.nbytes)},"
-            f" ring {format_bytes(round(ring))}/rank{active}; covers PARTIAL {covers}")
+            f" {resolve_mode(view.allreduce).name} {format_bytes(per_rank)}/rank{active}; covers PARTIAL {covers}")
 
 
 def _header_text(info: dict) -> list[str]:
@@ -455,7 +478,7 @@ def _summary_text(s: dict) -> list[str]:
 def _bill_text(c: dict) -> list[str]:
     link = c["link"]
     p = c["n_devices"]
-    out = ["", "communication bill (ring all-reduce; seed: \"归约的账单\")",
+    out = ["", f"communication bill ({c['allreduce']} all-reduce, {c['wire']} on the wire)",
            f"  link {link['name']}: {link['latency_us']:g} us per all-reduce, {link['bandwidth_gbs']:g} GB/s"]
     if p < 2:
         out.append("  one device: nothing to reduce")
@@ -463,10 +486,12 @@ def _bill_text(c: dict) -> list[str]:
     t = c["n_tokens_per_step"]
     out.append(f"  all-reduces per step: {c['reductions_per_step']} ({t} token(s) per step,"
                f" {c['reductions_per_token']:.3g} per token)")
-    out.append(f"  ring bytes per rank: 2(p-1)/p = {c['ring_factor']:.3g}"
+    out.append(f"  {c['allreduce']} bytes on the busiest rank: {format_bytes(c['bytes_per_rank_per_step'])}"
+               f" per step, {format_bytes(c['bytes_per_rank_per_token'])} per token"
+               f" ({format_bytes(c['bytes_moved_per_step'])} over all links per step)")
+    out.append(f"  a ring would move 2(p-1)/p = {c['ring_factor']:.3g}"
                f" x {format_bytes(c['bytes_reduced_per_step'])}"
-               f" = {format_bytes(c['ring_bytes_per_rank_per_step'])} per step,"
-               f" {format_bytes(c['ring_bytes_per_rank_per_token'])} per token")
+               f" = {format_bytes(c['ring_bytes_per_rank_per_step'])} per rank per step")
     out.append(f"  est. latency: {c['latency_per_step_us']:.1f} us per step,"
                f" {c['latency_per_token_us']:.2f} us per token")
     out.append(f"  layer split instead: {p - 1} hop(s) of {format_bytes(c['layer_split_hop_bytes'])} per step,"
@@ -557,6 +582,7 @@ def _reductions_data(view: _View) -> list[dict]:
             "node_label": view.label(view.graph.nodes[r.node]),
             "covers": list(r.covers), "cover_labels": [view.label(view.graph.nodes[c]) for c in r.covers],
             "nbytes": r.nbytes, "ring_bytes_per_rank": round(2 * (p - 1) / p * r.nbytes) if p > 1 else 0,
+            "bytes_per_rank": _reduction_bytes(p, r.nbytes, view.allreduce, view.wire)[0],
             "active": list(r.active) if r.active is not None else None,
         })
     return out
@@ -762,16 +788,19 @@ def _infer_n_ctx(graph: Graph) -> int:
 
 def dump(plan: Plan, fmt: str = "text", *, layer: int | None = None, link: Link | str = "nvlink",
          hparams=None, n_ctx: int | None = None, n_tokens: int | None = None, lowered: Plan | None = None,
-         model: dict | None = None, batch: dict | None = None) -> str:
+         model: dict | None = None, batch: dict | None = None, allreduce: str = "auto", wire: str = "f32") -> str:
     """The plan as text, json, dot or svg.
 
     layer: only that layer's nodes (and the leaves they read); the summary stays whole-plan.
     link: a preset name or a Link, for the communication bill. hparams: the model's HParams
     (n_embd / n_layer for the bill; read off the graph when absent). lowered: the final plan,
-    when `plan` is an earlier stage, so per-device memory can still be reported."""
+    when `plan` is an earlier stage, so per-device memory can still be reported. allreduce / wire:
+    the all-reduce mode and wire dtype the bill charges (a mode of collectives.ALLREDUCE_MODES)."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    view = _View(plan, layer)
+    resolve_mode(allreduce)
+    wire_dtype(2, 0, wire)
+    view = _View(plan, layer, allreduce, wire)
     if n_ctx is None:
         n_ctx = _infer_n_ctx(plan.graph)
     if n_tokens is None:
@@ -804,6 +833,8 @@ class DumpRequest:
     layer: int | None = None
     fmt: str = "text"
     link: Link = LINKS["nvlink"]
+    allreduce: str = "auto"
+    wire: str = "f32"
 
 
 def _layout(req: DumpRequest):
@@ -873,13 +904,15 @@ def dump_model(req: DumpRequest) -> str:
     batch = {"phase": req.phase, "n_tokens": spec.n_tokens, "n_kv": spec.n_kv, "n_outputs": spec.n_outputs,
              "n_ctx": n_ctx}
     return dump(plan, req.fmt, layer=req.layer, link=req.link, hparams=hp, n_ctx=n_ctx, n_tokens=spec.n_tokens,
-                lowered=lowered, model=model_info, batch=batch)
+                lowered=lowered, model=model_info, batch=batch, allreduce=req.allreduce, wire=req.wire)
 
 
 # ---------------------------------------------------------------- CLI
 
 
 def add_parser(sub) -> None:
+    from metatp.backends.collectives.schedule import MODE_NAMES
+    from metatp.backends.collectives.wire import WIRE_MODES
     from metatp.passes.compile import STAGES
 
     d = sub.add_parser("dump", help="show how the graph is split across devices (text, json, dot, svg)",
@@ -900,6 +933,9 @@ def add_parser(sub) -> None:
     d.add_argument("--link", default="nvlink", choices=sorted(LINKS), help="interconnect preset for the bill")
     d.add_argument("--latency-us", type=float, default=None, help="override: fixed cost of one all-reduce (us)")
     d.add_argument("--bandwidth-gbs", type=float, default=None, help="override: link bandwidth (GB/s)")
+    d.add_argument("--allreduce", default="auto", help=f"all-reduce the bill charges: {' | '.join(MODE_NAMES)} "
+                   "(auto: the butterfly, as the numpy backend; nccl is billed as a ring)")
+    d.add_argument("--wire", default="f32", help=f"all-reduce wire dtype for the bill: {' | '.join(WIRE_MODES)}")
     d.set_defaults(func=_cmd_dump)
 
 
@@ -920,7 +956,8 @@ def _cmd_dump(args: argparse.Namespace) -> int:
     req = DumpRequest(model=args.model, n_devices=args.devices, split_mode=args.split_mode,
                       tensor_split=DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None,
                       phase=args.phase, n_tokens=args.n_tokens, n_ctx=args.n_ctx, stage=args.stage,
-                      layer=args.layer, fmt=args.fmt, link=_link_from_args(args))
+                      layer=args.layer, fmt=args.fmt, link=_link_from_args(args), allreduce=args.allreduce,
+                      wire=args.wire)
     text = dump_model(req)
     if args.output:
         try:

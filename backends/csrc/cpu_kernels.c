@@ -506,8 +506,8 @@ int metatp_glu(const GluArgs *g) {
 }
 
 /* ------------------------------------------------------------------ simulated all-reduce
- * Sum n equal-length buffers in place with the bits of llama.cpp's butterfly (see
- * backends/allreduce.py, which is the reference): zero the inactive ones, fold the devices past
+ * Sum n equal-length buffers in place with the bits of llama.cpp's butterfly (the schedule is
+ * backends/collectives/schedule.py butterfly_schedule): zero the inactive ones, fold the devices past
  * the largest power of two p2, then pairwise sums at distance p2/2, ..., 1 into the lower half,
  * then every buffer receives buffer 0's result. */
 typedef struct {
