@@ -1,0 +1,111 @@
+"""The backend contract: the only calls the engine makes on a backend.
+
+A backend stores weights (it alone decides how: float32, 16-bit, int8 codes or raw GGUF
+blocks), allocates the KV cache, prepares a Plan into an Executable, and reports memory.
+The engine never asks a backend what it can do: every backend implements all of this, and
+anything backend-specific travels as an option chosen once (see `backends.registry`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from metatp.ir.tensor import GGMLType, Tensor
+from metatp.passes.plan import DeviceLayout, Plan
+
+__all__ = ["WeightSource", "Executable", "Backend"]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a weight's value comes from: its GGUF tensor, as bytes and as a float32 array.
+
+    `raw` is the tensor's GGUF encoding (uint8 rows, usually memory-mapped); `dequantize`
+    returns its float32 value in the graph's shape (the engine caches it when several leaves
+    share one GGUF tensor, as a tied lm head and its embedding do)."""
+
+    name: str
+    ggml_type: GGMLType
+    raw: np.ndarray
+    dequantize: Callable[[], np.ndarray]
+
+
+class Executable(ABC):
+    """A Plan bound to buffers on the devices this process owns."""
+
+    plan: Plan
+
+    @abstractmethod
+    def set_input(self, t: Tensor, value: np.ndarray) -> None:
+        """Write one INPUT leaf (token ids, positions, KV rows, masks) for the next run."""
+
+    @abstractmethod
+    def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
+        """One forward step: inputs in, every subgraph and the collective between them."""
+
+    @abstractmethod
+    def read(self, t: Tensor) -> np.ndarray:
+        """The full value of `t` on the host (gathered from slices; a partial sum is reduced)."""
+
+
+class Backend(ABC):
+    """N devices (simulated in one process, or GPUs) that run Plans for one model."""
+
+    name: str = "?"
+    layout: DeviceLayout
+
+    # ---- weights and the KV cache
+    @abstractmethod
+    def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
+        """Keep weight leaf `t`, split as `plan` says, in whatever form this backend reads."""
+
+    @abstractmethod
+    def weight_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
+        """Bytes `store_weight` keeps for one device's slice of local shape `local_ne`."""
+
+    def storage_key(self, t: Tensor, plan: Plan, source: str) -> object | None:
+        """Weights with equal non-None keys share one stored copy (the memory plan counts it
+        once): a tied lm head and its embedding, or a weight mirrored on simulated devices."""
+        return None
+
+    def kv_itemsize(self, t: Tensor) -> int:
+        """Bytes per element this backend stores for KV-cache leaf `t` (f16 on GPUs)."""
+        return np.dtype(np.float32).itemsize if t.type == GGMLType.F32 else 2
+
+    @abstractmethod
+    def has(self, t: Tensor) -> bool:
+        """Is leaf `t` (a weight or the KV cache) stored?"""
+
+    @abstractmethod
+    def reset_kv(self) -> None:
+        """Zero the KV cache (a new sequence starts)."""
+
+    # ---- plans
+    @abstractmethod
+    def prepare(self, plan: Plan) -> Executable:
+        """The plan bound to buffers (cached per plan: preparing twice returns the same one)."""
+
+    @abstractmethod
+    def release(self, plan: Plan) -> None:
+        """Forget a prepared plan and free its buffers."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (a no-op where work runs synchronously)."""
+
+    # ---- memory
+    @abstractmethod
+    def workspace_bytes(self, plan: Plan) -> list[int]:
+        """Per device: bytes beyond weights, KV cache and the plan's activations (scratch,
+        dequantization slabs, wire buffers) that running `plan` needs."""
+
+    @abstractmethod
+    def memory_budget(self) -> tuple[int | None, bool]:
+        """(bytes available or None if unknown, shared by all devices?)."""
+
+    @abstractmethod
+    def allocated_bytes(self) -> list[int]:
+        """Bytes held per device now (weights, KV cache, prepared plans' buffers)."""

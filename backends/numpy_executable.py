@@ -1,0 +1,253 @@
+"""The numpy backend's executable: a Plan bound to host arrays, run as closures.
+
+The walk, binding and reading are the shared `PlanExecutor`'s. What is numpy's own:
+- buffers are numpy arrays (an arena per device; views are numpy views of it);
+- each node becomes one closure over preallocated arrays (`numpy_kernels.kernel_for`);
+- the runner goes node by node across the simulated devices (they are independent inside a
+  subgraph, so any interleaving is valid), turning one node's int8 matmuls on every device
+  into one compiled call; with `threads=True` devices run side by side instead;
+- a mirrored value identical on every device is computed once, by device 0, and read by the
+  others (`PlanFacts.shared_mirrored`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from metatp.backends import cpu_kernels as qkernel
+from metatp.backends.affine_quant import AffineWeight
+from metatp.backends.executor import Fusion, PlanExecutor, np_shape
+from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.passes.plan import Local, Plan
+
+if TYPE_CHECKING:
+    from metatp.backends.numpy_backend import NumpyBackend
+
+__all__ = ["NumpyExecutable", "host_dtype"]
+
+_DTYPES = {GGMLType.F32: np.float32, GGMLType.I32: np.int32, GGMLType.F16: np.float16}
+
+
+def host_dtype(t: Tensor) -> np.dtype:
+    """The numpy dtype of an activation, input or KV-cache tensor (weights are stored apart)."""
+    try:
+        return np.dtype(_DTYPES[t.type])
+    except KeyError:
+        raise UnsupportedOpError(
+            f"numpy backend: tensor {t.name!r} of type {t.type.name} must be a weight (dequantized on upload)") from None
+
+
+def _run_all(closures: list[Closure]) -> None:
+    for f in closures:
+        f()
+
+
+class _DeviceContext:
+    """What kernels may ask the backend while building closures for device `d`."""
+
+    def __init__(self, backend: NumpyBackend, d: int, step_memo: dict, plan_memo: dict) -> None:
+        self.backend = backend
+        self.d = d
+        self._memo = step_memo
+        self._plan_memo = plan_memo
+        self.use_kernels = backend.use_kernels
+
+    def persistent(self, key, make):
+        """A value made once per prepared plan and shared by every node that asks (e.g. a buffer
+        that per-step tables are written into, so compiled kernels can hold its address)."""
+        hit = self._plan_memo.get(key)
+        if hit is None:
+            hit = self._plan_memo[key] = make()
+        return hit
+
+    def per_step(self, key, make):
+        """A value computed once per run and shared by every node that asks (e.g. rope tables)."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = make()
+        return hit
+
+    def is_weight(self, t: Tensor) -> bool:
+        return bool(t.flags & Flag.WEIGHT) and t.view_src is None and t.ne[2] == 1 and t.ne[3] == 1
+
+    def transposed(self, t: Tensor) -> np.ndarray:
+        return self.backend.transposed(t, self.d)
+
+    def packed(self, t: Tensor) -> AffineWeight | None:
+        """The weight as int8 codes when the compiled kernel may read it, else None."""
+        return self.backend.packed(t, self.d) if self.backend.use_kernels else None
+
+    def encoded_only(self, t: Tensor) -> bool:
+        return self.backend.encoded_only(t)
+
+    def slab(self) -> np.ndarray:
+        return self.backend.slab(self.d)
+
+    @property
+    def kernel_threads(self) -> int:
+        return self.backend.kernel_threads
+
+    def activation_rounding(self, w: Tensor):
+        """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
+        if self.backend.numerics != "llamacpp" or not self.is_weight(w) or w.type == GGMLType.F32:
+            return None
+        from metatp.backends.numpy_kernels import quantize_q8_blocks, round_f16
+
+        return round_f16 if w.type in (GGMLType.F16, GGMLType.BF16) else quantize_q8_blocks
+
+
+class NumpyExecutable(PlanExecutor):
+    """A plan bound to buffers: per subgraph, closures per device and in node-major order."""
+
+    def __init__(self, backend: NumpyBackend, plan: Plan) -> None:
+        if plan.n_devices != backend.n:
+            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
+        super().__init__(plan, range(backend.n))
+        self.backend = backend
+        n = backend.n
+        self.inputs: dict[Tensor, np.ndarray] = {}
+        for t in plan.graph.leaves:
+            if t.flags & Flag.INPUT:
+                arr = np.zeros(np_shape(t.ne), dtype=host_dtype(t))
+                self.inputs[t] = arr
+                for d in range(n):
+                    self.arrays[d][t] = arr     # inputs are mirrored and read-only: one array serves all
+            elif t.flags & Flag.KV_CACHE and not backend.has(t):
+                backend.allocate_leaf(t, plan)
+        self.bind_leaves(self._leaf)
+        self.shared = self.facts.shared_mirrored() if n > 1 and not backend.threads else set()
+        self.set_fusions(self.find_fusions())
+        late = self.facts.late_reads(self.shared) if self.shared else None
+        for d in range(n):
+            self.bind_nodes(d, live_until=late if d == 0 else None)
+        self._step_memo: dict = {}
+        plan_memo: dict = {}
+        self._ctxs = [_DeviceContext(backend, d, self._step_memo, plan_memo) for d in range(n)]
+        walked = self.walk()
+        self.steps = self.per_device(walked, self.devices, n)
+        self.node_major = [self._node_major(items) for items in walked]
+        self._reduce = self._allreduce_closures()
+
+    # ---------------------------------------------------------------- memory
+    def _leaf(self, d: int, t: Tensor) -> np.ndarray:
+        if not self.backend.has(t):
+            raise UnsupportedOpError(f"numpy backend: leaf {t.name!r} has no data (upload it first)")
+        return self.backend.leaf[d][t]
+
+    def itemsize(self, t: Tensor) -> int:
+        return host_dtype(t).itemsize
+
+    def new_arena(self, d: int, nbytes: int) -> np.ndarray:
+        arena = np.zeros(max(nbytes, 1), dtype=np.uint8)
+        self.buffer_bytes[d] = arena.nbytes
+        return arena
+
+    def place(self, d: int, arena: np.ndarray, offset: int, node: Tensor, loc: Local) -> np.ndarray:
+        return np.ndarray(np_shape(loc.ne), dtype=host_dtype(node), buffer=arena, offset=offset)
+
+    def own_buffer(self, d: int, node: Tensor, loc: Local) -> np.ndarray:
+        arr = np.zeros(np_shape(loc.ne), dtype=host_dtype(node))
+        self.buffer_bytes[d] += arr.nbytes
+        return arr
+
+    def view(self, d: int, node: Tensor, loc: Local) -> np.ndarray:
+        """The numpy view of `node`: local shape/strides/offset into its source's buffer."""
+        root = self.arrays[d][node.view_src]
+        if loc.nelements == 0:
+            return np.empty(np_shape(loc.ne), dtype=root.dtype)
+        if node.type not in _DTYPES or host_dtype(node).itemsize != root.itemsize:
+            raise UnsupportedOpError(f"numpy backend: view {node.name!r} of a {node.type.name} tensor is not supported")
+        return np.ndarray(np_shape(loc.ne), dtype=root.dtype, buffer=root, offset=loc.offs,
+                          strides=tuple(reversed(loc.nb)))
+
+    def host_value(self, d: int, t: Tensor) -> np.ndarray:
+        return self.arrays[d][t]
+
+    # ---------------------------------------------------------------- work
+    def find_fusions(self) -> list[Fusion]:
+        """RMS_NORM(x) * w (w a weight row) -> one closure at the MUL; the norm's buffer is
+        never written. The norm must be read only by the MUL, in its subgraph, on the same
+        devices, and x must still be live at the MUL."""
+        plan, facts = self.plan, self.facts
+        out: list[Fusion] = []
+        for node in plan.graph.nodes:
+            if node.op is not Op.MUL or node.src[0].op is not Op.RMS_NORM:
+                continue
+            rms, w = node.src[0], node.src[1]
+            if facts.readers.get(rms) != [node] or not (w.flags & Flag.WEIGHT) or w.ne != (rms.ne[0], 1, 1, 1):
+                continue
+            if facts.sub_of[rms] != facts.sub_of[node] or plan.of(rms).state.is_partial or rms.flags & Flag.OUTPUT:
+                continue
+            if list(plan.of(rms).compute) != list(plan.of(node).compute):
+                continue
+            if not facts.read_after(rms.src[0], node):
+                continue
+            out.append(Fusion("norm", node, (rms,)))
+        return out
+
+    def fused_steps(self, d: int, fusion: Fusion) -> list:
+        a = self.arrays[d]
+        node, rms = fusion.at, fusion.absorbed[0]
+        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node])]
+
+    def node_steps(self, d: int, node: Tensor) -> list:
+        a = self.arrays[d]
+        srcs = [a[s] if s is not None else None for s in node.src]
+        f = kernel_for(node)(node, a[node], srcs, self._ctxs[d])
+        return [f] if f is not None else []
+
+    def zero_fill_step(self, d: int, node: Tensor):
+        return functools.partial(self.arrays[d][node].fill, 0)
+
+    @staticmethod
+    def _node_major(items) -> list[Closure]:
+        """One subgraph's closures node by node across devices; one node's int8 matmuls on every
+        device become one compiled call with one parallel region."""
+        order: list[Closure] = []
+        for item in items:
+            at_node = [f for d in sorted(item.per_device) for f in item.per_device[d]]
+            if len(at_node) > 1 and all(qkernel.is_qmatmul(f) for f in at_node):
+                order.append(qkernel.group_qmatmul(at_node))
+            else:
+                order.extend(at_node)
+        return order
+
+    def _allreduce_closures(self) -> dict[int, Closure]:
+        """One prepared all-reduce per reduced node, by the backend's collective."""
+        out = {}
+        for sub in self.plan.subgraphs:
+            if sub.reduction is None or self.backend.n == 1:
+                continue
+            node = self.plan.graph.nodes[sub.reduction.node]
+            bufs = [self.arrays[d][node] for d in range(self.backend.n)]
+            active = list(self.plan.of(node).compute)
+            out[sub.reduction.node] = self.backend.collective.prepare_allreduce(bufs, active)
+        return out
+
+    # ---------------------------------------------------------------- running
+    def set_input(self, t: Tensor, value: np.ndarray) -> None:
+        self.inputs[t][...] = np.asarray(value).reshape(self.inputs[t].shape)
+
+    def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
+        for t, v in (inputs or {}).items():
+            self.set_input(t, v)
+        n = self.backend.n
+        self._step_memo.clear()
+        pool = self.backend.pool()
+        for sub, per_dev, order in zip(self.plan.subgraphs, self.steps, self.node_major):
+            if pool is None:
+                for f in order:
+                    f()
+            else:   # simulated devices run side by side: numpy releases the GIL inside BLAS
+                futures = [pool.submit(_run_all, per_dev[d]) for d in range(1, n)]
+                _run_all(per_dev[0])
+                for fut in futures:
+                    fut.result()
+            if sub.reduction is not None and n > 1:
+                self._reduce[sub.reduction.node]()
