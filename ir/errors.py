@@ -42,3 +42,8 @@ class BackendUnavailableError(MetatpError):
 
 class MemoryPlanError(MetatpError):
     """The model, KV cache and buffers do not fit in the per-device memory budget."""
+
+
+class NumericalError(MetatpError):
+    """The model computed NaN or infinite logits: the model file is broken (NaN/inf weights, or
+    hyper-parameters that overflow); sampling them would silently give token 0."""

@@ -7,7 +7,9 @@ Weights stay memory-mapped until a backend asks for them.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -73,12 +75,30 @@ class WeightInfo:
         return int(self.raw.nbytes)
 
 
-def _as_per_layer(v: Any, n_layer: int, what: str) -> list[int]:
-    if isinstance(v, (list, tuple)):
-        if len(v) != n_layer:
-            raise ModelFormatError(f"{what} has {len(v)} entries for {n_layer} layers")
-        return [int(x) for x in v]
-    return [int(v)] * n_layer
+# Upper bounds far above any real model, low enough that nothing sized by them explodes.
+MAX_LAYERS = 4096
+MAX_EMBD = 1 << 17
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 14
+MAX_FF = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_CTX = 1 << 27
+MAX_EXPERTS = 1 << 12
+
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+# Weights that are matrices (2-D), or stacks of expert matrices (3-D), whatever their block.
+_MATRIX_SUFFIXES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_qkv.weight", "attn_output.weight",
+                    "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "ffn_gate_inp.weight",
+                    "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+_EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
 class Model:
@@ -88,7 +108,10 @@ class Model:
         self.path = path
         self.metadata = metadata
         self.weights = weights
-        self.arch = str(metadata.get("general.architecture", ""))
+        arch = metadata.get("general.architecture", "")
+        if not isinstance(arch, str):
+            raise ModelFormatError(f"{path.name}: metadata general.architecture = {arch!r} is not a string")
+        self.arch = arch
         self.name = str(metadata.get("general.name", path.stem))
         from metatp.ir.models import check_architecture, prepare_hparams
 
@@ -105,44 +128,142 @@ class Model:
             raise ModelFormatError(f"{self.path.name}: missing metadata key {k!r}")
         return default
 
+    def _bad(self, suffix: str, value: Any, want: str) -> ModelFormatError:
+        return ModelFormatError(f"{self.path.name}: metadata {self.arch}.{suffix} = {value!r} is invalid: "
+                                f"expected {want}")
+
+    def _int(self, suffix: str, default: Any, lo: int, hi: int, required: bool = False) -> int:
+        """An integer hyper-parameter in [lo, hi]; a float, string, bool or NaN names the key."""
+        v = self._key(suffix, default, required)
+        if not _is_int(v) or not lo <= v <= hi:
+            raise self._bad(suffix, v, f"an integer in [{lo}, {hi}]")
+        return v
+
+    def _float(self, suffix: str, default: float, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+        v = self._key(suffix, default)
+        if not _is_real(v) or v < lo or (lo_open and v == lo) or v > hi:
+            bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+            raise self._bad(suffix, v, f"a finite number {bound}" + (f" and <= {hi:g}" if hi != math.inf else ""))
+        return float(v)
+
+    def _per_layer(self, suffix: str, default: Any, n_layer: int, lo: int, hi: int) -> list[int]:
+        v = self._key(suffix, default)
+        if isinstance(v, (list, tuple)):
+            if len(v) != n_layer:
+                raise ModelFormatError(f"{self.path.name}: metadata {self.arch}.{suffix} has {len(v)} entries "
+                                       f"for {n_layer} layers (block_count)")
+            for x in v:
+                if not _is_int(x) or not lo <= x <= hi:
+                    raise self._bad(suffix, x, f"integers in [{lo}, {hi}] (one per layer)")
+            return list(v)
+        if not _is_int(v) or not lo <= v <= hi:
+            raise self._bad(suffix, v, f"an integer in [{lo}, {hi}] or one per layer")
+        return [v] * n_layer
+
+    def _bool(self, suffix: str, default: bool) -> bool:
+        v = self._key(suffix, default)
+        if not isinstance(v, bool):
+            raise self._bad(suffix, v, "a boolean")
+        return v
+
     def _read_hparams(self) -> HParams:
-        k = self._key
-        n_layer = int(k("block_count", required=True))
-        n_embd = int(k("embedding_length", required=True))
-        n_head = int(k("attention.head_count", required=True))
-        if n_layer <= 0 or n_embd <= 0 or n_head <= 0:
-            raise ModelFormatError(f"{self.path.name}: block_count, embedding_length and head_count must be positive")
-        n_head_kv = _as_per_layer(k("attention.head_count_kv", n_head), n_layer, "head_count_kv")
-        n_ff = _as_per_layer(k("feed_forward_length", 0), n_layer, "feed_forward_length")
-        head_dim_k = int(k("attention.key_length", n_embd // n_head))
-        head_dim_v = int(k("attention.value_length", n_embd // n_head))
-        if any(h <= 0 or n_head % h for h in n_head_kv):
-            raise ModelFormatError(f"{self.path.name}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv[0]}")
+        """Hyper-parameters, each checked for type and range (naming the key), then against each
+        other and against the tensors, so that a hostile file fails here and not mid-generation."""
+        name = self.path.name
+        n_layer = self._int("block_count", None, 1, MAX_LAYERS, required=True)
+        self._check_blocks(n_layer)
+        n_embd = self._int("embedding_length", None, 1, MAX_EMBD, required=True)
+        n_head = self._int("attention.head_count", None, 1, MAX_HEADS, required=True)
+        n_head_kv = self._per_layer("attention.head_count_kv", n_head, n_layer, 1, n_head)
+        if any(n_head % h for h in n_head_kv):
+            raise ModelFormatError(f"{name}: head_count {n_head} is not a multiple of head_count_kv "
+                                   f"{next(h for h in n_head_kv if n_head % h)}")
+        n_ff = self._per_layer("feed_forward_length", 0, n_layer, 0, MAX_FF)
+        default_hd = n_embd // n_head
+        head_dim_k = self._int("attention.key_length", default_hd if default_hd else None, 1, MAX_HEAD_DIM)
+        head_dim_v = self._int("attention.value_length", default_hd if default_hd else None, 1, MAX_HEAD_DIM)
         emb = self.weights.get("token_embd.weight")
         if emb is None:
-            raise ModelFormatError(f"{self.path.name}: no token_embd.weight tensor")
-        n_vocab = int(k("vocab_size", emb.ne[1]))
-        eps = k("attention.layer_norm_rms_epsilon", None)
-        if eps is None:
-            eps = k("attention.layer_norm_epsilon", 1e-5)
+            raise ModelFormatError(f"{name}: no token_embd.weight tensor")
+        if len(emb.ne) != 2 or emb.ne[0] != n_embd:
+            raise ModelFormatError(f"{name}: tensor 'token_embd.weight' has shape {list(emb.ne)}, expected "
+                                   f"[{n_embd}, n_vocab] (embedding_length = {n_embd})")
+        n_vocab = self._int("vocab_size", emb.ne[1], 1, MAX_VOCAB)
+        if n_vocab != emb.ne[1]:
+            raise ModelFormatError(f"{name}: metadata {self.arch}.vocab_size = {n_vocab} but 'token_embd.weight' "
+                                   f"has {emb.ne[1]} rows")
+        out = self.weights.get("output.weight")
+        if out is not None and (len(out.ne) != 2 or tuple(out.ne) != (n_embd, n_vocab)):
+            raise ModelFormatError(f"{name}: tensor 'output.weight' has shape {list(out.ne)}, expected "
+                                   f"[{n_embd}, {n_vocab}] (embedding_length, n_vocab)")
+        self._check_ranks()
+        eps_key = ("attention.layer_norm_rms_epsilon" if f"{self.arch}.attention.layer_norm_rms_epsilon" in self.metadata
+                   else "attention.layer_norm_epsilon")
+        eps = self._float(eps_key, 1e-5, 0.0, 1.0)
         rope_scale = 1.0
-        if k("rope.scaling.type", "none") == "linear":
-            rope_scale = 1.0 / float(k("rope.scaling.factor", 1.0))
+        scaling = self._key("rope.scaling.type", "none")
+        if not isinstance(scaling, str):
+            raise self._bad("rope.scaling.type", scaling, "a string such as 'none' or 'linear'")
+        if scaling == "linear":
+            rope_scale = 1.0 / self._float("rope.scaling.factor", 1.0, 0.0, 1e6, lo_open=True)
+        rope_dims = self._int("rope.dimension_count", head_dim_k, 2, head_dim_k)
+        if rope_dims % 2:
+            raise self._bad("rope.dimension_count", rope_dims, f"an even number <= the head size {head_dim_k}")
+        n_expert = self._int("expert_count", 0, 0, MAX_EXPERTS)
+        n_expert_used = self._int("expert_used_count", 0, 1 if n_expert else 0, n_expert)
+        for key in ("logit_scale", "expert_weights_scale"):
+            self._float(key, 0.0, -1e6, 1e6)       # read by the graph builders; checked once here
         hp = HParams(
             arch=self.arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
-            n_vocab=n_vocab, n_ctx_train=int(k("context_length", 2048)), head_dim_k=head_dim_k,
-            head_dim_v=head_dim_v, rope_dims=int(k("rope.dimension_count", head_dim_k)),
-            rope_freq_base=float(k("rope.freq_base", 10000.0)), rope_freq_scale=rope_scale,
-            rope_freq_base_swa=float(k("rope.freq_base_swa", 10000.0)), norm_eps=float(eps),
-            n_expert=int(k("expert_count", 0)), n_expert_used=int(k("expert_used_count", 0)),
-            n_ff_exp=int(k("expert_feed_forward_length", 0)),
-            n_ff_shexp=int(k("expert_shared_feed_forward_length", 0)),
-            expert_weights_norm=bool(k("expert_weights_norm", False)),
-            sliding_window=int(k("attention.sliding_window", 0)),
-            attn_logit_softcap=float(k("attn_logit_softcapping", 0.0)),
-            final_logit_softcap=float(k("final_logit_softcapping", 0.0)),
+            n_vocab=n_vocab, n_ctx_train=self._int("context_length", 2048, 1, MAX_CTX), head_dim_k=head_dim_k,
+            head_dim_v=head_dim_v, rope_dims=rope_dims,
+            rope_freq_base=self._float("rope.freq_base", 10000.0, 0.0, 1e12, lo_open=True), rope_freq_scale=rope_scale,
+            rope_freq_base_swa=self._float("rope.freq_base_swa", 10000.0, 0.0, 1e12, lo_open=True), norm_eps=eps,
+            n_expert=n_expert, n_expert_used=n_expert_used,
+            n_ff_exp=self._int("expert_feed_forward_length", 0, 0, MAX_FF),
+            n_ff_shexp=self._int("expert_shared_feed_forward_length", 0, 0, MAX_FF),
+            expert_weights_norm=self._bool("expert_weights_norm", False),
+            sliding_window=self._int("attention.sliding_window", 0, 0, MAX_CTX),
+            attn_logit_softcap=self._float("attn_logit_softcapping", 0.0, 0.0, 1e6),
+            final_logit_softcap=self._float("final_logit_softcapping", 0.0, 0.0, 1e6),
         )
         return hp
+
+    def _check_blocks(self, n_layer: int) -> None:
+        """block_count must match the blk.N tensors: a count far above them would size per-layer
+        lists and KV caches by a number the file does not back."""
+        present = {int(m.group(1)) for n in self.weights if (m := _BLOCK.match(n))}
+        if not present:
+            return          # tools build graphs from metadata-only files
+        missing = [i for i in range(min(n_layer, max(present) + 2)) if i not in present]
+        if n_layer > max(present) + 1 or missing:
+            first = missing[0] if missing else max(present) + 1
+            raise ModelFormatError(f"{self.path.name}: metadata {self.arch}.block_count = {n_layer} but the file "
+                                   f"has no tensors for block {first} (blk.{first}.*)")
+        if max(present) >= n_layer:
+            raise ModelFormatError(f"{self.path.name}: metadata {self.arch}.block_count = {n_layer} but the file has "
+                                   f"tensors for block {max(present)} (blk.{max(present)}.*)")
+
+    def _check_ranks(self) -> None:
+        """Matrices are 2-D and expert stacks 3-D (trailing 1s aside): a reshaped weight is refused by name."""
+        for w in self.weights.values():
+            want = 3 if w.name.endswith(_EXPERT_SUFFIXES) else 2 if w.name.endswith(_MATRIX_SUFFIXES) else None
+            if want is None:
+                continue
+            rank = len(w.ne)
+            while rank > want and w.ne[rank - 1] == 1:
+                rank -= 1
+            if rank != want:
+                raise ModelFormatError(f"{self.path.name}: tensor {w.name!r} has shape {list(w.ne)}; "
+                                       f"expected a {want}-D weight")
+
+    def check_tokenizer(self) -> None:
+        """The vocabulary must have one token per embedding row: more tokens could not be embedded,
+        fewer would let the model emit ids that cannot be printed."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) != self.hparams.n_vocab:
+            raise ModelFormatError(f"{self.path.name}: the vocabulary (tokenizer.ggml.tokens) has {len(tokens)} "
+                                   f"tokens but 'token_embd.weight' has {self.hparams.n_vocab} rows")
 
     @cached_property
     def tokenizer(self):
@@ -211,7 +332,10 @@ def load_model(path: str | os.PathLike, with_tokenizer: bool = True) -> Model:
         start = layout.data_offset + t.offset
         raw = data[start:start + t.n_bytes]
         weights[t.name] = WeightInfo(t.name, ggml_type, tuple(int(x) for x in t.ne), _typed_view(raw, ggml_type, t.ne))
-    return Model(p, metadata, weights)
+    model = Model(p, metadata, weights)
+    if with_tokenizer:
+        model.check_tokenizer()
+    return model
 
 
 def _typed_view(raw: np.ndarray, ggml_type: GGMLType, ne: tuple[int, ...]) -> np.ndarray:

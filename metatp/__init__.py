@@ -6,7 +6,7 @@
 """
 
 from metatp.ir.errors import (BackendUnavailableError, ConfigError, ContextOverflowError, MemoryPlanError,
-                              MetatpError, ModelFormatError, ModelNotFoundError, SplitError,
+                              MetatpError, ModelFormatError, ModelNotFoundError, NumericalError, SplitError,
                               UnsupportedArchitectureError, UnsupportedOpError)
 from metatp.sampling import SamplingParams
 from metatp.api import LLM, CompletionOutput, RequestOutput
@@ -17,4 +17,5 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
     "MetatpError", "ModelFormatError", "ModelNotFoundError", "UnsupportedArchitectureError", "UnsupportedOpError",
     "SplitError", "ConfigError", "ContextOverflowError", "BackendUnavailableError", "MemoryPlanError",
+    "NumericalError",
 ]

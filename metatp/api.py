@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import time
 import uuid
@@ -11,8 +13,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ConfigError, ContextOverflowError
-from metatp.sampling import Sampler, SamplingParams
+from metatp.ir.errors import ConfigError, ContextOverflowError, NumericalError
+from metatp.sampling import Sampler, SamplingParams, check_seed
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -80,6 +82,98 @@ class _StopMatcher:
         return out
 
 
+# ---------------------------------------------------------------- argument checks at the public boundary
+def _type_name(v: Any) -> str:
+    return type(v).__name__
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ConfigError(f"{name} must be True or False, got {v!r} ({_type_name(v)})")
+
+
+def _check_opt_bool(name: str, v: Any) -> bool | None:
+    return None if v is None else _check_bool(name, v)
+
+
+def _token_ids(name: str, ids: Any) -> list[int]:
+    """A sequence of integer token ids (list, tuple, range, 1-D numpy integer array) as ints.
+
+    Floats are refused rather than truncated (a float id is almost always a mixed-up array)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
+            raise ConfigError(f"{name} must be a 1-D array of integer token ids, got an array of "
+                              f"shape {ids.shape} and dtype {ids.dtype}")
+        return [int(i) for i in ids]
+    if isinstance(ids, (str, bytes, dict, set, frozenset)) or not isinstance(ids, (Sequence, range)):
+        raise ConfigError(f"{name} must be a list of integer token ids, got {_type_name(ids)} {_short(ids)}")
+    out = []
+    for k, i in enumerate(ids):
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+            raise ConfigError(f"{name}[{k}] must be an integer token id, got {i!r} ({_type_name(i)})")
+        out.append(int(i))
+    return out
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def _message_content(i: int, content: Any) -> str:
+    """A chat message's content as text: a string, None (no content: ""), or OpenAI content parts
+    of type "text" (joined with newlines, as vLLM does)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for k, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, dict) or "type" not in part:
+                raise ConfigError(f"messages[{i}]['content'][{k}] must be a content part like "
+                                  f"{{'type': 'text', 'text': ...}}, got {_short(part)}")
+            if part["type"] != "text":
+                raise ConfigError(f"messages[{i}]['content'][{k}] has type {part['type']!r}; this model takes "
+                                  "text only (content parts of type 'text')")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ConfigError(f"messages[{i}]['content'][{k}]['text'] must be a string, got {_short(text)}")
+            texts.append(text)
+        return "\n".join(texts)
+    raise ConfigError(f"messages[{i}]['content'] must be a string, None or a list of text content parts, "
+                      f"got {_type_name(content)} {_short(content)}")
+
+
+def _chat_messages(messages: Any) -> list[dict]:
+    """OpenAI-style messages, normalised for the template: content always a string."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
+                          f"got {_type_name(messages)} {_short(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ConfigError(f"messages[{i}] must be a dict with a 'role', got {_short(m)}")
+        if not isinstance(m["role"], str):
+            raise ConfigError(f"messages[{i}]['role'] must be a string, got {_short(m['role'])}")
+        out.append({**m, "content": _message_content(i, m.get("content"))})
+    return out
+
+
+def _check_logits(logits: np.ndarray, what: str) -> None:
+    """NaN or infinite logits mean a broken model (NaN weights, overflowing hyper-parameters);
+    sampling them would silently give token 0. One max is cheap next to a forward step."""
+    top = float(np.max(logits))
+    if not math.isfinite(top):
+        bad = "NaN" if math.isnan(top) or np.isnan(logits).any() else "infinite"
+        raise NumericalError(f"the model computed {bad} logits {what}; the model file is broken "
+                             "(NaN/inf weights or hyper-parameters that overflow)")
+
+
 class LLM:
     """A GGUF model on one or more (simulated or real) devices.
 
@@ -106,15 +200,32 @@ class LLM:
         from metatp.models import resolve_model
         from metatp.passes.plan import DeviceLayout
 
-        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0):
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ConfigError(f"model must be a GGUF path or a known model name (str or path), got "
+                              f"{_type_name(model)} {_short(model)}")
+        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx <= 0):
             raise ConfigError(f"n_ctx must be a positive integer, got {n_ctx!r}")
-        if isinstance(n_batch, bool) or not isinstance(n_batch, int) or n_batch <= 0:
+        n_ctx = None if n_ctx is None else int(n_ctx)
+        if isinstance(n_batch, bool) or not isinstance(n_batch, numbers.Integral) or n_batch <= 0:
             raise ConfigError(f"n_batch must be a positive integer, got {n_batch!r}")
+        n_batch = int(n_batch)
+        if isinstance(n_devices, numbers.Integral) and not isinstance(n_devices, (bool, np.bool_)):
+            n_devices = int(n_devices)
+        for name, v in (("backend", backend), ("numerics", numerics)):
+            if not isinstance(v, str):
+                raise ConfigError(f"{name} must be a string, got {_type_name(v)} {_short(v)}")
+        if split_mode is not None and not isinstance(split_mode, str):
+            raise ConfigError(f"split_mode must be 'none', 'tensor' or None, got {_short(split_mode)}")
+        seed = check_seed("seed", seed)
+        fit_context = _check_bool("fit_context", fit_context)
+        verbose = _check_bool("verbose", verbose)
+        cpu_kernels = _check_opt_bool("cpu_kernels", cpu_kernels)
+        if memory_budget is not None and (isinstance(memory_budget, bool)
+                                          or not isinstance(memory_budget, (str, numbers.Integral))):
+            raise ConfigError(f"memory_budget must be bytes (an int) or a size like '8GiB', got {_short(memory_budget)}")
+        ts = self._tensor_split(tensor_split)
         if split_mode is None:
-            split_mode = "tensor" if (isinstance(n_devices, int) and n_devices > 1) or tensor_split else "none"
-        ts = None
-        if tensor_split is not None:
-            ts = DeviceLayout.parse_split(tensor_split) if isinstance(tensor_split, str) else tuple(tensor_split)
+            split_mode = "tensor" if (isinstance(n_devices, int) and n_devices > 1) or ts else "none"
         self.layout = DeviceLayout(n_devices, split_mode, ts)
         self.model_path = resolve_model(model, quiet=not verbose)
         self.model = load_model(self.model_path)
@@ -134,6 +245,27 @@ class LLM:
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)
         self._rng = np.random.default_rng(seed)
         self.verbose = verbose
+
+    @staticmethod
+    def _tensor_split(tensor_split: Any) -> tuple[float, ...] | None:
+        """'3,1', a sequence or a 1-D array of shares -> a tuple of floats (the layout checks the values)."""
+        from metatp.passes.plan import DeviceLayout
+
+        if tensor_split is None:
+            return None
+        if isinstance(tensor_split, str):
+            return DeviceLayout.parse_split(tensor_split)
+        if isinstance(tensor_split, np.ndarray) and tensor_split.ndim == 1:
+            tensor_split = tensor_split.tolist()
+        if isinstance(tensor_split, (bytes, dict)) or not isinstance(tensor_split, Sequence):
+            raise ConfigError(f"tensor_split must be a sequence of per-device shares like [3, 1] or '3,1', "
+                              f"got {_type_name(tensor_split)} {_short(tensor_split)}")
+        out = []
+        for x in tensor_split:
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+                raise ConfigError(f"tensor_split entries must be finite numbers >= 0, got {_short(list(tensor_split))}")
+            out.append(float(x))
+        return tuple(out)
 
     def _check_memory(self, budget, fit: bool, n_batch: int):
         """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget."""
@@ -184,30 +316,41 @@ class LLM:
 
     def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; honours the model's add_bos flag unless add_bos is given."""
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+        if isinstance(text, bytes):
+            raise ConfigError("tokenize needs text (str), got bytes; decode it first, e.g. data.decode('utf-8')")
+        if not isinstance(text, str):
+            raise ConfigError(f"tokenize needs text (str), got {_type_name(text)} {_short(text)}")
+        return self.tokenizer.encode(text, add_bos=_check_opt_bool("add_bos", add_bos),
+                                     special=_check_bool("special", special))
 
     def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+        """Text of token ids (integers: numpy integer arrays are fine, floats are refused)."""
+        return self.tokenizer.decode(self._check_ids(ids, "ids", allow_empty=True),
+                                     skip_special=_check_bool("skip_special", skip_special))
 
     # ---------------------------------------------------------------- scoring
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """float32 logits [len(ids), n_vocab] at every position of a fresh sequence."""
-        ids = self._check_ids(ids)
+        ids = self._check_ids(ids, "ids")
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
-        self.engine.reset()
-        return self.engine.forward(ids, all_logits=True)
+        logits = self.engine.forward(ids, all_logits=True, seq=self.engine.new_sequence())
+        _check_logits(logits, f"for a sequence of {len(ids)} tokens")
+        return logits
 
-    def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise ConfigError("need at least one token id")
+    def _check_ids(self, ids: Any, name: str = "prompt", allow_empty: bool = False) -> list[int]:
+        ids = _token_ids(name, ids)
+        if not ids and not allow_empty:
+            raise ConfigError(f"{name}: need at least one token id")
         bad = [i for i in ids if not 0 <= i < self.n_vocab]
         if bad:
-            raise ConfigError(f"token id {bad[0]} is out of range for a vocabulary of {self.n_vocab}")
+            raise ConfigError(f"{name}: token id {bad[0]} is out of range for a vocabulary of {self.n_vocab}")
         return ids
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt (text, or integer token ids) as ids."""
+        if isinstance(prompt, bytes):
+            raise ConfigError("a prompt must be text (str) or token ids, got bytes; decode it first")
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
             if not ids:
@@ -237,11 +380,12 @@ class LLM:
         dec = StreamDecoder(self.tokenizer, skip_special=True)
         eog = set() if params.ignore_eos else set(self.tokenizer.eog_ids)
         stop_ids = set(params.stop_token_ids)
-        self.engine.reset()
-        logits = self.engine.forward(prompt_ids)
+        seq = self.engine.new_sequence()       # this stream's own rows in the shared KV cache
+        logits = self.engine.forward(prompt_ids, seq=seq)
         history = list(prompt_ids)
         n = 0
         while True:
+            _check_logits(logits, f"after {len(history)} tokens")
             tok = sampler(logits, history)
             history.append(tok)
             n += 1
@@ -258,30 +402,45 @@ class LLM:
                             "stop" if hit is not None else "length", hit)
                 return
             yield _Step(tok, text)
-            logits = self.engine.forward([tok])
+            logits = self.engine.forward([tok], seq=seq)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
+        """One whole generation. It holds the engine for the whole call (no generator escapes
+        here), so another thread's call waits instead of forcing a KV rebuild at every step."""
         ids: list[int] = []
         pieces: list[str] = []
         finish, reason = "length", None
-        for step in self._stream(prompt_ids, params):
-            if step.token is not None:
-                ids.append(step.token)
-            pieces.append(step.text)
-            if step.finish_reason:
-                finish, reason = step.finish_reason, step.stop_reason
+        with self.engine.lock:
+            for step in self._stream(prompt_ids, params):
+                if step.token is not None:
+                    ids.append(step.token)
+                pieces.append(step.text)
+                if step.finish_reason:
+                    finish, reason = step.finish_reason, step.stop_reason
         return ids, "".join(pieces), finish, reason
 
     # ---------------------------------------------------------------- vLLM-style
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids); vLLM-shaped results."""
-        params = sampling_params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]          # type: ignore[list-item]
+        """Generate for each prompt (a string or a list of token ids); vLLM-shaped results.
+
+        `sampling_params`: one SamplingParams for every prompt, or a list of one per prompt."""
+        prompts = self._prompt_list(prompts)
+        if sampling_params is None:
+            per_prompt = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(x, SamplingParams) for x in sampling_params):
+            if len(sampling_params) != len(prompts):
+                raise ConfigError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
+            per_prompt = list(sampling_params)
+        else:
+            hint = "; build one with SamplingParams(**d)" if isinstance(sampling_params, dict) else ""
+            raise ConfigError(f"sampling_params must be a SamplingParams (or a list of one per prompt), got "
+                              f"{_type_name(sampling_params)} {_short(sampling_params)}{hint}")
+        all_ids = [self._prompt_ids(p) for p in prompts]      # every prompt checked before any work
         results = []
-        for p in prompts:
-            ids = self._prompt_ids(p)
+        for p, ids, params in zip(prompts, all_ids, per_prompt):
             t0 = time.perf_counter()
             out_ids, text, finish, reason = self._run(ids, params)
             results.append(RequestOutput(
@@ -290,15 +449,34 @@ class LLM:
                 metrics={"seconds": time.perf_counter() - t0}))
         return results
 
+    @staticmethod
+    def _prompt_list(prompts: Any) -> list:
+        """vLLM's prompt forms: a string, a list of ids, or a list of either (numpy arrays too)."""
+        if isinstance(prompts, np.ndarray):
+            if prompts.ndim == 1:
+                return [prompts]
+            if prompts.ndim == 2:
+                return list(prompts)
+            raise ConfigError(f"prompts: an array of token ids must be 1-D or 2-D, got shape {prompts.shape}")
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+            raise ConfigError(f"prompts must be a string, a list of token ids, or a list of those, got "
+                              f"{_type_name(prompts)} {_short(prompts)}")
+        if not prompts:
+            raise ConfigError("prompts is empty: pass at least one prompt")
+        if isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool):
+            return [prompts]
+        return list(prompts)
+
     # ---------------------------------------------------------------- llama-cpp-python-style
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, stop: str | list[str] | None = None,
                           stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
                           echo: bool = False) -> dict | Iterator[dict]:
         """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns."""
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
-                                repetition_penalty=repeat_penalty)
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
+        stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         ids = self._prompt_ids(prompt)
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
@@ -329,14 +507,15 @@ class LLM:
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
                                repeat_penalty: float = 1.0) -> dict | Iterator[dict]:
-        """OpenAI-style chat completion using the GGUF's chat template."""
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ConfigError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        """OpenAI-style chat completion using the GGUF's chat template.
+
+        Message content may be a string, None, or OpenAI content parts of type "text"."""
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
+        stream = _check_bool("stream", stream)
+        prompt = self.tokenizer.apply_chat_template(_chat_messages(messages), add_generation_prompt=True)
         ids = self.tokenize(prompt, special=True)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
-                                repetition_penalty=repeat_penalty)
+        if not ids:
+            raise ConfigError("the chat template rendered these messages as an empty prompt")
         cid = f"chatcmpl-{uuid.uuid4()}"
         created = int(time.time())
         model_name = str(self.model_path)
@@ -356,3 +535,14 @@ class LLM:
                              "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
                           "total_tokens": len(ids) + len(out_ids)}}
+
+
+def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:
+    """llama-cpp-python's keyword arguments as SamplingParams (top_k <= 0: disabled; seed -1: random)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise ConfigError(f"top_k must be an integer (<= 0 disables it), got {top_k!r}")
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed == -1:
+        seed = None          # llama.cpp's "random seed"
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=int(top_k) if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
+                          repetition_penalty=repeat_penalty)

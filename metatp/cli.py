@@ -16,6 +16,17 @@ from metatp.ir.errors import ConfigError, MetatpError
 __all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (`metatp: error: ...`), not the whole usage block.
+    Subcommand parsers are made from this class too (argparse uses the parent's class)."""
+
+    def error(self, message: str):
+        prog = self.prog.split()[-1] if " " in self.prog else None
+        where = f" {prog}" if prog and prog != "metatp" else ""
+        print(f"metatp{where}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
     p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
@@ -45,11 +56,12 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from metatp.api import LLM
 
-    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=args.seed, verbose=True, **layout_kwargs(args))
+    seed = None if args.seed == -1 else args.seed          # llama.cpp: -s -1 is a random seed
+    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=seed, verbose=True, **layout_kwargs(args))
     if args.prompt is None:
         raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
     kw = dict(max_tokens=None if args.n_predict < 0 else args.n_predict, temperature=args.temp, top_p=args.top_p,
-              top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop or None,
+              top_k=args.top_k, min_p=args.min_p, seed=seed, stop=args.stop or None,
               repeat_penalty=args.repeat_penalty, stream=True)
     if args.chat:
         chunks = llm.create_chat_completion([{"role": "user", "content": args.prompt}], **kw)
@@ -73,7 +85,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="metatp", description="GGUF models with tensor parallelism, from Python")
+    ap = _Parser(prog="metatp", description="GGUF models with tensor parallelism, from Python")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams to stdout)")
@@ -87,7 +99,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
     g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("-s", "--seed", type=int, default=0)
+    g.add_argument("-s", "--seed", type=int, default=0, help="random seed (-1: a different one every run)")
     g.add_argument("-r", "--reverse-prompt", dest="stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(func=_cmd_generate)
@@ -115,16 +127,43 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     print(f"metatp: warning: {message}", file=sys.stderr)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """What argparse's types cannot say: bench's device counts (a list) are >= 1; generate's single
+    count is checked by the layout (n_devices)."""
+    devices = getattr(args, "devices", None)
+    if isinstance(devices, str):
+        for part in devices.split(","):
+            part = part.strip()
+            if part and (not part.lstrip("-").isdigit() or int(part) < 1):
+                raise ConfigError(f"--devices: device counts must be integers >= 1, got {devices!r}")
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read prompt file {path!r}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"cannot read prompt file {path!r}: it is not UTF-8 text "
+                          f"(byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = _build_parser()
-    args = ap.parse_args(argv)
-    if getattr(args, "file", None):
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                args.prompt = f.read()
-        except OSError as e:
-            print(f"metatp: error: cannot read prompt file {args.file!r}: {e.strerror}", file=sys.stderr)
-            return 1
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:          # --help, or a bad flag (already reported on one line)
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        _check_args(args)
+        if getattr(args, "file", None):
+            args.prompt = _read_prompt_file(args.file)
+    except MetatpError as e:
+        print(f"metatp: error: {e}", file=sys.stderr)
+        return 1
     warnings.showwarning = _warning_line
     try:
         return int(args.func(args) or 0)
@@ -138,6 +177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except MemoryError:
         print("metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", file=sys.stderr)
+        return 1
+    except RecursionError:
+        print("metatp: error: the model is nested too deeply to process (recursion limit)", file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line for the user, the traceback on request
         if os.environ.get("METATP_DEBUG"):

@@ -2,23 +2,32 @@
 
 Graphs are built and compiled once per (n_tokens, padded KV length, n_outputs) and reused,
 so decoding a token costs one pass over prepared closures, not a rebuild.
+
+One KV cache serves every sequence of an `LLM` (streams advanced in turn, threads): each
+sequence is a `SequenceState` that records the forward calls that built its cache rows. The
+engine remembers which sequence the cache currently holds; when another one takes its next
+step, its rows are rebuilt by replaying its calls exactly as they ran (same chunks, same
+plans), which gives bit-identical rows -- the backend contract has no in-place KV write to
+restore a snapshot with. All of it runs under one lock per engine, held for one forward call
+(never across a generator's yield). The one-sequence case costs a lock and an identity check.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ContextOverflowError, UnsupportedOpError
+from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["Engine", "sliding_window_mask"]
+__all__ = ["Engine", "SequenceState", "sliding_window_mask"]
 
 
 def sliding_window_mask(mask: np.ndarray, pos: np.ndarray, window: int) -> np.ndarray:
@@ -38,8 +47,21 @@ def padded_kv(n_used: int, n_ctx: int) -> int:
     return min(-(-n_used // KV_PAD) * KV_PAD, n_ctx)
 
 
+class SequenceState:
+    """One sequence's claim on the shared KV cache: the forward calls that built its rows.
+
+    Replaying `calls` in order (from an empty cache) rebuilds exactly the rows the sequence
+    had, because each call runs the same chunks through the same plans again."""
+
+    __slots__ = ("calls", "n_past")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], bool]] = []     # (tokens, all_logits) per forward call
+        self.n_past = 0
+
+
 class Engine:
-    """Runs forward passes of one model for one sequence on a backend."""
+    """Runs forward passes of one model on a backend; sequences share one KV cache (see module doc)."""
 
     def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend, n_batch: int = 512) -> None:
         self.model = model
@@ -53,6 +75,9 @@ class Engine:
         self.max_plans = 12
         self._uploaded = False
         self._weight_states: dict = {}
+        self.lock = threading.RLock()       # one forward step (or one whole call) at a time
+        self._owner: SequenceState | None = None    # the sequence whose rows the cache holds
+        self.replays = 0                    # sequences rebuilt after another one used the cache
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
@@ -150,13 +175,56 @@ class Engine:
 
     # ---------------------------------------------------------------- running
     def reset(self) -> None:
-        self.n_past = 0
+        """Start the anonymous sequence (forward without `seq`) from an empty cache."""
+        with self.lock:
+            self.n_past = 0
+            self._owner = None
 
-    def forward(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Feed `tokens` after the cached ones; logits for the last token (or every token)."""
-        tokens = list(tokens)
+    def new_sequence(self) -> SequenceState:
+        """A fresh sequence; pass it to `forward(seq=...)` for every step of that sequence."""
+        return SequenceState()
+
+    def forward(self, tokens: Sequence[int], all_logits: bool = False,
+                seq: SequenceState | None = None) -> np.ndarray:
+        """Feed `tokens` after the cached ones; logits for the last token (or every token).
+
+        Without `seq`, continues the anonymous sequence at `self.n_past` (tools and tests drive
+        the cache directly). With `seq`, continues that sequence, first rebuilding its rows if
+        another sequence used the cache since its last step."""
+        tokens = [int(t) for t in tokens]
         if not tokens:
-            raise ValueError("forward needs at least one token")
+            raise ConfigError("forward needs at least one token")
+        with self.lock:
+            if seq is None:
+                self._owner = None
+                return self._forward(tokens, all_logits)
+            if seq.n_past + len(tokens) > self.n_ctx:
+                raise ContextOverflowError(
+                    f"{seq.n_past + len(tokens)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
+            if self._owner is not seq:
+                self._restore(seq)
+            try:
+                out = self._forward(tokens, all_logits)
+            except BaseException:
+                self._owner = None      # rows past seq.n_past may be half written: rebuild next time
+                raise
+            seq.calls.append((tuple(tokens), all_logits))
+            seq.n_past = self.n_past
+            return out
+
+    def _restore(self, seq: SequenceState) -> None:
+        """Rebuild `seq`'s cache rows by replaying its forward calls exactly as they ran."""
+        self._owner = None
+        self.n_past = 0
+        if seq.calls:
+            self.replays += 1
+        for toks, all_logits in seq.calls:
+            self._forward(list(toks), all_logits)
+        if self.n_past != seq.n_past:       # cannot happen unless the call log was tampered with
+            raise UnsupportedOpError(f"replaying a sequence gave {self.n_past} cached tokens, expected {seq.n_past}")
+        self._owner = seq
+
+    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray:
         if self.n_past + len(tokens) > self.n_ctx:
             raise ContextOverflowError(
                 f"{self.n_past + len(tokens)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
@@ -181,7 +249,7 @@ class Engine:
         n_vocab = self.model.hparams.n_vocab
         if ids.min() < 0 or ids.max() >= n_vocab:
             bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
-            raise ValueError(f"token id {bad} is out of range for a vocabulary of {n_vocab}")
+            raise ConfigError(f"token id {bad} is out of range for a vocabulary of {n_vocab}")
         mask = np.full((T, n_kv), -np.inf, dtype=np.float32)
         for i in range(T):
             mask[i, : self.n_past + i + 1] = 0.0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from metatp.ir.errors import ModelNotFoundError
+from metatp.ir.errors import ConfigError, ModelNotFoundError
 
 __all__ = ["KnownModel", "KNOWN_MODELS", "DEFAULT_MODEL", "cache_dir", "resolve_model", "fetch_model"]
 
@@ -84,13 +84,31 @@ def resolve_model(model: str | os.PathLike | None, *, quiet: bool = False) -> Pa
         model = DEFAULT_MODEL
     if isinstance(model, str) and model.lower() in KNOWN_MODELS:
         return fetch_model(model.lower(), quiet=quiet)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ConfigError(f"model must be a GGUF path or a known model name, got {type(model).__name__} {model!r}")
     path = Path(model).expanduser()
     if not path.is_file():
-        why = "is a directory, not a GGUF file" if path.is_dir() else "does not exist"
+        if path.is_dir():
+            why = "is a directory, not a GGUF file"
+        elif path.exists():         # stat only: opening a FIFO would block
+            why = f"is {_file_kind(path)}, not a regular GGUF file"
+        else:
+            why = "does not exist"
         raise ModelNotFoundError(
             f"model {str(model)!r} {why}; pass a path to a .gguf file or one of the known models: "
             + ", ".join(KNOWN_MODELS))
     return path.absolute()
+
+
+def _file_kind(path: Path) -> str:
+    import stat
+
+    mode = path.stat().st_mode
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
 
 
 def fetch_model(name: str, *, quiet: bool = False) -> Path:

@@ -3,22 +3,43 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from metatp.ir.errors import ConfigError
 
-__all__ = ["SamplingParams", "Sampler"]
+__all__ = ["SamplingParams", "Sampler", "check_seed"]
 
 
-def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"{name} must be a finite number, got {v!r}")
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, (bool, np.bool_))
+
+
+def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
+    """A finite real number in range (numpy scalars welcome) as a Python float."""
+    if _is_bool(v) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        raise ConfigError(f"{name} must be a finite number, got {v!r} ({type(v).__name__})")
     if v < lo or (lo_open and v == lo) or v > hi:
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
+    return float(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not _is_bool(v)
+
+
+def check_seed(name: str, seed: Any) -> int | None:
+    """A random seed: None (random) or an integer >= 0 (numpy's generators refuse negative seeds)."""
+    if seed is None:
+        return None
+    if not _integer(seed) or seed < 0:
+        raise ConfigError(f"{name} must be an integer >= 0 or None (a random seed), got {seed!r} "
+                          f"({type(seed).__name__})")
+    return int(seed)
 
 
 @dataclass
@@ -37,23 +58,32 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 0):
+        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 0):
             raise ConfigError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
-        _number("temperature", self.temperature, 0.0)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
+        if self.max_tokens is not None:
+            self.max_tokens = int(self.max_tokens)
+        self.temperature = _number("temperature", self.temperature, 0.0)
+        if not _integer(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise ConfigError(f"top_k must be -1/0 (disabled) or a positive integer, got {self.top_k!r}")
-        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _number("min_p", self.min_p, 0.0, 1.0)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}")
+        self.top_k = int(self.top_k)
+        self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
+        self.seed = check_seed("seed", self.seed)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not all(isinstance(s, str) for s in self.stop):
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
                 raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
             self.stop = [s for s in self.stop if s]
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, (list, tuple)) \
+                or not all(_integer(i) and i >= 0 for i in ids):
+            raise ConfigError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        self.stop_token_ids = [int(i) for i in ids]
+        if not _is_bool(self.ignore_eos):
+            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.ignore_eos = bool(self.ignore_eos)
 
     @property
     def greedy(self) -> bool:

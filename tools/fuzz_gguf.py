@@ -1,20 +1,29 @@
-"""Fuzz `metatp.ir.gguf_validate.validate_gguf` with mutated GGUF files.
+"""Fuzz GGUF files: their bytes (the validator) and their metadata values (the loader and the API).
 
-The contract under test: on any file the validator either raises `GGUFFieldError` or
-returns a layout, quickly and without a large allocation; and when it returns a layout,
-`gguf.GGUFReader` opens the same file without raising and agrees with the layout (tensor
-names, shapes, types, offsets, sizes, keys and value types).
+Bytes: on any file the validator either raises `GGUFFieldError` or returns a layout, quickly
+and without a large allocation; and when it returns a layout, `gguf.GGUFReader` opens the same
+file without raising and agrees with the layout (tensor names, shapes, types, offsets, sizes,
+keys and value types).
 
-`tests/test_gguf_hostile.py` drives the same mutators and oracle with hypothesis for a
-few hundred examples; this script runs them for as long as you like:
+Values (`--values`): a well-formed file whose hyper-parameters, tensors or chat template are
+hostile (zero, negative, NaN, huge, of the wrong type; a missing or reshaped tensor; a template
+that loops, recurses or builds huge strings). Loading it, rendering its chat template and
+generating two tokens must each succeed or raise a `MetatpError`, within a time bound; never a
+hang or another exception.
+
+`tests/test_gguf_hostile.py` and `tests/test_reliability_hostile.py` drive the same mutators and
+oracles with hypothesis for a bounded number of examples; this script runs them for as long as
+you like:
 
     python -m metatp.tools.fuzz_gguf --examples 10000 [--seed 1] [--base model.gguf]
+    python -m metatp.tools.fuzz_gguf --values --examples 500 [--seed 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import itertools
 import os
 import random
@@ -22,8 +31,10 @@ import re
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import gguf
@@ -252,6 +263,268 @@ def run(examples: int, seed: int, base: bytes, use_reader: bool, save_dir: Path 
     return n_failed
 
 
+# -- metadata values: rewrite a well-formed file with hostile values --------------------------
+
+@dataclass
+class GGUFParts:
+    """A GGUF as plain parts that can be changed and written again (keys keep their value types)."""
+
+    arch: str
+    kvs: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]   # key -> (value, type, element type)
+    tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]]   # name, data, type, ne
+
+
+def read_parts(path: str | os.PathLike[str]) -> GGUFParts:
+    reader = gguf.GGUFReader(os.fspath(path))
+    kvs: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
+    arch = ""
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if key == "general.architecture":
+            arch = str(f.contents())
+            continue
+        sub = f.types[1] if len(f.types) > 1 else None
+        kvs[key] = (f.contents(), f.types[0], sub)
+    tensors = [(t.name, np.array(t.data), gguf.GGMLQuantizationType(int(t.tensor_type)),
+                tuple(int(x) for x in t.shape)) for t in reader.tensors]
+    return GGUFParts(arch, kvs, tensors)
+
+
+def write_parts(path: str | os.PathLike[str], parts: GGUFParts) -> None:
+    w = gguf.GGUFWriter(os.fspath(path), parts.arch)
+    for key, (value, vtype, sub) in parts.kvs.items():
+        w.add_key_value(key, value, vtype, sub_type=sub)
+    for name, data, qtype, ne in parts.tensors:
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, np.ascontiguousarray(data).reshape(tuple(reversed(ne))))
+        else:
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+VT = gguf.GGUFValueType
+
+# Values that break hyper-parameter readers: zero, negative, NaN, huge, and of the wrong type.
+HOSTILE_VALUES: tuple[tuple[Any, gguf.GGUFValueType], ...] = (
+    (0, VT.UINT32), (1, VT.UINT32), (3, VT.UINT32), (7, VT.UINT32), (1 << 31, VT.UINT32),
+    ((1 << 32) - 1, VT.UINT32), (-1, VT.INT32), (-(1 << 31), VT.INT32), ((1 << 63) - 1, VT.INT64),
+    (1 << 40, VT.UINT64), (0.0, VT.FLOAT32), (-0.0, VT.FLOAT32), (-1.0, VT.FLOAT32), (1e-30, VT.FLOAT32),
+    (1e30, VT.FLOAT32), (float("nan"), VT.FLOAT32), (float("inf"), VT.FLOAT32), (float("-inf"), VT.FLOAT64),
+    (2.5, VT.FLOAT32), (True, VT.BOOL), ("32", VT.STRING), ("", VT.STRING), ("linear", VT.STRING),
+    ("yarn", VT.STRING),
+)
+
+# Keys a loader trusts; {arch} is filled in.
+HPARAM_KEYS = (
+    "{arch}.block_count", "{arch}.context_length", "{arch}.embedding_length", "{arch}.feed_forward_length",
+    "{arch}.attention.head_count", "{arch}.attention.head_count_kv", "{arch}.attention.key_length",
+    "{arch}.attention.value_length", "{arch}.rope.dimension_count", "{arch}.rope.freq_base",
+    "{arch}.rope.scaling.type", "{arch}.rope.scaling.factor", "{arch}.attention.layer_norm_rms_epsilon",
+    "{arch}.attention.layer_norm_epsilon", "{arch}.vocab_size", "{arch}.expert_count",
+    "{arch}.expert_used_count", "{arch}.attention.sliding_window", "{arch}.final_logit_softcapping",
+    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "general.architecture",
+)
+
+# Templates that loop, compute, recurse, grow or reach outside without bound (and two that are fine).
+HOSTILE_TEMPLATES = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+    "{{ 2 ** 100000000 }}",
+    "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x }}",
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{{ 'a' * 10000000000 }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+    "{% include 'chat.jinja' %}", "{% import 'macros' as m %}", "{% extends 'base' %}",
+    "{{ 'a'.center(10000000000) }}", "{{ 'a'|center(10000000000) }}", "{{ '{:>999999999}'.format(1) }}",
+    "{{ '%999999999d' % 1 }}", "{{ range(100000)|map('string')|map('center', 1000000)|list|length }}",
+    "{{ (range(100000)|list)|join('x' * 1000000) }}", "{{ messages|tojson(indent=100000000) }}",
+    "{{ 1 / 0 }}", "{% for %}", "{{ ''.__class__.__mro__ }}", "{% if true %}" * 400 + "{% endif %}" * 400,
+    "{{ raise_exception('no') }}", "{{ messages[5]['content'] }}", "{{ cycler }}",
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    "",
+)
+
+# How one example changes the file.
+ValueMutation = tuple[str, Callable[[GGUFParts], None]]
+
+
+def set_key(key: str, value: Any, vtype: gguf.GGUFValueType) -> ValueMutation:
+    def apply(p: GGUFParts) -> None:
+        k = key.format(arch=p.arch)
+        if k == "general.architecture":
+            p.arch = str(value)
+            return
+        p.kvs[k] = (value, vtype, None)
+    return f"set {key} = {value!r} ({vtype.name})", apply
+
+
+def delete_key(key: str) -> ValueMutation:
+    return f"delete {key}", lambda p: p.kvs.pop(key.format(arch=p.arch), None)
+
+
+def set_template(template: str) -> ValueMutation:
+    def apply(p: GGUFParts) -> None:
+        p.kvs["tokenizer.chat_template"] = (template, VT.STRING, None)
+    return f"template {template[:60]!r}", apply
+
+
+def drop_tensor(index: int) -> ValueMutation:
+    def apply(p: GGUFParts) -> None:
+        del p.tensors[index % len(p.tensors)]
+    return f"drop tensor #{index}", apply
+
+
+def reshape_tensor(index: int, how: str) -> ValueMutation:
+    """Change a tensor's rank or shape without changing its bytes (a weight of the wrong rank)."""
+    def apply(p: GGUFParts) -> None:
+        i = index % len(p.tensors)
+        name, data, qtype, ne = p.tensors[i]
+        if qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            return
+        n = int(np.prod(ne))
+        if how == "flat":
+            new = (n,)
+        elif how == "3d":
+            new = (ne[0], 1, n // ne[0])         # a matrix with a unit middle dim: rank 3
+        elif how == "transpose":
+            new = tuple(reversed(ne))
+        else:       # "split": half as wide, twice as many rows
+            new = (ne[0] // 2, 2 * n // ne[0]) if ne[0] % 2 == 0 else ne
+        if int(np.prod(new)) != n:
+            return
+        p.tensors[i] = (name, data, qtype, tuple(int(x) for x in new))
+    return f"reshape tensor #{index} ({how})", apply
+
+
+def scale_tensor(index: int, value: float) -> ValueMutation:
+    """Fill a float tensor with one value (NaN or inf weights: NaN logits)."""
+    def apply(p: GGUFParts) -> None:
+        i = index % len(p.tensors)
+        name, data, qtype, ne = p.tensors[i]
+        if qtype == gguf.GGMLQuantizationType.F32:
+            p.tensors[i] = (name, np.full_like(data, value), qtype, ne)
+    return f"fill tensor #{index} with {value}", apply
+
+
+def random_value_mutation(rng: random.Random) -> ValueMutation:
+    kind = rng.choice(["set", "set", "set", "delete", "template", "template", "tensor"])
+    if kind == "set":
+        value, vtype = rng.choice(HOSTILE_VALUES)
+        return set_key(rng.choice(HPARAM_KEYS), value, vtype)
+    if kind == "delete":
+        return delete_key(rng.choice(HPARAM_KEYS))
+    if kind == "template":
+        return set_template(rng.choice(HOSTILE_TEMPLATES))
+    which = rng.choice(["drop", "reshape", "fill"])
+    index = rng.randrange(64)
+    if which == "drop":
+        return drop_tensor(index)
+    if which == "reshape":
+        return reshape_tensor(index, rng.choice(["flat", "3d", "transpose", "split"]))
+    return scale_tensor(index, rng.choice([float("nan"), float("inf"), 1e30]))
+
+
+# A load + chat render + two generated tokens of a tiny model that takes longer than this hangs.
+MAX_VALUE_SECONDS = 10.0
+
+
+class _Hang(Exception):
+    pass
+
+
+def check_values(path: str | os.PathLike[str], time_limit: float = MAX_VALUE_SECONDS) -> str:
+    """The value contract on one file: load, render the chat template, generate two tokens.
+
+    Returns 'ok' or the name of the MetatpError raised; raises AssertionError for any other
+    exception or for taking longer than `time_limit` (an alarm interrupts a hang when this
+    runs on the main thread)."""
+    import signal
+    import threading
+    import warnings
+
+    from metatp import LLM, MetatpError, SamplingParams
+
+    def on_alarm(signum, frame):
+        raise _Hang()
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, time_limit)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            llm = LLM(os.fspath(path), n_ctx=64, backend="numpy")
+            if llm.tokenizer.chat_template is not None:
+                try:
+                    llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+                except MetatpError:
+                    pass     # a template error does not stop the plain-text path below
+            llm.generate("hello", SamplingParams(max_tokens=2, ignore_eos=True))
+        outcome = "ok"
+    except _Hang:
+        raise AssertionError(f"hang: no result after {time_limit:g} s") from None
+    except MetatpError as e:
+        assert str(e), f"{type(e).__name__} without a message"
+        outcome = type(e).__name__
+    finally:
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    elapsed = time.perf_counter() - start
+    assert elapsed < time_limit, f"took {elapsed:.1f} s"
+    return outcome
+
+
+def run_values(examples: int, seed: int, base: Path | None) -> int:
+    """Random value mutations of a tiny synthetic model (or `base`); return the violations."""
+    with tempfile.TemporaryDirectory(prefix="fuzz_values-") as workdir:
+        if base is None:
+            from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+
+            base = Path(workdir, "base.gguf")
+            write_synthetic_gguf(base, SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False))
+        parts0 = read_parts(base)
+        rng = random.Random(seed)
+        outcomes: collections.Counter[str] = collections.Counter()
+        failures: list[str] = []
+        t0 = time.perf_counter()
+        for i in range(examples):
+            muts = [random_value_mutation(rng) for _ in range(rng.randint(1, 3))]
+            parts = copy.deepcopy(parts0)
+            path = Path(workdir, f"value-{i}.gguf")
+            try:
+                for _, apply in muts:
+                    apply(parts)
+                write_parts(path, parts)
+            except Exception:  # noqa: BLE001 -- the writer refused the mutant (e.g. a value out of its type's range)
+                outcomes["unwritable"] += 1
+                continue
+            try:
+                outcomes[check_values(path)] += 1
+            except Exception as e:  # noqa: BLE001 -- any escape is a finding
+                outcomes["FAILED"] += 1
+                failures.append(f"#{i} {'; '.join(d for d, _ in muts)}: {type(e).__name__}: {e}")
+            finally:
+                path.unlink(missing_ok=True)
+        elapsed = time.perf_counter() - t0
+    n_failed = outcomes.pop("FAILED", 0)
+    print(f"{examples} value mutants, seed {seed}, {elapsed:.1f} s")
+    for outcome, n in outcomes.most_common():
+        print(f"  {n:7d}  {outcome}")
+    print(f"contract violations: {n_failed}")
+    for line in failures[:20]:
+        print("  " + line)
+    return n_failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--examples", type=int, default=10000, help="mutants to try (10000)")
@@ -262,7 +535,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reader", action="store_true",
                    help="skip the GGUFReader cross-check (it is slow on big vocabularies)")
     p.add_argument("--save-dir", type=Path, help="write mutants that break the contract here")
+    p.add_argument("--values", action="store_true",
+                   help="mutate metadata values, tensors and the chat template of a well-formed model instead of bytes")
     args = p.parse_args(argv)
+    if args.values:
+        return 1 if run_values(args.examples, args.seed, args.base) else 0
 
     if args.base is None:
         with tempfile.TemporaryDirectory() as d:
