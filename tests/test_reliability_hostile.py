@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from metatp import LLM, SamplingParams
 from metatp.cli import main
-from metatp.ir import tokenizer as tokmod
+from metatp.ir import chat_template as chat_template
 from metatp.ir.errors import ConfigError, MetatpError, ModelFormatError, ModelNotFoundError, NumericalError
 from metatp.ir.loader import load_model
 from metatp.ir.tokenizer import Tokenizer, _gpt2_byte_table
@@ -42,7 +42,7 @@ def base(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def short_budget(monkeypatch):
-    monkeypatch.setattr(tokmod, "TEMPLATE_SECONDS", BUDGET_SECONDS)
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", BUDGET_SECONDS)
 
 
 def mutant(base, tmp_path, *mutations, name="m.gguf") -> str:
