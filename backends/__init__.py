@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
+from metatp.backends.cuda_kernels import gpu_available, gpu_probe
 from metatp.ir.errors import BackendUnavailableError, ConfigError
+
+__all__ = ["BACKENDS", "gpu_available", "gpu_probe", "resolve_backend_name", "create_backend"]
 
 BACKENDS = ("auto", "numpy", "cupy")
 
 
-def gpu_available() -> bool:
-    """True when cupy imports and sees at least one CUDA device."""
-    try:
-        import cupy
-    except Exception:
-        return False
-    try:
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
-
-
 def resolve_backend_name(name: str) -> str:
+    """The backend `name` stands for here: "auto" is cupy only when a trivial kernel compiles and
+    runs on the GPU (one warning, then numpy, when a GPU is seen but cannot compile)."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "auto":
         return "cupy" if gpu_available() else "numpy"
-    if name == "cupy" and not gpu_available():
-        try:
-            import cupy  # noqa: F401
-            why = "cupy is installed but no usable CUDA GPU was found"
-        except Exception:
-            why = "cupy is not installed (pip install 'metatp[cuda]')"
-        raise BackendUnavailableError(f"backend 'cupy' cannot run here: {why}; use backend='numpy'")
+    if name == "cupy":
+        ok, why = gpu_probe()
+        if not ok:
+            raise BackendUnavailableError(f"backend 'cupy' cannot run here: {why}; use backend='numpy'")
     return name
 
 
@@ -44,4 +34,4 @@ def create_backend(name: str, layout, numerics: str = "exact", cpu_kernels: bool
         return NumpyBackend(layout, numerics=numerics, cpu_kernels=cpu_kernels)
     from metatp.backends.cupy_backend import CupyBackend
 
-    return CupyBackend(layout)
+    return CupyBackend(layout, numerics=numerics)

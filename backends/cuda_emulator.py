@@ -2,9 +2,10 @@
 
 The same `cuda/*.cu` sources are compiled as host C++ by g++ (one fiber per CUDA thread,
 `__syncthreads` and warp shuffles emulated) and launched on numpy arrays through ctypes. It
-refuses what a real launch would refuse (block/grid limits, shared memory, argument C types),
-so a kernel that passes here has had its logic and its launch contract checked; memory
-ordering, alignment and speed still need a GPU. `cuda_kernels.use_emulator()` switches to it.
+refuses what a real launch would refuse (block/grid limits, shared memory, argument C types,
+and a ``None`` pointer, which CuPy 13 would pass as garbage), so a kernel that passes here has
+had its logic and its launch contract checked; memory ordering, alignment and speed still need
+a GPU. `cuda_kernels.use_emulator()` switches to it.
 """
 
 from __future__ import annotations
@@ -273,13 +274,20 @@ class _EmuKernel:
         out = []
         for i, (a, kind) in enumerate(zip(args, self.signature)):
             if kind == "p":
-                if not (a is None or _is_array(a) or isinstance(a, np.uint64)):
+                if a is None:       # CuPy 13 turns None into a pointer to garbage, not NULL
+                    raise TypeError(f"{self.name}: argument {i} is None; pass np.uint64(0) for an absent "
+                                    "pointer (CuPy 13 does not pass None as NULL)")
+                if not (_is_array(a) or isinstance(a, np.uint64)):
                     raise TypeError(f"{self.name}: argument {i} must be an array or pointer, got {type(a).__name__}")
                 out.append(ctypes.c_uint64(int(a) if isinstance(a, np.uint64) else device_ptr(a)))
             elif kind == "i":
                 if not isinstance(a, np.int32):
                     raise TypeError(f"{self.name}: argument {i} must be np.int32, got {type(a).__name__}")
                 out.append(ctypes.c_int32(int(a)))
+            elif kind == "l":
+                if not isinstance(a, np.int64):
+                    raise TypeError(f"{self.name}: argument {i} must be np.int64, got {type(a).__name__}")
+                out.append(ctypes.c_int64(int(a)))
             elif kind == "f":
                 if not isinstance(a, np.float32):
                     raise TypeError(f"{self.name}: argument {i} must be np.float32, got {type(a).__name__}")

@@ -34,6 +34,7 @@ import contextlib
 import math
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,7 +43,7 @@ import numpy as np
 
 __all__ = [
     "FAMILIES", "WEIGHT_TYPES", "MATVEC_MAX_TOKENS", "Launch",
-    "gpu_available", "kernel_sources", "module_source",
+    "gpu_available", "gpu_probe", "kernel_sources", "module_source",
     "expected_entry_points", "get_kernel", "launch", "recording", "use_emulator",
     "compile_all", "device_ptr",
     "dequantize", "matvec", "matvec_multi", "matvec_glu", "matvec_id", "rms_norm", "norm", "sum_rows", "rope",
@@ -185,16 +186,66 @@ def _family_of(name: str) -> str:
 
 
 # --------------------------------------------------------------------------- engines
-def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+#: A kernel that needs NVRTC, the CUDA headers CuPy adds to every compile, the driver and a
+#: device: what `gpu_available` compiles and runs once, so "auto" never picks a broken GPU.
+_PROBE_SOURCE = 'extern "C" __global__ void metatp_probe(int* p) { if (p) *p = 7; }'
+
+_probe_result: tuple[bool, str] | None = None
+
+
+def _install_hint(err: str) -> str:
+    """What to pip install for a failed probe compile (CuPy's message says what is missing)."""
+    low = err.lower()
+    if "nvrtc" in low:
+        return ("NVRTC (the CUDA runtime compiler) could not be loaded: pip install nvidia-cuda-nvrtc-cu12 "
+                "(CUDA 12; nvidia-cuda-nvrtc for CUDA 13), or pip install 'metatp[cuda]'")
+    if "header" in low or "cuda root" in low or "cuda_path" in low or "include" in low:
+        return ("the CUDA headers CuPy compiles with are missing: pip install nvidia-cuda-runtime-cu12 "
+                "(CUDA 12; nvidia-cuda-runtime for CUDA 13), or pip install 'metatp[cuda]'")
+    return "see the error above; pip install 'metatp[cuda]' brings CuPy with NVRTC and the CUDA headers"
+
+
+def gpu_probe() -> tuple[bool, str]:
+    """(usable, why not): cupy imports, sees a device, and compiles and runs a one-line kernel.
+
+    Run once per process. A visible GPU that cannot compile (NVRTC or the headers missing)
+    gives one RuntimeWarning saying what to install; no cupy or no device stays silent, as
+    numpy is then the expected choice."""
+    global _probe_result
+    if _probe_result is not None:
+        return _probe_result
+    with _lock:
+        if _probe_result is None:
+            _probe_result = _run_probe()
+    return _probe_result
+
+
+def _run_probe() -> tuple[bool, str]:
     try:
         import cupy  # noqa: PLC0415
-    except Exception:  # noqa: BLE001 - ImportError, or a broken CUDA install
-        return False
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install
+        return False, f"cupy is not importable ({type(e).__name__}: {e}); pip install 'metatp[cuda]'"
     try:
-        return bool(cupy.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
+        if not cupy.cuda.is_available():
+            return False, "cupy is installed but sees no CUDA device"
+    except Exception as e:  # noqa: BLE001
+        return False, f"cupy cannot query CUDA devices ({type(e).__name__}: {e})"
+    try:
+        out = cupy.zeros(1, dtype=np.int32)
+        cupy.RawKernel(_PROBE_SOURCE, "metatp_probe")((1,), (1,), (out,))
+        if int(out.get()[0]) != 7:
+            raise RuntimeError("the probe kernel ran but wrote nothing")
+    except Exception as e:  # noqa: BLE001 - CompileException, RuntimeError (no NVRTC / headers), CUDA errors
+        err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        why = f"a CUDA device is visible but a trivial kernel does not compile and run ({err}); {_install_hint(err)}"
+        warnings.warn(f"metatp: GPU not usable, using the numpy backend: {why}", RuntimeWarning, stacklevel=4)
+        return False, why
+    return True, ""
+
+
+def gpu_available() -> bool:
+    """True when the cupy backend can run here (see `gpu_probe`)."""
+    return gpu_probe()[0]
 
 
 class _CupyEngine:
@@ -331,6 +382,9 @@ class Launch:
 
 _recorder = threading.local()
 
+#: An absent (optional) pointer argument: NULL, as 8 bytes (never ``None``, see ``launch``).
+_NULL = np.uint64(0)
+
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Launch]]:
@@ -353,7 +407,10 @@ def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> No
         if _smem_set.get(key, 0) < shared_mem:
             k.max_dynamic_shared_size_bytes = int(shared_mem)
             _smem_set[key] = int(shared_mem)
-    item = Launch(k, name, tuple(int(g) for g in grid), tuple(int(b) for b in block), tuple(args),
+    # CuPy 13 passes a None argument as a pointer to garbage, not as NULL (fixed in 14.0):
+    # every absent pointer goes to the kernel as an explicit 0.
+    args = tuple(_NULL if a is None else a for a in args)
+    item = Launch(k, name, tuple(int(g) for g in grid), tuple(int(b) for b in block), args,
                   int(shared_mem))
     rec = getattr(_recorder, "launches", None)
     if rec is not None:
@@ -390,6 +447,13 @@ def _i32(v) -> np.int32:
     if not -(2**31) <= v < 2**31:
         raise OverflowError(f"{v} does not fit in int32")
     return np.int32(v)
+
+
+def _i64(v) -> np.int64:
+    v = int(v)
+    if not -(2**63) <= v < 2**63:
+        raise OverflowError(f"{v} does not fit in int64")
+    return np.int64(v)
 
 
 def _f32(v) -> np.float32:
@@ -1152,11 +1216,15 @@ def get_rows(src, qtype, idx, out, *, ne0: int, src_row_bytes: int | None = None
     if one[0] != ne0 or one[1:] != ine[:3] or ine[3] != 1 or (ne0 > 1 and os_[0] != 1):
         raise ValueError(f"get_rows: idx {idx.shape} and out {out.shape} do not fit ne0={ne0}")
     n_idx, ne2, ne3 = ine[0], ine[1], ine[2]
+    # 64-bit batch strides: a whole 2-D weight can exceed 2 GiB (a 128k x 8192 f16 embedding);
+    # a stride over a dimension of size 1 is never used and goes as 0.
+    sb2 = int(src_batch_bytes[0]) if ne2 > 1 else 0
+    sb3 = int(src_batch_bytes[1]) if ne3 > 1 else 0
     units = ne0 // qk * (qk // _CHUNK_ELEMS[t]) * n_idx * ne2 * ne3
     if units:
         launch("elementwise", f"get_rows_{t}", _grid1d(units), (_BLOCK_1D,),
                (src, idx, out, _i32(ne0), _i32(n_idx), _i32(ne2), _i32(ne3),
-                _i32(src_row_bytes), _i32(src_batch_bytes[0]), _i32(src_batch_bytes[1]),
+                _i32(src_row_bytes), _i64(sb2), _i64(sb3),
                 _i32(is_[0]), _i32(is_[1]), _i32(is_[2]), _i32(os_[1]), _i32(os_[2]),
                 _i32(os_[3])))
 

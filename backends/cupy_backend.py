@@ -52,6 +52,7 @@ __all__ = ["CupyBackend", "CupyExecutable", "CupyRuntime", "WireThresholds",
 WIRE_MODES = ("auto", "f32", "bf16")
 ALLREDUCE_MODES = ("auto", "nccl", "butterfly")
 KV_DTYPES = ("f16", "bf16", "f32")
+MULTI_GPU_GRAPHS = ("whole", "segments")
 MATMUL_DTYPES = ("f16", "f32")
 # Folding an RMS norm into a matvec makes every block recompute the norm of x: worth one
 # launch for q/k/v or gate/up, not for a 49k-row lm head (thousands of blocks).
@@ -226,6 +227,12 @@ class CupyRuntime:
             free, total = self.cp.cuda.runtime.memGetInfo()
         return int(free), int(total)
 
+    def pool_free_bytes(self, gpu: int) -> int:
+        """Bytes CuPy's memory pool holds but does not use on a GPU: free for our allocations,
+        yet missing from cudaMemGetInfo's count."""
+        with self.cp.cuda.Device(gpu):
+            return int(self.cp.get_default_memory_pool().free_bytes())
+
     def enable_peer_access(self, gpus: Sequence[int]) -> None:
         rt = self.cp.cuda.runtime
         for a in gpus:
@@ -298,16 +305,20 @@ class CupyRuntime:
         return bool(self._cublas)
 
     def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
-             dtype: str, stream) -> None:
-        """y[n, m] (f32, row stride ldy) = x[n, k] @ w[m, k]^T, inputs f16 or f32 (cuBLAS)."""
+             dtype: str, stream, gpu: int) -> None:
+        """y[n, m] (f32, row stride ldy) = x[n, k] @ w[m, k]^T, inputs f16 or f32 (cuBLAS).
+
+        CuPy's gemmEx binds the handle to the *current* stream before the call (an explicit
+        setStream is overridden), and the handle belongs to the current device: so both are
+        entered here, whatever context the caller is in."""
         cublas = self._cublas
-        handle = self.cp.cuda.device.get_cublas_handle()
-        cublas.setStream(handle, stream.ptr)
-        cublas.setPointerMode(handle, 0)    # host alpha/beta
-        ab = _CUDA_R_16F if dtype == "f16" else _CUDA_R_32F
-        cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data, w_ptr, ab,
-                      k, x_ptr, ab, k, self._zero.ctypes.data, y_ptr, _CUDA_R_32F, ldy,
-                      _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        with self.cp.cuda.Device(gpu), stream:
+            handle = self.cp.cuda.device.get_cublas_handle()
+            cublas.setPointerMode(handle, 0)    # host alpha/beta
+            ab = _CUDA_R_16F if dtype == "f16" else _CUDA_R_32F
+            cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data, w_ptr, ab,
+                          k, x_ptr, ab, k, self._zero.ctypes.data, y_ptr, _CUDA_R_32F, ldy,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
     def matmul(self, a, b):
         return self.cp.matmul(a, b)
@@ -426,6 +437,8 @@ class _Device:
         self.done = rt.new_event(gpu)       # end of step (joins the GPU's lead stream)
         self.fork = rt.new_event(gpu)       # start of step (recorded by the GPU's lead)
         self.inputs_copied = rt.new_event(gpu)
+        self.step_fork = rt.new_event(gpu)  # several GPUs, one graph: the first GPU's lead starts the others
+        self.step_done = rt.new_event(gpu)  # ... and waits for them (recorded by each GPU's lead)
 
 
 # =============================================================== the backend
@@ -439,14 +452,18 @@ class CupyBackend:
     `wire_thresholds`, BF16 above), "f32" (exact), "bf16". kv_dtype: KV cache storage
     ("f16"). matmul_dtype: operand type of the dequantize + cuBLAS path used above
     MATVEC_MAX_TOKENS tokens ("f16"; "f32" for exactness). gpus: the GPU ids to use
-    (default all visible; device d runs on gpus[d % len(gpus)])."""
+    (default all visible; device d runs on gpus[d % len(gpus)]). multi_gpu_graphs: how a step
+    over several GPUs is captured: "whole" (one graph spanning the GPUs, NCCL calls captured
+    inside it; falls back to "segments" when that capture fails) or "segments" (one graph per
+    subgraph and device, collectives run eagerly between them)."""
 
     name = "cupy"
 
     def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", *,
                  cuda_graphs: bool = True, allreduce: str = "auto", wire: str = "auto",
                  wire_thresholds: WireThresholds = WireThresholds(), kv_dtype: str = "f16",
-                 matmul_dtype: str = "f16", gpus: Sequence[int] | None = None, runtime=None) -> None:
+                 matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
+                 multi_gpu_graphs: str = "whole", runtime=None) -> None:
         if numerics != "exact":
             raise ConfigError(f"cupy backend: numerics={numerics!r} is not supported (only 'exact'; the "
                               "numpy backend emulates llama.cpp's rounding)")
@@ -457,6 +474,9 @@ class CupyBackend:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
         if matmul_dtype not in MATMUL_DTYPES:
             raise ConfigError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+        if multi_gpu_graphs not in MULTI_GPU_GRAPHS:
+            raise ConfigError(f"multi_gpu_graphs must be one of {', '.join(MULTI_GPU_GRAPHS)}, "
+                              f"got {multi_gpu_graphs!r}")
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
         self.numerics = numerics
@@ -465,6 +485,7 @@ class CupyBackend:
         self.wire_thresholds = wire_thresholds
         self.kv_dtype = kv_dtype
         self.matmul_dtype = matmul_dtype
+        self.multi_gpu_graphs = multi_gpu_graphs
         self.rt = runtime if runtime is not None else CupyRuntime()
         n_gpus = self.rt.n_gpus()
         if n_gpus < 1:
@@ -478,8 +499,9 @@ class CupyBackend:
         self.allreduce_mode = allreduce
         self.comms = self._init_nccl(allreduce)
         self.nccl_failures = 0
-        if self.distinct_gpus and self.n > 1:
-            self.rt.enable_peer_access([dev.gpu for dev in self.devices])
+        used = sorted({dev.gpu for dev in self.devices})
+        if len(used) > 1:        # also for virtual devices spread over several GPUs (gpus=[0, 1], 4 devices)
+            self.rt.enable_peer_access(used)
 
     def _init_nccl(self, mode: str):
         """NCCL communicators (one per device) when every device is its own GPU, else None."""
@@ -546,6 +568,68 @@ class CupyBackend:
             return int(np.prod(_local_raw_shape(t.type, local_ne)))
         return n * 4
 
+    def kv_bytes(self, t: Tensor, local_ne: tuple[int, ...]) -> int:
+        """Bytes of a KV-cache slice as stored (an F32 cache is kept as kv_dtype, f16 by default)."""
+        return int(np.prod(local_ne)) * np.dtype(self._leaf_dtype(t)).itemsize
+
+    def workspace_bytes(self, plan: Plan) -> list[int]:
+        """Per device: device memory beyond weights, KV and the plan's arena: the scratch buffers
+        (f16 copies of the largest GEMM weight and input, attention split workspace, sized for this
+        plan and for a one-token step, all-reduce wire and receive buffers) and the input block
+        beyond the input tensors plan_memory already counts (kv_len words, 64-byte padding)."""
+        layout, block = _input_layout(plan.graph)
+        inputs = sum(t.nelements * np.dtype(_STORAGE[t.type]).itemsize for t in layout if isinstance(t, Tensor))
+        leads = {dev.gpu: dev.index for dev in reversed(self.devices)}
+        out = []
+        with self.rt.kernels():
+            for d, dev in enumerate(self.devices):
+                with self.rt.device(dev.gpu):
+                    need = self._scratch_needs(plan, d, one_token_too=True)
+                total = sum(max(n, 1) * np.dtype(dt).itemsize for n, dt in need.values())
+                if leads[dev.gpu] == d:
+                    total += max(0, block - inputs)
+                out.append(int(total))
+        return out
+
+    def _scratch_needs(self, plan: Plan, d: int, one_token_too: bool = False) -> dict[str, tuple[int, Any]]:
+        """Scratch buffer -> (elements, dtype) device d needs to run `plan` (`one_token_too`: and a
+        one-token step at the same KV length, whose attention splits the KV more)."""
+        graph = plan.graph
+        need: dict[str, tuple[int, Any]] = {}
+
+        def want(key: str, n: int, dtype) -> None:
+            if n > need.get(key, (0, None))[0]:
+                need[key] = (n, dtype)
+        mdt = np.float16 if self.matmul_dtype == "f16" else np.float32
+        gemm = self.rt.gemm_available()
+        for node in graph.nodes:
+            if not plan.of(node).compute[d]:
+                continue
+            if node.op is Op.FLASH_ATTN_EXT:
+                q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
+                D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
+                for tok in {T, 1} if one_token_too else {T}:
+                    if tok <= ck.ATTN_DECODE_MAX_TOKENS and Hkv and H % Hkv == 0:
+                        splits, _ = ck.decode_splits(Hkv, H, tok, n_kv)
+                        if splits > 1:
+                            want("attn", ck.attn_workspace_floats(H, D, tok, splits), np.float32)
+            elif node.op is Op.MUL_MAT and gemm:
+                w = node.src[0]
+                tokens = _matmul_tokens(node)
+                if w.flags & Flag.WEIGHT and w.ne[2] == 1 and w.ne[3] == 1 and tokens > ck.MATVEC_MAX_TOKENS:
+                    lw = plan.of(w).local[d]
+                    want(f"gemm_w_{mdt.__name__}", lw.ne[0] * lw.ne[1], mdt)
+                    want(f"gemm_x_{mdt.__name__}", lw.ne[0] * tokens, mdt)
+        if self.n > 1:
+            for sub in plan.subgraphs:
+                if sub.reduction is not None:
+                    n_el = graph.nodes[sub.reduction.node].nelements
+                    want("recv_f32", n_el, np.float32)
+                    if wire_dtype(self.n, n_el, self.wire, self.wire_thresholds) == "bf16":
+                        want("wire", n_el, np.uint16)
+                        want("recv_bf16", n_el, np.uint16)
+        return need
+
     def has(self, t: Tensor) -> bool:
         return t in self.leaf[0]
 
@@ -566,10 +650,11 @@ class CupyBackend:
             raise UnsupportedOpError(f"cupy backend: leaf {t.name!r} of type {t.type.name} has no storage") from None
 
     def memory_budget(self) -> tuple[int | None, bool]:
-        """(bytes available, shared by all devices?): free memory of the GPU(s)."""
+        """(bytes available, shared by all devices?): free memory of the GPU(s), counting the
+        blocks CuPy's pool keeps cached (free to us, but not to cudaMemGetInfo)."""
         try:
             gpus = sorted({dev.gpu for dev in self.devices})
-            free = [self.rt.mem_info(g)[0] for g in gpus]
+            free = [self.rt.mem_info(g)[0] + self.rt.pool_free_bytes(g) for g in gpus]
         except Exception:  # noqa: BLE001
             return None, False
         if self.distinct_gpus:
@@ -609,6 +694,32 @@ class CupyBackend:
         if ex is not None and ex.plan is plan:
             self.synchronize()
             del self._executables[id(plan)]
+
+
+def _matmul_tokens(mm: Tensor) -> int:
+    """Columns (tokens) of a MUL_MAT's activation operand."""
+    return mm.src[1].ne[1] * mm.src[1].ne[2] * mm.src[1].ne[3]
+
+
+def _input_layout(graph) -> tuple[dict[Any, tuple[int, tuple, Any]], int]:
+    """The per-GPU input block: every INPUT leaf (64-byte aligned) plus an int32 "attended
+    length" per attention mask; key -> (offset, numpy shape, dtype), and the block's bytes."""
+    inputs = [t for t in graph.leaves if t.flags & Flag.INPUT]
+    masks = {n.src[3] for n in graph.nodes
+             if n.op is Op.FLASH_ATTN_EXT and len(n.src) > 3 and n.src[3] is not None
+             and n.src[3].flags & Flag.INPUT}
+    layout: dict[Any, tuple[int, tuple, Any]] = {}
+    off = 0
+    for t in inputs:
+        dtype = _STORAGE.get(t.type)
+        if dtype is None:
+            raise UnsupportedOpError(f"cupy backend: input {t.name!r} of type {t.type.name}")
+        layout[t] = (off, _np_shape(t.ne), dtype)
+        off += -(-t.nelements * np.dtype(dtype).itemsize // 64) * 64
+    for m in sorted(masks, key=lambda t: t.id):
+        layout[("kv_len", m)] = (off, (1,), np.int32)
+        off += 64
+    return layout, max(off, 64)
 
 
 def _raw_nb(t: GGMLType, ne) -> tuple[int, int, int, int]:
@@ -700,6 +811,7 @@ class CupyExecutable:
             self.rt.device_synchronize(gpu)       # allocations and zero-fills are done
         self._graph = None
         self.graph_mode: str | None = None      # "whole" / "segments" once captured
+        self._capturing = False
         self.runs = 0
 
     # ---------------------------------------------------------------- binding buffers
@@ -715,22 +827,8 @@ class CupyExecutable:
         attention mask), filled from a pinned host mirror by one copy per step."""
         graph = self.plan.graph
         inputs = [t for t in graph.leaves if t.flags & Flag.INPUT]
-        masks = {n.src[3] for n in graph.nodes
-                 if n.op is Op.FLASH_ATTN_EXT and len(n.src) > 3 and n.src[3] is not None
-                 and n.src[3].flags & Flag.INPUT}
-        layout: dict[Any, tuple[int, tuple, Any]] = {}
-        off = 0
-        for t in inputs:
-            dtype = _STORAGE.get(t.type)
-            if dtype is None:
-                raise UnsupportedOpError(f"cupy backend: input {t.name!r} of type {t.type.name}")
-            layout[t] = (off, _np_shape(t.ne), dtype)
-            off += -(-t.nelements * np.dtype(dtype).itemsize // 64) * 64
-        for m in sorted(masks, key=lambda t: t.id):
-            layout[("kv_len", m)] = (off, (1,), np.int32)
-            off += 64
+        layout, self._in_bytes = _input_layout(graph)
         self._in_layout = layout
-        self._in_bytes = max(off, 64)
         self._host_in = self.rt.pinned(self._in_bytes)
         self._host_views = {key: np.ndarray(shape, dtype, buffer=self._host_in, offset=o)
                             for key, (o, shape, dtype) in layout.items()}
@@ -823,39 +921,7 @@ class CupyExecutable:
 
     def _presize(self, d: int) -> None:
         """Allocate every scratch buffer of device d at its largest size before recording."""
-        plan, graph = self.plan, self.plan.graph
-        need: dict[str, tuple[int, Any]] = {}
-
-        def want(key: str, n: int, dtype) -> None:
-            if n > need.get(key, (0, None))[0]:
-                need[key] = (n, dtype)
-        mdt = np.float16 if self.backend.matmul_dtype == "f16" else np.float32
-        for node in graph.nodes:
-            if not plan.of(node).compute[d]:
-                continue
-            if node.op is Op.FLASH_ATTN_EXT:
-                q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
-                D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
-                if T <= ck.ATTN_DECODE_MAX_TOKENS and Hkv and H % Hkv == 0:
-                    splits, _ = ck.decode_splits(Hkv, H, T, n_kv)
-                    if splits > 1:
-                        want("attn", ck.attn_workspace_floats(H, D, T, splits), np.float32)
-            elif node.op is Op.MUL_MAT and self.rt.gemm_available():
-                w = node.src[0]
-                if w.flags & Flag.WEIGHT and w.ne[2] == 1 and w.ne[3] == 1 and \
-                        self._matmul_tokens(node) > ck.MATVEC_MAX_TOKENS:
-                    lw = plan.of(w).local[d]
-                    want(f"gemm_w_{mdt.__name__}", lw.ne[0] * lw.ne[1], mdt)
-                    want(f"gemm_x_{mdt.__name__}", lw.ne[0] * self._matmul_tokens(node), mdt)
-        if self.n > 1:
-            for sub in plan.subgraphs:
-                if sub.reduction is not None:
-                    n_el = graph.nodes[sub.reduction.node].nelements
-                    want("recv_f32", n_el, np.float32)
-                    if wire_dtype(self.n, n_el, self.backend.wire, self.backend.wire_thresholds) == "bf16":
-                        want("wire", n_el, np.uint16)
-                        want("recv_bf16", n_el, np.uint16)
-        for key, (n, dtype) in need.items():
+        for key, (n, dtype) in self.backend._scratch_needs(self.plan, d).items():
             self._scratch_buffer(d, key, n, dtype)
 
     # ---------------------------------------------------------------- fusions
@@ -933,7 +999,7 @@ class CupyExecutable:
         return x, rms
 
     def _matmul_tokens(self, mm: Tensor) -> int:
-        return mm.src[1].ne[1] * mm.src[1].ne[2] * mm.src[1].ne[3]
+        return _matmul_tokens(mm)
 
     def _is_matvec(self, mm: Tensor) -> bool:
         if mm.op is not Op.MUL_MAT:
@@ -1345,7 +1411,7 @@ class CupyExecutable:
         steps += self._record(ck.copy, xr, x2)
         ldy = yr.strides[0] // 4 if yr.shape[0] > 1 else m
         args = (m, n_tok, k, ck.device_ptr(w2), ck.device_ptr(x2), ck.device_ptr(yr), ldy,
-                self.backend.matmul_dtype, self.devices[d].stream)
+                self.backend.matmul_dtype, self.devices[d].stream, self.devices[d].gpu)
         keep = (wbuf, xbuf, yr)
         steps.append(_HostStep(lambda keep=keep: self.rt.gemm(*args), "cuBLAS GEMM"))
         return steps
@@ -1547,6 +1613,8 @@ class CupyExecutable:
                                 s()
                 return
             except Exception as e:  # noqa: BLE001 - per-call fallback to the butterfly
+                if self._capturing:       # inside a whole-step capture: abort it (segments are next)
+                    raise
                 backend.nccl_failures += 1
                 if backend.nccl_failures >= 3:
                     warnings.warn(f"NCCL failed {backend.nccl_failures} times ({e}); using the copy-and-add "
@@ -1629,45 +1697,89 @@ class CupyExecutable:
     def _single_gpu(self) -> bool:
         return len(self._leads) == 1
 
+    def _primary_and_others(self) -> tuple[_Device, list[_Device]]:
+        """The lead device of the first GPU (whose stream captures and launches a whole-step
+        graph) and the lead devices of the other GPUs."""
+        leads = [self.devices[d] for d in self._leads.values()]
+        return leads[0], leads[1:]
+
     def _capture(self) -> None:
-        """Capture the step: the whole body (all virtual devices, butterfly included) on one
-        GPU; per (subgraph, device) segments on several GPUs (collectives stay eager)."""
-        rt = self.rt
+        """Capture the step as one graph on the first GPU's lead stream: every device of every
+        GPU joins it through events (virtual devices, the butterfly and NCCL calls included).
+        On several GPUs, when that fails or `multi_gpu_graphs="segments"`, per (subgraph,
+        device) segments with the collectives eager between them; when that fails too, eager."""
+        backend = self.backend
+        if self._single_gpu() or backend.multi_gpu_graphs == "whole":
+            try:
+                self._graph, self.graph_mode = self._capture_whole(), "whole"
+                return
+            except Exception as e:  # noqa: BLE001 - a failed capture leaves the graph mode below
+                self._graph = None
+                if self._single_gpu():
+                    warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly",
+                                  stacklevel=3)
+                    backend.cuda_graphs = False
+                    return
+                warnings.warn(f"capturing one CUDA graph across {len(self._leads)} GPUs failed "
+                              f"({type(e).__name__}: {e}); using per-subgraph graph segments", stacklevel=3)
+                backend.multi_gpu_graphs = "segments"
         try:
-            if self._single_gpu():
-                lead = self.devices[next(iter(self._leads.values()))]
-                with lead.ctx:
-                    rt.begin_capture(lead.stream)
-                    try:
-                        self._body()
-                    finally:
-                        graph = rt.end_capture(lead.stream)
-                self._graph, self.graph_mode = graph, "whole"
-            else:
-                segs = {}
-                for k in range(len(self.plan.subgraphs)):
-                    for d, dev in enumerate(self.devices):
-                        if not self.steps[k][d]:
-                            continue
-                        with dev.ctx:
-                            rt.begin_capture(dev.stream)
-                            try:
-                                for s in self.steps[k][d]:
-                                    s()
-                            finally:
-                                segs[(k, d)] = rt.end_capture(dev.stream)
-                self._graph, self.graph_mode = segs, "segments"
+            self._graph, self.graph_mode = self._capture_segments(), "segments"
         except Exception as e:  # noqa: BLE001 - a failed capture leaves eager mode
             warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); running eagerly", stacklevel=3)
-            self.backend.cuda_graphs = False
+            backend.cuda_graphs = False
             self._graph = None
+
+    def _capture_whole(self):
+        rt = self.rt
+        primary, others = self._primary_and_others()
+        with primary.ctx:
+            rt.begin_capture(primary.stream)
+            self._capturing = True
+            try:
+                rt.record(primary.stream, primary.step_fork)
+                for o in others:                      # the other GPUs join the capture
+                    with o.ctx:
+                        rt.wait(o.stream, primary.step_fork)
+                self._body()
+                for o in others:                      # ... and are joined back before it ends
+                    with o.ctx:
+                        rt.record(o.stream, o.step_done)
+                    rt.wait(primary.stream, o.step_done)
+            finally:
+                self._capturing = False
+                graph = rt.end_capture(primary.stream)
+        return graph
+
+    def _capture_segments(self) -> dict:
+        rt = self.rt
+        segs = {}
+        for k in range(len(self.plan.subgraphs)):
+            for d, dev in enumerate(self.devices):
+                if not self.steps[k][d]:
+                    continue
+                with dev.ctx:
+                    rt.begin_capture(dev.stream)
+                    try:
+                        for s in self.steps[k][d]:
+                            s()
+                    finally:
+                        segs[(k, d)] = rt.end_capture(dev.stream)
+        return segs
 
     def _replay(self) -> None:
         rt = self.rt
         if self.graph_mode == "whole":
-            lead = self.devices[next(iter(self._leads.values()))]
-            with lead.ctx:
-                rt.launch_graph(self._graph, lead.stream)
+            primary, others = self._primary_and_others()
+            with primary.ctx:
+                for o in others:                      # the other GPUs' input copies come first
+                    rt.wait(primary.stream, o.inputs_copied)
+                rt.launch_graph(self._graph, primary.stream)
+                if others:                            # their next input copy waits for this step
+                    rt.record(primary.stream, primary.step_done)
+            for o in others:
+                with o.ctx:
+                    rt.wait(o.stream, primary.step_done)
             return
         self._fork()
         for k in range(len(self.plan.subgraphs)):

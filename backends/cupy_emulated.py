@@ -58,17 +58,25 @@ class EmuRuntime:
 
     Work runs in issue order (a valid serialisation of the streams; events are no-ops), a
     captured graph records the work and replays it, NCCL is emulated for distinct
-    "GPUs". `n_gpus` pretends to have that many GPUs (each its own memory, all host RAM)."""
+    "GPUs". `n_gpus` pretends to have that many GPUs (each its own memory, all host RAM).
+    `nccl_capture=False` makes NCCL refuse to run inside a graph capture (as an old NCCL
+    does), `mem_free` / `pool_free` are what the memory queries report; `peer_access` records
+    the GPU sets peer access was enabled for."""
 
     name = "emulator"
 
-    def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True) -> None:
+    def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True,
+                 nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0) -> None:
         self.emu = ck.Emulator(sm_count=sm_count)
         self._n_gpus = n_gpus
         self._nccl = nccl
         self._gemm = gemm
+        self._nccl_capture = nccl_capture
+        self.mem_free = mem_free
+        self.pool_free = pool_free
         self.graph_launches = 0
         self.nccl_calls = 0
+        self.peer_access: list[list[int]] = []
 
     def n_gpus(self) -> int:
         return self._n_gpus
@@ -111,10 +119,13 @@ class EmuRuntime:
         return f"emulated GPU {gpu}"
 
     def mem_info(self, gpu: int) -> tuple[int, int]:
-        return 8 << 30, 8 << 30
+        return self.mem_free, 8 << 30
+
+    def pool_free_bytes(self, gpu: int) -> int:
+        return self.pool_free
 
     def enable_peer_access(self, gpus: Sequence[int]) -> None:
-        pass
+        self.peer_access.append(list(gpus))
 
     def empty(self, shape, dtype):
         return np.empty(shape, dtype=dtype)
@@ -167,7 +178,7 @@ class EmuRuntime:
         return self._gemm
 
     def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
-             dtype: str, stream) -> None:
+             dtype: str, stream, gpu: int) -> None:
         dt = np.float16 if dtype == "f16" else np.float32
 
         def run() -> None:
@@ -192,6 +203,8 @@ class EmuRuntime:
         return [_EmuComm(r) for r in range(len(gpus))]
 
     def nccl_allreduce(self, calls) -> None:
+        if self.emu.capture is not None and not self._nccl_capture:
+            raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
         self.nccl_calls += 1
         calls = list(calls)
 

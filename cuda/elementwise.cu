@@ -251,18 +251,19 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // ------------------------------------------------------------ GET_ROWS
 // get_rows_<type>(const uint8 *src, const int32 *idx, float *dst, int32 ne0, int32 n_idx,
-//     int32 ne2, int32 ne3, int32 src_nb1, int32 src_nb2, int32 src_nb3,
+//     int32 ne2, int32 ne3, int32 src_nb1, int64 src_nb2, int64 src_nb3,
 //     int32 idx_s0, int32 idx_s1, int32 idx_s2, int32 dst_s1, int32 dst_s2, int32 dst_s3)
 // ggml GET_ROWS: dst[i3, i2, i1, :] = dequant(src row idx[i1, i2, i3] of batch (i2, i3)),
-// i1 < n_idx, i2 < ne2, i3 < ne3. Source strides in bytes (rows are whole blocks), index
-// and destination strides in elements. Types: all weight types of quant.cuh (f32 covers
+// i1 < n_idx, i2 < ne2, i3 < ne3. Source strides in bytes (rows are whole blocks; the batch
+// strides are 64-bit: one 2-D weight can exceed 2 GiB), index and destination strides in
+// elements. Types: all weight types of quant.cuh (f32 covers
 // activations). Launch: 1-D grid-stride over n_idx * ne2 * ne3 * ne0 / CW.
 template <typename W>
 __device__ __forceinline__ void get_rows_impl(const mt_u8* __restrict__ src,
                                               const int* __restrict__ idx,
                                               float* __restrict__ dst, int ne0, int n_idx,
-                                              int ne2, int ne3, int src_nb1, int src_nb2,
-                                              int src_nb3, int idx_s0, int idx_s1, int idx_s2,
+                                              int ne2, int ne3, int src_nb1, mt_i64 src_nb2,
+                                              mt_i64 src_nb3, int idx_s0, int idx_s1, int idx_s2,
                                               int dst_s1, int dst_s2, int dst_s3) {
     const int units = (ne0 / W::QK) * W::NCHUNK;
     const mt_i64 total = (mt_i64)units * n_idx * ne2 * ne3;
@@ -275,8 +276,8 @@ __device__ __forceinline__ void get_rows_impl(const mt_u8* __restrict__ src,
         const int ib = u / W::NCHUNK;
         const int c = u - ib * W::NCHUNK;
         const int row = idx[(mt_i64)i1 * idx_s0 + (mt_i64)i2 * idx_s1 + (mt_i64)i3 * idx_s2];
-        const mt_u8* b = src + (mt_i64)row * src_nb1 + (mt_i64)i2 * src_nb2 +
-                         (mt_i64)i3 * src_nb3 + (mt_i64)ib * W::BYTES;
+        const mt_u8* b = src + (mt_i64)row * src_nb1 + i2 * src_nb2 + i3 * src_nb3 +
+                         (mt_i64)ib * W::BYTES;
         float v[W::CW];
         W::load(b, c, v);
         float* o = dst + (mt_i64)i1 * dst_s1 + (mt_i64)i2 * dst_s2 + (mt_i64)i3 * dst_s3 +
@@ -288,8 +289,8 @@ __device__ __forceinline__ void get_rows_impl(const mt_u8* __restrict__ src,
 #define MT_GET_ROWS_ENTRY(name, W)                                                             \
     extern "C" __global__ void get_rows_##name(                                                \
         const mt_u8* src, const int* idx, float* dst, int ne0, int n_idx, int ne2, int ne3,    \
-        int src_nb1, int src_nb2, int src_nb3, int idx_s0, int idx_s1, int idx_s2, int dst_s1,  \
-        int dst_s2, int dst_s3) {                                                              \
+        int src_nb1, mt_i64 src_nb2, mt_i64 src_nb3, int idx_s0, int idx_s1, int idx_s2,       \
+        int dst_s1, int dst_s2, int dst_s3) {                                                  \
         get_rows_impl<W>(src, idx, dst, ne0, n_idx, ne2, ne3, src_nb1, src_nb2, src_nb3,       \
                          idx_s0, idx_s1, idx_s2, dst_s1, dst_s2, dst_s3);                      \
     }

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -70,3 +71,94 @@ def test_nvcc_compiles(family, arch, tmp_path):
     assert entries == expected, (
         f"missing: {sorted(expected - entries)}; unexpected: {sorted(entries - expected)}"
     )
+
+
+# ------------------------------------------------------------- the GPU probe ("auto")
+def _fake_cupy(device: bool = True, error: Exception | None = None):
+    """A stand-in for the cupy module: a device or not, a RawKernel that runs or raises."""
+    import types
+
+    import numpy as np
+
+    class Buffer:
+        def __init__(self) -> None:
+            self.value = np.zeros(1, np.int32)
+
+        def get(self):
+            return self.value
+
+    class RawKernel:
+        def __init__(self, code: str, name: str) -> None:
+            assert name in code
+
+        def __call__(self, grid, block, args):
+            if error is not None:
+                raise error
+            args[0].value[0] = 7
+
+    cuda = types.SimpleNamespace(is_available=lambda: device)
+    return types.SimpleNamespace(cuda=cuda, RawKernel=RawKernel, zeros=lambda n, dtype: Buffer())
+
+
+@pytest.fixture
+def fresh_probe(monkeypatch):
+    monkeypatch.setattr(ck, "_probe_result", None)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("error, hint", [
+    (RuntimeError("CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open shared object file"),
+     "nvidia-cuda-nvrtc-cu12"),
+    (RuntimeError("Failed to find CUDA headers. Please install CUDA toolkit headers (e.g., pip install "
+                  "cupy-cuda12x[ctk])"), "nvidia-cuda-runtime-cu12"),
+    (RuntimeError("Failed to auto-detect CUDA root directory. Please specify `CUDA_PATH`"), "nvidia-cuda-runtime-cu12"),
+])
+def test_auto_falls_back_to_numpy_with_one_warning(fresh_probe, error, hint):
+    """A visible GPU whose kernels cannot compile (no NVRTC, no headers): "auto" picks numpy
+    and warns once, saying what to install; "cupy" is refused with the same reason."""
+    from metatp.backends import resolve_backend_name
+    from metatp.ir.errors import BackendUnavailableError
+
+    fresh_probe.setitem(sys.modules, "cupy", _fake_cupy(error=error))
+    with pytest.warns(RuntimeWarning, match=hint) as caught:
+        assert resolve_backend_name("auto") == "numpy"
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # probed once: no second warning
+        assert resolve_backend_name("auto") == "numpy"
+        with pytest.raises(BackendUnavailableError, match=hint):
+            resolve_backend_name("cupy")
+
+
+def test_probe_without_device_is_silent_and_with_a_working_kernel_picks_cupy(fresh_probe):
+    from metatp.backends import resolve_backend_name
+
+    fresh_probe.setitem(sys.modules, "cupy", _fake_cupy(device=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ck.gpu_probe() == (False, "cupy is installed but sees no CUDA device")
+    fresh_probe.setattr(ck, "_probe_result", None)
+    fresh_probe.setitem(sys.modules, "cupy", _fake_cupy())
+    assert resolve_backend_name("auto") == "cupy"
+
+
+def test_one_gpu_probe():
+    """backends.gpu_available is cuda_kernels.gpu_available: one probe, one cached answer."""
+    import metatp.backends as backends
+
+    assert backends.gpu_available is ck.gpu_available and backends.gpu_probe is ck.gpu_probe
+
+
+def test_installed_cupy_without_gpu_is_quick_and_silent():
+    """This machine (cupy may be installed, no GPU): the probe says no, fast, with no warning,
+    so the whole suite runs on numpy."""
+    if ck.gpu_available():
+        pytest.skip("a GPU is usable here")
+    code = ("import time, warnings; warnings.simplefilter('error'); t = time.perf_counter()\n"
+            "import metatp.backends as b\n"
+            "ok, why = b.gpu_probe()\n"
+            "assert ok is False and b.resolve_backend_name('auto') == 'numpy', why\n"
+            "print(round(time.perf_counter() - t, 2), why)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[0]) < 10, r.stdout

@@ -55,18 +55,77 @@ def test_emulator_refuses_what_a_gpu_refuses():
     """Argument C types, block size limits and dynamic shared memory are checked at launch."""
     from metatp.backends import cuda_kernels as ck
 
+    null = np.uint64(0)
     with ck.use_emulator():
         x = np.ones((2, 64), np.float32)
         k = ck.get_kernel("norm", "rms_norm_f32")
         ints = [np.int32(v) for v in (64, 2, 1, 2, 64, 0, 0, 64, 0, 0)]
         with pytest.raises(TypeError, match="np.float32"):
-            k((2,), (64,), (x, None, x, *ints, 1e-5))                    # a Python float
+            k((2,), (64,), (x, null, x, *ints, 1e-5))                    # a Python float
         with pytest.raises(RuntimeError, match="invalid launch"):
-            k((2,), (2048,), (x, None, x, *ints, np.float32(1e-5)))
+            k((2,), (2048,), (x, null, x, *ints, np.float32(1e-5)))
         attn = ck.get_kernel("attn", "attn_prefill_f16")
         with pytest.raises(RuntimeError, match="max_dynamic_shared_size_bytes"):
-            attn((1,), (128,), (None,) * 6 + (np.int32(0),) * 12 + (np.float32(0),) * 2
+            attn((1,), (128,), (null,) * 6 + (np.int32(0),) * 12 + (np.float32(0),) * 2
                  + (np.int32(0),) * 2, shared_mem=64 * 1024)
+
+
+@requires_cxx
+def test_none_pointer_is_refused_like_cupy_13():
+    """CuPy 13 passes a None argument as a pointer to garbage: the emulator refuses it, and every
+    helper of cuda_kernels passes an absent pointer as np.uint64(0) instead."""
+    from metatp.backends import cuda_kernels as ck
+
+    with ck.use_emulator():
+        x = np.ones((2, 64), np.float32)
+        y = np.zeros_like(x)
+        k = ck.get_kernel("norm", "rms_norm_f32")
+        ints = [np.int32(v) for v in (64, 2, 1, 2, 64, 0, 0, 64, 0, 0)]
+        with pytest.raises(TypeError, match="argument 1 is None"):
+            k((2,), (64,), (x, None, x, *ints, np.float32(1e-5)))
+        ck.rms_norm(x, y, eps=1e-5)                   # no weight: launched with a NULL pointer
+        np.testing.assert_allclose(y, 1.0, rtol=1e-5)
+        with ck.recording() as launches:              # every optional pointer left out
+            ck.rms_norm(x, y, eps=1e-5)
+            ck.matvec(np.zeros((4, 64), np.float32), "f32", x, np.zeros((2, 4), np.float32), ne0=64, n_rows=4)
+            ck.soft_max(x, y)
+            pos = np.zeros(2, np.int32)
+            ck.rope(x.reshape(2, 1, 64), y.reshape(2, 1, 64), pos, head_dim=64, n_head=1, n_tokens=2,
+                    n_dims=64, freq_base=1e4)
+            q = np.ones((1, 2, 64), np.float32)
+            kv = np.ones((8, 1, 64), np.float16)
+            ck.flash_attn_decode(q, kv, kv, np.zeros_like(q), n_head=2, n_head_kv=1, head_dim=64, n_tokens=1,
+                                 n_kv=8, scale=0.125, n_splits=1)
+        assert launches and all(a is not None for la in launches for a in la.args)
+        for la in launches:                           # and they run (the emulator checks every argument)
+            la()
+
+
+@requires_cxx
+def test_get_rows_batch_strides_are_64_bit():
+    """A 2-D source whose matrix exceeds 2 GiB (a 128k x 8192 f16 embedding) must not overflow:
+    a batch stride over a size-1 dimension goes as 0, a used one as int64."""
+    from metatp.backends import cuda_kernels as ck
+
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((5, 64)).astype(np.float32)
+    idx = np.array([3, 0, 4], np.int32)
+    out = np.zeros((3, 64), np.float32)
+    with ck.use_emulator():
+        ck.get_rows(src, "f32", idx, out, ne0=64, src_row_bytes=256, src_batch_bytes=(5 << 30, 5 << 32))
+        np.testing.assert_array_equal(out, src[idx])
+        with ck.recording() as launches:
+            ck.get_rows(src, "f32", idx, out, ne0=64, src_row_bytes=256, src_batch_bytes=(5 << 30, 5 << 32))
+        assert launches[0].args[8:10] == (np.int64(0), np.int64(0))
+        batched = rng.standard_normal((2, 3, 64)).astype(np.float32)        # ne2 = 2 batches of 3 rows
+        bidx = np.array([[[2, 0]], [[1, 1]]], np.int32).reshape(1, 2, 2)
+        bout = np.zeros((1, 2, 2, 64), np.float32)
+        with ck.recording() as launches:
+            ck.get_rows(batched, "f32", bidx, bout, ne0=64, src_row_bytes=256, src_batch_bytes=(3 * 256, 0))
+        assert isinstance(launches[0].args[8], np.int64) and int(launches[0].args[8]) == 3 * 256
+        launches[0]()
+        np.testing.assert_array_equal(bout[0, 0], batched[0][[2, 0]])
+        np.testing.assert_array_equal(bout[0, 1], batched[1][[1, 1]])
 
 
 # ------------------------------------------------------------- oracle sanity (CPU)

@@ -209,19 +209,115 @@ def test_virtual_devices_match_single_device(small_model, kind, n, ts):
     assert_same_greedy(got, want, 1e-4)
 
 
-def test_emulated_gpus_use_nccl_and_graph_segments(small_model):
-    """Three distinct (emulated) GPUs: NCCL all-reduce, CUDA graphs as per-subgraph segments."""
+def test_emulated_gpus_capture_nccl_in_one_graph(small_model):
+    """Three distinct (emulated) GPUs: NCCL all-reduce captured inside one CUDA graph spanning
+    the GPUs (no eager NCCL call per step once captured), bit-identical to eager."""
     if not ck.emulator_available():
         pytest.skip("no host C++ compiler")
     lay = layout_for(3, (1, 2, 1))
     be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32")
+    eager_be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32", cuda_graphs=False)
     assert be.allreduce_strategy == "nccl"
     eng, ref = Engine(small_model, 512, lay, be), Engine(small_model, 512, lay, NumpyBackend(lay))
+    eager = Engine(small_model, 512, lay, eager_be)
     got, want = run_teacher_forced(eng, ref, 3)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
-    assert be.rt.nccl_calls > 0 and be.rt.graph_launches > 0
-    assert any(ex.graph_mode == "segments" for ex in be._executables.values())
+    assert any(ex.graph_mode == "whole" for ex in be._executables.values())
+    calls, launches = be.rt.nccl_calls, be.rt.graph_launches
+    assert calls > 0 and launches > 0
+    a = eager.forward(PROMPT)
+    for tok in (7, 8, 9):
+        a = eager.forward([tok])
+    eng.reset()
+    eng.backend.reset_kv()
+    b = eng.forward(PROMPT)
+    for tok in (7, 8, 9):
+        b = eng.forward([tok])
+    assert np.array_equal(a, b)
+    assert be.rt.nccl_calls - calls <= 1 + 2 * 15      # the prefill plan's (eager) reductions only
+    assert be.rt.graph_launches - launches >= 2         # decode steps replayed the captured graph
+
+
+def test_multi_gpu_graph_falls_back_to_segments(small_model):
+    """NCCL that cannot be captured: one warning, then per-subgraph segments with eager NCCL;
+    `multi_gpu_graphs="segments"` asks for that mode directly."""
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    lay = layout_for(3, (1, 2, 1))
+    ref = Engine(small_model, 512, lay, NumpyBackend(lay))
+    for kw, rt in (({}, EmuRuntime(n_gpus=3, nccl_capture=False)), ({"multi_gpu_graphs": "segments"}, EmuRuntime(n_gpus=3))):
+        be = CupyBackend(lay, runtime=rt, kv_dtype="f32", matmul_dtype="f32", **kw)
+        eng = Engine(small_model, 512, lay, be)
+        ref.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, want = run_teacher_forced(eng, ref, 3)
+        for a, b in zip(got, want):
+            assert rel_err(a, b) < 1e-4
+        assert any(ex.graph_mode == "segments" for ex in be._executables.values())
+        assert be.cuda_graphs and be.multi_gpu_graphs == "segments"
+        fallbacks = [w for w in caught if "graph segments" in str(w.message)]
+        assert len(fallbacks) == (0 if kw else 1)
+    with pytest.raises(ConfigError):
+        CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), multi_gpu_graphs="one")
+
+
+def test_peer_access_for_virtual_devices_over_several_gpus():
+    """Four devices on gpus=[0, 1] (two virtual devices per GPU) copy across GPUs: peer access
+    is enabled between the GPUs; one GPU needs none."""
+    rt = EmuRuntime(n_gpus=2)
+    be = CupyBackend(layout_for(4), runtime=rt, gpus=[0, 1])
+    assert be.virtual and rt.peer_access == [[0, 1]]
+    rt1 = EmuRuntime(n_gpus=1)
+    CupyBackend(layout_for(3), runtime=rt1)
+    assert rt1.peer_access == []
+
+
+def test_create_backend_passes_numerics_to_cupy(monkeypatch):
+    import metatp.backends as backends
+
+    monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
+    with pytest.raises(ConfigError, match="numerics='llamacpp'"):
+        backends.create_backend("cupy", DeviceLayout(), numerics="llamacpp")
+
+
+def test_gemm_enters_its_device_and_stream():
+    """CuPy's gemmEx binds the cuBLAS handle to the current stream of the current device:
+    CupyRuntime.gemm must run inside the step's device and stream, whatever the caller's."""
+    from types import SimpleNamespace
+
+    from metatp.backends.cupy_backend import CupyRuntime
+
+    current: list[str] = []
+    calls: list[tuple] = []
+
+    class Ctx:
+        def __init__(self, what: str) -> None:
+            self.what = what
+
+        def __enter__(self):
+            current.append(self.what)
+            return self
+
+        def __exit__(self, *exc):
+            current.pop()
+            return False
+
+    class Cublas:
+        def setPointerMode(self, handle, mode):
+            pass
+
+        def gemmEx(self, handle, *args):
+            calls.append((handle, tuple(current)))
+
+    rt = CupyRuntime.__new__(CupyRuntime)
+    rt.cp = SimpleNamespace(cuda=SimpleNamespace(
+        Device=lambda i: Ctx(f"gpu{i}"),
+        device=SimpleNamespace(get_cublas_handle=lambda: f"handle of {current[0] if current else 'no device'}")))
+    rt._cublas, rt._one, rt._zero = Cublas(), np.ones(1, np.float32), np.zeros(1, np.float32)
+    rt.gemm(8, 16, 32, 1, 2, 3, 8, "f16", Ctx("stream of gpu 1"), 1)
+    assert calls == [("handle of gpu1", ("gpu1", "stream of gpu 1"))]
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
@@ -380,6 +476,43 @@ def test_memory_accounting_counts_raw_weights(small_model):
     assert eng.backend.allocated_bytes()[0] > 0
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_memory_plan_counts_f16_kv_and_gpu_workspace(small_model, n):
+    """The plan counts the KV cache at its stored size (f16 by default) and the GPU scratch
+    (f16 GEMM copies, attention workspace, wire buffers, input block): it matches what the
+    backend allocates for the largest plan and a decode step."""
+    if not ck.emulator_available():
+        pytest.skip("no host C++ compiler")
+    lay = layout_for(n, (1, 1) if n == 2 else None)
+    f16 = Engine(small_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime()), n_batch=32)
+    f32 = Engine(small_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime(), kv_dtype="f32", matmul_dtype="f32"),
+                 n_batch=32)
+    m16, m32 = f16.memory_plan(), f32.memory_plan()
+    assert m16.kv == [k // 2 for k in m32.kv] and sum(m16.kv) > 0
+    assert m16.kv_per_token == [k // 2 for k in m32.kv_per_token]
+    f16.forward(list(range(2, 34)))               # the largest plan (32 tokens: dequantize + GEMM)
+    f16.forward([5])                              # and a decode step
+    work = f16.backend.workspace_bytes(f16.plan_for(_largest_spec(f16))[0])
+    assert all(w > 2 * 32 * small_model.hparams.n_embd for w in work)      # at least the f16 copy of x
+    planned = sum(m16.totals())
+    actual = sum(f16.backend.allocated_bytes())
+    assert abs(planned - actual) / actual < 0.10, (planned, actual)
+
+
+def _largest_spec(eng):
+    from metatp.engine import padded_kv
+    from metatp.ir.models import BatchSpec
+
+    T = min(eng.n_batch, eng.n_ctx)
+    return BatchSpec(T, padded_kv(eng.n_ctx, eng.n_ctx), T)
+
+
+def test_memory_budget_counts_cupy_pool_cache():
+    rt = EmuRuntime(mem_free=3 << 30, pool_free=512 << 20)
+    be = CupyBackend(DeviceLayout(), runtime=rt)
+    assert be.memory_budget() == ((3 << 30) + (512 << 20), False)
+
+
 @pytest.mark.parametrize("kind", RUNTIMES)
 def test_few_token_steps_use_matvec(small_model, kind):
     """Prompts of 2..8 tokens run the multi-token matvec (no one-token fusions)."""
@@ -415,3 +548,29 @@ def test_float_upload_path_of_todays_engine(small_model, kind):
     got, want = run_teacher_forced(eng, ref, 2)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
+
+
+# ---------------------------------------------------------------- gpu_check preflight
+def test_gpu_check_preflight_lines(monkeypatch, capsys):
+    """One line per prerequisite; with --emulate the GPU items are reported absent and the dry
+    run goes on; on a GPU run a missing import (yaml) stops it."""
+    import sys
+
+    from metatp.tools import gpu_check
+
+    monkeypatch.setattr(gpu_check, "CFG", gpu_check.Config(emulate=True))
+    rep = gpu_check.Report()
+    assert gpu_check.preflight(rep) == ck.emulator_available()
+    items = [r["check"] for r in rep.rows]
+    assert items[:10] == ["yaml", "gguf", "numpy", "cupy", "nvrtc", "cuda headers", "gpu", "trivial RawKernel",
+                          "nccl", "free memory"]
+    out = capsys.readouterr().out
+    assert all(f"preflight {name}:" in out for name in items)
+    if not ck.gpu_available():
+        gpu_row = next(r for r in rep.rows if r["check"] == "gpu")
+        assert gpu_row["result"].startswith("absent") and gpu_row["status"] == "info"
+    monkeypatch.setattr(gpu_check, "CFG", gpu_check.Config(emulate=False))
+    monkeypatch.setitem(sys.modules, "yaml", None)
+    rep = gpu_check.Report()
+    assert gpu_check.preflight(rep) is False
+    assert next(r for r in rep.rows if r["check"] == "yaml")["status"] == "FAIL"
