@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from metatp.backends.cuda_kernels import gpu_available, gpu_probe
+from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry, check_options
 from metatp.ir.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["BACKENDS", "gpu_available", "gpu_probe", "resolve_backend_name", "create_backend"]
 
-BACKENDS = ("auto", "numpy", "cupy")
+BACKENDS = ("auto", *_REGISTERED)
 
 
 def resolve_backend_name(name: str) -> str:
@@ -24,14 +25,8 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def create_backend(name: str, layout, numerics: str = "exact", cpu_kernels: bool | None = None):
-    """A backend instance for `layout` (a passes.plan.DeviceLayout). `cpu_kernels` (numpy only):
-    None uses the compiled decode kernels when they build, False never, True insists."""
+def create_backend(name: str, layout, **options):
+    """A backend instance for `layout` (a passes.plan.DeviceLayout) with `options` checked
+    against the backend's table in `backends.registry` (None: the backend's default)."""
     resolved = resolve_backend_name(name)
-    if resolved == "numpy":
-        from metatp.backends.numpy_backend import NumpyBackend
-
-        return NumpyBackend(layout, numerics=numerics, cpu_kernels=cpu_kernels)
-    from metatp.backends.cupy_backend import CupyBackend
-
-    return CupyBackend(layout, numerics=numerics)
+    return backend_entry(resolved).load()(layout, **check_options(resolved, options))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from metatp.backends import cuda_kernels as ck
+from metatp.backends.base import Backend, WeightSource
 from metatp.backends.slicing import local_raw_shape as _local_raw_shape, split_raw
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import OPS, GluOp, Op, RopeMode, UnaryOp
@@ -442,7 +443,7 @@ class _Device:
 
 
 # =============================================================== the backend
-class CupyBackend:
+class CupyBackend(Backend):
     """N devices on CuPy: one GPU each when there are enough, else virtual devices (several
     logical devices with their own stream and buffers on one GPU).
 
@@ -467,8 +468,12 @@ class CupyBackend:
         if numerics != "exact":
             raise ConfigError(f"cupy backend: numerics={numerics!r} is not supported (only 'exact'; the "
                               "numpy backend emulates llama.cpp's rounding)")
+        from metatp.backends.collectives.schedule import ALIASES
+
+        allreduce = ALIASES.get(allreduce, allreduce)      # llama.cpp's none/internal: the butterfly
         if allreduce not in ALLREDUCE_MODES:
-            raise ConfigError(f"allreduce must be one of {', '.join(ALLREDUCE_MODES)}, got {allreduce!r}")
+            raise ConfigError(f"cupy backend: allreduce must be one of {', '.join(ALLREDUCE_MODES)}, "
+                              f"got {allreduce!r}")
         wire_dtype(2, 0, wire)   # validates the mode
         if kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -561,16 +566,20 @@ class CupyBackend:
             nb = _raw_nb(gtype, loc.ne)
             self.leaf[d][t] = RawWeight(self._store(d, parts[d]), wname, tuple(loc.ne), nb)
 
-    def storage_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
+    def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
+        """GPU kernels read the GGUF encoding: keep it (see `upload_raw`)."""
+        self.upload_raw(t, source.raw, source.ggml_type, plan)
+
+    def weight_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
         """Bytes kept for a weight slice: its GGUF encoding when kernels read it raw, else f32."""
         n = int(np.prod(local_ne))
         if (t.flags & Flag.WEIGHT) and _weight_type_name(t.type) and quant_only_weight(t, plan):
             return int(np.prod(_local_raw_shape(t.type, local_ne)))
         return n * 4
 
-    def kv_bytes(self, t: Tensor, local_ne: tuple[int, ...]) -> int:
-        """Bytes of a KV-cache slice as stored (an F32 cache is kept as kv_dtype, f16 by default)."""
-        return int(np.prod(local_ne)) * np.dtype(self._leaf_dtype(t)).itemsize
+    def kv_itemsize(self, t: Tensor) -> int:
+        """Bytes per element of the KV cache as stored (an F32 cache is kept as kv_dtype, f16 by default)."""
+        return np.dtype(self._leaf_dtype(t)).itemsize
 
     def workspace_bytes(self, plan: Plan) -> list[int]:
         """Per device: device memory beyond weights, KV and the plan's arena: the scratch buffers

@@ -208,8 +208,6 @@ class NumpyBackend(Backend):
             pass
         return None, True
 
-    storage_bytes = weight_bytes     # the engine's name until it moves to the contract
-
     def kv_itemsize(self, t: Tensor) -> int:
         return host_dtype(t).itemsize
 

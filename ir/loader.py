@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from metatp.ir.errors import ModelFormatError, ModelNotFoundError
+from metatp.ir.models import check_architecture, prepare_hparams
 from metatp.ir.tensor import GGMLType
 
 __all__ = ["HParams", "WeightInfo", "Model", "load_model"]
@@ -51,6 +52,8 @@ class HParams:
     swa_layers: list[bool] = field(default_factory=list)
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
+    logit_scale: float = 0.0             # command-r: logits times this (0: none)
+    expert_weights_scale: float = 0.0    # MoE: router weights times this (0 or 1: none)
     parallel_residual: bool = False
 
     def n_embd_k_gqa(self, il: int) -> int:
@@ -113,8 +116,6 @@ class Model:
             raise ModelFormatError(f"{path.name}: metadata general.architecture = {arch!r} is not a string")
         self.arch = arch
         self.name = str(metadata.get("general.name", path.stem))
-        from metatp.ir.models import check_architecture, prepare_hparams
-
         check_architecture(self.arch)
         self.hparams = self._read_hparams()
         prepare_hparams(self.hparams, self.metadata)     # per-architecture fields (e.g. gemma3's SWA layers)
@@ -211,8 +212,8 @@ class Model:
             raise self._bad("rope.dimension_count", rope_dims, f"an even number <= the head size {head_dim_k}")
         n_expert = self._int("expert_count", 0, 0, MAX_EXPERTS)
         n_expert_used = self._int("expert_used_count", 0, 1 if n_expert else 0, n_expert)
-        for key in ("logit_scale", "expert_weights_scale"):
-            self._float(key, 0.0, -1e6, 1e6)       # read by the graph builders; checked once here
+        logit_scale = self._float("logit_scale", 0.0, -1e6, 1e6)
+        expert_weights_scale = self._float("expert_weights_scale", 0.0, -1e6, 1e6)
         hp = HParams(
             arch=self.arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
             n_vocab=n_vocab, n_ctx_train=self._int("context_length", 2048, 1, MAX_CTX), head_dim_k=head_dim_k,
@@ -223,6 +224,7 @@ class Model:
             n_ff_exp=self._int("expert_feed_forward_length", 0, 0, MAX_FF),
             n_ff_shexp=self._int("expert_shared_feed_forward_length", 0, 0, MAX_FF),
             expert_weights_norm=self._bool("expert_weights_norm", False),
+            logit_scale=logit_scale, expert_weights_scale=expert_weights_scale,
             sliding_window=self._int("attention.sliding_window", 0, 0, MAX_CTX),
             attn_logit_softcap=self._float("attn_logit_softcapping", 0.0, 0.0, 1e6),
             final_logit_softcap=self._float("final_logit_softcapping", 0.0, 0.0, 1e6),

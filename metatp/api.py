@@ -9,6 +9,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -188,12 +189,19 @@ class LLM:
     `cpu_kernels` (numpy backend): few-token steps use compiled C kernels over int8-coded weights
     (built on first use with the machine's C compiler; ~3x faster decode). None: when they build;
     False: pure numpy; True: fail if they cannot be built. METATP_CPU_KERNELS=0 turns them off.
+    `allreduce`: the all-reduce between devices: "auto" (the backend's choice: NCCL on distinct
+    GPUs, else the butterfly), "butterfly", "ring", "nccl", or llama.cpp's GGML_CUDA_ALLREDUCE
+    spellings "none" / "internal" (the copy-and-add butterfly).
+    `backend_options`: further options of the chosen backend, checked against its table in
+    `metatp.backends.registry` (cupy: cuda_graphs, wire, kv_dtype, matmul_dtype,
+    multi_gpu_graphs; numpy: threads).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
                  n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
                  seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
-                 fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None) -> None:
+                 fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
+                 allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
@@ -211,7 +219,7 @@ class LLM:
         n_batch = int(n_batch)
         if isinstance(n_devices, numbers.Integral) and not isinstance(n_devices, (bool, np.bool_)):
             n_devices = int(n_devices)
-        for name, v in (("backend", backend), ("numerics", numerics)):
+        for name, v in (("backend", backend), ("numerics", numerics), ("allreduce", allreduce)):
             if not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string, got {_type_name(v)} {_short(v)}")
         if split_mode is not None and not isinstance(split_mode, str):
@@ -227,6 +235,15 @@ class LLM:
         if split_mode is None:
             split_mode = "tensor" if (isinstance(n_devices, int) and n_devices > 1) or ts else "none"
         self.layout = DeviceLayout(n_devices, split_mode, ts)
+        if backend_options is not None and not isinstance(backend_options, Mapping):
+            raise ConfigError(f"backend_options must be a dict of option names to values, got "
+                              f"{_type_name(backend_options)} {_short(backend_options)}")
+        options = dict(backend_options or {})
+        options.update(numerics=numerics, cpu_kernels=cpu_kernels, allreduce=allreduce)
+        if cpu_kernels is None:
+            options.pop("cpu_kernels")          # the numpy default; not an option of other backends
+        # options are checked (and the backend set up) before the model file is read
+        self.backend = create_backend(backend, self.layout, **options)
         self.model_path = resolve_model(model, quiet=not verbose)
         self.model = load_model(self.model_path)
         hp = self.model.hparams
@@ -239,7 +256,6 @@ class LLM:
             warnings.warn(f"{n_devices} devices but only {min(hp.n_head_kv)} KV heads: "
                           "some devices get zero attention slices", stacklevel=2)
         self.tokenizer = self.model.tokenizer
-        self.backend = create_backend(backend, self.layout, numerics, cpu_kernels)
         self.n_ctx = n_ctx
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)

@@ -11,6 +11,7 @@ import sys
 import warnings
 from typing import Sequence
 
+from metatp.backends.registry import ALLREDUCE_CHOICES
 from metatp.ir.errors import ConfigError, MetatpError
 
 __all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
@@ -40,6 +41,11 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
     p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
     p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")
+    p.add_argument("--allreduce", default=os.environ.get("GGML_CUDA_ALLREDUCE", "auto"), metavar="MODE",
+                   help="all-reduce between devices: " + " | ".join(ALLREDUCE_CHOICES)
+                   + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
@@ -49,8 +55,10 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
     n = args.devices if args.devices is not None else (len(ts) if ts else 1)
     mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
+    options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
     return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
-            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False)}
+            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
+            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -14,17 +14,21 @@ restore a snapshot with. All of it runs under one lock per engine, held for one 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 
+from metatp.backends.base import Backend, WeightSource
 from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD
 from metatp.ir.tensor import Flag, GGMLType
+from metatp.passes.compile import compile_plan
+from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
 
 __all__ = ["Engine", "SequenceState", "sliding_window_mask"]
@@ -63,7 +67,7 @@ class SequenceState:
 class Engine:
     """Runs forward passes of one model on a backend; sequences share one KV cache (see module doc)."""
 
-    def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend, n_batch: int = 512) -> None:
+    def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend: Backend, n_batch: int = 512) -> None:
         self.model = model
         self.n_ctx = n_ctx
         self.layout = layout
@@ -102,61 +106,48 @@ class Engine:
         return plan, ex
 
     def compile(self, graph) -> Plan:
-        from metatp.passes.plan import single_device_plan
-
-        if self.layout.split_mode == "none":
-            return single_device_plan(graph)
-        from metatp.passes.compile import compile_plan
-
         return compile_plan(graph, self.layout, self.model.hparams)
 
     def memory_plan(self):
         """Per-device bytes at the largest batch this engine runs (before any weight is loaded)."""
-        from metatp.passes.memory import plan_memory
-
         T = min(self.n_batch, self.n_ctx)
         spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
         plan = self.compile(build_graph(self.tensors, spec))
-        workspace = getattr(self.backend, "workspace_bytes", None)
-        return plan_memory(plan, self._weight_bytes(), self.n_ctx, workspace(plan) if workspace else None)
+        return plan_memory(plan, self._weight_bytes(), self.n_ctx, self.backend.workspace_bytes(plan),
+                           kv_itemsize=self.backend.kv_itemsize)
 
     def _weight_bytes(self):
         """The backend's bytes per weight slice, counting once what it stores once (the codes of
         a tied embedding and lm head, or of a mirrored weight, shared by every device)."""
-        key_of = getattr(self.backend, "storage_key", None)
-        if key_of is None:
-            return self.backend.storage_bytes
         counted: set = set()
 
         def weight_bytes(t, local_ne, plan) -> int:
-            key = key_of(t, plan, self.tensors.source_name(t.name))
+            key = self.backend.storage_key(t, plan, self.tensors.source_name(t.name))
             if key is not None:
                 if key in counted:
                     return 0
                 counted.add(key)
-            return self.backend.storage_bytes(t, local_ne, plan)
+            return self.backend.weight_bytes(t, local_ne, plan)
         return weight_bytes
 
     def _upload_weights(self, plan: Plan) -> None:
-        """Every weight leaf goes to the backend once; every plan shares the split table."""
+        """Every weight leaf goes to the backend once, in the form the backend chooses; every
+        plan shares the split table. A GGUF tensor read by two leaves (a tied lm head and the
+        embedding) is dequantized at most once."""
         leaves = [t for t in plan.graph.leaves if t.flags & Flag.WEIGHT]
         sources = [self.tensors.source_name(t.name) for t in leaves]
-        shared = {s for s in sources if sources.count(s) > 1}     # the tied lm head and the embedding
         cache: dict[str, np.ndarray] = {}
-        raw = hasattr(self.backend, "upload_raw")     # GPU backends keep the GGUF encoding
-        keep_encoded = getattr(self.backend, "upload_encoded", None)     # numpy: int8 codes, no float32
+
+        def dequantize(src: str) -> np.ndarray:
+            if src not in cache:
+                cache[src] = self.model.dequantize(src)
+            return cache[src]
         for t, src in zip(leaves, sources):
-            if raw:
-                self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
-                continue
-            if keep_encoded is not None and keep_encoded(t, self.model.raw_bytes(src), self.model.weight(src).type, plan):
-                continue
-            data = cache.get(src)
-            if data is None:
-                data = self.model.dequantize(src)
-                if src in shared:
-                    cache[src] = data
-            self.backend.upload(t, data, plan)
+            source = WeightSource(src, self.model.weight(src).type, self.model.raw_bytes(src),
+                                  functools.partial(dequantize, src))
+            self.backend.store_weight(t, source, plan)
+            if sources.count(src) == 1:
+                cache.pop(src, None)
         persistent = [t for t in plan.graph.leaves if t.flags & (Flag.WEIGHT | Flag.KV_CACHE)]
         self._weight_states = {t: plan.of(t).state for t in persistent}
         used = set(leaves)

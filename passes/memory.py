@@ -17,8 +17,8 @@ __all__ = ["MemoryPlan", "plan_memory", "fit_context", "assign_offsets", "parse_
 
 # bytes a backend keeps for one weight: (tensor, local ne, plan) -> bytes
 WeightBytes = Callable[[Tensor, tuple[int, ...], Plan], int]
-# bytes a backend keeps for one KV-cache slice: (tensor, local ne) -> bytes
-KvBytes = Callable[[Tensor, tuple[int, ...]], int]
+# bytes per element a backend stores for a KV-cache leaf (the cupy backend keeps an F32 cache as f16)
+KvItemsize = Callable[[Tensor], int]
 
 _ITEM = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4}
 
@@ -55,21 +55,12 @@ class MemoryPlan:
                 "kv_per_token": self.kv_per_token, "total": self.totals()}
 
 
-def _backend_kv_bytes(weight_bytes: WeightBytes) -> KvBytes | None:
-    """The `kv_bytes` of the backend whose bound `storage_bytes` is `weight_bytes`, if it has one
-    (how a backend storing the KV cache in another type than the graph's is heard today)."""
-    return getattr(getattr(weight_bytes, "__self__", None), "kv_bytes", None)
-
-
 def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: list[int] | None = None,
-                kv_bytes: KvBytes | None = None) -> MemoryPlan:
+                kv_itemsize: KvItemsize | None = None) -> MemoryPlan:
     """Bytes per device for `plan` (use the largest batch plan: compute buffers scale with it).
     `workspace`: per-device bytes a backend needs beyond the plan's buffers (counted as compute).
-    `kv_bytes`: bytes of a KV-cache slice as the backend stores it (the cupy backend keeps an F32
-    cache as f16); default: the backend's `kv_bytes` when `weight_bytes` is its bound method,
-    else the graph type's size."""
-    if kv_bytes is None:
-        kv_bytes = _backend_kv_bytes(weight_bytes)
+    `kv_itemsize`: bytes per element of the KV cache as the backend stores it (default: the
+    graph type's size)."""
     n = plan.n_devices
     weights, kv, compute, kv_tok = [0] * n, [0] * n, [0] * n, [0] * n
     for t in plan.graph.leaves:
@@ -79,7 +70,8 @@ def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: li
             if t.flags & Flag.WEIGHT:
                 weights[d] += weight_bytes(t, loc.ne, plan)
             elif t.flags & Flag.KV_CACHE:
-                b = kv_bytes(t, loc.ne) if kv_bytes else _nelements(loc.ne) * _ITEM.get(t.type.name, 4)
+                item = kv_itemsize(t) if kv_itemsize else _ITEM.get(t.type.name, 4)
+                b = _nelements(loc.ne) * item
                 kv[d] += b
                 kv_tok[d] += b // max(t.ne[1], 1)
             else:

@@ -165,21 +165,6 @@ class Budget:
 
 
 # ============================================================== engines
-def raw_engine_class():
-    """The engine with the one-line change the cupy backend wants (weights as GGUF bytes)."""
-    from metatp.engine import Engine
-    from metatp.ir.tensor import Flag
-
-    class RawEngine(Engine):
-        def _upload_weights(self, plan) -> None:
-            for t in plan.graph.leaves:
-                if t.flags & Flag.WEIGHT:
-                    src = self.tensors.source_name(t.name)
-                    self.backend.upload_raw(t, self.model.raw_bytes(src), self.model.weight(src).type, plan)
-            self._uploaded = True
-    return RawEngine
-
-
 def layout(n: int, ts=None):
     from metatp.passes.plan import DeviceLayout
 
@@ -188,11 +173,12 @@ def layout(n: int, ts=None):
 
 def cupy_engine(model, n_ctx: int, n: int = 1, ts=None, **kw):
     from metatp.backends.cupy_backend import CupyBackend
+    from metatp.engine import Engine
 
     lay = layout(n, ts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return raw_engine_class()(model, n_ctx, lay, CupyBackend(lay, runtime=CFG.runtime(), **kw))
+        return Engine(model, n_ctx, lay, CupyBackend(lay, runtime=CFG.runtime(), **kw))
 
 
 def numpy_engine(model, n_ctx: int):

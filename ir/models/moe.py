@@ -31,14 +31,9 @@ from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, UnaryOp
 from metatp.ir.tensor import Tensor
 
-__all__ = ["build_moe", "build_moe_ffn", "moe_ffn", "expert_weights_scale"]
+__all__ = ["build_moe", "build_moe_ffn", "moe_ffn"]
 
 # ---------------------------------------------------------------- experts
-
-
-def expert_weights_scale(t: ModelTensors) -> float:
-    """`{arch}.expert_weights_scale` (llama.cpp's w_scale; absent, 0 or 1: no scaling)."""
-    return float(t.model.metadata.get(f"{t.hp.arch}.expert_weights_scale", 0.0) or 0.0)
 
 
 def _expert_weights(probs: Tensor, selected: Tensor, normalise: bool, w_scale: float, il: int) -> Tensor:
@@ -80,7 +75,7 @@ def build_moe_ffn(t: ModelTensors, il: int, cur: Tensor, normalise: bool) -> Ten
     logits = ops.mul_mat(t.w(f"{p}.ffn_gate_inp.weight", (n_embd, n_expert)), cur, name=f"ffn_moe_logits-{il}")
     probs = ops.soft_max(logits, name=f"ffn_moe_probs-{il}")
     selected = ops.top_k(probs, n_used, name=f"ffn_moe_topk-{il}")
-    weights = _expert_weights(probs, selected, normalise, expert_weights_scale(t), il)
+    weights = _expert_weights(probs, selected, normalise, hp.expert_weights_scale, il)
     x = ops.reshape(cur, n_embd, 1, n_tok)
     up = ops.mul_mat_id(up_w, x, selected, name=f"ffn_moe_up-{il}")
     gate = ops.mul_mat_id(t.w(f"{p}.ffn_gate_exps.weight", (n_embd, n_ff, n_expert)), x, selected,

@@ -24,12 +24,7 @@ from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, graph_inp
 from metatp.ir.ops import RopeMode
 from metatp.ir.tensor import Tensor
 
-__all__ = ["build_command_r", "logit_scale"]
-
-
-def logit_scale(t: ModelTensors) -> float:
-    """`{arch}.logit_scale` from the metadata (0 or absent: no scaling)."""
-    return float(t.model.metadata.get(f"{t.hp.arch}.logit_scale", 0.0) or 0.0)
+__all__ = ["build_command_r"]
 
 
 def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
@@ -64,7 +59,7 @@ def build_command_r(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
         x = ops.add(branches, x, name=f"l_out-{il}")
     x = layer_norm_weighted(t, x, t.w("output_norm.weight", (hp.n_embd,)), "result_norm")
     logits = ops.mul_mat(t.output_weight(), x, name="result_output")
-    s = logit_scale(t)
+    s = hp.logit_scale
     if s:
         logits = ops.scale(logits, s, name="result_output_scaled")
     return output_graph(t, spec, inp, logits)

@@ -1,0 +1,105 @@
+"""Backends by name, and the options each takes, validated in one place.
+
+An option is chosen once (by `LLM(...)` or the CLI), checked here against the table, and
+handed to the backend's constructor; nothing downstream re-derives it. Names follow
+llama.cpp where it has one (GGML_CUDA_ALLREDUCE-style all-reduce choice, `-ctk`-style
+cache types later).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from metatp.backends.collectives.schedule import mode_names
+from metatp.ir.errors import ConfigError
+
+__all__ = ["Option", "BackendEntry", "BACKENDS", "backend_entry", "check_options", "ALLREDUCE_CHOICES"]
+
+# The all-reduce algorithms a user may name: the collectives' mode table, with llama.cpp's
+# GGML_CUDA_ALLREDUCE spellings as aliases ("none"/"internal": the copy-and-add butterfly).
+ALLREDUCE_CHOICES = mode_names()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One backend option: its allowed values (a tuple) or type (bool), default and meaning."""
+
+    name: str
+    allowed: tuple | type
+    default: Any
+    doc: str
+
+    def check(self, value: Any, backend: str) -> Any:
+        if self.allowed is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{backend} backend: option {self.name}={value!r} must be True or False")
+            return value
+        if value not in self.allowed:
+            raise ConfigError(f"{backend} backend: option {self.name}={value!r} is not one of "
+                              f"{', '.join(map(str, self.allowed))} ({self.doc})")
+        return value
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """Where a backend class lives (imported on first use: cupy must not load on a CPU
+    machine) and the options its constructor accepts."""
+
+    name: str
+    target: str                       # "module:Class"
+    options: dict[str, Option] = field(default_factory=dict)
+
+    def load(self):
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+def _opts(*options: Option) -> dict[str, Option]:
+    return {o.name: o for o in options}
+
+
+_NUMERICS = Option("numerics", ("exact", "llamacpp", "q8"), "exact",
+                   "exact float32, or llama.cpp's CPU rounding of matmul activations (q8: the same)")
+_ALLREDUCE = Option("allreduce", ALLREDUCE_CHOICES, "auto", "the all-reduce between devices")
+_WIRE = Option("wire", ("auto", "f32", "bf16"), "auto", "all-reduce wire type (auto: f32 below a size, bf16 above)")
+
+BACKENDS: dict[str, BackendEntry] = {
+    "numpy": BackendEntry("numpy", "metatp.backends.numpy_backend:NumpyBackend", _opts(
+        _NUMERICS, _ALLREDUCE,
+        Option("cpu_kernels", (None, False, True), None,
+               "compiled C kernels for few-token steps: None when they build, False never, True insist"),
+        Option("threads", bool, False, "run simulated devices in parallel threads"),
+    )),
+    "cupy": BackendEntry("cupy", "metatp.backends.cupy_backend:CupyBackend", _opts(
+        _NUMERICS, _ALLREDUCE, _WIRE,
+        Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
+        Option("kv_dtype", ("f16", "bf16", "f32"), "f16", "KV cache storage type"),
+        Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),
+        Option("multi_gpu_graphs", ("whole", "segments"), "whole",
+               "one CUDA graph across GPUs, or per-subgraph segments"),
+    )),
+}
+
+
+def backend_entry(name: str) -> BackendEntry:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ConfigError(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}") from None
+
+
+def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` validated for backend `name`; None values mean "the default" and are dropped.
+    An option the backend does not take is an error naming the ones it does."""
+    entry = backend_entry(name)
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        opt = entry.options.get(key)
+        if opt is None:
+            raise ConfigError(f"{name} backend has no option {key!r}; it takes {', '.join(entry.options)}")
+        if value is None and (opt.allowed is bool or None not in opt.allowed):
+            continue            # the backend's default
+        out[key] = opt.check(value, name)
+    return out
