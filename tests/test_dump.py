@@ -25,6 +25,7 @@ from metatp.passes.compile import STAGES, compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan, Reduction, Subgraph
 from metatp.tools import dump as dump_mod
+from metatp.tools.dump import dot as dump_dot
 from metatp.tools.dump import DumpRequest, Link, communication_bill, dump, dump_model, raw_weight_bytes
 from metatp.tools.synth import SynthSpec
 
@@ -431,7 +432,7 @@ def test_dot_has_clusters_colours_reductions_and_legend():
     assert dot.startswith("digraph") and dot.rstrip().endswith("}")
     assert "subgraph cluster_sg0" in dot and "subgraph cluster_legend" in dot
     assert dot.count("all-reduce #") == 1
-    assert dump_mod.STATE_COLOURS["PARTIAL"] in dot and dump_mod.STATE_COLOURS["AXIS_1"] in dot
+    assert dump_dot.STATE_COLOURS["PARTIAL"] in dot and dump_dot.STATE_COLOURS["AXIS_1"] in dot
     assert 'shape="cylinder"' in dot and 'style="dashed,filled"' in dot
 
 
@@ -443,7 +444,7 @@ def test_svg_renders_where_graphviz_is_installed():
 
 
 def test_svg_without_graphviz_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(dump_mod.shutil, "which", lambda name: None)
+    monkeypatch.setattr(dump_dot.shutil, "which", lambda name: None)
     with pytest.raises(MetatpError, match="apt-get install graphviz.*brew install graphviz"):
         dump(compile_plan(moe_block(), TWO, None), "svg")
 
