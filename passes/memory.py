@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, Tensor
+from metatp.ir.tensor import Flag, Tensor, block_size, row_bytes
 from metatp.passes.plan import Plan
 
 __all__ = ["MemoryPlan", "plan_memory", "fit_context", "assign_offsets", "parse_bytes", "format_bytes"]
@@ -70,8 +70,11 @@ def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: li
             if t.flags & Flag.WEIGHT:
                 weights[d] += weight_bytes(t, loc.ne, plan)
             elif t.flags & Flag.KV_CACHE:
-                item = kv_itemsize(t) if kv_itemsize else _ITEM.get(t.type.name, 4)
-                b = _nelements(loc.ne) * item
+                if block_size(t.type) > 1:       # a quantized cache is its blocks on every backend
+                    b = row_bytes(t.type, loc.ne[0]) * loc.ne[1] * loc.ne[2] * loc.ne[3] if loc.ne[0] else 0
+                else:
+                    item = kv_itemsize(t) if kv_itemsize else _ITEM.get(t.type.name, 4)
+                    b = _nelements(loc.ne) * item
                 kv[d] += b
                 kv_tok[d] += b // max(t.ne[1], 1)
             else:

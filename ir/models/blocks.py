@@ -13,7 +13,7 @@ from typing import Callable
 from metatp.ir import ops
 from metatp.ir.models.common import BatchSpec, ModelTensors
 from metatp.ir.ops import GluOp, RopeMode
-from metatp.ir.tensor import Tensor
+from metatp.ir.tensor import Tensor, row_bytes
 
 __all__ = ["linear", "embed", "rms_norm_weighted", "layer_norm_weighted", "project_qkv", "rope",
            "kv_store_and_attend", "ffn_swiglu", "lm_head", "FFN", "Attention"]
@@ -79,9 +79,10 @@ def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     ck, cv = t.cache_k[il], t.cache_v[il]
     k_w = ops.set_rows(ck, ops.reshape(k, hd_k * n_head_kv, T), inp["kv_idxs"], name=f"k_store-{il}")
     v_w = ops.set_rows(cv, ops.reshape(v, hd_v * n_head_kv, T), inp["kv_idxs"], name=f"v_store-{il}")
-    esz_k, esz_v = ck.nb[0], cv.nb[0]
-    kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (hd_k * esz_k, ck.nb[1]), 0, name=f"k_view-{il}")
-    vview = ops.view(v_w, (hd_v, n_head_kv, spec.n_kv), (hd_v * esz_v, cv.nb[1]), 0, name=f"v_view-{il}")
+    # one head's row of the cache: whole quant blocks for a quantized cache (the split table and
+    # the cache-type check keep head_dim a multiple of the block)
+    kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (row_bytes(ck.type, hd_k), ck.nb[1]), 0, name=f"k_view-{il}")
+    vview = ops.view(v_w, (hd_v, n_head_kv, spec.n_kv), (row_bytes(cv.type, hd_v), cv.nb[1]), 0, name=f"v_view-{il}")
     Q = ops.permute(q, 0, 2, 1, 3, name=f"q_perm-{il}")
     K = ops.permute(kview, 0, 2, 1, 3, name=f"k_perm-{il}")
     V = ops.permute(vview, 0, 2, 1, 3, name=f"v_perm-{il}")

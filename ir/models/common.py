@@ -6,15 +6,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from metatp.ir import ops
-from metatp.ir.errors import ModelFormatError
+from metatp.ir.errors import ConfigError, ModelFormatError
 from metatp.ir.ops import RopeMode
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size
 
 if TYPE_CHECKING:
     from metatp.ir.loader import HParams, Model
     from metatp.ir.graph import Graph
 
-__all__ = ["ArchSpec", "BatchSpec", "ModelTensors", "KV_PAD", "graph_inputs", "output_graph", "select_outputs"]
+__all__ = ["ArchSpec", "BatchSpec", "ModelTensors", "KV_PAD", "KV_CACHE_TYPES", "cache_type", "check_cache_type", "graph_inputs", "output_graph", "select_outputs"]
 
 KV_PAD = 256   # attended KV length is padded to a multiple of this, so decode graphs are reused
 
@@ -46,6 +46,36 @@ class ArchSpec:
     normalise_expert_weights: bool = False
 
 
+# KV-cache types by llama.cpp's -ctk / -ctv spelling. Quantized caches are cut per head (the split
+# table keeps whole heads per device), so a head's row must be whole quant blocks.
+KV_CACHE_TYPES: dict[str, GGMLType] = {
+    "f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16,
+    "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1, "q5_0": GGMLType.Q5_0, "q5_1": GGMLType.Q5_1,
+}
+
+
+def cache_type(name: str, which: str = "k") -> GGMLType:
+    """The GGML type of a `-ct{which}` spelling (ConfigError naming the allowed ones)."""
+    t = KV_CACHE_TYPES.get(name) if isinstance(name, str) else None
+    if t is None:
+        raise ConfigError(f"cache_type_{which}={name!r} is not a KV cache type; choose one of "
+                          f"{', '.join(KV_CACHE_TYPES)}")
+    return t
+
+
+def check_cache_type(hp: HParams, t: GGMLType, which: str) -> None:
+    """A quantized cache needs every layer's head size to be whole blocks of its type: attention
+    reads one head's row at a time, and devices hold whole heads."""
+    if t not in KV_CACHE_TYPES.values():
+        raise ConfigError(f"{GGMLType(t).name} is not a KV cache type; choose one of {', '.join(KV_CACHE_TYPES)}")
+    bs = block_size(t)
+    head = hp.head_dim_k if which == "k" else hp.head_dim_v
+    if head % bs:
+        raise ConfigError(f"cache_type_{which}={GGMLType(t).name.lower()}: tensor cache_{which}_l0 has head size "
+                          f"{head}, not a multiple of the {GGMLType(t).name} block size {bs}; use f16, bf16 or f32 "
+                          f"for this model")
+
+
 class ModelTensors:
     """Leaf tensors for every weight and KV-cache row block of one model context.
 
@@ -53,19 +83,23 @@ class ModelTensors:
     leaf to its buffer by identity.
     """
 
-    def __init__(self, model: Model, n_ctx: int, kv_type: GGMLType = GGMLType.F32) -> None:
+    def __init__(self, model: Model, n_ctx: int, kv_type: GGMLType = GGMLType.F32,
+                 kv_type_v: GGMLType | None = None) -> None:
         self.model = model
         self.hp: HParams = model.hparams
         self.n_ctx = n_ctx
         self.kv_type = GGMLType(kv_type)
+        self.kv_type_v = self.kv_type if kv_type_v is None else GGMLType(kv_type_v)
+        check_cache_type(self.hp, self.kv_type, "k")
+        check_cache_type(self.hp, self.kv_type_v, "v")
         self.weights: dict[str, Tensor] = {
             name: ops.new_tensor(name, info.ne, info.type, Flag.WEIGHT) for name, info in model.weights.items()
         }
         self.aliases: dict[str, str] = {}
         hp = self.hp
-        self.cache_k = [ops.new_tensor(f"cache_k_l{i}", (hp.n_embd_k_gqa(i), n_ctx), kv_type, Flag.KV_CACHE)
+        self.cache_k = [ops.new_tensor(f"cache_k_l{i}", (hp.n_embd_k_gqa(i), n_ctx), self.kv_type, Flag.KV_CACHE)
                         for i in range(hp.n_layer)]
-        self.cache_v = [ops.new_tensor(f"cache_v_l{i}", (hp.n_embd_v_gqa(i), n_ctx), kv_type, Flag.KV_CACHE)
+        self.cache_v = [ops.new_tensor(f"cache_v_l{i}", (hp.n_embd_v_gqa(i), n_ctx), self.kv_type_v, Flag.KV_CACHE)
                         for i in range(hp.n_layer)]
 
     def w(self, name: str, ne: tuple[int, ...] | None = None) -> Tensor:

@@ -19,7 +19,7 @@ from metatp.ir.models.blocks import linear, rope
 from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors
 from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, Op, RopeMode
-from metatp.ir.tensor import Tensor
+from metatp.ir.tensor import Tensor, row_bytes
 
 __all__ = ["build_phi3", "fused_qkv_views", "cache_rows", "store_kv_and_attend"]
 
@@ -63,8 +63,8 @@ def store_kv_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     v2 = cache_rows(v, f"v_rows-{il}")
     k_w = ops.set_rows(ck, k2, inp["kv_idxs"], name=f"k_store-{il}")
     v_w = ops.set_rows(cv, v2, inp["kv_idxs"], name=f"v_store-{il}")
-    kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (hd_k * ck.nb[0], ck.nb[1]), 0, name=f"k_view-{il}")
-    vview = ops.view(v_w, (hd_v, n_head_kv, spec.n_kv), (hd_v * cv.nb[0], cv.nb[1]), 0, name=f"v_view-{il}")
+    kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (row_bytes(ck.type, hd_k), ck.nb[1]), 0, name=f"k_view-{il}")
+    vview = ops.view(v_w, (hd_v, n_head_kv, spec.n_kv), (row_bytes(cv.type, hd_v), cv.nb[1]), 0, name=f"v_view-{il}")
     Q = ops.permute(q, 0, 2, 1, 3, name=f"q_perm-{il}")
     K = ops.permute(kview, 0, 2, 1, 3, name=f"k_perm-{il}")
     V = ops.permute(vview, 0, 2, 1, 3, name=f"v_perm-{il}")
