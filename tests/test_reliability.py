@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
     ({"n_ctx": 0}, "n_ctx must be a positive integer"),
     ({"n_ctx": -5}, "n_ctx must be a positive integer"),
     ({"backend": "tpu"}, "unknown backend"),
-    ({"numerics": "fast"}, "numerics must be one of"),
+    ({"numerics": "fast"}, "numerics='fast' is not one of exact, llamacpp"),
 ])
 def test_bad_configuration(tiny, kwargs, match):
     with pytest.raises(ConfigError, match=match):
