@@ -52,6 +52,7 @@ class AffineWeight:
     bits: int = 8
     bias: int = 0  # bits=4: code = nibble - bias
     bf16: bool = False  # bits=16: bfloat16 instead of IEEE half
+    ggml_type: GGMLType | None = None  # the GGUF type the codes came from (how llama.cpp rounds x for it)
 
     @property
     def nbytes(self) -> int:
@@ -285,7 +286,7 @@ def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
     if t in FLOAT_CODES:
         return AffineWeight(q=np.ascontiguousarray(raw).view(np.uint16).reshape(rows, k),
                             scale=np.ones((rows, k // block), np.float32), offset=None, block=block, bits=16,
-                            bf16=FLOAT_CODES[t])
+                            bf16=FLOAT_CODES[t], ggml_type=t)
     blocks = np.ascontiguousarray(raw).reshape(-1, type_size(t))
     q, scale, offset = unpack(blocks)
     q = np.ascontiguousarray(q, dtype=np.int8).reshape(rows, k)
@@ -297,7 +298,7 @@ def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:
         q=q,
         scale=np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, k // block),
         offset=None if offset is None else np.ascontiguousarray(offset, dtype=np.float32).reshape(rows, k // block),
-        block=block, bits=bits, bias=bias,
+        block=block, bits=bits, bias=bias, ggml_type=t,
     )
 
 

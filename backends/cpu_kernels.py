@@ -25,9 +25,10 @@ import numpy as np
 
 from metatp.backends.affine_quant import AffineWeight
 
-__all__ = ["available", "default_threads", "kernel_info", "prepare_qmatmul", "qmatmul", "prepare_rope",
+__all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmul", "qmatmul", "prepare_rope",
+           "q8_kind", "prepare_q8_matmul", "q8_matmul", "q8_quantize", "q8_isums", "Q8_0", "Q8_1", "Q8_K",
            "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul",
-           "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK"]
+           "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch"]
 
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
@@ -50,10 +51,15 @@ _ARGS = {
     "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p"),
     "metatp_attention": _struct("AttentionArgs", "T:i H:i Hkv:i D:i Dv:i n_kv:i q:p q_sh:i q_st:i k:p k_sh:i "
                                                  "k_sj:i v:p v_sh:i v_sj:i mask:p m_st:i scale:f softcap:f "
-                                                 "sinks:p out:p o_st:i o_sh:i scratch:p"),
+                                                 "sinks:p out:p o_st:i o_sh:i scratch:p nthreads:i"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
     "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p"),
+    "metatp_q8_matmul": _struct("Q8MatmulGroup", "n:i items:p nthreads:i"),
+    "metatp_q8_quantize": _struct("Q8QuantArgs", "kind:i ntok:i k:i x:p ldx:i q:p d:p s:p isum:p"),
+    "metatp_q8_isums": _struct("Q8IsumArgs", "w:p xq:p out:p"),
+    "metatp_round_half": _struct("HalfArgs", "n:i x:p out:p"),
+    "metatp_batch": _struct("BatchArgs", "n:i fns:p args:p failed:i"),
     "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
                                              "nthreads:i"),
 }
@@ -61,6 +67,8 @@ _ARGS = {
 
 _QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
                                       "ldy:i")
+_Q8MatmulArgs = _struct("Q8MatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
+                                        "ldy:i kind:i")
 
 
 class _Call:
@@ -75,6 +83,7 @@ class _Call:
         self.args = _ARGS[name](**fields)
         self.keep = keep
         self._fn = functools.partial(getattr(lib, name), ctypes.addressof(self.args))
+        self.entry = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value    # for batches
 
     def __call__(self) -> None:
         rc = self._fn()
@@ -110,7 +119,14 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p]
+    lib.metatp_isa.restype = ctypes.c_char_p
+    lib.metatp_isa.argtypes = []
     return lib
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """Which integer dot-product path a build compiled: avx512-vnni, avx-vnni, avx2 or portable."""
+    return lib.metatp_isa().decode()
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,7 +145,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
             errors.append(str(e).splitlines()[0])
             continue
         shown = " ".join(f for f in flags if f.startswith(("-march", "-fopenmp")))
-        return lib, f"cpu_kernels ({cc} {shown})".replace(" )", ")") + ("" if "-fopenmp" in flags else ", single-threaded")
+        info = f"cpu_kernels ({cc} {shown}; q8 {library_isa(lib)})".replace(" ;", ";")
+        return lib, info + ("" if "-fopenmp" in flags else ", single-threaded")
     warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "
                   f"(slower): {errors[-1] if errors else 'unknown error'}", RuntimeWarning, stacklevel=2)
     return None, "off (build failed)"
@@ -143,6 +160,12 @@ def available() -> bool:
 def kernel_info() -> str:
     """One line for reports: which build is in use, or why none."""
     return _library()[1]
+
+
+def isa() -> str | None:
+    """The integer dot-product path of the build in use (None without one)."""
+    lib = _library()[0]
+    return None if lib is None else library_isa(lib)
 
 
 def default_threads() -> int:
@@ -197,21 +220,58 @@ def _qmatmul_group(items: list, nthreads: int) -> "_Call":
     return call
 
 
+_MATMULS = ("metatp_qmatmul", "metatp_q8_matmul")
+
+
 def is_qmatmul(f) -> bool:
-    """Is `f` a closure made by `prepare_qmatmul` (so `group_qmatmul` can merge it)?"""
-    return isinstance(f, _Call) and f.name == "metatp_qmatmul"
+    """Is `f` a closure made by `prepare_qmatmul` or `prepare_q8_matmul` (so `group_qmatmul`
+    can merge it)?"""
+    return isinstance(f, _Call) and f.name in _MATMULS
 
 
 def group_qmatmul(calls: list) -> Callable[[], None]:
-    """One call doing the work of several `prepare_qmatmul` closures (independent products):
-    one parallel region instead of one each. Results are bit-identical to calling them in turn."""
+    """One call doing the work of several `prepare_qmatmul` (or several `prepare_q8_matmul`)
+    closures (independent products): one parallel region instead of one each. Results are
+    bit-identical to calling them in turn."""
     items = [it for c in calls for it in c.items]
-    if len(calls) == 1 or len(items) > _MAX_GROUP_ITEMS:
+    if len(calls) == 1 or len(items) > _MAX_GROUP_ITEMS or len({c.name for c in calls}) > 1:
         return calls[0] if len(calls) == 1 else _run_in_turn(calls)
+    if calls[0].name == "metatp_q8_matmul":
+        return _q8_group(items, int(calls[0].args.nthreads))
     return _qmatmul_group(items, int(calls[0].args.nthreads))
 
 
 _MAX_GROUP_ITEMS = 64      # MAX_ITEMS in cpu_kernels.c
+
+
+def batchable(f) -> bool:
+    """Can `f` join a `batch`: a prepared kernel call, or a closure around one that says so with
+    `.kernel` (the call) and `.prepare` (Python work to do first, or None)."""
+    return isinstance(f, _Call) or isinstance(getattr(f, "kernel", None), _Call)
+
+
+def batch(closures: list) -> Callable[[], None]:
+    """One closure doing the work of several `batchable` ones, in their order: first every
+    `.prepare` (they only read inputs and set arguments: per-step tables, the visible cache
+    length), then all the kernels in one ctypes call. Bit-identical to calling them in turn."""
+    if len(closures) == 1:
+        return closures[0]
+    calls = [f if isinstance(f, _Call) else f.kernel for f in closures]
+    prepares = [f.prepare for f in closures if not isinstance(f, _Call) and getattr(f, "prepare", None)]
+    fns = (ctypes.c_void_p * len(calls))(*[c.entry for c in calls])
+    args = (ctypes.c_void_p * len(calls))(*[ctypes.addressof(c.args) for c in calls])
+    call = _Call("metatp_batch", (calls, fns, args), n=len(calls), fns=ctypes.addressof(fns),
+                 args=ctypes.addressof(args), failed=0)
+    fn = call._fn
+
+    def run() -> None:
+        for prep in prepares:
+            prep()
+        if fn():
+            closures[int(call.args.failed)]()      # the failing one again, for its own error
+            raise RuntimeError(f"{calls[int(call.args.failed)].name} failed inside a batch")
+    run.keep = (call, closures)
+    return run
 
 
 def _run_in_turn(calls: list) -> Callable[[], None]:
@@ -228,6 +288,97 @@ def qmatmul(x: np.ndarray, aw: AffineWeight, out: np.ndarray | None = None, nthr
     y2 = np.empty((x2.shape[0], aw.rows), dtype=np.float32) if out is None else out
     prepare_qmatmul(aw, x2, y2, nthreads)()
     return y2
+
+
+# ------------------------------------------------------------------ Q8 activations (numerics="llamacpp")
+Q8_0, Q8_1, Q8_K = 0, 1, 2       # how activations are rounded: llama.cpp's vec_dot_type of the weight
+_Q8_KIND_OF_TYPE = {"Q4_0": Q8_0, "Q5_0": Q8_0, "Q8_0": Q8_0, "Q4_1": Q8_1, "Q5_1": Q8_1,
+                    "Q2_K": Q8_K, "Q3_K": Q8_K, "Q4_K": Q8_K, "Q5_K": Q8_K, "Q6_K": Q8_K}
+
+
+def q8_kind(aw: AffineWeight) -> int | None:
+    """How llama.cpp's CPU backend rounds the activations multiplied with this weight (Q8_0, Q8_1
+    or Q8_K blocks), or None where the integer kernel does not take it (half-float codes, a
+    K-quant whose rows are not whole 256-blocks, codes of unknown origin)."""
+    if aw.bits == 16 or aw.ggml_type is None:
+        return None
+    kind = _Q8_KIND_OF_TYPE.get(aw.ggml_type.name)
+    if kind is None or aw.k % (256 if kind == Q8_K else 32):
+        return None
+    return kind
+
+
+def _q8_group(items: list, nthreads: int) -> "_Call":
+    ptrs = (ctypes.c_void_p * len(items))(*[ctypes.addressof(it) for it, _ in items])
+    call = _Call("metatp_q8_matmul", (items, ptrs), n=len(items), items=ctypes.addressof(ptrs), nthreads=nthreads)
+    call.items = items
+    return call
+
+
+def _q8_item(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, kind: int) -> ctypes.Structure:
+    return _Q8MatmulArgs(rows=aw.rows, k=aw.k, block=aw.block, bits=aw.bits, bias=aw.bias, q=aw.q.ctypes.data,
+                         scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
+                         x=x2.ctypes.data, ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data,
+                         ldy=y2.strides[0] // 4, kind=kind)
+
+
+def prepare_q8_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: int | None = None,
+                      kind: int | None = None) -> Callable[[], None]:
+    """A closure computing y2 = x2 @ W.T the way llama.cpp's CPU backend does: each row of x2
+    rounded to Q8 blocks (`kind`, default `q8_kind(aw)`), integer dot products with the codes,
+    float scales after. x2: (n, K), y2: (n, rows) float32, rows contiguous."""
+    _check(aw, x2, y2)
+    kind = q8_kind(aw) if kind is None else kind
+    if kind not in (Q8_0, Q8_1, Q8_K) or aw.bits == 16 or (aw.block == 16 and kind != Q8_K):
+        raise ValueError(f"q8 matmul: weight (bits {aw.bits}, block {aw.block}, {aw.ggml_type}) with kind {kind}")
+    if aw.k % (256 if kind == Q8_K else 32):
+        raise ValueError(f"q8 matmul: K={aw.k} is not a whole number of activation blocks")
+    if x2.shape[0] == 0 or aw.rows == 0:
+        return lambda: None
+    return _q8_group([(_q8_item(aw, x2, y2, kind), (aw, x2, y2))], nthreads or default_threads())
+
+
+def q8_matmul(x: np.ndarray, aw: AffineWeight, kind: int | None = None, nthreads: int | None = None) -> np.ndarray:
+    """The one-off form of `prepare_q8_matmul`: x (n, K) -> (n, rows)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, aw.k)
+    y2 = np.empty((x2.shape[0], aw.rows), dtype=np.float32)
+    prepare_q8_matmul(aw, x2, y2, nthreads, kind)()
+    return y2
+
+
+def q8_quantize(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """x (n, K) float32 rounded as the kernel rounds it: (codes int8 (n, K), scales float32
+    (n, K/32) or (n, K/256) for Q8_K, Q8_1's s (n, K/32) or None, int32 sums of 16 codes)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32)
+    n, k = x2.shape
+    q = np.empty((n, k), np.int8)
+    d = np.empty((n, k // 256 if kind == Q8_K else k // 32), np.float32)
+    s = np.empty((n, k // 32), np.float32) if kind == Q8_1 else None
+    isum = np.empty((n, k // 16), np.int32)
+    _Call("metatp_q8_quantize", (x2, q, d, s, isum), kind=kind, ntok=n, k=k, x=x2.ctypes.data, ldx=k,
+          q=q.ctypes.data, d=d.ctypes.data, s=None if s is None else s.ctypes.data, isum=isum.ctypes.data)()
+    return q, d, s, isum
+
+
+def round_half(x: np.ndarray) -> np.ndarray:
+    """float32 -> IEEE half -> float32 as the kernels round Q8 scales (for the tests)."""
+    x1 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty_like(x1)
+    _Call("metatp_round_half", (x1, out), n=x1.size, x=x1.ctypes.data, out=out.ctypes.data)()
+    return out.reshape(np.shape(x))
+
+
+def q8_isums(aw: AffineWeight, xq: np.ndarray) -> np.ndarray:
+    """The kernel's exact integer sums (n, rows, K/16) of weight codes times activation codes
+    `xq` (n, K) int8 over each 16 elements (what the float scales then multiply)."""
+    xq = np.ascontiguousarray(xq, dtype=np.int8)
+    n, k = xq.shape
+    out = np.empty((n, aw.rows, k // 16), np.int32)
+    x_dummy = np.zeros((n, k), np.float32)
+    item = _q8_item(aw, x_dummy, np.empty((n, aw.rows), np.float32), Q8_0)
+    _Call("metatp_q8_isums", (item, xq, out, aw, x_dummy), w=ctypes.addressof(item), xq=xq.ctypes.data,
+          out=out.ctypes.data)()
+    return out
 
 
 def _elems(a: np.ndarray, axis: int) -> int:
@@ -260,11 +411,15 @@ def attention_usable(q: np.ndarray, k: np.ndarray, v: np.ndarray, out3: np.ndarr
             and out3.shape == (q.shape[1], q.shape[0], v.shape[2]))
 
 
+_ATTN_MAX_CHUNKS, _ATTN_KV_BLOCK = 16, 64     # MAX_CHUNKS, KV_BLOCK in cpu_kernels.c
+
+
 def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
-                      softcap: float, sinks: np.ndarray | None, out3: np.ndarray
+                      softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None
                       ) -> Callable[[int], None]:
     """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
-    the same as `numpy_kernels.attention_reference` (which the tests hold it to)."""
+    the same as `numpy_kernels.attention_reference` (which the tests hold it to) up to float
+    rounding: K/V read once per KV head, online softmax, threads splitting the KV length."""
     if not attention_usable(q, k, v, out3):
         raise ValueError("attention kernel: unsupported views")
     H, T, D = q.shape
@@ -272,20 +427,27 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     if mask is not None and (mask.dtype != np.float32 or mask.strides[1] != 4 or mask.shape[1] < n_max):
         raise ValueError("attention kernel: unsupported mask view")
     sinks_c = None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
-    scratch = np.empty(max(n_max, 1), dtype=np.float32)
+    # per (KV head, KV chunk): (m, l, output) and a block of scores for each of its query rows
+    rows = Hkv * _ATTN_MAX_CHUNKS * (H // Hkv) * T
+    scratch = np.empty(rows * (Dv + 2 + _ATTN_KV_BLOCK), dtype=np.float32)
     call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
                  n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
                  k_sh=_elems(k, 0), k_sj=_elems(k, 1), v=v.ctypes.data, v_sh=_elems(v, 0), v_sj=_elems(v, 1),
                  mask=None if mask is None else mask.ctypes.data, m_st=0 if mask is None else _elems(mask, 0),
                  scale=float(scale), softcap=float(softcap or 0.0),
                  sinks=None if sinks_c is None else sinks_c.ctypes.data, out=out3.ctypes.data,
-                 o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data)
+                 o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data,
+                 nthreads=nthreads or default_threads())
     args = call.args
 
     def run(n_kv: int) -> None:
         args.n_kv = min(int(n_kv), n_max)
         call()
-    run.keep = call
+
+    def set_n_kv(n_kv: int) -> None:
+        args.n_kv = min(int(n_kv), n_max)
+    run.keep = run.call = call
+    run.set_n_kv = set_n_kv
     return run
 
 
@@ -381,5 +543,6 @@ def prepare_set_rows(rows2: np.ndarray, ids1: np.ndarray, dst2: np.ndarray) -> C
             call()
         except RuntimeError:
             raise IndexError(f"set_rows: a row id is outside 0..{dst2.shape[0] - 1}: {ids1.tolist()}") from None
-    run.keep = call
+    run.keep = run.kernel = call
+    run.prepare = None
     return run

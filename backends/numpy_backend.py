@@ -3,9 +3,15 @@
 Each device owns buffers holding only its slice of every tensor. This module is the weight
 storage policy (float32, a transposed copy for BLAS, or int8 codes the compiled kernels read)
 and the leaf store; `numpy_executable` binds a Plan to buffers and runs it as closures.
+
+A process may own only some of the layout's devices (`devices=[rank]` under MPI, see
+`backends.distributed`): it then stores, allocates and runs only those devices' slices, and
+its `collective` spans the other processes.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
@@ -23,22 +29,27 @@ from metatp.passes.plan import DeviceLayout, Plan
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
 
-# "exact": float32 throughout. "llamacpp": round activations before quantized/f16 matmuls as
-# llama.cpp's CPU backend does (Q8 blocks with an f16 scale), to compare logits with it. Its f16
-# KV cache is not emulated: rounding K/V alone moved our logits further from llama.cpp's.
-NUMERICS = ("exact", "llamacpp")
+# "exact": float32 throughout. "llamacpp" (alias "q8"): round activations before quantized/f16
+# matmuls as llama.cpp's CPU backend does (Q8 blocks with an f16 scale) and, for few-token steps
+# on int8 codes, take integer dot products as it does (the fastest CPU mode). Its f16 KV cache is
+# not emulated: rounding K/V alone moved our logits further from llama.cpp's.
+NUMERICS = ("exact", "llamacpp", "q8")
 
 class NumpyBackend(Backend):
     """N simulated devices; leaf buffers (weights, KV cache) persist across plans.
 
     allreduce: a mode of `collectives.ALLREDUCE_MODES` run on the host: "auto" (the butterfly),
     "butterfly", "ring", or llama.cpp's "none" / "internal" (both the butterfly here); the
-    device-only "nccl" raises ConfigError."""
+    device-only "nccl" raises ConfigError.
+
+    devices: the devices this process owns (default: all of the layout's); a strict subset
+    needs a `collective` spanning the processes that own the others (`MpiCollective`)."""
 
     name = "numpy"
 
     def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False,
-                 cpu_kernels: bool | None = None, allreduce: str = "auto") -> None:
+                 cpu_kernels: bool | None = None, allreduce: str = "auto",
+                 devices: Sequence[int] | None = None, collective=None) -> None:
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.numerics = numerics
@@ -48,17 +59,23 @@ class NumpyBackend(Backend):
             raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {qkernel.kernel_info()}")
         self.use_kernels = cpu_kernels is not False and qkernel.available()    # False: never built
         self.kernel_threads = qkernel.default_threads()
+        self.layout = layout or DeviceLayout()
+        self.n = self.layout.n_devices
+        self.owned = list(range(self.n)) if devices is None else sorted(int(d) for d in devices)
+        if not self.owned or len(set(self.owned)) != len(self.owned) or not all(0 <= d < self.n for d in self.owned):
+            raise ConfigError(f"devices={list(devices or [])}: must be distinct device indices of 0..{self.n - 1}")
+        if len(self.owned) < self.n and collective is None:
+            raise ConfigError(f"this process owns devices {self.owned} of {self.n}: the all-reduce needs a "
+                              "collective spanning the other processes (collectives.mpi.MpiCollective)")
         # the all-reduce between subgraphs ("auto": the butterfly); its compiled path, when the
         # mode has one, gives the schedule's bits, so cpu_kernels changes speed, not results
-        self.collective = HostCollective(allreduce, use_kernels=self.use_kernels)
+        self.collective = collective if collective is not None else HostCollective(allreduce, use_kernels=self.use_kernels)
         self.allreduce = self.collective.name
-        self.wire = "f32"               # simulated devices reduce in float32
+        self.wire = "f32"               # simulated devices (and MPI ranks) reduce in float32
         self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
         self._whole_codes: dict[tuple, AffineWeight] = {}   # GGUF data -> its codes, when not split
         self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
         self._pool = None
-        self.layout = layout or DeviceLayout()
-        self.n = self.layout.n_devices
         self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range(self.n)]
         self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
@@ -78,7 +95,7 @@ class NumpyBackend(Backend):
         parts = device_slices(np.ascontiguousarray(full), t, plan.of(t), self.n)
         self._encoded_only.discard(t)
         only_matmul = self._only_matmul_weight(t, plan)
-        for d in range(self.n):
+        for d in self.owned:
             part = np.ascontiguousarray(parts[d])
             self._transposed[d].pop(t, None)
             self._packed[d].pop(t, None)         # new values: an int8 copy comes from upload_encoded
@@ -129,7 +146,8 @@ class NumpyBackend(Backend):
         key = (np.asarray(raw).__array_interface__["data"][0], np.asarray(raw).nbytes, int(ggml_type))
         if whole and key in self._whole_codes:
             made[id(parts[0])] = self._whole_codes[key]      # the tied lm head reuses the embedding's codes
-        for d, part in enumerate(parts):
+        for d in self.owned:
+            part = parts[d]
             ne = plan.of(t).local[d].ne
             self._transposed[d].pop(t, None)
             # nothing reads the float32 view of an encoded-only weight: a zero-stride stand-in
@@ -160,6 +178,8 @@ class NumpyBackend(Backend):
 
     def storage_key(self, t: Tensor, plan: Plan, source: str):
         """Weights with equal keys share one stored copy (count it once), or None."""
+        if len(self.owned) < self.n:
+            return None     # one device here: the engine's once-for-all-devices count would miss it on others
         if self.keeps_encoded(t, t.type, plan) and self.whole_encoded(t, plan):
             return ("codes", source)
         return None
@@ -198,26 +218,29 @@ class NumpyBackend(Backend):
         return 2 * n if mm else n
 
     def memory_budget(self) -> tuple[int | None, bool]:
-        """(bytes available, shared by all devices?): simulated devices share the host's memory."""
+        """(bytes available, shared by all devices?): simulated devices share the host's memory;
+        a process owning one device of several is checked for its own device (ranks may sit on
+        different machines)."""
+        shared = len(self.owned) == self.n
         try:
             with open("/proc/meminfo") as f:
                 for line in f:
                     if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024, True
+                        return int(line.split()[1]) * 1024, shared
         except OSError:
             pass
-        return None, True
+        return None, shared
 
     def kv_itemsize(self, t: Tensor) -> int:
         return host_dtype(t).itemsize
 
     def has(self, t: Tensor) -> bool:
-        return t in self.leaf[0]
+        return t in self.leaf[self.owned[0]]
 
     def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
         """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
         tp = plan.of(t)
-        for d in range(self.n):
+        for d in self.owned:
             self.leaf[d][t] = np.zeros(np_shape(tp.local[d].ne), dtype=host_dtype(t))
 
     def transposed(self, t: Tensor, d: int) -> np.ndarray:
@@ -258,13 +281,13 @@ class NumpyBackend(Backend):
         return ex
 
     def pool(self):
-        """Worker threads for devices 1..n-1 (device 0 runs on the caller's thread), or None."""
-        if not self.threads or self.n == 1:
+        """Worker threads for the owned devices but the first (it runs on the caller's thread), or None."""
+        if not self.threads or len(self.owned) == 1:
             return None
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._pool = ThreadPoolExecutor(max_workers=self.n - 1, thread_name_prefix="metatp-dev")
+            self._pool = ThreadPoolExecutor(max_workers=len(self.owned) - 1, thread_name_prefix="metatp-dev")
         return self._pool
 
     def release(self, plan: Plan) -> None:
@@ -274,7 +297,7 @@ class NumpyBackend(Backend):
             del self._executables[id(plan)]
 
     def reset_kv(self) -> None:
-        for d in range(self.n):
+        for d in self.owned:
             for t, a in self.leaf[d].items():
                 if t.flags & Flag.KV_CACHE:
                     a.fill(0)

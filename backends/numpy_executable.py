@@ -7,7 +7,9 @@ The walk, binding and reading are the shared `PlanExecutor`'s. What is numpy's o
   subgraph, so any interleaving is valid), turning one node's int8 matmuls on every device
   into one compiled call; with `threads=True` devices run side by side instead;
 - a mirrored value identical on every device is computed once, by device 0, and read by the
-  others (`PlanFacts.shared_mirrored`).
+  others (`PlanFacts.shared_mirrored`);
+- a process that owns some devices only (`NumpyBackend(devices=...)`, one MPI rank) binds and
+  runs those; its collective reduces across processes and gathers split values for `read`.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class _DeviceContext:
 
     def activation_rounding(self, w: Tensor):
         """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
-        if self.backend.numerics != "llamacpp" or not self.is_weight(w) or w.type == GGMLType.F32:
+        if self.backend.numerics not in ("llamacpp", "q8") or not self.is_weight(w) or w.type == GGMLType.F32:
             return None
         from metatp.backends.numpy_kernels import quantize_q8_blocks, round_f16
 
@@ -108,7 +110,7 @@ class NumpyExecutable(PlanExecutor):
     def __init__(self, backend: NumpyBackend, plan: Plan) -> None:
         if plan.n_devices != backend.n:
             raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
-        super().__init__(plan, range(backend.n))
+        super().__init__(plan, backend.owned)
         self.backend = backend
         n = backend.n
         self.inputs: dict[Tensor, np.ndarray] = {}
@@ -116,19 +118,20 @@ class NumpyExecutable(PlanExecutor):
             if t.flags & Flag.INPUT:
                 arr = np.zeros(np_shape(t.ne), dtype=host_dtype(t))
                 self.inputs[t] = arr
-                for d in range(n):
+                for d in self.devices:
                     self.arrays[d][t] = arr     # inputs are mirrored and read-only: one array serves all
             elif t.flags & Flag.KV_CACHE and not backend.has(t):
                 backend.allocate_leaf(t, plan)
         self.bind_leaves(self._leaf)
-        self.shared = self.facts.shared_mirrored() if n > 1 and not backend.threads else set()
+        local = len(self.devices)
+        self.shared = self.facts.shared_mirrored() if local > 1 and not backend.threads else set()
         self.set_fusions(self.find_fusions())
         late = self.facts.late_reads(self.shared) if self.shared else None
-        for d in range(n):
-            self.bind_nodes(d, live_until=late if d == 0 else None)
+        for d in self.devices:
+            self.bind_nodes(d, live_until=late if d == self.devices[0] else None)
         self._step_memo: dict = {}
         plan_memo: dict = {}
-        self._ctxs = [_DeviceContext(backend, d, self._step_memo, plan_memo) for d in range(n)]
+        self._ctxs = {d: _DeviceContext(backend, d, self._step_memo, plan_memo) for d in self.devices}
         walked = self.walk()
         self.steps = self.per_device(walked, self.devices, n)
         self.node_major = [self._node_major(items) for items in walked]
@@ -208,14 +211,29 @@ class NumpyExecutable(PlanExecutor):
     @staticmethod
     def _node_major(items) -> list[Closure]:
         """One subgraph's closures node by node across devices; one node's int8 matmuls on every
-        device become one compiled call with one parallel region."""
+        device become one compiled call with one parallel region, and runs of consecutive
+        compiled calls (matmul groups, rope, KV writes, attention, gated activations of every
+        device) become one ctypes call (`cpu_kernels.batch`): under -sm tensor these fixed
+        per-call costs are what grew with N. Same calls in the same order: the same bits."""
         order: list[Closure] = []
+        run: list[Closure] = []
+
+        def flush() -> None:
+            if run:
+                order.append(qkernel.batch(run) if len(run) > 1 else run[0])
+                run.clear()
+
         for item in items:
             at_node = [f for d in sorted(item.per_device) for f in item.per_device[d]]
             if len(at_node) > 1 and all(qkernel.is_qmatmul(f) for f in at_node):
-                order.append(qkernel.group_qmatmul(at_node))
-            else:
-                order.extend(at_node)
+                at_node = [qkernel.group_qmatmul(at_node)]
+            for f in at_node:
+                if qkernel.batchable(f):
+                    run.append(f)
+                else:
+                    flush()
+                    order.append(f)
+        flush()
         return order
 
     def _allreduce_closures(self) -> dict[int, Closure]:
@@ -225,10 +243,18 @@ class NumpyExecutable(PlanExecutor):
             if sub.reduction is None or self.backend.n == 1:
                 continue
             node = self.plan.graph.nodes[sub.reduction.node]
-            bufs = [self.arrays[d][node] for d in range(self.backend.n)]
-            active = list(self.plan.of(node).compute)
+            bufs = [self.arrays[d][node] for d in self.devices]
+            active = list(self.plan.of(node).compute)      # every device's flag, local or not
             out[sub.reduction.node] = self.backend.collective.prepare_allreduce(bufs, active)
         return out
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The full value of `t`; a process owning some devices only gathers through its collective."""
+        if len(self.devices) == self.plan.n_devices:
+            return super().read(t)
+        from metatp.backends.distributed import read_across
+
+        return read_across(self, self.backend.collective, t)
 
     # ---------------------------------------------------------------- running
     def set_input(self, t: Tensor, value: np.ndarray) -> None:
@@ -245,8 +271,9 @@ class NumpyExecutable(PlanExecutor):
                 for f in order:
                     f()
             else:   # simulated devices run side by side: numpy releases the GIL inside BLAS
-                futures = [pool.submit(_run_all, per_dev[d]) for d in range(1, n)]
-                _run_all(per_dev[0])
+                first, *rest = self.devices
+                futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
+                _run_all(per_dev[first])
                 for fut in futures:
                     fut.result()
             if sub.reduction is not None and n > 1:

@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from metatp.backends.cpu_kernels import (attention_usable, prepare_attention, prepare_dequant_matmul, prepare_glu,
-                                         prepare_qmatmul, prepare_rope, prepare_set_rows, rope_usable)
+                                         prepare_q8_matmul, prepare_qmatmul, prepare_rope, prepare_set_rows, q8_kind,
+                                         rope_usable)
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
 from metatp.ir.tensor import Tensor
@@ -125,13 +126,49 @@ def _scale(node, out, src, ctx) -> Closure:
     return run
 
 
+def q8_quantize_reference(x: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+    """llama.cpp's rounding of activation rows x (n, K) before an integer dot product (the x86
+    quantize_row_q8_0 / q8_1 and quantize_row_q8_K_ref), in numpy: the reference the compiled
+    Q8 kernels are held to. kind 0 (Q8_0) / 1 (Q8_1): blocks of 32, d = amax/127 kept as f16,
+    q = rint(x * (127/amax)) (ties to even); Q8_1 adds s = f16(d * sum q) with the unrounded d.
+    kind 2 (Q8_K): blocks of 256, max = the first element of largest |x|, iscale = -127/max,
+    q = min(127, rint(iscale * x)), d = 1/iscale (float32). Returns (codes int8 (n, K),
+    scales float32 (n, K/32 or K/256), s float32 (n, K/32) or None, int32 sums of 16 codes)."""
+    x2 = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])
+    n, k = x2.shape
+    if kind == 2:
+        xb = x2.reshape(n, k // 256, 256)
+        first = np.abs(xb).argmax(axis=-1)[..., None]                 # argmax: the first of equal |x|
+        mx = np.take_along_axis(xb, first, axis=-1)
+        zero = mx == 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            iscale = np.where(zero, F32(0), F32(-127) / np.where(zero, F32(1), mx)).astype(F32)
+            q = np.minimum(np.rint(iscale * xb), F32(127)).astype(np.int8)
+            d = np.where(zero, F32(0), F32(1) / np.where(zero, F32(1), iscale)).astype(F32)[..., 0]
+        s = None
+    else:
+        xb = x2.reshape(n, k // 32, 32)
+        amax = np.abs(xb).max(axis=-1, keepdims=True)
+        dd = (amax / F32(127)).astype(F32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax == 0, F32(0), F32(127) / np.where(amax == 0, F32(1), amax)).astype(F32)
+        q = np.rint(xb * inv).astype(np.int8)
+        d = dd[..., 0].astype(np.float16).astype(F32)
+        s = None
+        if kind == 1:
+            s = (dd[..., 0] * q.astype(np.int32).sum(-1).astype(F32)).astype(np.float16).astype(F32)
+    q = q.reshape(n, k)
+    isum = q.reshape(n, k // 16, 16).astype(np.int32).sum(-1).astype(np.int32)
+    return q, d, s, isum
+
+
 def quantize_q8_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Round activations as ggml's CPU matmul does before a quantized dot product: blocks of 32
-    scaled to int8 with an f16 scale (Q8_0/Q8_1), then back to float32."""
-    xb = x.reshape(-1, 32)
-    d = np.abs(xb).max(axis=1, keepdims=True) * F32(1.0 / 127.0)
-    q = np.round(xb / np.where(d == 0, F32(1), d))
-    res = (q * d.astype(np.float16).astype(F32)).reshape(x.shape)
+    """Round activations as ggml's CPU matmul does before a quantized dot product (Q8_0/Q8_1
+    blocks of 32 with an f16 scale, `q8_quantize_reference`), then back to float32: the float
+    emulation of numerics="llamacpp" where the integer kernels do not run (long prompts, no
+    compiler)."""
+    q, d, _, _ = q8_quantize_reference(x.reshape(-1, x.shape[-1]), 0)
+    res = (q.reshape(-1, 32).astype(F32) * d.reshape(-1, 1)).reshape(x.shape)
     if out is None:
         return res
     out[...] = res
@@ -149,7 +186,11 @@ def _mul_mat(node, out, src, ctx) -> Closure:
     w = node.src[0]
     rounding = ctx.activation_rounding(w)
     if rounding is not None and b.shape[-1] % 32 == 0:
-        # llama.cpp numerics: the activation is quantized (or made f16) before the dot product
+        # llama.cpp numerics: the activation is quantized (or made f16) before the dot product;
+        # few tokens on int8 codes take the integer kernels, the rest the float emulation
+        integer = _q8_mul_mat(w, a, b, out, ctx)
+        if integer is not None:
+            return integer
         bq = np.empty(b.shape, dtype=F32)
         inner = _mul_mat(node, out, [a, bq], _ExactContext(ctx))
 
@@ -195,6 +236,16 @@ def _mul_mat(node, out, src, ctx) -> Closure:
         res = np.matmul(bb, aa.swapaxes(-1, -2))
         out[...] = res.reshape(out.shape)
     return run
+
+
+def _q8_mul_mat(w: Tensor, a: np.ndarray, b: np.ndarray, out: np.ndarray, ctx) -> Closure | None:
+    """The integer-dot-product closure for a few-token product with a weight kept as codes
+    (llama.cpp's Q8_0 / Q8_1 / Q8_K rounding of b), or None where it does not apply."""
+    aw = ctx.packed(w) if a.shape[0] == 1 and a.shape[1] == 1 else None
+    if (aw is None or q8_kind(aw) is None or b.shape[0] != 1 or b.shape[1] != 1 or b.shape[2] > PACKED_MAX_TOKENS
+            or b.strides[3] != 4 or out.strides[3] != 4):
+        return None
+    return prepare_q8_matmul(aw, b[0, 0], out[0, 0], ctx.kernel_threads)
 
 
 class _ExactContext:
@@ -321,9 +372,13 @@ def _rope(node, out, src, ctx) -> Closure:
                 return cs
             kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs)
 
-            def run_kernel() -> None:
+            def fill_once() -> None:
                 ctx.per_step(key + ("filled",), fill)
+
+            def run_kernel() -> None:
+                fill_once()
                 kernel()
+            run_kernel.kernel, run_kernel.prepare = kernel, fill_once     # for cpu_kernels.batch
             return run_kernel
 
     def run() -> None:
@@ -384,10 +439,15 @@ def _flash_attn(node, out, src, ctx) -> Closure:
 
     if ctx.use_kernels and q.shape[1] <= PACKED_MAX_TOKENS:
         if attention_usable(q, k, v, o3) and mask.dtype == np.float32 and mask.strides[1] == 4:
-            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3)
+            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads)
+
+            def set_visible() -> None:
+                kernel.set_n_kv(ctx.per_step(("visible", id(src_mask)), visible))
 
             def run_kernel() -> None:
-                kernel(ctx.per_step(("visible", id(src_mask)), visible))
+                set_visible()
+                kernel.call()
+            run_kernel.kernel, run_kernel.prepare = kernel.call, set_visible     # for cpu_kernels.batch
             return run_kernel
 
     def run() -> None:

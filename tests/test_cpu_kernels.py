@@ -171,6 +171,32 @@ def test_attention_matches_reference(T, Hkv, g, D, n_max, data, softcap, sinks, 
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(1, 4), Hkv=st.integers(1, 3), g=st.integers(1, 3), D=st.sampled_from([12, 64, 80]),
+       n_vis=st.integers(100, 2100), hidden=st.integers(0, 700), threads=st.sampled_from([1, 2, 3]),
+       sinks=st.booleans(), seed=st.integers(0, 2**16))
+def test_attention_split_kv_matches_reference(T, Hkv, g, D, n_vis, hidden, threads, sinks, seed):
+    """Long caches: the threads split the KV length (several chunks per KV head, merged with a
+    log-sum-exp), blocks of rows stream with an online softmax; rows hidden by the mask at the
+    start (a sliding window) leave whole chunks with nothing visible."""
+    rng = np.random.default_rng(seed)
+    H = Hkv * g
+    hidden = min(hidden, n_vis - T)
+    q = rng.standard_normal((H, T, D)).astype(F32)
+    cache_k = (rng.standard_normal((n_vis + 5, Hkv, D)) * 2).astype(F32)
+    cache_v = rng.standard_normal((n_vis + 5, Hkv, D)).astype(F32)
+    k, v = cache_k.transpose(1, 0, 2), cache_v.transpose(1, 0, 2)
+    mask = np.zeros((T, n_vis + 5), F32)
+    mask[:, :hidden] = -np.inf
+    for t in range(T):
+        mask[t, n_vis - T + t + 1:] = -np.inf
+    sk = rng.standard_normal(H).astype(F32) if sinks else None
+    out = np.full((T, H, D), np.nan, F32)
+    ck.prepare_attention(q, k, v, mask, 0.125, 0.0, sk, out, threads)(n_vis)
+    ref = attention_reference(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, 0.0, sk)
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_glu_matches_numpy(act):
     from metatp.backends.numpy_kernels import _gelu_tanh, _silu

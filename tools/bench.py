@@ -2,7 +2,10 @@
 
 Every combination of the comma-separated options gets a row with tokens/s as mean ± std over
 `-r` repetitions. Tensor-parallel rows also show their speed relative to the single-device row of
-the same test measured in the same invocation, as llama.cpp's PR tables do.
+the same test measured in the same invocation, as llama.cpp's PR tables do. With
+`--compare llama-cpp` (and llama-cpp-python importable) the same tests run through llama.cpp in
+the same invocation, their repetitions interleaved with metatp's, and every row shows its ratio
+to llama.cpp's row of the same test.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class BenchConfig:
     tensor_split: list[tuple[float, ...] | None] = field(default_factory=lambda: [None])
     seed: int = 0
     interleave: bool = False      # build every layout first, alternate repetitions between them
+    numerics: list[str] = field(default_factory=lambda: ["exact"])
+    compare: str | None = None    # "llama-cpp": the same tests through llama-cpp-python, interleaved
 
 
 def _int_list(text: str) -> list[int]:
@@ -110,13 +115,17 @@ def _decode_allreduces(eng, backend) -> dict:
             "allreduce": strategy, "allreduce_bytes_per_token": per_rank}
 
 
-def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts) -> tuple:
+def _n_ctx(cfg: BenchConfig) -> int:
+    return max([p + d for p in cfg.n_prompt for d in cfg.n_depth] + [g + d + 1 for g in cfg.n_gen for d in cfg.n_depth]
+               + [16])
+
+
+def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact") -> tuple:
     """(engine, the row fields that describe the setup) for one layout."""
     from metatp.api import LLM
 
-    n_ctx = max([p + d for p in cfg.n_prompt for d in cfg.n_depth] + [g + d + 1 for g in cfg.n_gen for d in cfg.n_depth] + [16])
-    llm = LLM(cfg.model, n_ctx=n_ctx, backend=cfg.backend, n_devices=n_dev, split_mode=sm,
-              tensor_split=list(ts) if ts else None, seed=cfg.seed)
+    llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
+              tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics)
     kernels = ""
     if type(llm.backend).name == "numpy":
         from metatp.backends import cpu_kernels
@@ -126,10 +135,54 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts) -> tuple:
         "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
         "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
         "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "",
-        "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels,
+        "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels, "numerics": numerics,
         **_decode_allreduces(llm.engine, llm.backend),
     }
     return llm.engine, base
+
+
+COMPARE = ("llama-cpp",)
+
+
+class _LlamaCppEngine:
+    """llama-cpp-python behind the two calls the timers make (`reset`, `forward` -> the last
+    position's logits), so its rows are timed by the same code as metatp's."""
+
+    def __init__(self, model_path: str, n_ctx: int, n_threads: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                   logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def forward(self, tokens: list[int]) -> np.ndarray:
+        self.llm.eval(tokens)
+        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+
+def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
+    """(llama.cpp engine, its row fields): default llama.cpp settings (f16 KV cache, no flash
+    attention), the kernel thread count metatp uses."""
+    from metatp.backends.cpu_kernels import default_threads
+    from metatp.ir.errors import ConfigError
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError("--compare llama-cpp needs llama-cpp-python (pip install llama-cpp-python, or "
+                          "metatp[bench])") from None
+    threads = default_threads()
+    eng = _LlamaCppEngine(model_path, _n_ctx(cfg), threads)
+    base = {"model_filename": model_path, "model_type": "llama.cpp", "backend": "llama.cpp",
+            "n_devices": 1, "split_mode": "none", "tensor_split": "", "n_threads": str(threads),
+            "cpu_kernels": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}", "numerics": "llama.cpp",
+            "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0}
+    return eng, base
 
 
 def _measure(eng, test: tuple[int, int, int], depth_ids: list[int], rng, vocab: int) -> float:
@@ -146,16 +199,24 @@ def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
 
     Layouts run one after another (each freed before the next), or with `cfg.interleave` all are
     built first and every repetition visits each in turn, so a machine whose speed drifts
-    (a shared VM) moves all of them alike and the ratios between them stay meaningful."""
+    (a shared VM) moves all of them alike and the ratios between them stay meaningful. With
+    `cfg.compare`, llama.cpp joins every group as one more setup (so its repetitions interleave
+    with those of the rows it is compared with)."""
+    from metatp.ir.errors import ConfigError
+
+    if cfg.compare is not None and cfg.compare not in COMPARE:
+        raise ConfigError(f"--compare: unknown program {cfg.compare!r} ({', '.join(COMPARE)})")
     rng = np.random.default_rng(cfg.seed)
-    layouts = _layouts(cfg)
+    layouts = [(*lay, num) for lay in _layouts(cfg) for num in cfg.numerics]
     tests = [(p, 0, d) for p in cfg.n_prompt if p > 0 for d in cfg.n_depth] + \
             [(0, g, d) for g in cfg.n_gen if g > 0 for d in cfg.n_depth]
     groups = [layouts] if cfg.interleave else [[lay] for lay in layouts]
     rows: list[dict] = []
-    for group in groups:
+    for gi, group in enumerate(groups):
         setups = [_setup(cfg, *lay) for lay in group]
         vocab = setups[0][0].model.hparams.n_vocab
+        if cfg.compare:
+            setups.append(_compare_setup(cfg, setups[0][1]["model_filename"]))
         for test in tests:
             depth_ids = [int(x) for x in rng.integers(0, vocab, test[2])]
             samples: list[list[float]] = [[] for _ in setups]
@@ -165,13 +226,18 @@ def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
                     if rep:
                         samples[i].append(ts)
             for (eng, base), got in zip(setups, samples):
-                row = _row(base, test, got)
+                row = dict(_row(base, test, got), group=gi)
                 rows.append(row)
                 if progress:
                     progress(row)
         del setups
     order = {lay: i for i, lay in enumerate(layouts)}
-    rows.sort(key=lambda r: order[(r["n_devices"], r["split_mode"], _ts_key(r["tensor_split"]))])
+
+    def rank(r: dict) -> tuple:
+        if r["backend"] == "llama.cpp":
+            return (len(order), r["group"])
+        return (order[(r["n_devices"], r["split_mode"], _ts_key(r["tensor_split"]), r["numerics"])], 0)
+    rows.sort(key=rank)
     _add_ratios(rows)
     return rows
 
@@ -191,11 +257,18 @@ def _row(base: dict, test: tuple[int, int, int], samples: list[float]) -> dict:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """vs_none: tokens/s of a row divided by the single-device row of the same test."""
-    base = {r["test"]: r["avg_ts"] for r in rows if r["split_mode"] == "none"}
+    """vs_none: tokens/s of a row divided by the single-device row of the same test and numerics;
+    vs_llama_cpp (with --compare): divided by llama.cpp's row of the same test measured in the
+    same group (interleaved with it)."""
+    base = {(r["test"], r["numerics"]): r["avg_ts"] for r in rows
+            if r["split_mode"] == "none" and r["backend"] != "llama.cpp"}
+    ref = {(r["test"], r["group"]): r["avg_ts"] for r in rows if r["backend"] == "llama.cpp"}
     for r in rows:
-        b = base.get(r["test"])
-        r["vs_none"] = r["avg_ts"] / b if b else None
+        b = base.get((r["test"], r["numerics"]))
+        r["vs_none"] = r["avg_ts"] / b if b and r["backend"] != "llama.cpp" else None
+        if ref:
+            c = ref.get((r["test"], r["group"]))
+            r["vs_llama_cpp"] = r["avg_ts"] / c if c else None
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -209,14 +282,20 @@ def format_rows(rows: list[dict], fmt: str) -> str:
         for r in rows:
             w.writerow({**{k: r[k] for k in keys}, "samples_ts": ";".join(f"{x:.3f}" for x in r["samples_ts"])})
         return buf.getvalue()
-    head = ["model", "size", "backend", "devices", "sm", "ts", "test", "t/s", "vs -sm none", "reductions/tok"]
+    compare = any("vs_llama_cpp" in r for r in rows)
+    head = ["model", "size", "backend", "numerics", "devices", "sm", "ts", "test", "t/s", "vs -sm none",
+            "reductions/tok"] + (["vs llama.cpp"] if compare else [])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * len(head)) + " |"]
     for r in rows:
         size = Path(r["model_filename"]).stat().st_size / 2**20 if Path(r["model_filename"]).exists() else 0
         ratio = f"{r['vs_none']:.2f}x" if r["vs_none"] is not None else ""
-        lines.append("| " + " | ".join([
-            r["model_type"], f"{size:.1f} MiB", r["backend"], str(r["n_devices"]), r["split_mode"], r["tensor_split"],
-            r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio, str(r["reductions_per_token"])]) + " |")
+        cells = [r["model_type"], f"{size:.1f} MiB", r["backend"], r["numerics"], str(r["n_devices"]), r["split_mode"],
+                 r["tensor_split"], r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio,
+                 str(r["reductions_per_token"])]
+        if compare:
+            c = r.get("vs_llama_cpp")
+            cells.append(f"{c:.2f}x" if c is not None else "")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -232,6 +311,9 @@ def add_parser(sub) -> None:
     b.add_argument("-sm", "--split-mode", default="none", help="none,tensor")
     b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    b.add_argument("--numerics", default="exact", help="exact,llamacpp (q8: the same as llamacpp), comma-separated")
+    b.add_argument("--compare", default=None, choices=list(COMPARE),
+                   help="also run the tests through llama-cpp-python (if installed), interleaved, with ratios")
     b.add_argument("--interleave", action="store_true",
                    help="load every layout first and alternate repetitions between them (steadier ratios "
                         "on a machine whose speed drifts; peak memory is then the whole run's)")
@@ -252,7 +334,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig(model=args.model, n_prompt=_int_list(args.n_prompt), n_gen=_int_list(args.n_gen),
                       n_depth=_int_list(args.n_depth), repetitions=args.repetitions, backend=args.backend,
                       n_devices=_int_list(args.devices), split_mode=modes, tensor_split=ts,
-                      interleave=args.interleave)
+                      interleave=args.interleave, compare=args.compare,
+                      numerics=[m.strip() for m in args.numerics.split(",") if m.strip()] or ["exact"])
     rows = run_bench(cfg, progress=lambda r: print(f"  {r['split_mode']} x{r['n_devices']} {r['test']}: "
                                                    f"{r['avg_ts']:.2f} t/s", file=sys.stderr))
     print(format_rows(rows, args.output))

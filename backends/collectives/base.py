@@ -4,7 +4,7 @@ An executor binds buffers once (when a Plan is prepared) and runs the returned s
 forward pass, so the interface is "prepare, then call": a runner can resolve pointers, pick a
 compiled path and allocate temporaries up front. Buffers are given per device of a `Group`
 that this process drives: all of them when devices are simulated in one process (numpy, CuPy's
-virtual devices), one when a process drives one device (the MPI/NCCL backends to come).
+virtual devices), one when a process drives one device (`mpi.MpiCollective`, `nccl.NcclCollective`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Step", "Group", "Collective", "PointToPoint"]
+__all__ = ["Step", "Group", "Collective", "AllGather", "PointToPoint"]
 
 Step = Callable[[], None]
 
@@ -38,14 +38,28 @@ class Group:
 class Collective(Protocol):
     """Sums a buffer in place across the devices of a group.
 
-    `bufs[i]` is device `group.devices[i]`'s buffer (only the local ones when not all are);
-    every buffer has the same shape and dtype. `active[i]` False means the device computed
-    nothing: its buffer may hold garbage (NaN), contributes zeros and is overwritten with the
-    sum. After the step every device holds the same bits."""
+    `bufs[i]` is device `group.devices[i]`'s buffer (only the local ones, in `group.local`
+    order, when not all are); every buffer has the same shape and dtype. `active` has one
+    entry per device of the group even when only some buffers are local: `active[i]` False
+    means device `group.devices[i]` computed nothing: its buffer may hold garbage (NaN),
+    contributes zeros and is overwritten with the sum. After the step every device holds the
+    same bits."""
 
     name: str
 
     def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None) -> Step:
+        ...
+
+
+@runtime_checkable
+class AllGather(Protocol):
+    """Every device's slice of a tensor, on every process: how a process that owns some devices
+    reads a split value whole (the vocabulary-split logits). Only a collective spanning several
+    processes needs it; in one process the executor reads every device's buffer itself."""
+
+    def allgather(self, local: Sequence[Any], counts: Sequence[int]) -> list[Any]:
+        """`local`: this process's devices' slices (`group.local` order); `counts[i]`: elements
+        of device `group.devices[i]`'s slice. Returns every device's slice, flat, in group order."""
         ...
 
 

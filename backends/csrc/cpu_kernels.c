@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -361,6 +362,433 @@ int metatp_qmatmul(const QMatmulGroup *g) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ Q8 activations (numerics="llamacpp")
+ * Why: the float kernel above converts every weight code to a float and multiplies float
+ * activations; llama.cpp instead rounds each activation row to int8 blocks once per step and takes
+ * integer dot products, 4-8x more multiply-adds per instruction. These kernels do the same, with
+ * llama.cpp's rounding, so the "llamacpp" numerics mode is both the closer one and the faster one.
+ *
+ * Activation formats (one row of K floats, as ggml-quants / the x86 quantizer round them):
+ *   kind 0, Q8_0 (for Q4_0, Q5_0, Q8_0 weights): blocks of 32, amax = max|x|, d = amax/127,
+ *     q = round-half-even(x * (127/amax)), the scale kept as f16(d);
+ *   kind 1, Q8_1 (Q4_1, Q5_1): as Q8_0, plus s = f16(d * sum q) (d unrounded), which the
+ *     weight's per-block offset multiplies;
+ *   kind 2, Q8_K (K-quants): blocks of 256, max = the element of largest |x| (the first one),
+ *     iscale = -127/max, q = min(127, round-half-even(iscale * x)), d = 1/iscale in float32; the
+ *     offset term uses d * (sum of q over the weight's sub-block).
+ * Every kind also keeps the integer sum of q per 16 elements.
+ *
+ * Weight codes are the AffineWeight codes (int8, or nibbles with a bias; not half floats), so
+ *   y[t][r] = sum_b scale[r][b] * dx[t][b] * isum(r, t, b)  +  sum_b offset[r][b] * xs[t][b]
+ * with isum an exact int32 dot product of codes per block (16 or 32 elements) and xs the Q8_1 s
+ * or d * sum(q) as above. Three builds of the block dot product, chosen at compile time:
+ * AVX512-VNNI / AVX-VNNI (vpdpbusd), AVX2 (vpmaddubsw + vpmaddwd) and portable C. */
+
+enum { Q8_0 = 0, Q8_1 = 1, Q8_K = 2, QK = 256 };
+
+/* float -> IEEE half -> float, round to nearest even (as F16C and numpy do); exact in every build */
+static inline float round_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = x & 0x80000000u, ax = x & 0x7FFFFFFFu;
+    uint32_t h;
+    if (ax >= 0x7F800000u) {                               /* inf / nan */
+        h = ax > 0x7F800000u ? 0x7E00u : 0x7C00u;
+    } else if (ax >= 0x477FF000u) {                        /* rounds to >= 65536: inf */
+        h = 0x7C00u;
+    } else if (ax >= 0x38800000u) {                        /* a normal half */
+        const uint32_t m = ax + 0xFFFu + ((ax >> 13) & 1u); /* round the 13 dropped bits, ties to even */
+        h = (m - 0x38000000u) >> 13;
+    } else {                                               /* a subnormal half (or zero) */
+        const int e = (int)(ax >> 23);
+        if (e < 102) {
+            h = 0;
+        } else {
+            const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+            const int shift = 126 - e;                     /* 14..24 */
+            const uint32_t half_ulp = 1u << (shift - 1), rest = mant & ((1u << shift) - 1u);
+            h = mant >> shift;
+            if (rest > half_ulp || (rest == half_ulp && (h & 1u))) h++;
+        }
+    }
+    h |= sign >> 16;
+    return half_to_float((uint16_t)h);
+}
+
+/* For the tests: out[i] = round_to_half(x[i]). */
+typedef struct {
+    int64_t n;
+    const float *x;
+    float *out;
+} HalfArgs;
+
+int metatp_round_half(const HalfArgs *a) {
+    for (int64_t i = 0; i < a->n; i++) a->out[i] = round_to_half(a->x[i]);
+    return 0;
+}
+
+typedef struct {
+    int64_t kind, ntok, k;
+    const float *x;
+    int64_t ldx;
+    int8_t *q;         /* ntok * k codes */
+    float *d;          /* ntok * (k/32) scales (kind 0, 1) or ntok * (k/256) (kind 2) */
+    float *s;          /* kind 1: ntok * (k/32) f16(d * sum q); else unused (may be NULL) */
+    int32_t *isum;     /* ntok * (k/16) integer sums of q */
+} Q8QuantArgs;
+
+static int q8_check_quant(int64_t kind, int64_t k) {
+    if (kind == Q8_K) return k > 0 && k % QK == 0 ? 0 : -2;
+    return (kind == Q8_0 || kind == Q8_1) && k > 0 && k % 32 == 0 ? 0 : -2;
+}
+
+static void q8_quantize_row(int64_t kind, int64_t k, const float *x, int8_t *q, float *d, float *s, int32_t *isum) {
+    if (kind == Q8_K) {
+        for (int64_t b = 0; b < k / QK; b++) {
+            const float *xb = x + b * QK;
+            int8_t *qb = q + b * QK;
+            float amax = 0.0f, max = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                const float ax = fabsf(xb[j]);
+                if (ax > amax) { amax = ax; max = xb[j]; }
+            }
+            if (amax == 0.0f) {
+                d[b] = 0.0f;
+                memset(qb, 0, QK);
+            } else {
+                const float iscale = -127.0f / max;
+                for (int j = 0; j < QK; j++) {
+                    const int v = (int)rintf(iscale * xb[j]);
+                    qb[j] = (int8_t)(v < 127 ? v : 127);
+                }
+                d[b] = 1.0f / iscale;
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *xb = x + b * 32;
+            int8_t *qb = q + b * 32;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float db = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) {
+                qb[j] = (int8_t)rintf(xb[j] * id);
+                sum += qb[j];
+            }
+            d[b] = round_to_half(db);
+            if (kind == Q8_1) s[b] = round_to_half(db * (float)sum);
+        }
+    }
+    for (int64_t u = 0; u < k / 16; u++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) sum += q[u * 16 + j];
+        isum[u] = sum;
+    }
+}
+
+int metatp_q8_quantize(const Q8QuantArgs *a) {
+    if (q8_check_quant(a->kind, a->k) || a->ntok < 0 || (a->kind == Q8_1 && !a->s)) return -2;
+    const int64_t k = a->k, nd = a->kind == Q8_K ? k / QK : k / 32;
+    for (int64_t t = 0; t < a->ntok; t++)
+        q8_quantize_row(a->kind, k, a->x + t * a->ldx, a->q + t * k, a->d + t * nd,
+                        a->s ? a->s + t * (k / 32) : NULL, a->isum + t * (k / 16));
+    return 0;
+}
+
+/* ---- the block dot product: 32 weight codes against 32 activation codes.
+ * Weight codes come as 32 bytes: unsigned (nibbles with bias 0) or signed (everything else).
+ * The result keeps the two 16-element halves apart (K-quants with blocks of 16 scale them
+ * separately). */
+#if ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)) && defined(__AVX2__) && defined(__FMA__)
+#define Q8_ISA "avx-vnni"
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#undef Q8_ISA
+#define Q8_ISA "avx512-vnni"
+#define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#else
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#endif
+#define Q8_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_ISA "avx2"
+#define Q8_SIMD 1
+#else
+#define Q8_ISA "portable"
+#define Q8_SIMD 0
+#endif
+
+const char *metatp_isa(void) { return Q8_ISA; }
+
+#if Q8_SIMD
+/* 32 codes of block b of a row, as bytes (nibbles unpacked, a nonzero nibble bias subtracted) */
+static inline __m256i q8_weight32(const void *qrow, int64_t b, int bits, int bias) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)qrow + b * 16));
+        const __m128i m = _mm_set1_epi8(0x0F);
+        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+        return bias ? _mm256_sub_epi8(w, _mm256_set1_epi8((char)bias)) : w;
+    }
+    return _mm256_loadu_si256((const __m256i *)((const int8_t *)qrow + b * 32));
+}
+
+/* int32 x 8: lanes 0..3 sum elements 0..15, lanes 4..7 elements 16..31. `wu` holds unsigned
+ * bytes (the weight, or |weight| when `signed_w`, whose sign then moves onto x). */
+static inline __m256i q8_dot32(__m256i wu, __m256i w, __m256i x, int signed_w) {
+    if (signed_w) x = _mm256_sign_epi8(x, w);
+#ifdef DPBUSD
+    return DPBUSD(_mm256_setzero_si256(), wu, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float q8_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#else
+/* portable: codes of block b unpacked into 32 signed bytes */
+static inline void q8_weight32_c(const void *qrow, int64_t b, int bits, int bias, int8_t *w) {
+    if (bits == 4) {
+        const uint8_t *p = (const uint8_t *)qrow + b * 16;
+        for (int i = 0; i < 16; i++) {
+            w[i] = (int8_t)((p[i] & 0x0F) - bias);
+            w[i + 16] = (int8_t)((p[i] >> 4) - bias);
+        }
+    } else {
+        memcpy(w, (const int8_t *)qrow + b * 32, 32);
+    }
+}
+#endif
+
+/* The two 16-element integer sums of block b (the test entry point and the portable build). */
+static inline void q8_block_isums(const void *qrow, int64_t b, int bits, int bias, const int8_t *x, int32_t out[2]) {
+#if Q8_SIMD
+    const __m256i w = q8_weight32(qrow, b, bits, bias);
+    const int signed_w = !(bits == 4 && bias == 0);
+    const __m256i iv = q8_dot32(signed_w ? _mm256_abs_epi8(w) : w, w,
+                                _mm256_loadu_si256((const __m256i *)(x + b * 32)), signed_w);
+    int32_t l[8];
+    memcpy(l, &iv, sizeof l);
+    out[0] = l[0] + l[1] + l[2] + l[3];
+    out[1] = l[4] + l[5] + l[6] + l[7];
+#else
+    int8_t w[32];
+    q8_weight32_c(qrow, b, bits, bias, w);
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 16; i++) {
+        s0 += (int32_t)w[i] * x[b * 32 + i];
+        s1 += (int32_t)w[i + 16] * x[b * 32 + 16 + i];
+    }
+    out[0] = s0;
+    out[1] = s1;
+#endif
+}
+
+typedef struct {
+    int64_t rows, k, block, bits, bias;   /* codes as in QMatmulArgs (bits 8 or 4) */
+    const void *q;
+    const float *scale, *offset;          /* offset may be NULL */
+    const float *x;
+    int64_t ldx, ntok;
+    float *y;
+    int64_t ldy;
+    int64_t kind;                         /* Q8_0, Q8_1 or Q8_K: how x is rounded */
+} Q8MatmulArgs;
+
+typedef struct {
+    int64_t n;
+    const Q8MatmulArgs *const *items;
+    int64_t nthreads;
+} Q8MatmulGroup;
+
+/* An item's quantized activations (shared by items that read the same x the same way). */
+typedef struct {
+    int8_t *q;
+    float *d, *s, *xs;     /* xs: ntok * nb offset multipliers (NULL without an offset) */
+    int32_t *isum;
+} Q8Act;
+
+static int q8_check(const Q8MatmulArgs *a) {
+    if (a->block != 16 && a->block != 32) return -1;
+    if (a->k <= 0 || a->k % 32 || a->rows < 0 || a->ntok < 1) return -2;
+    if (q8_check_quant(a->kind, a->k)) return -2;
+    if (a->block == 16 && a->kind != Q8_K) return -1;
+    if (!(a->bits == 8 || (a->bits == 4 && a->bias >= 0 && a->bias <= 15))) return -5;
+    return 0;
+}
+
+/* One row against nt (<= MAX_GROUP) tokens starting at t0; nt is a constant at each call site. */
+static inline __attribute__((always_inline)) void q8_row_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t r,
+                                                               int64_t t0, int nt, float *res) {
+    const int64_t k = a->k, nb32 = k / 32, nbw = k / a->block, nd = a->kind == Q8_K ? k / QK : nb32;
+    const int dshift = a->kind == Q8_K ? 3 : 0, bits = (int)a->bits, bias = (int)a->bias;
+    const void *qrow = (const uint8_t *)a->q + r * (k * bits / 8);
+    const float *sw = a->scale + r * nbw;
+#if Q8_SIMD
+    const int signed_w = !(bits == 4 && bias == 0);
+    __m256 acc[MAX_GROUP][2];
+    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb32; b++) {
+        const __m256i w = q8_weight32(qrow, b, bits, bias);
+        const __m256i wu = signed_w ? _mm256_abs_epi8(w) : w;
+        const __m256 sv = a->block == 32 ? _mm256_set1_ps(sw[b])
+                                         : _mm256_set_m128(_mm_set1_ps(sw[2 * b + 1]), _mm_set1_ps(sw[2 * b]));
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x->q + (t0 + t) * k;
+            const __m256i iv = q8_dot32(wu, w, _mm256_loadu_si256((const __m256i *)(xq + b * 32)), signed_w);
+            const __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(x->d[(t0 + t) * nd + (b >> dshift)]));
+            acc[t][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), f, acc[t][b & 1]);
+        }
+    }
+    for (int t = 0; t < nt; t++) res[t] = q8_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+#else
+    for (int t = 0; t < nt; t++) {
+        const int8_t *xq = x->q + (t0 + t) * k;
+        const float *dx = x->d + (t0 + t) * nd;
+        float sum = 0.0f;
+        for (int64_t b = 0; b < nb32; b++) {
+            int32_t is[2];
+            q8_block_isums(qrow, b, bits, bias, xq, is);
+            const float db = dx[b >> dshift];
+            if (a->block == 32) sum += sw[b] * db * (float)(is[0] + is[1]);
+            else sum += sw[2 * b] * db * (float)is[0] + sw[2 * b + 1] * db * (float)is[1];
+        }
+        res[t] = sum;
+    }
+#endif
+    if (a->offset) {
+        const float *orow = a->offset + r * nbw;
+        for (int t = 0; t < nt; t++) {
+            const float *xs = x->xs + (t0 + t) * nbw;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t b = 0; b < nbw; b++) s += orow[b] * xs[b];
+            res[t] += s;
+        }
+    }
+}
+
+static void q8_row(const Q8MatmulArgs *a, const Q8Act *x, int64_t r) {
+    for (int64_t t0 = 0; t0 < a->ntok; t0 += MAX_GROUP) {
+        float res[MAX_GROUP];
+        const int64_t left = a->ntok - t0;
+        const int nt = left < MAX_GROUP ? (int)left : MAX_GROUP;
+        switch (nt) {
+            case 1: q8_row_group(a, x, r, t0, 1, res); break;
+            case 2: q8_row_group(a, x, r, t0, 2, res); break;
+            case 3: q8_row_group(a, x, r, t0, 3, res); break;
+            default: q8_row_group(a, x, r, t0, 4, res); break;
+        }
+        for (int t = 0; t < nt; t++) a->y[(t0 + t) * a->ldy + r] = res[t];
+    }
+}
+
+/* Bytes of one item's quantized activations in the call's scratch. */
+static size_t q8_act_bytes(const Q8MatmulArgs *a) {
+    const int64_t k = a->k, n = a->ntok;
+    return (size_t)(n * k) + sizeof(float) * (size_t)(n * (k / 32) * 2 + n * (k / a->block))
+           + sizeof(int32_t) * (size_t)(n * (k / 16)) + 64;
+}
+
+/* Quantize item i's activations into the scratch at *at, or reuse those of an earlier item
+ * that reads the same rows the same way (Q, K and V read one normed x). */
+static void q8_prepare_act(const Q8MatmulGroup *g, int64_t i, Q8Act *acts, char **at) {
+    const Q8MatmulArgs *a = g->items[i];
+    for (int64_t j = 0; j < i; j++) {
+        const Q8MatmulArgs *b = g->items[j];
+        if (b->x == a->x && b->ldx == a->ldx && b->ntok == a->ntok && b->k == a->k && b->kind == a->kind
+            && b->block == a->block && (b->offset != NULL) == (a->offset != NULL)) {
+            acts[i] = acts[j];
+            return;
+        }
+    }
+    const int64_t k = a->k, n = a->ntok, nbw = k / a->block, nd = a->kind == Q8_K ? k / QK : k / 32;
+    char *p = *at;
+    Q8Act *x = &acts[i];
+    x->d = (float *)p; p += sizeof(float) * (size_t)(n * (k / 32));
+    x->s = (float *)p; p += sizeof(float) * (size_t)(n * (k / 32));
+    x->xs = (float *)p; p += sizeof(float) * (size_t)(n * nbw);
+    x->isum = (int32_t *)p; p += sizeof(int32_t) * (size_t)(n * (k / 16));
+    x->q = (int8_t *)p; p += (size_t)(n * k);
+    *at = (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    for (int64_t t = 0; t < n; t++)
+        q8_quantize_row(a->kind, k, a->x + t * a->ldx, x->q + t * k, x->d + t * nd, x->s + t * (k / 32),
+                        x->isum + t * (k / 16));
+    if (!a->offset) {
+        x->xs = NULL;
+        return;
+    }
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t b = 0; b < nbw; b++) {
+            float v;
+            if (a->kind == Q8_1) {
+                v = x->s[t * (k / 32) + b];                              /* llama.cpp's f16 s */
+            } else {
+                const int32_t *is = x->isum + t * (k / 16);
+                const int32_t sum = a->block == 16 ? is[b] : is[2 * b] + is[2 * b + 1];
+                v = x->d[t * nd + b * a->block / QK] * (float)sum;
+            }
+            x->xs[t * nbw + b] = v;
+        }
+}
+
+int metatp_q8_matmul(const Q8MatmulGroup *g) {
+    const int64_t n = g->n;
+    if (n < 1 || n > MAX_ITEMS) return -4;
+    int64_t first_row[MAX_ITEMS + 1], work = 0;
+    size_t bytes = 64;
+    first_row[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const Q8MatmulArgs *a = g->items[i];
+        const int rc = q8_check(a);
+        if (rc) return rc;
+        first_row[i + 1] = first_row[i] + a->rows;
+        work += a->rows * a->k * a->ntok;
+        bytes += q8_act_bytes(a);
+    }
+    char *scratch = (char *)malloc(bytes);
+    if (!scratch) return -3;
+    Q8Act acts[MAX_ITEMS];
+    char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    for (int64_t i = 0; i < n; i++) q8_prepare_act(g, i, acts, &at);
+    const int nthreads = work < (int64_t)1 << 17 ? 1 : (int)g->nthreads;
+    const int64_t total = first_row[n];
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t gr = 0; gr < total; gr++) {
+        int64_t i = 0;
+        while (gr >= first_row[i + 1]) i++;
+        q8_row(g->items[i], &acts[i], gr - first_row[i]);
+    }
+    free(scratch);
+    return 0;
+}
+
+/* For the tests: the exact int32 sums per (token, row, 16-element half-block) of item g->items[0]
+ * against activations already quantized by metatp_q8_quantize (codes in `xq`, ntok * k). */
+typedef struct {
+    const Q8MatmulArgs *w;
+    const int8_t *xq;
+    int32_t *out;          /* ntok * rows * (k/16) */
+} Q8IsumArgs;
+
+int metatp_q8_isums(const Q8IsumArgs *a) {
+    const Q8MatmulArgs *w = a->w;
+    const int64_t k = w->k;
+    if (w->k <= 0 || w->k % 32 || !(w->bits == 8 || w->bits == 4)) return -2;
+    for (int64_t t = 0; t < w->ntok; t++)
+        for (int64_t r = 0; r < w->rows; r++) {
+            const void *qrow = (const uint8_t *)w->q + r * (k * w->bits / 8);
+            for (int64_t b = 0; b < k / 32; b++)
+                q8_block_isums(qrow, b, (int)w->bits, (int)w->bias, a->xq + t * k,
+                               a->out + (t * w->rows + r) * (k / 16) + 2 * b);
+        }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ rope
  * Rotary embedding of x (T, H, D) into out, pairs (i, i+n_dims/2) for NEOX else (2i, 2i+1);
  * dims past n_dims are copied. cs: cos then sin tables, each (T, n_dims/2) contiguous.
@@ -403,12 +831,40 @@ int metatp_rope(const RopeArgs *a) {
 }
 
 /* ------------------------------------------------------------------ attention
- * Softmax attention of a few queries over a KV cache, one (head, query) row at a time.
+ * Softmax attention of a few queries over a KV cache, at memory speed: decode reads the whole
+ * cache every step (at a depth of 1536 tokens as many bytes as the weights), so
+ *  - every K and V row is read once per step per KV head: all the query rows that share a KV head
+ *    (its query heads x the step's tokens, GQA) are scored against a row while it is in registers;
+ *  - the cache is streamed in blocks of KV_BLOCK rows with an online softmax (running max m,
+ *    running sum l, output rescaled when m grows), so nothing of length n_kv is kept;
+ *  - the OpenMP threads split the KV length too (split-KV): each (KV head, chunk) unit leaves
+ *    (m, l, unnormalized output) per query row, merged afterwards with a log-sum-exp.
  * q (H, T, D): q[h*q_sh + t*q_st + d]; k/v (Hkv, n_kv, D|Dv): k[g*k_sh + j*k_sj + d];
  * mask (T, n_kv) additive or NULL: mask[t*m_st + j]; sinks (H) or NULL;
  * out (T, H, Dv): out[t*o_st + h*o_sh + d]. Query head h reads kv head h / (H/Hkv).
- * softcap > 0: s = softcap*tanh(s/softcap) before the mask. scratch: n_kv floats. */
-#include <math.h>
+ * softcap > 0: s = softcap*tanh(s/softcap) before the mask.
+ * scratch: Hkv * MAX_CHUNKS * (H/Hkv) * T * (Dv + 2 + KV_BLOCK) floats. */
+
+enum { KV_BLOCK = 64, MAX_CHUNKS = 16, MIN_CHUNK = 128 };
+
+typedef float v8f_a __attribute__((vector_size(32), aligned(4)));   /* unaligned 8-float loads */
+
+/* Cache element loads: the one place that knows how the cache stores a value (float32 here; a
+ * 16- or 8-bit cache type switches these, the rest of the kernel is unchanged). */
+static inline v8f kv_load8(const float *row, int64_t d) {
+    return *(const v8f_a *)(row + d);
+}
+static inline float kv_load1(const float *row, int64_t d) {
+    return row[d];
+}
+
+static inline float hsum8(v8f v) {
+    v4f l, h;
+    memcpy(&l, &v, sizeof l);
+    memcpy(&h, (const char *)&v + sizeof l, sizeof h);
+    const v4f b = l + h;
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
 
 typedef struct {
     int64_t T, H, Hkv, D, Dv, n_kv;   /* n_kv: the visible cache rows, set before each call */
@@ -425,50 +881,129 @@ typedef struct {
     float *out;
     int64_t o_st, o_sh;
     float *scratch;
+    int64_t nthreads;
 } AttentionArgs;
 
-int metatp_attention(const AttentionArgs *a) {
-    const int64_t T = a->T, H = a->H, Hkv = a->Hkv, D = a->D, Dv = a->Dv, n_kv = a->n_kv;
-    const int64_t q_sh = a->q_sh, q_st = a->q_st, k_sh = a->k_sh, k_sj = a->k_sj;
-    const int64_t v_sh = a->v_sh, v_sj = a->v_sj, m_st = a->m_st, o_st = a->o_st, o_sh = a->o_sh;
-    const float *q = a->q, *k = a->k, *v = a->v, *mask = a->mask, *sinks = a->sinks;
+/* One unit: KV head g, cache rows [j0, j1), all G = gsize*T query rows of that head.
+ * part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
+static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf) {
+    const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
+    const float *kh = a->k + g * a->k_sh, *vh = a->v + g * a->v_sh;
     const float scale = a->scale, softcap = a->softcap;
-    float *out = a->out, *scratch = a->scratch;
-    if (Hkv <= 0 || H % Hkv || n_kv <= 0) return -1;
-    const int64_t g = H / Hkv;
-    for (int64_t h = 0; h < H; h++) {
-        const float *kh = k + (h / g) * k_sh, *vh = v + (h / g) * v_sh;
-        for (int64_t t = 0; t < T; t++) {
-            const float *qr = q + h * q_sh + t * q_st;
-            const float *mr = mask ? mask + t * m_st : NULL;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < n_kv; j++) {
-                const float *kr = kh + j * k_sj;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qr[d] * kr[d];
-                s *= scale;
-                if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
-                if (mr) s += mr[j];
-                scratch[j] = s;
-                if (s > m) m = s;
+    const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8;
+    for (int64_t r = 0; r < G; r++) {
+        float *pr = part + r * P;
+        pr[0] = -INFINITY;
+        pr[1] = 0.0f;
+        for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
+    }
+    for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
+        const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK;
+        /* scores of the block: each K row read once for all G query rows */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const float *kr = kh + (b0 + jj) * a->k_sj;
+            for (int64_t r = 0; r < G; r++) {
+                const int64_t i = r / T, t = r % T, h = g * gsize + i;
+                const float *qr = a->q + h * a->q_sh + t * a->q_st;
+                v8f acc = (v8f){0};
+                for (int64_t d = 0; d < D8; d += 8) acc += *(const v8f_a *)(qr + d) * kv_load8(kr, d);
+                float sc = hsum8(acc);
+                for (int64_t d = D8; d < D; d++) sc += qr[d] * kv_load1(kr, d);
+                sc *= scale;
+                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                if (a->mask) sc += a->mask[t * a->m_st + b0 + jj];
+                sbuf[r * KV_BLOCK + jj] = sc;
             }
-            if (sinks && sinks[h] > m) m = sinks[h];
-            float denom = sinks ? expf(sinks[h] - m) : 0.0f;
-            for (int64_t j = 0; j < n_kv; j++) {
-                const float p = expf(scratch[j] - m);
-                scratch[j] = p;
-                denom += p;
+        }
+        /* online softmax: new running max, rescale, probabilities in place */
+        for (int64_t r = 0; r < G; r++) {
+            float *pr = part + r * P, *sr = sbuf + r * KV_BLOCK;
+            float bm = -INFINITY;
+            for (int64_t jj = 0; jj < nb; jj++) bm = sr[jj] > bm ? sr[jj] : bm;
+            const float m_new = bm > pr[0] ? bm : pr[0];
+            if (m_new == -INFINITY) {                       /* nothing visible yet */
+                for (int64_t jj = 0; jj < nb; jj++) sr[jj] = 0.0f;
+                continue;
             }
-            float *orow = out + t * o_st + h * o_sh;
-            for (int64_t d = 0; d < Dv; d++) orow[d] = 0.0f;
-            for (int64_t j = 0; j < n_kv; j++) {
-                const float p = scratch[j] / denom;
+            if (m_new > pr[0]) {
+                const float alpha = pr[0] == -INFINITY ? 0.0f : expf(pr[0] - m_new);
+                pr[1] *= alpha;
+                for (int64_t d = 0; d < Dv; d++) pr[2 + d] *= alpha;
+                pr[0] = m_new;
+            }
+            float l = 0.0f;
+            for (int64_t jj = 0; jj < nb; jj++) {
+                const float e = expf(sr[jj] - m_new);
+                sr[jj] = e;
+                l += e;
+            }
+            pr[1] += l;
+        }
+        /* weighted V: each V row read once for all G query rows */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            const float *vr = vh + (b0 + jj) * a->v_sj;
+            for (int64_t r = 0; r < G; r++) {
+                const float p = sbuf[r * KV_BLOCK + jj];
                 if (p == 0.0f) continue;
-                const float *vr = vh + j * v_sj;
-#pragma omp simd
-                for (int64_t d = 0; d < Dv; d++) orow[d] += p * vr[d];
+                float *acc = part + r * P + 2;
+                const v8f pv = (v8f){p, p, p, p, p, p, p, p};
+                for (int64_t d = 0; d < Dv8; d += 8) *(v8f_a *)(acc + d) += pv * kv_load8(vr, d);
+                for (int64_t d = Dv8; d < Dv; d++) acc[d] += p * kv_load1(vr, d);
             }
+        }
+    }
+}
+
+int metatp_attention(const AttentionArgs *a) {
+    const int64_t T = a->T, H = a->H, Hkv = a->Hkv, Dv = a->Dv, n_kv = a->n_kv;
+    if (Hkv <= 0 || H % Hkv || n_kv <= 0 || T <= 0) return -1;
+    const int64_t gsize = H / Hkv, G = gsize * T, P = Dv + 2;
+    /* chunks of the KV length: enough units for the threads, none shorter than MIN_CHUNK rows */
+    const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 ? (int)a->nthreads : 1;
+    int64_t nch = 1;
+    if (nthreads > 1) {
+        nch = (2 * nthreads + Hkv - 1) / Hkv;
+        const int64_t most = (n_kv + MIN_CHUNK - 1) / MIN_CHUNK;
+        if (nch > most) nch = most;
+        if (nch > MAX_CHUNKS) nch = MAX_CHUNKS;
+        if (nch < 1) nch = 1;
+    }
+    const int64_t per = (n_kv + nch - 1) / nch, units = Hkv * nch;
+    float *parts = a->scratch, *sbufs = a->scratch + Hkv * MAX_CHUNKS * G * P;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t g = u / nch, c = u % nch, j0 = c * per, j1 = j0 + per < n_kv ? j0 + per : n_kv;
+            float *part = parts + u * G * P;
+            if (j0 >= j1) {
+                for (int64_t r = 0; r < G; r++) { part[r * P] = -INFINITY; part[r * P + 1] = 0.0f; }
+                continue;
+            }
+            attn_unit(a, g, j0, j1, part, sbufs + u * G * KV_BLOCK);
+        }
+        /* merge the chunks of each query row (log-sum-exp), add the sink, normalize */
+#pragma omp for schedule(static)
+        for (int64_t gr = 0; gr < Hkv * G; gr++) {
+            const int64_t g = gr / G, r = gr % G, i = r / T, t = r % T, h = g * gsize + i;
+            float m = a->sinks ? a->sinks[h] : -INFINITY;
+            for (int64_t c = 0; c < nch; c++) {
+                const float mc = parts[((g * nch + c) * G + r) * P];
+                m = mc > m ? mc : m;
+            }
+            float *orow = a->out + t * a->o_st + h * a->o_sh;
+            for (int64_t d = 0; d < Dv; d++) orow[d] = 0.0f;
+            if (m == -INFINITY) continue;
+            float l = a->sinks ? expf(a->sinks[h] - m) : 0.0f;
+            for (int64_t c = 0; c < nch; c++) {
+                const float *pc = parts + ((g * nch + c) * G + r) * P;
+                if (pc[0] == -INFINITY) continue;
+                const float w = expf(pc[0] - m);
+                l += w * pc[1];
+                for (int64_t d = 0; d < Dv; d++) orow[d] += w * pc[2 + d];
+            }
+            const float inv = 1.0f / l;
+            for (int64_t d = 0; d < Dv; d++) orow[d] *= inv;
         }
     }
     return 0;
@@ -587,5 +1122,30 @@ int metatp_set_rows(const SetRowsArgs *a) {
         if (a->ids[t] < 0 || a->ids[t] >= a->dst_rows) return -1;
     for (int64_t t = 0; t < a->T; t++)
         memcpy(a->dst + a->ids[t] * a->dst_st, a->src + t * a->src_st, sizeof(float) * (size_t)a->n);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ batches
+ * Several prepared kernel calls in one: under -sm tensor every simulated device makes its own
+ * rope, KV write, attention and gated-activation call per layer, and each ctypes call costs more
+ * than a small kernel. A batch runs them in the given order (so the bits are those of separate
+ * calls); it stops at the first that fails and says which. */
+typedef int (*kernel_fn)(const void *);
+
+typedef struct {
+    int64_t n;
+    const kernel_fn *fns;
+    const void *const *args;
+    int64_t failed;          /* out: index of the call that returned nonzero */
+} BatchArgs;
+
+int metatp_batch(BatchArgs *b) {
+    for (int64_t i = 0; i < b->n; i++) {
+        const int rc = b->fns[i](b->args[i]);
+        if (rc) {
+            b->failed = i;
+            return rc;
+        }
+    }
     return 0;
 }

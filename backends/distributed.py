@@ -1,0 +1,343 @@
+"""One process per device: the MPI world, and what every rank must agree on before and while running.
+
+`mpiexec -n N metatp generate ... -sm tensor` (or `mpiexec -n N python script.py` with
+`LLM(...)`) starts N copies of the same program. Each one is a *rank*: it owns device `rank`
+of an N-device layout, stores only that device's weight slices and KV heads (the numpy
+backend's `devices=[rank]`), walks only that device's part of every plan, and sums the
+partial results between subgraphs through MPI (`collectives.mpi.MpiCollective`; GPU ranks:
+NCCL, `collectives.nccl`).
+
+Ranks run in lock step: every rank makes the same forward calls with the same inputs, or a
+collective waits forever. So, once at start, the ranks check that they agree on the world size
+vs `--devices` and on the model file (size + sha256 of its head and tail); and on every step
+rank 0's inputs and sampled token win (`agree_tokens`, `agree_token`): rank 0 tokenizes and
+samples, the others follow, so a seed of None, a prompt read on rank 0 only or a different
+numpy on another machine cannot make the ranks drift apart.
+
+An error that only one rank hits ends every rank (`abort`, `MPI_Abort`) instead of leaving
+the others waiting inside a collective; an error every rank finds (a bad flag, the model check)
+is reported by rank 0 only (`every_rank`, `should_report`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
+
+__all__ = ["DISTRIBUTED_MODES", "World", "launched_world_size", "launched_rank", "init_world", "model_digest", "every_rank",
+           "should_report", "current_world", "finish_error", "read_across", "process_memory"]
+
+DISTRIBUTED_MODES = ("auto", "none", "mpi")
+
+# What MPI launchers put in each process's environment: MPICH / Intel MPI (hydra: PMI_*),
+# Open MPI (OMPI_COMM_WORLD_*), MVAPICH. Read without importing mpi4py (which starts MPI).
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+
+_INSTALL_HINT = 'pip install "metatp[mpi]" (mpi4py and an MPI library, e.g. pip install mpi4py mpich)'
+
+# Bytes of the model file's head and tail that the identity check hashes (with its size): the
+# head holds the GGUF header, metadata and tensor table; the whole file would take seconds per GB.
+_HEAD_BYTES = 16 << 20
+_TAIL_BYTES = 1 << 20
+
+
+def launched_world_size() -> int | None:
+    """The number of processes an MPI launcher started this one among, or None (not under mpiexec)."""
+    for var in _SIZE_VARS:
+        value = os.environ.get(var)
+        if value and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def launched_rank() -> int | None:
+    """This process's rank as the MPI launcher set it, or None (not under mpiexec)."""
+    for var in _RANK_VARS:
+        value = os.environ.get(var)
+        if value and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def every_rank(err: MetatpError) -> MetatpError:
+    """Mark an error that every rank raises identically (rank 0 alone reports it)."""
+    err.every_rank = True        # type: ignore[attr-defined]
+    return err
+
+
+def should_report(err: BaseException, world: World | None) -> bool:
+    """Print this error here? Always in one process; under MPI an error every rank found (or an
+    interrupt, which the launcher passes to every rank) is printed by rank 0 only (the launcher's
+    rank when MPI itself could not start), one that only this rank hit by this rank."""
+    if not (getattr(err, "every_rank", False) or isinstance(err, KeyboardInterrupt)):
+        return True
+    rank = world.rank if world is not None else launched_rank()
+    return rank is None or rank == 0
+
+
+def model_digest(path: str | os.PathLike) -> str:
+    """size + sha256 of the file's first 16 MiB and last 1 MiB: enough to tell two models (or
+    two quantizations, or a truncated copy) apart without reading gigabytes on every rank."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        h.update(f.read(_HEAD_BYTES))
+        if size > _HEAD_BYTES:
+            f.seek(max(_HEAD_BYTES, size - _TAIL_BYTES))
+            h.update(f.read(_TAIL_BYTES))
+    return f"{size}:{h.hexdigest()}"
+
+
+@dataclass
+class World:
+    """This process's place among the ranks of one MPI job (one device per rank)."""
+
+    comm: Any
+    rank: int
+    size: int
+    host: str = field(default_factory=socket.gethostname)
+    _collective: Any = None
+    _local_rank: int | None = None
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index among the ranks on its machine (which GPU it drives)."""
+        if self._local_rank is None:
+            from mpi4py import MPI
+
+            node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self._local_rank = node.Get_rank()
+            node.Free()
+        return self._local_rank
+
+    @property
+    def devices(self) -> list[int]:
+        """The devices of the layout this process owns."""
+        return [self.rank]
+
+    # ---------------------------------------------------------------- checks at start
+    def layout_for(self, n_devices: int | None, split_mode: str | None,
+                   tensor_split: Sequence[float] | None) -> tuple[int, str]:
+        """(n_devices, split_mode) for this world: the device count is the world size; an
+        explicit count or -ts that disagrees is an error every rank raises."""
+        n = self.size if n_devices is None else n_devices
+        if tensor_split is not None and len(tensor_split) != self.size:
+            raise every_rank(ConfigError(
+                f"-ts has {len(tensor_split)} shares but mpiexec started {self.size} processes "
+                f"(one per device): give {self.size} shares or run mpiexec -n {len(tensor_split)}"))
+        if n != self.size:
+            raise every_rank(ConfigError(
+                f"--devices {n} but mpiexec started {self.size} processes: the world size is the device "
+                f"count (one process per device); run mpiexec -n {n} or drop --devices"))
+        if self.size > 1 and split_mode not in (None, "tensor"):
+            raise every_rank(ConfigError(
+                f"mpiexec started {self.size} processes but split_mode is {split_mode!r}: "
+                "several processes split the model with -sm tensor"))
+        return n, "tensor" if self.size > 1 else (split_mode or "none")
+
+    def check_model(self, path: str | os.PathLike) -> str:
+        """Every rank maps the same model file (compared by `model_digest`, paths may differ
+        between machines); returns the digest."""
+        mine = model_digest(path)
+        seen = self.comm.allgather((mine, self.host, str(path)))
+        want = seen[0][0]
+        bad = [r for r, (d, _, _) in enumerate(seen) if d != want]
+        if bad:
+            r = bad[0]
+            raise every_rank(ConfigError(
+                f"ranks disagree on the model file: rank 0 on {seen[0][1]} has {seen[0][2]} "
+                f"({_short_digest(want)}) but rank {r} on {seen[r][1]} has {seen[r][2]} "
+                f"({_short_digest(seen[r][0])}); give every rank the same GGUF"))
+        return mine
+
+    def agree_seed(self, seed: int | None) -> int | None:
+        """Rank 0's seed on every rank (None on rank 0: one it draws), so that sampling state is
+        the same everywhere even before `agree_token`."""
+        if self.rank == 0 and seed is None:
+            seed = int(np.random.SeedSequence().entropy % (1 << 63))
+        return self.comm.bcast(seed, root=0)
+
+    # ---------------------------------------------------------------- every step
+    def agree_tokens(self, tokens: Sequence[int]) -> list[int]:
+        """Rank 0's tokens for this forward call, on every rank (the step's inputs)."""
+        if self.size == 1:
+            return list(tokens)
+        return self.comm.bcast([int(t) for t in tokens], root=0)
+
+    def agree_token(self, token: int) -> int:
+        """Rank 0's sampled token on every rank: all ranks then stop, or go on, together."""
+        if self.size == 1:
+            return int(token)
+        return int(self.comm.bcast(int(token), root=0))
+
+    # ---------------------------------------------------------------- parts
+    def collective(self):
+        """The all-reduce and gather between the ranks' devices (one per world)."""
+        if self._collective is None:
+            from metatp.backends.collectives.mpi import MpiCollective
+
+            self._collective = MpiCollective(self.comm)
+        return self._collective
+
+    def create_backend(self, name: str, layout, **options):
+        """This rank's backend: the numpy backend owning device `rank` of `layout`, reducing
+        over MPI; `options` as `backends.create_backend` takes them (checked by the registry).
+        GPU ranks (NCCL) wait for the cupy backend to take an owned device."""
+        if layout.n_devices != self.size:
+            raise every_rank(ConfigError(f"layout has {layout.n_devices} devices for {self.size} ranks"))
+        if name == "cupy":
+            raise every_rank(BackendUnavailableError(
+                "backend 'cupy' under mpiexec: the NCCL collective and its bootstrap are ready "
+                "(metatp.backends.collectives.nccl) but the cupy backend does not yet own one device per "
+                "process; use backend='numpy' (CPU ranks, MPI all-reduce)"))
+        if name not in ("auto", "numpy"):
+            raise every_rank(ConfigError(f"unknown backend {name!r}; choose one of auto, numpy, cupy"))
+        allreduce = options.pop("allreduce", None)
+        if allreduce not in (None, "auto"):
+            raise every_rank(ConfigError(
+                f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under mpiexec "
+                "the ranks reduce with MPI_Allreduce (leave allreduce='auto')"))
+        from metatp.backends.numpy_backend import NumpyBackend
+        from metatp.backends.registry import check_options
+
+        try:
+            checked = check_options("numpy", options)
+        except MetatpError as e:
+            raise every_rank(e) from None
+        return NumpyBackend(layout, **checked, devices=self.devices, collective=self.collective())
+
+    # ---------------------------------------------------------------- faults
+    def abort(self, code: int = 1) -> None:
+        """End every rank now (an error only this rank hit; the others may be inside a collective).
+        The pause lets the launcher forward this rank's last lines before the abort tears the job
+        down (MPICH's hydra drops them otherwise, now and then)."""
+        import time
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.25)
+        self.comm.Abort(code)
+
+    def quiet(self) -> None:
+        """Non-root ranks keep warnings to themselves (rank 0 prints them once for all)."""
+        if self.rank != 0:
+            import warnings
+
+            warnings.simplefilter("ignore")
+
+
+def _short_digest(d: str) -> str:
+    size, _, h = d.partition(":")
+    return f"{size} bytes, sha256 {h[:12]}"
+
+
+_WORLD: World | None = None
+
+
+def init_world(distributed: str | None = "auto") -> World | None:
+    """The MPI world, or None for one process holding every device.
+
+    "auto": MPI when a launcher started this process among several (`launched_world_size() > 1`);
+    "mpi": MPI even for one process; "none"/None: never. mpi4py missing under mpiexec is a
+    BackendUnavailableError naming the install command."""
+    global _WORLD
+    if distributed is None or distributed == "none":
+        return None
+    if distributed not in DISTRIBUTED_MODES:
+        raise ConfigError(f"distributed must be one of {', '.join(DISTRIBUTED_MODES)}, got {distributed!r}")
+    size = launched_world_size()
+    if distributed == "auto" and (size is None or size <= 1):
+        return None
+    if _WORLD is not None:
+        return _WORLD
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        where = f"mpiexec started {size} processes" if size else "distributed='mpi'"
+        raise every_rank(BackendUnavailableError(
+            f"{where} but mpi4py cannot be imported ({e}); {_INSTALL_HINT}")) from None
+    comm = MPI.COMM_WORLD
+    _WORLD = World(comm, comm.Get_rank(), comm.Get_size())
+    _install_abort_hook(_WORLD)
+    return _WORLD
+
+
+def current_world() -> World | None:
+    """The world `init_world` started in this process, or None."""
+    return _WORLD
+
+
+def finish_error(err: BaseException, line: str, code: int) -> int:
+    """How a command ends on an error under MPI (a no-op wrapper in one process): `line` is
+    printed once (`should_report`); an error only this rank hit, or an interrupt, then aborts
+    every rank, since the others may be waiting in a collective. Returns `code` otherwise."""
+    world = _WORLD
+    if should_report(err, world):
+        print(line, file=sys.stderr, flush=True)
+    if world is not None and world.size > 1 and (isinstance(err, KeyboardInterrupt)
+                                                 or not getattr(err, "every_rank", False)):
+        world.abort(code)
+    return code
+
+
+def _install_abort_hook(world: World) -> None:
+    """An uncaught exception on one rank prints its traceback there and aborts every rank
+    (as `python -m mpi4py` does), instead of MPI_Finalize waiting on ranks stuck in a collective."""
+    previous = sys.excepthook
+    if world.size == 1 or getattr(previous, "_metatp_abort", False):
+        return
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        world.abort(1)
+    hook._metatp_abort = True           # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def read_across(executor, collective, t) -> np.ndarray:
+    """The full value of `t` when this process owns only some devices: a value every device
+    holds whole (mirrored and computed everywhere, or reduced) is read here; a split one (the
+    vocabulary-split logits) is gathered from every rank (Allgatherv) and put together, so every
+    rank gets the same bits."""
+    from metatp.backends.executor import np_shape
+    from metatp.backends.slicing import gather_array
+
+    plan = executor.plan
+    tp = plan.of(t)
+    own = executor.devices
+    st = tp.sync_state
+    if st.is_mirrored and all(tp.compute[d] for d in own):
+        return np.array(executor.host_value(own[0], t), copy=True).reshape(np_shape(t.ne))
+    counts = [loc.nelements for loc in tp.local]
+    flat = collective.allgather([executor.host_value(d, t) for d in own], counts)
+    parts = [p.reshape(np_shape(loc.ne)) for p, loc in zip(flat, tp.local)]
+    return gather_array(parts, t, tp)
+
+
+def process_memory() -> dict[str, int]:
+    """This process's resident memory in bytes from /proc/self/status: rss (all), anon (what it
+    allocated), file (mapped file pages it touched, e.g. the GGUF), shmem (MPI's shared segments)."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem", "VmHWM": "peak"}
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in keys:
+                    out[keys[name]] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
