@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from metatp.backends.cuda_kernels import gpu_available, gpu_probe
+from metatp.backends.cuda.runtime import gpu_available, gpu_probe
 from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry, check_options
 from metatp.ir.errors import BackendUnavailableError, ConfigError
 

@@ -72,7 +72,7 @@ BACKENDS: dict[str, BackendEntry] = {
                "compiled C kernels for few-token steps: None when they build, False never, True insist"),
         Option("threads", bool, False, "run simulated devices in parallel threads"),
     )),
-    "cupy": BackendEntry("cupy", "metatp.backends.cupy_backend:CupyBackend", _opts(
+    "cupy": BackendEntry("cupy", "metatp.backends.cuda.backend:CupyBackend", _opts(
         _NUMERICS, _ALLREDUCE, _WIRE,
         Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
         Option("kv_dtype", ("f16", "bf16", "f32"), "f16", "KV cache storage type"),

@@ -2,7 +2,7 @@
 
 The nvcc tests compile the exact text NVRTC will get (``module_source``: local headers
 pasted in) to PTX with ``-Werror all-warnings`` and check that the PTX entry points are
-exactly the kernel names ``backends/cuda_kernels.py`` launches. They skip only when
+exactly the kernel names the launchers of ``backends/cuda/kernels/`` launch. They skip only when
 nvcc is not on PATH; no GPU is needed.
 """
 
@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from metatp.backends import cuda_kernels as ck
+from metatp.backends.cuda import kernels as ck, runtime
 
 ARCHS = ("sm_80", "sm_90")
 NVCC = shutil.which("nvcc")
@@ -47,8 +47,9 @@ def test_weight_types_match_gguf():
 def test_import_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None\n"
-        "import metatp.backends.cuda_kernels as ck\n"
-        "assert ck.gpu_available() is False\n"
+        "import metatp.backends.cuda.kernels as ck, metatp.backends.cuda.runtime as rt\n"
+        "import metatp.backends.cuda.backend\n"
+        "assert rt.gpu_available() is False\n"
         "assert ck.kernel_sources()\n"
         "print('ok')\n"
     )
@@ -102,7 +103,7 @@ def _fake_cupy(device: bool = True, error: Exception | None = None):
 
 @pytest.fixture
 def fresh_probe(monkeypatch):
-    monkeypatch.setattr(ck, "_probe_result", None)
+    monkeypatch.setattr(runtime, "_probe_result", None)
     return monkeypatch
 
 
@@ -136,23 +137,23 @@ def test_probe_without_device_is_silent_and_with_a_working_kernel_picks_cupy(fre
     fresh_probe.setitem(sys.modules, "cupy", _fake_cupy(device=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ck.gpu_probe() == (False, "cupy is installed but sees no CUDA device")
-    fresh_probe.setattr(ck, "_probe_result", None)
+        assert runtime.gpu_probe() == (False, "cupy is installed but sees no CUDA device")
+    fresh_probe.setattr(runtime, "_probe_result", None)
     fresh_probe.setitem(sys.modules, "cupy", _fake_cupy())
     assert resolve_backend_name("auto") == "cupy"
 
 
 def test_one_gpu_probe():
-    """backends.gpu_available is cuda_kernels.gpu_available: one probe, one cached answer."""
+    """backends.gpu_available is cuda.runtime.gpu_available: one probe, one cached answer."""
     import metatp.backends as backends
 
-    assert backends.gpu_available is ck.gpu_available and backends.gpu_probe is ck.gpu_probe
+    assert backends.gpu_available is runtime.gpu_available and backends.gpu_probe is runtime.gpu_probe
 
 
 def test_installed_cupy_without_gpu_is_quick_and_silent():
     """This machine (cupy may be installed, no GPU): the probe says no, fast, with no warning,
     so the whole suite runs on numpy."""
-    if ck.gpu_available():
+    if runtime.gpu_available():
         pytest.skip("a GPU is usable here")
     code = ("import time, warnings; warnings.simplefilter('error'); t = time.perf_counter()\n"
             "import metatp.backends as b\n"

@@ -1,8 +1,8 @@
 """Every CUDA kernel against a numpy reference, on a GPU and on the CPU emulator.
 
-The checks live in ``tools/gpu_kernels_check.py`` (also a standalone script printing a
-markdown table); each group here runs one of them and fails with the table of failing
-cases. Each group runs twice: on a real GPU through CuPy (marked ``gpu``, skipped without
+The checks live in test support, one module per kernel family
+(``metatp.backends.testing.kernel_checks``; ``tools/gpu_kernels_check.py`` is their command
+line); each group here runs one of them and fails with the table of failing cases. Each group runs twice: on a real GPU through CuPy (marked ``gpu``, skipped without
 one) and on the kernel emulator (the same sources compiled as host C++ by g++, one fiber
 per CUDA thread; skipped without a C++ compiler). The few tests at the end check the
 numpy oracles themselves and run anywhere.
@@ -15,9 +15,11 @@ import math
 import numpy as np
 import pytest
 
-from metatp.backends.cuda_emulator import emulator_available
-from metatp.backends.cuda_kernels import gpu_available
-from metatp.tools import gpu_kernels_check as gkc
+from metatp.backends.cuda import kernels as ck
+from metatp.backends.cuda.launch import using
+from metatp.backends.cuda.runtime import gpu_available
+from metatp.backends.testing import kernel_checks as gkc, oracles
+from metatp.backends.testing.cuda_emulator import Emulator, emulator_available
 
 requires_gpu = pytest.mark.skipif(
     not gpu_available(), reason="no CUDA GPU (cupy not installed or no device visible)"
@@ -53,10 +55,8 @@ def test_kernel_group_on_emulator(group):
 @requires_cxx
 def test_emulator_refuses_what_a_gpu_refuses():
     """Argument C types, block size limits and dynamic shared memory are checked at launch."""
-    from metatp.backends import cuda_kernels as ck
-
     null = np.uint64(0)
-    with ck.use_emulator():
+    with using(Emulator()):
         x = np.ones((2, 64), np.float32)
         k = ck.get_kernel("norm", "rms_norm_f32")
         ints = [np.int32(v) for v in (64, 2, 1, 2, 64, 0, 0, 64, 0, 0)]
@@ -73,10 +73,8 @@ def test_emulator_refuses_what_a_gpu_refuses():
 @requires_cxx
 def test_none_pointer_is_refused_like_cupy_13():
     """CuPy 13 passes a None argument as a pointer to garbage: the emulator refuses it, and every
-    helper of cuda_kernels passes an absent pointer as np.uint64(0) instead."""
-    from metatp.backends import cuda_kernels as ck
-
-    with ck.use_emulator():
+    launcher passes an absent pointer as np.uint64(0) instead."""
+    with using(Emulator()):
         x = np.ones((2, 64), np.float32)
         y = np.zeros_like(x)
         k = ck.get_kernel("norm", "rms_norm_f32")
@@ -105,13 +103,11 @@ def test_none_pointer_is_refused_like_cupy_13():
 def test_get_rows_batch_strides_are_64_bit():
     """A 2-D source whose matrix exceeds 2 GiB (a 128k x 8192 f16 embedding) must not overflow:
     a batch stride over a size-1 dimension goes as 0, a used one as int64."""
-    from metatp.backends import cuda_kernels as ck
-
     rng = np.random.default_rng(0)
     src = rng.standard_normal((5, 64)).astype(np.float32)
     idx = np.array([3, 0, 4], np.int32)
     out = np.zeros((3, 64), np.float32)
-    with ck.use_emulator():
+    with using(Emulator()):
         ck.get_rows(src, "f32", idx, out, ne0=64, src_row_bytes=256, src_batch_bytes=(5 << 30, 5 << 32))
         np.testing.assert_array_equal(out, src[idx])
         with ck.recording() as launches:
@@ -133,14 +129,14 @@ def test_bf16_bits_match_gguf():
     gguf = pytest.importorskip("gguf")
     x = (np.random.default_rng(0).standard_normal(1000) * 100).astype(np.float32)
     x[:3] = [np.inf, -np.inf, np.nan]
-    ours = gkc.f32_to_bf16_bits(x)
+    ours = oracles.f32_to_bf16_bits(x)
     ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType.BF16).view(np.uint16)
     assert np.array_equal(ours, ref)
 
 
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "bf16"])
 def test_make_weight_oracle(wtype):
-    raw, deq = gkc.make_weight(np.random.default_rng(1), wtype, 3, 512)
+    raw, deq = oracles.make_weight(np.random.default_rng(1), wtype, 3, 512)
     assert raw.dtype == np.uint8 and raw.shape[0] == 3
     assert deq.shape == (3, 512) and np.isfinite(deq).all() and np.abs(deq).max() > 0
 
@@ -150,16 +146,16 @@ def test_ref_attention_single_key_returns_v():
     q = rng.standard_normal((1, 4, 8))
     k = rng.standard_normal((1, 2, 8))
     v = rng.standard_normal((1, 2, 8))
-    out = gkc.ref_attention(q, k, v, 0.3)
+    out = oracles.ref_attention(q, k, v, 0.3)
     assert np.allclose(out, v[0][[0, 0, 1, 1]][None])
 
 
 def test_ref_rope_position_zero_is_identity():
     x = np.random.default_rng(3).standard_normal((2, 3, 16))
-    y = gkc.ref_rope(x, np.zeros(2, np.int32), 16, 10000.0, 1.0, neox=True)
+    y = oracles.ref_rope(x, np.zeros(2, np.int32), 16, 10000.0, 1.0, neox=True)
     assert np.allclose(x, y)
 
 
 def test_rel_err_flags_nan():
-    assert gkc.rel_err(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == math.inf
-    assert gkc.rel_err(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0
+    assert oracles.rel_err(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == math.inf
+    assert oracles.rel_err(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0

@@ -27,7 +27,7 @@ import types
 
 import pytest
 
-from metatp.backends import cuda_kernels as ck
+from metatp.backends.cuda import kernels as ck, runtime
 
 #: (name, --std) of the option sets of the CuPy versions the backend supports
 OPTION_SETS = (("cupy14", "c++17"), ("cupy13", "c++11"))
@@ -135,7 +135,7 @@ def test_rawmodule_compiles_through_nvrtc(cupy_compile, family, cupy_version, st
 @requires_nvrtc
 def test_probe_kernel_compiles_through_nvrtc(cupy_compile, monkeypatch):
     """The one-line kernel gpu_available() compiles on a GPU machine is valid CUDA for NVRTC."""
-    monkeypatch.setattr(ck, "module_source", lambda family: ck._PROBE_SOURCE)
+    monkeypatch.setattr(ck, "module_source", lambda family: runtime.PROBE_SOURCE)
     cubin, log, _ = cupy_compile("probe", "c++17", "90")
     assert _kernel_symbols(cubin) == {"metatp_probe"} and log.strip("\x00 \n") == ""
 

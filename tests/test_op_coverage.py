@@ -29,9 +29,9 @@ PIECES = ("builder", "rule", "numpy kernel", "cuda handler")
 # (op, piece) -> why it is absent on purpose. Empty today: every op has every piece.
 UNSUPPORTED: dict[tuple[Op, str], str] = {}
 
-# Where the CUDA op handlers may live, now or after the CuPy backend is split by responsibility.
-CUDA_MODULES = ("metatp.backends.cuda.ops", "metatp.backends.cuda_ops", "metatp.backends.cupy_backend")
-LAUNCH_MODULES = ("metatp.backends.cuda.launch", "metatp.backends.cuda_kernels")
+# Where the CUDA op handlers (CUDA_OPS) and the launchers' entry-point table live.
+CUDA_MODULES = ("metatp.backends.cuda.ops",)
+LAUNCH_MODULES = ("metatp.backends.cuda.kernels",)
 
 
 def _builder(op: Op) -> object | None:

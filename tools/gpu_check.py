@@ -112,7 +112,7 @@ class Config:
 
     def runtime(self):
         if self.emulate:
-            from metatp.backends.cupy_backend import EmuRuntime
+            from metatp.backends.testing import EmuRuntime
 
             return EmuRuntime()
         return None
@@ -172,7 +172,7 @@ def layout(n: int, ts=None):
 
 
 def cupy_engine(model, n_ctx: int, n: int = 1, ts=None, **kw):
-    from metatp.backends.cupy_backend import CupyBackend
+    from metatp.backends.cuda.backend import CupyBackend
     from metatp.engine import Engine
 
     lay = layout(n, ts)
@@ -229,7 +229,7 @@ def preflight(rep: Report) -> bool:
     item("nccl", _pf_nccl, False)
     item("free memory", _pf_memory, False)
     if CFG.emulate:
-        from metatp.backends.cuda_emulator import emulator_available
+        from metatp.backends.testing import emulator_available
 
         return item("kernel emulator (g++)", lambda st: ("available" if emulator_available() else "no g++",
                                                          emulator_available()), True) and bool(ok)
@@ -303,12 +303,12 @@ def _pf_gpu(st):
 def _pf_kernel(st):
     if "gpus" not in st:
         return _absent("no GPU")
-    from metatp.backends import cuda_kernels as ck
+    from metatp.backends.cuda import runtime
 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        usable, why = ck.gpu_probe()
+        usable, why = runtime.gpu_probe()
     return (f"compiled and ran in {time.perf_counter() - t0:.1f} s" if usable else why), usable
 
 
@@ -338,14 +338,15 @@ def _pf_memory(st):
 # ============================================================== sections
 def section_env(rep: Report) -> bool:
     """GPU, driver, runtime, library versions. False when there is no usable GPU."""
-    from metatp.backends import cuda_kernels as ck
+    from metatp.backends.cuda import runtime
+    from metatp.backends.testing import emulator_available
 
     rep.env["python"] = sys.version.split()[0]
     rep.env["numpy"] = np.__version__
     if CFG.emulate:
         rep.env["gpu"] = "none: CPU kernel emulator (dry run)"
         rep.add("env", "gpu", rep.env["gpu"], None)
-        return ck.emulator_available()
+        return emulator_available()
     try:
         import cupy
 
@@ -353,7 +354,7 @@ def section_env(rep: Report) -> bool:
     except Exception as e:  # noqa: BLE001
         rep.add("env", "cupy", f"not importable: {e}", False)
         return False
-    if not ck.gpu_available():
+    if not runtime.gpu_available():
         rep.add("env", "GPU", "cupy sees no CUDA device", False)
         return False
     rt = cupy.cuda.runtime
@@ -375,7 +376,7 @@ def section_env(rep: Report) -> bool:
         rep.env["nccl"] = nccl.get_version() if nccl.available else "unavailable"
     except Exception as e:  # noqa: BLE001
         rep.env["nccl"] = f"unavailable ({type(e).__name__})"
-    from metatp.backends.cupy_backend import CupyRuntime
+    from metatp.backends.cuda.runtime import CupyRuntime
 
     rep.env["cublas"] = "yes" if CupyRuntime().gemm_available() else "no (prefill uses matvec)"
     for k in ("gpu", "gpus", "sm", "driver", "runtime", "cupy", "nvrtc", "nccl", "cublas"):
@@ -384,7 +385,7 @@ def section_env(rep: Report) -> bool:
 
 
 def section_kernels(rep: Report, budget: Budget) -> None:
-    from metatp.tools import gpu_kernels_check as gkc
+    from metatp.backends.testing import kernel_checks as gkc
 
     t0 = time.perf_counter()
     results = gkc.check_all_kernels(time_reps=3, emulate=CFG.emulate)
@@ -497,8 +498,7 @@ def time_decode(eng, kv_len: int, steps: int | None = None) -> dict:
         ex.run(f)
         ex.synchronize()
     step_s = (time.perf_counter() - t0) / steps
-    eng.n_past = kv_len
-    n_fwd = min(16, steps)
+    n_fwd = min(16, steps)          # the engine's sequence still holds kv_len tokens (ex.run bypasses it)
     t0 = time.perf_counter()
     for t in rng.integers(300, CFG.vocab, n_fwd):
         eng.forward([int(t)])
@@ -575,7 +575,7 @@ def section_speed(rep: Report, model, budget: Budget) -> None:
 def section_nccl(rep: Report) -> None:
     import cupy as cp
 
-    from metatp.backends.cupy_backend import CupyRuntime
+    from metatp.backends.cuda.runtime import CupyRuntime
 
     rt = CupyRuntime()
     if rt.nccl_module() is None:

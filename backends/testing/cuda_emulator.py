@@ -5,7 +5,8 @@ The same `cuda/*.cu` sources are compiled as host C++ by g++ (one fiber per CUDA
 refuses what a real launch would refuse (block/grid limits, shared memory, argument C types,
 and a ``None`` pointer, which CuPy 13 would pass as garbage), so a kernel that passes here has
 had its logic and its launch contract checked; memory ordering, alignment and speed still need
-a GPU. `cuda_kernels.use_emulator()` switches to it.
+a GPU. An `Emulator` is a kernel engine: ``with launch.using(Emulator()):`` runs the launchers
+on it, and `EmuRuntime` (the emulated device API the backend is tested with) brings one.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import ctypes
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from metatp.backends.cuda_kernels import _is_array, _lock, device_ptr, expected_entry_points, module_source
+from metatp.backends.cuda.kernels import expected_entry_points
+from metatp.backends.cuda.launch import device_ptr, is_array, module_source
 
 __all__ = ["Emulator", "emulator_available", "emulator_source"]
 
@@ -240,6 +243,7 @@ def emulator_available() -> bool:
     return shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
+_lock = threading.RLock()
 _EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
 
 
@@ -277,7 +281,7 @@ class _EmuKernel:
                 if a is None:       # CuPy 13 turns None into a pointer to garbage, not NULL
                     raise TypeError(f"{self.name}: argument {i} is None; pass np.uint64(0) for an absent "
                                     "pointer (CuPy 13 does not pass None as NULL)")
-                if not (_is_array(a) or isinstance(a, np.uint64)):
+                if not (is_array(a) or isinstance(a, np.uint64)):
                     raise TypeError(f"{self.name}: argument {i} must be an array or pointer, got {type(a).__name__}")
                 out.append(ctypes.c_uint64(int(a) if isinstance(a, np.uint64) else device_ptr(a)))
             elif kind == "i":
@@ -339,17 +343,25 @@ class Emulator:
         self.current_device = 0
         self.capture: list | None = None
         self.launches = 0
+        self._kernels: dict[tuple[str, str], _EmuKernel] = {}
 
     def device_id(self) -> int:
         return self.current_device
 
-    def module(self, family: str, dev: int) -> _EmuModule:
+    def module(self, family: str) -> _EmuModule:
         with _lock:
             path = _compile_emulator(family)
             lib = Emulator._libs.get(path)
             if lib is None:
                 lib = Emulator._libs[path] = ctypes.CDLL(str(path))
         return _EmuModule(self, lib)
+
+    def kernel(self, family: str, name: str) -> _EmuKernel:
+        """launch.KernelEngine: one emulated kernel serves every emulated GPU (host memory)."""
+        k = self._kernels.get((family, name))
+        if k is None:
+            k = self._kernels[(family, name)] = self.module(family).get_function(name)
+        return k
 
     def empty(self, shape, dtype):
         return np.empty(shape, dtype=dtype)

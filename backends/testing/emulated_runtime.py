@@ -1,6 +1,7 @@
-"""EmuRuntime: the cupy backend's device layer on the CPU, for tests without a GPU.
+"""EmuRuntime: the CUDA backend's device API on the CPU, for tests without a GPU.
 
-Device memory is numpy arrays, kernels run on the CUDA emulator (`cuda_emulator`), streams and
+``CupyBackend(layout, runtime=EmuRuntime())`` is the one seam: the runtime brings its own kernel
+engine (an `Emulator`). Device memory is numpy arrays, kernels run on the CUDA emulator, streams and
 events are ordered by issue order, NCCL is a sum over the emulated GPUs, and CUDA-graph capture
 records launches and replays them. Everything above this layer (plans, launches, all-reduce
 schedules, graphs) is the real backend code.
@@ -13,8 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
-from metatp.backends import cuda_kernels as ck
-from metatp.backends.cupy_backend import _DeviceContext
+from metatp.backends.cuda.launch import using
+from metatp.backends.cuda.runtime import DeviceContext
+from metatp.backends.testing.cuda_emulator import Emulator
+from metatp.backends.testing.oracles import f32_to_bf16_bits
 
 __all__ = ["EmuRuntime"]
 
@@ -31,7 +34,7 @@ class _EmuStream:
 
 
 class _EmuDevice:
-    def __init__(self, emu: ck.Emulator, gpu: int) -> None:
+    def __init__(self, emu: Emulator, gpu: int) -> None:
         self.emu = emu
         self.gpu = gpu
         self._prev: list[int] = []
@@ -67,7 +70,7 @@ class EmuRuntime:
 
     def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True,
                  nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0) -> None:
-        self.emu = ck.Emulator(sm_count=sm_count)
+        self.emu = Emulator(sm_count=sm_count)
         self._n_gpus = n_gpus
         self._nccl = nccl
         self._gemm = gemm
@@ -90,11 +93,12 @@ class EmuRuntime:
     def new_event(self, gpu: int):
         return object()
 
-    def context(self, gpu: int, stream) -> _DeviceContext:
-        return _DeviceContext(_EmuDevice(self.emu, gpu), stream)
+    def context(self, gpu: int, stream) -> DeviceContext:
+        return DeviceContext(_EmuDevice(self.emu, gpu), stream)
 
     def kernels(self):
-        return ck.use_emulator(self.emu)
+        """Launch every kernel inside the block on this runtime's emulator."""
+        return using(self.emu)
 
     @staticmethod
     def record(stream, event) -> None:
@@ -214,7 +218,7 @@ class EmuRuntime:
             vals = [_host_array(ptr, (count,), dt) for _, ptr, _, _, _ in calls]
             f32 = [(v.astype(np.uint32) << 16).view(np.float32) if dtype == "bf16" else v for v in vals]
             total = np.sum(np.stack(f32).astype(np.float32), axis=0, dtype=np.float32)
-            out = _f32_to_bf16(total) if dtype == "bf16" else total
+            out = f32_to_bf16_bits(total) if dtype == "bf16" else total
             for v in vals:
                 v[...] = out
         self.emu.dispatch(run)
@@ -225,8 +229,3 @@ def _host_array(ptr: int, shape, dtype) -> np.ndarray:
     buf = (ctypes.c_char * max(n, 1)).from_address(ptr)
     return np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
-
-def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-    return np.where((u & 0x7FFFFFFF) > 0x7F800000, ((u >> 16) | 64).astype(np.uint16), r)

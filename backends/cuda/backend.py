@@ -1,0 +1,311 @@
+"""The CUDA backend: N devices on CuPy, one GPU each or several "virtual devices" sharing a GPU.
+
+What is decided here: which GPU each device runs on (device d on ``gpus[d % len(gpus)]``), peer
+access between the GPUs in use, how a weight is stored (its GGUF encoding when only the
+matmul / get-rows kernels read it, else f32; a split cuts whole quant blocks), the KV cache's
+storage type, the all-reduce mode (NCCL set up once, `nccl.NcclGroup`) and how much scratch
+memory a plan needs. Running a plan is `executable.CupyExecutable`'s.
+
+``runtime``: the device API. `runtime.CupyRuntime` (the default) is CuPy 13/14; tests hand in
+`metatp.backends.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from metatp.backends.analysis import PlanFacts
+from metatp.backends.base import Backend, WeightSource
+from metatp.backends.collectives.schedule import Mode, resolve_mode
+from metatp.backends.collectives.wire import WireThresholds, wire_dtype
+from metatp.backends.cuda import kernels as ck
+from metatp.backends.cuda.executable import CupyExecutable
+from metatp.backends.cuda.launch import device_ptr
+from metatp.backends.cuda.nccl import NcclGroup
+from metatp.backends.cuda.runtime import CupyRuntime
+from metatp.backends.cuda.storage import (KV_STORAGE, STORAGE, RawWeight, input_layout, matmul_tokens, raw_nb,
+                                          weight_type_name)
+from metatp.backends.executor import np_shape
+from metatp.backends.slicing import device_slices, local_raw_shape, split_raw
+from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.passes.plan import DeviceLayout, Plan
+
+__all__ = ["CupyBackend", "RAW_READERS", "KV_DTYPES", "MATMUL_DTYPES", "MULTI_GPU_GRAPHS"]
+
+KV_DTYPES = ("f16", "bf16", "f32")
+MULTI_GPU_GRAPHS = ("whole", "segments")
+MATMUL_DTYPES = ("f16", "f32")
+#: the ops whose kernels read a weight's raw GGUF blocks (as src0; MUL_MAT needs it 2-D)
+RAW_READERS = (Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS)
+
+
+class Device:
+    """One logical device: a GPU, its own stream, and the events its steps order with."""
+
+    def __init__(self, rt, index: int, gpu: int) -> None:
+        self.index = index
+        self.gpu = gpu
+        self.stream = rt.new_stream(gpu)
+        self.ctx = rt.context(gpu, self.stream)
+        self.ready = rt.new_event(gpu)      # all-reduce: "my buffer holds this round's value"
+        self.read_done = rt.new_event(gpu)  # all-reduce: "I finished reading my partner's buffer"
+        self.done = rt.new_event(gpu)       # end of step (joins the GPU's lead stream)
+        self.fork = rt.new_event(gpu)       # start of step (recorded by the GPU's lead)
+        self.inputs_copied = rt.new_event(gpu)
+        self.shared_ready = rt.new_event(gpu)  # a GPU's lead computed the values it shares
+        self.step_fork = rt.new_event(gpu)  # several GPUs, one graph: the first GPU's lead starts the others
+        self.step_done = rt.new_event(gpu)  # ... and waits for them (recorded by each GPU's lead)
+
+
+class CupyBackend(Backend):
+    """N devices on CuPy: one GPU each when there are enough, else virtual devices (several
+    logical devices with their own stream and buffers on one GPU).
+
+    cuda_graphs: capture the decode step (plans whose matmuls all use matvec) on its second
+    run and replay it. allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
+    works, else the butterfly), "nccl", "butterfly", "ring" (or llama.cpp's "none" /
+    "internal": the butterfly). wire: "auto" (FP32 below `wire_thresholds`, BF16 above),
+    "f32" (exact), "bf16". kv_dtype: KV cache storage ("f16"). matmul_dtype: operand type of
+    the dequantize + cuBLAS path used above MATVEC_MAX_TOKENS tokens ("f16"; "f32" for
+    exactness). gpus: the GPU ids to use (default all visible). multi_gpu_graphs: how a step
+    over several GPUs is captured: "whole" (one graph spanning the GPUs, NCCL calls captured
+    inside it; falls back to "segments" when that capture fails) or "segments" (one graph per
+    subgraph and device, collectives run eagerly between them)."""
+
+    name = "cupy"
+
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", *,
+                 cuda_graphs: bool = True, allreduce: str = "auto", wire: str = "auto",
+                 wire_thresholds: WireThresholds = WireThresholds(), kv_dtype: str = "f16",
+                 matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
+                 multi_gpu_graphs: str = "whole", runtime=None) -> None:
+        if numerics != "exact":
+            raise ConfigError(f"cupy backend: numerics={numerics!r} is not supported (only 'exact'; the "
+                              "numpy backend emulates llama.cpp's rounding)")
+        requested = resolve_mode(allreduce, auto="nccl")       # validates the name
+        wire_dtype(2, 0, wire)   # validates the mode
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        if matmul_dtype not in MATMUL_DTYPES:
+            raise ConfigError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
+        if multi_gpu_graphs not in MULTI_GPU_GRAPHS:
+            raise ConfigError(f"multi_gpu_graphs must be one of {', '.join(MULTI_GPU_GRAPHS)}, "
+                              f"got {multi_gpu_graphs!r}")
+        self.layout = layout or DeviceLayout()
+        self.n = self.layout.n_devices
+        self.numerics = numerics
+        self.cuda_graphs = bool(cuda_graphs)
+        self.wire = wire
+        self.wire_thresholds = wire_thresholds
+        self.kv_dtype = kv_dtype
+        self.matmul_dtype = matmul_dtype
+        self.multi_gpu_graphs = multi_gpu_graphs
+        self.rt = runtime if runtime is not None else CupyRuntime()
+        n_gpus = self.rt.n_gpus()
+        if n_gpus < 1:
+            raise UnsupportedOpError("cupy backend: no CUDA device")
+        self.gpus = list(gpus) if gpus is not None else list(range(n_gpus))
+        self.devices = [Device(self.rt, d, self.gpus[d % len(self.gpus)]) for d in range(self.n)]
+        self.distinct_gpus = len({dev.gpu for dev in self.devices}) == self.n
+        self.virtual = not self.distinct_gpus
+        self.leaf: list[dict[Tensor, Any]] = [{} for _ in range(self.n)]
+        self._executables: dict[int, CupyExecutable] = {}
+        self._facts: dict[int, PlanFacts] = {}
+        self.allreduce = allreduce
+        self.nccl: NcclGroup | None = None
+        if requested.device_only and self.n > 1:
+            self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.devices], required=allreduce == "nccl")
+        used = sorted({dev.gpu for dev in self.devices})
+        if len(used) > 1:        # also for virtual devices spread over several GPUs (gpus=[0, 1], 4 devices)
+            self.rt.enable_peer_access(used)
+        self._requested = requested
+
+    @property
+    def mode(self) -> Mode:
+        """The all-reduce the executables run: NCCL while it works, else the requested schedule
+        (the butterfly for "auto"/"nccl" without NCCL)."""
+        if self._requested.device_only:
+            return self._requested if self.nccl is not None and self.nccl.active else resolve_mode("butterfly")
+        return self._requested
+
+    @property
+    def allreduce_strategy(self) -> str:
+        return "none" if self.n == 1 else self.mode.name
+
+    def facts(self, plan: Plan) -> PlanFacts:
+        """The plan's facts, computed once per plan."""
+        f = self._facts.get(id(plan))
+        if f is None or f.plan is not plan:
+            f = self._facts[id(plan)] = PlanFacts(plan)
+        return f
+
+    # ---------------------------------------------------------------- leaf data
+    def _store(self, d: int, host: np.ndarray):
+        gpu = self.devices[d].gpu
+        with self.rt.device(gpu):
+            arr = self.rt.upload(host)
+        self.rt.device_synchronize(gpu)
+        return arr
+
+    def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
+        """Store a leaf's float value (f32 on the device), split as the plan says."""
+        parts = device_slices(np.ascontiguousarray(full, dtype=np.float32), t, plan.of(t), self.n)
+        for d in range(self.n):
+            part = np.ascontiguousarray(parts[d], dtype=np.float32)
+            self.leaf[d][t] = self._store(d, part.reshape(np_shape(plan.of(t).local[d].ne)))
+
+    def keeps_raw(self, t: Tensor, plan: Plan) -> bool:
+        """Is weight `t` stored in its GGUF encoding (only raw-reading kernels read it)?"""
+        return (weight_type_name(t.type) is not None
+                and self.facts(plan).only_src0_of(t, RAW_READERS, matrix_ops=(Op.MUL_MAT,)))
+
+    def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
+        """GPU kernels read the GGUF encoding: keep it when only they read the weight, else
+        store the float32 value."""
+        gtype = GGMLType(source.ggml_type)
+        if weight_type_name(gtype) is None or not self.keeps_raw(t, plan):
+            self.upload(t, source.dequantize(), plan)
+            return
+        parts = split_raw(source.raw, t, gtype, plan.of(t), self.n)
+        for d in range(self.n):
+            loc = plan.of(t).local[d]
+            self.leaf[d][t] = RawWeight(self._store(d, parts[d]), weight_type_name(gtype), tuple(loc.ne),
+                                        raw_nb(gtype, loc.ne))
+
+    def weight_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
+        """Bytes kept for a weight slice: its GGUF encoding when kernels read it raw, else f32."""
+        if (t.flags & Flag.WEIGHT) and self.keeps_raw(t, plan):
+            return int(np.prod(local_raw_shape(t.type, local_ne)))
+        return int(np.prod(local_ne)) * 4
+
+    def kv_itemsize(self, t: Tensor) -> int:
+        """Bytes per element of the KV cache as stored (an F32 cache is kept as kv_dtype, f16 by default)."""
+        return np.dtype(self._leaf_dtype(t)).itemsize
+
+    def workspace_bytes(self, plan: Plan) -> list[int]:
+        """Per device: device memory beyond weights, KV and the plan's arena: the scratch buffers
+        (f16 copies of the largest GEMM weight and input, attention split workspace, sized for this
+        plan and for a one-token step, all-reduce wire and receive buffers) and the input block
+        beyond the input tensors plan_memory already counts (kv_len words, 64-byte padding)."""
+        layout, block = input_layout(plan.graph)
+        inputs = sum(t.nelements * np.dtype(STORAGE[t.type]).itemsize for t in layout if isinstance(t, Tensor))
+        leads = {dev.gpu: dev.index for dev in reversed(self.devices)}
+        out = []
+        with self.rt.kernels():
+            for d, dev in enumerate(self.devices):
+                with self.rt.device(dev.gpu):
+                    need = self._scratch_needs(plan, d, one_token_too=True)
+                total = sum(max(n, 1) * np.dtype(dt).itemsize for n, dt in need.values())
+                if leads[dev.gpu] == d:
+                    total += max(0, block - inputs)
+                out.append(int(total))
+        return out
+
+    def _scratch_needs(self, plan: Plan, d: int, one_token_too: bool = False) -> dict[str, tuple[int, Any]]:
+        """Scratch buffer -> (elements, dtype) device d needs to run `plan` (`one_token_too`: and a
+        one-token step at the same KV length, whose attention splits the KV more)."""
+        graph = plan.graph
+        need: dict[str, tuple[int, Any]] = {}
+
+        def want(key: str, n: int, dtype) -> None:
+            if n > need.get(key, (0, None))[0]:
+                need[key] = (n, dtype)
+        mdt = np.float16 if self.matmul_dtype == "f16" else np.float32
+        gemm = self.rt.gemm_available()
+        for node in graph.nodes:
+            if not plan.of(node).compute[d]:
+                continue
+            if node.op is Op.FLASH_ATTN_EXT:
+                q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
+                D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
+                for tok in {T, 1} if one_token_too else {T}:
+                    if tok <= ck.ATTN_DECODE_MAX_TOKENS and Hkv and H % Hkv == 0:
+                        splits, _ = ck.decode_splits(Hkv, H, tok, n_kv)
+                        if splits > 1:
+                            want("attn", ck.attn_workspace_floats(H, D, tok, splits), np.float32)
+            elif node.op is Op.MUL_MAT and gemm:
+                w = node.src[0]
+                tokens = matmul_tokens(node)
+                if w.flags & Flag.WEIGHT and w.ne[2] == 1 and w.ne[3] == 1 and tokens > ck.MATVEC_MAX_TOKENS:
+                    lw = plan.of(w).local[d]
+                    want(f"gemm_w_{mdt.__name__}", lw.ne[0] * lw.ne[1], mdt)
+                    want(f"gemm_x_{mdt.__name__}", lw.ne[0] * tokens, mdt)
+        if self.n > 1:
+            for sub in plan.subgraphs:
+                if sub.reduction is not None:
+                    n_el = graph.nodes[sub.reduction.node].nelements
+                    want("recv_f32", n_el, np.float32)
+                    if wire_dtype(self.n, n_el, self.wire, self.wire_thresholds) == "bf16":
+                        want("wire", n_el, np.uint16)
+                        want("recv_bf16", n_el, np.uint16)
+        return need
+
+    def has(self, t: Tensor) -> bool:
+        return t in self.leaf[0]
+
+    def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
+        """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
+        for d in range(self.n):
+            shape = np_shape(plan.of(t).local[d].ne)
+            with self.rt.device(self.devices[d].gpu):
+                self.leaf[d][t] = self.rt.zeros(shape, self._leaf_dtype(t))
+            self.rt.device_synchronize(self.devices[d].gpu)
+
+    def _leaf_dtype(self, t: Tensor):
+        if t.flags & Flag.KV_CACHE and t.type in (GGMLType.F32, GGMLType.F16):
+            return KV_STORAGE[self.kv_dtype] if t.type == GGMLType.F32 else np.float16
+        try:
+            return STORAGE[t.type]
+        except KeyError:
+            raise UnsupportedOpError(f"cupy backend: leaf {t.name!r} of type {t.type.name} has no storage") from None
+
+    def memory_budget(self) -> tuple[int | None, bool]:
+        """(bytes available, shared by all devices?): free memory of the GPU(s), counting the
+        blocks CuPy's pool keeps cached (free to us, but not to cudaMemGetInfo)."""
+        try:
+            gpus = sorted({dev.gpu for dev in self.devices})
+            free = [self.rt.mem_info(g)[0] + self.rt.pool_free_bytes(g) for g in gpus]
+        except Exception:  # noqa: BLE001
+            return None, False
+        if self.distinct_gpus:
+            return min(free), False
+        return sum(free), True
+
+    def allocated_bytes(self) -> list[int]:
+        out = []
+        for d in range(self.n):
+            n = sum(int(a.nbytes) for a in self.leaf[d].values())
+            n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
+            out.append(n)
+        return out
+
+    def reset_kv(self) -> None:
+        for d, dev in enumerate(self.devices):
+            with dev.ctx:
+                for t, a in self.leaf[d].items():
+                    if t.flags & Flag.KV_CACHE and a.nbytes:
+                        self.rt.memset(device_ptr(a), int(a.nbytes), dev.stream)
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        for dev in self.devices:
+            self.rt.synchronize(dev.stream)
+
+    # ---------------------------------------------------------------- plans
+    def prepare(self, plan: Plan) -> CupyExecutable:
+        ex = self._executables.get(id(plan))
+        if ex is None or ex.plan is not plan:
+            ex = CupyExecutable(self, plan)
+            self._executables[id(plan)] = ex
+        return ex
+
+    def release(self, plan: Plan) -> None:
+        ex = self._executables.get(id(plan))
+        if ex is not None and ex.plan is plan:
+            self.synchronize()
+            del self._executables[id(plan)]
+        self._facts.pop(id(plan), None)

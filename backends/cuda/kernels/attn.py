@@ -1,0 +1,144 @@
+"""Flash attention (``cuda/attn.cu``): split-KV decode kernel plus merge for a few query tokens, a
+query-tiled prefill kernel; the attended KV length is read from device memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from metatp.backends.cuda.launch import (KV_TYPES, head_strides, launch, empty, sm_count, i32, f32, cdiv, act_type,
+                                         estrides, check_f32, check_i32)
+
+__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits', 'flash_attn_decode', 'flash_attn_prefill', 'flash_attn']
+
+_ATTN_NG = (1, 2, 4, 8)
+ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in KV_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
+                + [f"attn_prefill_{t}" for t in KV_TYPES])
+
+
+def _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv, head_dim, n_tokens, n_kv,
+                 q_strides, k_strides, v_strides, mask_stride, causal, causal_offset):
+    check_f32(q, out, mask)
+    check_i32(kv_len)
+    kvt = act_type(k)
+    if act_type(v) != kvt:
+        raise TypeError("k and v must have the same type")
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise ValueError(f"n_head={n_head} is not a multiple of n_head_kv={n_head_kv}")
+    if head_dim > 256:
+        raise ValueError("head_dim > 256 is not supported")
+    qs = head_strides(q, head_dim, n_head, q_strides)
+    ks = head_strides(k, head_dim, n_head_kv, k_strides)
+    vs = head_strides(v, head_dim, n_head_kv, v_strides)
+    if mask is not None and mask_stride is None:
+        mask_stride = estrides(mask)[0] if mask.ndim == 2 else n_kv
+    if mask_stride is None:
+        mask_stride = 0
+    if causal_offset is None:
+        causal_offset = n_kv - n_tokens
+    return kvt, qs, ks, vs, int(mask_stride), 1 if causal else 0, int(causal_offset)
+
+
+def attn_workspace_floats(n_head: int, head_dim: int, n_tokens: int, n_splits: int) -> int:
+    """Floats of scratch that flash_attn_decode needs for n_splits > 1."""
+    return n_tokens * n_head * n_splits * (head_dim + 2)
+
+
+def choose_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int) -> int:
+    """Split-KV count: about two waves of blocks, chunks of at least 64 keys."""
+    g = n_head // n_head_kv
+    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
+    base = n_head_kv * cdiv(g, ng) * n_tokens
+    want = cdiv(2 * sm_count(), max(1, base))
+    return max(1, min(want, cdiv(max(n_kv, 1), 64)))
+
+
+def decode_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int,
+                  n_splits: int | None = None) -> tuple[int, int]:
+    """(n_splits, chunk) flash_attn_decode will use (chunk = keys per split)."""
+    if n_splits is None:
+        n_splits = choose_splits(n_head_kv, n_head, n_tokens, n_kv)
+    n_splits = max(1, int(n_splits))
+    chunk = max(1, cdiv(max(n_kv, 1), n_splits))
+    return max(1, cdiv(max(n_kv, 1), chunk)), chunk
+
+
+def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
+                      n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
+                      causal: bool = True, causal_offset: int | None = None,
+                      n_splits: int | None = None, workspace=None, q_strides=None,
+                      k_strides=None, v_strides=None, mask_stride: int | None = None,
+                      kv_len=None) -> None:
+    """Split-KV flash attention for a few query tokens (decode).
+
+    ``q``: f32 [n_tokens, n_head, head_dim]; ``k``/``v``: cache [n_ctx, n_head_kv, head_dim]
+    (float16, uint16 = bf16, or float32), first ``n_kv`` rows used; ``out``: f32
+    [n_tokens, n_head, head_dim] contiguous. ``mask``: optional f32 [n_tokens, n_kv]
+    (additive). ``causal``: key j visible to token t iff j <= t + causal_offset (default
+    n_kv - n_tokens). ``kv_len``: optional int32 device scalar; keys at or beyond it are
+    skipped. ``workspace``: f32 scratch of ``attn_workspace_floats`` (allocated when None
+    and n_splits > 1). Strides: (head, row) in elements.
+    """
+    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
+                                               head_dim, n_tokens, n_kv, q_strides, k_strides,
+                                               v_strides, mask_stride, causal, causal_offset)
+    if n_tokens == 0:
+        return
+    g = n_head // n_head_kv
+    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
+    n_qgroup = cdiv(g, ng)
+    n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, n_kv, n_splits)
+    nth = max(64, cdiv(head_dim, 32) * 32)
+    smem = 4 * (ng * head_dim + ng * nth + 3 * ng)
+    if n_splits > 1:
+        need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
+        if workspace is None:
+            workspace = empty((need,), np.float32)
+        elif workspace.size < need:
+            raise ValueError(f"workspace has {workspace.size} floats, need {need}")
+        check_f32(workspace)
+    launch("attn", f"attn_decode_{kvt}_g{ng}", (n_splits, n_head_kv * n_qgroup, n_tokens),
+           (nth,),
+           (q, k, v, mask, kv_len, out, workspace if n_splits > 1 else None, i32(head_dim),
+            i32(n_head), i32(n_head_kv), i32(n_tokens), i32(n_kv), i32(qs[0]),
+            i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]), i32(vs[1]), i32(ms),
+            i32(chunk), f32(scale), f32(softcap), i32(c), i32(co)),
+           shared_mem=smem)
+    if n_splits > 1:
+        launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
+               (workspace, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+
+
+def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
+                       n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
+                       causal: bool = True, causal_offset: int | None = None, q_strides=None,
+                       k_strides=None, v_strides=None, mask_stride: int | None = None,
+                       kv_len=None) -> None:
+    """Flash attention tiled over queries (prefill); same arguments as flash_attn_decode."""
+    kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
+                                               head_dim, n_tokens, n_kv, q_strides, k_strides,
+                                               v_strides, mask_stride, causal, causal_offset)
+    if n_tokens == 0:
+        return
+    g = n_head // n_head_kv
+    smem = 4 * (16 * head_dim + 32 * (head_dim + 1) + 16 * 32 + 48)
+    launch("attn", f"attn_prefill_{kvt}", (cdiv(n_tokens * g, 16), n_head_kv), (128,),
+           (q, k, v, mask, kv_len, out, i32(head_dim), i32(n_head), i32(n_head_kv),
+            i32(n_tokens), i32(n_kv), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]),
+            i32(vs[0]), i32(vs[1]), i32(ms), f32(scale), f32(softcap), i32(c),
+            i32(co)),
+           shared_mem=smem)
+
+
+#: flash_attn uses the split-KV decode kernel up to this many query tokens.
+ATTN_DECODE_MAX_TOKENS = 4
+
+
+def flash_attn(q, k, v, out, **kw) -> None:
+    """Decode kernel for n_tokens <= 4, prefill kernel otherwise."""
+    if kw["n_tokens"] <= ATTN_DECODE_MAX_TOKENS:
+        flash_attn_decode(q, k, v, out, **kw)
+    else:
+        kw.pop("n_splits", None)
+        kw.pop("workspace", None)
+        flash_attn_prefill(q, k, v, out, **kw)

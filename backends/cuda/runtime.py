@@ -1,0 +1,331 @@
+"""The one device API of the CUDA backend, over CuPy 13/14: devices, streams, events, memory,
+NVRTC modules, cuBLAS and NCCL calls; and the GPU probe that decides whether "auto" picks it.
+
+Everything the backend does on a device goes through a runtime object, so a test can hand the
+backend another one (`metatp.backends.testing.EmuRuntime`: the same calls on the CPU). The
+runtime is also the kernel engine the launchers use (`launch.using(runtime)`, entered by
+`kernels()`): it compiles each ``cuda/<family>.cu`` once per GPU with NVRTC and caches the
+kernels. Importing this module needs neither CuPy nor a GPU; CuPy is imported when a
+`CupyRuntime` is made or the probe runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+
+from metatp.backends.cuda.launch import COMPILE_OPTIONS, module_source, using
+
+__all__ = ["CupyRuntime", "DeviceContext", "gpu_probe", "gpu_available", "PROBE_SOURCE"]
+
+_lock = threading.RLock()
+
+_CUDA_R_32F, _CUDA_R_16F = 0, 2
+_CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_MEMCPY_H2D, _MEMCPY_DEFAULT = 1, 4
+
+
+class DeviceContext:
+    """Enter a GPU and one of its streams together (re-enterable)."""
+
+    def __init__(self, device_ctx, stream_ctx) -> None:
+        self._device = device_ctx
+        self._stream = stream_ctx
+
+    def __enter__(self):
+        self._device.__enter__()
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._stream.__exit__(*exc)
+        self._device.__exit__(*exc)
+        return False
+
+
+class CupyRuntime:
+    """Device operations on CuPy 13/14 (cupy-cuda12x or cupy-cuda13x)."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cp = cupy
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+        self._cublas = None
+        self._nccl = None
+        self._modules: dict[tuple[str, int], Any] = {}
+        self._kernels: dict[tuple[str, str, int], Any] = {}
+        self._sms: dict[int, int] = {}
+
+    # ---- devices, streams, events
+    def n_gpus(self) -> int:
+        return int(self.cp.cuda.runtime.getDeviceCount())
+
+    def device(self, gpu: int):
+        return self.cp.cuda.Device(gpu)
+
+    def new_stream(self, gpu: int):
+        with self.cp.cuda.Device(gpu):
+            return self.cp.cuda.Stream(non_blocking=True)
+
+    def new_event(self, gpu: int):
+        with self.cp.cuda.Device(gpu):
+            return self.cp.cuda.Event(disable_timing=True)
+
+    def context(self, gpu: int, stream) -> DeviceContext:
+        return DeviceContext(self.cp.cuda.Device(gpu), stream)
+
+    def kernels(self):
+        """Launch every kernel inside the block with this runtime's NVRTC modules."""
+        return using(self)
+
+    # ---- kernel engine (launch.KernelEngine): NVRTC modules, cached per (family, GPU)
+    def kernel(self, family: str, name: str):
+        gpu = int(self.cp.cuda.runtime.getDevice())
+        key = (family, name, gpu)
+        k = self._kernels.get(key)
+        if k is None:
+            with _lock:
+                mod = self._modules.get((family, gpu))
+                if mod is None:
+                    mod = self._modules[(family, gpu)] = self.cp.RawModule(code=module_source(family),
+                                                                           options=COMPILE_OPTIONS)
+                k = self._kernels[key] = mod.get_function(name)
+        return k
+
+    def sm_count(self) -> int:
+        gpu = int(self.cp.cuda.runtime.getDevice())
+        n = self._sms.get(gpu)
+        if n is None:
+            try:
+                n = int(self.cp.cuda.Device(gpu).attributes["MultiProcessorCount"])
+            except Exception:  # noqa: BLE001
+                n = 80
+            self._sms[gpu] = n
+        return n
+
+    @staticmethod
+    def record(stream, event) -> None:
+        stream.record(event)
+
+    @staticmethod
+    def wait(stream, event) -> None:
+        stream.wait_event(event)
+
+    @staticmethod
+    def synchronize(stream) -> None:
+        stream.synchronize()
+
+    @staticmethod
+    def host_wait(event) -> None:
+        event.synchronize()
+
+    def device_synchronize(self, gpu: int) -> None:
+        """Wait for everything on a GPU, the legacy stream included (where CuPy's uploads and
+        zero-fills run: our non-blocking streams do not wait for it)."""
+        with self.cp.cuda.Device(gpu):
+            self.cp.cuda.runtime.deviceSynchronize()
+
+    def gpu_name(self, gpu: int) -> str:
+        props = self.cp.cuda.runtime.getDeviceProperties(gpu)
+        name = props.get("name", b"?")
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def mem_info(self, gpu: int) -> tuple[int, int]:
+        with self.cp.cuda.Device(gpu):
+            free, total = self.cp.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def pool_free_bytes(self, gpu: int) -> int:
+        """Bytes CuPy's memory pool holds but does not use on a GPU: free for our allocations,
+        yet missing from cudaMemGetInfo's count."""
+        with self.cp.cuda.Device(gpu):
+            return int(self.cp.get_default_memory_pool().free_bytes())
+
+    def enable_peer_access(self, gpus: Sequence[int]) -> None:
+        rt = self.cp.cuda.runtime
+        for a in gpus:
+            for b in gpus:
+                if a == b:
+                    continue
+                try:
+                    if rt.deviceCanAccessPeer(a, b):
+                        with self.cp.cuda.Device(a):
+                            rt.deviceEnablePeerAccess(b)
+                except Exception:  # noqa: BLE001 - already enabled, or not possible: copies still work (staged)
+                    pass
+
+    # ---- memory
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def upload(self, host: np.ndarray):
+        return self.cp.asarray(np.ascontiguousarray(host))
+
+    def download(self, arr) -> np.ndarray:
+        return self.cp.asnumpy(arr)
+
+    def view(self, root, offset: int, shape, strides, dtype):
+        if any(s == 0 for s in shape):
+            return self.cp.empty(shape, dtype=dtype)
+        return self.cp.ndarray(tuple(shape), dtype=dtype, memptr=root.data + int(offset),
+                               strides=tuple(int(s) for s in strides))
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        import cupyx
+
+        return cupyx.empty_pinned((max(nbytes, 1),), dtype=np.uint8)
+
+    def memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+        self.cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, _MEMCPY_DEFAULT, stream.ptr)
+
+    def memcpy_h2d(self, dst_ptr: int, host: np.ndarray, nbytes: int, stream) -> None:
+        self.cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, nbytes, _MEMCPY_H2D, stream.ptr)
+
+    def memset(self, ptr: int, nbytes: int, stream) -> None:
+        self.cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream.ptr)
+
+    # ---- CUDA graphs
+    @staticmethod
+    def begin_capture(stream) -> None:
+        stream.begin_capture()
+
+    @staticmethod
+    def end_capture(stream):
+        return stream.end_capture()
+
+    @staticmethod
+    def launch_graph(graph, stream) -> None:
+        graph.launch(stream=stream)
+
+    # ---- cuBLAS
+    def gemm_available(self) -> bool:
+        if self._cublas is None:
+            try:
+                from cupy_backends.cuda.libs import cublas
+
+                cublas.gemmEx  # noqa: B018 - loads the library (ImportError if libcublas is missing)
+                self._cublas = cublas
+            except Exception:  # noqa: BLE001
+                self._cublas = False
+        return bool(self._cublas)
+
+    def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
+             dtype: str, stream, gpu: int) -> None:
+        """y[n, m] (f32, row stride ldy) = x[n, k] @ w[m, k]^T, inputs f16 or f32 (cuBLAS).
+
+        CuPy's gemmEx binds the handle to the *current* stream before the call (an explicit
+        setStream is overridden), and the handle belongs to the current device: so both are
+        entered here, whatever context the caller is in."""
+        cublas = self._cublas
+        with self.cp.cuda.Device(gpu), stream:
+            handle = self.cp.cuda.device.get_cublas_handle()
+            cublas.setPointerMode(handle, 0)    # host alpha/beta
+            ab = _CUDA_R_16F if dtype == "f16" else _CUDA_R_32F
+            cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, m, n, k, self._one.ctypes.data, w_ptr, ab,
+                          k, x_ptr, ab, k, self._zero.ctypes.data, y_ptr, _CUDA_R_32F, ldy,
+                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+    def matmul(self, a, b):
+        return self.cp.matmul(a, b)
+
+    # ---- NCCL
+    def nccl_module(self):
+        if self._nccl is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from cupy.cuda import nccl
+            self._nccl = nccl if getattr(nccl, "available", False) else False
+        return self._nccl or None
+
+    def nccl_comms(self, gpus: Sequence[int]):
+        nccl = self.nccl_module()
+        if nccl is None:
+            return None
+        return list(nccl.NcclCommunicator.initAll(list(gpus)))
+
+    def nccl_allreduce(self, calls) -> None:
+        """calls: (comm, ptr, count, dtype 'f32'|'bf16', stream) per rank, in one NCCL group."""
+        nccl = self.nccl_module()
+        codes = {"f32": getattr(nccl, "NCCL_FLOAT32", 7), "bf16": getattr(nccl, "NCCL_BFLOAT16", 9)}
+        op = getattr(nccl, "NCCL_SUM", 0)
+        nccl.groupStart()
+        try:
+            for comm, ptr, count, dtype, stream in calls:
+                comm.allReduce(ptr, ptr, count, codes[dtype], op, stream.ptr)
+        finally:
+            nccl.groupEnd()
+
+
+# =============================================================== the GPU probe
+#: A kernel that needs NVRTC, the CUDA headers CuPy adds to every compile, the driver and a
+#: device: what `gpu_available` compiles and runs once, so "auto" never picks a broken GPU.
+PROBE_SOURCE = 'extern "C" __global__ void metatp_probe(int* p) { if (p) *p = 7; }'
+
+_probe_result: tuple[bool, str] | None = None
+
+
+def _install_hint(err: str) -> str:
+    """What to pip install for a failed probe compile (CuPy's message says what is missing)."""
+    low = err.lower()
+    if "nvrtc" in low:
+        return ("NVRTC (the CUDA runtime compiler) could not be loaded: pip install nvidia-cuda-nvrtc-cu12 "
+                "(CUDA 12; nvidia-cuda-nvrtc for CUDA 13), or pip install 'metatp[cuda]'")
+    if "header" in low or "cuda root" in low or "cuda_path" in low or "include" in low:
+        return ("the CUDA headers CuPy compiles with are missing: pip install nvidia-cuda-runtime-cu12 "
+                "(CUDA 12; nvidia-cuda-runtime for CUDA 13), or pip install 'metatp[cuda]'")
+    return "see the error above; pip install 'metatp[cuda]' brings CuPy with NVRTC and the CUDA headers"
+
+
+def gpu_probe() -> tuple[bool, str]:
+    """(usable, why not): cupy imports, sees a device, and compiles and runs a one-line kernel.
+
+    Run once per process. A visible GPU that cannot compile (NVRTC or the headers missing)
+    gives one RuntimeWarning saying what to install; no cupy or no device stays silent, as
+    numpy is then the expected choice."""
+    global _probe_result
+    if _probe_result is not None:
+        return _probe_result
+    with _lock:
+        if _probe_result is None:
+            _probe_result = _run_probe()
+    return _probe_result
+
+
+def _run_probe() -> tuple[bool, str]:
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken CUDA install
+        return False, f"cupy is not importable ({type(e).__name__}: {e}); pip install 'metatp[cuda]'"
+    try:
+        if not cupy.cuda.is_available():
+            return False, "cupy is installed but sees no CUDA device"
+    except Exception as e:  # noqa: BLE001
+        return False, f"cupy cannot query CUDA devices ({type(e).__name__}: {e})"
+    try:
+        out = cupy.zeros(1, dtype=np.int32)
+        cupy.RawKernel(PROBE_SOURCE, "metatp_probe")((1,), (1,), (out,))
+        if int(out.get()[0]) != 7:
+            raise RuntimeError("the probe kernel ran but wrote nothing")
+    except Exception as e:  # noqa: BLE001 - CompileException, RuntimeError (no NVRTC / headers), CUDA errors
+        err = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        why = f"a CUDA device is visible but a trivial kernel does not compile and run ({err}); {_install_hint(err)}"
+        warnings.warn(f"metatp: GPU not usable, using the numpy backend: {why}", RuntimeWarning, stacklevel=4)
+        return False, why
+    return True, ""
+
+
+def gpu_available() -> bool:
+    """True when the cupy backend can run here (see `gpu_probe`)."""
+    return gpu_probe()[0]
