@@ -24,11 +24,28 @@ from typing import Callable
 import numpy as np
 
 from metatp.backends.affine_quant import AffineWeight
+from metatp.ir.tensor import GGMLType
 
 __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmul", "qmatmul", "prepare_rope",
            "q8_kind", "prepare_q8_matmul", "q8_matmul", "q8_quantize", "q8_isums", "Q8_0", "Q8_1", "Q8_K",
            "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul",
-           "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch"]
+           "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch", "ATTN_CHUNK",
+           "MAX_ROWS", "KV_TYPES", "kv_quantize", "kv_dequantize"]
+
+# The decode attention cuts the KV length into chunks at absolute multiples of ATTN_CHUNK cells
+# (ATTN_CHUNK in cpu_kernels.c): a query row's result depends only on its visible cells and their
+# positions modulo ATTN_CHUNK, so a sequence whose first cell is a multiple of it gets the same
+# bits alone or batched with others (the engine places sequences so).
+ATTN_CHUNK = 128
+
+# The most rows (tokens of one step) the few-token kernels are used for: a step of 64 sequences'
+# decode tokens; longer prompt chunks go to float32 BLAS (faster there, but its sums depend on the
+# batch shape). numpy_kernels dispatches on it.
+MAX_ROWS = 64
+
+# KV-cache types the kernels store and read, as GGML type ids (f32, f16, q4_0, q4_1, q5_0, q5_1,
+# q8_0, bf16): T_* in cpu_kernels.c.
+KV_TYPES = (0, 1, 2, 3, 6, 7, 8, 30)
 
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
@@ -50,11 +67,13 @@ _ARGS = {
     "metatp_qmatmul": _struct("QMatmulGroup", "n:i items:p nthreads:i"),
     "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p"),
     "metatp_attention": _struct("AttentionArgs", "T:i H:i Hkv:i D:i Dv:i n_kv:i q:p q_sh:i q_st:i k:p k_sh:i "
-                                                 "k_sj:i v:p v_sh:i v_sj:i mask:p m_st:i scale:f softcap:f "
-                                                 "sinks:p out:p o_st:i o_sh:i scratch:p nthreads:i"),
+                                                 "k_sj:i k_type:i v:p v_sh:i v_sj:i v_type:i mask:p m_st:i scale:f "
+                                                 "softcap:f sinks:p out:p o_st:i o_sh:i scratch:p max_chunks:i "
+                                                 "nthreads:i"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
-    "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p"),
+    "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p type:i"),
+    "metatp_kv_convert": _struct("KvConvertArgs", "type:i rows:i n:i x:p q:p out:p"),
     "metatp_q8_matmul": _struct("Q8MatmulGroup", "n:i items:p nthreads:i"),
     "metatp_q8_quantize": _struct("Q8QuantArgs", "kind:i ntok:i k:i x:p ldx:i q:p d:p s:p isum:p"),
     "metatp_q8_isums": _struct("Q8IsumArgs", "w:p xq:p out:p"),
@@ -121,6 +140,10 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p]
     lib.metatp_isa.restype = ctypes.c_char_p
     lib.metatp_isa.argtypes = []
+    lib.metatp_attn_chunk.restype = ctypes.c_int
+    lib.metatp_attn_chunk.argtypes = []
+    if lib.metatp_attn_chunk() != ATTN_CHUNK:
+        raise RuntimeError(f"cpu_kernels.c has ATTN_CHUNK {lib.metatp_attn_chunk()}, cpu_kernels.py {ATTN_CHUNK}")
     return lib
 
 
@@ -403,41 +426,71 @@ def prepare_rope(x3: np.ndarray, o3: np.ndarray, n_dims: int, neox: bool, cos_si
                  o_st=_elems(o3, 0), o_sh=_elems(o3, 1), cs=cos_sin.ctypes.data)
 
 
-def attention_usable(q: np.ndarray, k: np.ndarray, v: np.ndarray, out3: np.ndarray) -> bool:
-    """q (H, T, D), k/v (Hkv, n_kv, D), out (T, H, Dv): float32 with contiguous last dims."""
-    arrs = (q, k, v, out3)
-    return (available() and all(a.dtype == np.float32 and a.ndim == 3 and a.strides[2] == 4 for a in arrs)
-            and q.shape[0] % k.shape[0] == 0 and k.shape[:2] == v.shape[:2] and q.shape[2] == k.shape[2]
-            and out3.shape == (q.shape[1], q.shape[0], v.shape[2]))
+def kv_row_bytes(kv_type: int, n: int) -> int | None:
+    """Bytes of a cache row of n values of a KV type, or None for a type or length the kernels
+    do not take (quantized rows are whole blocks of 32)."""
+    from metatp.ir.tensor import row_bytes
+
+    if int(kv_type) not in KV_TYPES:
+        return None
+    try:
+        return row_bytes(GGMLType(int(kv_type)), n)
+    except ValueError:
+        return None
 
 
-_ATTN_MAX_CHUNKS, _ATTN_KV_BLOCK = 16, 64     # MAX_CHUNKS, KV_BLOCK in cpu_kernels.c
+def _kv_view_ok(a: np.ndarray, kv_type: int, n: int) -> bool:
+    """Is `a` (heads, rows, last) a cache view the attention kernel reads: float32 for f32, half
+    for f16, bytes for the rest, each row `n` values of the type with contiguous last dim."""
+    rb = kv_row_bytes(kv_type, n)
+    want = {0: np.float32, 1: np.float16}.get(int(kv_type), np.uint8)
+    return (rb is not None and a.ndim == 3 and a.dtype == want and a.shape[2] * a.itemsize == rb
+            and (a.shape[2] <= 1 or a.strides[2] == a.itemsize))
+
+
+def attention_usable(q: np.ndarray, k: np.ndarray, v: np.ndarray, out3: np.ndarray, k_type: int = 0,
+                     v_type: int = 0) -> bool:
+    """q (H, T, D) and out (T, H, Dv) float32 with contiguous last dims; k/v (Hkv, n_kv, .) cache
+    views of types k_type/v_type (GGML type ids of `KV_TYPES`; see `_kv_view_ok`)."""
+    if not (available() and all(a.dtype == np.float32 and a.ndim == 3 and a.strides[2] == 4 for a in (q, out3))):
+        return False
+    H, T, D = q.shape
+    Dv = out3.shape[2]
+    return (_kv_view_ok(k, k_type, D) and _kv_view_ok(v, v_type, Dv) and k.shape[0] > 0 and H % k.shape[0] == 0
+            and k.shape[:2] == v.shape[:2] and out3.shape == (T, H, Dv))
+
+
+_ATTN_KV_BLOCK = 64     # KV_BLOCK in cpu_kernels.c
 
 
 def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
-                      softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None
-                      ) -> Callable[[int], None]:
+                      softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None,
+                      k_type: int = 0, v_type: int = 0) -> Callable[[int], None]:
     """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
-    the same as `numpy_kernels.attention_reference` (which the tests hold it to) up to float
-    rounding: K/V read once per KV head, online softmax, threads splitting the KV length."""
-    if not attention_usable(q, k, v, out3):
+    the same as `numpy_kernels.attention_reference` on the dequantized cache (which the tests hold
+    it to) up to float rounding: K/V read once per KV head, online softmax, threads sharing
+    (KV head, chunk of ATTN_CHUNK cells) units. k/v are cache views of types k_type/v_type."""
+    if not attention_usable(q, k, v, out3, k_type, v_type):
         raise ValueError("attention kernel: unsupported views")
     H, T, D = q.shape
-    Hkv, n_max, Dv = v.shape
+    Hkv, n_max = v.shape[:2]
+    Dv = out3.shape[2]
     if mask is not None and (mask.dtype != np.float32 or mask.strides[1] != 4 or mask.shape[1] < n_max):
         raise ValueError("attention kernel: unsupported mask view")
     sinks_c = None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1)
-    # per (KV head, KV chunk): (m, l, output) and a block of scores for each of its query rows
-    rows = Hkv * _ATTN_MAX_CHUNKS * (H // Hkv) * T
-    scratch = np.empty(rows * (Dv + 2 + _ATTN_KV_BLOCK), dtype=np.float32)
+    threads = nthreads or default_threads()
+    # per (KV head, chunk): (m, l, output) for each of its query rows; per thread a block of scores
+    max_chunks = max(1, -(-n_max // ATTN_CHUNK))
+    G = (H // Hkv) * T
+    scratch = np.empty(Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK, dtype=np.float32)
     call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
                  n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
-                 k_sh=_elems(k, 0), k_sj=_elems(k, 1), v=v.ctypes.data, v_sh=_elems(v, 0), v_sj=_elems(v, 1),
-                 mask=None if mask is None else mask.ctypes.data, m_st=0 if mask is None else _elems(mask, 0),
-                 scale=float(scale), softcap=float(softcap or 0.0),
+                 k_sh=k.strides[0], k_sj=k.strides[1], k_type=int(k_type), v=v.ctypes.data, v_sh=v.strides[0],
+                 v_sj=v.strides[1], v_type=int(v_type), mask=None if mask is None else mask.ctypes.data,
+                 m_st=0 if mask is None else _elems(mask, 0), scale=float(scale), softcap=float(softcap or 0.0),
                  sinks=None if sinks_c is None else sinks_c.ctypes.data, out=out3.ctypes.data,
-                 o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data,
-                 nthreads=nthreads or default_threads())
+                 o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data, max_chunks=max_chunks,
+                 nthreads=threads)
     args = call.args
 
     def run(n_kv: int) -> None:
@@ -449,6 +502,29 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     run.keep = run.call = call
     run.set_n_kv = set_n_kv
     return run
+
+
+def kv_quantize(x: np.ndarray, kv_type: int) -> np.ndarray:
+    """Rows x (rows, n) float32 -> cache rows (rows, row bytes) uint8 of a 16-bit or quantized
+    KV type, as the compiled KV write rounds them (the tests hold it to gguf.quants)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n = x2.shape
+    rb = kv_row_bytes(kv_type, n)
+    if rb is None or int(kv_type) == 0:
+        raise ValueError(f"kv_quantize: type {kv_type} with rows of {n}")
+    q = np.zeros((rows, rb), np.uint8)
+    _Call("metatp_kv_convert", (x2, q), type=int(kv_type), rows=rows, n=n, x=x2.ctypes.data, q=q.ctypes.data,
+          out=None)()
+    return q
+
+
+def kv_dequantize(q: np.ndarray, kv_type: int, n: int) -> np.ndarray:
+    """Cache rows (rows, row bytes) uint8 -> float32 (rows, n), as the attention kernel reads them."""
+    q2 = np.ascontiguousarray(q, dtype=np.uint8).reshape(-1, kv_row_bytes(kv_type, n) or 1)
+    out = np.empty((q2.shape[0], n), np.float32)
+    _Call("metatp_kv_convert", (q2, out), type=int(kv_type), rows=q2.shape[0], n=n, x=None, q=q2.ctypes.data,
+          out=out.ctypes.data)()
+    return out
 
 
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
@@ -526,17 +602,20 @@ def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
     return out
 
 
-def prepare_set_rows(rows2: np.ndarray, ids1: np.ndarray, dst2: np.ndarray) -> Callable[[], None] | None:
-    """dst2[ids1] = rows2 (float32 rows of n, int32 ids) as one compiled call; None when the
-    arrays are not ones it takes (the caller keeps numpy)."""
+def prepare_set_rows(rows2: np.ndarray, ids1: np.ndarray, dst2: np.ndarray, dst_type: int = 0
+                     ) -> Callable[[], None] | None:
+    """dst2[ids1] = rows2 (float32 rows of n, int32 ids) as one compiled call, stored as the KV
+    type `dst_type` (dst2: float32 / float16 rows of n, or byte rows of a bf16 or quantized type,
+    rounded as gguf.quants rounds); None when the arrays are not ones it takes (the caller keeps
+    numpy)."""
+    n = rows2.shape[1] if rows2.ndim == 2 else -1
     if (not available() or rows2.ndim != 2 or dst2.ndim != 2 or rows2.dtype != np.float32
-            or dst2.dtype != np.float32 or ids1.dtype != np.int32 or ids1.ndim != 1
-            or rows2.shape[1] != dst2.shape[1] or ids1.shape[0] != rows2.shape[0]
-            or not ids1.flags.c_contiguous or rows2.strides[1] != 4 or dst2.strides[1] != 4):
+            or not _kv_view_ok(dst2[None], dst_type, n) or ids1.dtype != np.int32 or ids1.ndim != 1
+            or ids1.shape[0] != rows2.shape[0] or not ids1.flags.c_contiguous or rows2.strides[1] != 4):
         return None
-    call = _Call("metatp_set_rows", (rows2, ids1, dst2), T=rows2.shape[0], n=rows2.shape[1], src=rows2.ctypes.data,
-                 src_st=_elems(rows2, 0), dst=dst2.ctypes.data, dst_st=_elems(dst2, 0), dst_rows=dst2.shape[0],
-                 ids=ids1.ctypes.data)
+    call = _Call("metatp_set_rows", (rows2, ids1, dst2), T=rows2.shape[0], n=n, src=rows2.ctypes.data,
+                 src_st=_elems(rows2, 0), dst=dst2.ctypes.data, dst_st=dst2.strides[0], dst_rows=dst2.shape[0],
+                 ids=ids1.ctypes.data, type=int(dst_type))
 
     def run() -> None:
         try:

@@ -21,10 +21,10 @@ from metatp.backends.analysis import PlanFacts
 from metatp.backends.base import Backend, WeightSource
 from metatp.backends.collectives.host import HostCollective
 from metatp.backends.executor import np_shape
-from metatp.backends.numpy_executable import NumpyExecutable, host_dtype
+from metatp.backends.numpy_executable import NumpyExecutable, host_dtype, host_shape
 from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
 from metatp.passes.plan import DeviceLayout, Plan
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
@@ -160,6 +160,7 @@ class NumpyBackend(Backend):
             if aw is None:
                 aw = made[id(part)] = affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0])
             self._packed[d][t] = aw
+            self.slab(d)        # made now, as the plan counts it (its pages are touched only by long prompts)
         if whole and made:
             self._whole_codes[key] = next(iter(made.values()))
         self._encoded_only.add(t)
@@ -232,7 +233,9 @@ class NumpyBackend(Backend):
         return None, shared
 
     def kv_itemsize(self, t: Tensor) -> int:
-        return host_dtype(t).itemsize
+        """Bytes per element of a float KV cache as stored (f32 4, f16/bf16 2); for a quantized
+        cache the bytes of one block (the memory plan counts those caches by their blocks)."""
+        return type_size(t.type)
 
     def has(self, t: Tensor) -> bool:
         return t in self.leaf[self.owned[0]]
@@ -241,7 +244,7 @@ class NumpyBackend(Backend):
         """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
         tp = plan.of(t)
         for d in self.owned:
-            self.leaf[d][t] = np.zeros(np_shape(tp.local[d].ne), dtype=host_dtype(t))
+            self.leaf[d][t] = np.zeros(host_shape(t, tp.local[d].ne), dtype=host_dtype(t))
 
     def transposed(self, t: Tensor, d: int) -> np.ndarray:
         """A weight stored (in, out)-contiguous for `x @ Wt` (made once, kept)."""

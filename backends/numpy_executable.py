@@ -25,24 +25,40 @@ from metatp.backends.executor import Fusion, PlanExecutor, np_shape
 from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes
 from metatp.passes.plan import Local, Plan
 
 if TYPE_CHECKING:
     from metatp.backends.numpy_backend import NumpyBackend
 
-__all__ = ["NumpyExecutable", "host_dtype"]
+__all__ = ["NumpyExecutable", "host_dtype", "host_shape", "BYTE_TYPES"]
 
 _DTYPES = {GGMLType.F32: np.float32, GGMLType.I32: np.int32, GGMLType.F16: np.float16}
+# KV-cache types kept as their bytes: a row of ne0 values is row_bytes(type, ne0) uint8 (the
+# compiled kernels and gguf.quants read and write them)
+BYTE_TYPES = frozenset({GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
 
 
 def host_dtype(t: Tensor) -> np.dtype:
     """The numpy dtype of an activation, input or KV-cache tensor (weights are stored apart)."""
+    if t.type in BYTE_TYPES:
+        return np.dtype(np.uint8)
     try:
         return np.dtype(_DTYPES[t.type])
     except KeyError:
         raise UnsupportedOpError(
             f"numpy backend: tensor {t.name!r} of type {t.type.name} must be a weight (dequantized on upload)") from None
+
+
+def host_shape(t: Tensor, ne) -> tuple[int, int, int, int]:
+    """The numpy shape of a slice of local shape `ne`: a byte type's innermost axis is the bytes
+    of ne[0] values (whole blocks: the graph views whole head rows)."""
+    if t.type not in BYTE_TYPES:
+        return np_shape(ne)
+    try:
+        return (ne[3], ne[2], ne[1], row_bytes(t.type, ne[0]))
+    except ValueError as e:
+        raise UnsupportedOpError(f"numpy backend: {t.name!r}: {e}") from None
 
 
 def _run_all(closures: list[Closure]) -> None:
@@ -152,10 +168,10 @@ class NumpyExecutable(PlanExecutor):
         return arena
 
     def place(self, d: int, arena: np.ndarray, offset: int, node: Tensor, loc: Local) -> np.ndarray:
-        return np.ndarray(np_shape(loc.ne), dtype=host_dtype(node), buffer=arena, offset=offset)
+        return np.ndarray(host_shape(node, loc.ne), dtype=host_dtype(node), buffer=arena, offset=offset)
 
     def own_buffer(self, d: int, node: Tensor, loc: Local) -> np.ndarray:
-        arr = np.zeros(np_shape(loc.ne), dtype=host_dtype(node))
+        arr = np.zeros(host_shape(node, loc.ne), dtype=host_dtype(node))
         self.buffer_bytes[d] += arr.nbytes
         return arr
 
@@ -164,10 +180,14 @@ class NumpyExecutable(PlanExecutor):
         root = self.arrays[d][node.view_src]
         if loc.nelements == 0:
             return np.empty(np_shape(loc.ne), dtype=root.dtype)
-        if node.type not in _DTYPES or host_dtype(node).itemsize != root.itemsize:
+        byte_rows = node.type in BYTE_TYPES
+        if ((node.type not in _DTYPES and not byte_rows) or host_dtype(node) != root.dtype
+                or (byte_rows and node.type != node.view_src.type)):
             raise UnsupportedOpError(f"numpy backend: view {node.name!r} of a {node.type.name} tensor is not supported")
-        return np.ndarray(np_shape(loc.ne), dtype=root.dtype, buffer=root, offset=loc.offs,
-                          strides=tuple(reversed(loc.nb)))
+        # a byte type's innermost axis is bytes (stride 1); its rows step by the view's strides
+        strides = (loc.nb[3], loc.nb[2], loc.nb[1], 1 if byte_rows else loc.nb[0])
+        return np.ndarray(host_shape(node, loc.ne), dtype=root.dtype, buffer=root, offset=loc.offs,
+                          strides=strides)
 
     def host_value(self, d: int, t: Tensor) -> np.ndarray:
         return self.arrays[d][t]

@@ -12,14 +12,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from metatp.backends.cpu_kernels import (attention_usable, prepare_attention, prepare_dequant_matmul, prepare_glu,
-                                         prepare_q8_matmul, prepare_qmatmul, prepare_rope, prepare_set_rows, q8_kind,
-                                         rope_usable)
+from metatp.backends.cpu_kernels import (MAX_ROWS, attention_usable, prepare_attention, prepare_dequant_matmul,
+                                         prepare_glu, prepare_q8_matmul, prepare_qmatmul, prepare_rope, prepare_set_rows,
+                                         q8_kind, rope_usable)
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
-from metatp.ir.tensor import Tensor
+from metatp.ir.tensor import GGMLType, Tensor
 
-__all__ = ["KERNELS", "Closure", "rope_reference", "attention_reference"]
+__all__ = ["KERNELS", "Closure", "rope_reference", "attention_reference", "kv_store_rows", "kv_load_rows"]
 
 Closure = Callable[[], None]
 F32 = np.float32
@@ -175,10 +175,12 @@ def quantize_q8_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
-# Up to this many tokens a matmul reads int8-coded weights (compiled kernel); above it the
-# float32 BLAS product wins (measured crossover ~20 tokens on a 2-core AVX-512 VM): it is
-# compute-bound there and BLAS blocks for the cache better than the kernel.
-PACKED_MAX_TOKENS = 16
+# Up to this many tokens (a step of up to 64 sequences' decode tokens) the compiled kernels run:
+# their per-row results do not depend on the other rows (batch invariance). Above it the float32
+# BLAS product runs (prompt chunks): compute-bound there, BLAS blocks for the cache better than
+# the kernel (measured crossover ~20 tokens on a 2-core AVX-512 VM), but its sums are not
+# batch-invariant.
+PACKED_MAX_TOKENS = MAX_ROWS
 
 
 def _mul_mat(node, out, src, ctx) -> Closure:
@@ -292,24 +294,51 @@ def _copy(node, out, src, ctx) -> Closure:
     return lambda: np.copyto(out, np.ascontiguousarray(x).reshape(out.shape), casting="unsafe")
 
 
+def kv_store_rows(rows: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """float32 rows (.., n) as a KV cache of `ggml_type` stores them: float32 / float16 values, or
+    the bytes of bf16 / quantized blocks, rounded by gguf.quants (llama.cpp's reference rounding)."""
+    if ggml_type == GGMLType.F32:
+        return rows
+    if ggml_type == GGMLType.F16:
+        return rows.astype(np.float16)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return quantize(np.ascontiguousarray(rows, dtype=F32), GGMLQuantizationType(int(ggml_type)))
+
+
+def kv_load_rows(stored: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """The float32 values of KV cache rows as stored (`kv_store_rows`' inverse up to rounding;
+    gguf's dequantization, which the compiled attention reproduces bit for bit)."""
+    if ggml_type == GGMLType.F32:
+        return stored
+    if ggml_type == GGMLType.F16:
+        return stored.astype(F32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(np.ascontiguousarray(stored), GGMLQuantizationType(int(ggml_type))).astype(F32, copy=False)
+
+
 def _set_rows(node, out, src, ctx) -> Closure:
     rows, ids = src[0], src[1]   # rows (ne3, ne2, T, ne0); ids (1, ne12, ne11, T); out = the destination view
+    ty = node.type               # the cache's type: rows are rounded to it as they are stored
     if out.shape[:2] == (1, 1) and rows.shape[:2] == (1, 1):
         o2, r2, i1 = out[0, 0], rows[0, 0], ids[0, 0, 0]
         if ctx.use_kernels and r2.shape[0] <= PACKED_MAX_TOKENS:
-            kernel = prepare_set_rows(r2, i1, o2)
+            kernel = prepare_set_rows(r2, i1, o2, int(ty))
             if kernel is not None:
                 return kernel
 
         def run() -> None:
-            o2[i1] = r2
+            o2[i1] = kv_store_rows(r2, ty)
         return run
 
     def run_nd() -> None:
         for i3 in range(rows.shape[0]):
             for i2 in range(rows.shape[1]):
                 idx = ids[0, i3 % ids.shape[1], i2 % ids.shape[2]]
-                out[i3 % out.shape[0], i2 % out.shape[1]][idx] = rows[i3, i2]
+                out[i3 % out.shape[0], i2 % out.shape[1]][idx] = kv_store_rows(rows[i3, i2], ty)
     return run_nd
 
 
@@ -425,10 +454,12 @@ def _flash_attn(node, out, src, ctx) -> Closure:
     mask = src[3][0, 0] if len(src) > 3 and src[3] is not None else None
     sinks = src[4].reshape(-1) if len(src) > 4 and src[4] is not None else None
     scale, softcap = node.params["scale"], node.params.get("softcap", 0.0)
+    k_type, v_type = node.src[1].type, node.src[2].type     # the cache types: K/V are read as stored
     o3 = out[0]
     if mask is None:
         def run_unmasked() -> None:
-            o3[...] = attention_reference(q, k, v, None, scale, softcap, sinks)
+            o3[...] = attention_reference(q, kv_load_rows(k, k_type), kv_load_rows(v, v_type), None, scale, softcap,
+                                          sinks)
         return run_unmasked
     src_mask = node.src[3]
 
@@ -438,8 +469,10 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         return int(cols[-1]) + 1 if cols.size else 1
 
     if ctx.use_kernels and q.shape[1] <= PACKED_MAX_TOKENS:
-        if attention_usable(q, k, v, o3) and mask.dtype == np.float32 and mask.strides[1] == 4:
-            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads)
+        if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
+                and mask.strides[1] == 4):
+            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
+                                       int(v_type))
 
             def set_visible() -> None:
                 kernel.set_n_kv(ctx.per_step(("visible", id(src_mask)), visible))
@@ -451,8 +484,10 @@ def _flash_attn(node, out, src, ctx) -> Closure:
             return run_kernel
 
     def run() -> None:
+        # long prompts: the visible cache rows as float32 (dequantized), then the reference
         n = ctx.per_step(("visible", id(src_mask)), visible)
-        o3[...] = attention_reference(q, k[:, :n], v[:, :n], mask[:, :n], scale, softcap, sinks)
+        o3[...] = attention_reference(q, kv_load_rows(k[:, :n], k_type), kv_load_rows(v[:, :n], v_type), mask[:, :n],
+                                      scale, softcap, sinks)
     return run
 
 

@@ -37,7 +37,8 @@ def _affine(rng, rows: int, k: int, block: int, offset: bool, bits: int = 8, bia
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(0, 70), units=st.integers(1, 12), block=st.sampled_from([16, 32]), offset=st.booleans(),
-       bits=st.sampled_from([8, 4, 16]), bias=st.sampled_from([0, 8, 1]), ntok=st.integers(1, 9),
+       bits=st.sampled_from([8, 4, 16]), bias=st.sampled_from([0, 8, 1]),
+       ntok=st.one_of(st.integers(1, 9), st.sampled_from([33, 64])),   # up to a step of 64 rows
        pad_x=st.integers(0, 5),
        pad_y=st.integers(0, 5), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_qmatmul_matches_dequantized_product(rows, units, block, offset, bits, bias, ntok, pad_x, pad_y, threads,
@@ -128,7 +129,7 @@ def test_qmatmul_rejects_bad_shapes():
 
 
 @settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 8), H=st.integers(1, 5), half=st.integers(1, 16), extra=st.sampled_from([0, 4]),
+@given(T=st.one_of(st.integers(1, 8), st.just(64)), H=st.integers(1, 5), half=st.integers(1, 16), extra=st.sampled_from([0, 4]),
        neox=st.booleans(), seed=st.integers(0, 2**16))
 def test_rope_matches_reference(T, H, half, extra, neox, seed):
     from metatp.backends.numpy_kernels import rope_cos_sin
@@ -149,7 +150,8 @@ def test_rope_matches_reference(T, H, half, extra, neox, seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(T=st.integers(1, 4), Hkv=st.integers(1, 3), g=st.integers(1, 3), D=st.sampled_from([8, 16, 64]),
+@given(T=st.one_of(st.integers(1, 4), st.sampled_from([17, 64])), Hkv=st.integers(1, 3), g=st.integers(1, 3),
+       D=st.sampled_from([8, 16, 64]),
        n_max=st.integers(1, 40), data=st.data(), softcap=st.sampled_from([0.0, 30.0]), sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_attention_matches_reference(T, Hkv, g, D, n_max, data, softcap, sinks, seed):
@@ -202,9 +204,9 @@ def test_glu_matches_numpy(act):
     from metatp.backends.numpy_kernels import _gelu_tanh, _silu
 
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((5, 2 * 300)) * 4).astype(F32)
+    x = (rng.standard_normal((64, 2 * 300)) * 4).astype(F32)
     a, b = x[:, :300], x[:, 300:]
-    out = np.empty((5, 300), F32)
+    out = np.empty((64, 300), F32)
     ck.prepare_glu(a, b, out, act)()
     ref = (_silu if act == "silu" else _gelu_tanh)(a) * b
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())   # 1 + tanh cancels near -1
@@ -262,10 +264,11 @@ def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
     path, _ = synth_factory(spec)
     logits = []
     for kernels in (False, True):
-        llm = LLM(path, n_ctx=64, backend="numpy", n_devices=n_devices, tensor_split=ts, cpu_kernels=kernels)
+        llm = LLM(path, n_ctx=160, backend="numpy", n_devices=n_devices, tensor_split=ts, cpu_kernels=kernels)
         eng = llm.engine
-        eng.forward(list(range(1, 24)))                    # prefill: BLAS on dequantized slabs (> 16 tokens)
-        steps = [eng.forward([t]) for t in (5, 9, 200)]    # decode: the compiled kernels
+        eng.forward(list(range(1, 71)))                    # prefill: BLAS on dequantized slabs (> 64 tokens)
+        steps = [eng.forward(list(range(3, 67)))]          # 64 tokens: the compiled kernels' largest step
+        steps += [eng.forward([t]) for t in (5, 9, 200)]   # decode: the compiled kernels
         logits.append(np.stack(steps))
         if kernels:
             be = eng.backend

@@ -43,6 +43,10 @@ class BenchConfig:
     interleave: bool = False      # build every layout first, alternate repetitions between them
     numerics: list[str] = field(default_factory=lambda: ["exact"])
     compare: str | None = None    # "llama-cpp": the same tests through llama-cpp-python, interleaved
+    # KV cache types (llama-bench's -ctk / -ctv); None: the backend's default (numpy f32, CuPy f16);
+    # a -ctv of None follows -ctk
+    cache_type_k: list[str | None] = field(default_factory=lambda: [None])
+    cache_type_v: list[str | None] = field(default_factory=lambda: [None])
 
 
 def _int_list(text: str) -> list[int]:
@@ -120,12 +124,21 @@ def _n_ctx(cfg: BenchConfig) -> int:
                + [16])
 
 
-def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact") -> tuple:
+def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", ctk: str | None = None,
+           ctv: str | None = None) -> tuple:
     """(engine, the row fields that describe the setup) for one layout."""
     from metatp.api import LLM
+    from metatp.ir.errors import ConfigError
 
-    llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
-              tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics)
+    kv = {k: v for k, v in (("cache_type_k", ctk), ("cache_type_v", ctv)) if v is not None}
+    try:
+        llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
+                  tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics, **kv)
+    except TypeError as e:
+        if kv and "cache_type" in str(e):
+            raise ConfigError(f"-ctk/-ctv: this LLM takes no KV cache types ({e})") from None
+        raise
+    tensors = llm.engine.tensors
     kernels = ""
     if type(llm.backend).name == "numpy":
         from metatp.backends import cpu_kernels
@@ -136,6 +149,7 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact") -
         "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
         "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "",
         "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels, "numerics": numerics,
+        "type_k": tensors.kv_type.name.lower(), "type_v": tensors.kv_type_v.name.lower(),
         **_decode_allreduces(llm.engine, llm.backend),
     }
     return llm.engine, base
@@ -181,7 +195,7 @@ def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
     base = {"model_filename": model_path, "model_type": "llama.cpp", "backend": "llama.cpp",
             "n_devices": 1, "split_mode": "none", "tensor_split": "", "n_threads": str(threads),
             "cpu_kernels": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}", "numerics": "llama.cpp",
-            "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0}
+            "type_k": "f16", "type_v": "f16", "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0}
     return eng, base
 
 
@@ -207,7 +221,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
     if cfg.compare is not None and cfg.compare not in COMPARE:
         raise ConfigError(f"--compare: unknown program {cfg.compare!r} ({', '.join(COMPARE)})")
     rng = np.random.default_rng(cfg.seed)
-    layouts = [(*lay, num) for lay in _layouts(cfg) for num in cfg.numerics]
+    kv_types = list(itertools.product(cfg.cache_type_k, cfg.cache_type_v))
+    layouts = [(*lay, num, ctk, ctv) for lay in _layouts(cfg) for num in cfg.numerics for ctk, ctv in kv_types]
     tests = [(p, 0, d) for p in cfg.n_prompt if p > 0 for d in cfg.n_depth] + \
             [(0, g, d) for g in cfg.n_gen if g > 0 for d in cfg.n_depth]
     groups = [layouts] if cfg.interleave else [[lay] for lay in layouts]
@@ -225,8 +240,10 @@ def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
                     ts = _measure(eng, test, depth_ids, rng, vocab)
                     if rep:
                         samples[i].append(ts)
-            for (eng, base), got in zip(setups, samples):
+            for (eng, base), got, lay in zip(setups, samples, group + [None]):
                 row = dict(_row(base, test, got), group=gi)
+                if lay is not None:
+                    row["ctk"], row["ctv"] = lay[4], lay[5]     # as asked (None: the default), for the order
                 rows.append(row)
                 if progress:
                     progress(row)
@@ -236,7 +253,8 @@ def run_bench(cfg: BenchConfig, progress=None) -> list[dict]:
     def rank(r: dict) -> tuple:
         if r["backend"] == "llama.cpp":
             return (len(order), r["group"])
-        return (order[(r["n_devices"], r["split_mode"], _ts_key(r["tensor_split"]), r["numerics"])], 0)
+        return (order[(r["n_devices"], r["split_mode"], _ts_key(r["tensor_split"]), r["numerics"], r["ctk"],
+                       r["ctv"])], 0)
     rows.sort(key=rank)
     _add_ratios(rows)
     return rows
@@ -257,14 +275,15 @@ def _row(base: dict, test: tuple[int, int, int], samples: list[float]) -> dict:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """vs_none: tokens/s of a row divided by the single-device row of the same test and numerics;
-    vs_llama_cpp (with --compare): divided by llama.cpp's row of the same test measured in the
-    same group (interleaved with it)."""
-    base = {(r["test"], r["numerics"]): r["avg_ts"] for r in rows
-            if r["split_mode"] == "none" and r["backend"] != "llama.cpp"}
+    """vs_none: tokens/s of a row divided by the single-device row of the same test, numerics and
+    KV cache types; vs_llama_cpp (with --compare): divided by llama.cpp's row of the same test
+    measured in the same group (interleaved with it)."""
+    def key(r: dict) -> tuple:
+        return (r["test"], r["numerics"], r.get("type_k"), r.get("type_v"))
+    base = {key(r): r["avg_ts"] for r in rows if r["split_mode"] == "none" and r["backend"] != "llama.cpp"}
     ref = {(r["test"], r["group"]): r["avg_ts"] for r in rows if r["backend"] == "llama.cpp"}
     for r in rows:
-        b = base.get((r["test"], r["numerics"]))
+        b = base.get(key(r))
         r["vs_none"] = r["avg_ts"] / b if b and r["backend"] != "llama.cpp" else None
         if ref:
             c = ref.get((r["test"], r["group"]))
@@ -283,15 +302,18 @@ def format_rows(rows: list[dict], fmt: str) -> str:
             w.writerow({**{k: r[k] for k in keys}, "samples_ts": ";".join(f"{x:.3f}" for x in r["samples_ts"])})
         return buf.getvalue()
     compare = any("vs_llama_cpp" in r for r in rows)
-    head = ["model", "size", "backend", "numerics", "devices", "sm", "ts", "test", "t/s", "vs -sm none",
-            "reductions/tok"] + (["vs llama.cpp"] if compare else [])
+    # llama-bench shows type_k / type_v when they are not the default: here when any metatp row
+    # has a cache other than f32
+    kv_cols = any((r.get("type_k"), r.get("type_v")) != ("f32", "f32") for r in rows if r["backend"] != "llama.cpp")
+    head = ["model", "size", "backend", "numerics", "devices", "sm", "ts"] + (["type_k", "type_v"] if kv_cols else []) \
+        + ["test", "t/s", "vs -sm none", "reductions/tok"] + (["vs llama.cpp"] if compare else [])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * len(head)) + " |"]
     for r in rows:
         size = Path(r["model_filename"]).stat().st_size / 2**20 if Path(r["model_filename"]).exists() else 0
         ratio = f"{r['vs_none']:.2f}x" if r["vs_none"] is not None else ""
         cells = [r["model_type"], f"{size:.1f} MiB", r["backend"], r["numerics"], str(r["n_devices"]), r["split_mode"],
-                 r["tensor_split"], r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio,
-                 str(r["reductions_per_token"])]
+                 r["tensor_split"]] + ([r.get("type_k", ""), r.get("type_v", "")] if kv_cols else []) \
+            + [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio, str(r["reductions_per_token"])]
         if compare:
             c = r.get("vs_llama_cpp")
             cells.append(f"{c:.2f}x" if c is not None else "")
@@ -312,12 +334,28 @@ def add_parser(sub) -> None:
     b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     b.add_argument("--numerics", default="exact", help="exact,llamacpp (q8: the same as llamacpp), comma-separated")
+    b.add_argument("-ctk", "--cache-type-k", default=None,
+                   help="KV cache K types, comma-separated (f32,f16,bf16,q8_0,q4_0,q4_1,q5_0,q5_1; default: the "
+                        "backend's, numpy f32)")
+    b.add_argument("-ctv", "--cache-type-v", default=None, help="KV cache V types, comma-separated (default: as -ctk)")
     b.add_argument("--compare", default=None, choices=list(COMPARE),
                    help="also run the tests through llama-cpp-python (if installed), interleaved, with ratios")
     b.add_argument("--interleave", action="store_true",
                    help="load every layout first and alternate repetitions between them (steadier ratios "
                         "on a machine whose speed drifts; peak memory is then the whole run's)")
     b.set_defaults(func=_cmd_bench)
+
+
+def _names(text: str | None) -> list[str | None]:
+    """-ctk / -ctv values: comma-separated KV cache type names, checked; [None] when not given."""
+    if text is None:
+        return [None]
+    from metatp.ir.models.common import cache_type
+
+    names = [x.strip().lower() for x in text.split(",") if x.strip()]
+    for n in names:
+        cache_type(n)                       # a ConfigError naming the choices
+    return names or [None]
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -335,7 +373,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                       n_depth=_int_list(args.n_depth), repetitions=args.repetitions, backend=args.backend,
                       n_devices=_int_list(args.devices), split_mode=modes, tensor_split=ts,
                       interleave=args.interleave, compare=args.compare,
-                      numerics=[m.strip() for m in args.numerics.split(",") if m.strip()] or ["exact"])
+                      numerics=[m.strip() for m in args.numerics.split(",") if m.strip()] or ["exact"],
+                      cache_type_k=_names(args.cache_type_k), cache_type_v=_names(args.cache_type_v))
     rows = run_bench(cfg, progress=lambda r: print(f"  {r['split_mode']} x{r['n_devices']} {r['test']}: "
                                                    f"{r['avg_ts']:.2f} t/s", file=sys.stderr))
     print(format_rows(rows, args.output))

@@ -191,47 +191,54 @@ static inline float hsum(v16f v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* One row against `nt` tokens (nt is a constant at every call site, so the loops unroll). */
+/* One row against `nt` tokens (nt is a constant at every call site, so the loops unroll).
+ * A token's sum is the same sequence of operations whatever nt is and wherever the token sits in
+ * its group, so a row of a step does not depend on the other rows (batch invariance): blocks of 32
+ * sum their two units unscaled and scale once per block (3 floating-point operations per 32 codes
+ * per token instead of 4), blocks of 16 scale each unit; chains of CHAINS accumulators per token. */
 static inline __attribute__((always_inline)) void row_group(
         const void *q, int bits, int bias, const float *scale, int64_t units, int shift,
         const float *x, int64_t ldx, int nt, float *res) {
-    if (nt == 1 && shift == 1) {
-        /* one token, blocks of 32: sum each block's two units unscaled, then scale once per
-           block (3 floating-point operations per 32 codes instead of 4) */
-        v16f acc1[CHAINS];
-        for (int c = 0; c < CHAINS; c++) acc1[c] = (v16f){0};
+    v16f acc[MAX_GROUP][CHAINS];
+    for (int t = 0; t < nt; t++)
+        for (int c = 0; c < CHAINS; c++) acc[t][c] = (v16f){0};
+    if (shift == 1) {
         const int64_t nb = units / 2;
         int64_t b = 0;
         for (; b + CHAINS <= nb; b += CHAINS) {
             for (int c = 0; c < CHAINS; c++) {
                 const int64_t bb = b + c;
-                v16f p = unit_codes(q, 2 * bb, bits, bias) * load_f32(x + 2 * bb * UNIT);
-                p += unit_codes(q, 2 * bb + 1, bits, bias) * load_f32(x + (2 * bb + 1) * UNIT);
-                acc1[c] += scale[bb] * p;
+                const v16f u0 = unit_codes(q, 2 * bb, bits, bias), u1 = unit_codes(q, 2 * bb + 1, bits, bias);
+                for (int t = 0; t < nt; t++) {
+                    const float *xt = x + t * ldx + 2 * bb * UNIT;
+                    v16f p = u0 * load_f32(xt);
+                    p += u1 * load_f32(xt + UNIT);
+                    acc[t][c] += scale[bb] * p;
+                }
             }
         }
         for (; b < nb; b++) {
-            v16f p = unit_codes(q, 2 * b, bits, bias) * load_f32(x + 2 * b * UNIT);
-            p += unit_codes(q, 2 * b + 1, bits, bias) * load_f32(x + (2 * b + 1) * UNIT);
-            acc1[0] += scale[b] * p;
+            const v16f u0 = unit_codes(q, 2 * b, bits, bias), u1 = unit_codes(q, 2 * b + 1, bits, bias);
+            for (int t = 0; t < nt; t++) {
+                const float *xt = x + t * ldx + 2 * b * UNIT;
+                v16f p = u0 * load_f32(xt);
+                p += u1 * load_f32(xt + UNIT);
+                acc[t][0] += scale[b] * p;
+            }
         }
-        res[0] = hsum((acc1[0] + acc1[1]) + (acc1[2] + acc1[3]));
-        return;
-    }
-    v16f acc[MAX_GROUP][CHAINS];
-    for (int t = 0; t < nt; t++)
-        for (int c = 0; c < CHAINS; c++) acc[t][c] = (v16f){0};
-    int64_t u = 0;
-    for (; u + CHAINS <= units; u += CHAINS) {
-        for (int c = 0; c < CHAINS; c++) {
-            const int64_t k = u + c;
-            const v16f w = unit_codes(q, k, bits, bias) * scale[k >> shift];
-            for (int t = 0; t < nt; t++) acc[t][c] += w * load_f32(x + t * ldx + k * UNIT);
+    } else {
+        int64_t u = 0;
+        for (; u + CHAINS <= units; u += CHAINS) {
+            for (int c = 0; c < CHAINS; c++) {
+                const int64_t k = u + c;
+                const v16f w = unit_codes(q, k, bits, bias) * scale[k >> shift];
+                for (int t = 0; t < nt; t++) acc[t][c] += w * load_f32(x + t * ldx + k * UNIT);
+            }
         }
-    }
-    for (; u < units; u++) {
-        const v16f w = unit_codes(q, u, bits, bias) * scale[u >> shift];
-        for (int t = 0; t < nt; t++) acc[t][0] += w * load_f32(x + t * ldx + u * UNIT);
+        for (; u < units; u++) {
+            const v16f w = unit_codes(q, u, bits, bias) * scale[u >> shift];
+            for (int t = 0; t < nt; t++) acc[t][0] += w * load_f32(x + t * ldx + u * UNIT);
+        }
     }
     for (int t = 0; t < nt; t++) res[t] = hsum((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
 }
@@ -386,8 +393,9 @@ int metatp_qmatmul(const QMatmulGroup *g) {
 
 enum { Q8_0 = 0, Q8_1 = 1, Q8_K = 2, QK = 256 };
 
-/* float -> IEEE half -> float, round to nearest even (as F16C and numpy do); exact in every build */
-static inline float round_to_half(float f) {
+/* float -> IEEE half bits, round to nearest even (as F16C and numpy's astype(float16) do); exact
+ * in every build */
+static inline uint16_t float_to_half_bits(float f) {
     uint32_t x;
     memcpy(&x, &f, sizeof x);
     const uint32_t sign = x & 0x80000000u, ax = x & 0x7FFFFFFFu;
@@ -411,8 +419,12 @@ static inline float round_to_half(float f) {
             if (rest > half_ulp || (rest == half_ulp && (h & 1u))) h++;
         }
     }
-    h |= sign >> 16;
-    return half_to_float((uint16_t)h);
+    return (uint16_t)(h | (sign >> 16));
+}
+
+/* float -> IEEE half -> float */
+static inline float round_to_half(float f) {
+    return half_to_float(float_to_half_bits(f));
 }
 
 /* For the tests: out[i] = round_to_half(x[i]). */
@@ -830,32 +842,223 @@ int metatp_rope(const RopeArgs *a) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ KV cache types
+ * A cache row is stored as float32, IEEE half, bfloat16 or llama.cpp blocks of 32 (ids are
+ * GGML type ids). Rows are written with llama.cpp's reference rounding (gguf.quants, the numpy
+ * oracle: round-half-away for q8_0, truncation after +x.5 for the 4/5-bit types, round to
+ * nearest even for f16 and bf16) and read back with gguf's dequantization, both without
+ * fused multiply-adds so the bits are gguf's. */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_BF16 = 30 };
+
+/* bytes of one row of n values of a cache type (n whole blocks), or -1 for a type not taken */
+static int64_t kv_row_bytes(int64_t type, int64_t n) {
+    switch (type) {
+        case T_F32: return 4 * n;
+        case T_F16: case T_BF16: return 2 * n;
+        default: break;
+    }
+    if (n % 32) return -1;
+    switch (type) {
+        case T_Q8_0: return n / 32 * 34;
+        case T_Q4_0: return n / 32 * 18;
+        case T_Q4_1: return n / 32 * 20;
+        case T_Q5_0: return n / 32 * 22;
+        case T_Q5_1: return n / 32 * 24;
+        default: return -1;
+    }
+}
+
+static inline uint16_t rd16(const uint8_t *p) { uint16_t h; memcpy(&h, p, sizeof h); return h; }
+static inline void wr16(uint8_t *p, uint16_t h) { memcpy(p, &h, sizeof h); }
+
+/* The 4- and 5-bit types: q0 = nibble (| high bit << 4); Q4_0/Q5_0 (q0 - 8|16) * d, Q4_1/Q5_1
+ * d * q0 + m rounded twice (a product, then a sum) as gguf does: no FMA here. */
+__attribute__((optimize("fp-contract=off")))
+static void kv_dequant_nibbles(int64_t type, const uint8_t *p, int64_t n, float *out) {
+    const int five = type == T_Q5_0 || type == T_Q5_1, one = type == T_Q4_1 || type == T_Q5_1;
+    const int bsz = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
+    const int bias = one ? 0 : five ? 16 : 8;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const uint8_t *blk = p + bsz * b, *qs = blk + 2 + 2 * one + 4 * five;
+        const float d = half_to_float(rd16(blk)), m = one ? half_to_float(rd16(blk + 2)) : 0.0f;
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, blk + 2 + 2 * one, sizeof qh);
+        float *o = out + 32 * b;
+        if (one) {
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)((qs[j] & 0x0F) | (int)((qh >> j) & 1u) << 4) * d + m;
+                o[j + 16] = (float)((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4) * d + m;
+            }
+        } else {
+            for (int j = 0; j < 16; j++) {
+                o[j] = (float)(((qs[j] & 0x0F) | (int)((qh >> j) & 1u) << 4) - bias) * d;
+                o[j + 16] = (float)(((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4) - bias) * d;
+            }
+        }
+    }
+}
+
+/* n values of a cache row -> floats (gguf's dequantize_blocks, bit for bit: the other types
+ * take one product per value, so nothing can be fused) */
+static inline void kv_dequant_row(int64_t type, const uint8_t *p, int64_t n, float *out) {
+    if (type == T_F16 || type == T_BF16) {
+        const uint16_t *h = (const uint16_t *)p;
+        int64_t i = 0;
+        for (; i + UNIT <= n; i += UNIT) {
+            const v16f v = load_halves(h + i, type == T_BF16);
+            memcpy(out + i, &v, sizeof v);
+        }
+        for (; i < n; i++) {
+            if (type == T_F16) {
+                out[i] = half_to_float(h[i]);
+            } else {
+                const uint32_t bits = (uint32_t)h[i] << 16;
+                memcpy(out + i, &bits, sizeof bits);
+            }
+        }
+        return;
+    }
+    if (type != T_Q8_0) {
+        kv_dequant_nibbles(type, p, n, out);
+        return;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {        /* Q8_0; plain loops: gcc vectorizes them best */
+        const uint8_t *blk = p + 34 * b;
+        const int8_t *qs = (const int8_t *)blk + 2;
+        const float d = half_to_float(rd16(blk));
+        for (int j = 0; j < 32; j++) out[32 * b + j] = (float)qs[j] * d;
+    }
+}
+
+/* n floats -> one cache row (gguf's quantize_blocks, bit for bit: float32 arithmetic, no FMA) */
+__attribute__((optimize("fp-contract=off")))
+static void kv_quant_row(int64_t type, const float *x, int64_t n, uint8_t *p) {
+    if (type == T_F16 || type == T_BF16) {
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            if (type == T_F16) {
+                h = float_to_half_bits(x[i]);
+            } else {                        /* ggml_compute_fp32_to_bf16: quiet nan, nearest even */
+                uint32_t u;
+                memcpy(&u, x + i, sizeof u);
+                if ((u & 0x7FFFFFFFu) > 0x7F800000u) u = (u & 0xFFFF0000u) | (64u << 16);
+                h = (uint16_t)(((uint64_t)u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            }
+            wr16(p + 2 * i, h);
+        }
+        return;
+    }
+    for (int64_t b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        if (type == T_Q8_0) {
+            uint8_t *blk = p + 34 * b;
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            wr16(blk, float_to_half_bits(d));
+            for (int j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(int8_t)roundf(xb[j] * id);
+            continue;
+        }
+        const int five = type == T_Q5_0 || type == T_Q5_1, one = type == T_Q4_1 || type == T_Q5_1;
+        const int qmax = five ? 31 : 15;
+        float d, mn = 0.0f, add;
+        if (one) {                                  /* d = (max - min) / qmax, q = (x - min) / d */
+            float mx = xb[0];
+            mn = xb[0];
+            for (int j = 1; j < 32; j++) { mx = xb[j] > mx ? xb[j] : mx; mn = xb[j] < mn ? xb[j] : mn; }
+            d = (mx - mn) / (float)qmax;
+            add = 0.5f;
+        } else {                                    /* d = (signed max |x|) / -(qmax + 1) / 2 */
+            float amax = 0.0f, mx = 0.0f;
+            for (int j = 0; j < 32; j++)
+                if (fabsf(xb[j]) > amax) { amax = fabsf(xb[j]); mx = xb[j]; }
+            d = mx / (five ? -16.0f : -8.0f);
+            add = five ? 16.5f : 8.5f;
+        }
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int q[32];
+        for (int j = 0; j < 32; j++) {
+            const float v = one ? (xb[j] - mn) * id + add : xb[j] * id + add;
+            const int c = (int)truncf(v);
+            q[j] = c < 0 ? 0 : c > qmax ? qmax : c;
+        }
+        uint8_t *blk = p + (int64_t)(type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24) * b;
+        uint8_t *at = blk;
+        wr16(at, float_to_half_bits(d));
+        at += 2;
+        if (one) { wr16(at, float_to_half_bits(mn)); at += 2; }
+        if (five) {
+            uint32_t qh = 0;
+            for (int j = 0; j < 32; j++) qh |= (uint32_t)(q[j] >> 4) << j;
+            memcpy(at, &qh, sizeof qh);
+            at += 4;
+        }
+        for (int j = 0; j < 16; j++) at[j] = (uint8_t)((q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4));
+    }
+}
+
+/* For the tests: rows of floats -> cache rows, and back. */
+typedef struct {
+    int64_t type, rows, n;
+    const float *x;
+    uint8_t *q;
+    float *out;       /* NULL: quantize x into q; else dequantize q into out */
+} KvConvertArgs;
+
+int metatp_kv_convert(const KvConvertArgs *a) {
+    const int64_t rb = kv_row_bytes(a->type, a->n);
+    if (rb < 0 || a->type == T_F32) return -1;
+    for (int64_t r = 0; r < a->rows; r++) {
+        if (a->out) kv_dequant_row(a->type, a->q + r * rb, a->n, a->out + r * a->n);
+        else kv_quant_row(a->type, a->x + r * a->n, a->n, a->q + r * rb);
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ attention
  * Softmax attention of a few queries over a KV cache, at memory speed: decode reads the whole
  * cache every step (at a depth of 1536 tokens as many bytes as the weights), so
- *  - every K and V row is read once per step per KV head: all the query rows that share a KV head
- *    (its query heads x the step's tokens, GQA) are scored against a row while it is in registers;
+ *  - every K and V row is read (and, for a 16-bit or quantized cache, dequantized) once per step
+ *    per KV head: all the query rows that share a KV head (its query heads x the step's tokens,
+ *    GQA) are scored against a row while it is in L1;
  *  - the cache is streamed in blocks of KV_BLOCK rows with an online softmax (running max m,
  *    running sum l, output rescaled when m grows), so nothing of length n_kv is kept;
- *  - the OpenMP threads split the KV length too (split-KV): each (KV head, chunk) unit leaves
- *    (m, l, unnormalized output) per query row, merged afterwards with a log-sum-exp.
- * q (H, T, D): q[h*q_sh + t*q_st + d]; k/v (Hkv, n_kv, D|Dv): k[g*k_sh + j*k_sj + d];
- * mask (T, n_kv) additive or NULL: mask[t*m_st + j]; sinks (H) or NULL;
- * out (T, H, Dv): out[t*o_st + h*o_sh + d]. Query head h reads kv head h / (H/Hkv).
- * softcap > 0: s = softcap*tanh(s/softcap) before the mask.
- * scratch: Hkv * MAX_CHUNKS * (H/Hkv) * T * (Dv + 2 + KV_BLOCK) floats. */
+ *  - the KV length is cut into chunks of ATTN_CHUNK rows at absolute multiples of ATTN_CHUNK;
+ *    the OpenMP threads share the (KV head, chunk) units; each unit leaves (m, l, unnormalized
+ *    output) per query row, merged afterwards in chunk order with a log-sum-exp.
+ * Batch invariance: chunks and blocks sit at fixed cache positions (not derived from n_kv, T or
+ * the thread count), a query row whose mask hides a whole chunk is skipped there, a hidden block
+ * leaves a row's state exactly as it was, and every row's arithmetic is its own; so a row's output
+ * depends only on its query, its visible cells and their positions modulo ATTN_CHUNK. A sequence
+ * whose first cell is a multiple of ATTN_CHUNK gets the same bits alone or among others.
+ * q (H, T, D) float32: q[h*q_sh + t*q_st + d]; k/v (Hkv, n_kv, D|Dv) cache rows of type k_type/
+ * v_type at byte strides: row (g, j) at k + g*k_sh + j*k_sj; mask (T, n_kv) additive or NULL:
+ * mask[t*m_st + j]; sinks (H) or NULL; out (T, H, Dv): out[t*o_st + h*o_sh + d]. Query head h
+ * reads kv head h / (H/Hkv). softcap > 0: s = softcap*tanh(s/softcap) before the mask.
+ * scratch: Hkv * max_chunks * (H/Hkv) * T * (Dv + 2) + nthreads * (H/Hkv) * T * KV_BLOCK floats,
+ * max_chunks >= ceil(n_kv / ATTN_CHUNK). */
 
-enum { KV_BLOCK = 64, MAX_CHUNKS = 16, MIN_CHUNK = 128 };
+enum { KV_BLOCK = 64, ATTN_CHUNK = 128 };
+
+int metatp_attn_chunk(void) { return ATTN_CHUNK; }
 
 typedef float v8f_a __attribute__((vector_size(32), aligned(4)));   /* unaligned 8-float loads */
 
-/* Cache element loads: the one place that knows how the cache stores a value (float32 here; a
- * 16- or 8-bit cache type switches these, the rest of the kernel is unchanged). */
+/* Float loads of a (dequantized) cache row. */
 static inline v8f kv_load8(const float *row, int64_t d) {
     return *(const v8f_a *)(row + d);
 }
 static inline float kv_load1(const float *row, int64_t d) {
     return row[d];
+}
+
+/* Cache row j of a head as floats: the row itself for float32, else dequantized into buf. */
+static inline const float *kv_row(int64_t type, const uint8_t *head, int64_t j, int64_t stride, int64_t n,
+                                  float *buf) {
+    const uint8_t *p = head + j * stride;
+    if (type == T_F32) return (const float *)p;
+    kv_dequant_row(type, p, n, buf);
+    return buf;
 }
 
 static inline float hsum8(v8f v) {
@@ -870,10 +1073,10 @@ typedef struct {
     int64_t T, H, Hkv, D, Dv, n_kv;   /* n_kv: the visible cache rows, set before each call */
     const float *q;
     int64_t q_sh, q_st;
-    const float *k;
-    int64_t k_sh, k_sj;
-    const float *v;
-    int64_t v_sh, v_sj;
+    const void *k;
+    int64_t k_sh, k_sj, k_type;       /* byte strides */
+    const void *v;
+    int64_t v_sh, v_sj, v_type;
     const float *mask;
     int64_t m_st;
     float scale, softcap;
@@ -881,29 +1084,39 @@ typedef struct {
     float *out;
     int64_t o_st, o_sh;
     float *scratch;
-    int64_t nthreads;
+    int64_t max_chunks, nthreads;
 } AttentionArgs;
 
-/* One unit: KV head g, cache rows [j0, j1), all G = gsize*T query rows of that head.
- * part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
+/* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
+ * that see any of those rows. part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
 static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf) {
     const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
-    const float *kh = a->k + g * a->k_sh, *vh = a->v + g * a->v_sh;
+    const uint8_t *kh = (const uint8_t *)a->k + g * a->k_sh, *vh = (const uint8_t *)a->v + g * a->v_sh;
     const float scale = a->scale, softcap = a->softcap;
     const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8;
+    float kbuf[D + 16], vbuf[Dv + 16];
+    int64_t rows[G], na = 0;
+    unsigned char seen[T];
+    for (int64_t t = 0; t < T; t++) {           /* does query t see anything in this chunk? */
+        seen[t] = a->mask == NULL;
+        for (int64_t j = j0; j < j1 && !seen[t]; j++) seen[t] = a->mask[t * a->m_st + j] != -INFINITY;
+    }
     for (int64_t r = 0; r < G; r++) {
         float *pr = part + r * P;
-        pr[0] = -INFINITY;
+        pr[0] = -INFINITY;                      /* an unseen chunk: skipped by the merge */
         pr[1] = 0.0f;
+        if (!seen[r % T]) continue;
+        rows[na++] = r;
         for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
     }
+    if (na == 0) return;
     for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
         const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK;
-        /* scores of the block: each K row read once for all G query rows */
+        /* scores of the block: each K row read once for all the unit's query rows */
         for (int64_t jj = 0; jj < nb; jj++) {
-            const float *kr = kh + (b0 + jj) * a->k_sj;
-            for (int64_t r = 0; r < G; r++) {
-                const int64_t i = r / T, t = r % T, h = g * gsize + i;
+            const float *kr = kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf);
+            for (int64_t ia = 0; ia < na; ia++) {
+                const int64_t r = rows[ia], i = r / T, t = r % T, h = g * gsize + i;
                 const float *qr = a->q + h * a->q_sh + t * a->q_st;
                 v8f acc = (v8f){0};
                 for (int64_t d = 0; d < D8; d += 8) acc += *(const v8f_a *)(qr + d) * kv_load8(kr, d);
@@ -912,12 +1125,13 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
                 sc *= scale;
                 if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
                 if (a->mask) sc += a->mask[t * a->m_st + b0 + jj];
-                sbuf[r * KV_BLOCK + jj] = sc;
+                sbuf[ia * KV_BLOCK + jj] = sc;
             }
         }
-        /* online softmax: new running max, rescale, probabilities in place */
-        for (int64_t r = 0; r < G; r++) {
-            float *pr = part + r * P, *sr = sbuf + r * KV_BLOCK;
+        /* online softmax: new running max, rescale, probabilities in place; a block the row
+           cannot see changes nothing (its probabilities are exact zeros) */
+        for (int64_t ia = 0; ia < na; ia++) {
+            float *pr = part + rows[ia] * P, *sr = sbuf + ia * KV_BLOCK;
             float bm = -INFINITY;
             for (int64_t jj = 0; jj < nb; jj++) bm = sr[jj] > bm ? sr[jj] : bm;
             const float m_new = bm > pr[0] ? bm : pr[0];
@@ -939,13 +1153,17 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
             }
             pr[1] += l;
         }
-        /* weighted V: each V row read once for all G query rows */
+        /* weighted V: each V row read once for all the unit's query rows (skipped when no row
+           gives it weight: a block of another sequence's cells costs no V reads) */
         for (int64_t jj = 0; jj < nb; jj++) {
-            const float *vr = vh + (b0 + jj) * a->v_sj;
-            for (int64_t r = 0; r < G; r++) {
-                const float p = sbuf[r * KV_BLOCK + jj];
+            int any = 0;
+            for (int64_t ia = 0; ia < na && !any; ia++) any = sbuf[ia * KV_BLOCK + jj] != 0.0f;
+            if (!any) continue;
+            const float *vr = kv_row(a->v_type, vh, b0 + jj, a->v_sj, Dv, vbuf);
+            for (int64_t ia = 0; ia < na; ia++) {
+                const float p = sbuf[ia * KV_BLOCK + jj];
                 if (p == 0.0f) continue;
-                float *acc = part + r * P + 2;
+                float *acc = part + rows[ia] * P + 2;
                 const v8f pv = (v8f){p, p, p, p, p, p, p, p};
                 for (int64_t d = 0; d < Dv8; d += 8) *(v8f_a *)(acc + d) += pv * kv_load8(vr, d);
                 for (int64_t d = Dv8; d < Dv; d++) acc[d] += p * kv_load1(vr, d);
@@ -954,35 +1172,33 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
     }
 }
 
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
+
 int metatp_attention(const AttentionArgs *a) {
     const int64_t T = a->T, H = a->H, Hkv = a->Hkv, Dv = a->Dv, n_kv = a->n_kv;
-    if (Hkv <= 0 || H % Hkv || n_kv <= 0 || T <= 0) return -1;
+    if (Hkv <= 0 || H % Hkv || n_kv <= 0 || T <= 0 || a->nthreads < 1) return -1;
+    if (kv_row_bytes(a->k_type, a->D) < 0 || kv_row_bytes(a->v_type, Dv) < 0) return -5;
     const int64_t gsize = H / Hkv, G = gsize * T, P = Dv + 2;
-    /* chunks of the KV length: enough units for the threads, none shorter than MIN_CHUNK rows */
-    const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 ? (int)a->nthreads : 1;
-    int64_t nch = 1;
-    if (nthreads > 1) {
-        nch = (2 * nthreads + Hkv - 1) / Hkv;
-        const int64_t most = (n_kv + MIN_CHUNK - 1) / MIN_CHUNK;
-        if (nch > most) nch = most;
-        if (nch > MAX_CHUNKS) nch = MAX_CHUNKS;
-        if (nch < 1) nch = 1;
-    }
-    const int64_t per = (n_kv + nch - 1) / nch, units = Hkv * nch;
-    float *parts = a->scratch, *sbufs = a->scratch + Hkv * MAX_CHUNKS * G * P;
+    const int64_t nch = (n_kv + ATTN_CHUNK - 1) / ATTN_CHUNK, units = Hkv * nch;
+    if (nch > a->max_chunks) return -2;
+    /* threads change who computes a unit, never what it computes */
+    const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 && units > 1 ? (int)a->nthreads : 1;
+    float *parts = a->scratch, *sbufs = a->scratch + Hkv * a->max_chunks * G * P;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
+        float *sbuf = sbufs + (int64_t)THREAD_NUM() * G * KV_BLOCK;
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            const int64_t g = u / nch, c = u % nch, j0 = c * per, j1 = j0 + per < n_kv ? j0 + per : n_kv;
-            float *part = parts + u * G * P;
-            if (j0 >= j1) {
-                for (int64_t r = 0; r < G; r++) { part[r * P] = -INFINITY; part[r * P + 1] = 0.0f; }
-                continue;
-            }
-            attn_unit(a, g, j0, j1, part, sbufs + u * G * KV_BLOCK);
+            const int64_t g = u / nch, c = u % nch, j0 = c * ATTN_CHUNK;
+            const int64_t j1 = j0 + ATTN_CHUNK < n_kv ? j0 + ATTN_CHUNK : n_kv;
+            attn_unit(a, g, j0, j1, parts + u * G * P, sbuf);
         }
-        /* merge the chunks of each query row (log-sum-exp), add the sink, normalize */
+        /* merge the chunks of each query row in chunk order (log-sum-exp), add the sink, normalize */
 #pragma omp for schedule(static)
         for (int64_t gr = 0; gr < Hkv * G; gr++) {
             const int64_t g = gr / G, r = gr % G, i = r / T, t = r % T, h = g * gsize + i;
@@ -1106,22 +1322,29 @@ int metatp_dequant(const DequantArgs *a) {
 }
 
 /* ------------------------------------------------------------------ set rows
- * dst[ids[t]] = src[t] for T rows of n floats (the KV-cache write of a step); row strides in
- * floats. An id outside [0, dst_rows) is refused (-1) before anything is written. */
+ * dst[ids[t]] = src[t] for T rows of n floats (the KV-cache write of a step), stored as the
+ * cache type (`type`: float32 copied, else rounded by kv_quant_row); src row stride in floats,
+ * dst row stride in bytes. An id outside [0, dst_rows) is refused (-1) before anything is
+ * written. */
 typedef struct {
     int64_t T, n;
     const float *src;
     int64_t src_st;
-    float *dst;
+    void *dst;
     int64_t dst_st, dst_rows;
     const int32_t *ids;
+    int64_t type;
 } SetRowsArgs;
 
 int metatp_set_rows(const SetRowsArgs *a) {
+    if (kv_row_bytes(a->type, a->n) < 0) return -5;
     for (int64_t t = 0; t < a->T; t++)
         if (a->ids[t] < 0 || a->ids[t] >= a->dst_rows) return -1;
-    for (int64_t t = 0; t < a->T; t++)
-        memcpy(a->dst + a->ids[t] * a->dst_st, a->src + t * a->src_st, sizeof(float) * (size_t)a->n);
+    for (int64_t t = 0; t < a->T; t++) {
+        uint8_t *row = (uint8_t *)a->dst + a->ids[t] * a->dst_st;
+        if (a->type == T_F32) memcpy(row, a->src + t * a->src_st, sizeof(float) * (size_t)a->n);
+        else kv_quant_row(a->type, a->src + t * a->src_st, a->n, row);
+    }
     return 0;
 }
 
