@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import numbers
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -14,8 +15,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ConfigError, ContextOverflowError, NumericalError
-from metatp.sampling import Sampler, SamplingParams, check_seed
+from metatp.ir.errors import ConfigError, ContextOverflowError
+from metatp.sampling import SamplingParams, check_seed
+from metatp.scheduler import Request, Scheduler, StepOutput
+from metatp.scheduler import StopMatcher as _StopMatcher  # noqa: F401 -- kept importable from here
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -29,6 +32,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None       # "stop" (EOS / stop string) or "length"
     stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None      # per token: its log-probability and the top ones
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -39,48 +44,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Step:
-    token: int | None
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-class _StopMatcher:
-    """Finds stop strings in generated text, holding back any tail that could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""          # text seen but not yet released
-
-    def feed(self, piece: str) -> tuple[str, str | None]:
-        """Returns (text safe to emit, the stop string hit or None)."""
-        self.text += piece
-        if self.stops:
-            hits = [(self.text.find(s), s) for s in self.stops if s in self.text]
-            if hits:
-                pos, s = min(hits)
-                out, self.text = self.text[:pos], ""
-                return out, s
-        if self.hold <= 0:
-            out, self.text = self.text, ""
-            return out, None
-        cut = len(self.text)
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                cut = len(self.text) - k
-                break
-        out, self.text = self.text[:cut], self.text[cut:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.text = self.text, ""
-        return out
 
 
 # ---------------------------------------------------------------- argument checks at the public boundary
@@ -165,16 +128,6 @@ def _chat_messages(messages: Any) -> list[dict]:
     return out
 
 
-def _check_logits(logits: np.ndarray, what: str) -> None:
-    """NaN or infinite logits mean a broken model (NaN weights, overflowing hyper-parameters);
-    sampling them would silently give token 0. One max is cheap next to a forward step."""
-    top = float(np.max(logits))
-    if not math.isfinite(top):
-        bad = "NaN" if math.isnan(top) or np.isnan(logits).any() else "infinite"
-        raise NumericalError(f"the model computed {bad} logits {what}; the model file is broken "
-                             "(NaN/inf weights or hyper-parameters that overflow)")
-
-
 class LLM:
     """A GGUF model on one or more (simulated or real) devices.
 
@@ -192,6 +145,7 @@ class LLM:
     `allreduce`: the all-reduce between devices: "auto" (the backend's choice: NCCL on distinct
     GPUs, else the butterfly), "butterfly", "ring", "nccl", or llama.cpp's GGML_CUDA_ALLREDUCE
     spellings "none" / "internal" (the copy-and-add butterfly).
+    `max_num_seqs`: sequences decoded together in one step (continuous batching; vLLM's name).
     `backend_options`: further options of the chosen backend, checked against its table in
     `metatp.backends.registry` (cupy: cuda_graphs, wire, kv_dtype, matmul_dtype,
     multi_gpu_graphs; numpy: threads).
@@ -201,7 +155,8 @@ class LLM:
                  n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
                  seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
                  fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
-                 allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None) -> None:
+                 allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
+                 max_num_seqs: int = 16) -> None:
         from metatp.backends import create_backend
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
@@ -217,6 +172,9 @@ class LLM:
         if isinstance(n_batch, bool) or not isinstance(n_batch, numbers.Integral) or n_batch <= 0:
             raise ConfigError(f"n_batch must be a positive integer, got {n_batch!r}")
         n_batch = int(n_batch)
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        max_num_seqs = int(max_num_seqs)
         if isinstance(n_devices, numbers.Integral) and not isinstance(n_devices, (bool, np.bool_)):
             n_devices = int(n_devices)
         for name, v in (("backend", backend), ("numerics", numerics), ("allreduce", allreduce)):
@@ -260,6 +218,8 @@ class LLM:
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)
         self._rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+        self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs)
         self.verbose = verbose
 
     @staticmethod
@@ -350,9 +310,12 @@ class LLM:
         ids = self._check_ids(ids, "ids")
         if len(ids) > self.n_ctx:
             raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
-        logits = self.engine.forward(ids, all_logits=True, seq=self.engine.new_sequence())
-        _check_logits(logits, f"for a sequence of {len(ids)} tokens")
-        return logits
+        req = self._request(ids, SamplingParams(max_tokens=0), kind="score")
+        self.scheduler.submit(req)
+        for out in self._events(req):
+            if out.logits is not None:
+                return out.logits
+        raise ContextOverflowError("scoring ended without logits")  # not reached: a score ends with them
 
     def _check_ids(self, ids: Any, name: str = "prompt", allow_empty: bool = False) -> list[int]:
         ids = _token_ids(name, ids)
@@ -378,69 +341,73 @@ class LLM:
         return self._check_ids(prompt)
 
     # ---------------------------------------------------------------- generation core
-    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[_Step]:
-        """Yields text pieces as tokens are generated; the last step carries finish_reason."""
-        from metatp.ir.tokenizer import StreamDecoder
+    def _request(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
+                 max_context: int | None = None, on_event=None) -> Request:
+        """A scheduler request with its own random generator: a seeded one draws from its seed
+        (sample i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's
+        generator now, so its tokens never depend on who shares its steps."""
+        if params.seed is not None:
+            rng = np.random.default_rng(params.seed if index == 0 else [params.seed, index])
+            if index:
+                params = dataclasses.replace(params, seed=None)
+        else:
+            with self._rng_lock:
+                rng = np.random.default_rng(int(self._rng.integers(2 ** 63)))
+        return Request(prompt_ids, params, rng, self.tokenizer, self.n_ctx, kind=kind, index=index,
+                       max_context=max_context, on_event=on_event)
 
-        if len(prompt_ids) > self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx} (n_ctx); "
-                "shorten the prompt or raise n_ctx")
-        budget = self.n_ctx - len(prompt_ids) + 1      # the last token needs no KV slot of its own
-        max_tokens = params.max_tokens if params.max_tokens is not None else budget
-        if max_tokens == 0:
-            yield _Step(None, "", "length")
-            return
-        sampler = Sampler(params, self._rng)
-        stops = _StopMatcher(params.stop or [])
-        dec = StreamDecoder(self.tokenizer, skip_special=True)
-        eog = set() if params.ignore_eos else set(self.tokenizer.eog_ids)
-        stop_ids = set(params.stop_token_ids)
-        seq = self.engine.new_sequence()       # this stream's own rows in the shared KV cache
-        logits = self.engine.forward(prompt_ids, seq=seq)
-        history = list(prompt_ids)
-        n = 0
-        while True:
-            _check_logits(logits, f"after {len(history)} tokens")
-            tok = sampler(logits, history)
-            history.append(tok)
-            n += 1
-            if tok in eog or tok in stop_ids:
-                yield _Step(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop", tok if tok in stop_ids else None)
-                return
-            text, hit = stops.feed(dec.push(tok))
-            if hit is not None:
-                yield _Step(tok, text, "stop", hit)
-                return
-            if n >= max_tokens or n >= budget:
-                tail, hit = stops.feed(dec.flush())
-                yield _Step(tok, text + tail + (stops.flush() if hit is None else ""),
-                            "stop" if hit is not None else "length", hit)
-                return
-            yield _Step(tok, text)
-            logits = self.engine.forward([tok], seq=seq)
+    def _events(self, req: Request) -> Iterator[StepOutput]:
+        """A submitted request's outputs until its last; cancels it if the caller stops early."""
+        try:
+            while True:
+                out = self.scheduler.next_event(req)
+                if out.error is not None:
+                    raise out.error
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if not req.done:
+                self.scheduler.cancel(req)
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
-        """One whole generation. It holds the engine for the whole call (no generator escapes
-        here), so another thread's call waits instead of forcing a KV rebuild at every step."""
+    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+        """Yields text pieces as tokens are generated; the last step carries finish_reason.
+        The stream is a sequence of its own in the shared batch (closing it frees its cells)."""
+        req = self._request(prompt_ids, params)
+        self.scheduler.submit(req)
+        yield from self._events(req)
+
+    def _collect(self, req: Request) -> CompletionOutput:
         ids: list[int] = []
         pieces: list[str] = []
+        lps: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
         finish, reason = "length", None
-        with self.engine.lock:
-            for step in self._stream(prompt_ids, params):
-                if step.token is not None:
-                    ids.append(step.token)
-                pieces.append(step.text)
-                if step.finish_reason:
-                    finish, reason = step.finish_reason, step.stop_reason
-        return ids, "".join(pieces), finish, reason
+        for step in self._events(req):
+            if step.token is not None:
+                ids.append(step.token)
+                if lps is not None:
+                    lps.append({step.token: step.logprob, **(step.top_logprobs or {})})
+            pieces.append(step.text)
+            if step.finish_reason:
+                finish, reason = step.finish_reason, step.stop_reason
+        cum = None if lps is None else float(sum(d[t] for d, t in zip(lps, ids)))
+        return CompletionOutput(req.index, "".join(pieces), ids, finish, reason, lps, cum)
+
+    def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
+        """One whole generation, batched with whatever else runs on this LLM."""
+        req = self._request(prompt_ids, params)
+        self.scheduler.submit(req)
+        out = self._collect(req)
+        return out.token_ids, out.text, out.finish_reason, out.stop_reason
 
     # ---------------------------------------------------------------- vLLM-style
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); vLLM-shaped results.
 
-        `sampling_params`: one SamplingParams for every prompt, or a list of one per prompt."""
+        All prompts (and the `n` samples of each) run as sequences of one continuous batch;
+        each result is what that prompt gives alone. `sampling_params`: one SamplingParams for
+        every prompt, or a list of one per prompt."""
         prompts = self._prompt_list(prompts)
         if sampling_params is None:
             per_prompt = [SamplingParams()] * len(prompts)
@@ -455,14 +422,26 @@ class LLM:
             raise ConfigError(f"sampling_params must be a SamplingParams (or a list of one per prompt), got "
                               f"{_type_name(sampling_params)} {_short(sampling_params)}{hint}")
         all_ids = [self._prompt_ids(p) for p in prompts]      # every prompt checked before any work
+        reqs = [[self._request(ids, params, i) for i in range(params.n)] for ids, params in zip(all_ids, per_prompt)]
+        t0 = time.perf_counter()
+        submitted: list[Request] = []
+        try:
+            for group in reqs:
+                for r in group:
+                    self.scheduler.submit(r)
+                    submitted.append(r)
+            outs = [[self._collect(r) for r in group] for group in reqs]
+        finally:
+            for r in submitted:
+                if not r.done:
+                    self.scheduler.cancel(r)
         results = []
-        for p, ids, params in zip(prompts, all_ids, per_prompt):
-            t0 = time.perf_counter()
-            out_ids, text, finish, reason = self._run(ids, params)
+        for p, ids, group, out in zip(prompts, all_ids, reqs, outs):
+            first = min((r.t_first for r in group if r.t_first is not None), default=None)
             results.append(RequestOutput(
                 request_id=uuid.uuid4().hex[:12], prompt=p if isinstance(p, str) else None, prompt_token_ids=ids,
-                outputs=[CompletionOutput(0, text, out_ids, finish, reason)],
-                metrics={"seconds": time.perf_counter() - t0}))
+                outputs=out, metrics={"seconds": time.perf_counter() - t0,
+                                      "time_to_first_token": None if first is None else first - group[0].t_submit}))
         return results
 
     @staticmethod

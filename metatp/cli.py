@@ -1,4 +1,4 @@
-"""The `metatp` command: generate, info, dump, bench. llama.cpp's flag spellings where they exist.
+"""The `metatp` command: generate, serve, info, dump, bench, batched-bench. llama.cpp's flag spellings where they exist.
 
 Every deliberate error is one line on stderr and a non-zero exit, never a traceback.
 """
@@ -85,6 +85,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from metatp.api import LLM
+    from metatp.server import serve
+
+    import importlib.util
+
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'")
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
+    options = layout_kwargs(args)
+    if args.threads:
+        os.environ["METATP_NUM_THREADS"] = str(args.threads)     # the compiled kernels' thread count
+    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
+              n_batch=args.batch_size, verbose=True, **options)
+    key = args.api_key or os.environ.get("METATP_API_KEY") or None
+    print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
+          f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences)", file=sys.stderr, flush=True)
+    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, parallel=args.parallel,
+          max_waiting=args.max_waiting, log_level=args.log_level)
+    return 0
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from metatp.tools.info import print_info
 
@@ -112,6 +137,20 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(func=_cmd_generate)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_model_args(sv)
+    add_layout_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    sv.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (slots; default 4)")
+    sv.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step, prompts chunked to fit (default 512)")
+    sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
+    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")
+    sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
+    sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (METATP_NUM_THREADS)")
+    sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=_cmd_serve)
+
     i = sub.add_parser("info", help="print metadata, tensor types and sizes")
     i.add_argument("-m", "--model", default=None)
     i.set_defaults(func=_cmd_info)
@@ -128,6 +167,9 @@ def _build_parser() -> argparse.ArgumentParser:
         _bench.add_parser(sub)
     except ImportError:
         pass
+    from metatp.tools import batched_bench as _batched_bench
+
+    _batched_bench.add_parser(sub)
     return ap
 
 

@@ -1,15 +1,24 @@
-"""The forward-pass engine: graphs and plans per batch shape, weights on the backend, one KV cache.
+"""The forward-pass engine: graphs and plans per batch shape, weights on the backend, a unified KV cache.
 
 Graphs are built and compiled once per (n_tokens, padded KV length, n_outputs) and reused,
 so decoding a token costs one pass over prepared closures, not a rebuild.
 
-One KV cache serves every sequence of an `LLM` (streams advanced in turn, threads): each
-sequence is a `SequenceState` that records the forward calls that built its cache rows. The
-engine remembers which sequence the cache currently holds; when another one takes its next
-step, its rows are rebuilt by replaying its calls exactly as they ran (same chunks, same
-plans), which gives bit-identical rows -- the backend contract has no in-place KV write to
-restore a snapshot with. All of it runs under one lock per engine, held for one forward call
-(never across a generator's yield). The one-sequence case costs a lock and an identity check.
+The KV cache is one block of `n_ctx` cells shared by every sequence (llama.cpp's unified
+cache): `metatp.kv_cells` says which sequence owns each cell. One engine step (`run`) takes
+rows of many sequences -- the decode token of each running one, chunks of new prompts --
+and computes them in one or a few forward passes; the attention mask keeps every row inside
+its own sequence, and logits are read only at the rows that are sampled.
+
+Batch invariance (a sequence's logits do not depend on what shares its step): rows are
+grouped into passes the same way whatever their neighbours are. A pass of at most
+`SMALL_PASS_ROWS` rows takes the backend's few-token path (on numpy the compiled kernels,
+whose per-row sums do not depend on the other rows or on where a sequence's cells are, see
+`run`); longer prompt chunks run in passes of their own. Every sequence's cells start on a KV_PAGE
+boundary where possible, so attention meets its window at the same phase as alone (see
+tests/test_batching.py for where bit-identity holds and where not). Pass lengths are rounded up
+to a few buckets with padding rows, so that a handful of plans serve every batch size.
+A step that fails commits nothing: a sequence's positions advance only after every pass of
+its step succeeded, so a half-written row is rewritten, never read.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -27,17 +37,28 @@ from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD
 from metatp.ir.tensor import Flag, GGMLType
+from metatp.kv_cells import KVCells, SeqCells
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["Engine", "SequenceState", "sliding_window_mask"]
+__all__ = ["Engine", "StepItem", "SeqCells", "sliding_window_mask", "padded_kv", "SMALL_PASS_ROWS"]
+
+# Rows per pass for decode tokens and short prompts: the few-token path of the numpy backend
+# (its compiled kernels take up to 16 rows; longer passes go to BLAS, whose sums are not
+# batch-invariant). Every backend runs these passes; only their speed differs.
+SMALL_PASS_ROWS = 16
+# Sequences' cell ranges start on multiples of this where they can (see metatp.kv_cells): the
+# numpy attention kernel cuts the KV length into chunks at absolute multiples of 128 cells
+# (ATTN_CHUNK in backends/csrc/cpu_kernels.c), so a range starting on one has the chunk and block
+# boundaries it has alone from cell 0 (vLLM's KV blocks are the same idea).
+KV_PAGE = 128
 
 
 def sliding_window_mask(mask: np.ndarray, pos: np.ndarray, window: int) -> np.ndarray:
     """The causal mask with rows `window` or more positions back hidden as well (llama.cpp's standard
-    SWA: the token at position p sees cache row j iff j <= p and p - j < window). Cache row j
-    holds position j, as the engine writes token p to row p."""
+    SWA: the token at position p sees cache row j iff j <= p and p - j < window), for a mask
+    whose cache row j holds position j (one sequence from cell 0)."""
     if window <= 0:
         return mask
     rows = np.arange(mask.shape[1])
@@ -51,21 +72,38 @@ def padded_kv(n_used: int, n_ctx: int) -> int:
     return min(-(-n_used // KV_PAD) * KV_PAD, n_ctx)
 
 
-class SequenceState:
-    """One sequence's claim on the shared KV cache: the forward calls that built its rows.
+def bucket_rows(n: int, cap: int) -> int:
+    """Rows a pass of `n` real rows is padded to (one plan per bucket): 1, 2, 4, then multiples
+    of 4 up to 16, then of 32, at most `cap`."""
+    if n <= 2:
+        b = n
+    elif n <= SMALL_PASS_ROWS:
+        b = -(-n // 4) * 4
+    else:
+        b = -(-n // 32) * 32
+    return max(n, min(b, cap))
 
-    Replaying `calls` in order (from an empty cache) rebuilds exactly the rows the sequence
-    had, because each call runs the same chunks through the same plans again."""
 
-    __slots__ = ("calls", "n_past")
+@dataclass
+class StepItem:
+    """One sequence's part of a step: `tokens` at its next positions; which logits it wants:
+    "last" (the row sampled next), "all" (scoring) or "none" (a prompt chunk that is not the end)."""
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, ...], bool]] = []     # (tokens, all_logits) per forward call
-        self.n_past = 0
+    seq: SeqCells
+    tokens: list[int]
+    logits: str = "last"
+
+
+@dataclass
+class _Row:
+    item: int           # index into the step's items
+    pos: int            # position in its sequence
+    token: int
+    out: bool           # logits wanted here
 
 
 class Engine:
-    """Runs forward passes of one model on a backend; sequences share one KV cache (see module doc)."""
+    """Runs forward passes of one model on a backend; sequences share one KV cache of `n_ctx` cells."""
 
     def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend: Backend, n_batch: int = 512) -> None:
         self.model = model
@@ -74,14 +112,14 @@ class Engine:
         self.backend = backend
         self.n_batch = n_batch
         self.tensors = ModelTensors(model, n_ctx, GGMLType.F32)
-        self.n_past = 0
+        self.cells = KVCells(n_ctx, page=KV_PAGE)
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
-        self.max_plans = 12
+        self.max_plans = 32
         self._uploaded = False
         self._weight_states: dict = {}
-        self.lock = threading.RLock()       # one forward step (or one whole call) at a time
-        self._owner: SequenceState | None = None    # the sequence whose rows the cache holds
-        self.replays = 0                    # sequences rebuilt after another one used the cache
+        self.lock = threading.RLock()       # one step at a time (steps come from any thread)
+        self._anon: SeqCells | None = None  # the sequence `forward` without `seq` continues
+        self.passes = 0                     # forward passes run (statistics)
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
@@ -164,94 +202,142 @@ class Engine:
                     f"weight {t.name!r} is split as {plan.of(t).state} in a {plan.graph.name} plan but was "
                     f"loaded as {want}; plans of one model must agree on weight splits")
 
-    # ---------------------------------------------------------------- running
+    # ---------------------------------------------------------------- sequences
+    def new_sequence(self, n_cells: int = 0) -> SeqCells:
+        """A fresh sequence owning `n_cells` cells now (it grows on demand past them)."""
+        return self.cells.reserve(n_cells)
+
+    def free(self, seq: SeqCells) -> None:
+        """The sequence ended (finished, failed or cancelled): its cells go back to the pool."""
+        self.cells.free(seq)
+        if seq is self._anon:
+            self._anon = None
+
+    @property
+    def n_past(self) -> int:
+        """Tokens in the anonymous sequence (the one `forward` without `seq` continues)."""
+        return self._anon.n_past if self._anon is not None else 0
+
     def reset(self) -> None:
-        """Start the anonymous sequence (forward without `seq`) from an empty cache."""
+        """Start the anonymous sequence over (its cells are freed)."""
         with self.lock:
-            self.n_past = 0
-            self._owner = None
+            if self._anon is not None:
+                self.free(self._anon)
 
-    def new_sequence(self) -> SequenceState:
-        """A fresh sequence; pass it to `forward(seq=...)` for every step of that sequence."""
-        return SequenceState()
-
+    # ---------------------------------------------------------------- running
     def forward(self, tokens: Sequence[int], all_logits: bool = False,
-                seq: SequenceState | None = None) -> np.ndarray:
-        """Feed `tokens` after the cached ones; logits for the last token (or every token).
+                seq: SeqCells | None = None) -> np.ndarray:
+        """Feed `tokens` after the cached ones of one sequence; logits for the last token (or every token).
 
-        Without `seq`, continues the anonymous sequence at `self.n_past` (tools and tests drive
-        the cache directly). With `seq`, continues that sequence, first rebuilding its rows if
-        another sequence used the cache since its last step."""
+        Without `seq`, continues the anonymous sequence (tools and tests drive the cache directly)."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ConfigError("forward needs at least one token")
         with self.lock:
             if seq is None:
-                self._owner = None
-                return self._forward(tokens, all_logits)
-            if seq.n_past + len(tokens) > self.n_ctx:
-                raise ContextOverflowError(
-                    f"{seq.n_past + len(tokens)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
-            if self._owner is not seq:
-                self._restore(seq)
-            try:
-                out = self._forward(tokens, all_logits)
-            except BaseException:
-                self._owner = None      # rows past seq.n_past may be half written: rebuild next time
-                raise
-            seq.calls.append((tuple(tokens), all_logits))
-            seq.n_past = self.n_past
-            return out
+                if self._anon is None:
+                    self._anon = self.cells.reserve(0)
+                seq = self._anon
+            return self.run([StepItem(seq, tokens, "all" if all_logits else "last")])[0]
 
-    def _restore(self, seq: SequenceState) -> None:
-        """Rebuild `seq`'s cache rows by replaying its forward calls exactly as they ran."""
-        self._owner = None
-        self.n_past = 0
-        if seq.calls:
-            self.replays += 1
-        for toks, all_logits in seq.calls:
-            self._forward(list(toks), all_logits)
-        if self.n_past != seq.n_past:       # cannot happen unless the call log was tampered with
-            raise UnsupportedOpError(f"replaying a sequence gave {self.n_past} cached tokens, expected {seq.n_past}")
-        self._owner = seq
+    def run(self, items: Sequence[StepItem]) -> list[np.ndarray | None]:
+        """One engine step: every item's tokens at its sequence's next positions, each sequence at
+        most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all")
+        or None. Rows are split into passes (decode tokens and short chunks in passes of at most
+        SMALL_PASS_ROWS rows, longer chunks in passes of up to n_batch rows); positions are
+        committed only when every pass succeeded."""
+        items = list(items)
+        if len({id(it.seq) for it in items}) != len(items):
+            raise ConfigError("a step may carry each sequence only once")
+        n_vocab = self.model.hparams.n_vocab
+        small: list[_Row] = []
+        large: list[_Row] = []
+        for k, it in enumerate(items):
+            if not it.tokens:
+                raise ConfigError("forward needs at least one token")
+            if it.logits not in ("last", "all", "none"):
+                raise ConfigError(f"logits must be 'last', 'all' or 'none', got {it.logits!r}")
+            ids = np.asarray(it.tokens, dtype=np.int64)
+            if ids.min() < 0 or ids.max() >= n_vocab:
+                bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+                raise ConfigError(f"token id {bad} is out of range for a vocabulary of {n_vocab}")
+            end = it.seq.n_past + len(it.tokens)
+            if end > self.n_ctx:
+                raise ContextOverflowError(f"{end} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
+            if it.seq.freed:
+                raise ConfigError(f"sequence {it.seq.id} has ended; start a new one")
+            self.cells.grow(it.seq, end)
+            n = len(it.tokens)
+            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (it.logits == "last" and i == n - 1))
+                    for i, t in enumerate(it.tokens)]
+            (small if n <= SMALL_PASS_ROWS else large).extend(rows)
+        keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
+        got: dict[int, list[np.ndarray]] = {}
+        with self.lock:
+            step_small = min(SMALL_PASS_ROWS, self.n_batch)
+            passes = [small[i:i + step_small] for i in range(0, len(small), step_small)]
+            passes += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
+            for rows in passes:
+                for row, logits in zip([r for r in rows if r.out], self._run_pass(items, rows, keep)):
+                    got.setdefault(row.item, []).append(logits)
+            for it in items:          # every pass succeeded: the rows are the sequences' own now
+                it.seq.n_past += len(it.tokens)
+        out: list[np.ndarray | None] = []
+        for k, it in enumerate(items):
+            rows = got.get(k)
+            out.append(None if rows is None else np.stack(rows) if it.logits == "all" else rows[-1])
+        return out
 
-    def _forward(self, tokens: list[int], all_logits: bool) -> np.ndarray:
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise ContextOverflowError(
-                f"{self.n_past + len(tokens)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
-        outs = []
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            last = start + self.n_batch >= len(tokens)
-            n_out = len(chunk) if all_logits else (1 if last else 0)
-            logits = self._forward_chunk(chunk, n_out)
-            if logits is not None:
-                outs.append(logits)
-        return np.concatenate(outs, axis=0) if all_logits else outs[-1][-1]
+    def _run_pass(self, items: list[StepItem], rows: list[_Row], keep: dict[int, int]) -> list[np.ndarray]:
+        """One forward pass over `rows` (padded to a bucket); the logits of the rows that want them.
 
-    def _forward_chunk(self, tokens: list[int], n_outputs: int) -> np.ndarray | None:
-        T = len(tokens)
-        n_kv = padded_kv(self.n_past + T, self.n_ctx)
-        spec = BatchSpec(T, n_kv, max(n_outputs, 1))
+        The one place that feeds the executable: a process-per-device runner hooks in here."""
+        T = len(rows)
+        cap = min(SMALL_PASS_ROWS, self.n_batch) if T <= SMALL_PASS_ROWS else self.n_batch
+        T_pad = bucket_rows(T, max(cap, T))
+        scratch = self.cells.scratch_cells(T_pad - T, keep) if T_pad > T else np.zeros(0, np.int32)
+        if scratch.size < T_pad - T:            # a full cache: no room for padding rows
+            T_pad, scratch = T, scratch[:0]
+        out_rows = [i for i, r in enumerate(rows) if r.out]
+        n_out = len(out_rows)
+        n_out_pad = min(bucket_rows(n_out, T_pad), T_pad) if n_out else 1
+        cells = np.empty(T_pad, dtype=np.int32)
+        pos = np.zeros(T_pad, dtype=np.int32)
+        ids = np.zeros(T_pad, dtype=np.int32)
+        for i, r in enumerate(rows):
+            cells[i] = items[r.item].seq.cells[r.pos]
+            pos[i], ids[i] = r.pos, r.token
+        cells[T:] = scratch
+        hi = max(int(cells.max()), max((int(items[r.item].seq.cells[: r.pos + 1].max()) for r in rows), default=0))
+        n_kv = padded_kv(hi + 1, self.n_ctx)
+        spec = BatchSpec(T_pad, n_kv, n_out_pad)
         plan, ex = self.plan_for(spec)
         inp = plan.graph.meta["inputs"]
-        pos = np.arange(self.n_past, self.n_past + T, dtype=np.int32)
-        ids = np.asarray(tokens, dtype=np.int64)
-        n_vocab = self.model.hparams.n_vocab
-        if ids.min() < 0 or ids.max() >= n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
-            raise ConfigError(f"token id {bad} is out of range for a vocabulary of {n_vocab}")
-        mask = np.full((T, n_kv), -np.inf, dtype=np.float32)
-        for i in range(T):
-            mask[i, : self.n_past + i + 1] = 0.0
-        feed = {inp["tokens"]: ids.astype(np.int32), inp["pos"]: pos, inp["kv_idxs"]: pos, inp["kq_mask"]: mask}
-        if "kq_mask_swa" in inp:
-            feed[inp["kq_mask_swa"]] = sliding_window_mask(mask, pos, self.model.hparams.sliding_window)
+        window = self.model.hparams.sliding_window
+        mask = np.full((T_pad, n_kv), -np.inf, dtype=np.float32)
+        swa = mask.copy() if "kq_mask_swa" in inp else None
+        for i, r in enumerate(rows):
+            seen = items[r.item].seq.cells[: r.pos + 1]
+            mask[i, seen] = 0.0
+            if swa is not None:
+                swa[i, seen[max(0, r.pos + 1 - window):] if window > 0 else seen] = 0.0
+        for i in range(T, T_pad):                # a padding row sees only its own scratch cell
+            mask[i, cells[i]] = 0.0
+            if swa is not None:
+                swa[i, cells[i]] = 0.0
+        feed = {inp["tokens"]: ids, inp["pos"]: pos, inp["kv_idxs"]: cells, inp["kq_mask"]: mask}
+        if swa is not None:
+            feed[inp["kq_mask_swa"]] = swa
         if "out_ids" in inp:
-            feed[inp["out_ids"]] = np.arange(T - spec.n_outputs, T, dtype=np.int32)
+            sel = out_rows + [out_rows[-1] if out_rows else 0] * (n_out_pad - n_out)
+            feed[inp["out_ids"]] = np.asarray(sel, dtype=np.int32)
+        else:
+            sel = list(range(T_pad))
         ex.run(feed)
-        self.n_past += T
-        if n_outputs == 0:
-            return None
+        self.passes += 1
+        if not n_out:
+            return []
         logits = ex.read(plan.graph.meta["logits"])
-        return logits.reshape(-1, logits.shape[-1])
+        logits = logits.reshape(-1, logits.shape[-1])
+        at = {row: k for k, row in reversed(list(enumerate(sel)))}
+        return [logits[at[i]].copy() for i in out_rows]

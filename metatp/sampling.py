@@ -44,7 +44,11 @@ def check_seed(name: str, seed: Any) -> int | None:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie)."""
+    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie).
+
+    `n`: samples per prompt (vLLM); with a seed, sample i > 0 draws from its own stream of it.
+    `logprobs`: None, or report each token's log-probability (of the raw logits, as vLLM does)
+    and that many of the most likely alternatives (0: only the token's own)."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -56,8 +60,16 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not _integer(self.n) or self.n < 1:
+            raise ConfigError(f"n must be an integer >= 1, got {self.n!r}")
+        self.n = int(self.n)
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 0):
             raise ConfigError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
         if self.max_tokens is not None:

@@ -1,0 +1,447 @@
+"""Continuous batching: many requests share every engine step (vLLM's scheduler, llama-server's slots).
+
+A `Request` is one sample being generated (or one prompt being scored). Requests wait in a
+FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
+(`max_num_seqs`) and enough KV cells for prompt + max_tokens are free, so a running request
+never runs out of room. One step carries the next token of every decoding request plus
+chunks of admitted prompts, up to `n_batch` tokens (chunked prefill); each request samples
+from its own logits with its own random generator, stop strings and limits, so its tokens do
+not depend on who shares its steps.
+
+Steps are driven cooperatively: a caller waiting for its request's next output runs a step
+itself (one thread at a time; the others wait for the step lock, then find their outputs
+delivered), so the library needs no thread of its own. A server starts one driver thread
+(`start`) that steps while there is work, and requests get their outputs through callbacks.
+Cancelled requests (a closed stream, a client gone) are dropped, and their cells freed, at the
+next step boundary.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from metatp.engine import Engine, StepItem
+from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
+from metatp.kv_cells import SeqCells
+from metatp.sampling import Sampler, SamplingParams
+
+__all__ = ["Request", "StepOutput", "Scheduler", "QueueFullError", "StopMatcher", "check_logits", "Metrics"]
+
+
+class QueueFullError(MetatpError):
+    """The waiting queue is full (a server answers 503 / 429): try again later."""
+
+
+def check_logits(logits: np.ndarray, what: str) -> None:
+    """NaN or infinite logits mean a broken model (NaN weights, overflowing hyper-parameters);
+    sampling them would silently give token 0. One max is cheap next to a forward step."""
+    top = float(np.max(logits))
+    if not math.isfinite(top):
+        bad = "NaN" if math.isnan(top) or np.isnan(logits).any() else "infinite"
+        raise NumericalError(f"the model computed {bad} logits {what}; the model file is broken "
+                             "(NaN/inf weights or hyper-parameters that overflow)")
+
+
+class StopMatcher:
+    """Finds stop strings in generated text, holding back any tail that could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""          # text seen but not yet released
+
+    def feed(self, piece: str) -> tuple[str, str | None]:
+        """Returns (text safe to emit, the stop string hit or None)."""
+        self.text += piece
+        if self.stops:
+            hits = [(self.text.find(s), s) for s in self.stops if s in self.text]
+            if hits:
+                pos, s = min(hits)
+                out, self.text = self.text[:pos], ""
+                return out, s
+        if self.hold <= 0:
+            out, self.text = self.text, ""
+            return out, None
+        cut = len(self.text)
+        for k in range(min(self.hold, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                cut = len(self.text) - k
+                break
+        out, self.text = self.text[:cut], self.text[cut:]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.text = self.text, ""
+        return out
+
+
+@dataclass
+class StepOutput:
+    """What one request got from one step: a token and its text, or the end (finish_reason),
+    or an error; `logprob`/`top_logprobs` when asked for; `logits` for a scored prompt."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+
+def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, dict[int, float]]:
+    """log-softmax of the raw logits (as vLLM reports them): the token's value and the top k."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    lse = m + math.log(float(np.exp(x - m).sum()))
+    top: dict[int, float] = {}
+    if k > 0:
+        idx = np.argpartition(-x, min(k, x.size - 1))[:k]
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        top = {int(i): float(x[i] - lse) for i in idx}
+    return float(x[token] - lse), top
+
+
+class Request:
+    """One sample of one prompt (or one prompt to score) and everything it carries between steps."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, tokenizer,
+                 n_ctx: int, kind: str = "generate", index: int = 0, max_context: int | None = None,
+                 on_event: Callable[["Request", StepOutput], None] | None = None) -> None:
+        from metatp.ir.tokenizer import StreamDecoder
+
+        if len(prompt_ids) > n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx} (n_ctx); "
+                "shorten the prompt or raise n_ctx")
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.kind = kind
+        self.index = index
+        self.on_event = on_event
+        budget = n_ctx - len(prompt_ids) + 1            # the last token needs no KV slot of its own
+        if params.max_tokens is not None:
+            self.max_new = min(params.max_tokens, budget)
+        elif max_context is not None and len(prompt_ids) < max_context:
+            self.max_new = max_context - len(prompt_ids) + 1   # a server slot's share of the context
+        else:
+            self.max_new = budget
+        if kind == "score":
+            self.max_new = 0
+        self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
+        self.sampler = Sampler(params, rng)
+        self.stops = StopMatcher(params.stop or [])
+        self.decoder = StreamDecoder(tokenizer, skip_special=True)
+        self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
+        self.stop_ids = set(params.stop_token_ids)
+        self.n_logprobs = params.logprobs
+        self.state = "waiting"                # waiting | prefill | decode | done
+        self.seq: SeqCells | None = None
+        self.n_fed = 0                         # prompt tokens already in the cache
+        self.pending: int | None = None        # the sampled token the next step feeds
+        self.history = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.score_rows: list[np.ndarray] = []
+        self.events: collections.deque[StepOutput] = collections.deque()
+        self.cancelled = False
+        self.finish_reason: str | None = None
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def accept(self, logits: np.ndarray) -> StepOutput:
+        """Sample the next token from this request's logits and decide whether it ends here."""
+        check_logits(logits, f"after {len(self.history)} tokens")
+        tok = self.sampler(logits, self.history)
+        lp, top = _logprobs(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
+        self.history.append(tok)
+        self.output_ids.append(tok)
+        n = len(self.output_ids)
+        dec, stops = self.decoder, self.stops
+        if tok in self.eog or tok in self.stop_ids:
+            return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",
+                              tok if tok in self.stop_ids else None, lp, top)
+        text, hit = stops.feed(dec.push(tok))
+        if hit is not None:
+            return StepOutput(tok, text, "stop", hit, lp, top)
+        if n >= self.max_new:
+            tail, hit = stops.feed(dec.flush())
+            return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
+                              "stop" if hit is not None else "length", hit, lp, top)
+        self.pending = tok
+        return StepOutput(tok, text, None, None, lp, top)
+
+
+@dataclass
+class Metrics:
+    """Counters for /metrics (Prometheus) and the batched bench."""
+
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    max_step_seqs: int = 0
+    step_seqs_hist: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    ttft_buckets: dict[float, int] = field(default_factory=dict)
+
+    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft_sum += seconds
+        self.ttft_count += 1
+        for b in self.TTFT_BOUNDS:
+            if seconds <= b:
+                self.ttft_buckets[b] = self.ttft_buckets.get(b, 0) + 1
+
+
+class Scheduler:
+    """Admits, batches and steps requests over one engine (see the module doc)."""
+
+    def __init__(self, engine: Engine, max_num_seqs: int = 16, max_waiting: int | None = None,
+                 n_batch: int | None = None) -> None:
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.n_batch = n_batch or engine.n_batch
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._state = threading.Lock()
+        self._changed = threading.Condition(self._state)    # work arrived / outputs delivered
+        self._step_lock = threading.Lock()
+        self._driver: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.metrics = Metrics()
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, req: Request) -> None:
+        """Queue a request (QueueFullError when the bounded waiting queue is full)."""
+        if req.n_cells > self.engine.n_ctx:
+            raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
+        with self._state:
+            if req.kind != "score" and req.max_new == 0:
+                self._finish(req, StepOutput(None, "", "length"))
+                return
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                raise QueueFullError(f"the server is busy: {len(self.waiting)} requests are waiting "
+                                     f"(--max-waiting {self.max_waiting}); retry later")
+            req.t_submit = time.perf_counter()
+            self.waiting.append(req)
+            self._changed.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request; its cells are freed at the next step boundary (or now, if it waits)."""
+        with self._state:
+            if req.done:
+                return
+            req.cancelled = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+                req.state = "done"
+                req.finish_reason = "cancelled"
+                self.metrics.requests_cancelled += 1
+            self._changed.notify_all()
+
+    def next_event(self, req: Request, timeout: float | None = None) -> StepOutput:
+        """The request's next output, stepping the engine while it has none (see the module doc)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._state:
+                if req.events:
+                    return req.events.popleft()
+                if req.done:
+                    raise UnsupportedOpError("the request has ended and has no more outputs")
+                if self._driver is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("no output within the timeout")
+                    self._changed.wait(timeout=left if left is not None else 1.0)
+                    continue
+            if not self.step() :
+                with self._state:
+                    if not req.events and not req.done and not self._step_lock.locked():
+                        raise UnsupportedOpError("the scheduler has nothing to run but a request is unfinished")
+
+    @property
+    def n_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        with self._state:
+            return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> bool:
+        """One step: drop cancelled requests, admit waiting ones, run every running one a token
+        (or a prompt chunk) further. Returns whether it ran anything."""
+        with self._step_lock:
+            items, reqs = self._compose()
+            if not items:
+                return False
+            try:
+                outs = self.engine.run(items)
+            except Exception as e:                  # the pass is lost: its requests fail, others go on
+                with self._state:
+                    for r in reqs:
+                        self._fail(r, e)
+                return True
+            now = time.perf_counter()
+            with self._state:
+                m = self.metrics
+                m.steps += 1
+                m.max_step_seqs = max(m.max_step_seqs, len(reqs))
+                m.step_seqs_hist[len(reqs)] += 1
+                for r, it, logits in zip(reqs, items, outs):
+                    self._advance(r, it, logits, now)
+                self._changed.notify_all()
+            return True
+
+    def _compose(self) -> tuple[list[StepItem], list[Request]]:
+        """Admit what fits, then the step's items: decode tokens first, then prompt chunks (FIFO)."""
+        with self._state:
+            for r in [r for r in self.running if r.cancelled]:
+                self.running.remove(r)
+                self._release(r)
+                r.state, r.finish_reason = "done", "cancelled"
+                self.metrics.requests_cancelled += 1
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                r = self.waiting[0]
+                seq = self.engine.cells.try_reserve(r.n_cells)
+                if seq is None:
+                    break
+                self.waiting.popleft()
+                r.seq, r.state = seq, "prefill"
+                self.running.append(r)
+            items: list[StepItem] = []
+            reqs: list[Request] = []
+            budget = self.n_batch
+            for r in self.running:
+                if r.state == "decode":
+                    items.append(StepItem(r.seq, [r.pending], "last"))
+                    reqs.append(r)
+                    budget -= 1
+            for r in self.running:
+                if r.state != "prefill" or budget <= 0:
+                    continue
+                chunk = r.prompt_ids[r.n_fed:r.n_fed + budget]
+                last = r.n_fed + len(chunk) == len(r.prompt_ids)
+                items.append(StepItem(r.seq, chunk, "all" if r.kind == "score" else "last" if last else "none"))
+                reqs.append(r)
+                budget -= len(chunk)
+            return items, reqs
+
+    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, now: float) -> None:
+        """Deliver one step's result to its request (under the state lock)."""
+        if r.state == "prefill":
+            r.n_fed += len(it.tokens)
+            self.metrics.prompt_tokens += len(it.tokens)
+            if r.kind == "score":
+                r.score_rows.append(logits)
+                if r.n_fed == len(r.prompt_ids):
+                    out = np.concatenate(r.score_rows, axis=0)
+                    try:
+                        check_logits(out, f"for a sequence of {len(r.prompt_ids)} tokens")
+                    except Exception as e:  # noqa: BLE001 -- delivered to the caller
+                        self._fail(r, e)
+                        return
+                    self._finish(r, StepOutput(None, "", "stop", logits=out))
+                return
+            if r.n_fed < len(r.prompt_ids):
+                return
+            r.state = "decode"
+        try:
+            out = r.accept(logits)
+        except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
+            self._fail(r, e)
+            return
+        self.metrics.generated_tokens += 1
+        if r.t_first is None:
+            r.t_first = now
+            self.metrics.observe_ttft(now - r.t_submit)
+        if out.finish_reason is not None:
+            self._finish(r, out)
+        else:
+            self._emit(r, out)
+
+    def _emit(self, r: Request, out: StepOutput) -> None:
+        r.events.append(out)
+        if r.on_event is not None:
+            r.on_event(r, out)
+
+    def _finish(self, r: Request, out: StepOutput) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        self._release(r)
+        r.state, r.finish_reason = "done", out.finish_reason
+        self.metrics.requests_finished += 1
+        self._emit(r, out)
+
+    def _fail(self, r: Request, e: BaseException) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self._release(r)
+        r.state, r.finish_reason = "done", "error"
+        self.metrics.requests_failed += 1
+        self._emit(r, StepOutput(None, "", "error", error=e))
+
+    def _release(self, r: Request) -> None:
+        if r.seq is not None:
+            self.engine.free(r.seq)
+
+    # ---------------------------------------------------------------- driver thread (server)
+    def start(self) -> None:
+        """Step in a thread of our own while there is work (a server; callers then only wait)."""
+        with self._state:
+            if self._driver is not None:
+                return
+            self._stop.clear()
+            self._driver = threading.Thread(target=self._drive, name="metatp-scheduler", daemon=True)
+            self._driver.start()
+
+    def stop(self) -> None:
+        with self._state:
+            t, self._driver = self._driver, None
+            self._stop.set()
+            self._changed.notify_all()
+        if t is not None:
+            t.join(timeout=30)
+
+    def _drive(self) -> None:
+        while not self._stop.is_set():
+            with self._state:
+                while not (self.waiting or self.running or self._stop.is_set()):
+                    self._changed.wait(timeout=1.0)
+                if self._stop.is_set():
+                    return
+            try:
+                if not self.step():
+                    with self._state:          # e.g. only cancelled requests: wait for news
+                        self._changed.wait(timeout=0.05)
+            except BaseException as e:  # noqa: BLE001 -- the driver must outlive a bad step
+                with self._state:
+                    for r in list(self.running):
+                        self._fail(r, e)
+                    self._changed.notify_all()

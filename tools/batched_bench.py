@@ -1,0 +1,186 @@
+"""`metatp batched-bench`: throughput of B parallel sequences, in the shape of llama.cpp's llama-batched-bench.
+
+For every (PP, TG, B): B sequences each get a PP-token prompt (all prefilled together, in
+steps of at most n_batch tokens), then TG decode steps that each carry one token of every
+sequence. Columns as llama-batched-bench prints them:
+
+    PP, TG, B, N_KV (cells used: B*(PP+TG)), T_PP s, S_PP t/s (B*PP / T_PP), T_TG s,
+    S_TG t/s (B*TG / T_TG: the aggregate decode rate), T s, S t/s ((B*PP + B*TG) / T)
+
+Each configuration runs once untimed first, so every plan it needs is compiled before the
+clock starts. `--ttft` also sends B requests at once through the scheduler (as a server's
+clients would) and reports the median and worst time to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["BatchedRow", "run_config", "add_parser", "main"]
+
+
+@dataclass
+class BatchedRow:
+    pp: int
+    tg: int
+    b: int
+    n_kv: int
+    t_pp: float
+    s_pp: float
+    t_tg: float
+    s_tg: float
+    t: float
+    s: float
+    split_mode: str = "none"
+    n_devices: int = 1
+    ttft_median: float | None = None
+    ttft_max: float | None = None
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    from metatp.ir.errors import ConfigError
+
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name}: expected comma-separated integers, got {text!r}") from None
+    if not out or any(v < 0 for v in out):
+        raise ConfigError(f"{name}: expected integers >= 0, got {text!r}")
+    return out
+
+
+def _timed(engine, pp: int, tg: int, b: int, rng: np.random.Generator) -> tuple[float, float]:
+    """(prefill seconds, decode seconds) for b sequences of pp prompt and tg generated tokens."""
+    from metatp.engine import StepItem
+
+    n_vocab = engine.model.hparams.n_vocab
+    seqs = [engine.new_sequence(pp + tg) for _ in range(b)]
+    try:
+        prompts = [list(rng.integers(1, n_vocab, max(pp, 1))) for _ in range(b)]
+        t0 = time.perf_counter()
+        if pp:
+            left = [list(p) for p in prompts]
+            while any(left):                           # chunked prefill: n_batch tokens per step
+                budget, items = engine.n_batch, []
+                for s, rest in zip(seqs, left):
+                    if rest and budget > 0:
+                        chunk, rest[:] = rest[:budget], rest[budget:]
+                        items.append(StepItem(s, chunk, "none" if rest else "last"))
+                        budget -= len(chunk)
+                engine.run(items)
+        t1 = time.perf_counter()
+        for k in range(tg):
+            engine.run([StepItem(s, [int(1 + (k * 7 + i) % (n_vocab - 1))], "last") for i, s in enumerate(seqs)])
+        t2 = time.perf_counter()
+    finally:
+        for s in seqs:
+            engine.free(s)
+    return t1 - t0, t2 - t1
+
+
+def _ttft(llm, pp: int, b: int, rng: np.random.Generator) -> tuple[float, float]:
+    """Median and worst time to first token of b prompts submitted at once (continuous batching)."""
+    from metatp import SamplingParams
+
+    prompts = [[int(t) for t in rng.integers(1, llm.n_vocab, max(pp, 1))] for _ in range(b)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    ttfts = [o.metrics["time_to_first_token"] for o in outs]
+    return statistics.median(ttfts), max(ttfts)
+
+
+def run_config(llm, pp: int, tg: int, b: int, warmup: bool = True, ttft: bool = False, seed: int = 0) -> BatchedRow:
+    """One row of the table (the configuration runs once untimed first when `warmup`)."""
+    from metatp.ir.errors import ConfigError
+
+    eng = llm.engine
+    if b < 1:
+        raise ConfigError(f"-npl: the number of parallel sequences must be >= 1, got {b}")
+    if b * (pp + tg) > eng.n_ctx:
+        raise ConfigError(f"PP={pp}, TG={tg}, B={b} needs {b * (pp + tg)} KV cells but the context has "
+                          f"{eng.n_ctx}; raise -c")
+    rng = np.random.default_rng(seed)
+    if warmup:
+        _timed(eng, pp, tg, b, rng)
+    t_pp, t_tg = _timed(eng, pp, tg, b, rng)
+    t = t_pp + t_tg
+    row = BatchedRow(pp, tg, b, b * (pp + tg), t_pp, b * pp / t_pp if t_pp > 0 else 0.0, t_tg,
+                     b * tg / t_tg if t_tg > 0 else 0.0, t, b * (pp + tg) / t if t > 0 else 0.0,
+                     llm.layout.split_mode, llm.layout.n_devices)
+    if ttft:
+        if warmup:
+            _ttft(llm, pp, b, rng)
+        row.ttft_median, row.ttft_max = _ttft(llm, pp, b, rng)
+    return row
+
+
+def format_table(rows: list[BatchedRow]) -> str:
+    head = ("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+            + (" TTFT med s | TTFT max s |" if any(r.ttft_median is not None for r in rows) else ""))
+    sep = "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"
+    out = [head, sep]
+    for r in rows:
+        line = (f"| {r.pp:5d} | {r.tg:6d} | {r.b:4d} | {r.n_kv:6d} | {r.t_pp:8.3f} | {r.s_pp:8.2f} | "
+                f"{r.t_tg:8.3f} | {r.s_tg:8.2f} | {r.t:8.3f} | {r.s:8.2f} |")
+        if r.ttft_median is not None:
+            line += f" {r.ttft_median:10.3f} | {r.ttft_max:10.3f} |"
+        out.append(line)
+    return "\n".join(out)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from metatp.api import LLM
+    from metatp.cli import layout_kwargs
+
+    pps, tgs, npls = _int_list(args.npp, "-npp"), _int_list(args.ntg, "-ntg"), _int_list(args.npl, "-npl")
+    if args.threads:
+        os.environ["METATP_NUM_THREADS"] = str(args.threads)
+    need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
+    llm = LLM(args.model, n_ctx=args.n_ctx or max(need, 512), backend=args.backend, n_batch=args.batch_size,
+              max_num_seqs=max(npls), **layout_kwargs(args))
+    rows = []
+    if args.output == "md":
+        print(f"model {llm.model_path}, backend {type(llm.backend).name}, split {llm.layout.split_mode} x "
+              f"{llm.layout.n_devices}, n_ctx {llm.n_ctx}, n_batch {llm.engine.n_batch}, kernel threads "
+              f"{os.environ.get('METATP_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'default'}, "
+              f"load {os.getloadavg()[0]:.2f}\n")
+    for pp in pps:
+        for tg in tgs:
+            for b in npls:
+                row = run_config(llm, pp, tg, b, warmup=not args.no_warmup, ttft=args.ttft)
+                rows.append(row)
+                if args.output == "jsonl":
+                    print(json.dumps(asdict(row)), flush=True)
+    if args.output == "md":
+        print(format_table(rows))
+    return 0
+
+
+def add_parser(sub) -> None:
+    from metatp.cli import add_layout_args, add_model_args
+
+    p = sub.add_parser("batched-bench", help="throughput of B parallel sequences (llama-batched-bench's table)")
+    add_model_args(p)
+    add_layout_args(p)
+    p.add_argument("-npp", default="128", help="prompt tokens per sequence, comma-separated (default 128)")
+    p.add_argument("-ntg", default="32", help="generated tokens per sequence, comma-separated (default 32)")
+    p.add_argument("-npl", default="1,2,4,8", help="parallel sequences B, comma-separated (default 1,2,4,8)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: kernel threads")
+    p.add_argument("--ttft", action="store_true", help="also time to first token of B requests sent at once")
+    p.add_argument("--no-warmup", action="store_true", help="time the first run (plans compile inside it)")
+    p.add_argument("-o", "--output", default="md", choices=["md", "jsonl"])
+    p.set_defaults(func=_cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from metatp.cli import main as cli_main
+
+    return cli_main(["batched-bench", *(argv if argv is not None else sys.argv[1:])])
