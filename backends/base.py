@@ -76,6 +76,17 @@ class Backend(ABC):
         """Bytes per element this backend stores for KV-cache leaf `t` (f16 on GPUs)."""
         return np.dtype(np.float32).itemsize if t.type == GGMLType.F32 else 2
 
+    def step_rows(self) -> int:
+        """Most rows a forward pass may carry on this backend's few-token path, where a row's
+        result does not depend on the other rows of the pass (the engine packs decode tokens
+        of many sequences into passes of at most this many rows)."""
+        return 16
+
+    def kv_page(self) -> int:
+        """A sequence's KV cells should start on a multiple of this many cells: attention that
+        tiles the cache at absolute positions then meets the sequence as it does alone."""
+        return 1
+
     @abstractmethod
     def has(self, t: Tensor) -> bool:
         """Is leaf `t` (a weight or the KV cache) stored?"""

@@ -232,6 +232,14 @@ class NumpyBackend(Backend):
             pass
         return None, shared
 
+    def step_rows(self) -> int:
+        """The compiled kernels take steps of up to MAX_ROWS rows, each row's sums in an order
+        that does not depend on the others (longer steps go to BLAS, which is not so)."""
+        return qkernel.MAX_ROWS if self.use_kernels else 16
+
+    def kv_page(self) -> int:
+        return qkernel.ATTN_CHUNK
+
     def kv_itemsize(self, t: Tensor) -> int:
         """Bytes per element of a float KV cache as stored (f32 4, f16/bf16 2); for a quantized
         cache the bytes of one block (the memory plan counts those caches by their blocks)."""

@@ -1,7 +1,9 @@
 // metatp: flash attention (decode split-KV + merge, and causal prefill tiled over queries).
 //
 // Q:    f32 [D, n_head, n_tokens], element (d, h, t) at q + h*q_s1 + t*q_s2.
-// K, V: cache [D, n_head_kv, n_kv] (f16 / bf16 / f32), element (d, h, j) at k + h*k_s1 + j*k_s2.
+// K, V: cache [D, n_head_kv, n_kv] (f16 / bf16 / f32, or quantized q8_0 / q4_0 / q4_1 / q5_0 /
+//       q5_1), element (d, h, j) is element d of the head row at k + h*k_s1 + j*k_s2.
+//       Quantized rows are whole 32-element blocks, dequantized in registers as they are read.
 // mask: optional f32 [n_kv, n_tokens] additive mask (0 / -inf), element (j, t) at mask + t*mask_s1 + j.
 // kv_len: optional int32 read from device memory: keys j >= *kv_len are skipped (they must
 // be masked for every query anyway). It lets one launch (one captured CUDA graph) serve every
@@ -12,53 +14,11 @@
 // causal != 0: key j is visible to query token t only when j <= t + causal_offset
 // (causal_offset = n_kv - n_tokens when the queries are the last n_tokens positions).
 // A query with no visible key gets 0 (not NaN).
-// All strides are in elements. All scalars are int32 / float32.
-#include "quant.cuh"
+// Strides are in elements of the storage (bytes for a quantized cache). All scalars are
+// int32 / float32.
+#include "kvcache.cuh"
 
 extern __shared__ float mt_attn_smem[];
-
-// 8 consecutive K values as f32. `vec` says the address is 16-byte aligned.
-template <typename KV>
-__device__ __forceinline__ void mt_load8(const typename KV::T* p, bool vec, float* o);
-
-template <>
-__device__ __forceinline__ void mt_load8<MtF16>(const mt_u16* p, bool vec, float* o) {
-    if (vec) {
-        const uint4 u = *(const uint4*)p;
-        o[0] = mt_h2f((mt_u16)(u.x & 0xffffu)); o[1] = mt_h2f((mt_u16)(u.x >> 16));
-        o[2] = mt_h2f((mt_u16)(u.y & 0xffffu)); o[3] = mt_h2f((mt_u16)(u.y >> 16));
-        o[4] = mt_h2f((mt_u16)(u.z & 0xffffu)); o[5] = mt_h2f((mt_u16)(u.z >> 16));
-        o[6] = mt_h2f((mt_u16)(u.w & 0xffffu)); o[7] = mt_h2f((mt_u16)(u.w >> 16));
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = mt_h2f(p[i]);
-    }
-}
-template <>
-__device__ __forceinline__ void mt_load8<MtBF16>(const mt_u16* p, bool vec, float* o) {
-    if (vec) {
-        const uint4 u = *(const uint4*)p;
-        o[0] = __uint_as_float(u.x << 16); o[1] = __uint_as_float(u.x & 0xffff0000u);
-        o[2] = __uint_as_float(u.y << 16); o[3] = __uint_as_float(u.y & 0xffff0000u);
-        o[4] = __uint_as_float(u.z << 16); o[5] = __uint_as_float(u.z & 0xffff0000u);
-        o[6] = __uint_as_float(u.w << 16); o[7] = __uint_as_float(u.w & 0xffff0000u);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = mt_bf2f(p[i]);
-    }
-}
-template <>
-__device__ __forceinline__ void mt_load8<MtF32>(const float* p, bool vec, float* o) {
-    if (vec) {
-        const float4 a = *(const float4*)p;
-        const float4 b = *(const float4*)(p + 4);
-        o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w;
-        o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = p[i];
-    }
-}
 
 __device__ __forceinline__ float mt_attn_score(float dot, float scale, float softcap) {
     float s = dot * scale;
@@ -73,10 +33,10 @@ __device__ __forceinline__ float mt_attn_score(float dot, float scale, float sof
 // for q.k (K row read with 16-byte loads), an online softmax per head by one warp,
 // then P.V with one output dim per thread.
 // dynamic smem floats: NG*D (q) + NG*nth (scores) + 3*NG (m, l, alpha).
-template <typename KV, int NG>
+template <typename KT, typename VT, int NG>
 __device__ __forceinline__ void attn_decode_impl(
-    const float* __restrict__ q, const typename KV::T* __restrict__ k,
-    const typename KV::T* __restrict__ v, const float* __restrict__ mask,
+    const float* __restrict__ q, const typename KT::T* __restrict__ k,
+    const typename VT::T* __restrict__ v, const float* __restrict__ mask,
     const int* __restrict__ kv_len, float* __restrict__ out, float* __restrict__ part, int D,
     int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2,
     int v_s1, int v_s2, int mask_s1, int chunk, float scale, float softcap, int causal,
@@ -115,9 +75,9 @@ __device__ __forceinline__ void attn_decode_impl(
     int end = min(n_kv, start + chunk);
     if (causal) end = min(end, tok + causal_offset + 1);
 
-    const typename KV::T* kh = k + (mt_i64)kvh * k_s1;
-    const typename KV::T* vh = v + (mt_i64)kvh * v_s1;
-    const int vw = (int)(16 / sizeof(typename KV::T));  // elements per 16 bytes
+    const typename KT::T* kh = k + (mt_i64)kvh * k_s1;
+    const typename VT::T* vh = v + (mt_i64)kvh * v_s1;
+    const int vw = (int)(16 / sizeof(typename KT::T));  // elements per 16 bytes (float types)
     const bool kvec = ((((mt_u64)kh) & 15u) == 0) && (k_s2 % vw == 0) && (D % 8 == 0);
     const int D8 = D & ~7;
     __syncthreads();
@@ -129,10 +89,10 @@ __device__ __forceinline__ void attn_decode_impl(
             float dot[NG];
 #pragma unroll
             for (int g = 0; g < NG; ++g) dot[g] = 0.0f;
-            const typename KV::T* kr = kh + (mt_i64)j * k_s2;
+            const typename KT::T* kr = kh + (mt_i64)j * k_s2;
             for (int d = 0; d < D8; d += 8) {
                 float kf[8];
-                mt_load8<KV>(kr + d, kvec, kf);
+                KT::get8(kr, d, kvec, kf);
 #pragma unroll
                 for (int g = 0; g < NG; ++g) {
                     if (g < ng) {
@@ -143,7 +103,7 @@ __device__ __forceinline__ void attn_decode_impl(
                 }
             }
             for (int d = D8; d < D; ++d) {
-                const float kf = KV::load(kr + d);
+                const float kf = KT::get(kr, d);
 #pragma unroll
                 for (int g = 0; g < NG; ++g)
                     if (g < ng) dot[g] = fmaf(q_s[g * D + d], kf, dot[g]);
@@ -189,9 +149,9 @@ __device__ __forceinline__ void attn_decode_impl(
             for (int g = 0; g < NG; ++g)
                 if (g < ng) acc[g] *= a_s[g];
             const int nk = min(nth, end - t0);
-            const typename KV::T* vr = vh + (mt_i64)t0 * v_s2 + tid;
+            const typename VT::T* vr = vh + (mt_i64)t0 * v_s2;
             for (int i = 0; i < nk; ++i) {
-                const float vv = KV::load(vr + (mt_i64)i * v_s2);
+                const float vv = VT::get(vr + (mt_i64)i * v_s2, tid);
 #pragma unroll
                 for (int g = 0; g < NG; ++g)
                     if (g < ng) acc[g] = fmaf(s_s[g * nth + i], vv, acc[g]);
@@ -227,7 +187,9 @@ __device__ __forceinline__ void attn_decode_impl(
 //     int32 n_head_kv, int32 n_tokens, int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1,
 //     int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1, int32 chunk, float32 scale,
 //     float32 softcap, int32 causal, int32 causal_offset)
-// kv in {f16, bf16, f32} (f16/bf16 as uint16), NG in {1, 2, 4, 8} query heads per block.
+// kv in {f16, bf16, f32, q8_0, q4_0, q4_1, q5_0, q5_1} (f16/bf16 as uint16, quantized as
+// uint8 blocks with strides in bytes and D % 32 == 0), K and V of that one type;
+// NG in {1, 2, 4, 8} query heads per block.
 // grid (n_split, n_head_kv * ceil(G/NG), n_tokens), block (nth) with nth % 32 == 0,
 // nth >= max(D, 64), D <= 256; dynamic smem 4*(NG*D + NG*nth + 3*NG) bytes;
 // chunk = keys per split (n_split * chunk >= n_kv). With n_split == 1 the result goes
@@ -239,7 +201,7 @@ __device__ __forceinline__ void attn_decode_impl(
         float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,     \
         int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,    \
         float scale, float softcap, int causal, int causal_offset) {                          \
-        attn_decode_impl<KV, NG>(q, k, v, mask, kv_len, out, part, D, n_head, n_head_kv,      \
+        attn_decode_impl<KV, KV, NG>(q, k, v, mask, kv_len, out, part, D, n_head, n_head_kv,      \
                                  n_tokens, n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2,         \
                                  mask_s1, chunk, scale, softcap, causal, causal_offset);     \
     }
@@ -249,9 +211,14 @@ __device__ __forceinline__ void attn_decode_impl(
     MT_DECODE_ENTRY(kvname, KV, 4)    \
     MT_DECODE_ENTRY(kvname, KV, 8)
 
-MT_DECODE_ENTRIES(f16, MtF16)
-MT_DECODE_ENTRIES(bf16, MtBF16)
-MT_DECODE_ENTRIES(f32, MtF32)
+MT_DECODE_ENTRIES(f16, KvF16)
+MT_DECODE_ENTRIES(bf16, KvBF16)
+MT_DECODE_ENTRIES(f32, KvF32)
+MT_DECODE_ENTRIES(q8_0, KvQ8_0)
+MT_DECODE_ENTRIES(q4_0, KvQ4_0)
+MT_DECODE_ENTRIES(q4_1, KvQ4_1)
+MT_DECODE_ENTRIES(q5_0, KvQ5_0)
+MT_DECODE_ENTRIES(q5_1, KvQ5_1)
 
 // attn_merge_f32(const float *part, float *out, int32 D, int32 n_head, int32 n_tokens,
 //                int32 n_split)
@@ -284,10 +251,10 @@ extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, 
 #define MT_PF_NR 16
 #define MT_PF_BK 32
 #define MT_PF_NTH 128
-template <typename KV>
+template <typename KT, typename VT>
 __device__ __forceinline__ void attn_prefill_impl(
-    const float* __restrict__ q, const typename KV::T* __restrict__ k,
-    const typename KV::T* __restrict__ v, const float* __restrict__ mask,
+    const float* __restrict__ q, const typename KT::T* __restrict__ k,
+    const typename VT::T* __restrict__ v, const float* __restrict__ mask,
     const int* __restrict__ kv_len, float* __restrict__ out, int D, int n_head, int n_head_kv,
     int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2,
     int mask_s1, float scale, float softcap, int causal, int causal_offset) {
@@ -329,8 +296,8 @@ __device__ __forceinline__ void attn_prefill_impl(
         const int last_tok = min(n_rows - 1, r0 + MT_PF_NR - 1) / G;
         kv_end = min(kv_end, last_tok + causal_offset + 1);
     }
-    const typename KV::T* kh = k + (mt_i64)kvh * k_s1;
-    const typename KV::T* vh = v + (mt_i64)kvh * v_s1;
+    const typename KT::T* kh = k + (mt_i64)kvh * k_s1;
+    const typename VT::T* vh = v + (mt_i64)kvh * v_s1;
     __syncthreads();
 
     for (int kb = 0; kb < kv_end; kb += MT_PF_BK) {
@@ -338,7 +305,7 @@ __device__ __forceinline__ void attn_prefill_impl(
         for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
             const int kk = e / D, d = e - kk * D;
             const int j = kb + kk;
-            kv_s[kk * Dp + d] = j < kv_end ? KV::load(kh + (mt_i64)j * k_s2 + d) : 0.0f;
+            kv_s[kk * Dp + d] = j < kv_end ? KT::get(kh + (mt_i64)j * k_s2, d) : 0.0f;
         }
         __syncthreads();
 
@@ -380,7 +347,7 @@ __device__ __forceinline__ void attn_prefill_impl(
         for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
             const int kk = e / D, d = e - kk * D;
             const int j = kb + kk;
-            kv_s[kk * Dp + d] = j < kv_end ? KV::load(vh + (mt_i64)j * v_s2 + d) : 0.0f;
+            kv_s[kk * Dp + d] = j < kv_end ? VT::get(vh + (mt_i64)j * v_s2, d) : 0.0f;
         }
         __syncthreads();
 
@@ -424,7 +391,7 @@ __device__ __forceinline__ void attn_prefill_impl(
 //     int32 n_tokens, int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1,
 //     int32 v_s2, int32 mask_s1, float32 scale, float32 softcap, int32 causal,
 //     int32 causal_offset)
-// kv in {f16, bf16, f32}. grid (ceil(n_tokens * G / 16), n_head_kv), block (128), D <= 256,
+// kv as for attn_decode_*. grid (ceil(n_tokens * G / 16), n_head_kv), block (128), D <= 256,
 // dynamic smem 4*(16*D + 32*(D+1) + 16*32 + 48) bytes (> 48 KiB for D > 176: raise the
 // kernel's max_dynamic_shared_size_bytes).
 #define MT_PREFILL_ENTRY(kvname, KV)                                                          \
@@ -433,11 +400,16 @@ __device__ __forceinline__ void attn_prefill_impl(
         float* out, int D, int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1,        \
         int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, float scale,            \
         float softcap, int causal, int causal_offset) {                                       \
-        attn_prefill_impl<KV>(q, k, v, mask, kv_len, out, D, n_head, n_head_kv, n_tokens,     \
+        attn_prefill_impl<KV, KV>(q, k, v, mask, kv_len, out, D, n_head, n_head_kv, n_tokens,     \
                               n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, scale,   \
                               softcap, causal, causal_offset);                                \
     }
 
-MT_PREFILL_ENTRY(f16, MtF16)
-MT_PREFILL_ENTRY(bf16, MtBF16)
-MT_PREFILL_ENTRY(f32, MtF32)
+MT_PREFILL_ENTRY(f16, KvF16)
+MT_PREFILL_ENTRY(bf16, KvBF16)
+MT_PREFILL_ENTRY(f32, KvF32)
+MT_PREFILL_ENTRY(q8_0, KvQ8_0)
+MT_PREFILL_ENTRY(q4_0, KvQ4_0)
+MT_PREFILL_ENTRY(q4_1, KvQ4_1)
+MT_PREFILL_ENTRY(q5_0, KvQ5_0)
+MT_PREFILL_ENTRY(q5_1, KvQ5_1)

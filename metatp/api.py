@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
+from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
 from metatp.scheduler import Request, Scheduler, StepOutput
 from metatp.scheduler import StopMatcher as _StopMatcher  # noqa: F401 -- kept importable from here
@@ -146,18 +147,28 @@ class LLM:
     GPUs, else the butterfly), "butterfly", "ring", "nccl", or llama.cpp's GGML_CUDA_ALLREDUCE
     spellings "none" / "internal" (the copy-and-add butterfly).
     `max_num_seqs`: sequences decoded together in one step (continuous batching; vLLM's name).
+    `cache_type_k` / `cache_type_v`: KV cache types (llama.cpp's -ctk / -ctv): f32 (default; the
+    cupy backend keeps an f32 cache as its kv_dtype, f16), f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1;
+    V defaults to K's. A quantized cache is split by whole heads like any other (beyond llama.cpp,
+    whose -sm tensor needs an unquantized cache); its head size must be whole quant blocks.
     `backend_options`: further options of the chosen backend, checked against its table in
     `metatp.backends.registry` (cupy: cuda_graphs, wire, kv_dtype, matmul_dtype,
     multi_gpu_graphs; numpy: threads).
+    `distributed`: "auto" (one process per device when started by `mpiexec -n N`, N > 1), "mpi"
+    (even for one process) or "none". Under MPI the world size is the device count (`n_devices`
+    None means it), every rank holds only its device's slices, and rank 0's prompt and sampled
+    tokens drive every rank (`metatp.backends.distributed`): every rank must make the same calls.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
-                 n_devices: int = 1, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
+                 n_devices: int | None = None, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
                  seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
                  fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
-                 max_num_seqs: int = 16) -> None:
+                 max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
+                 cache_type_v: str | None = None) -> None:
         from metatp.backends import create_backend
+        from metatp.backends.distributed import init_world
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
         from metatp.models import resolve_model
@@ -175,6 +186,9 @@ class LLM:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         max_num_seqs = int(max_num_seqs)
+        cache_type(cache_type_k, "k")             # a bad name fails before the model is read
+        if cache_type_v is not None:
+            cache_type(cache_type_v, "v")
         if isinstance(n_devices, numbers.Integral) and not isinstance(n_devices, (bool, np.bool_)):
             n_devices = int(n_devices)
         for name, v in (("backend", backend), ("numerics", numerics), ("allreduce", allreduce)):
@@ -190,6 +204,15 @@ class LLM:
                                           or not isinstance(memory_budget, (str, numbers.Integral))):
             raise ConfigError(f"memory_budget must be bytes (an int) or a size like '8GiB', got {_short(memory_budget)}")
         ts = self._tensor_split(tensor_split)
+        if distributed is not None and not isinstance(distributed, str):
+            raise ConfigError(f"distributed must be 'auto', 'mpi' or 'none', got {_short(distributed)}")
+        self.world = init_world(distributed)     # None: this process holds every device
+        if self.world is not None:
+            self.world.quiet()
+            n_devices, split_mode = self.world.layout_for(n_devices, split_mode, ts)
+            seed = self.world.agree_seed(seed)
+        elif n_devices is None:
+            n_devices = 1
         if split_mode is None:
             split_mode = "tensor" if (isinstance(n_devices, int) and n_devices > 1) or ts else "none"
         self.layout = DeviceLayout(n_devices, split_mode, ts)
@@ -201,8 +224,11 @@ class LLM:
         if cpu_kernels is None:
             options.pop("cpu_kernels")          # the numpy default; not an option of other backends
         # options are checked (and the backend set up) before the model file is read
-        self.backend = create_backend(backend, self.layout, **options)
+        self.backend = (self.world.create_backend(backend, self.layout, **options) if self.world is not None
+                        else create_backend(backend, self.layout, **options))
         self.model_path = resolve_model(model, quiet=not verbose)
+        if self.world is not None:
+            self.world.check_model(self.model_path)
         self.model = load_model(self.model_path)
         hp = self.model.hparams
         if n_ctx is None:        # default: 2048, capped at what the model was trained for
@@ -215,7 +241,9 @@ class LLM:
                           "some devices get zero attention slices", stacklevel=2)
         self.tokenizer = self.model.tokenizer
         self.n_ctx = n_ctx
-        self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
+        self._cache_types = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
+        self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
+                             **self._cache_types)
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
@@ -266,7 +294,8 @@ class LLM:
             return mem
 
         def engine_for(n_ctx: int) -> Engine:
-            return Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch)
+            return Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
+                          **self._cache_types)
 
         fitted = fit_context(lambda n: engine_for(n).memory_plan(), fits, self.n_ctx)
         if fit and fitted > 0:
@@ -345,7 +374,10 @@ class LLM:
                  max_context: int | None = None, on_event=None) -> Request:
         """A scheduler request with its own random generator: a seeded one draws from its seed
         (sample i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's
-        generator now, so its tokens never depend on who shares its steps."""
+        generator now, so its tokens never depend on who shares its steps. Under MPI the prompt
+        is rank 0's on every rank (where a sequence's prompt enters the scheduler)."""
+        if self.world is not None:
+            prompt_ids = self.world.agree_tokens(prompt_ids)
         if params.seed is not None:
             rng = np.random.default_rng(params.seed if index == 0 else [params.seed, index])
             if index:

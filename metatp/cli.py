@@ -12,6 +12,7 @@ import warnings
 from typing import Sequence
 
 from metatp.backends.registry import ALLREDUCE_CHOICES
+from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.errors import ConfigError, MetatpError
 
 __all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
@@ -36,6 +37,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto | numpy | cupy (default auto)")
+    p.add_argument("-ctk", "--cache-type-k", default="f32", choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for K: " + " | ".join(KV_CACHE_TYPES) + " (default f32)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for V (default: as -ctk)")
     p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
     p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor"], help="none | tensor")
     p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
@@ -49,16 +54,22 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
-    """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count)."""
+    """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
+    under `mpiexec -n N` without either, the world size does)."""
+    from metatp.backends.distributed import launched_world_size
     from metatp.passes.plan import DeviceLayout
 
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
-    n = args.devices if args.devices is not None else (len(ts) if ts else 1)
+    n = args.devices if args.devices is not None else (len(ts) if ts else None)
+    if n is None:
+        world = launched_world_size()
+        n = world if world is not None and world > 1 else 1
     mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
     options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
     return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
             "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
-            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options}
+            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
+            "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -68,6 +79,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=seed, verbose=True, **layout_kwargs(args))
     if args.prompt is None:
         raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
+    if llm.world is not None and not llm.world.is_root:
+        sys.stdout = open(os.devnull, "w")     # under mpiexec rank 0 prints; the others follow its tokens
     kw = dict(max_tokens=None if args.n_predict < 0 else args.n_predict, temperature=args.temp, top_p=args.top_p,
               top_k=args.top_k, min_p=args.min_p, seed=seed, stop=args.stop or None,
               repeat_penalty=args.repeat_penalty, stream=True)
@@ -87,9 +100,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from metatp.api import LLM
-    from metatp.server import serve
+    from metatp.server import refuse_mpi, serve
 
     import importlib.util
+
+    refuse_mpi()        # before the model is read: every rank finds it, rank 0 says it
 
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'")
@@ -215,28 +230,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"metatp: error: {e}", file=sys.stderr)
         return 1
     warnings.showwarning = _warning_line
+    from metatp.backends.distributed import finish_error     # under mpiexec: print once, end every rank
+
     try:
         return int(args.func(args) or 0)
     except MetatpError as e:
-        print(f"metatp: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nmetatp: interrupted", file=sys.stderr)
-        return 130
+        return finish_error(e, f"metatp: error: {e}", 1)
+    except KeyboardInterrupt as e:
+        return finish_error(e, "\nmetatp: interrupted", 130)
     except BrokenPipeError:
         return 0
-    except MemoryError:
-        print("metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", file=sys.stderr)
-        return 1
+    except MemoryError as e:
+        return finish_error(e, "metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", 1)
     except RecursionError:
         print("metatp: error: the model is nested too deeply to process (recursion limit)", file=sys.stderr)
         return 1
     except Exception as e:  # a bug: still one line for the user, the traceback on request
         if os.environ.get("METATP_DEBUG"):
             raise
-        print(f"metatp: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("metatp: hint: this is a bug in metatp; rerun with METATP_DEBUG=1 for the traceback", file=sys.stderr)
-        return 2
+        return finish_error(e, f"metatp: internal error: {type(e).__name__}: {e}\n"
+                            "metatp: hint: this is a bug in metatp; rerun with METATP_DEBUG=1 for the traceback", 2)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ its own sequence, and logits are read only at the rows that are sampled.
 
 Batch invariance (a sequence's logits do not depend on what shares its step): rows are
 grouped into passes the same way whatever their neighbours are. A pass of at most
-`SMALL_PASS_ROWS` rows takes the backend's few-token path (on numpy the compiled kernels,
+`backend.step_rows()` rows takes the backend's few-token path (on numpy the compiled kernels,
 whose per-row sums do not depend on the other rows or on where a sequence's cells are, see
-`run`); longer prompt chunks run in passes of their own. Every sequence's cells start on a KV_PAGE
-boundary where possible, so attention meets its window at the same phase as alone (see
+`run`); longer prompt chunks run in passes of their own. Every sequence's cells start on a multiple of
+`backend.kv_page()` where possible, so attention meets its window at the same phase as alone (see
 tests/test_batching.py for where bit-identity holds and where not). Pass lengths are rounded up
 to a few buckets with padding rows, so that a handful of plans serve every batch size.
 A step that fails commits nothing: a sequence's positions advance only after every pass of
@@ -27,7 +27,7 @@ import functools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -35,25 +35,17 @@ from metatp.backends.base import Backend, WeightSource
 from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
-from metatp.ir.models.common import KV_PAD
-from metatp.ir.tensor import Flag, GGMLType
+from metatp.ir.models.common import KV_PAD, cache_type
+from metatp.ir.tensor import Flag
 from metatp.kv_cells import KVCells, SeqCells
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["Engine", "StepItem", "SeqCells", "sliding_window_mask", "padded_kv", "SMALL_PASS_ROWS"]
+if TYPE_CHECKING:
+    from metatp.backends.distributed import World
 
-# Rows per pass for decode tokens and short prompts: the few-token path of the numpy backend
-# (its compiled kernels take up to 16 rows; longer passes go to BLAS, whose sums are not
-# batch-invariant). Every backend runs these passes; only their speed differs.
-SMALL_PASS_ROWS = 16
-# Sequences' cell ranges start on multiples of this where they can (see metatp.kv_cells): the
-# numpy attention kernel cuts the KV length into chunks at absolute multiples of 128 cells
-# (ATTN_CHUNK in backends/csrc/cpu_kernels.c), so a range starting on one has the chunk and block
-# boundaries it has alone from cell 0 (vLLM's KV blocks are the same idea).
-KV_PAGE = 128
-
+__all__ = ["Engine", "StepItem", "SeqCells", "sliding_window_mask", "padded_kv"]
 
 def sliding_window_mask(mask: np.ndarray, pos: np.ndarray, window: int) -> np.ndarray:
     """The causal mask with rows `window` or more positions back hidden as well (llama.cpp's standard
@@ -72,13 +64,15 @@ def padded_kv(n_used: int, n_ctx: int) -> int:
     return min(-(-n_used // KV_PAD) * KV_PAD, n_ctx)
 
 
-def bucket_rows(n: int, cap: int) -> int:
+def bucket_rows(n: int, cap: int, small: int) -> int:
     """Rows a pass of `n` real rows is padded to (one plan per bucket): 1, 2, 4, then multiples
-    of 4 up to 16, then of 32, at most `cap`."""
+    of 4 up to 16, of 16 up to `small` (the few-token path), then of 32, at most `cap`."""
     if n <= 2:
         b = n
-    elif n <= SMALL_PASS_ROWS:
+    elif n <= 16:
         b = -(-n // 4) * 4
+    elif n <= small:
+        b = -(-n // 16) * 16
     else:
         b = -(-n // 32) * 32
     return max(n, min(b, cap))
@@ -105,14 +99,23 @@ class _Row:
 class Engine:
     """Runs forward passes of one model on a backend; sequences share one KV cache of `n_ctx` cells."""
 
-    def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend: Backend, n_batch: int = 512) -> None:
+    def __init__(self, model: Model, n_ctx: int, layout: DeviceLayout, backend: Backend, n_batch: int = 512,
+                 world: World | None = None, cache_type_k: str = "f32", cache_type_v: str | None = None) -> None:
         self.model = model
         self.n_ctx = n_ctx
         self.layout = layout
         self.backend = backend
         self.n_batch = n_batch
-        self.tensors = ModelTensors(model, n_ctx, GGMLType.F32)
-        self.cells = KVCells(n_ctx, page=KV_PAGE)
+        # one process per device (metatp.backends.distributed): rank 0's tokens drive every rank.
+        # `forward` agrees on its tokens here; the scheduler agrees on prompts and sampled tokens.
+        self.world = world
+        kt = cache_type(cache_type_k, "k")
+        vt = kt if cache_type_v is None else cache_type(cache_type_v, "v")
+        self.tensors = ModelTensors(model, n_ctx, kt, vt)     # ConfigError if a head is not whole blocks
+        # rows per pass on the backend's few-token path, and the cell alignment that keeps a
+        # sequence's attention at the phase it has alone (both from the backend: batch invariance)
+        self.small_rows = backend.step_rows()
+        self.cells = KVCells(n_ctx, page=backend.kv_page())
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
         self.max_plans = 32
         self._uploaded = False
@@ -229,8 +232,11 @@ class Engine:
                 seq: SeqCells | None = None) -> np.ndarray:
         """Feed `tokens` after the cached ones of one sequence; logits for the last token (or every token).
 
-        Without `seq`, continues the anonymous sequence (tools and tests drive the cache directly)."""
+        Without `seq`, continues the anonymous sequence (tools and tests drive the cache directly).
+        Under MPI (`world`) every rank feeds rank 0's tokens."""
         tokens = [int(t) for t in tokens]
+        if self.world is not None:
+            tokens = self.world.agree_tokens(tokens)
         if not tokens:
             raise ConfigError("forward needs at least one token")
         with self.lock:
@@ -244,7 +250,7 @@ class Engine:
         """One engine step: every item's tokens at its sequence's next positions, each sequence at
         most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all")
         or None. Rows are split into passes (decode tokens and short chunks in passes of at most
-        SMALL_PASS_ROWS rows, longer chunks in passes of up to n_batch rows); positions are
+        `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
         committed only when every pass succeeded."""
         items = list(items)
         if len({id(it.seq) for it in items}) != len(items):
@@ -270,11 +276,11 @@ class Engine:
             n = len(it.tokens)
             rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (it.logits == "last" and i == n - 1))
                     for i, t in enumerate(it.tokens)]
-            (small if n <= SMALL_PASS_ROWS else large).extend(rows)
+            (small if n <= self.small_rows else large).extend(rows)
         keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
         got: dict[int, list[np.ndarray]] = {}
         with self.lock:
-            step_small = min(SMALL_PASS_ROWS, self.n_batch)
+            step_small = min(self.small_rows, self.n_batch)
             passes = [small[i:i + step_small] for i in range(0, len(small), step_small)]
             passes += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
             for rows in passes:
@@ -293,14 +299,14 @@ class Engine:
 
         The one place that feeds the executable: a process-per-device runner hooks in here."""
         T = len(rows)
-        cap = min(SMALL_PASS_ROWS, self.n_batch) if T <= SMALL_PASS_ROWS else self.n_batch
-        T_pad = bucket_rows(T, max(cap, T))
+        cap = min(self.small_rows, self.n_batch) if T <= self.small_rows else self.n_batch
+        T_pad = bucket_rows(T, max(cap, T), self.small_rows)
         scratch = self.cells.scratch_cells(T_pad - T, keep) if T_pad > T else np.zeros(0, np.int32)
         if scratch.size < T_pad - T:            # a full cache: no room for padding rows
             T_pad, scratch = T, scratch[:0]
         out_rows = [i for i, r in enumerate(rows) if r.out]
         n_out = len(out_rows)
-        n_out_pad = min(bucket_rows(n_out, T_pad), T_pad) if n_out else 1
+        n_out_pad = min(bucket_rows(n_out, T_pad, self.small_rows), T_pad) if n_out else 1
         cells = np.empty(T_pad, dtype=np.int32)
         pos = np.zeros(T_pad, dtype=np.int32)
         ids = np.zeros(T_pad, dtype=np.int32)

@@ -161,10 +161,15 @@ class Request:
     def done(self) -> bool:
         return self.state == "done"
 
-    def accept(self, logits: np.ndarray) -> StepOutput:
-        """Sample the next token from this request's logits and decide whether it ends here."""
+    def sample(self, logits: np.ndarray) -> int:
+        """The next token from this request's logits (NumericalError for NaN/inf logits)."""
         check_logits(logits, f"after {len(self.history)} tokens")
-        tok = self.sampler(logits, self.history)
+        return self.sampler(logits, self.history)
+
+    def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
+        """Take the next token (sampled here unless given) and decide whether the request ends here."""
+        if tok is None:
+            tok = self.sample(logits)
         lp, top = _logprobs(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
         self.history.append(tok)
         self.output_ids.append(tok)
@@ -218,6 +223,9 @@ class Scheduler:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.engine = engine
+        # under MPI (one process per device) rank 0's sampled tokens are every rank's, so that
+        # every rank's scheduler makes the same decisions and runs the same passes
+        self.world = getattr(engine, "world", None)
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.n_batch = n_batch or engine.n_batch
@@ -306,16 +314,51 @@ class Scheduler:
                     for r in reqs:
                         self._fail(r, e)
                 return True
+            picks = self._sample(reqs, items, outs)
             now = time.perf_counter()
             with self._state:
                 m = self.metrics
                 m.steps += 1
                 m.max_step_seqs = max(m.max_step_seqs, len(reqs))
                 m.step_seqs_hist[len(reqs)] += 1
-                for r, it, logits in zip(reqs, items, outs):
-                    self._advance(r, it, logits, now)
+                for r, it, logits, pick in zip(reqs, items, outs, picks):
+                    self._advance(r, it, logits, pick, now)
                 self._changed.notify_all()
             return True
+
+    @staticmethod
+    def _samples_now(r: Request, it: StepItem) -> bool:
+        """Does this step's item give its request a token (a decode step, or the prompt's last chunk)?"""
+        if r.kind == "score":
+            return False
+        return r.state == "decode" or r.n_fed + len(it.tokens) == len(r.prompt_ids)
+
+    def _sample(self, reqs: list[Request], items: list[StepItem],
+                outs: list[np.ndarray | None]) -> list[int | BaseException | None]:
+        """Per request, the token this step gives it, the error sampling raised, or None (no token
+        this step). Under MPI the step's tokens are rank 0's, agreed in one broadcast."""
+        picks: list[int | BaseException | None] = []
+        for r, it, logits in zip(reqs, items, outs):
+            if not self._samples_now(r, it):
+                picks.append(None)
+                continue
+            try:
+                picks.append(r.sample(logits))
+            except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
+                picks.append(e)
+        if self.world is None or all(p is None for p in picks):   # the same on every rank: no broadcast
+            return picks
+        mine = [p if isinstance(p, int) else -1 for p in picks]   # -1: no token (none due, or an error)
+        agreed = self.world.agree_tokens(mine)
+        out: list[int | BaseException | None] = []
+        for p, tok in zip(picks, agreed):
+            if tok >= 0:
+                out.append(tok)
+            elif p is None or isinstance(p, BaseException):
+                out.append(p)
+            else:   # logits are the same on every rank, so this is not expected; rank 0 decides
+                out.append(NumericalError("rank 0 could not sample this request's next token"))
+        return out
 
     def _compose(self) -> tuple[list[StepItem], list[Request]]:
         """Admit what fits, then the step's items: decode tokens first, then prompt chunks (FIFO)."""
@@ -351,8 +394,10 @@ class Scheduler:
                 budget -= len(chunk)
             return items, reqs
 
-    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, now: float) -> None:
-        """Deliver one step's result to its request (under the state lock)."""
+    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, pick: int | BaseException | None,
+                 now: float) -> None:
+        """Deliver one step's result to its request (under the state lock); `pick`: the token
+        `_sample` chose for it, or the error sampling raised."""
         if r.state == "prefill":
             r.n_fed += len(it.tokens)
             self.metrics.prompt_tokens += len(it.tokens)
@@ -370,9 +415,12 @@ class Scheduler:
             if r.n_fed < len(r.prompt_ids):
                 return
             r.state = "decode"
+        if isinstance(pick, BaseException):
+            self._fail(r, pick)
+            return
         try:
-            out = r.accept(logits)
-        except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
+            out = r.accept(logits, pick)
+        except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
             self._fail(r, e)
             return
         self.metrics.generated_tokens += 1

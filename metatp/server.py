@@ -33,7 +33,24 @@ try:        # module level: the handlers' string annotations (postponed evaluati
 except ImportError:        # metatp[serve] not installed: create_app says so
     HttpRequest = None      # type: ignore[assignment,misc]
 
-__all__ = ["create_app", "serve", "BadRequest"]
+__all__ = ["create_app", "serve", "BadRequest", "refuse_mpi"]
+
+MPI_REFUSAL = "serving under mpiexec is not supported yet"
+
+
+def refuse_mpi(llm: "LLM | None" = None) -> None:
+    """A ConfigError under an MPI world of more than one process (started by mpiexec, or `llm`'s
+    world): the HTTP server and its scheduler would have to drive every rank's steps. Every
+    rank raises it; rank 0 reports it (`backends.distributed.every_rank`)."""
+    from metatp.backends.distributed import every_rank, launched_world_size
+
+    if llm is None:
+        size = launched_world_size()
+    else:
+        world = getattr(llm, "world", None)
+        size = None if world is None else world.size
+    if size is not None and size > 1:
+        raise every_rank(ConfigError(MPI_REFUSAL))
 
 
 class BadRequest(Exception):
@@ -227,8 +244,11 @@ def _error_response(e: BadRequest):
 
 def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None, parallel: int = 4,
                max_waiting: int = 64):
-    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up)."""
+    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up);
+    not for an LLM spread over MPI ranks (`refuse_mpi`)."""
     from contextlib import asynccontextmanager
+
+    refuse_mpi(llm)
 
     try:
         from fastapi import FastAPI

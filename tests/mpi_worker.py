@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-mpi4py", action="store_true", help="run as if mpi4py were not installed")
     ap.add_argument("--nccl-uid", action="store_true", help="only broadcast an NCCL unique id and check it")
     ap.add_argument("--nccl-allreduce", action="store_true", help="NCCL all-reduce smoke test on GPUs")
+    ap.add_argument("--api", action="store_true",
+                    help="drive metatp.api.LLM(distributed='mpi') with rank-dependent prompts and seeds")
     args = ap.parse_args(argv)
     if args.no_mpi4py:
         sys.meta_path.insert(0, _NoMpi4py())
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
 
     world = None
     try:
+        if args.api:
+            return _api(args)
         world = init_world("mpi")
         if args.nccl_uid or args.nccl_allreduce:
             return _nccl(world, args)
@@ -111,6 +115,31 @@ def _run(world, args) -> int:
         (out / f"mem{world.rank}.json").write_text(json.dumps(facts))
         if world.rank == 0:
             np.savez(out / "result.npz", logits=logits, tokens=np.array(tokens), last=last)
+    return 0
+
+
+API_PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [250, 3]]
+
+
+def _api(args) -> int:
+    """The API under MPI: several prompts in one continuous batch, greedy and sampled. Ranks other
+    than 0 are given other prompts and seeds: rank 0's must win on every rank (prompt ids where a
+    request enters, sampled tokens per step), or the ranks drift apart or hang. Every rank writes
+    what it got."""
+    from metatp.api import LLM
+    from metatp.sampling import SamplingParams
+
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    llm = LLM(args.model, n_ctx=args.n_ctx, tensor_split=args.tensor_split, seed=rank, distributed="mpi")
+    prompts = API_PROMPTS if rank == 0 else [[3] * (4 + rank + i) for i in range(len(API_PROMPTS))]
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=args.n_gen, temperature=0))
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=args.n_gen, temperature=1.0, seed=100 + rank, n=2))
+    facts = {"rank": llm.world.rank, "size": llm.world.size,
+             "greedy": [o.outputs[0].token_ids for o in greedy],
+             "sampled": [[c.token_ids for c in o.outputs] for o in sampled],
+             "passes": llm.engine.passes}
+    if args.out:
+        (Path(args.out) / f"api{llm.world.rank}.json").write_text(json.dumps(facts))
     return 0
 
 

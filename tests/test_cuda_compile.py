@@ -44,6 +44,21 @@ def test_weight_types_match_gguf():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]] == (qk, nbytes)
 
 
+def test_kv_cache_types_match_gguf_and_the_graph():
+    """The quantized cache blocks the kernels write and read are gguf's, and every KV cache type
+    the graph offers has its set_rows and attention entry points."""
+    gguf = pytest.importorskip("gguf")
+    from metatp.ir.models.common import KV_CACHE_TYPES
+
+    for name, (qk, nbytes) in ck.KV_QUANT_TYPES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name.upper()]] == (qk, nbytes)
+    assert set(ck.CACHE_TYPES) == set(KV_CACHE_TYPES)
+    eps = ck.expected_entry_points()
+    for t in ck.CACHE_TYPES:
+        assert f"set_rows_f32_{t}" in eps["kv"] and f"attn_prefill_{t}" in eps["attn"]
+        assert all(f"attn_decode_{t}_g{g}" in eps["attn"] for g in (1, 2, 4, 8))
+
+
 def test_import_without_cupy():
     code = (
         "import sys; sys.modules['cupy'] = None\n"

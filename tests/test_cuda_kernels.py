@@ -159,3 +159,44 @@ def test_ref_rope_position_zero_is_identity():
 def test_rel_err_flags_nan():
     assert oracles.rel_err(np.array([1.0, np.nan]), np.array([1.0, 2.0])) == math.inf
     assert oracles.rel_err(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0
+
+
+@requires_cxx
+def test_quantized_cache_launchers_refuse_what_they_cannot_take():
+    """A uint8 cache must be named; rows must be whole blocks; attention needs byte strides."""
+    with using(Emulator()):
+        src = np.ones((2, 64), np.float32)
+        idx = np.array([0, 1], np.int32)
+        cache = np.zeros((4, 2 * 34), np.uint8)
+        with pytest.raises(TypeError, match="quantized type named"):
+            ck.set_rows(src, cache, idx)
+        with pytest.raises(TypeError, match="given as"):
+            ck.set_rows(src, np.zeros((4, 64), np.float16), idx, cache_type="q8_0")
+        with pytest.raises(ValueError, match="whole blocks"):
+            ck.set_rows(np.ones((2, 48), np.float32), cache, idx, cache_type="q8_0")
+        with pytest.raises(ValueError, match="cannot hold"):
+            ck.set_rows(src, np.zeros((4, 34), np.uint8), idx, cache_type="q8_0")
+        ck.set_rows(src, cache, idx, cache_type="q8_0")
+        assert np.array_equal(cache[:2], oracles.kv_quantize(src, "q8_0"))
+        q = np.ones((1, 2, 64), np.float32)
+        kv = np.zeros((8, 1, 2 * 34), np.uint8)
+        kw = dict(n_head=2, n_head_kv=1, head_dim=64, n_tokens=1, n_kv=8, scale=0.125, kv_type="q8_0")
+        with pytest.raises(ValueError, match="byte strides"):
+            ck.flash_attn_decode(q, kv, kv, np.zeros_like(q), **kw)
+        with pytest.raises(ValueError, match="whole q4_0 blocks"):
+            ck.flash_attn_decode(q, kv, kv, np.zeros_like(q), **{**kw, "head_dim": 48, "kv_type": "q4_0"},
+                                 k_strides=(68, 68), v_strides=(68, 68))
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_kv_rows_oracle(cache_type):
+    """The cache oracle: stored form and its value (within the type's rounding of the input)."""
+    pytest.importorskip("gguf")
+    x = np.random.default_rng(4).standard_normal((3, 2, 64)).astype(np.float32)
+    stored, val = oracles.kv_rows(x, cache_type)
+    assert val.shape == x.shape and val.dtype == np.float64
+    if cache_type in ck.KV_QUANT_TYPES:
+        qk, nbytes = ck.KV_QUANT_TYPES[cache_type]
+        assert stored.dtype == np.uint8 and stored.shape == (3, 2, 64 // qk * nbytes)
+    tol = {"f32": 0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 2e-2, "q5_0": 0.1, "q5_1": 0.1}.get(cache_type, 0.2)
+    assert np.abs(val - x).max() <= tol * np.abs(x).max()

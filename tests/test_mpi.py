@@ -215,6 +215,40 @@ def _cli(*args: str, n: int | None = None) -> subprocess.CompletedProcess:
 
 @needs_mpi
 @pytest.mark.skipif(not _api_is_distributed(), reason="metatp.api.LLM has no distributed= yet (MPI wiring not applied)")
+def test_api_under_mpiexec_follows_rank_0(synth_factory, tmp_path):
+    """`LLM(distributed="mpi")` batching several prompts: ranks given other prompts and seeds
+    still run rank 0's (same passes, same tokens, all stop together), and greedy tokens match
+    one process on one device."""
+    from mpi_worker import API_PROMPTS
+
+    from metatp.api import LLM
+    from metatp.sampling import SamplingParams
+
+    path, _ = synth_factory(SYNTH)
+    r = mpirun(2, "--api", "--model", str(path), "-ts", "3,1", "--n-ctx", "128", "--n-gen", "10",
+               "--out", str(tmp_path))
+    _check_ok(r)
+    facts = [json.loads((tmp_path / f"api{k}.json").read_text()) for k in range(2)]
+    assert facts[0]["size"] == 2
+    for k in ("greedy", "sampled", "passes"):
+        assert facts[1][k] == facts[0][k], k
+    one = LLM(str(path), n_ctx=128, distributed="none")
+    want = one.generate(API_PROMPTS, SamplingParams(max_tokens=10, temperature=0))
+    assert facts[0]["greedy"] == [o.outputs[0].token_ids for o in want]
+    assert all(len(ids) == 10 for ids in facts[0]["greedy"])
+
+
+@needs_mpi
+def test_serve_under_mpiexec_is_one_line(synth_factory):
+    path, _ = synth_factory(SYNTH)
+    r = _cli("serve", "-m", str(path), "-c", "128", n=2)
+    assert r.returncode == 1
+    lines = _error_lines(r)
+    assert lines == ["metatp: error: serving under mpiexec is not supported yet"], r.stderr
+
+
+@needs_mpi
+@pytest.mark.skipif(not _api_is_distributed(), reason="metatp.api.LLM has no distributed= yet (MPI wiring not applied)")
 def test_cli_generate_under_mpiexec(synth_factory):
     """`mpiexec -n 2 metatp generate -ts 3,1` prints once, the single-device run's text; a
     --devices that disagrees with the world is one line."""

@@ -171,14 +171,22 @@ def layout(n: int, ts=None):
     return DeviceLayout(n, "tensor" if n > 1 else "none", ts)
 
 
-def cupy_engine(model, n_ctx: int, n: int = 1, ts=None, **kw):
+def cupy_engine(model, n_ctx: int, n: int = 1, ts=None, cache: str | None = None, **kw):
+    """A cupy engine; `cache`: a KV cache type ("q8_0", ...) for K and V (default: the F32 graph
+    cache, stored as kv_dtype)."""
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.engine import Engine
 
     lay = layout(n, ts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Engine(model, n_ctx, lay, CupyBackend(lay, runtime=CFG.runtime(), **kw))
+        eng = Engine(model, n_ctx, lay, CupyBackend(lay, runtime=CFG.runtime(), **kw))
+    if cache is not None:
+        from metatp.ir.models import ModelTensors
+        from metatp.ir.models.common import cache_type
+
+        eng.tensors = ModelTensors(model, n_ctx, cache_type(cache), cache_type(cache, "v"))
+    return eng
 
 
 def numpy_engine(model, n_ctx: int):
@@ -448,7 +456,8 @@ def section_model(rep: Report, model, budget: Budget) -> None:
     for n, ts, kw, label in ((1, None, {}, "N=1 (f16 KV, f16 GEMM)"),
                              (1, None, {"kv_dtype": "f32", "matmul_dtype": "f32"}, "N=1 exact (f32 KV, f32 GEMM)"),
                              (3, None, {}, "N=3 virtual devices"),
-                             (3, (1.0, 2.0, 1.0), {}, "N=3 virtual, tensor_split 1,2,1")):
+                             (3, (1.0, 2.0, 1.0), {}, "N=3 virtual, tensor_split 1,2,1"),
+                             (3, (1.0, 2.0, 1.0), {"cache": "q8_0"}, "N=3 virtual, tensor_split 1,2,1, q8_0 KV cache")):
         if budget.left() < 120:
             rep.add("model", label, "skipped (time budget)", None)
             continue

@@ -3,8 +3,9 @@
 What is decided here: which GPU each device runs on (device d on ``gpus[d % len(gpus)]``), peer
 access between the GPUs in use, how a weight is stored (its GGUF encoding when only the
 matmul / get-rows kernels read it, else f32; a split cuts whole quant blocks), the KV cache's
-storage type, the all-reduce mode (NCCL set up once, `nccl.NcclGroup`) and how much scratch
-memory a plan needs. Running a plan is `executable.CupyExecutable`'s.
+storage type (the graph's cache type: f16 / bf16 16-bit, q8_0 / q4_0 / q4_1 / q5_0 / q5_1 raw
+blocks; an F32 graph cache as `kv_dtype`, f16 by default), the all-reduce mode (NCCL set up
+once, `nccl.NcclGroup`) and how much scratch memory a plan needs. Running a plan is `executable.CupyExecutable`'s.
 
 ``runtime``: the device API. `runtime.CupyRuntime` (the default) is CuPy 13/14; tests hand in
 `metatp.backends.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
@@ -25,13 +26,13 @@ from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
-from metatp.backends.cuda.storage import (KV_STORAGE, STORAGE, RawWeight, input_layout, matmul_tokens, raw_nb,
+from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, input_layout, matmul_tokens, raw_nb,
                                           weight_type_name)
 from metatp.backends.executor import np_shape
 from metatp.backends.slicing import device_slices, local_raw_shape, split_raw
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import DeviceLayout, Plan
 
 __all__ = ["CupyBackend", "RAW_READERS", "KV_DTYPES", "MATMUL_DTYPES", "MULTI_GPU_GRAPHS"]
@@ -69,8 +70,9 @@ class CupyBackend(Backend):
     run and replay it. allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
     works, else the butterfly), "nccl", "butterfly", "ring" (or llama.cpp's "none" /
     "internal": the butterfly). wire: "auto" (FP32 below `wire_thresholds`, BF16 above),
-    "f32" (exact), "bf16". kv_dtype: KV cache storage ("f16"). matmul_dtype: operand type of
-    the dequantize + cuBLAS path used above MATVEC_MAX_TOKENS tokens ("f16"; "f32" for
+    "f32" (exact), "bf16". kv_dtype: storage of an F32 graph KV cache ("f16"; a cache of
+    another graph type is stored as that type, a quantized one as its blocks). matmul_dtype:
+    operand type of the dequantize + cuBLAS path used above MATVEC_MAX_TOKENS tokens ("f16"; "f32" for
     exactness). gpus: the GPU ids to use (default all visible). multi_gpu_graphs: how a step
     over several GPUs is captured: "whole" (one graph spanning the GPUs, NCCL calls captured
     inside it; falls back to "segments" when that capture fails) or "segments" (one graph per
@@ -183,8 +185,32 @@ class CupyBackend(Backend):
         return int(np.prod(local_ne)) * 4
 
     def kv_itemsize(self, t: Tensor) -> int:
-        """Bytes per element of the KV cache as stored (an F32 cache is kept as kv_dtype, f16 by default)."""
+        """Bytes per element of a float KV cache as stored (an F32 cache is kept as kv_dtype, f16 by
+        default); for a quantized cache the bytes of one block (the memory plan counts those
+        caches by their blocks, as they are stored)."""
+        if block_size(t.type) > 1:
+            cache_storage(t.type, self.kv_dtype)          # ConfigError for a type the kernels cannot hold
+            return type_size(t.type)
         return np.dtype(self._leaf_dtype(t)).itemsize
+
+    def check_cache_types(self, plan: Plan) -> None:
+        """Before anything is allocated: every KV cache has a storage type the kernels hold, and
+        the K and V caches one attention reads are stored alike (the attention kernels are
+        compiled for K and V of one type)."""
+        for t in plan.graph.leaves:
+            if t.flags & Flag.KV_CACHE:
+                cache_storage(t.type, self.kv_dtype)
+        for node in plan.graph.nodes:
+            if node.op is not Op.FLASH_ATTN_EXT:
+                continue
+            k, v = (node.src[i].view_src or node.src[i] for i in (1, 2))
+            if not (k.flags & Flag.KV_CACHE and v.flags & Flag.KV_CACHE):
+                continue
+            kt, vt = cache_storage(k.type, self.kv_dtype)[0], cache_storage(v.type, self.kv_dtype)[0]
+            if kt != vt:
+                raise ConfigError(f"cupy backend: K cache {k.name!r} ({k.type.name.lower()}, stored as {kt}) and V cache "
+                                  f"{v.name!r} ({v.type.name.lower()}, stored as {vt}) differ; the attention kernels "
+                                  "need K and V of one type (use the same cache type for both)")
 
     def workspace_bytes(self, plan: Plan) -> list[int]:
         """Per device: device memory beyond weights, KV and the plan's arena: the scratch buffers
@@ -248,16 +274,18 @@ class CupyBackend(Backend):
         return t in self.leaf[0]
 
     def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
-        """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
+        """Zero-filled per-device buffers for a persistent leaf (the KV cache; a quantized cache as
+        uint8 rows of blocks)."""
         for d in range(self.n):
-            shape = np_shape(plan.of(t).local[d].ne)
+            ne = plan.of(t).local[d].ne
+            shape = local_raw_shape(t.type, ne) if block_size(t.type) > 1 else np_shape(ne)
             with self.rt.device(self.devices[d].gpu):
                 self.leaf[d][t] = self.rt.zeros(shape, self._leaf_dtype(t))
             self.rt.device_synchronize(self.devices[d].gpu)
 
     def _leaf_dtype(self, t: Tensor):
-        if t.flags & Flag.KV_CACHE and t.type in (GGMLType.F32, GGMLType.F16):
-            return KV_STORAGE[self.kv_dtype] if t.type == GGMLType.F32 else np.float16
+        if t.flags & Flag.KV_CACHE:
+            return cache_storage(t.type, self.kv_dtype)[1]
         try:
             return STORAGE[t.type]
         except KeyError:
@@ -299,6 +327,7 @@ class CupyBackend(Backend):
     def prepare(self, plan: Plan) -> CupyExecutable:
         ex = self._executables.get(id(plan))
         if ex is None or ex.plan is not plan:
+            self.check_cache_types(plan)
             ex = CupyExecutable(self, plan)
             self._executables[id(plan)] = ex
         return ex

@@ -35,11 +35,11 @@ from metatp.backends.cuda.device_ops import HostStep, Memset, Record, Wait
 from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, attended_length, contig_strides, graph_itemsize,
-                                          input_layout, to_float)
+                                          input_layout, is_quant_cache, to_float)
 from metatp.backends.executor import Fusion, NodeSteps, PlanExecutor, np_shape
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes, type_size
 from metatp.passes.plan import Local, Plan
 
 if TYPE_CHECKING:
@@ -180,12 +180,30 @@ class CupyExecutable(PlanExecutor):
         if isinstance(root, RawWeight):
             raise UnsupportedOpError(f"cupy backend: view {node.name!r} of the quantized weight "
                                      f"{node.view_src.name!r} is not supported")
+        if is_quant_cache(node):
+            return self._block_view(root, node, loc)
         gsz, ssz = graph_itemsize(node), root.dtype.itemsize
         for x in (loc.offs, *loc.nb):
             if x % gsz:
                 raise UnsupportedOpError(f"cupy backend: view {node.name!r} is not element-aligned")
         strides = tuple(loc.nb[i] // gsz * ssz for i in (3, 2, 1, 0))
         return self.rt.view(root, loc.offs // gsz * ssz, np_shape(loc.ne), strides, root.dtype)
+
+    def _block_view(self, root, node: Tensor, loc: Local):
+        """A view of a quantized cache: uint8, its rows whole blocks (numpy shape (ne3, ne2, ne1,
+        row bytes), byte strides as the plan says). The graph only takes such views (head rows
+        of whole blocks); anything else is refused by name."""
+        ts = type_size(node.type)
+        ne0 = loc.ne[0]
+        try:
+            rb = row_bytes(node.type, ne0)
+        except ValueError:                    # not whole blocks
+            rb = None
+        if rb is None or (ne0 > 1 and loc.nb[0] != ts) or root.dtype != np.uint8:
+            raise UnsupportedOpError(f"cupy backend: view {node.name!r} of the {node.type.name} cache "
+                                     f"{node.view_src.name!r} does not take whole blocks per row")
+        shape = (loc.ne[3], loc.ne[2], loc.ne[1], rb)
+        return self.rt.view(root, loc.offs, shape, (loc.nb[3], loc.nb[2], loc.nb[1], 1), np.uint8)
 
     def scratch_buffer(self, d: int, key: str, n: int, dtype):
         """A per-device scratch array of at least n elements (shared by every node that needs

@@ -35,7 +35,8 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 
 __all__ = [
-    "FAMILIES", "WEIGHT_TYPES", "KV_TYPES", "CHUNK_ELEMS", "COMPILE_OPTIONS", "BLOCK_1D", "NULL", "KernelEngine",
+    "FAMILIES", "WEIGHT_TYPES", "KV_TYPES", "KV_QUANT_TYPES", "CACHE_TYPES", "CHUNK_ELEMS", "COMPILE_OPTIONS",
+    "BLOCK_1D", "NULL", "KernelEngine", "cache_type_of",
     "kernel_sources", "module_source", "using", "current_engine", "get_kernel", "launch", "recording",
     "Launch", "device_ptr", "is_array", "empty", "sm_count",
     "i32", "i64", "f32", "cdiv", "grid1d", "wtype", "act_type", "estrides", "rows2d", "as4", "nd",
@@ -57,8 +58,13 @@ WEIGHT_TYPES: dict[str, tuple[int, int]] = {
     "q5_k": (256, 176),
     "q6_k": (256, 210),
 }
-#: KV-cache storage types the cache kernels write and attention reads.
+#: Float KV-cache storage types the cache kernels write and attention reads (an array's dtype says which).
 KV_TYPES = ("f16", "bf16", "f32")
+#: Quantized KV-cache types (uint8 blocks; the caller names the type): name -> (elements, bytes) per block.
+KV_QUANT_TYPES: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20),
+                                              "q5_0": (32, 22), "q5_1": (32, 24)}
+#: Every KV-cache type: K and V of one type each have their set_rows and attention entry points.
+CACHE_TYPES = KV_TYPES + tuple(KV_QUANT_TYPES)
 #: elements per chunk (one thread's unit of work) per weight type, as in quant.cuh
 CHUNK_ELEMS = {"f32": 1, "f16": 1, "bf16": 1, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q4_k": 8, "q5_k": 8, "q6_k": 8}
 
@@ -308,6 +314,20 @@ def act_type(a) -> str:
     if name in ("uint16", "bfloat16"):
         return "bf16"
     raise TypeError(f"unsupported dtype {name} (want float32, float16 or uint16/bfloat16 for bf16)")
+
+
+def cache_type_of(a, given: str | None = None) -> str:
+    """Storage type of a KV-cache array: its dtype's for float storage; a quantized cache (uint8
+    blocks) must be named by `given`, one of KV_QUANT_TYPES."""
+    if np.dtype(a.dtype) == np.uint8:
+        if given not in KV_QUANT_TYPES:
+            raise TypeError(f"a uint8 cache needs its quantized type named (one of {', '.join(KV_QUANT_TYPES)}), "
+                            f"got {given!r}")
+        return given
+    t = act_type(a)
+    if given is not None and given != t:
+        raise TypeError(f"cache array of type {t} given as {given!r}")
+    return t
 
 
 def estrides(a) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import numpy as np
 from metatp.backends.cuda import kernels as ck
 from metatp.backends.cuda.device_ops import HostStep
 from metatp.backends.cuda.launch import device_ptr, recording
-from metatp.backends.cuda.storage import RawWeight, graph_itemsize
+from metatp.backends.cuda.storage import RawWeight, graph_itemsize, quant_cache_type
 from metatp.backends.executor import Fusion
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
@@ -173,7 +173,7 @@ def _set_rows(ex: CupyExecutable, d: int, node: Tensor, second=None) -> list:
     if rows.ne[2] != 1 or rows.ne[3] != 1 or ids.ne[1] != 1 or ids.ne[2] != 1:
         raise UnsupportedOpError(f"cupy backend: SET_ROWS {node.name!r} with batch dims is not supported")
     return record(ck.set_rows, _a(ex, d, rows)[0, 0], _a(ex, d, node)[0, 0], _a(ex, d, ids)[0, 0, 0],
-                        second=second)
+                  second=second, cache_type=quant_cache_type(node.type))
 
 
 def _rope(ex: CupyExecutable, d: int, node: Tensor, second=None) -> list:
@@ -203,15 +203,20 @@ def _flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
     if loc[v].ne[0] != D:
         raise UnsupportedOpError(f"cupy backend: FLASH_ATTN_EXT {node.name!r}: V head size differs from K's")
     qs = (loc[q].nb[2] // 4, loc[q].nb[1] // 4)
-    gk, gv = graph_itemsize(k), graph_itemsize(v)
+    # strides in storage elements: a quantized cache is bytes (its views are byte views of blocks)
+    kq, vq = quant_cache_type(k.type), quant_cache_type(v.type)
+    gk, gv = (1 if kq else graph_itemsize(k)), (1 if vq else graph_itemsize(v))
     ks = (loc[k].nb[2] // gk, loc[k].nb[1] // gk)
     vs = (loc[v].nb[2] // gv, loc[v].nb[1] // gv)
+    if kq != vq:
+        raise UnsupportedOpError(f"cupy backend: FLASH_ATTN_EXT {node.name!r}: K ({k.type.name}) and V "
+                                 f"({v.type.name}) caches of different types")
     ma = _a(ex, d, mask) if mask is not None else None
     kw = dict(n_head=H, n_head_kv=Hkv, head_dim=D, n_tokens=T, n_kv=n_kv, scale=node.params["scale"],
               softcap=node.params.get("softcap", 0.0), causal=False, q_strides=qs, k_strides=ks,
               v_strides=vs, mask=ma[0, 0] if ma is not None else None,
               mask_stride=(ex.plan.of(mask).local[d].nb[1] // 4) if mask is not None else None,
-              kv_len=ex.kv_len_view(d, mask) if mask is not None else None)
+              kv_len=ex.kv_len_view(d, mask) if mask is not None else None, kv_type=kq)
     out = _a(ex, d, node)
     if T <= ck.ATTN_DECODE_MAX_TOKENS:
         n_splits, _ = ck.decode_splits(Hkv, H, T, n_kv)

@@ -2,8 +2,10 @@
 weights kept in their GGUF encoding (`RawWeight`), the per-GPU input block, host copies.
 
 The graph's types are not always the storage's: an F32 KV cache is stored as f16 (or bf16 /
-f32, `kv_dtype`), bf16 as uint16 bit patterns. Views are rescaled from the graph's element size
-to the storage's (see `executable.CupyExecutable.view`).
+f32, `kv_dtype`), bf16 as uint16 bit patterns, a quantized KV cache (q8_0, q4_0, q4_1, q5_0,
+q5_1) as its raw blocks (uint8 rows; SET_ROWS quantizes, attention dequantizes in registers).
+Views are rescaled from the graph's element size to the storage's (see
+`executable.CupyExecutable.view`); a view of a quantized cache is a byte view of whole blocks.
 """
 
 from __future__ import annotations
@@ -13,18 +15,48 @@ from typing import Any
 
 import numpy as np
 
-from metatp.backends.cuda.launch import WEIGHT_TYPES
+from metatp.backends.cuda.launch import KV_QUANT_TYPES, WEIGHT_TYPES
 from metatp.backends.executor import np_shape
 from metatp.backends.slicing import local_raw_shape
-from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import Op
-from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
+from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
 
 __all__ = ["STORAGE", "KV_STORAGE", "RawWeight", "weight_type_name", "graph_itemsize", "raw_nb", "contig_strides",
-           "input_layout", "attended_length", "to_float", "matmul_tokens"]
+           "input_layout", "attended_length", "to_float", "matmul_tokens", "cache_storage", "quant_cache_type",
+           "is_quant_cache"]
 
 STORAGE = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16, GGMLType.I32: np.int32}
 KV_STORAGE = {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}
+#: graph types of a KV cache the cupy backend stores as raw blocks
+QUANT_CACHE = {GGMLType[name.upper()]: name for name in KV_QUANT_TYPES}
+
+
+def quant_cache_type(t: GGMLType) -> str | None:
+    """The kernels' name of a quantized KV-cache type ("q8_0", ...), or None for a float type."""
+    return QUANT_CACHE.get(GGMLType(t))
+
+
+def is_quant_cache(t: Tensor) -> bool:
+    return block_size(t.type) > 1 and quant_cache_type(t.type) is not None
+
+
+def cache_storage(t: GGMLType, kv_dtype: str) -> tuple[str, Any]:
+    """(storage type name, numpy dtype) of a KV cache of graph type `t`: an F32 cache is kept
+    as `kv_dtype` (f16 by default, as before cache types existed), F16 as f16, BF16 as uint16
+    bits, a quantized type as uint8 blocks. ConfigError for a type the kernels cannot hold."""
+    t = GGMLType(t)
+    if t == GGMLType.F32:
+        return kv_dtype, KV_STORAGE[kv_dtype]
+    if t == GGMLType.F16:
+        return "f16", np.float16
+    if t == GGMLType.BF16:
+        return "bf16", np.uint16
+    q = quant_cache_type(t)
+    if q is not None:
+        return q, np.uint8
+    raise ConfigError(f"cupy backend: KV cache type {t.name.lower()} is not supported; supported: "
+                      f"f32, f16, bf16, {', '.join(KV_QUANT_TYPES)}")
 
 
 @dataclass
@@ -105,7 +137,12 @@ def attended_length(mask: np.ndarray) -> int:
 
 
 def to_float(h: np.ndarray, dtype, t: Tensor) -> np.ndarray:
-    """Host copy in the graph's type (an f16/bf16-stored F32 tensor comes back as f32)."""
+    """Host copy in the graph's type (an f16/bf16-stored F32 tensor comes back as f32; a quantized
+    cache comes back dequantized, f32)."""
+    if np.dtype(dtype) == np.uint8 and quant_cache_type(t.type) is not None:
+        from gguf import quants  # noqa: PLC0415 - only for reading a quantized cache back
+
+        return quants.dequantize(np.ascontiguousarray(h), t.type).astype(np.float32)
     if np.dtype(dtype) == np.uint16:
         return (h.astype(np.uint32) << 16).view(np.float32)
     if t.type == GGMLType.F32 and h.dtype != np.float32:

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-__all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "ref_rope", "ref_attention",
-           "gelu", "silu"]
+__all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "kv_quantize", "kv_dequantize",
+           "kv_rows", "ref_rope", "ref_attention", "gelu", "silu"]
 
 
 def _gguf():
@@ -93,6 +93,32 @@ def make_weight(rng: np.random.Generator, wtype: str, n_rows: int, ne0: int):
         raise ValueError(wtype)
     raw = raw.reshape(n_rows, ne0 // bs * ts)
     return raw, quants.dequantize(raw, qt).astype(np.float32)
+
+
+def kv_quantize(x: np.ndarray, qtype: str) -> np.ndarray:
+    """f32 rows [..., ne0] -> their quantized blocks [..., row bytes] (gguf.quants, ggml's rounding)."""
+    return np.ascontiguousarray(_gguf().quants.quantize(np.ascontiguousarray(x, dtype=np.float32), _qtype(qtype)))
+
+
+def kv_dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
+    """Quantized blocks [..., row bytes] -> f32 rows [..., ne0] (gguf.quants)."""
+    return _gguf().quants.dequantize(np.ascontiguousarray(raw), _qtype(qtype)).astype(np.float32)
+
+
+def kv_rows(x: np.ndarray, cache_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """f32 values [..., ne0] as a KV cache of `cache_type` holds them: (stored array, its value in
+    float64). f16 as float16, bf16 as uint16 bits, a quantized type as uint8 blocks."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if cache_type == "f32":
+        return x.copy(), x.astype(np.float64)
+    if cache_type == "f16":
+        s = x.astype(np.float16)
+        return s, s.astype(np.float64)
+    if cache_type == "bf16":
+        s = f32_to_bf16_bits(x)
+        return s, bf16_bits_to_f32(s).astype(np.float64)
+    raw = kv_quantize(x, cache_type)
+    return raw, kv_dequantize(raw, cache_type).astype(np.float64)
 
 
 # ------------------------------------------------------------------- references

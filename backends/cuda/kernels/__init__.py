@@ -22,11 +22,13 @@ from metatp.backends.cuda.kernels.kv import set_rows
 from metatp.backends.cuda.kernels.matvec import MATVEC_MAX_TOKENS, matvec, matvec_glu, matvec_id, matvec_multi
 from metatp.backends.cuda.kernels.norm import norm, rms_norm, sum_rows
 from metatp.backends.cuda.kernels.rope import rope
-from metatp.backends.cuda.launch import (COMPILE_OPTIONS, FAMILIES, WEIGHT_TYPES, Launch, device_ptr, get_kernel,
-                                         kernel_sources, launch, module_source, recording, rows2d, using)
+from metatp.backends.cuda.launch import (CACHE_TYPES, COMPILE_OPTIONS, FAMILIES, KV_QUANT_TYPES, KV_TYPES, WEIGHT_TYPES,
+                                         Launch, device_ptr, get_kernel, kernel_sources, launch, module_source,
+                                         recording, rows2d, using)
 
 __all__ = [
-    "FAMILIES", "WEIGHT_TYPES", "COMPILE_OPTIONS", "MATVEC_MAX_TOKENS", "ATTN_DECODE_MAX_TOKENS", "Launch",
+    "FAMILIES", "WEIGHT_TYPES", "KV_TYPES", "KV_QUANT_TYPES", "CACHE_TYPES", "COMPILE_OPTIONS", "MATVEC_MAX_TOKENS",
+    "ATTN_DECODE_MAX_TOKENS", "Launch",
     "kernel_sources", "module_source", "expected_entry_points", "get_kernel", "launch", "recording", "using",
     "compile_all", "device_ptr", "rows2d",
     "dequantize", "matvec", "matvec_multi", "matvec_glu", "matvec_id", "rms_norm", "norm", "sum_rows", "rope",

@@ -1,28 +1,37 @@
 """Flash attention (``cuda/attn.cu``): split-KV decode kernel plus merge for a few query tokens, a
-query-tiled prefill kernel; the attended KV length is read from device memory.
+query-tiled prefill kernel; the attended KV length is read from device memory. The cache may be
+f16 / bf16 / f32 or quantized (q8_0, q4_0, q4_1, q5_0, q5_1: uint8 blocks dequantized in
+registers, strides in bytes); K and V share one type.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from metatp.backends.cuda.launch import (KV_TYPES, head_strides, launch, empty, sm_count, i32, f32, cdiv, act_type,
-                                         estrides, check_f32, check_i32)
+from metatp.backends.cuda.launch import (CACHE_TYPES, KV_QUANT_TYPES, head_strides, launch, empty, sm_count, i32, f32,
+                                         cdiv, cache_type_of, estrides, check_f32, check_i32)
 
 __all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits', 'flash_attn_decode', 'flash_attn_prefill', 'flash_attn']
 
 _ATTN_NG = (1, 2, 4, 8)
-ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in KV_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
-                + [f"attn_prefill_{t}" for t in KV_TYPES])
+ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
+                + [f"attn_prefill_{t}" for t in CACHE_TYPES])
 
 
 def _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv, head_dim, n_tokens, n_kv,
-                 q_strides, k_strides, v_strides, mask_stride, causal, causal_offset):
+                 q_strides, k_strides, v_strides, mask_stride, causal, causal_offset, kv_type):
     check_f32(q, out, mask)
     check_i32(kv_len)
-    kvt = act_type(k)
-    if act_type(v) != kvt:
+    kvt = cache_type_of(k, kv_type)
+    if cache_type_of(v, kv_type) != kvt:
         raise TypeError("k and v must have the same type")
+    if kvt in KV_QUANT_TYPES:
+        if head_dim % KV_QUANT_TYPES[kvt][0]:
+            raise ValueError(f"head_dim={head_dim} is not whole {kvt} blocks of {KV_QUANT_TYPES[kvt][0]}")
+        if k_strides is None or v_strides is None:
+            raise ValueError("a quantized cache needs explicit (head, row) byte strides")
+        if any(int(s) % 2 for s in (*k_strides, *v_strides)):
+            raise ValueError(f"{kvt} cache strides must be even (blocks are 2-byte aligned)")
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise ValueError(f"n_head={n_head} is not a multiple of n_head_kv={n_head_kv}")
     if head_dim > 256:
@@ -68,11 +77,12 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
                       causal: bool = True, causal_offset: int | None = None,
                       n_splits: int | None = None, workspace=None, q_strides=None,
                       k_strides=None, v_strides=None, mask_stride: int | None = None,
-                      kv_len=None) -> None:
+                      kv_len=None, kv_type: str | None = None) -> None:
     """Split-KV flash attention for a few query tokens (decode).
 
     ``q``: f32 [n_tokens, n_head, head_dim]; ``k``/``v``: cache [n_ctx, n_head_kv, head_dim]
-    (float16, uint16 = bf16, or float32), first ``n_kv`` rows used; ``out``: f32
+    (float16, uint16 = bf16, or float32; or uint8 blocks of the quantized type ``kv_type`` with
+    ``k_strides``/``v_strides`` in bytes), first ``n_kv`` rows used; ``out``: f32
     [n_tokens, n_head, head_dim] contiguous. ``mask``: optional f32 [n_tokens, n_kv]
     (additive). ``causal``: key j visible to token t iff j <= t + causal_offset (default
     n_kv - n_tokens). ``kv_len``: optional int32 device scalar; keys at or beyond it are
@@ -81,7 +91,7 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     """
     kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
-                                               v_strides, mask_stride, causal, causal_offset)
+                                               v_strides, mask_stride, causal, causal_offset, kv_type)
     if n_tokens == 0:
         return
     g = n_head // n_head_kv
@@ -113,11 +123,11 @@ def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: i
                        n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
                        causal: bool = True, causal_offset: int | None = None, q_strides=None,
                        k_strides=None, v_strides=None, mask_stride: int | None = None,
-                       kv_len=None) -> None:
+                       kv_len=None, kv_type: str | None = None) -> None:
     """Flash attention tiled over queries (prefill); same arguments as flash_attn_decode."""
     kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
-                                               v_strides, mask_stride, causal, causal_offset)
+                                               v_strides, mask_stride, causal, causal_offset, kv_type)
     if n_tokens == 0:
         return
     g = n_head // n_head_kv

@@ -1,20 +1,29 @@
-"""KV-cache row stores (``cuda/kv.cu``): SET_ROWS with f32 -> f16 / bf16 / f32 conversion, K and V in one launch.
+"""KV-cache row stores (``cuda/kv.cu``): SET_ROWS with f32 -> f16 / bf16 / f32 conversion, or
+quantization into q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks (one warp per block, gguf.quants
+rounding), K and V in one launch.
 """
 
 from __future__ import annotations
 
-from metatp.backends.cuda.launch import (BLOCK_1D, KV_TYPES, launch, i32, grid1d, act_type, rows2d, check_f32,
-                                         check_i32)
+from metatp.backends.cuda.launch import (BLOCK_1D, CACHE_TYPES, KV_QUANT_TYPES, launch, i32, grid1d, cache_type_of,
+                                         rows2d, check_f32, check_i32)
 
 __all__ = ['ENTRY_POINTS', 'set_rows']
 
-ENTRY_POINTS = [f"set_rows_f32_{t}" for t in KV_TYPES]
+ENTRY_POINTS = [f"set_rows_f32_{t}" for t in CACHE_TYPES]
+
+
+def _dst_row_stride(dst, ne0: int) -> int:
+    """Row stride of a cache array in its elements (bytes for a uint8 quantized cache)."""
+    return rows2d(dst)[2] if dst.ndim > 1 else ne0
 
 
 def set_rows(src, dst, idx, *, ne0: int | None = None, n_rows: int | None = None,
              src_row_stride: int | None = None, dst_row_stride: int | None = None,
-             second=None) -> None:
-    """``dst[idx[r], :ne0] = src[r, :ne0]`` converting f32 to dst's type (f16/bf16/f32).
+             second=None, cache_type: str | None = None) -> None:
+    """``dst[idx[r], :ne0] = src[r, :ne0]`` converting f32 to dst's type (f16/bf16/f32), or
+    quantizing into dst's blocks: a quantized cache is uint8 rows of blocks and `cache_type`
+    names its type (ne0 then a multiple of 32; dst_row_stride in bytes).
     ``idx`` is read from device memory (a captured graph writes new rows each replay).
     ``second``: optional (src2, dst2) stored with the same indices in the same launch
     (the K and V rows of a layer; dst2 of dst's type)."""
@@ -25,22 +34,38 @@ def set_rows(src, dst, idx, *, ne0: int | None = None, n_rows: int | None = None
         n_rows = int(idx.size)
     if n_rows > idx.size or (src.ndim > 1 and n_rows > n_src_rows):
         raise ValueError(f"n_rows={n_rows} exceeds idx ({idx.size}) or src rows ({n_src_rows})")
+    out = cache_type_of(dst, cache_type)
+    quant = out in KV_QUANT_TYPES
     if dst_row_stride is None:
-        dst_row_stride = rows2d(dst)[2] if dst.ndim > 1 else ne0
-    out = act_type(dst)
+        dst_row_stride = _dst_row_stride(dst, ne0)
     src2 = dst2 = None
     ne0_2, s2, d2 = 0, 0, 0
     if second is not None:
         src2, dst2 = second
         check_f32(src2)
-        if act_type(dst2) != out:
+        if cache_type_of(dst2, cache_type) != out:
             raise TypeError("both destinations must have the same type")
         ne0_2, rows2, s2 = rows2d(src2)
-        d2 = rows2d(dst2)[2] if dst2.ndim > 1 else ne0_2
+        d2 = _dst_row_stride(dst2, ne0_2)
         if src2.ndim > 1 and rows2 < n_rows:
             raise ValueError(f"second source has {rows2} rows, need {n_rows}")
+    if quant:
+        qk, nbytes = KV_QUANT_TYPES[out]
+        dests = [(ne0, dst_row_stride, dst.shape[-1])]
+        if dst2 is not None:
+            dests.append((ne0_2, d2, dst2.shape[-1]))
+        for n, stride, width in dests:
+            if n % qk:
+                raise ValueError(f"a {out} cache row takes whole blocks of {qk}, got {n} elements")
+            if n and (stride % 2 or n // qk * nbytes > width):
+                raise ValueError(f"{out} destination rows of {width} bytes (stride {stride}) cannot hold {n} elements")
     if n_rows == 0 or ne0 + ne0_2 == 0:
         return
-    launch("kv", f"set_rows_f32_{out}", grid1d((ne0 + ne0_2) * n_rows), (BLOCK_1D,),
+    if quant:
+        warps = (ne0 + ne0_2) // KV_QUANT_TYPES[out][0] * n_rows
+        grid = grid1d(warps * 32)
+    else:
+        grid = grid1d((ne0 + ne0_2) * n_rows)
+    launch("kv", f"set_rows_f32_{out}", grid, (BLOCK_1D,),
            (src, dst, idx, i32(ne0), i32(n_rows), i32(src_row_stride),
             i32(dst_row_stride), src2, dst2, i32(ne0_2), i32(s2), i32(d2)))

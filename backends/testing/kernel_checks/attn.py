@@ -1,4 +1,6 @@
-"""Kernel checks of the ``attn`` family: split-KV decode attention, prefill attention, the device-side attended KV length."""
+"""Kernel checks of the ``attn`` family: split-KV decode attention, prefill attention, the device-side attended KV length;
+float caches and quantized ones (q8_0 ... q5_1 blocks, compared with the float64 attention over the blocks' gguf.quants
+dequantization)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import math
 import numpy as np
 
 from metatp.backends.testing.kernel_checks.harness import Checker
-from metatp.backends.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, ref_attention
+from metatp.backends.cuda.launch import KV_QUANT_TYPES
+from metatp.backends.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention
 
-CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len')
+CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant')
 
 
 def _kv(c: Checker, kvt, n_ctx, hkv, D):
@@ -129,3 +132,52 @@ def check_attn_kv_len(c: Checker) -> None:
                           dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T,
                           n_kv=n_kv, scale=1 / 8.0, mask=dm, causal=False, kv_len=dlen),
                       lambda out=out: c.host(out), ref, 1e-4)
+
+
+def _quant_kv(c: Checker, qt: str, n_ctx: int, hkv: int, D: int, pad_heads: int = 0):
+    """A quantized cache [n_ctx, hkv (+ pad_heads), row bytes] (uint8; padding heads make the row
+    stride larger than the heads it holds, as a device's slice of a wider cache view) and its
+    float64 value [n_ctx, hkv, D]; K and V. Returns (k, v, k64, v64, (head, row) byte strides)."""
+    out = []
+    for _ in range(2):
+        x = c.rng.standard_normal((n_ctx, hkv + pad_heads, D)).astype(np.float32)
+        raw, val = kv_rows(x, qt)
+        out += [raw, val[:, :hkv]]
+    rb = D // KV_QUANT_TYPES[qt][0] * KV_QUANT_TYPES[qt][1]
+    return out[0], out[2], out[1], out[3], (rb, rb * (hkv + pad_heads))
+
+
+def check_attn_quant(c: Checker) -> None:
+    """Decode (split-KV, every NG) and prefill attention reading quantized K and V directly."""
+    ck = c.ck
+    configs = [
+        # (kind, D, H, Hkv, n_kv, T, splits, masked, pad_heads)
+        ("decode", 64, 9, 3, 300, 1, 3, False, 0),
+        ("decode", 128, 8, 8, 130, 1, None, True, 1),
+        ("decode", 64, 16, 2, 70, 2, 2, False, 0),
+        ("decode", 32, 4, 1, 40, 3, 1, False, 0),
+        ("prefill", 64, 9, 3, 37, 33, None, False, 0),
+        ("prefill", 128, 4, 2, 60, 20, None, True, 1),
+    ]
+    for qt in KV_QUANT_TYPES:
+        for kind, D, H, hkv, n_kv, T, splits, masked, pad in configs:
+            ks, vs, k64, v64, strides = _quant_kv(c, qt, n_kv + 4, hkv, D, pad)
+            q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+            scale = 1.0 / math.sqrt(D)
+            mask = None
+            if masked:
+                mask = np.where(c.rng.random((T, n_kv)) < 0.3, -np.inf, 0.0).astype(np.float32)
+                mask[:, -1] = 0.0
+            ref = ref_attention(q.astype(np.float64), k64[:n_kv], v64[:n_kv], scale, mask, 0.0, True, n_kv - T)
+            dq, dk, dv = c.dev(q), c.dev(ks), c.dev(vs)
+            dm = c.dev(mask) if mask is not None else None
+            out = c.nan((T, H, D))
+            fn = ck.flash_attn_decode if kind == "decode" else ck.flash_attn_prefill
+            extra = {"n_splits": splits} if kind == "decode" else {}
+            c.case(f"attn_{kind}", f"{qt} G={H // hkv}" + (f" splits={splits or 'auto'}" if kind == "decode" else "")
+                   + (" mask" if masked else "") + (" padded" if pad else ""), (D, H, hkv, n_kv, T),
+                   lambda fn=fn, dq=dq, dk=dk, dv=dv, dm=dm, out=out, D=D, H=H, hkv=hkv, T=T, n_kv=n_kv,
+                   scale=scale, extra=extra, strides=strides, qt=qt:
+                   fn(dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, n_kv=n_kv, scale=scale,
+                      mask=dm, k_strides=strides, v_strides=strides, kv_type=qt, **extra),
+                   lambda out=out: c.host(out), ref, 1e-4)
