@@ -96,13 +96,25 @@ class Backend(ABC):
         """Zero the KV cache (a new sequence starts)."""
 
     # ---- plans
-    @abstractmethod
     def prepare(self, plan: Plan) -> Executable:
-        """The plan bound to buffers (cached per plan: preparing twice returns the same one)."""
+        """The plan bound to buffers, made once per plan (preparing twice returns the same one)."""
+        cache = self.__dict__.setdefault("_executables", {})
+        ex = cache.get(id(plan))
+        if ex is None or ex.plan is not plan:
+            ex = cache[id(plan)] = self.make_executable(plan)
+        return ex
 
     @abstractmethod
+    def make_executable(self, plan: Plan) -> Executable:
+        """Bind `plan` to new buffers (called by `prepare`, once per plan)."""
+
     def release(self, plan: Plan) -> None:
-        """Forget a prepared plan and free its buffers."""
+        """Forget a prepared plan and free its buffers (after queued work that uses them)."""
+        cache = self.__dict__.get("_executables", {})
+        ex = cache.get(id(plan))
+        if ex is not None and ex.plan is plan:
+            self.synchronize()
+            del cache[id(plan)]
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op where work runs synchronously)."""

@@ -24,7 +24,8 @@ from typing import Callable
 import numpy as np
 
 from metatp.backends.affine_quant import AffineWeight
-from metatp.ir.tensor import GGMLType
+from metatp.backends.host_build import build_shared_library, host_cache_dir
+from metatp.ir.tensor import GGMLType, row_bytes
 
 __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmul", "qmatmul", "prepare_rope",
            "q8_kind", "prepare_q8_matmul", "q8_matmul", "q8_quantize", "q8_isums", "Q8_0", "Q8_1", "Q8_K",
@@ -126,7 +127,6 @@ def _cpu_signature() -> str:
 def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
     """Build (or take from the cache) `csrc/cpu_kernels.c` with these compiler flags and load it.
     Raises RuntimeError/OSError when that fails. (Tests also build other ISA paths with it.)"""
-    from metatp.backends.host_build import build_shared_library, host_cache_dir
 
     cc = cc or os.environ.get("CC", "cc")
     source = resources.files("metatp.backends").joinpath("csrc/cpu_kernels.c").read_text(encoding="utf-8")
@@ -429,7 +429,6 @@ def prepare_rope(x3: np.ndarray, o3: np.ndarray, n_dims: int, neox: bool, cos_si
 def kv_row_bytes(kv_type: int, n: int) -> int | None:
     """Bytes of a cache row of n values of a KV type, or None for a type or length the kernels
     do not take (quantized rows are whole blocks of 32)."""
-    from metatp.ir.tensor import row_bytes
 
     if int(kv_type) not in KV_TYPES:
         return None

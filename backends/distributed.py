@@ -33,7 +33,7 @@ import numpy as np
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["DISTRIBUTED_MODES", "World", "launched_world_size", "launched_rank", "init_world", "model_digest", "every_rank",
-           "should_report", "current_world", "finish_error", "read_across", "process_memory"]
+           "should_report", "current_world", "finish_error", "process_memory"]
 
 DISTRIBUTED_MODES = ("auto", "none", "mpi")
 
@@ -305,26 +305,6 @@ def _install_abort_hook(world: World) -> None:
         world.abort(1)
     hook._metatp_abort = True           # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-def read_across(executor, collective, t) -> np.ndarray:
-    """The full value of `t` when this process owns only some devices: a value every device
-    holds whole (mirrored and computed everywhere, or reduced) is read here; a split one (the
-    vocabulary-split logits) is gathered from every rank (Allgatherv) and put together, so every
-    rank gets the same bits."""
-    from metatp.backends.executor import np_shape
-    from metatp.backends.slicing import gather_array
-
-    plan = executor.plan
-    tp = plan.of(t)
-    own = executor.devices
-    st = tp.sync_state
-    if st.is_mirrored and all(tp.compute[d] for d in own):
-        return np.array(executor.host_value(own[0], t), copy=True).reshape(np_shape(t.ne))
-    counts = [loc.nelements for loc in tp.local]
-    flat = collective.allgather([executor.host_value(d, t) for d in own], counts)
-    parts = [p.reshape(np_shape(loc.ne)) for p, loc in zip(flat, tp.local)]
-    return gather_array(parts, t, tp)
 
 
 def process_memory() -> dict[str, int]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from metatp.backends.analysis import PlanFacts, is_pure_view
 from metatp.backends.base import Executable
+from metatp.backends.slicing import gather_array
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.memory import assign_offsets
@@ -217,7 +218,19 @@ class PlanExecutor(Executable):
             return np.array(self.host_value(self.devices[0], t), copy=True).reshape(np_shape(t.ne))
         if len(self.devices) != self.plan.n_devices:
             raise UnsupportedOpError(f"read({t.name!r}): this process holds devices {self.devices} of "
-                                     f"{self.plan.n_devices}; gather through the collective instead")
-        from metatp.backends.slicing import gather_array
-
+                                     f"{self.plan.n_devices}; use read_across with the collective")
         return gather_array([self.host_value(d, t) for d in self.devices], t, self.plan.of(t))
+
+    def read_across(self, collective, t: Tensor) -> np.ndarray:
+        """The full value of `t` when this process owns only some devices: a value every device
+        holds whole (mirrored and computed everywhere) is read here; a split one (the
+        vocabulary-split logits) is gathered from every process (`collective.allgather`) and put
+        together, so every process gets the same bits."""
+        tp = self.plan.of(t)
+        own = self.devices
+        if tp.sync_state.is_mirrored and all(tp.compute[d] for d in own):
+            return np.array(self.host_value(own[0], t), copy=True).reshape(np_shape(t.ne))
+        counts = [loc.nelements for loc in tp.local]
+        flat = collective.allgather([self.host_value(d, t) for d in own], counts)
+        parts = [p.reshape(np_shape(loc.ne)) for p, loc in zip(flat, tp.local)]
+        return gather_array(parts, t, tp)

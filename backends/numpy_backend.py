@@ -26,6 +26,7 @@ from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
 from metatp.passes.plan import DeviceLayout, Plan
+from metatp.backends.slicing import device_slices, split_raw
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
 
@@ -90,7 +91,6 @@ class NumpyBackend(Backend):
     # ---------------------------------------------------------------- leaf data
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
         """Store a leaf's value, split into per-device slices as the plan says."""
-        from metatp.backends.slicing import device_slices
 
         parts = device_slices(np.ascontiguousarray(full), t, plan.of(t), self.n)
         self._encoded_only.discard(t)
@@ -135,7 +135,6 @@ class NumpyBackend(Backend):
         Mirrored slices share one copy."""
         if not self.keeps_encoded(t, ggml_type, plan):
             return False
-        from metatp.backends.slicing import split_raw
 
         try:
             parts = split_raw(raw, t, GGMLType(ggml_type), plan.of(t), self.n)
@@ -284,12 +283,8 @@ class NumpyBackend(Backend):
         return out
 
     # ---------------------------------------------------------------- plans
-    def prepare(self, plan: Plan) -> NumpyExecutable:
-        ex = self._executables.get(id(plan))
-        if ex is None or ex.plan is not plan:
-            ex = NumpyExecutable(self, plan)
-            self._executables[id(plan)] = ex
-        return ex
+    def make_executable(self, plan: Plan) -> NumpyExecutable:
+        return NumpyExecutable(self, plan)
 
     def pool(self):
         """Worker threads for the owned devices but the first (it runs on the caller's thread), or None."""
@@ -300,12 +295,6 @@ class NumpyBackend(Backend):
 
             self._pool = ThreadPoolExecutor(max_workers=len(self.owned) - 1, thread_name_prefix="metatp-dev")
         return self._pool
-
-    def release(self, plan: Plan) -> None:
-        """Forget a plan's executable and its buffers."""
-        ex = self._executables.get(id(plan))
-        if ex is not None and ex.plan is plan:
-            del self._executables[id(plan)]
 
     def reset_kv(self) -> None:
         for d in self.owned:

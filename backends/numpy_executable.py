@@ -22,7 +22,7 @@ import numpy as np
 from metatp.backends import cpu_kernels as qkernel
 from metatp.backends.affine_quant import AffineWeight
 from metatp.backends.executor import Fusion, PlanExecutor, np_shape
-from metatp.backends.numpy_kernels import Closure, kernel_for, rms_norm_mul
+from metatp.backends.numpy_kernels import Closure, kernel_for, quantize_q8_blocks, rms_norm_mul, round_f16
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes
@@ -115,7 +115,6 @@ class _DeviceContext:
         """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
         if self.backend.numerics not in ("llamacpp", "q8") or not self.is_weight(w) or w.type == GGMLType.F32:
             return None
-        from metatp.backends.numpy_kernels import quantize_q8_blocks, round_f16
 
         return round_f16 if w.type in (GGMLType.F16, GGMLType.BF16) else quantize_q8_blocks
 
@@ -272,9 +271,7 @@ class NumpyExecutable(PlanExecutor):
         """The full value of `t`; a process owning some devices only gathers through its collective."""
         if len(self.devices) == self.plan.n_devices:
             return super().read(t)
-        from metatp.backends.distributed import read_across
-
-        return read_across(self, self.backend.collective, t)
+        return self.read_across(self.backend.collective, t)
 
     # ---------------------------------------------------------------- running
     def set_input(self, t: Tensor, value: np.ndarray) -> None:

@@ -18,8 +18,11 @@ from typing import Any
 import numpy as np
 
 from metatp.ir.errors import ModelFormatError, ModelNotFoundError
+from metatp.ir.gguf_reader import read_metadata
+from metatp.ir.gguf_validate import validate_gguf
 from metatp.ir.models import check_architecture, prepare_hparams
 from metatp.ir.tensor import GGMLType
+from metatp.ir.tokenizer import Tokenizer
 
 __all__ = ["HParams", "WeightInfo", "Model", "load_model"]
 
@@ -269,7 +272,6 @@ class Model:
 
     @cached_property
     def tokenizer(self):
-        from metatp.ir.tokenizer import Tokenizer
 
         return Tokenizer.from_metadata(self.metadata)
 
@@ -322,8 +324,6 @@ def load_model(path: str | os.PathLike, with_tokenizer: bool = True) -> Model:
         raise ModelNotFoundError(f"model file not found: {p}")
     if p.is_dir():
         raise ModelNotFoundError(f"model path is a directory, not a GGUF file: {p}")
-    from metatp.ir.gguf_reader import read_metadata
-    from metatp.ir.gguf_validate import validate_gguf
 
     layout = validate_gguf(p)
     metadata = read_metadata(p, layout.n_kv, with_string_arrays=with_tokenizer)

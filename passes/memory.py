@@ -12,6 +12,7 @@ from typing import Callable
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, Tensor, block_size, row_bytes
 from metatp.passes.plan import Plan
+from metatp.ir.errors import ConfigError
 
 __all__ = ["MemoryPlan", "plan_memory", "fit_context", "assign_offsets", "parse_bytes", "format_bytes"]
 
@@ -109,7 +110,6 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB"
 
 def parse_bytes(text: str | int) -> int:
     """'8GiB', '512M', '1.5GB' or an int -> bytes."""
-    from metatp.ir.errors import ConfigError
 
     if isinstance(text, int) and not isinstance(text, bool):
         if text <= 0:

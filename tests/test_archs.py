@@ -23,7 +23,7 @@ from metatp.ir.errors import UnsupportedArchitectureError
 from metatp.ir.loader import load_model
 from metatp.ir.models import SUPPORTED_ARCHITECTURES, BatchSpec, ModelTensors, build_graph
 from metatp.ir.ops import Op
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 IDS = [5, 17, 200, 3, 99, 42, 7, 8, 150, 11]     # longer than the gemma3 test window (4)
 

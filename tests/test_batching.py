@@ -22,7 +22,7 @@ import pytest
 
 from metatp import LLM, SamplingParams
 from metatp.engine import StepItem
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)

@@ -10,7 +10,7 @@ import pytest
 
 from metatp.cli import main
 from metatp.tools.bench import BenchConfig, format_rows, run_bench
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 FIELDS = {"model_filename", "backend", "n_devices", "split_mode", "tensor_split", "n_prompt", "n_gen", "n_depth",
           "avg_ts", "stddev_ts", "samples_ts", "reductions_per_token", "peak_memory_bytes", "test", "vs_none",

@@ -262,7 +262,7 @@ def _logits(path, n, ts, **backend_kw):
 
 @pytest.mark.parametrize("n,ts", [(2, None), (3, (1, 2, 1)), (4, (1, 0, 2, 1))])
 def test_numpy_backend_modes(synth_factory, n, ts):
-    from metatp.tools.synth import SynthSpec
+    from metatp.backends.testing.synth import SynthSpec
 
     path, _ = synth_factory(SynthSpec(seed=7))
     one, _ = _logits(path, 1, None)
@@ -283,7 +283,7 @@ def test_numpy_backend_modes(synth_factory, n, ts):
 
 def test_a_new_algorithm_is_one_function_and_one_row(synth_factory, monkeypatch):
     """Register a toy schedule (reduce into device 0, then broadcast) and run the backend on it."""
-    from metatp.tools.synth import SynthSpec
+    from metatp.backends.testing.synth import SynthSpec
 
     def star_schedule(n: int, n_elements: int) -> Schedule:
         rounds = [(Transfer(0, j, TransferOp.ADD, 0, n_elements),) for j in range(1, n)]

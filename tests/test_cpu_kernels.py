@@ -256,7 +256,7 @@ def test_allreduce_kernel_and_numpy_have_the_butterfly_bits(n):
 @pytest.mark.parametrize("n_devices,ts", [(1, None), (2, None), (3, [1, 2, 1])])
 def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
     from metatp import LLM
-    from metatp.tools.synth import SynthSpec
+    from metatp.backends.testing.synth import SynthSpec
 
     spec = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=300, seed=7,
                      types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "F16", "gate": "BF16", "up": "Q4_1",
@@ -321,7 +321,7 @@ def test_devices_in_threads_match_one_thread(synth_factory):
     from metatp.engine import Engine
     from metatp.ir.loader import load_model
     from metatp.passes.plan import DeviceLayout
-    from metatp.tools.synth import SynthSpec
+    from metatp.backends.testing.synth import SynthSpec
 
     spec = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=300, seed=8,
                      types={"q": "Q4_0", "k": "Q8_0", "v": "Q4_1", "o": "Q8_0", "gate": "Q4_1", "up": "Q4_0",

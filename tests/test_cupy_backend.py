@@ -33,7 +33,7 @@ from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes import DeviceLayout, compile_plan
 from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
 requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")

@@ -28,7 +28,7 @@ from metatp.ir.models import ModelTensors
 from metatp.ir.models.common import cache_type
 from metatp.ir.tensor import Flag, row_bytes
 from metatp.passes import DeviceLayout
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
 requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")

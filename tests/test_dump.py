@@ -27,7 +27,7 @@ from metatp.passes.plan import DeviceLayout, Plan, Reduction, Subgraph
 from metatp.tools import dump as dump_mod
 from metatp.tools.dump import dot as dump_dot
 from metatp.tools.dump import DumpRequest, Link, communication_bill, dump, dump_model, raw_weight_bytes
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 from conftest import default_model_path
 

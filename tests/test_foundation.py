@@ -9,7 +9,7 @@ from llama_reference import llama_forward
 from metatp import LLM, SamplingParams
 from metatp.ir.errors import (ConfigError, ContextOverflowError, ModelFormatError, ModelNotFoundError,
                               UnsupportedArchitectureError)
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 TYPE_SETS = {
     "f32": {},

@@ -26,7 +26,7 @@ from metatp.ir.models import ModelTensors
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 F32 = np.float32
 TYPED = [n for n in KV_CACHE_TYPES if n != "f32"]
@@ -138,7 +138,7 @@ def test_attention_reads_typed_caches(name, T, threads):
 # ---------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from metatp.tools.synth import write_synthetic_gguf
+    from metatp.backends.testing.synth import write_synthetic_gguf
 
     path = tmp_path_factory.mktemp("kvc") / "m.gguf"
     write_synthetic_gguf(path, SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, n_vocab=300, seed=11,

@@ -17,7 +17,7 @@ from metatp.ir.tensor import GGMLType, block_size, row_bytes
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 LAYOUTS = [DeviceLayout(), DeviceLayout(2, "tensor", (3.0, 1.0)), DeviceLayout(3, "tensor", (1.0, 2.0, 1.0)),
            DeviceLayout(4, "tensor", (2.0, 1.0, 0.0, 1.0))]
@@ -25,7 +25,7 @@ LAYOUTS = [DeviceLayout(), DeviceLayout(2, "tensor", (3.0, 1.0)), DeviceLayout(3
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from metatp.tools.synth import write_synthetic_gguf
+    from metatp.backends.testing.synth import write_synthetic_gguf
 
     path = tmp_path_factory.mktemp("kv") / "m.gguf"
     write_synthetic_gguf(path, SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, seed=5))
@@ -54,7 +54,7 @@ def test_k_and_v_types_may_differ(model):
 
 
 def test_head_size_not_whole_blocks_is_a_config_error(tmp_path):
-    from metatp.tools.synth import write_synthetic_gguf
+    from metatp.backends.testing.synth import write_synthetic_gguf
 
     path = tmp_path / "hd40.gguf"
     write_synthetic_gguf(path, SynthSpec(n_embd=160, n_head=4, n_head_kv=2, head_dim=40, seed=6))

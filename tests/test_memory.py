@@ -7,7 +7,7 @@ import pytest
 from metatp import LLM
 from metatp.ir.errors import ConfigError, MemoryPlanError
 from metatp.passes.memory import parse_bytes
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 
 def test_plan_matches_numpy_allocation_within_10_percent(synth_factory):

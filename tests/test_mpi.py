@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_close
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 WORKER = Path(__file__).with_name("mpi_worker.py")
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]

@@ -226,7 +226,7 @@ def test_backend_runs_llamacpp_numerics_on_the_integer_kernels(synth_factory, nu
     logits equal the float emulation's up to where one Q8_1 offset term is f16-rounded, and
     three simulated devices give the single-device tokens."""
     from metatp import LLM
-    from metatp.tools.synth import SynthSpec
+    from metatp.backends.testing.synth import SynthSpec
 
     spec = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=300, seed=11,
                      types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q5_0", "gate": "Q4_K", "up": "Q5_1",

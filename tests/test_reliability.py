@@ -10,14 +10,14 @@ from metatp import LLM, SamplingParams
 from metatp.api import _StopMatcher
 from metatp.cli import main
 from metatp.ir.errors import BackendUnavailableError, ConfigError, ContextOverflowError
-from metatp.tools.synth import SynthSpec
+from metatp.backends.testing.synth import SynthSpec
 
 TINY = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=31)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from metatp.tools.synth import write_synthetic_gguf
+    from metatp.backends.testing.synth import write_synthetic_gguf
 
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
     write_synthetic_gguf(path, TINY)

@@ -11,7 +11,7 @@ import pytest
 
 from metatp import LLM, SamplingParams
 from metatp.ir.errors import ConfigError, MetatpError
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=5)
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from metatp import LLM, SamplingParams
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 # Untied lm head: the tied synthetic model mostly repeats its last token, which hides corruption.
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=3, default_type="Q8_0")

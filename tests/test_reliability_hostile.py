@@ -26,7 +26,7 @@ from metatp.ir.errors import ConfigError, MetatpError, ModelFormatError, ModelNo
 from metatp.ir.loader import load_model
 from metatp.ir.tokenizer import Tokenizer, _gpt2_byte_table
 from metatp.tools import fuzz_gguf as fz
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
 
 VT = gguf.GGUFValueType
 SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=9)

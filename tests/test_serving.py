@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn", reason="metatp serve needs uvicorn (pip install '
 openai = pytest.importorskip("openai", reason="the serving tests talk to the server with the openai client")
 httpx = pytest.importorskip("httpx", reason="the serving tests send raw HTTP with httpx")
 
-from metatp.tools.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
+from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
 
 KEY = "test-key"
 SPEC = SynthSpec(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, tied=False, seed=21, default_type="Q8_0",

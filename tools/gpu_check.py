@@ -100,7 +100,7 @@ class Config:
     prefill_len: int = 512
 
     def spec(self):
-        from metatp.tools.synth import SynthSpec
+        from metatp.backends.testing.synth import SynthSpec
 
         if self.emulate:       # SmolLM2's head geometry, small widths
             return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=192, n_head=6, n_head_kv=3,
@@ -416,7 +416,7 @@ def section_kernels(rep: Report, budget: Budget) -> None:
 
 def write_model(rep: Report, folder: Path, n_layer: int):
     from metatp.ir.loader import load_model
-    from metatp.tools.synth import write_synthetic_gguf
+    from metatp.backends.testing.synth import write_synthetic_gguf
 
     path = folder / f"smollm2-shape-{n_layer}l{'-emu' if CFG.emulate else ''}.gguf"
     t0 = time.perf_counter()

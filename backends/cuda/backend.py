@@ -324,17 +324,10 @@ class CupyBackend(Backend):
             self.rt.synchronize(dev.stream)
 
     # ---------------------------------------------------------------- plans
-    def prepare(self, plan: Plan) -> CupyExecutable:
-        ex = self._executables.get(id(plan))
-        if ex is None or ex.plan is not plan:
-            self.check_cache_types(plan)
-            ex = CupyExecutable(self, plan)
-            self._executables[id(plan)] = ex
-        return ex
+    def make_executable(self, plan: Plan) -> CupyExecutable:
+        self.check_cache_types(plan)
+        return CupyExecutable(self, plan)
 
     def release(self, plan: Plan) -> None:
-        ex = self._executables.get(id(plan))
-        if ex is not None and ex.plan is plan:
-            self.synchronize()
-            del self._executables[id(plan)]
+        super().release(plan)
         self._facts.pop(id(plan), None)

@@ -4,7 +4,8 @@
   `launch.using`), so launch contracts and kernel logic are checked on a CPU;
 - `emulated_runtime`: `EmuRuntime`, the CUDA backend's device API on the CPU: the one seam,
   ``CupyBackend(layout, runtime=EmuRuntime())``;
-- `oracles`: the float64 references; `kernel_checks`: one check module per kernel family.
+- `oracles`: the float64 references; `kernel_checks`: one check module per kernel family;
+- `synth`: small synthetic GGUF models written with `gguf.GGUFWriter` (the tests' model factory).
 
 Production modules never import this package.
 """
