@@ -82,3 +82,16 @@ def test_memory_plan_counts_the_stored_cache(model, name):
         want = sum(row_bytes(ty, plan.of(c).local[d].ne[0]) * 256 if plan.of(c).local[d].ne[0] else 0
                    for c in tensors.cache_k + tensors.cache_v)
         assert mem.kv[d] == want
+
+
+def test_dump_counts_the_cache_type(model):
+    """`metatp dump -ctk q8_0` shows the cache at its block bytes (34 per 32 values)."""
+    import json
+
+    from metatp.tools.dump import DumpRequest, dump_model
+
+    def kv(name):
+        out = json.loads(dump_model(DumpRequest(model=str(model.path), n_devices=2, fmt="json", n_ctx=256,
+                                                cache_type_k=name)))
+        return out["summary"]["memory"]["kv"]
+    assert [4 * q for q in kv("q8_0")] == [34 * f // 32 for f in kv("f32")]

@@ -196,14 +196,6 @@ def test_one_failing_rank_ends_every_rank(synth_factory):
     assert r.stderr.count("rank 1 fails on purpose") == 1, r.stderr
 
 
-def _api_is_distributed() -> bool:
-    import inspect
-
-    from metatp.api import LLM
-
-    return "distributed" in inspect.signature(LLM.__init__).parameters
-
-
 def _cli(*args: str, n: int | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "metatp.cli", *args]
     if n is None:
@@ -214,7 +206,6 @@ def _cli(*args: str, n: int | None = None) -> subprocess.CompletedProcess:
 
 
 @needs_mpi
-@pytest.mark.skipif(not _api_is_distributed(), reason="metatp.api.LLM has no distributed= yet (MPI wiring not applied)")
 def test_api_under_mpiexec_follows_rank_0(synth_factory, tmp_path):
     """`LLM(distributed="mpi")` batching several prompts: ranks given other prompts and seeds
     still run rank 0's (same passes, same tokens, all stop together), and greedy tokens match
@@ -248,7 +239,6 @@ def test_serve_under_mpiexec_is_one_line(synth_factory):
 
 
 @needs_mpi
-@pytest.mark.skipif(not _api_is_distributed(), reason="metatp.api.LLM has no distributed= yet (MPI wiring not applied)")
 def test_cli_generate_under_mpiexec(synth_factory):
     """`mpiexec -n 2 metatp generate -ts 3,1` prints once, the single-device run's text; a
     --devices that disagrees with the world is one line."""

@@ -128,16 +128,10 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
            ctv: str | None = None) -> tuple:
     """(engine, the row fields that describe the setup) for one layout."""
     from metatp.api import LLM
-    from metatp.ir.errors import ConfigError
 
     kv = {k: v for k, v in (("cache_type_k", ctk), ("cache_type_v", ctv)) if v is not None}
-    try:
-        llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
-                  tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics, **kv)
-    except TypeError as e:
-        if kv and "cache_type" in str(e):
-            raise ConfigError(f"-ctk/-ctv: this LLM takes no KV cache types ({e})") from None
-        raise
+    llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
+              tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics, **kv)
     tensors = llm.engine.tensors
     kernels = ""
     if type(llm.backend).name == "numpy":

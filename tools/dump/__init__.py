@@ -22,6 +22,7 @@ from metatp.backends.collectives.schedule import resolve_mode
 from metatp.backends.collectives.wire import wire_dtype
 from metatp.ir.errors import ConfigError
 from metatp.ir.graph import Graph
+from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.tensor import Flag
 from metatp.passes.plan import Plan
 from metatp.tools.dump.view import (DEFAULT_N_CTX, DEFAULT_PREFILL_TOKENS, FORMATS, LINKS, PHASES, Link, PlanView, as_link,
@@ -113,6 +114,8 @@ class DumpRequest:
     link: Link = LINKS["nvlink"]
     allreduce: str = "auto"
     wire: str = "f32"
+    cache_type_k: str = "f32"
+    cache_type_v: str | None = None
 
 
 def _layout(req: DumpRequest):
@@ -162,6 +165,7 @@ def _compile(graph: Graph, layout, hparams, stage: str) -> tuple[Plan, Plan]:
 def dump_model(req: DumpRequest) -> str:
     """Build the model's graph for the requested batch (no weights read), compile, dump."""
     from metatp.ir.models import ModelTensors, build_graph
+    from metatp.ir.models.common import cache_type
     from metatp.models import resolve_model
 
     path = resolve_model(req.model)
@@ -174,7 +178,9 @@ def dump_model(req: DumpRequest) -> str:
         raise ConfigError(f"-c must be >= 1, got {n_ctx}")
     layout = _layout(req)
     spec = _batch_spec(req, n_ctx)
-    graph = build_graph(ModelTensors(model, n_ctx), spec)
+    kt = cache_type(req.cache_type_k, "k")
+    vt = kt if req.cache_type_v is None else cache_type(req.cache_type_v, "v")
+    graph = build_graph(ModelTensors(model, n_ctx, kt, vt), spec)
     plan, lowered = _compile(graph, layout, hp, req.stage)
     model_info = {"path": str(path), "name": model.name, "arch": model.arch, "n_layer": hp.n_layer,
                   "n_embd": hp.n_embd, "n_head": hp.n_head, "n_head_kv": hp.n_head_kv[0] if hp.n_head_kv else None,
@@ -213,6 +219,10 @@ def add_parser(sub) -> None:
     d.add_argument("--bandwidth-gbs", type=float, default=None, help="override: link bandwidth (GB/s)")
     d.add_argument("--allreduce", default="auto", help=f"all-reduce the bill charges: {' | '.join(MODE_NAMES)} "
                    "(auto: the butterfly, as the numpy backend; nccl is billed as a ring)")
+    d.add_argument("-ctk", "--cache-type-k", default="f32", choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for K (the memory summary counts its real bytes)")
+    d.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for V (default: as -ctk)")
     d.add_argument("--wire", default="f32", help=f"all-reduce wire dtype for the bill: {' | '.join(WIRE_MODES)}")
     d.set_defaults(func=_cmd_dump)
 
@@ -235,7 +245,7 @@ def _cmd_dump(args: argparse.Namespace) -> int:
                       tensor_split=DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None,
                       phase=args.phase, n_tokens=args.n_tokens, n_ctx=args.n_ctx, stage=args.stage,
                       layer=args.layer, fmt=args.fmt, link=_link_from_args(args), allreduce=args.allreduce,
-                      wire=args.wire)
+                      wire=args.wire, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     text = dump_model(req)
     if args.output:
         try:
