@@ -22,7 +22,7 @@ import pytest
 
 from metatp import LLM, SamplingParams
 from metatp.engine import StepItem
-from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)
@@ -30,10 +30,8 @@ PROMPTS = ["hello there", "the other one", "a", "xyz xyz", "0123456789", "batch"
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    p = tmp_path_factory.mktemp("batching") / "q8.gguf"
-    write_synthetic_gguf(p, SPEC)
-    return str(p)
+def path(synth_factory) -> str:
+    return str(synth_factory(SPEC)[0])
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from metatp.ir.models import ModelTensors
 from metatp.ir.models.common import cache_type
 from metatp.ir.tensor import Flag, row_bytes
 from metatp.passes import DeviceLayout
-from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
 requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")
@@ -54,10 +54,8 @@ TOL_TP = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cupy_kv") / "small.gguf"
-    write_synthetic_gguf(path, SPEC)
-    return load_model(path)
+def model(synth_factory):
+    return load_model(synth_factory(SPEC)[0])
 
 
 def layout_for(n: int, ts=None) -> DeviceLayout:

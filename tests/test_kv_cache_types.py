@@ -137,12 +137,9 @@ def test_attention_reads_typed_caches(name, T, threads):
 
 # ---------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from metatp.backends.testing.synth import write_synthetic_gguf
-
-    path = tmp_path_factory.mktemp("kvc") / "m.gguf"
-    write_synthetic_gguf(path, SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, n_vocab=300, seed=11,
-                                         default_type="Q8_0"))
+def model(synth_factory):
+    path, _ = synth_factory(SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, n_vocab=300, seed=11,
+                                      default_type="Q8_0"))
     return load_model(path)
 
 

@@ -24,12 +24,8 @@ LAYOUTS = [DeviceLayout(), DeviceLayout(2, "tensor", (3.0, 1.0)), DeviceLayout(3
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from metatp.backends.testing.synth import write_synthetic_gguf
-
-    path = tmp_path_factory.mktemp("kv") / "m.gguf"
-    write_synthetic_gguf(path, SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, seed=5))
-    return load_model(path)
+def model(synth_factory):
+    return load_model(synth_factory(SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, seed=5))[0])
 
 
 @pytest.mark.parametrize("name", list(KV_CACHE_TYPES))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from metatp import LLM, SamplingParams
-from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec
 
 # Untied lm head: the tied synthetic model mostly repeats its last token, which hides corruption.
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=3, default_type="Q8_0")
@@ -28,10 +28,8 @@ MODES = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, seed=7
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    p = tmp_path_factory.mktemp("conc") / "untied.gguf"
-    write_synthetic_gguf(p, SPEC)
-    return str(p)
+def path(synth_factory) -> str:
+    return str(synth_factory(SPEC)[0])
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from metatp.ir.errors import ConfigError, MetatpError, ModelFormatError, ModelNo
 from metatp.ir.loader import load_model
 from metatp.ir.tokenizer import Tokenizer, _gpt2_byte_table
 from metatp.tools import fuzz_gguf as fz
-from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.backends.testing.synth import SynthSpec
 
 VT = gguf.GGUFValueType
 SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=9)
@@ -34,10 +34,8 @@ BUDGET_SECONDS = 0.3          # the template time budget in these tests (2 s in 
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    p = tmp_path_factory.mktemp("hostile") / "base.gguf"
-    write_synthetic_gguf(p, SPEC)
-    return fz.read_parts(p)
+def base(synth_factory):
+    return fz.read_parts(synth_factory(SPEC)[0])
 
 
 @pytest.fixture(autouse=True)
