@@ -72,6 +72,8 @@ _ARGS = {
                                                  "softcap:f sinks:p out:p o_st:i o_sh:i scratch:p max_chunks:i "
                                                  "nthreads:i"),
     "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
+    "metatp_rms_norm": _struct("RmsNormArgs", "T:i n:i x:p x_st:i w:p out:p o_st:i eps:f"),
+    "metatp_add": _struct("AddArgs", "T:i n:i a:p a_st:i b:p b_st:i out:p o_st:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
     "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p type:i"),
     "metatp_kv_convert": _struct("KvConvertArgs", "type:i rows:i n:i x:p q:p out:p"),
@@ -191,17 +193,32 @@ def isa() -> str | None:
     return None if lib is None else library_isa(lib)
 
 
+# What MPI launchers tell each process about the ranks sharing its machine (MPICH/hydra, Open MPI,
+# MVAPICH): read without importing mpi4py.
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def _local_ranks() -> int:
+    for var in _LOCAL_SIZE_VARS:
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return 1
+
+
 def default_threads() -> int:
     """Threads for the kernel: METATP_NUM_THREADS, else OMP/OPENBLAS_NUM_THREADS, else the CPUs
-    this process may use (the same count numpy's BLAS takes)."""
+    this process may use (the same count numpy's BLAS takes) shared among the MPI ranks on this
+    machine (N ranks of 2 threads each on 2 cores would spin against each other)."""
     for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         v = os.environ.get(var, "").strip()
         if v.isdigit() and int(v) > 0:
             return int(v)
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        cpus = max(1, os.cpu_count() or 1)
+    return max(1, cpus // _local_ranks())
 
 
 def _code_format(aw: AffineWeight) -> dict:
@@ -279,6 +296,7 @@ def batch(closures: list) -> Callable[[], None]:
     length), then all the kernels in one ctypes call. Bit-identical to calling them in turn."""
     if len(closures) == 1:
         return closures[0]
+    closures = list(closures)        # the caller may reuse its list
     calls = [f if isinstance(f, _Call) else f.kernel for f in closures]
     prepares = [f.prepare for f in closures if not isinstance(f, _Call) and getattr(f, "prepare", None)]
     fns = (ctypes.c_void_p * len(calls))(*[c.entry for c in calls])
@@ -538,6 +556,30 @@ def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str) -> Cal
         return None
     return _Call("metatp_glu", arrs, T=a2.shape[0], n=a2.shape[1], act=GLU_ACTS[act], a=a2.ctypes.data,
                  a_st=_elems(a2, 0), b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
+
+
+def _row_views_ok(*arrs: np.ndarray) -> bool:
+    return all(x.dtype == np.float32 and x.ndim == 2 and x.shape == arrs[0].shape and x.strides[1] == 4
+               for x in arrs)
+
+
+def prepare_rms_norm(x2: np.ndarray, w: np.ndarray | None, o2: np.ndarray, eps: float) -> Callable[[], None] | None:
+    """out = rms_norm(x) [* w] over (T, n) row views with contiguous rows, rounded as
+    `numpy_kernels.rms_norm_mul`; None when the views are not ones the kernel takes."""
+    if not available() or not _row_views_ok(x2, o2) or x2.shape[1] == 0:
+        return None
+    if w is not None and (w.dtype != np.float32 or w.size != x2.shape[1] or not w.flags.c_contiguous):
+        return None
+    return _Call("metatp_rms_norm", (x2, w, o2), T=x2.shape[0], n=x2.shape[1], x=x2.ctypes.data, x_st=_elems(x2, 0),
+                 w=None if w is None else w.ctypes.data, out=o2.ctypes.data, o_st=_elems(o2, 0), eps=eps)
+
+
+def prepare_add(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray) -> Callable[[], None] | None:
+    """out = a + b over (T, n) row views with contiguous rows; None when the kernel does not take them."""
+    if not available() or not _row_views_ok(a2, b2, o2):
+        return None
+    return _Call("metatp_add", (a2, b2, o2), T=a2.shape[0], n=a2.shape[1], a=a2.ctypes.data, a_st=_elems(a2, 0),
+                 b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
 
 
 def prepare_allreduce(bufs: list[np.ndarray], active: list[bool]) -> Callable[[], None] | None:

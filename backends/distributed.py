@@ -184,25 +184,35 @@ class World:
         return int(self.comm.bcast(int(token), root=0))
 
     # ---------------------------------------------------------------- parts
-    def collective(self):
-        """The all-reduce and gather between the ranks' devices (one per world)."""
-        if self._collective is None:
-            from metatp.backends.collectives.mpi import MpiCollective
+    def collective(self, kind: str = "mpi", **options):
+        """The all-reduce and gather between the ranks' devices (one of each kind per world):
+        "mpi" (CPU ranks: MPI_Allreduce), or "nccl" (GPU ranks: NCCL bootstrapped over MPI, on
+        this rank's local GPU; `options` as `collectives.nccl.NcclCollective` takes them, used
+        when it is first made)."""
+        made = self._collective if isinstance(self._collective, dict) else {}
+        self._collective = made
+        if kind not in made:
+            if kind == "mpi":
+                from metatp.backends.collectives.mpi import MpiCollective
 
-            self._collective = MpiCollective(self.comm)
-        return self._collective
+                made[kind] = MpiCollective(self.comm)
+            elif kind == "nccl":
+                from metatp.backends.collectives.nccl import NcclCollective
+
+                made[kind] = NcclCollective(self.comm, **options)
+            else:
+                raise ConfigError(f"unknown collective {kind!r}; choose mpi or nccl")
+        return made[kind]
 
     def create_backend(self, name: str, layout, **options):
-        """This rank's backend: the numpy backend owning device `rank` of `layout`, reducing
-        over MPI; `options` as `backends.create_backend` takes them (checked by the registry).
-        GPU ranks (NCCL) wait for the cupy backend to take an owned device."""
+        """This rank's backend, owning device `rank` of `layout`: numpy reducing over MPI, or
+        cupy on the GPU of this rank's local rank reducing through NCCL (its unique id
+        broadcast over MPI). `options` as `backends.create_backend` takes them (checked by the
+        registry); `runtime` (cupy only) is the device-API seam tests use (`EmuRuntime`)."""
         if layout.n_devices != self.size:
             raise every_rank(ConfigError(f"layout has {layout.n_devices} devices for {self.size} ranks"))
         if name == "cupy":
-            raise every_rank(BackendUnavailableError(
-                "backend 'cupy' under mpiexec: the NCCL collective and its bootstrap are ready "
-                "(metatp.backends.collectives.nccl) but the cupy backend does not yet own one device per "
-                "process; use backend='numpy' (CPU ranks, MPI all-reduce)"))
+            return self._cupy_backend(layout, options)
         if name not in ("auto", "numpy"):
             raise every_rank(ConfigError(f"unknown backend {name!r}; choose one of auto, numpy, cupy"))
         allreduce = options.pop("allreduce", None)
@@ -218,6 +228,31 @@ class World:
         except MetatpError as e:
             raise every_rank(e) from None
         return NumpyBackend(layout, **checked, devices=self.devices, collective=self.collective())
+
+    def _cupy_backend(self, layout, options: dict):
+        """The cupy backend of a GPU rank: one device, this rank's local GPU, NCCL between ranks.
+        Errors every rank finds alike (options, no GPU, fewer GPUs than local ranks) are
+        reported once, by rank 0."""
+        from metatp.backends.cuda.backend import CupyBackend
+        from metatp.backends.registry import check_options
+
+        runtime = options.pop("runtime", None)
+        allreduce = options.pop("allreduce", None)
+        try:
+            if allreduce not in (None, "auto", "nccl"):
+                raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; "
+                                  "under mpiexec GPU ranks reduce with NCCL (leave allreduce='auto')")
+            checked = check_options("cupy", options)
+            if runtime is None:
+                from metatp.backends.collectives.nccl import _cupy_runtime
+
+                runtime = _cupy_runtime()
+        except MetatpError as e:
+            raise every_rank(e) from None
+        wire = {k: checked[k] for k in ("wire",) if k in checked}
+        collective = self.collective("nccl", runtime=runtime, **({"wire": "auto"} | wire))
+        return CupyBackend(layout, **checked, runtime=runtime, gpus=[collective.gpu], devices=self.devices,
+                           collective=collective)
 
     # ---------------------------------------------------------------- faults
     def abort(self, code: int = 1) -> None:
@@ -237,6 +272,33 @@ class World:
             import warnings
 
             warnings.simplefilter("ignore")
+
+    # ---------------------------------------------------------------- serving: rank 0 posts, the others follow
+    POST_TAG = 0x6D74          # the MPI tag of rank 0's posts (apart from every collective's traffic)
+
+    def post(self, message: Any) -> None:
+        """Rank 0: send `message` (any picklable object) to every other rank, in order. Point to
+        point rather than MPI_Bcast, so that a rank waiting for the next one can sleep (`next_post`)."""
+        for r in range(1, self.size):
+            self.comm.send(message, dest=r, tag=self.POST_TAG)
+
+    def next_post(self, on_wait: Any = None, max_sleep: float = 0.02) -> Any:
+        """Ranks > 0: rank 0's next `post`. MPICH's blocking receive and MPI_Bcast busy-wait (a
+        whole core per waiting rank, for as long as a server idles), so this probes and sleeps,
+        longer the longer nothing comes, up to `max_sleep` (an idle rank wakes 50 times a second;
+        the first step after a pause starts at most that late). `on_wait(seconds waited)` is called
+        between probes; it may raise to give up."""
+        import time
+
+        start = time.monotonic()
+        delay = 0.0
+        while not self.comm.Iprobe(source=0, tag=self.POST_TAG):
+            waited = time.monotonic() - start
+            if on_wait is not None:
+                on_wait(waited)
+            delay = 0.0 if waited < 0.002 else min(max_sleep, max(2 * delay, 1e-4))
+            time.sleep(delay)
+        return self.comm.recv(source=0, tag=self.POST_TAG)
 
 
 def _short_digest(d: str) -> str:

@@ -151,6 +151,7 @@ class NumpyExecutable(PlanExecutor):
         self.steps = self.per_device(walked, self.devices, n)
         self.node_major = [self._node_major(items) for items in walked]
         self._reduce = self._allreduce_closures()
+        self._serial = self._serial_step()
 
     # ---------------------------------------------------------------- memory
     def _leaf(self, d: int, t: Tensor) -> np.ndarray:
@@ -216,7 +217,7 @@ class NumpyExecutable(PlanExecutor):
     def fused_steps(self, d: int, fusion: Fusion) -> list:
         a = self.arrays[d]
         node, rms = fusion.at, fusion.absorbed[0]
-        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node])]
+        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels)]
 
     def node_steps(self, d: int, node: Tensor) -> list:
         a = self.arrays[d]
@@ -255,6 +256,30 @@ class NumpyExecutable(PlanExecutor):
         flush()
         return order
 
+    def _serial_step(self) -> list[Closure]:
+        """The whole step on the caller's thread: every subgraph's closures and its all-reduce in
+        plan order, runs of compiled calls across subgraph boundaries joined into one batch (a
+        compiled all-reduce is one more call in it), so N simulated devices pay one ctypes call
+        per run instead of two per subgraph. Same calls in the same order: the same bits."""
+        flat: list[Closure] = []
+        for sub, order in zip(self.plan.subgraphs, self.node_major):
+            flat.extend(order)
+            if sub.reduction is not None and self.backend.n > 1:
+                flat.append(self._reduce[sub.reduction.node])
+        out: list[Closure] = []
+        run: list[Closure] = []
+        for f in flat:
+            if qkernel.batchable(f):
+                run.append(f)
+                continue
+            if run:
+                out.append(qkernel.batch(run))
+                run = []
+            out.append(f)
+        if run:
+            out.append(qkernel.batch(run))
+        return out
+
     def _allreduce_closures(self) -> dict[int, Closure]:
         """One prepared all-reduce per reduced node, by the backend's collective."""
         out = {}
@@ -283,15 +308,16 @@ class NumpyExecutable(PlanExecutor):
         n = self.backend.n
         self._step_memo.clear()
         pool = self.backend.pool()
-        for sub, per_dev, order in zip(self.plan.subgraphs, self.steps, self.node_major):
-            if pool is None:
-                for f in order:
-                    f()
-            else:   # simulated devices run side by side: numpy releases the GIL inside BLAS
-                first, *rest = self.devices
-                futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
-                _run_all(per_dev[first])
-                for fut in futures:
-                    fut.result()
+        if pool is None:
+            for f in self._serial:
+                f()
+            return
+        for sub, per_dev in zip(self.plan.subgraphs, self.steps):
+            # simulated devices run side by side: numpy releases the GIL inside BLAS
+            first, *rest = self.devices
+            futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
+            _run_all(per_dev[first])
+            for fut in futures:
+                fut.result()
             if sub.reduction is not None and n > 1:
                 self._reduce[sub.reduction.node]()

@@ -12,9 +12,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from metatp.backends.cpu_kernels import (MAX_ROWS, attention_usable, prepare_attention, prepare_dequant_matmul,
-                                         prepare_glu, prepare_q8_matmul, prepare_qmatmul, prepare_rope, prepare_set_rows,
-                                         q8_kind, rope_usable)
+from metatp.backends.cpu_kernels import (MAX_ROWS, attention_usable, prepare_add, prepare_attention,
+                                         prepare_dequant_matmul, prepare_glu, prepare_q8_matmul, prepare_qmatmul,
+                                         prepare_rms_norm, prepare_rope, prepare_set_rows, q8_kind, rope_usable)
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
 from metatp.ir.tensor import GGMLType, Tensor
@@ -38,6 +38,11 @@ def _repeat_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def _binary(fn) -> Callable:
     def make(node: Tensor, out: np.ndarray, src: Sequence[np.ndarray], ctx) -> Closure:
         a, b = src[0], src[1]
+        if fn is np.add and ctx.use_kernels and a.shape == b.shape == out.shape:
+            a2, b2, o2 = _rows(a), _rows(b), _rows(out)
+            kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2)
+            if kernel is not None:
+                return kernel
         if _fits(b, a.shape):
             return lambda: fn(a, b, out=out)
         return lambda: fn(a, _repeat_to(b, a.shape), out=out)
@@ -82,18 +87,29 @@ def rms_scale(x: np.ndarray, eps: np.float32) -> np.ndarray:
     return np.divide(F32(1), mean, out=mean)
 
 
+def _rows(a: np.ndarray | None) -> np.ndarray | None:
+    """The (T, n) row view of a (1, 1, T, n) array of a few-token step, else None."""
+    if a is None or a.ndim != 4 or a.shape[:2] != (1, 1) or a.shape[2] > PACKED_MAX_TOKENS:
+        return None
+    return a[0, 0]
+
+
 def _rms_norm(node, out, src, ctx) -> Closure:
-    x = src[0]
-    eps = F32(node.params["eps"])
-
-    def run() -> None:
-        np.multiply(x, rms_scale(x, eps), out=out)
-    return run
+    return rms_norm_mul(src[0], None, node.params["eps"], out, ctx.use_kernels)
 
 
-def rms_norm_mul(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> Closure:
-    """RMS_NORM followed by MUL with a weight, in one closure (same rounding as the two ops)."""
+def rms_norm_mul(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray, use_kernels: bool = False
+                 ) -> Closure:
+    """RMS_NORM followed by MUL with a weight (or no weight), in one closure (same rounding as
+    the two ops); a compiled call for few-token steps when `use_kernels`."""
     eps32 = F32(eps)
+    x2, o2 = _rows(x), _rows(out)
+    if use_kernels and x2 is not None and o2 is not None:
+        kernel = prepare_rms_norm(x2, None if w is None else w.reshape(-1), o2, eps)
+        if kernel is not None:
+            return kernel
+    if w is None:
+        return lambda: np.multiply(x, rms_scale(x, eps32), out=out)
 
     def run() -> None:
         np.multiply(x, rms_scale(x, eps32), out=out)

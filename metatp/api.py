@@ -371,12 +371,13 @@ class LLM:
 
     # ---------------------------------------------------------------- generation core
     def _request(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-                 max_context: int | None = None, on_event=None) -> Request:
+                 max_context: int | None = None, on_event=None, agree: bool = True) -> Request:
         """A scheduler request with its own random generator: a seeded one draws from its seed
         (sample i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's
         generator now, so its tokens never depend on who shares its steps. Under MPI the prompt
-        is rank 0's on every rank (where a sequence's prompt enters the scheduler)."""
-        if self.world is not None:
+        is rank 0's on every rank (where a sequence's prompt enters the scheduler), unless
+        `agree` is False: the server's rank 0 alone makes requests, the others follow its steps."""
+        if self.world is not None and agree:
             prompt_ids = self.world.agree_tokens(prompt_ids)
         if params.seed is not None:
             rng = np.random.default_rng(params.seed if index == 0 else [params.seed, index])

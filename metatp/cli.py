@@ -25,8 +25,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         prog = self.prog.split()[-1] if " " in self.prog else None
         where = f" {prog}" if prog and prog != "metatp" else ""
-        print(f"metatp{where}: error: {message} (see --help)", file=sys.stderr)
+        if _first_rank():
+            print(f"metatp{where}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _first_rank() -> bool:
+    """Print a flag error here? Under mpiexec every rank parses the same flags: rank 0 says it."""
+    from metatp.backends.distributed import launched_rank
+
+    return launched_rank() in (None, 0)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -118,8 +126,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               n_batch=args.batch_size, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
-    print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
-          f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences)", file=sys.stderr, flush=True)
+    if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
+        print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
+              f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences)", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, parallel=args.parallel,
           max_waiting=args.max_waiting, log_level=args.log_level)
     return 0
@@ -227,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "file", None):
             args.prompt = _read_prompt_file(args.file)
     except MetatpError as e:
-        print(f"metatp: error: {e}", file=sys.stderr)
+        if _first_rank():
+            print(f"metatp: error: {e}", file=sys.stderr)
         return 1
     warnings.showwarning = _warning_line
     from metatp.backends.distributed import finish_error     # under mpiexec: print once, end every rank

@@ -251,7 +251,9 @@ class Engine:
         most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all")
         or None. Rows are split into passes (decode tokens and short chunks in passes of at most
         `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
-        committed only when every pass succeeded."""
+        committed only when every pass succeeded. Under MPI every rank makes this call with the
+        same items on the same cells (a server's followers replay rank 0's `StepBatch`es,
+        `metatp.scheduler.follow`): passes, padding and masks depend on nothing else."""
         items = list(items)
         if len({id(it.seq) for it in items}) != len(items):
             raise ConfigError("a step may carry each sequence only once")

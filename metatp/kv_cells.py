@@ -85,6 +85,23 @@ class KVCells:
             seq_id = next(self._ids)
             return self._new(seq_id, n)
 
+    def adopt(self, seq_id: int, cells: np.ndarray) -> SeqCells:
+        """A sequence with a given id owning exactly `cells`: a follower rank of a served model
+        mirrors rank 0's reservation (`metatp.scheduler.follow`) instead of choosing its own, so
+        that every rank's cache has the same owner in every cell."""
+        cells = np.asarray(cells, dtype=np.int32)
+        with self._lock:
+            if seq_id in self.live:
+                raise ConfigError(f"sequence {seq_id} already owns cells")
+            if cells.size and (int(cells.min()) < 0 or int(cells.max()) >= self.n_cells
+                               or (self.owner[cells] >= 0).any() or np.unique(cells).size != cells.size):
+                raise ConfigError(f"sequence {seq_id} cannot take its {cells.size} cells: some are out of range, "
+                                  "repeated or owned by another sequence")
+            self.owner[cells] = seq_id
+            seq = SeqCells(seq_id, cells.copy())
+            self.live[seq_id] = seq
+            return seq
+
     def grow(self, seq: SeqCells, n: int) -> None:
         """Give `seq` room for `n` positions in all (a sequence that did not reserve up front).
         New cells come after its last one where possible, so its rows stay in ascending order."""

@@ -8,6 +8,15 @@ cells are freed at the next step. Bad requests get OpenAI-shaped error JSON with
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics (Prometheus
 text), /tokenize and /detokenize (llama-server's shapes).
+
+Under MPI (`mpiexec -n N metatp serve -m MODEL -sm tensor [-ts ...]`, one process per device),
+rank 0 alone runs the HTTP server, tokenizes, schedules and samples; its scheduler *leads*
+(`Scheduler.lead`): before every step it posts the step's batch -- KV cells taken and freed,
+each sequence's tokens and logits mode (`metatp.scheduler.StepBatch`) -- and the other ranks,
+which never open a port, run the same forward pass in lock step (`metatp.scheduler.follow`),
+sleeping between probes while the server idles. The server stopping (SIGINT/SIGTERM to
+mpiexec, which passes them to every rank, or uvicorn exiting) posts STOP and every rank exits
+0; a failing step on any rank aborts every rank with the error printed once.
 """
 
 from __future__ import annotations
@@ -17,13 +26,15 @@ import json
 import math
 import numbers
 import os
+import signal
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
+
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError
 from metatp.sampling import SamplingParams
-from metatp.scheduler import QueueFullError, Request, StepOutput
+from metatp.scheduler import QueueFullError, Request, StepOutput, follow
 
 if TYPE_CHECKING:
     from metatp.api import LLM
@@ -33,24 +44,36 @@ try:        # module level: the handlers' string annotations (postponed evaluati
 except ImportError:        # metatp[serve] not installed: create_app says so
     HttpRequest = None      # type: ignore[assignment,misc]
 
-__all__ = ["create_app", "serve", "BadRequest", "refuse_mpi"]
+__all__ = ["create_app", "serve", "follow_steps", "BadRequest", "refuse_mpi"]
 
-MPI_REFUSAL = "serving under mpiexec is not supported yet"
+MPI_REFUSAL = ("mpiexec started {n} processes but this LLM is not spread over them (distributed='none'?): "
+               "every process would serve on one port; drop distributed='none', or run without mpiexec")
+
+# after SIGINT/SIGTERM, how long a follower rank waits for rank 0's STOP before it gives up
+FOLLOWER_GRACE_S = 20.0
 
 
 def refuse_mpi(llm: "LLM | None" = None) -> None:
-    """A ConfigError under an MPI world of more than one process (started by mpiexec, or `llm`'s
-    world): the HTTP server and its scheduler would have to drive every rank's steps. Every
-    rank raises it; rank 0 reports it (`backends.distributed.every_rank`)."""
+    """What serving under mpiexec still refuses, as a ConfigError every rank raises (rank 0
+    reports it): an LLM not spread over the launcher's processes (each would serve the whole
+    model on the same port). Serving an LLM whose world is the launched one is supported (rank
+    0 serves, the others follow); a backend that cannot run under MPI is refused when the LLM
+    is built. Without `llm` (the CLI, before the model is read) there is nothing to refuse."""
     from metatp.backends.distributed import every_rank, launched_world_size
 
-    if llm is None:
-        size = launched_world_size()
-    else:
-        world = getattr(llm, "world", None)
-        size = None if world is None else world.size
-    if size is not None and size > 1:
-        raise every_rank(ConfigError(MPI_REFUSAL))
+    size = launched_world_size()
+    if llm is None or size is None or size <= 1:
+        return
+    world = getattr(llm, "world", None)
+    if world is None or world.size != size:
+        raise every_rank(ConfigError(MPI_REFUSAL.format(n=size)))
+
+
+def _world(llm: "LLM"):
+    """`llm`'s MPI world when it spans several processes, else None (one process: as ever)."""
+    refuse_mpi(llm)
+    world = getattr(llm, "world", None)
+    return world if world is not None and world.size > 1 else None
 
 
 class BadRequest(Exception):
@@ -147,6 +170,15 @@ class _Server:
         self.slot_ctx = max(1, llm.n_ctx // parallel)
         self.created = int(time.time())
         self.requests_total = 0
+        self.world = _world(llm)
+        if self.world is not None:
+            self.sched.lead(self.world)        # rank 0 posts every step to the other ranks
+
+    def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
+        """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
+        are in `follow` and never join a prompt broadcast; the tokens reach them in the step batches."""
+        return self.llm._request(ids, params, index, max_context=self.slot_ctx, on_event=on_event,
+                                 agree=self.world is None)
 
     def check_model(self, body: dict) -> str:
         m = body.get("model", self.model_name)
@@ -206,8 +238,7 @@ class _Server:
                                      "shorten the prompt", "prompt", "context_length_exceeded")
                 for i in range(params.n):
                     choice = p * params.n + i
-                    req = self.llm._request(ids, params, i, max_context=self.slot_ctx,
-                                            on_event=lambda r, o, c=choice: on_event(r, o, c))
+                    req = self.request(ids, params, i, lambda r, o, c=choice: on_event(r, o, c))
                     if req.n_cells > self.llm.n_ctx:
                         raise BadRequest(f"{req.n_cells} tokens do not fit the context of {self.llm.n_ctx}",
                                          "max_tokens", "context_length_exceeded")
@@ -244,11 +275,15 @@ def _error_response(e: BadRequest):
 
 def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None, parallel: int = 4,
                max_waiting: int = 64):
-    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up);
-    not for an LLM spread over MPI ranks (`refuse_mpi`)."""
+    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up).
+    Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
+    arranges both); its shutdown posts STOP to them."""
     from contextlib import asynccontextmanager
 
-    refuse_mpi(llm)
+    world = _world(llm)
+    if world is not None and not world.is_root:
+        raise ConfigError(f"rank {world.rank} does not serve HTTP: under mpiexec rank 0 serves and the other "
+                          "ranks follow its steps (metatp.server.serve does both)")
 
     try:
         from fastapi import FastAPI
@@ -265,6 +300,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
             yield
         finally:
             srv.sched.stop()
+            srv.sched.stop_leading()
 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
@@ -551,10 +587,61 @@ def _prometheus(srv: _Server) -> str:
 
 def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
           api_key: str | None = None, parallel: int = 4, max_waiting: int = 64, log_level: str = "warning") -> None:
-    """Run the server until interrupted."""
+    """Run the server until interrupted. Under MPI every rank calls this: rank 0 serves HTTP and
+    leads the steps, the other ranks follow them (`follow_steps`); an interrupt or the server
+    exiting ends every rank cleanly (returns normally; SystemExit from uvicorn still propagates)."""
+    world = _world(llm)
+    if world is not None and not world.is_root:
+        follow_steps(llm)
+        return
     try:
         import uvicorn
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
     app = create_app(llm, model_name, api_key, parallel, max_waiting)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    if world is None:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        return
+    # uvicorn re-raises the SIGINT/SIGTERM it shut down on; as KeyboardInterrupt here, it ends
+    # rank 0 as cleanly as the followers (which the launcher gave the same signal)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv = app.state.server
+        srv.sched.stop()
+        srv.sched.stop_leading()            # once: the lifespan may have posted STOP already
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def follow_steps(llm: "LLM") -> int:
+    """A rank > 0 of `mpiexec ... metatp serve`: run rank 0's steps until it posts STOP (returns
+    the steps run). SIGINT/SIGTERM (the launcher passes them to every rank) only start a grace
+    period: rank 0 stops the server and posts STOP; if it has not within FOLLOWER_GRACE_S, a
+    ConfigError ends this rank (and the job) rather than leaving it waiting."""
+    world = _world(llm)
+    if world is None or world.is_root:
+        raise ConfigError("follow_steps runs on the ranks > 0 of an MPI world; rank 0 serves (serve)")
+    signalled: list[float] = []
+
+    def note(signum, frame) -> None:
+        if not signalled:
+            signalled.append(time.monotonic())
+
+    def on_wait(waited: float) -> None:
+        if signalled and time.monotonic() - signalled[0] > FOLLOWER_GRACE_S:
+            raise ConfigError(f"rank {world.rank}: rank 0 did not stop the server within {FOLLOWER_GRACE_S:.0f} s "
+                              "of the interrupt; ending every rank")
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return follow(llm.engine, world, on_wait)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -321,3 +321,16 @@ def check_equivalent(case, layout: DeviceLayout, coalesce_both: bool = True, see
         for w, o, t in zip(want, got0, outs):
             assert_close(o, w, f"{t.name} on {layout} without coalescing")
     return plan
+
+
+def mpi_missing() -> str | None:
+    """Why the tests that start `mpiexec` cannot run here, or None."""
+    import shutil
+
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return 'mpi4py is not installed (pip install "metatp[mpi]")'
+    if shutil.which("mpiexec") is None:
+        return 'no mpiexec on PATH (pip install "metatp[mpi]" brings MPICH\'s)'
+    return None

@@ -112,7 +112,7 @@ def test_matmul_row_does_not_depend_on_the_other_rows(fmt, path, threads):
     if path == "q8" and fmt == "F16":
         pytest.skip("half-float codes have no integer path")
     rng = np.random.default_rng(hash((fmt, path, threads)) % 2**32)
-    rows, k = 160, 512                        # enough work for the threads to share the rows
+    rows, k = 163, 512                        # enough work for the threads; a partial chunk of rows
     aw = _weight(rng, fmt, rows, k)
     mm = ck.qmatmul if path == "float" else ck.q8_matmul
     row = (rng.standard_normal((1, k)) * 3).astype(F32)
@@ -123,6 +123,27 @@ def test_matmul_row_does_not_depend_on_the_other_rows(fmt, path, threads):
             x[at] = row[0]
             got = mm(x, aw, nthreads=threads)[at]
             assert np.array_equal(alone.view(np.uint32), got.view(np.uint32)), (T, at)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q6_K", "F16"])
+@pytest.mark.parametrize("path", ["float", "q8"])
+def test_matmul_row_does_not_depend_on_its_address(fmt, path):
+    """The same activation row at another alignment gives the same bits (a vectorized reduction
+    that peels for alignment would sum in another order)."""
+    if path == "q8" and fmt == "F16":
+        pytest.skip("half-float codes have no integer path")
+    rng = np.random.default_rng(7)
+    rows, k = 37, 512
+    aw = _weight(rng, fmt, rows, k)
+    mm = ck.qmatmul if path == "float" else ck.q8_matmul
+    row = (rng.standard_normal(k) * 3).astype(F32)
+    results = []
+    for shift in range(8):
+        buf = np.zeros(k + 16, F32)
+        buf[shift:shift + k] = row
+        results.append(mm(buf[shift:shift + k].reshape(1, k), aw, nthreads=1)[0].view(np.uint32))
+    for got in results[1:]:
+        assert np.array_equal(results[0], got)
 
 
 def test_attn_chunk_is_whole_kv_blocks():

@@ -35,6 +35,9 @@ def test_rows_carry_llama_bench_fields_and_ratios(synth_factory):
         assert abs(r["vs_none"] - r["avg_ts"] / base[r["test"]]) < 1e-9
     md = format_rows(rows, "md").splitlines()
     assert md[0].startswith("| model |") and len(md) == 2 + len(rows)
+    # the MPI_Allreduce columns are mpiexec's (tests/test_mpi_tools.py); in one process they stay out
+    assert all(r["allreduce_us_per_call"] is None and r["allreduce_ms_per_token"] is None for r in rows)
+    assert "MPI_Allreduce" not in md[0]
     parsed = list(csv.DictReader(io.StringIO(format_rows(rows, "csv"))))
     assert len(parsed) == len(rows) and "avg_ts" in parsed[0]
 

@@ -213,6 +213,35 @@ def test_glu_matches_numpy(act):
     assert ck.prepare_glu(a, b, out, "relu") is None        # not a kernel activation: numpy keeps it
 
 
+@given(T=st.integers(1, 9), n=st.integers(1, 700), weight=st.booleans(), pad=st.integers(0, 3),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_rms_norm_matches_numpy(T, n, weight, pad, scale, seed):
+    """The compiled norm rounds as numpy_kernels' (double sum of squares, float after); the double
+    sums may be added in another order, so the scale can differ in its last bit at most."""
+    from metatp.backends.numpy_kernels import rms_norm_mul
+
+    rng = np.random.default_rng(seed)
+    xbuf = (rng.standard_normal((T, n + pad)) * scale).astype(F32)
+    x = xbuf[:, :n]
+    w = rng.standard_normal(n).astype(F32) if weight else None
+    out = np.full((T, n + pad), np.nan, F32)
+    ck.prepare_rms_norm(x, w, out[:, :n], 1e-5)()
+    ref = np.empty((T, n), F32)
+    rms_norm_mul(x, w, 1e-5, ref)()
+    assert np.allclose(out[:, :n], ref, rtol=3e-7, atol=0)
+    assert np.isnan(out[:, n:]).all()
+
+
+def test_add_matches_numpy():
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((2, 7, 300)).astype(F32)
+    out = np.empty((7, 300), F32)
+    ck.prepare_add(a, b, out)()
+    assert np.array_equal(out, a + b)
+    assert ck.prepare_add(a, b[:, :299], out) is None        # shapes that differ: numpy keeps it
+
+
 def _literal_butterfly(bufs, active):
     """llama.cpp's exchange as written: every device adds a copy of its partner's value."""
     n = len(bufs)
@@ -353,3 +382,18 @@ def test_set_rows_matches_numpy_and_refuses_bad_ids():
         bad()
     assert np.array_equal(dst, want)                               # nothing written
     assert ck.prepare_set_rows(src, ids.astype(np.int64), dst) is None     # not a kernel dtype
+
+
+def test_default_threads_share_the_machine_among_local_mpi_ranks(monkeypatch):
+    """N ranks on one machine each take cores / N threads (N ranks of all cores spin against
+    each other); an explicit thread count wins."""
+    for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", *ck._LOCAL_SIZE_VARS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(ck.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert ck.default_threads() == 8
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert ck.default_threads() == 4
+    monkeypatch.setenv("MPI_LOCALNRANKS", "16")
+    assert ck.default_threads() == 1
+    monkeypatch.setenv("METATP_NUM_THREADS", "3")
+    assert ck.default_threads() == 3

@@ -23,24 +23,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import assert_close
+from helpers import assert_close, mpi_missing
 from metatp.backends.testing.synth import SynthSpec
 
 WORKER = Path(__file__).with_name("mpi_worker.py")
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
 
 
-def _mpi_missing() -> str | None:
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return 'mpi4py is not installed (pip install "metatp[mpi]")'
-    if shutil.which("mpiexec") is None:
-        return 'no mpiexec on PATH (pip install "metatp[mpi]" brings MPICH\'s)'
-    return None
-
-
-needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=_mpi_missing() or "")
+needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
 
 
 def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -227,15 +217,6 @@ def test_api_under_mpiexec_follows_rank_0(synth_factory, tmp_path):
     want = one.generate(API_PROMPTS, SamplingParams(max_tokens=10, temperature=0))
     assert facts[0]["greedy"] == [o.outputs[0].token_ids for o in want]
     assert all(len(ids) == 10 for ids in facts[0]["greedy"])
-
-
-@needs_mpi
-def test_serve_under_mpiexec_is_one_line(synth_factory):
-    path, _ = synth_factory(SYNTH)
-    r = _cli("serve", "-m", str(path), "-c", "128", n=2)
-    assert r.returncode == 1
-    lines = _error_lines(r)
-    assert lines == ["metatp: error: serving under mpiexec is not supported yet"], r.stderr
 
 
 @needs_mpi

@@ -5,7 +5,8 @@ logprobs, n=2, stop, seed reproducibility, errors and auth, /metrics, /tokenize,
 of 64 requests at concurrency 16 (each greedy output equal to the same request alone, one step
 carrying >= 8 sequences, KV cells back to zero), a client that disconnects mid-stream, and a
 full waiting queue. The default model (when cached) serves chat completions through its GGUF
-chat template. Every request loop is bounded in count and time.
+chat template. Every request loop is bounded in count and time. Serving under
+`mpiexec -n 2` (rank 0 serves, rank 1 follows its steps): tests/test_mpi_serving.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,14 @@ prints as it goes and the whole run stays inside --budget seconds, about 7 minut
    N=3 virtual devices, greedy tokens compared;
 4. speed: decode tokens/s, eager vs CUDA graph, at KV lengths 128 and 2048 (N=1), CUDA graph
    replay == eager, N=3 virtual devices, prefill of 512 tokens;
-5. NCCL: a 1-rank communicator, f32 and bf16 all-reduce, eagerly and inside a CUDA graph.
+5. NCCL: a 1-rank communicator, f32 and bf16 all-reduce, eagerly and inside a CUDA graph;
+6. MPI+NCCL: one GPU rank under mpiexec (`mpiexec -n 1`, or an MPI singleton where there is no
+   mpiexec), its NCCL communicator bootstrapped by broadcasting the unique id over MPI, the cupy
+   backend owning device 0 of the world (`World.create_backend("cupy")`) generating greedy tokens
+   on a small synthetic model, compared with the single-process cupy run; then the collective's
+   step (f32 and bf16 wire, an inactive rank) eagerly and inside a CUDA graph. It runs in a
+   subprocess bounded in time; with --emulate on the kernel emulator, NCCL replaced by the test
+   stand-in that sums over MPI (`backends/testing/mpi_nccl.py`).
 
 It prints a markdown table at the end and writes it to --out (with the full kernel table
 and a JSON copy next to it). Exit status 0 when every check passed.
@@ -618,6 +625,82 @@ def section_nccl(rep: Report) -> None:
         rep.fail("nccl", "all-reduce inside a CUDA graph", e)
 
 
+MPI_SMOKE_SECONDS = 150.0
+MPI_SPEC = dict(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=512, seed=5,
+                types=dict(SMOLLM2_TYPES))
+
+
+def _mpi_missing() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+        from mpi4py import MPI  # noqa: F401 - loads the MPI library
+    except Exception as e:  # noqa: BLE001 - ImportError, or mpi4py without an MPI library
+        return f"mpi4py not usable ({type(e).__name__}: {e}); carry the mpi4py and mpich wheels (docs/gpu-results.md)"
+    return None
+
+
+def mpi_command(args: list[str]) -> list[str]:
+    """One rank of this script's MPI step: under mpiexec when it is on PATH, else an MPI
+    singleton (mpi4py starts MPI itself in a lone process)."""
+    import shutil
+
+    rank = [sys.executable, str(Path(__file__).resolve()), "--mpi-rank", *args]
+    exe = shutil.which("mpiexec")
+    return [exe, "-n", "1", *rank] if exe else rank
+
+
+def section_mpi(rep: Report, budget: Budget, workdir: Path | None) -> None:
+    """One GPU rank under MPI with NCCL (section 6), in a subprocess bounded in time."""
+    import subprocess
+
+    missing = _mpi_missing()
+    if missing is not None:
+        rep.add("mpi", "1-rank MPI+NCCL smoke", f"skipped: {missing}", None if CFG.emulate else False)
+        return
+    limit = min(MPI_SMOKE_SECONDS, budget.left() - 10)
+    if limit < 30:
+        rep.add("mpi", "1-rank MPI+NCCL smoke", "skipped (time budget)", None)
+        return
+    from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+
+    folder = workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-mpi-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path, out = folder / "mpi-smoke.gguf", folder / "mpi-smoke"
+    write_synthetic_gguf(path, SynthSpec(**MPI_SPEC))
+    args = ["--model", str(path), "--out", str(out), "--smoke", "--n-gen", "8", "--n-ctx", "128"]
+    if CFG.emulate:
+        args.append("--emulate")
+    cmd = mpi_command(args)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
+    except subprocess.TimeoutExpired:
+        rep.add("mpi", "1-rank MPI+NCCL smoke", f"timed out after {limit:.0f} s", False)
+        return
+    dt = time.perf_counter() - t0
+    how = "mpiexec -n 1" if "mpiexec" in Path(cmd[0]).name else "MPI singleton"
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        rep.add("mpi", f"1-rank MPI+NCCL smoke ({how})", f"exit {r.returncode}: {tail}"[:300], False)
+        rep.details.append(f"### mpi: 1-rank smoke\n```\n{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}```")
+        return
+    smoke = json.loads((out / "smoke.json").read_text())
+    facts = json.loads((out / "rank0.json").read_text())
+    nccl = "NCCL stand-in over MPI (emulated)" if CFG.emulate else "NCCL"
+    rep.add("mpi", f"world + {nccl} communicator ({how})",
+            f"rank 0 of {facts['size']} on GPU {facts['gpu']}, unique id broadcast over MPI, in {dt:.1f} s", True)
+    ok = smoke["same_tokens"] and smoke["logits_rel_err"] <= 1e-5
+    rep.add("mpi", "greedy tokens vs single-process cupy",
+            f"{len(smoke['tokens'])} tokens {'same' if smoke['same_tokens'] else 'DIFFERENT'}, logits max rel err "
+            f"{smoke['logits_rel_err']:.1e}; decode graph: {', '.join(facts['graph_modes'])}", ok)
+    coll = facts.get("collective", {})
+    bad = [k for k, v in coll.items() if not v]
+    rep.add("mpi", "collective step (f32/bf16 wire, eager/graph, inactive rank)",
+            f"{len(coll) - len(bad)}/{len(coll)} ok" + (f"; failing: {', '.join(bad)}" if bad else ""),
+            bool(coll) and not bad)
+
+
 # ============================================================== main
 def write_outputs(rep: Report, out: Path | None) -> None:
     env = ", ".join(f"{k}={v}" for k, v in rep.env.items())
@@ -644,11 +727,15 @@ def main(argv=None) -> int:
         import pytest
 
         return int(pytest.main(argv[1:]))
+    if argv[:1] == ["--mpi-rank"]:        # one rank of section 6 (started by section_mpi)
+        from metatp.backends.testing import mpi_rank
+
+        return mpi_rank.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="markdown file for the results (a .json copy too)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds the whole run may take (about 7 minutes)")
     ap.add_argument("--layers", type=int, default=30, help="layers of the synthetic model (30 = SmolLM2-135M)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,nccl")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,nccl,mpi")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic GGUF goes (default: a temp dir)")
     ap.add_argument("--emulate", action="store_true",
                     help="dry run without a GPU: the CPU kernel emulator and a tiny model")
@@ -703,6 +790,11 @@ def main(argv=None) -> int:
             section_nccl(rep)
         except Exception as e:  # noqa: BLE001
             rep.fail("nccl", "NCCL checks", e)
+    if have_gpu and "mpi" not in skip:
+        try:
+            section_mpi(rep, budget, args.workdir)
+        except Exception as e:  # noqa: BLE001
+            rep.fail("mpi", "MPI+NCCL smoke", e)
     rep.add("total", "wall time", f"{time.perf_counter() - rep.t0:.0f} s", None)
     write_outputs(rep, args.out)
     return 0 if (rep.passed and have_gpu) else 1

@@ -39,7 +39,10 @@ class MpiCollective:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.group = Group(tuple(range(self.size)), (self.rank,))
-        self.calls = 0              # all-reduces run and their wall time (bench: mean per call)
+        # all-reduces run and their wall time on this rank: each step from its zero fill / staging
+        # copy to the end of MPI_Allreduce, so waiting for the slowest rank counts (`metatp bench`
+        # under mpiexec reports seconds / calls); allgather is not counted
+        self.calls = 0
         self.seconds = 0.0
 
     def _local_flag(self, active: Sequence[bool] | None) -> bool:

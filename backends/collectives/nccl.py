@@ -2,17 +2,22 @@
 
 MPI starts the processes and carries the one thing NCCL cannot make alone: rank 0 draws
 `nccl.get_unique_id()` and broadcasts it; every rank then joins `NcclCommunicator(n, uid, rank)`
-on the GPU of its local rank. Sums run on the device, on the caller's stream (so they can sit
-inside a captured CUDA graph: ncclAllReduce is capturable since NCCL 2.9). The wire is FP32,
-or BF16 above llama.cpp's element thresholds (`wire.wire_dtype`): a BF16 reduction casts
-in, reduces, and casts back (round to nearest even), halving the bytes of large prefill
-tensors at a cost in exactness; decode vectors stay FP32.
+on the GPU of its local rank. Sums run on the device, in place, on the caller's stream (the
+cupy backend's device stream, so they sit inside its captured CUDA graph: ncclAllReduce is
+capturable since NCCL 2.9; where capture fails the backend runs the step eagerly). The wire
+is FP32, or BF16 above llama.cpp's element thresholds (`wire.wire_dtype`): a BF16 reduction
+converts into a wire buffer with the backend's own kernels (round to nearest even), reduces
+that, and converts back, halving the bytes of large prefill tensors at a cost in exactness;
+decode vectors stay FP32.
+
+Every device call goes through a runtime (`cuda.runtime.CupyRuntime` by default): tests hand
+in `testing.EmuRuntime`, whose communicator stand-in (`testing.mpi_nccl`) sums over MPI, so
+the wiring (id broadcast, pointers, stream) runs under `mpiexec` without a GPU.
 
 Split values (the vocabulary-split logits) are read on the host, so `allgather` goes over MPI
 (`MpiCollective`) rather than NCCL.
 
-Never ran on a GPU in this repository's CI (no GPU there); `tests/test_mpi.py` runs it under
-`mpiexec` where cupy sees GPUs and skips otherwise.
+Never ran on a GPU (no session had one): see docs/gpu-results.md for what did run.
 """
 
 from __future__ import annotations
@@ -23,95 +28,134 @@ import numpy as np
 
 from metatp.backends.collectives.base import Group, Step
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
-from metatp.ir.errors import BackendUnavailableError, ConfigError
+from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["nccl_unique_id", "local_gpu", "NcclCollective"]
 
-# bf16 round-to-nearest-even and back, as raw uint16 bits (cupy has no bfloat16 dtype)
-_TO_BF16 = ("float32 x", "uint16 y",
-            "unsigned int u = __float_as_uint(x);"
-            "y = (u & 0x7fffffff) > 0x7f800000 ? (unsigned short)((u >> 16) | 0x40)"
-            " : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);", "metatp_to_bf16")
-_FROM_BF16 = ("uint16 y", "float32 x", "x = __uint_as_float(((unsigned int)y) << 16);", "metatp_from_bf16")
 
-
-def _nccl():
-    """cupy's NCCL bindings, or a BackendUnavailableError saying what is missing."""
+def _cupy_runtime():
+    """The CuPy runtime with NCCL, or a BackendUnavailableError saying what is missing."""
     try:
-        import cupy
+        import cupy  # noqa: F401
         from cupy.cuda import nccl
     except ImportError as e:
         raise BackendUnavailableError(f"NCCL between GPU ranks needs cupy with NCCL ({e}); "
                                       'pip install "metatp[cuda]" and nvidia-nccl-cu12') from None
     if not getattr(nccl, "available", True):
         raise BackendUnavailableError("cupy was built without NCCL: pip install nvidia-nccl-cu12")
-    return cupy, nccl
+    from metatp.backends.cuda.runtime import CupyRuntime
+
+    return CupyRuntime()
 
 
-def nccl_unique_id(comm: Any) -> bytes:
-    """Rank 0's `nccl.get_unique_id()` on every rank (MPI bcast): the id NCCL ranks meet by
-    (128 bytes; cupy < 14 gave a tuple of ints, which travels the same way)."""
+def nccl_unique_id(comm: Any, runtime: Any = None) -> bytes:
+    """Rank 0's NCCL unique id on every rank (MPI bcast): the id NCCL ranks meet by (128 bytes;
+    cupy < 14 gave a tuple of ints, which travels the same way)."""
     uid = None
     if comm.Get_rank() == 0:
-        _, nccl = _nccl()
-        uid = nccl.get_unique_id()
+        rt = runtime if runtime is not None else _cupy_runtime()
+        uid = rt.nccl_unique_id()
     return comm.bcast(uid, root=0)
 
 
-def local_gpu(comm: Any) -> int:
-    """The GPU this rank drives: its index among the ranks on its machine. More ranks on one
-    machine than GPUs is an error (NCCL refuses two ranks on one GPU)."""
+def _gpu_problem(local: int, n_local: int, rt: Any) -> tuple[str, str] | None:
+    """(error kind, message) when this machine cannot give each local rank its own GPU."""
+    try:
+        n_gpus = int(rt.n_gpus())
+    except Exception as e:  # noqa: BLE001 - no driver, or no device: cupy's CUDARuntimeError
+        return "unavailable", f"NCCL between GPU ranks: no CUDA GPU is visible here ({type(e).__name__}: {e})"
+    if n_gpus == 0:
+        return "unavailable", "NCCL between GPU ranks: no CUDA GPU is visible here"
+    if n_local > n_gpus:
+        return "config", (f"{n_local} ranks on this machine but {n_gpus} GPU(s): run one rank per GPU "
+                          f"(at most {n_gpus} per machine, e.g. mpiexec -n N -ppn {n_gpus} or a hostfile "
+                          f"with slots={n_gpus})")
+    return None
+
+
+def local_gpu(comm: Any, runtime: Any = None) -> int:
+    """The GPU this rank drives: its index among the ranks on its machine. Every rank checks its
+    machine and they compare notes (one allgather), so a machine with fewer GPUs than ranks is
+    one error on every rank (NCCL refuses two ranks on one GPU), never a hang in NCCL's set-up."""
     from mpi4py import MPI
 
-    cupy, _ = _nccl()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local, n_local = node.Get_rank(), node.Get_size()
     node.Free()
+    problem = None
     try:
-        n_gpus = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:          # no driver, or no device: cupy's CUDARuntimeError
-        raise BackendUnavailableError(f"NCCL between GPU ranks: no CUDA GPU is visible here ({e})") from None
-    if n_gpus == 0:
-        raise BackendUnavailableError("NCCL between GPU ranks: no CUDA GPU is visible here")
-    if n_local > n_gpus:
-        raise ConfigError(f"{n_local} ranks on this machine but {n_gpus} GPU(s): run one rank per GPU "
-                          f"(mpiexec -n {n_gpus} per machine, e.g. with a hostfile)")
+        rt = runtime if runtime is not None else _cupy_runtime()
+        problem = _gpu_problem(local, n_local, rt)
+    except MetatpError as e:
+        problem = "unavailable", str(e)
+    seen = comm.allgather(problem)
+    bad = [(r, p) for r, p in enumerate(seen) if p is not None]
+    if bad:
+        rank, (kind, msg) = bad[0]
+        where = "" if comm.Get_size() == 1 else f"rank {rank}: "
+        err = (ConfigError if kind == "config" else BackendUnavailableError)(where + msg)
+        err.every_rank = True          # type: ignore[attr-defined] - every rank raises it; rank 0 reports
+        raise err
     return local
 
 
 class NcclCollective:
     """ncclAllReduce between GPU ranks; this rank owns device `comm.rank` of the group.
 
-    `wire`: "f32", "bf16" or "auto" (BF16 above the thresholds). `stream`: the cupy stream the
-    steps run on (default: the current one when the step is prepared)."""
+    `wire`: "f32", "bf16" or "auto" (BF16 above the thresholds). `gpu`: the GPU this rank drives
+    (default: its local rank, `local_gpu`). `runtime`: the device API (default CuPy's)."""
 
     name = "nccl"
 
     def __init__(self, comm: Any, wire: str = "f32", thresholds: WireThresholds = WireThresholds(),
-                 gpu: int | None = None) -> None:
-        cupy, nccl = _nccl()
-        self._cupy, self._nccl = cupy, nccl
+                 gpu: int | None = None, runtime: Any = None) -> None:
+        wire_dtype(2, 0, wire)          # validates the mode
+        self.rt = runtime if runtime is not None else _cupy_runtime()
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.group = Group(tuple(range(self.size)), (self.rank,))
         self.wire, self.thresholds = wire, thresholds
-        self.gpu = local_gpu(comm) if gpu is None else gpu
-        cupy.cuda.Device(self.gpu).use()
-        uid = nccl_unique_id(comm)
-        self.nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
-        self._to_bf16 = self._from_bf16 = None
+        self.gpu = local_gpu(comm, self.rt) if gpu is None else int(gpu)
+        uid = nccl_unique_id(comm, self.rt)
+        with self.rt.device(self.gpu):
+            self.nccl = self.rt.nccl_rank_comm(self.size, uid, self.rank)
+        self._wire_bufs: dict[int, Any] = {}
+        self._stream = None
         self._host = None
 
-    def _casts(self):
-        if self._to_bf16 is None:
-            ek = self._cupy.ElementwiseKernel
-            self._to_bf16, self._from_bf16 = ek(*_TO_BF16), ek(*_FROM_BF16)
-        return self._to_bf16, self._from_bf16
+    def _wire_buffer(self, n: int):
+        """The BF16 wire buffer for n elements (one per size: reductions on one stream run in order)."""
+        buf = self._wire_bufs.get(n)
+        if buf is None:
+            with self.rt.device(self.gpu):
+                buf = self._wire_bufs[n] = self.rt.empty((n,), np.uint16)
+        return buf
+
+    def _casts(self, flat, half) -> tuple[Any, Any]:
+        """Frozen launches of the backend's f32 -> bf16 and bf16 -> f32 kernels on this GPU."""
+        from metatp.backends.cuda import kernels as ck
+        from metatp.backends.cuda.launch import recording
+
+        rt = self.rt
+        with rt.kernels(), rt.device(self.gpu), recording() as launches:
+            ck.f32_to_bf16(flat, half)
+            ck.bf16_to_f32(half, flat)
+        to_bf16, from_bf16 = (la.frozen() for la in launches)
+        return to_bf16, from_bf16
+
+    def default_stream(self):
+        """The stream steps prepared without one run on (this collective's own)."""
+        if self._stream is None:
+            self._stream = self.rt.new_stream(self.gpu)
+        return self._stream
 
     def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None, stream=None) -> Step:
         """One step on `stream`: zero this rank's buffer if it computed nothing, then sum in place
-        (through a BF16 copy above the wire threshold)."""
-        cupy, nccl = self._cupy, self._nccl
+        (through a BF16 wire buffer above the threshold). Pointers are resolved here, once."""
+        from metatp.backends.cuda.device_ops import Memset
+        from metatp.backends.cuda.launch import device_ptr
+
+        rt = self.rt
         if len(bufs) != 1:
             raise ConfigError(f"the NCCL collective drives one GPU per rank, got {len(bufs)} local buffers")
         buf = bufs[0]
@@ -120,34 +164,37 @@ class NcclCollective:
         if active is not None and len(active) != self.size:
             raise ValueError(f"active has {len(active)} entries for a group of {self.size} ranks")
         on = True if active is None else bool(active[self.rank])
-        st = stream if stream is not None else cupy.cuda.get_current_stream()
-        n, comm = buf.size, self.nccl
+        st = stream if stream is not None else self.default_stream()
+        n = int(buf.size)
         if n == 0:
             return lambda: None
-        if wire_dtype(self.size, n, self.wire, self.thresholds) == "bf16":
-            to_bf16, from_bf16 = self._casts()
-            half = cupy.empty(n, cupy.uint16)
-            flat = buf.reshape(-1)
-
-            def step_bf16() -> None:
-                with st:
-                    if not on:
-                        buf.fill(0)
-                    to_bf16(flat, half)
-                    comm.allReduce(half.data.ptr, half.data.ptr, n, nccl.NCCL_BFLOAT16, nccl.NCCL_SUM, st.ptr)
-                    from_bf16(half, flat)
-            return step_bf16
+        flat = buf.reshape(-1)
+        pre: list = [] if on else [Memset(rt, device_ptr(flat), int(flat.nbytes), st)]
+        post: list = []
+        wire = wire_dtype(self.size, n, self.wire, self.thresholds)
+        target = flat
+        if wire == "bf16":
+            target = self._wire_buffer(n)
+            to_bf16, from_bf16 = self._casts(flat, target)
+            pre.append(to_bf16)
+            post.append(from_bf16)
+        call = (self.nccl, device_ptr(target), n, wire, st)
+        ctx = rt.context(self.gpu, st)
 
         def step() -> None:
-            with st:
-                if not on:
-                    buf.fill(0)
-                comm.allReduce(buf.data.ptr, buf.data.ptr, n, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, st.ptr)
+            with ctx:
+                for s in pre:
+                    s()
+                rt.nccl_allreduce([call])
+                for s in post:
+                    s()
         return step
 
     def allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None) -> None:
+        """Sum now and wait (buffers written by other streams first: the GPU is synchronized)."""
+        self.rt.device_synchronize(self.gpu)
         self.prepare_allreduce(bufs, active)()
-        self._cupy.cuda.get_current_stream().synchronize()
+        self.rt.synchronize(self.default_stream())
 
     def allgather(self, local: Sequence[np.ndarray], counts: Sequence[int]) -> list[np.ndarray]:
         """Host slices from every rank (logits are read on the host): over MPI."""

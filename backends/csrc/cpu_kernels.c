@@ -15,9 +15,10 @@
  *
  *   y[t][r] = sum_b scale[r][b] * sum_i q[r][b*B+i] * x[t][b*B+i]  +  sum_b offset[r][b] * xsum[t][b]
  *
- * Written with GCC vector extensions: -march=native turns them into AVX-512, AVX2 or NEON.
- * Rows are shared among OpenMP threads; tokens are taken four at a time so a row's codes are
- * converted once per group.
+ * Written with GCC vector extensions (-march=native turns them into AVX-512 or NEON) and, for
+ * AVX2, with 8-float intrinsics. Chunks of CHUNK_ROWS rows are shared among OpenMP threads; a
+ * chunk is computed in register tiles of R rows x T tokens, so a row's codes are converted once
+ * for T tokens and a token's x is read once for R rows, with software prefetch a few rows ahead.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +27,7 @@
 
 typedef float v16f __attribute__((vector_size(64)));
 
-enum { UNIT = 16, MAX_GROUP = 4, CHAINS = 4 };
+enum { UNIT = 16 };
 
 /* IEEE half -> float, exactly (for builds without a conversion instruction) */
 static inline float half_to_float(uint16_t h) {
@@ -174,8 +175,49 @@ static inline v16f load_f32(const float *p) {
     return v;
 }
 
+/* Rows per scheduling chunk of the matrix products (the threads share out chunks), and how many
+ * rows ahead a tile prefetches: a row is only a few cache lines, too short a stream for the
+ * hardware prefetcher to learn when a tile reads several rows side by side. */
+enum { CHUNK_ROWS = 4, PREFETCH_ROWS = 8 };
+
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off);
+}
+
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+
+/* Sums whose order depends only on n: one out-of-line body (no clones, no auto-vectorizer) for
+ * every caller. A reduction inlined into each tile shape was vectorized differently per shape (and
+ * may peel for alignment), so a token's result changed with the step's token count. */
+__attribute__((noinline, noclone, optimize("no-tree-vectorize")))
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f va, vb;
+        memcpy(&va, a + i, sizeof va);
+        memcpy(&vb, b + i, sizeof vb);
+        acc += va * vb;
+    }
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+__attribute__((noinline, noclone, optimize("no-tree-vectorize")))
+static float sum_f32(const float *a, int64_t n) {
+    v8f acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f va;
+        memcpy(&va, a + i, sizeof va);
+        acc += va;
+    }
+    float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i];
+    return s;
+}
 
 /* Horizontal sum as a tree (16 -> 8 -> 4 -> 1): a row pays this once, and a chain of 16
    dependent scalar adds costs more than the row's arithmetic on short rows. */
@@ -189,58 +231,6 @@ static inline float hsum(v16f v) {
     memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
     const v4f b = l4 + h4;
     return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-/* One row against `nt` tokens (nt is a constant at every call site, so the loops unroll).
- * A token's sum is the same sequence of operations whatever nt is and wherever the token sits in
- * its group, so a row of a step does not depend on the other rows (batch invariance): blocks of 32
- * sum their two units unscaled and scale once per block (3 floating-point operations per 32 codes
- * per token instead of 4), blocks of 16 scale each unit; chains of CHAINS accumulators per token. */
-static inline __attribute__((always_inline)) void row_group(
-        const void *q, int bits, int bias, const float *scale, int64_t units, int shift,
-        const float *x, int64_t ldx, int nt, float *res) {
-    v16f acc[MAX_GROUP][CHAINS];
-    for (int t = 0; t < nt; t++)
-        for (int c = 0; c < CHAINS; c++) acc[t][c] = (v16f){0};
-    if (shift == 1) {
-        const int64_t nb = units / 2;
-        int64_t b = 0;
-        for (; b + CHAINS <= nb; b += CHAINS) {
-            for (int c = 0; c < CHAINS; c++) {
-                const int64_t bb = b + c;
-                const v16f u0 = unit_codes(q, 2 * bb, bits, bias), u1 = unit_codes(q, 2 * bb + 1, bits, bias);
-                for (int t = 0; t < nt; t++) {
-                    const float *xt = x + t * ldx + 2 * bb * UNIT;
-                    v16f p = u0 * load_f32(xt);
-                    p += u1 * load_f32(xt + UNIT);
-                    acc[t][c] += scale[bb] * p;
-                }
-            }
-        }
-        for (; b < nb; b++) {
-            const v16f u0 = unit_codes(q, 2 * b, bits, bias), u1 = unit_codes(q, 2 * b + 1, bits, bias);
-            for (int t = 0; t < nt; t++) {
-                const float *xt = x + t * ldx + 2 * b * UNIT;
-                v16f p = u0 * load_f32(xt);
-                p += u1 * load_f32(xt + UNIT);
-                acc[t][0] += scale[b] * p;
-            }
-        }
-    } else {
-        int64_t u = 0;
-        for (; u + CHAINS <= units; u += CHAINS) {
-            for (int c = 0; c < CHAINS; c++) {
-                const int64_t k = u + c;
-                const v16f w = unit_codes(q, k, bits, bias) * scale[k >> shift];
-                for (int t = 0; t < nt; t++) acc[t][c] += w * load_f32(x + t * ldx + k * UNIT);
-            }
-        }
-        for (; u < units; u++) {
-            const v16f w = unit_codes(q, u, bits, bias) * scale[u >> shift];
-            for (int t = 0; t < nt; t++) acc[t][0] += w * load_f32(x + t * ldx + u * UNIT);
-        }
-    }
-    for (int t = 0; t < nt; t++) res[t] = hsum((acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]));
 }
 
 typedef struct {
@@ -275,62 +265,236 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
     const int64_t nb = a->k / a->block;
     for (int64_t t = 0; t < a->ntok; t++)
         for (int64_t b = 0; b < nb; b++) {
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < a->block; i++) s += a->x[t * a->ldx + b * a->block + i];
-            xsum[t * nb + b] = s;
+            xsum[t * nb + b] = sum_f32(a->x + t * a->ldx + b * a->block, a->block);
         }
 }
 
-/* Nibble codes are read without their bias (one instruction less per 16 codes); the bias comes
- * back per row as - bias * sum_b scale[b] * xsum[b]. */
-#define ROW_GROUP(NT) \
-    (a->bits == 4 ? row_group(qr, 4, 0, sr, units, shift, xt, ldx, NT, res) \
-     : a->bits == 16 ? row_group(qr, 16, (int)a->bias, sr, units, shift, xt, ldx, NT, res) \
-                     : row_group(qr, 8, 0, sr, units, shift, xt, ldx, NT, res))
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2 has 8-float registers: GCC moves a 16-float vector type between its halves through the
+ * stack (several times slower), so on this ISA the tile holds each 16-lane accumulator as two
+ * __m256 (lanes 0..7, 8..15) and unpacks codes straight into them. Same sums as the v16f code. */
+static inline __attribute__((always_inline)) void bytes16_to_f32(__m128i b, int is_signed, __m256 *lo, __m256 *hi) {
+    const __m128i h = _mm_srli_si128(b, 8);
+    *lo = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    *hi = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(h) : _mm256_cvtepu8_epi32(h));
+}
+
+static inline __attribute__((always_inline)) void halves8_to_f32(const uint16_t *p, int bf16, __m256 *out) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+#if defined(__F16C__)
+    *out = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
+#else
+    if (bf16) {
+        *out = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        float f[8];
+        for (int j = 0; j < 8; j++) f[j] = half_to_float(p[j]);
+        *out = _mm256_loadu_ps(f);
+    }
+#endif
+}
+
+/* Unit k (16 codes) as two 8-float halves; nibbles without their bias (see qmm_store). */
+static inline __attribute__((always_inline)) void unit_pair(const void *q, int64_t k, int bits, int bias, __m256 u[2]) {
+    if (bits == 4) {
+        __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (k >> 1) * UNIT));
+        if (k & 1) b = _mm_srli_epi16(b, 4);
+        bytes16_to_f32(_mm_and_si128(b, _mm_set1_epi8(0x0F)), 0, &u[0], &u[1]);
+    } else if (bits == 16) {
+        halves8_to_f32((const uint16_t *)q + k * UNIT, bias, &u[0]);
+        halves8_to_f32((const uint16_t *)q + k * UNIT + 8, bias, &u[1]);
+    } else {
+        bytes16_to_f32(_mm_loadu_si128((const __m128i *)((const int8_t *)q + k * UNIT)), 1, &u[0], &u[1]);
+    }
+}
+
+/* Block b of 32 codes (units 2b, 2b+1) as four halves; 16 nibble bytes are read once. */
+static inline __attribute__((always_inline)) void block_pairs(const void *q, int64_t b, int bits, int bias, __m256 u[4]) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * UNIT)), m = _mm_set1_epi8(0x0F);
+        bytes16_to_f32(_mm_and_si128(v, m), 0, &u[0], &u[1]);
+        bytes16_to_f32(_mm_and_si128(_mm_srli_epi16(v, 4), m), 0, &u[2], &u[3]);
+    } else {
+        unit_pair(q, 2 * b, bits, bias, &u[0]);
+        unit_pair(q, 2 * b + 1, bits, bias, &u[2]);
+    }
+}
+
+static inline float hsum_pair(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline __attribute__((always_inline)) void qmm_tile(
+        const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, int shift, float *res) {
+    const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx;
+    const int64_t rowbytes = k * bits / 8;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nb;
+    const float *x0 = a->x + t0 * ldx;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nb, R * nb * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nb, R * nb * (int64_t)sizeof(float));
+    __m256 acc[4][4][2];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+    if (shift == 1) {
+        const int64_t step = R * bits * 4;
+        for (int64_t b = 0; b < units / 2; b++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+            for (int i = 0; i < R; i++) {
+                __m256 u[4];
+                block_pairs(q0 + i * rowbytes, b, bits, bias, u);
+                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + b);
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + 2 * b * UNIT;
+                    __m256 p0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xt));
+                    __m256 p1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xt + 8));
+                    p0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xt + 16), p0);
+                    p1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xt + 24), p1);
+                    acc[i][t][0] = _mm256_fmadd_ps(sc, p0, acc[i][t][0]);
+                    acc[i][t][1] = _mm256_fmadd_ps(sc, p1, acc[i][t][1]);
+                }
+            }
+        }
+    } else {
+        const int64_t step = R * bits * 2;
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
+            for (int i = 0; i < R; i++) {
+                __m256 w[2];
+                unit_pair(q0 + i * rowbytes, u, bits, bias, w);
+                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + u);
+                w[0] = _mm256_mul_ps(w[0], sc);
+                w[1] = _mm256_mul_ps(w[1], sc);
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + u * UNIT;
+                    acc[i][t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), acc[i][t][0]);
+                    acc[i][t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), acc[i][t][1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) res[i * T + t] = hsum_pair(acc[i][t][0], acc[i][t][1]);
+}
+#else
+/* R rows (from r0) x T tokens (from t0) of one item, for one code format (constants at every
+ * call site, so the loops unroll and the accumulators stay in registers): a unit's codes are
+ * converted once for all T tokens and a token's x is read for all R rows. Each (row, token) sum
+ * is one v16f accumulator taking the blocks in order, whatever the tile shape or the step's other
+ * tokens (batch invariance): blocks of 32 sum their two units unscaled and scale once per block,
+ * blocks of 16 scale each unit. res[i * T + t]. */
+static inline __attribute__((always_inline)) void qmm_tile(
+        const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, int shift, float *res) {
+    const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx;
+    const int64_t rowbytes = k * bits / 8;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nb;
+    const float *x0 = a->x + t0 * ldx;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nb, R * nb * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nb, R * nb * (int64_t)sizeof(float));
+    v16f acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = (v16f){0};
+    if (shift == 1) {
+        const int64_t step = R * bits * 4;                 /* the tile's code bytes per block */
+        for (int64_t b = 0; b < units / 2; b++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+            for (int i = 0; i < R; i++) {
+                const void *q = q0 + i * rowbytes;
+                const v16f u0 = unit_codes(q, 2 * b, bits, bias), u1 = unit_codes(q, 2 * b + 1, bits, bias);
+                const float sc = s0[i * nb + b];
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + 2 * b * UNIT;
+                    v16f p = u0 * load_f32(xt);
+                    p += u1 * load_f32(xt + UNIT);
+                    acc[i][t] += sc * p;
+                }
+            }
+        }
+    } else {
+        const int64_t step = R * bits * 2;                 /* the tile's code bytes per unit */
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
+            for (int i = 0; i < R; i++) {
+                const v16f w = unit_codes(q0 + i * rowbytes, u, bits, bias) * s0[i * nb + u];
+                for (int t = 0; t < T; t++) acc[i][t] += w * load_f32(x0 + t * ldx + u * UNIT);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) res[i * T + t] = hsum(acc[i][t]);
+}
+#endif
 
 static int needs_xsum(const QMatmulArgs *a) {
     return a->offset != NULL || (a->bits == 4 && a->bias != 0);
 }
 
-static void qmm_row(const QMatmulArgs *a, const float *xsum, int64_t r) {
-    const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx, ntok = a->ntok;
-    const int shift = a->block == 32 ? 1 : 0;
+/* The tile's results plus the offset term and the nibble bias (nibbles are read without their
+ * bias, one instruction less per 16 codes; it comes back as - bias * sum_b scale[b] * xsum[b]),
+ * per row and token in block order, into y. */
+static __attribute__((noinline, noclone)) void qmm_store(const QMatmulArgs *a, const float *xsum, int64_t r0, int R, int64_t t0, int T,
+                             const float *res) {
+    const int64_t nb = a->k / a->block;
     const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
-    const void *qr = (const uint8_t *)a->q + r * (k * a->bits / 8);
-    const float *sr = a->scale + r * nb;
-    for (int64_t t0 = 0; t0 < ntok; t0 += MAX_GROUP) {
-        const float *xt = a->x + t0 * ldx;
-        float res[MAX_GROUP];
-        const int64_t left = ntok - t0;
-        const int nt = left < MAX_GROUP ? (int)left : MAX_GROUP;
-        switch (nt) {
-            case 1: ROW_GROUP(1); break;
-            case 2: ROW_GROUP(2); break;
-            case 3: ROW_GROUP(3); break;
-            default: ROW_GROUP(4); break;
-        }
-        if (a->offset) {
-            const float *orow = a->offset + r * nb;
-            for (int t = 0; t < nt; t++) {
-                const float *xs = xsum + (t0 + t) * nb;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t b = 0; b < nb; b++) s += orow[b] * xs[b];
-                res[t] += s;
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) {
+            float v = res[i * T + t];
+            const float *xs = xsum ? xsum + (t0 + t) * nb : NULL;
+            if (a->offset) {
+                v += dot_f32(a->offset + (r0 + i) * nb, xs, nb);
             }
-        }
-        if (bias != 0.0f) {
-            for (int t = 0; t < nt; t++) {
-                const float *xs = xsum + (t0 + t) * nb;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t b = 0; b < nb; b++) s += sr[b] * xs[b];
-                res[t] -= bias * s;
+            if (bias != 0.0f) {
+                v = fmaf(-bias, dot_f32(a->scale + (r0 + i) * nb, xs, nb), v);
             }
+            a->y[(t0 + t) * a->ldy + r0 + i] = v;
         }
-        for (int t = 0; t < nt; t++) a->y[(t0 + t) * a->ldy + r] = res[t];
+}
+
+/* Rows r0 .. r0+nr of an item against all its tokens: four tokens a tile, fewer tokens with
+ * more rows a tile (the accumulators of a tile fill the vector registers); leftover rows one at
+ * a time. */
+static inline __attribute__((always_inline)) void qmm_chunk_fmt(
+        const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr, int bits, int bias, int shift) {
+    float res[16];
+#define QMM_TILES(T, R) do { \
+        int64_t i = 0; \
+        for (; i + (R) <= nr; i += (R)) { \
+            qmm_tile(a, r0 + i, (R), t0, (T), bits, bias, shift, res); \
+            qmm_store(a, xsum, r0 + i, (R), t0, (T), res); \
+        } \
+        for (; i < nr; i++) { \
+            qmm_tile(a, r0 + i, 1, t0, (T), bits, bias, shift, res); \
+            qmm_store(a, xsum, r0 + i, 1, t0, (T), res); \
+        } \
+    } while (0)
+    for (int64_t t0 = 0; t0 < a->ntok;) {
+        const int64_t left = a->ntok - t0;
+        if (left >= 4) { QMM_TILES(4, 1); t0 += 4; }
+        else if (left == 3) { QMM_TILES(3, 1); t0 += 3; }
+        else if (left == 2) { QMM_TILES(2, 2); t0 += 2; }
+        else { QMM_TILES(1, 4); t0 += 1; }
     }
+#undef QMM_TILES
+}
+
+/* One chunk of rows, dispatched on the code format: int8, nibbles (read without their bias),
+ * halves or bfloat16s; blocks of 32 or 16. */
+static void qmm_chunk(const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr) {
+    const int shift = a->block == 32 ? 1 : 0;
+#define QMM_FMT(B, BIAS) do { \
+        if (shift) qmm_chunk_fmt(a, xsum, r0, nr, (B), (BIAS), 1); \
+        else qmm_chunk_fmt(a, xsum, r0, nr, (B), (BIAS), 0); \
+    } while (0)
+    if (a->bits == 4) QMM_FMT(4, 0);
+    else if (a->bits == 16 && a->bias) QMM_FMT(16, 1);
+    else if (a->bits == 16) QMM_FMT(16, 0);
+    else QMM_FMT(8, 0);
+#undef QMM_FMT
 }
 
 enum { MAX_ITEMS = 64 };
@@ -339,13 +503,13 @@ enum { MAX_ITEMS = 64 };
 int metatp_qmatmul(const QMatmulGroup *g) {
     const int64_t n = g->n;
     if (n < 1 || n > MAX_ITEMS) return -4;
-    int64_t first_row[MAX_ITEMS + 1], xsum_at[MAX_ITEMS + 1], work = 0;
-    first_row[0] = xsum_at[0] = 0;
+    int64_t first_chunk[MAX_ITEMS + 1], xsum_at[MAX_ITEMS + 1], work = 0;
+    first_chunk[0] = xsum_at[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const QMatmulArgs *a = g->items[i];
         const int rc = qmm_check(a);
         if (rc) return rc;
-        first_row[i + 1] = first_row[i] + a->rows;
+        first_chunk[i + 1] = first_chunk[i] + (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
         xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * a->ntok : 0);
         work += a->rows * a->k * a->ntok;
     }
@@ -357,13 +521,15 @@ int metatp_qmatmul(const QMatmulGroup *g) {
             if (needs_xsum(g->items[i])) qmm_xsum(g->items[i], xsum + xsum_at[i]);
     }
     const int nthreads = work < (int64_t)1 << 16 ? 1 : (int)g->nthreads;   /* small: not worth waking threads */
-    const int64_t total = first_row[n];
+    const int64_t total = first_chunk[n];
 
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t gr = 0; gr < total; gr++) {
+    for (int64_t c = 0; c < total; c++) {
         int64_t i = 0;
-        while (gr >= first_row[i + 1]) i++;
-        qmm_row(g->items[i], xsum ? xsum + xsum_at[i] : NULL, gr - first_row[i]);
+        while (c >= first_chunk[i + 1]) i++;
+        const QMatmulArgs *a = g->items[i];
+        const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
+        qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
     }
     free(xsum);
     return 0;
@@ -534,11 +700,10 @@ const char *metatp_isa(void) { return Q8_ISA; }
 
 #if Q8_SIMD
 /* 32 codes of block b of a row, as bytes (nibbles unpacked, a nonzero nibble bias subtracted) */
-static inline __m256i q8_weight32(const void *qrow, int64_t b, int bits, int bias) {
-    if (bits == 4) {
+static inline __attribute__((always_inline)) __m256i q8_weight32(const void *qrow, int64_t b, int bits, int bias) {
+    if (bits == 4) {        /* one 256-bit mask over (high nibbles shifted down | low nibbles) */
         const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)qrow + b * 16));
-        const __m128i m = _mm_set1_epi8(0x0F);
-        __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
         return bias ? _mm256_sub_epi8(w, _mm256_set1_epi8((char)bias)) : w;
     }
     return _mm256_loadu_si256((const __m256i *)((const int8_t *)qrow + b * 32));
@@ -633,70 +798,130 @@ static int q8_check(const Q8MatmulArgs *a) {
     return 0;
 }
 
-/* One row against nt (<= MAX_GROUP) tokens starting at t0; nt is a constant at each call site. */
-static inline __attribute__((always_inline)) void q8_row_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t r,
-                                                               int64_t t0, int nt, float *res) {
-    const int64_t k = a->k, nb32 = k / 32, nbw = k / a->block, nd = a->kind == Q8_K ? k / QK : nb32;
-    const int dshift = a->kind == Q8_K ? 3 : 0, bits = (int)a->bits, bias = (int)a->bias;
-    const void *qrow = (const uint8_t *)a->q + r * (k * bits / 8);
-    const float *sw = a->scale + r * nbw;
+
 #if Q8_SIMD
-    const int signed_w = !(bits == 4 && bias == 0);
-    __m256 acc[MAX_GROUP][2];
-    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+/* R rows (from r0) x T tokens (from t0) of one item for one weight format; every argument but
+ * the pointers is a constant at each call site, so the loops unroll and the accumulators stay in
+ * registers. One block's codes are unpacked once for all T tokens and one token's codes are read
+ * for all R rows. Each (row, token) sum is one 8-lane accumulator taking the blocks in order, so
+ * neither the tile shape nor the step's other tokens change a result (batch invariance); R rows
+ * give the FMA unit R * T independent chains. res[i * T + t]. */
+static inline __attribute__((always_inline)) void q8_tile(
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int R, int64_t t0, int T,
+        int bits, int signed_w, int block32, int dshift, float *res) {
+    const int64_t k = a->k, nb32 = k / 32, nbw = k / a->block, nd = dshift ? k / QK : nb32;
+    const int64_t rowbytes = k * bits / 8;
+    const int bias = (int)a->bias;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nbw;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nbw, R * nbw * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nbw, R * nbw * (int64_t)sizeof(float));
+    const int64_t step = R * bits * 4;          /* the tile's code bytes per block */
+    __m256 acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb32; b++) {
-        const __m256i w = q8_weight32(qrow, b, bits, bias);
-        const __m256i wu = signed_w ? _mm256_abs_epi8(w) : w;
-        const __m256 sv = a->block == 32 ? _mm256_set1_ps(sw[b])
-                                         : _mm256_set_m128(_mm_set1_ps(sw[2 * b + 1]), _mm_set1_ps(sw[2 * b]));
-        for (int t = 0; t < nt; t++) {
-            const int8_t *xq = x->q + (t0 + t) * k;
-            const __m256i iv = q8_dot32(wu, w, _mm256_loadu_si256((const __m256i *)(xq + b * 32)), signed_w);
-            const __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(x->d[(t0 + t) * nd + (b >> dshift)]));
-            acc[t][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), f, acc[t][b & 1]);
+        for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+        for (int i = 0; i < R; i++) {
+            const __m256i w = q8_weight32(q0 + i * rowbytes, b, bits, signed_w && bits == 4 ? bias : 0);
+            const __m256i wu = signed_w ? _mm256_abs_epi8(w) : w;
+            const float *sw = s0 + i * nbw;
+            const __m256 sv = block32 ? _mm256_set1_ps(sw[b])
+                                      : _mm256_set_m128(_mm_set1_ps(sw[2 * b + 1]), _mm_set1_ps(sw[2 * b]));
+            for (int t = 0; t < T; t++) {
+                const int8_t *xq = x->q + (t0 + t) * k + b * 32;
+                const __m256i iv = q8_dot32(wu, w, _mm256_loadu_si256((const __m256i *)xq), signed_w);
+                const __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(x->d[(t0 + t) * nd + (b >> dshift)]));
+                acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), f, acc[i][t]);
+            }
         }
     }
-    for (int t = 0; t < nt; t++) res[t] = q8_hsum8(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) res[i * T + t] = q8_hsum8(acc[i][t]);
+}
 #else
-    for (int t = 0; t < nt; t++) {
-        const int8_t *xq = x->q + (t0 + t) * k;
-        const float *dx = x->d + (t0 + t) * nd;
-        float sum = 0.0f;
-        for (int64_t b = 0; b < nb32; b++) {
-            int32_t is[2];
-            q8_block_isums(qrow, b, bits, bias, xq, is);
-            const float db = dx[b >> dshift];
-            if (a->block == 32) sum += sw[b] * db * (float)(is[0] + is[1]);
-            else sum += sw[2 * b] * db * (float)is[0] + sw[2 * b + 1] * db * (float)is[1];
-        }
-        res[t] = sum;
-    }
-#endif
-    if (a->offset) {
-        const float *orow = a->offset + r * nbw;
-        for (int t = 0; t < nt; t++) {
-            const float *xs = x->xs + (t0 + t) * nbw;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t b = 0; b < nbw; b++) s += orow[b] * xs[b];
-            res[t] += s;
+/* portable: one (row, token) at a time, the same block order */
+static inline void q8_tile(const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int R, int64_t t0, int T,
+                           int bits, int signed_w, int block32, int dshift, float *res) {
+    (void)signed_w;
+    const int64_t k = a->k, nb32 = k / 32, nbw = k / a->block, nd = dshift ? k / QK : nb32;
+    for (int i = 0; i < R; i++) {
+        const void *qrow = (const uint8_t *)a->q + (r0 + i) * (k * bits / 8);
+        const float *sw = a->scale + (r0 + i) * nbw;
+        for (int t = 0; t < T; t++) {
+            const int8_t *xq = x->q + (t0 + t) * k;
+            const float *dx = x->d + (t0 + t) * nd;
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb32; b++) {
+                int32_t is[2];
+                q8_block_isums(qrow, b, bits, (int)a->bias, xq, is);
+                const float db = dx[b >> dshift];
+                if (block32) sum += sw[b] * db * (float)(is[0] + is[1]);
+                else sum += sw[2 * b] * db * (float)is[0] + sw[2 * b + 1] * db * (float)is[1];
+            }
+            res[i * T + t] = sum;
         }
     }
 }
+#endif
 
-static void q8_row(const Q8MatmulArgs *a, const Q8Act *x, int64_t r) {
-    for (int64_t t0 = 0; t0 < a->ntok; t0 += MAX_GROUP) {
-        float res[MAX_GROUP];
-        const int64_t left = a->ntok - t0;
-        const int nt = left < MAX_GROUP ? (int)left : MAX_GROUP;
-        switch (nt) {
-            case 1: q8_row_group(a, x, r, t0, 1, res); break;
-            case 2: q8_row_group(a, x, r, t0, 2, res); break;
-            case 3: q8_row_group(a, x, r, t0, 3, res); break;
-            default: q8_row_group(a, x, r, t0, 4, res); break;
+/* The tile's results plus the offset term (per row and token, in block order), into y. */
+static __attribute__((noinline, noclone)) void q8_store(const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int R, int64_t t0, int T,
+                            const float *res) {
+    const int64_t nbw = a->k / a->block;
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) {
+            float v = res[i * T + t];
+            if (a->offset) {
+                v += dot_f32(a->offset + (r0 + i) * nbw, x->xs + (t0 + t) * nbw, nbw);
+            }
+            a->y[(t0 + t) * a->ldy + r0 + i] = v;
         }
-        for (int t = 0; t < nt; t++) a->y[(t0 + t) * a->ldy + r] = res[t];
+}
+
+/* Rows r0 .. r0+nr of an item against all its tokens: tokens four at a time (two rows a tile),
+ * fewer tokens with more rows a tile; rows left over one at a time. */
+static inline __attribute__((always_inline)) void q8_chunk_fmt(
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int64_t nr,
+        int bits, int signed_w, int block32, int dshift) {
+    float res[16];
+#define Q8_TILES(T, R) do { \
+        int64_t i = 0; \
+        for (; i + (R) <= nr; i += (R)) { \
+            q8_tile(a, x, r0 + i, (R), t0, (T), bits, signed_w, block32, dshift, res); \
+            q8_store(a, x, r0 + i, (R), t0, (T), res); \
+        } \
+        for (; i < nr; i++) { \
+            q8_tile(a, x, r0 + i, 1, t0, (T), bits, signed_w, block32, dshift, res); \
+            q8_store(a, x, r0 + i, 1, t0, (T), res); \
+        } \
+    } while (0)
+    for (int64_t t0 = 0; t0 < a->ntok;) {
+        const int64_t left = a->ntok - t0;
+        if (left >= 4) { Q8_TILES(4, 2); t0 += 4; }
+        else if (left == 3) { Q8_TILES(3, 2); t0 += 3; }
+        else if (left == 2) { Q8_TILES(2, 4); t0 += 2; }
+        else { Q8_TILES(1, 4); t0 += 1; }
     }
+#undef Q8_TILES
+}
+
+/* One chunk of rows, dispatched on the weight format (the combinations the GGUF types give:
+ * 8-bit codes; nibbles with or without a bias; blocks of 32 or 16 weights; activation scales
+ * per 32 or per 256). */
+static void q8_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int64_t nr) {
+    const int bits = (int)a->bits, block32 = a->block == 32, dshift = a->kind == Q8_K ? 3 : 0;
+    const int signed_w = !(bits == 4 && a->bias == 0);
+#define Q8_FMT(B, S) do { \
+        if (block32 && !dshift) q8_chunk_fmt(a, x, r0, nr, (B), (S), 1, 0); \
+        else if (block32) q8_chunk_fmt(a, x, r0, nr, (B), (S), 1, 3); \
+        else q8_chunk_fmt(a, x, r0, nr, (B), (S), 0, 3); \
+    } while (0)
+    if (bits == 8) Q8_FMT(8, 1);
+    else if (signed_w) Q8_FMT(4, 1);
+    else Q8_FMT(4, 0);
+#undef Q8_FMT
 }
 
 /* Bytes of one item's quantized activations in the call's scratch. */
@@ -751,14 +976,14 @@ static void q8_prepare_act(const Q8MatmulGroup *g, int64_t i, Q8Act *acts, char 
 int metatp_q8_matmul(const Q8MatmulGroup *g) {
     const int64_t n = g->n;
     if (n < 1 || n > MAX_ITEMS) return -4;
-    int64_t first_row[MAX_ITEMS + 1], work = 0;
+    int64_t first_chunk[MAX_ITEMS + 1], work = 0;
     size_t bytes = 64;
-    first_row[0] = 0;
+    first_chunk[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const Q8MatmulArgs *a = g->items[i];
         const int rc = q8_check(a);
         if (rc) return rc;
-        first_row[i + 1] = first_row[i] + a->rows;
+        first_chunk[i + 1] = first_chunk[i] + (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
         work += a->rows * a->k * a->ntok;
         bytes += q8_act_bytes(a);
     }
@@ -768,12 +993,14 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
     char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     for (int64_t i = 0; i < n; i++) q8_prepare_act(g, i, acts, &at);
     const int nthreads = work < (int64_t)1 << 17 ? 1 : (int)g->nthreads;
-    const int64_t total = first_row[n];
+    const int64_t total = first_chunk[n];
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t gr = 0; gr < total; gr++) {
+    for (int64_t c = 0; c < total; c++) {
         int64_t i = 0;
-        while (gr >= first_row[i + 1]) i++;
-        q8_row(g->items[i], &acts[i], gr - first_row[i]);
+        while (c >= first_chunk[i + 1]) i++;
+        const Q8MatmulArgs *a = g->items[i];
+        const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
+        q8_chunk(a, &acts[i], r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
     }
     free(scratch);
     return 0;
@@ -904,10 +1131,18 @@ static inline void kv_dequant_row(int64_t type, const uint8_t *p, int64_t n, flo
     if (type == T_F16 || type == T_BF16) {
         const uint16_t *h = (const uint16_t *)p;
         int64_t i = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        for (; i + 8 <= n; i += 8) {          /* 8-float registers (see qmm_tile) */
+            __m256 v;
+            halves8_to_f32(h + i, type == T_BF16, &v);
+            _mm256_storeu_ps(out + i, v);
+        }
+#else
         for (; i + UNIT <= n; i += UNIT) {
             const v16f v = load_halves(h + i, type == T_BF16);
             memcpy(out + i, &v, sizeof v);
         }
+#endif
         for (; i < n; i++) {
             if (type == T_F16) {
                 out[i] = half_to_float(h[i]);
@@ -1087,14 +1322,40 @@ typedef struct {
     int64_t max_chunks, nthreads;
 } AttentionArgs;
 
+/* out[e] = q . k_e over the first D8 (a multiple of 8) elements, for eight rows k_e: one
+ * accumulator per row, then one transpose-and-add (each row's lanes are summed among themselves
+ * in a fixed tree, whatever the other rows hold). */
+static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8, float out[8]) {
+    v8f acc[8];
+    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
+    for (int64_t d = 0; d < D8; d += 8) {
+        const v8f qv = *(const v8f_a *)(q + d);
+        for (int e = 0; e < 8; e++) acc[e] += qv * kv_load8(k[e], d);
+    }
+#if defined(__AVX2__) || defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out, sum);
+#else
+    for (int e = 0; e < 8; e++) {      /* the same tree as above, lane by lane */
+        const v8f v = acc[e];
+        out[e] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+#endif
+}
+
 /* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
  * that see any of those rows. part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
 static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf) {
     const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
     const uint8_t *kh = (const uint8_t *)a->k + g * a->k_sh, *vh = (const uint8_t *)a->v + g * a->v_sh;
     const float scale = a->scale, softcap = a->softcap;
-    const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8;
-    float kbuf[D + 16], vbuf[Dv + 16];
+    const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8, Dv32 = Dv - Dv % 32, vst = Dv + 16, kst = D + 16;
+    float kbuf[8 * kst];              /* dequantized K rows of a group of eight */
+    float *vblock = (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));     /* dequantized V rows */
+    const float *vrows[KV_BLOCK];
     int64_t rows[G], na = 0;
     unsigned char seen[T];
     for (int64_t t = 0; t < T; t++) {           /* does query t see anything in this chunk? */
@@ -1109,23 +1370,35 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         rows[na++] = r;
         for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
     }
-    if (na == 0) return;
+    if (na == 0 || !vblock) {
+        free(vblock);
+        return;
+    }
     for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
         const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK;
-        /* scores of the block: each K row read once for all the unit's query rows */
-        for (int64_t jj = 0; jj < nb; jj++) {
-            const float *kr = kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf);
+        /* scores of the block, eight K rows at a time (each read once for all the unit's query
+           rows; eight accumulators hide the FMA latency and are summed by one transpose). A
+           missing row of the last group repeats the first and its lanes are dropped, so every
+           score is computed the same way wherever the visible cells end. */
+        for (int64_t j8 = 0; j8 < nb; j8 += 8) {
+            const float *kr[8];
+            for (int e = 0; e < 8; e++) {
+                const int64_t jj = j8 + e < nb ? j8 + e : j8;
+                kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
+            }
             for (int64_t ia = 0; ia < na; ia++) {
                 const int64_t r = rows[ia], i = r / T, t = r % T, h = g * gsize + i;
                 const float *qr = a->q + h * a->q_sh + t * a->q_st;
-                v8f acc = (v8f){0};
-                for (int64_t d = 0; d < D8; d += 8) acc += *(const v8f_a *)(qr + d) * kv_load8(kr, d);
-                float sc = hsum8(acc);
-                for (int64_t d = D8; d < D; d++) sc += qr[d] * kv_load1(kr, d);
-                sc *= scale;
-                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                if (a->mask) sc += a->mask[t * a->m_st + b0 + jj];
-                sbuf[ia * KV_BLOCK + jj] = sc;
+                float sc8[8];
+                dot8_rows(qr, kr, D8, sc8);
+                for (int e = 0; e < 8 && j8 + e < nb; e++) {
+                    float sc = sc8[e];
+                    for (int64_t d = D8; d < D; d++) sc += qr[d] * kv_load1(kr[e], d);
+                    sc *= scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    if (a->mask) sc += a->mask[t * a->m_st + b0 + j8 + e];
+                    sbuf[ia * KV_BLOCK + j8 + e] = sc;
+                }
             }
         }
         /* online softmax: new running max, rescale, probabilities in place; a block the row
@@ -1153,23 +1426,54 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
             }
             pr[1] += l;
         }
-        /* weighted V: each V row read once for all the unit's query rows (skipped when no row
-           gives it weight: a block of another sequence's cells costs no V reads) */
+        /* weighted V: the block's V rows read (dequantized) once for all the unit's query rows
+           (skipped when no row gives them weight: another sequence's cells cost no V reads); each
+           query row then sums them in row order with its accumulator in registers */
         for (int64_t jj = 0; jj < nb; jj++) {
             int any = 0;
             for (int64_t ia = 0; ia < na && !any; ia++) any = sbuf[ia * KV_BLOCK + jj] != 0.0f;
-            if (!any) continue;
-            const float *vr = kv_row(a->v_type, vh, b0 + jj, a->v_sj, Dv, vbuf);
-            for (int64_t ia = 0; ia < na; ia++) {
-                const float p = sbuf[ia * KV_BLOCK + jj];
-                if (p == 0.0f) continue;
-                float *acc = part + rows[ia] * P + 2;
-                const v8f pv = (v8f){p, p, p, p, p, p, p, p};
-                for (int64_t d = 0; d < Dv8; d += 8) *(v8f_a *)(acc + d) += pv * kv_load8(vr, d);
-                for (int64_t d = Dv8; d < Dv; d++) acc[d] += p * kv_load1(vr, d);
+            vrows[jj] = any ? kv_row(a->v_type, vh, b0 + jj, a->v_sj, Dv, vblock + jj * vst) : NULL;
+        }
+        for (int64_t ia = 0; ia < na; ia++) {
+            const float *sr = sbuf + ia * KV_BLOCK;
+            float *acc = part + rows[ia] * P + 2;
+            int64_t d = 0;
+            for (; d < Dv32; d += 32) {
+                v8f a0 = *(v8f_a *)(acc + d), a1 = *(v8f_a *)(acc + d + 8);
+                v8f a2 = *(v8f_a *)(acc + d + 16), a3 = *(v8f_a *)(acc + d + 24);
+                for (int64_t jj = 0; jj < nb; jj++) {
+                    const float p = sr[jj];
+                    if (p == 0.0f) continue;
+                    const float *vr = vrows[jj];
+                    const v8f pv = (v8f){p, p, p, p, p, p, p, p};
+                    a0 += pv * kv_load8(vr, d);
+                    a1 += pv * kv_load8(vr, d + 8);
+                    a2 += pv * kv_load8(vr, d + 16);
+                    a3 += pv * kv_load8(vr, d + 24);
+                }
+                *(v8f_a *)(acc + d) = a0;
+                *(v8f_a *)(acc + d + 8) = a1;
+                *(v8f_a *)(acc + d + 16) = a2;
+                *(v8f_a *)(acc + d + 24) = a3;
+            }
+            for (; d < Dv8; d += 8) {
+                v8f a0 = *(v8f_a *)(acc + d);
+                for (int64_t jj = 0; jj < nb; jj++) {
+                    const float p = sr[jj];
+                    if (p == 0.0f) continue;
+                    a0 += (v8f){p, p, p, p, p, p, p, p} * kv_load8(vrows[jj], d);
+                }
+                *(v8f_a *)(acc + d) = a0;
+            }
+            for (; d < Dv; d++) {
+                float a1 = acc[d];
+                for (int64_t jj = 0; jj < nb; jj++)
+                    if (sr[jj] != 0.0f) a1 += sr[jj] * kv_load1(vrows[jj], d);
+                acc[d] = a1;
             }
         }
     }
+    free(vblock);
 }
 
 #ifdef _OPENMP
@@ -1252,6 +1556,72 @@ int metatp_glu(const GluArgs *g) {
                 o[i] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * b[i];
             }
         }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ RMS norm, add
+ * Why: between a step's compiled calls, numpy spent ~10 us per norm and per residual add (five
+ * array calls each); as compiled calls they join the step's batch (one ctypes call for a run).
+ *
+ * rms_norm: out = x * (1 / sqrt(mean(x^2) + eps)) [* w] per row, as ggml and
+ * numpy_kernels.rms_scale round it: the sum of squares in double, the mean rounded to float, the
+ * rest in float, the weight multiplied after the scale (two roundings). */
+typedef struct {
+    int64_t T, n;
+    const float *x;
+    int64_t x_st;
+    const float *w;        /* NULL: no weight */
+    float *out;
+    int64_t o_st;
+    float eps;
+} RmsNormArgs;
+
+int metatp_rms_norm(const RmsNormArgs *a) {
+    if (a->n <= 0 || a->T < 0) return -2;
+    for (int64_t t = 0; t < a->T; t++) {
+        const float *x = a->x + t * a->x_st;
+        float *o = a->out + t * a->o_st;
+        double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
+        int64_t i = 0;
+        for (; i + 4 <= a->n; i += 4) {
+            s0 += (double)x[i] * x[i];
+            s1 += (double)x[i + 1] * x[i + 1];
+            s2 += (double)x[i + 2] * x[i + 2];
+            s3 += (double)x[i + 3] * x[i + 3];
+        }
+        for (; i < a->n; i++) s0 += (double)x[i] * x[i];
+        float mean = (float)(((s0 + s1) + (s2 + s3)) / (double)a->n);
+        mean += a->eps;
+        const float scale = 1.0f / sqrtf(mean);
+        if (a->w) {
+            for (i = 0; i < a->n; i++) {
+                const float v = x[i] * scale;
+                o[i] = v * a->w[i];
+            }
+        } else {
+            for (i = 0; i < a->n; i++) o[i] = x[i] * scale;
+        }
+    }
+    return 0;
+}
+
+/* add: out = a + b over rows (a residual connection) */
+typedef struct {
+    int64_t T, n;
+    const float *a;
+    int64_t a_st;
+    const float *b;
+    int64_t b_st;
+    float *out;
+    int64_t o_st;
+} AddArgs;
+
+int metatp_add(const AddArgs *g) {
+    for (int64_t t = 0; t < g->T; t++) {
+        const float *a = g->a + t * g->a_st, *b = g->b + t * g->b_st;
+        float *o = g->out + t * g->o_st;
+        for (int64_t i = 0; i < g->n; i++) o[i] = a[i] + b[i];
     }
     return 0;
 }

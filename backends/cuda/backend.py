@@ -7,6 +7,11 @@ storage type (the graph's cache type: f16 / bf16 16-bit, q8_0 / q4_0 / q4_1 / q5
 blocks; an F32 graph cache as `kv_dtype`, f16 by default), the all-reduce mode (NCCL set up
 once, `nccl.NcclGroup`) and how much scratch memory a plan needs. Running a plan is `executable.CupyExecutable`'s.
 
+A process may own only some of the layout's devices (`devices=[rank]` under MPI, one GPU per
+rank, see `backends.distributed`): it stores, allocates and runs only those devices' slices,
+places them on `gpus` in order (the k-th owned device on ``gpus[k % len(gpus)]``), and its
+`collective` (NCCL between the processes, `collectives.nccl.NcclCollective`) spans the others.
+
 ``runtime``: the device API. `runtime.CupyRuntime` (the default) is CuPy 13/14; tests hand in
 `metatp.backends.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
 """
@@ -76,7 +81,11 @@ class CupyBackend(Backend):
     exactness). gpus: the GPU ids to use (default all visible). multi_gpu_graphs: how a step
     over several GPUs is captured: "whole" (one graph spanning the GPUs, NCCL calls captured
     inside it; falls back to "segments" when that capture fails) or "segments" (one graph per
-    subgraph and device, collectives run eagerly between them)."""
+    subgraph and device, collectives run eagerly between them).
+
+    devices: the devices this process owns (default: all of the layout's); a strict subset
+    needs a `collective` spanning the processes that own the others (its `prepare_allreduce`
+    takes this process's buffers and the device stream, `allgather` reads split values)."""
 
     name = "cupy"
 
@@ -84,7 +93,8 @@ class CupyBackend(Backend):
                  cuda_graphs: bool = True, allreduce: str = "auto", wire: str = "auto",
                  wire_thresholds: WireThresholds = WireThresholds(), kv_dtype: str = "f16",
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
-                 multi_gpu_graphs: str = "whole", runtime=None) -> None:
+                 multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
+                 collective=None) -> None:
         if numerics != "exact":
             raise ConfigError(f"cupy backend: numerics={numerics!r} is not supported (only 'exact'; the "
                               "numpy backend emulates llama.cpp's rounding)")
@@ -99,6 +109,14 @@ class CupyBackend(Backend):
                               f"got {multi_gpu_graphs!r}")
         self.layout = layout or DeviceLayout()
         self.n = self.layout.n_devices
+        self.owned = _owned_devices(self.n, devices, collective)
+        self.collective = collective
+        if collective is not None and len(self.owned) > 1:
+            raise ConfigError(f"a collective spanning processes drives one device per process; this one owns "
+                              f"devices {self.owned}")
+        if self.collective is not None and allreduce not in ("auto", "nccl"):
+            raise ConfigError(f"allreduce={allreduce!r}: a process owning devices {self.owned} of {self.n} sums "
+                              f"with its collective ({getattr(collective, 'name', '?')}); leave allreduce='auto'")
         self.numerics = numerics
         self.cuda_graphs = bool(cuda_graphs)
         self.wire = wire
@@ -111,20 +129,30 @@ class CupyBackend(Backend):
         if n_gpus < 1:
             raise UnsupportedOpError("cupy backend: no CUDA device")
         self.gpus = list(gpus) if gpus is not None else list(range(n_gpus))
-        self.devices = [Device(self.rt, d, self.gpus[d % len(self.gpus)]) for d in range(self.n)]
-        self.distinct_gpus = len({dev.gpu for dev in self.devices}) == self.n
+        if not self.gpus or not all(0 <= g < n_gpus for g in self.gpus):
+            raise ConfigError(f"cupy backend: gpus={self.gpus} but {n_gpus} GPU(s) are visible (ids 0..{n_gpus - 1})")
+        # device d of the layout, or None where another process owns it
+        self.devices: list[Device | None] = [None] * self.n
+        for k, d in enumerate(self.owned):
+            self.devices[d] = Device(self.rt, d, self.gpus[k % len(self.gpus)])
+        self.distinct_gpus = len({dev.gpu for dev in self.local_devices}) == len(self.owned)
         self.virtual = not self.distinct_gpus
         self.leaf: list[dict[Tensor, Any]] = [{} for _ in range(self.n)]
         self._executables: dict[int, CupyExecutable] = {}
         self._facts: dict[int, PlanFacts] = {}
         self.allreduce = allreduce
         self.nccl: NcclGroup | None = None
-        if requested.device_only and self.n > 1:
-            self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.devices], required=allreduce == "nccl")
-        used = sorted({dev.gpu for dev in self.devices})
+        if requested.device_only and self.n > 1 and self.collective is None:
+            self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
+        used = sorted({dev.gpu for dev in self.local_devices})
         if len(used) > 1:        # also for virtual devices spread over several GPUs (gpus=[0, 1], 4 devices)
             self.rt.enable_peer_access(used)
         self._requested = requested
+
+    @property
+    def local_devices(self) -> list[Device]:
+        """The devices this process owns, in layout order."""
+        return [self.devices[d] for d in self.owned]
 
     @property
     def mode(self) -> Mode:
@@ -136,7 +164,9 @@ class CupyBackend(Backend):
 
     @property
     def allreduce_strategy(self) -> str:
-        return "none" if self.n == 1 else self.mode.name
+        if self.n == 1:
+            return "none"
+        return self.collective.name if self.collective is not None else self.mode.name
 
     def facts(self, plan: Plan) -> PlanFacts:
         """The plan's facts, computed once per plan."""
@@ -156,7 +186,7 @@ class CupyBackend(Backend):
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
         """Store a leaf's float value (f32 on the device), split as the plan says."""
         parts = device_slices(np.ascontiguousarray(full, dtype=np.float32), t, plan.of(t), self.n)
-        for d in range(self.n):
+        for d in self.owned:
             part = np.ascontiguousarray(parts[d], dtype=np.float32)
             self.leaf[d][t] = self._store(d, part.reshape(np_shape(plan.of(t).local[d].ne)))
 
@@ -173,7 +203,7 @@ class CupyBackend(Backend):
             self.upload(t, source.dequantize(), plan)
             return
         parts = split_raw(source.raw, t, gtype, plan.of(t), self.n)
-        for d in range(self.n):
+        for d in self.owned:
             loc = plan.of(t).local[d]
             self.leaf[d][t] = RawWeight(self._store(d, parts[d]), weight_type_name(gtype), tuple(loc.ne),
                                         raw_nb(gtype, loc.ne))
@@ -219,17 +249,27 @@ class CupyBackend(Backend):
         beyond the input tensors plan_memory already counts (kv_len words, 64-byte padding)."""
         layout, block = input_layout(plan.graph)
         inputs = sum(t.nelements * np.dtype(STORAGE[t.type]).itemsize for t in layout if isinstance(t, Tensor))
-        leads = {dev.gpu: dev.index for dev in reversed(self.devices)}
+        local = self.local_devices
+        leads = {dev.gpu: dev.index for dev in reversed(local)}
         out = []
         with self.rt.kernels():
-            for d, dev in enumerate(self.devices):
+            for d in range(self.n):
+                # a device another process owns is sized as if on this process's first GPU
+                dev = self.devices[d] or local[0]
                 with self.rt.device(dev.gpu):
                     need = self._scratch_needs(plan, d, one_token_too=True)
                 total = sum(max(n, 1) * np.dtype(dt).itemsize for n, dt in need.values())
-                if leads[dev.gpu] == d:
+                if self.devices[d] is None or leads[dev.gpu] == d:
                     total += max(0, block - inputs)
-                out.append(int(total))
+                out.append(int(total) + self._rank_wire_bytes(plan))
         return out
+
+    def _rank_wire_bytes(self, plan: Plan) -> int:
+        """The BF16 wire buffers a collective spanning processes keeps (one per reduced size)."""
+        if self.collective is None:
+            return 0
+        sizes = {plan.graph.nodes[sub.reduction.node].nelements for sub in plan.subgraphs if sub.reduction is not None}
+        return sum(2 * n for n in sizes if wire_dtype(self.n, n, self.wire, self.wire_thresholds) == "bf16")
 
     def _scratch_needs(self, plan: Plan, d: int, one_token_too: bool = False) -> dict[str, tuple[int, Any]]:
         """Scratch buffer -> (elements, dtype) device d needs to run `plan` (`one_token_too`: and a
@@ -260,7 +300,7 @@ class CupyBackend(Backend):
                     lw = plan.of(w).local[d]
                     want(f"gemm_w_{mdt.__name__}", lw.ne[0] * lw.ne[1], mdt)
                     want(f"gemm_x_{mdt.__name__}", lw.ne[0] * tokens, mdt)
-        if self.n > 1:
+        if self.n > 1 and self.collective is None:     # a collective spanning processes keeps its own
             for sub in plan.subgraphs:
                 if sub.reduction is not None:
                     n_el = graph.nodes[sub.reduction.node].nelements
@@ -271,12 +311,12 @@ class CupyBackend(Backend):
         return need
 
     def has(self, t: Tensor) -> bool:
-        return t in self.leaf[0]
+        return t in self.leaf[self.owned[0]]
 
     def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
         """Zero-filled per-device buffers for a persistent leaf (the KV cache; a quantized cache as
         uint8 rows of blocks)."""
-        for d in range(self.n):
+        for d in self.owned:
             ne = plan.of(t).local[d].ne
             shape = local_raw_shape(t.type, ne) if block_size(t.type) > 1 else np_shape(ne)
             with self.rt.device(self.devices[d].gpu):
@@ -295,7 +335,7 @@ class CupyBackend(Backend):
         """(bytes available, shared by all devices?): free memory of the GPU(s), counting the
         blocks CuPy's pool keeps cached (free to us, but not to cudaMemGetInfo)."""
         try:
-            gpus = sorted({dev.gpu for dev in self.devices})
+            gpus = sorted({dev.gpu for dev in self.local_devices})
             free = [self.rt.mem_info(g)[0] + self.rt.pool_free_bytes(g) for g in gpus]
         except Exception:  # noqa: BLE001
             return None, False
@@ -312,7 +352,7 @@ class CupyBackend(Backend):
         return out
 
     def reset_kv(self) -> None:
-        for d, dev in enumerate(self.devices):
+        for d, dev in zip(self.owned, self.local_devices):
             with dev.ctx:
                 for t, a in self.leaf[d].items():
                     if t.flags & Flag.KV_CACHE and a.nbytes:
@@ -320,7 +360,7 @@ class CupyBackend(Backend):
         self.synchronize()
 
     def synchronize(self) -> None:
-        for dev in self.devices:
+        for dev in self.local_devices:
             self.rt.synchronize(dev.stream)
 
     # ---------------------------------------------------------------- plans
@@ -331,3 +371,14 @@ class CupyBackend(Backend):
     def release(self, plan: Plan) -> None:
         super().release(plan)
         self._facts.pop(id(plan), None)
+
+
+def _owned_devices(n: int, devices: Sequence[int] | None, collective) -> list[int]:
+    """The layout's devices this process owns (all by default); a strict subset needs a collective."""
+    owned = list(range(n)) if devices is None else sorted(int(d) for d in devices)
+    if not owned or len(set(owned)) != len(owned) or not all(0 <= d < n for d in owned):
+        raise ConfigError(f"devices={list(devices or [])}: must be distinct device indices of 0..{n - 1}")
+    if len(owned) < n and collective is None:
+        raise ConfigError(f"this process owns devices {owned} of {n}: the all-reduce needs a collective "
+                          "spanning the other processes (collectives.nccl.NcclCollective)")
+    return owned

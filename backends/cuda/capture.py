@@ -10,6 +10,11 @@ events (virtual devices, schedules and NCCL calls included), and replayed. On se
 when that capture fails (an NCCL that cannot be captured) or `multi_gpu_graphs="segments"`,
 each (subgraph, device) is captured on its own and the collectives run eagerly between them;
 when capture fails on one GPU, the step runs eagerly.
+
+A process owning one device of several (an MPI rank on its GPU) is the one-GPU case: its
+collective's NCCL call is issued on the device stream inside the capture, so the whole step,
+all-reduces included, is one graph; where NCCL cannot be captured the capture fails and the
+step runs eagerly from then on (every rank decides alike: they run the same plan).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class Runner:
 
     def _others_of_leads(self):
         """(lead device, device) for every device that shares a GPU with its lead."""
-        for dev in self.devs:
+        for d in self.ex.devices:
+            dev = self.devs[d]
             lead = self.devs[self.ex.leads[dev.gpu]]
             if lead is not dev:
                 yield lead, dev
@@ -178,7 +184,8 @@ class Runner:
             return
         self.fork()
         for k in range(len(self.ex.plan.subgraphs)):
-            for d, dev in enumerate(self.devs):
+            for d in self.ex.devices:
+                dev = self.devs[d]
                 g = self.graph.get((k, d))
                 if g is not None:
                     with dev.ctx:

@@ -4,6 +4,11 @@ copies, adds and events by `collectives.device`.
 
 FP32 on the wire below llama.cpp's size thresholds, BF16 above (`collectives.wire`): a BF16
 reduction converts each device's value into a wire buffer first and back after.
+
+A process that owns one device of several (one GPU per MPI rank) sums through the backend's
+collective spanning the processes instead (`RankCollective`: NCCL, `collectives.nccl`), on
+its device's stream, so the call is issued (and captured into the step's CUDA graph) where
+the subgraph's kernels ran.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from metatp.backends.cuda.launch import device_ptr, recording
 if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ["Reduction", "DeviceCollective"]
+__all__ = ["Reduction", "DeviceCollective", "RankCollective"]
 
 
 @dataclass
@@ -133,3 +138,25 @@ class DeviceCollective:
         for d, steps in r.ops:
             if steps:
                 self.ex.run_steps(d, steps)
+
+
+class RankCollective:
+    """The reductions of an executable whose process owns some devices of the group: each one
+    is the spanning collective's step on the owned device's stream (`prepare_allreduce(bufs,
+    active, stream=)`; every device's `active` flag, local or not)."""
+
+    def __init__(self, ex: CupyExecutable, collective: Any) -> None:
+        if len(ex.devices) != 1:
+            raise ValueError(f"a collective spanning processes drives one device per process, "
+                             f"this one owns {ex.devices}")
+        self.ex = ex
+        self.collective = collective
+        self.device = ex.devs[ex.devices[0]]
+
+    def prepare(self, node, bufs: list, active: list[bool]):
+        """The prepared step (pointers and wire type resolved once)."""
+        return self.collective.prepare_allreduce(bufs, active, stream=self.device.stream)
+
+    def run(self, step, capturing: bool) -> None:
+        """Issue the step (inside a graph capture, the NCCL call is captured with the kernels)."""
+        step()

@@ -10,8 +10,9 @@ devices); this module supplies what is CUDA's:
   device block per GPU, filled by one host-to-device copy, so a captured graph replays them;
 - each node becomes frozen kernel launches (`ops.CUDA_OPS`, `ops.FUSED_OPS`; a fused kernel
   that refuses a layout falls back to its nodes one by one);
-- the all-reduce between subgraphs (`collective.DeviceCollective`), and the runner (streams,
-  events and CUDA graphs, `capture.Runner`).
+- the all-reduce between subgraphs (`collective.DeviceCollective`; a process owning one device
+  of several: the backend's collective spanning the processes, `collective.RankCollective`),
+  and the runner (streams, events and CUDA graphs, `capture.Runner`).
 
 Mirrored values identical on every device (`PlanFacts.shared_mirrored`) are computed once,
 by the first device, when all devices share one GPU: the others read its buffer. They wait
@@ -30,7 +31,7 @@ import numpy as np
 
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.capture import Runner
-from metatp.backends.cuda.collective import DeviceCollective, Reduction
+from metatp.backends.cuda.collective import DeviceCollective, RankCollective
 from metatp.backends.cuda.device_ops import HostStep, Memset, Record, Wait
 from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
@@ -54,10 +55,10 @@ class CupyExecutable(PlanExecutor):
     def __init__(self, backend: CupyBackend, plan: Plan, share_mirrored: bool = True) -> None:
         if plan.n_devices != backend.n:
             raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
-        super().__init__(plan, range(backend.n))
+        super().__init__(plan, backend.owned)
         self.backend = backend
         self.rt = backend.rt
-        self.devs = backend.devices                 # Device objects (self.devices: their indices)
+        self.devs = backend.devices                 # Device objects, None where not owned (self.devices: the owned indices)
         self.n = backend.n
         self.facts = backend.facts(plan)
         self._scratch: list[dict[str, Any]] = [{} for _ in range(self.n)]
@@ -67,7 +68,8 @@ class CupyExecutable(PlanExecutor):
             self._bind_inputs()
             self.bind_leaves(self._leaf)
             one_gpu = len(self.leads) == 1
-            self.shared = self.facts.shared_mirrored() if share_mirrored and self.n > 1 and one_gpu else set()
+            several = len(self.devices) > 1
+            self.shared = self.facts.shared_mirrored() if share_mirrored and several and one_gpu else set()
             self.set_fusions(self.find_fusions())
             self._unshare_fused()
             late = self.facts.late_reads(self.shared) if self.shared else None
@@ -78,7 +80,8 @@ class CupyExecutable(PlanExecutor):
             walked = self.walk()
             self._order_shared_reads(walked)
             self.steps = self.per_device(walked, self.devices, self.n)
-            self.collective = DeviceCollective(self, backend.mode)
+            self.collective = (RankCollective(self, backend.collective) if backend.collective is not None
+                               else DeviceCollective(self, backend.mode))
             self.reductions = self._build_reductions()
         self.capturable = all(not isinstance(s, HostStep)
                               for per_dev in self.steps for steps in per_dev for s in steps)
@@ -90,8 +93,8 @@ class CupyExecutable(PlanExecutor):
     def _lead_devices(self) -> dict[int, int]:
         """GPU -> the first logical device on it (its stream copies inputs and joins the rest)."""
         leads: dict[int, int] = {}
-        for dev in self.devs:
-            leads.setdefault(dev.gpu, dev.index)
+        for d in self.devices:
+            leads.setdefault(self.devs[d].gpu, d)
         return leads
 
     def _bind_inputs(self) -> None:
@@ -112,7 +115,8 @@ class CupyExecutable(PlanExecutor):
                 self.dev_in[gpu] = block
                 self._dev_views[gpu] = {key: self.rt.view(block, o, shape, contig_strides(shape, dtype), dtype)
                                         for key, (o, shape, dtype) in layout.items()}
-        for d, dev in enumerate(self.devs):
+        for d in self.devices:
+            dev = self.devs[d]
             for t in graph.leaves:
                 if t.flags & Flag.INPUT:
                     self.arrays[d][t] = self._dev_views[dev.gpu][t]
@@ -233,7 +237,10 @@ class CupyExecutable(PlanExecutor):
         return to_float(h, a.dtype, t)
 
     def read(self, t: Tensor) -> np.ndarray:
+        """The full value of `t`; a process owning some devices only gathers through its collective."""
         self.backend.synchronize()
+        if len(self.devices) < self.n:
+            return self.read_across(self.backend.collective, t)
         return super().read(t)
 
     # ---------------------------------------------------------------- work (PlanExecutor hooks)
@@ -308,8 +315,8 @@ class CupyExecutable(PlanExecutor):
         return any(s is not None and (s.view_src or s) in self.shared for m in members for s in m.src)
 
     # ---------------------------------------------------------------- all-reduce and running
-    def _build_reductions(self) -> dict[int, Reduction]:
-        out: dict[int, Reduction] = {}
+    def _build_reductions(self) -> dict[int, Any]:
+        out: dict[int, Any] = {}
         if self.n == 1:
             return out
         graph = self.plan.graph

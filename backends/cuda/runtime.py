@@ -255,6 +255,14 @@ class CupyRuntime:
             return None
         return list(nccl.NcclCommunicator.initAll(list(gpus)))
 
+    def nccl_unique_id(self) -> bytes:
+        """A fresh NCCL unique id (rank 0 draws it; MPI carries it to the others)."""
+        return self.nccl_module().get_unique_id()
+
+    def nccl_rank_comm(self, n_ranks: int, uid, rank: int):
+        """This process's rank of an n-rank communicator that spans processes (on the current GPU)."""
+        return self.nccl_module().NcclCommunicator(n_ranks, uid, rank)
+
     def nccl_allreduce(self, calls) -> None:
         """calls: (comm, ptr, count, dtype 'f32'|'bf16', stream) per rank, in one NCCL group."""
         nccl = self.nccl_module()

@@ -10,6 +10,7 @@ schedules, graphs) is the real backend code.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -21,10 +22,16 @@ from metatp.backends.testing.oracles import f32_to_bf16_bits
 
 __all__ = ["EmuRuntime"]
 
+_stream_handles = itertools.count(0x1000, 0x10)
+
+
 class _EmuStream:
+    """A stream: its own fake handle (`ptr`, as a cupy Stream has), so NCCL's stream argument
+    can be told apart from another stream's."""
+
     def __init__(self, gpu: int) -> None:
         self.gpu = gpu
-        self.ptr = 0
+        self.ptr = next(_stream_handles)
 
     def __enter__(self):
         return self
@@ -206,11 +213,28 @@ class EmuRuntime:
             raise RuntimeError("NCCL: duplicate GPU in one communicator (ncclInvalidUsage)")
         return [_EmuComm(r) for r in range(len(gpus))]
 
+    def nccl_unique_id(self) -> bytes:
+        """128 random bytes (the size of a real ncclUniqueId)."""
+        from metatp.backends.testing.mpi_nccl import fake_unique_id
+
+        return fake_unique_id()
+
+    def nccl_rank_comm(self, n_ranks: int, uid, rank: int):
+        """A communicator spanning MPI processes: the stand-in that sums over MPI."""
+        if not self._nccl:
+            raise RuntimeError("NCCL is not available (emulated)")
+        from metatp.backends.testing.mpi_nccl import MpiNcclComm
+
+        return MpiNcclComm(n_ranks, uid, rank)
+
     def nccl_allreduce(self, calls) -> None:
         if self.emu.capture is not None and not self._nccl_capture:
             raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
         self.nccl_calls += 1
         calls = list(calls)
+        if not all(isinstance(c[0], _EmuComm) for c in calls):
+            self._rank_allreduce(calls)
+            return
 
         def run() -> None:
             count, dtype = calls[0][2], calls[0][3]
@@ -222,6 +246,18 @@ class EmuRuntime:
             for v in vals:
                 v[...] = out
         self.emu.dispatch(run)
+
+
+    def _rank_allreduce(self, calls) -> None:
+        """Communicators spanning processes (`mpi_nccl.MpiNcclComm`): each call as CuPy makes it,
+        `comm.allReduce(ptr, ptr, count, dtype code, NCCL_SUM, stream.ptr)`, run in issue order
+        (recorded when a graph is being captured, run again on every replay)."""
+        from metatp.backends.testing.mpi_nccl import NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_SUM
+
+        codes = {"f32": NCCL_FLOAT32, "bf16": NCCL_BFLOAT16}
+        for comm, ptr, count, dtype, stream in calls:
+            self.emu.dispatch(lambda c=comm, p=ptr, n=count, t=codes[dtype], h=stream.ptr:
+                              c.allReduce(p, p, n, t, NCCL_SUM, h))
 
 
 def _host_array(ptr: int, shape, dtype) -> np.ndarray:

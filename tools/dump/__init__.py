@@ -9,6 +9,11 @@ latency per token).
 
 The graph is built from the GGUF header only (tensor infos and scalar metadata); no weight is
 read or dequantised, so dumping the default model takes well under two seconds.
+
+Under `mpiexec -n N metatp dump ...` the device count defaults to the world size (as for
+`generate`; a --devices or -ts that disagrees is one error line, printed once) and rank 0
+alone compiles and prints: the other ranks check the flags, print nothing and exit 0. MPI
+itself is not started (the launcher's environment says the rank and size).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from metatp.tools.dump.text import format_text
 from metatp.tools.dump.json_format import format_json
 from metatp.tools.dump.dot import format_dot, render_svg
 
-__all__ = ["dump", "dump_model", "DumpRequest", "Link", "LINKS", "FORMATS", "PHASES",
+__all__ = ["dump", "dump_model", "DumpRequest", "mpi_layout", "Link", "LINKS", "FORMATS", "PHASES",
            "communication_bill", "raw_weight_bytes", "node_layers", "add_parser"]
 
 
@@ -238,14 +243,47 @@ def _link_from_args(args: argparse.Namespace) -> Link:
     return Link(base.name, lat, bw)
 
 
-def _cmd_dump(args: argparse.Namespace) -> int:
+def mpi_layout(n_devices: int | None, split_mode: str | None,
+               tensor_split: tuple[float, ...] | None) -> tuple[int | None, str | None, bool]:
+    """(n_devices, split_mode, print here?) under an MPI launcher: the world size is the device
+    count, checked as `generate` checks it (an error every rank raises, rank 0 prints), and only
+    rank 0 prints. Outside mpiexec (or -n 1) the flags pass through."""
+    from metatp.backends.distributed import World, launched_rank, launched_world_size
+
+    size = launched_world_size()
+    if size is None or size <= 1:
+        return n_devices, split_mode, True
+    rank = launched_rank() or 0
+    world = World(comm=None, rank=rank, size=size)      # only its layout rules; MPI is not started
+    n, mode = world.layout_for(n_devices, split_mode, tensor_split)
+    return n, mode, rank == 0
+
+
+def _request(args: argparse.Namespace) -> tuple[DumpRequest, bool]:
+    """(the request the flags make, print on this process?)."""
     from metatp.passes.plan import DeviceLayout
 
-    req = DumpRequest(model=args.model, n_devices=args.devices, split_mode=args.split_mode,
-                      tensor_split=DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None,
+    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
+    n_devices, split_mode, prints = mpi_layout(args.devices, args.split_mode, ts)
+    req = DumpRequest(model=args.model, n_devices=n_devices, split_mode=split_mode, tensor_split=ts,
                       phase=args.phase, n_tokens=args.n_tokens, n_ctx=args.n_ctx, stage=args.stage,
                       layer=args.layer, fmt=args.fmt, link=_link_from_args(args), allreduce=args.allreduce,
                       wire=args.wire, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    return req, prints
+
+
+def _cmd_dump(args: argparse.Namespace) -> int:
+    from metatp.backends.distributed import every_rank, launched_world_size
+    from metatp.ir.errors import MetatpError
+
+    try:
+        req, prints = _request(args)
+    except MetatpError as e:
+        if (launched_world_size() or 1) > 1:
+            raise every_rank(e) from None       # same flags on every rank: rank 0 says it once
+        raise
+    if not prints:
+        return 0
     text = dump_model(req)
     if args.output:
         try:
