@@ -547,20 +547,19 @@ def kv_dequantize(q: np.ndarray, kv_type: int, n: int) -> np.ndarray:
 GLU_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
+def _row_views_ok(*arrs: np.ndarray) -> bool:
+    """float32 (T, n) row views of one shape with contiguous rows: what the row kernels take."""
+    return all(x.dtype == np.float32 and x.ndim == 2 and x.shape == arrs[0].shape and x.strides[1] == 4
+               for x in arrs)
+
+
 def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str) -> Callable[[], None] | None:
     """out = act(a) * b over (T, n) row views with contiguous rows; None when the views or the
     activation are not ones the kernel takes (the caller keeps numpy)."""
-    arrs = (a2, b2, o2)
-    if (not available() or act not in GLU_ACTS or any(x.dtype != np.float32 or x.ndim != 2 or x.strides[1] != 4
-                                                     for x in arrs) or not (a2.shape == b2.shape == o2.shape)):
+    if not available() or act not in GLU_ACTS or not _row_views_ok(a2, b2, o2):
         return None
-    return _Call("metatp_glu", arrs, T=a2.shape[0], n=a2.shape[1], act=GLU_ACTS[act], a=a2.ctypes.data,
+    return _Call("metatp_glu", (a2, b2, o2), T=a2.shape[0], n=a2.shape[1], act=GLU_ACTS[act], a=a2.ctypes.data,
                  a_st=_elems(a2, 0), b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
-
-
-def _row_views_ok(*arrs: np.ndarray) -> bool:
-    return all(x.dtype == np.float32 and x.ndim == 2 and x.shape == arrs[0].shape and x.strides[1] == 4
-               for x in arrs)
 
 
 def prepare_rms_norm(x2: np.ndarray, w: np.ndarray | None, o2: np.ndarray, eps: float) -> Callable[[], None] | None:

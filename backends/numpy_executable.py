@@ -231,53 +231,39 @@ class NumpyExecutable(PlanExecutor):
     @staticmethod
     def _node_major(items) -> list[Closure]:
         """One subgraph's closures node by node across devices; one node's int8 matmuls on every
-        device become one compiled call with one parallel region, and runs of consecutive
-        compiled calls (matmul groups, rope, KV writes, attention, gated activations of every
-        device) become one ctypes call (`cpu_kernels.batch`): under -sm tensor these fixed
-        per-call costs are what grew with N. Same calls in the same order: the same bits."""
+        device become one compiled call with one parallel region (under -sm tensor these fixed
+        per-call costs are what grew with N)."""
         order: list[Closure] = []
-        run: list[Closure] = []
-
-        def flush() -> None:
-            if run:
-                order.append(qkernel.batch(run) if len(run) > 1 else run[0])
-                run.clear()
-
         for item in items:
             at_node = [f for d in sorted(item.per_device) for f in item.per_device[d]]
             if len(at_node) > 1 and all(qkernel.is_qmatmul(f) for f in at_node):
                 at_node = [qkernel.group_qmatmul(at_node)]
-            for f in at_node:
+            order.extend(at_node)
+        return order
+
+    def _serial_step(self) -> list[Closure]:
+        """The whole step on the caller's thread: every subgraph's closures (node-major) and its
+        all-reduce in plan order, each run of consecutive compiled calls (matmul groups, rope, KV
+        writes, attention, norms, adds, a compiled all-reduce) joined into one ctypes call
+        (`cpu_kernels.batch`), across subgraph boundaries: a decode step is one call. Same calls
+        in the same order: the same bits."""
+        out: list[Closure] = []
+        run: list[Closure] = []
+
+        def flush() -> None:
+            if run:
+                out.append(qkernel.batch(run))
+                run.clear()
+
+        for sub, order in zip(self.plan.subgraphs, self.node_major):
+            reduce = [self._reduce[sub.reduction.node]] if sub.reduction is not None and self.backend.n > 1 else []
+            for f in order + reduce:
                 if qkernel.batchable(f):
                     run.append(f)
                 else:
                     flush()
-                    order.append(f)
+                    out.append(f)
         flush()
-        return order
-
-    def _serial_step(self) -> list[Closure]:
-        """The whole step on the caller's thread: every subgraph's closures and its all-reduce in
-        plan order, runs of compiled calls across subgraph boundaries joined into one batch (a
-        compiled all-reduce is one more call in it), so N simulated devices pay one ctypes call
-        per run instead of two per subgraph. Same calls in the same order: the same bits."""
-        flat: list[Closure] = []
-        for sub, order in zip(self.plan.subgraphs, self.node_major):
-            flat.extend(order)
-            if sub.reduction is not None and self.backend.n > 1:
-                flat.append(self._reduce[sub.reduction.node])
-        out: list[Closure] = []
-        run: list[Closure] = []
-        for f in flat:
-            if qkernel.batchable(f):
-                run.append(f)
-                continue
-            if run:
-                out.append(qkernel.batch(run))
-                run = []
-            out.append(f)
-        if run:
-            out.append(qkernel.batch(run))
         return out
 
     def _allreduce_closures(self) -> dict[int, Closure]:

@@ -38,15 +38,23 @@ def _repeat_to(b: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 def _binary(fn) -> Callable:
     def make(node: Tensor, out: np.ndarray, src: Sequence[np.ndarray], ctx) -> Closure:
         a, b = src[0], src[1]
-        if fn is np.add and ctx.use_kernels and a.shape == b.shape == out.shape:
-            a2, b2, o2 = _rows(a), _rows(b), _rows(out)
-            kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2)
-            if kernel is not None:
-                return kernel
         if _fits(b, a.shape):
             return lambda: fn(a, b, out=out)
         return lambda: fn(a, _repeat_to(b, a.shape), out=out)
     return make
+
+
+_numpy_add = _binary(np.add)
+
+
+def _add(node, out, src, ctx) -> Closure:
+    """A residual add of a few-token step as a compiled call (it joins the step's batch), else numpy."""
+    if ctx.use_kernels and src[0].shape == src[1].shape == out.shape:
+        a2, b2, o2 = _rows(src[0]), _rows(src[1]), _rows(out)
+        kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2)
+        if kernel is not None:
+            return kernel
+    return _numpy_add(node, out, src, ctx)
 
 
 def _get_rows(node, out, src, ctx) -> Closure:
@@ -588,7 +596,7 @@ KERNELS: dict[Op, Callable[..., Closure]] = {
     Op.GET_ROWS: _get_rows,
     Op.RMS_NORM: _rms_norm,
     Op.NORM: _norm,
-    Op.ADD: _binary(np.add),
+    Op.ADD: _add,
     Op.MUL: _binary(np.multiply),
     Op.DIV: _binary(np.divide),
     Op.ADD_ID: _add_id,
