@@ -32,7 +32,8 @@ from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
 __all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "FLOAT_CODES", "AffineWeight", "encodable", "affine_blocks",
-           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles"]
+           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "groupable", "group_rows",
+           "row_major"]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make field-wise ==/hash meaningless
@@ -53,6 +54,8 @@ class AffineWeight:
     bias: int = 0  # bits=4: code = nibble - bias
     bf16: bool = False  # bits=16: bfloat16 instead of IEEE half
     ggml_type: GGMLType | None = None  # the GGUF type the codes came from (how llama.cpp rounds x for it)
+    group: int = 1  # 8: the row-group layout of `group_rows` (same array shapes, contents reordered;
+    #                 scale/offset may then be float16 holding the same values)
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +72,10 @@ class AffineWeight:
     def codes(self, rows=slice(None)) -> np.ndarray:
         """Codes (rows, K) of the selected rows: int8 (unpacked from nibbles when bits=4), or the
         float32 values of half floats when bits=16."""
-        q = self.q[rows]
+        return self.codes_of(row_major(self, rows)[0])
+
+    def codes_of(self, q: np.ndarray) -> np.ndarray:
+        """Codes (n, K) from row-major stored codes `q` (n, ...) of this weight's format."""
         if self.bits == 16:
             return _bf16_to_f32(q) if self.bf16 else q.view(np.float16).astype(np.float32)
         return q if self.bits == 8 else unpack_nibbles(q, self.bias)
@@ -306,7 +312,65 @@ def dequantize_affine(aw: AffineWeight) -> np.ndarray:
     """Reference decode: float32 (rows, K) = scale * q + offset per block (multiply, then add)."""
     rows, k = aw.rows, aw.k
     q = aw.codes().reshape(rows, k // aw.block, aw.block).astype(np.float32)
-    out = aw.scale[:, :, None] * q
-    if aw.offset is not None:
-        out = out + aw.offset[:, :, None]
+    _, scale, offset = row_major(aw)
+    out = scale[:, :, None] * q
+    if offset is not None:
+        out = out + offset[:, :, None]
     return out.reshape(rows, k)
+
+
+GROUP = 8  # rows per group of the row-group layout
+
+
+def groupable(aw: AffineWeight) -> bool:
+    """Can `group_rows` reorder this weight: 4- or 8-bit codes in blocks of 32, whole groups of rows."""
+    return aw.group == 1 and aw.bits in (4, 8) and aw.block == 32 and aw.rows % GROUP == 0 and aw.rows > 0
+
+
+def _words(aw: AffineWeight) -> int:
+    """32-bit words a row has in a block of the row-group layout (16 nibble bytes or 32 codes)."""
+    return 4 if aw.bits == 4 else 8
+
+
+def group_rows(aw: AffineWeight) -> AffineWeight:
+    """The same weight in the row-group layout the integer kernel reads fastest (see
+    cpu_kernels.c): rows in groups of 8; a group's block b is 128 bytes, word j (32 bytes) holding
+    nibble bytes 4j..4j+3 of each of the 8 rows in turn; scales and offsets 8 a (group, block).
+    8-bit codes: 256 bytes a block, word j holding codes 4j..4j+3 of each row. The arrays keep
+    their shapes (rows, ...); only the order of their contents changes."""
+    if not groupable(aw):
+        raise ValueError(f"group_rows: needs 4- or 8-bit codes in blocks of 32 and rows a multiple of {GROUP}; got "
+                         f"bits {aw.bits}, block {aw.block}, {aw.rows} rows, group {aw.group}")
+    g, nb = aw.rows // GROUP, aw.k // 32
+    q = aw.q.reshape(g, GROUP, nb, _words(aw), 4).transpose(0, 2, 3, 1, 4)
+    # scales that are halves in the GGUF file (Q4_0, Q4_1, Q8_0) stay halves: the same values, and a
+    # decode step, bound by memory bandwidth, reads 20 bytes a block instead of 24
+    half = _exact_in_half(aw.scale) and (aw.offset is None or _exact_in_half(aw.offset))
+    return AffineWeight(q=np.ascontiguousarray(q).reshape(aw.q.shape), scale=_group_blocks(aw.scale, half),
+                        offset=None if aw.offset is None else _group_blocks(aw.offset, half), block=aw.block,
+                        bits=aw.bits, bias=aw.bias, bf16=aw.bf16, ggml_type=aw.ggml_type, group=GROUP)
+
+
+def _exact_in_half(a: np.ndarray) -> bool:
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    return bool(np.all(np.isfinite(h)) and np.array_equal(h.astype(np.float32), a))
+
+
+def _group_blocks(a: np.ndarray, half: bool) -> np.ndarray:
+    rows, nb = a.shape
+    g = a.reshape(rows // GROUP, GROUP, nb).transpose(0, 2, 1).astype(np.float16 if half else np.float32)
+    return np.ascontiguousarray(g).reshape(rows, nb)
+
+
+def row_major(aw: AffineWeight, rows=slice(None)) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(q, scale, offset) of the selected rows in the row-major layout, whatever the weight's."""
+    if aw.group == 1:
+        return aw.q[rows], aw.scale[rows], None if aw.offset is None else aw.offset[rows]
+    idx = np.arange(aw.rows)[rows] if isinstance(rows, slice) else np.asarray(rows, dtype=np.intp).reshape(-1)
+    g, lane, nb = idx // GROUP, idx % GROUP, aw.k // 32
+    q = aw.q.reshape(-1, nb, _words(aw), GROUP, 4)[g, :, :, lane, :].reshape(len(idx), -1)
+
+    def blocks(a: np.ndarray) -> np.ndarray:
+        return a.reshape(-1, nb, GROUP)[g, :, lane].astype(np.float32)
+    return q, blocks(aw.scale), None if aw.offset is None else blocks(aw.offset)

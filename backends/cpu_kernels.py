@@ -83,14 +83,14 @@ _ARGS = {
     "metatp_round_half": _struct("HalfArgs", "n:i x:p out:p"),
     "metatp_batch": _struct("BatchArgs", "n:i fns:p args:p failed:i"),
     "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
-                                             "nthreads:i"),
+                                             "nthreads:i group:i half_scales:i"),
 }
 
 
 _QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
                                       "ldy:i")
 _Q8MatmulArgs = _struct("Q8MatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
-                                        "ldy:i kind:i")
+                                        "ldy:i kind:i group:i half_scales:i")
 
 
 class _Call:
@@ -226,6 +226,11 @@ def _code_format(aw: AffineWeight) -> dict:
     return {"bits": aw.bits, "bias": int(aw.bf16) if aw.bits == 16 else aw.bias}
 
 
+def _half_scales(aw: AffineWeight) -> int:
+    """1 when the weight keeps its scales (and offsets) as IEEE halves (row-group layout only)."""
+    return int(aw.scale.dtype == np.float16)
+
+
 def _check(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray) -> None:
     rows, k = aw.rows, aw.k
     if x2.ndim != 2 or x2.shape[1] != k or x2.dtype != np.float32 or (k > 1 and x2.strides[1] != 4):
@@ -243,6 +248,9 @@ def prepare_qmatmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: 
     """A closure computing y2 = x2 @ dequantize(aw).T in place, for these fixed arrays (their
     addresses are taken once, so a call costs one ctypes call). x2: (n, K), y2: (n, rows)."""
     _check(aw, x2, y2)
+    if aw.group != 1:
+        raise ValueError("qmatmul: the float kernel reads row-major codes; this weight is in the row-group layout "
+                         "(only the integer kernel, prepare_q8_matmul, reads that)")
     if x2.shape[0] == 0 or aw.rows == 0:
         return lambda: None
     rows, k = aw.rows, aw.k
@@ -360,7 +368,7 @@ def _q8_item(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, kind: int) -> cty
     return _Q8MatmulArgs(rows=aw.rows, k=aw.k, block=aw.block, bits=aw.bits, bias=aw.bias, q=aw.q.ctypes.data,
                          scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
                          x=x2.ctypes.data, ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data,
-                         ldy=y2.strides[0] // 4, kind=kind)
+                         ldy=y2.strides[0] // 4, kind=kind, group=aw.group, half_scales=_half_scales(aw))
 
 
 def prepare_q8_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: int | None = None,
@@ -411,10 +419,11 @@ def round_half(x: np.ndarray) -> np.ndarray:
 
 def q8_isums(aw: AffineWeight, xq: np.ndarray) -> np.ndarray:
     """The kernel's exact integer sums (n, rows, K/16) of weight codes times activation codes
-    `xq` (n, K) int8 over each 16 elements (what the float scales then multiply)."""
+    `xq` (n, K) int8 over each 16 elements (what the float scales then multiply); over each 32,
+    (n, rows, K/32), for a weight in the row-group layout (its kernel sums whole blocks)."""
     xq = np.ascontiguousarray(xq, dtype=np.int8)
     n, k = xq.shape
-    out = np.empty((n, aw.rows, k // 16), np.int32)
+    out = np.empty((n, aw.rows, k // (32 if aw.group > 1 else 16)), np.int32)
     x_dummy = np.zeros((n, k), np.float32)
     item = _q8_item(aw, x_dummy, np.empty((n, aw.rows), np.float32), Q8_0)
     _Call("metatp_q8_isums", (item, xq, out, aw, x_dummy), w=ctypes.addressof(item), xq=xq.ctypes.data,
@@ -609,6 +618,8 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
     if x2.shape[-1] != k or y2.shape != (x2.shape[0], rows) or slab.dtype != np.float32:
         raise ValueError(f"dequant matmul: x {x2.shape}, out {y2.shape} do not fit weight {aw.q.shape}")
     step = max(1, min(rows, slab.size // k))
+    if aw.group > 1:
+        step = max(aw.group, step - step % aw.group)    # whole row groups a slab
     if step * k > slab.size:
         raise ValueError(f"dequant matmul: a row of {k} does not fit the {slab.size}-element slab")
     calls = []
@@ -618,7 +629,7 @@ def prepare_dequant_matmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, sla
         deq = _Call("metatp_dequant", (aw, slab), rows=r1 - r0, k=k, block=aw.block, **_code_format(aw),
                     q=aw.q[r0:r1].ctypes.data, scale=aw.scale[r0:r1].ctypes.data,
                     offset=None if aw.offset is None else aw.offset[r0:r1].ctypes.data, out=w.ctypes.data,
-                    ldo=k, nthreads=1)
+                    ldo=k, nthreads=1, group=aw.group, half_scales=_half_scales(aw))
         calls.append((deq, w.T, y2[:, r0:r1]))
 
     def run() -> None:
@@ -638,7 +649,8 @@ def dequantize(aw: AffineWeight, nthreads: int | None = None) -> np.ndarray:
         _Call("metatp_dequant", (aw, out), rows=rows, k=k, block=aw.block, **_code_format(aw),
               q=aw.q.ctypes.data,
               scale=aw.scale.ctypes.data, offset=None if aw.offset is None else aw.offset.ctypes.data,
-              out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads())()
+              out=out.ctypes.data, ldo=k, nthreads=nthreads or default_threads(), group=aw.group,
+              half_scales=_half_scales(aw))()
     return out
 
 

@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from metatp.backends import cpu_kernels as qkernel
-from metatp.backends.affine_quant import AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable
+from metatp.backends.affine_quant import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable,
+                                          group_rows, groupable)
 from metatp.backends.analysis import PlanFacts
 from metatp.backends.base import Backend, WeightSource
 from metatp.backends.collectives.host import HostCollective
@@ -157,13 +158,19 @@ class NumpyBackend(Backend):
                 continue
             aw = made.get(id(part))
             if aw is None:
-                aw = made[id(part)] = affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0])
+                aw = made[id(part)] = self._kernel_layout(affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0]))
             self._packed[d][t] = aw
             self.slab(d)        # made now, as the plan counts it (its pages are touched only by long prompts)
         if whole and made:
             self._whole_codes[key] = next(iter(made.values()))
         self._encoded_only.add(t)
         return True
+
+    def _kernel_layout(self, aw: AffineWeight) -> AffineWeight:
+        """With llama.cpp numerics every few-token product is the integer kernel's, which reads
+        4-bit codes fastest in groups of 8 rows (`group_rows`: ~1.5x, measured on the default
+        model); the float kernel of exact mode reads them row-major."""
+        return group_rows(aw) if self.numerics in ("llamacpp", "q8") and groupable(aw) else aw
 
     def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
         """Int8 codes when the kernels read this weight so (`upload_encoded`), else float32."""

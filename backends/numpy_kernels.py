@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from metatp.backends.affine_quant import row_major
 from metatp.backends.cpu_kernels import (MAX_ROWS, attention_usable, prepare_add, prepare_attention,
                                          prepare_dequant_matmul, prepare_glu, prepare_q8_matmul, prepare_qmatmul,
                                          prepare_rms_norm, prepare_rope, prepare_set_rows, q8_kind, rope_usable)
@@ -66,10 +67,11 @@ def _get_rows(node, out, src, ctx) -> Closure:
         nb = k // aw.block
 
         def run_codes() -> None:
-            rows = aw.codes(i1).reshape(n, nb, aw.block).astype(F32)
-            np.multiply(rows, aw.scale[i1][:, :, None], out=rows)
-            if aw.offset is not None:
-                np.add(rows, aw.offset[i1][:, :, None], out=rows)
+            q, scale, offset = row_major(aw, i1)
+            rows = aw.codes_of(q).reshape(n, nb, aw.block).astype(F32)
+            np.multiply(rows, scale[:, :, None], out=rows)
+            if offset is not None:
+                np.add(rows, offset[:, :, None], out=rows)
             o2[...] = rows.reshape(n, k)
         return run_codes
     if ctx.encoded_only(node.src[0]):

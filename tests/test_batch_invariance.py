@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from metatp.backends import cpu_kernels as ck
-from metatp.backends.affine_quant import AffineWeight, pack_nibbles
+from metatp.backends.affine_quant import GROUP, AffineWeight, group_rows, pack_nibbles
 from metatp.ir.tensor import GGMLType
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason="CPU kernels unavailable")
@@ -86,6 +86,8 @@ def _weight(rng, fmt: str, rows: int, k: int) -> AffineWeight:
     """Random codes in the layouts affine_blocks makes (8-bit, nibbles with a bias, offsets,
     blocks of 16 or 32, half floats)."""
     scale = (rng.standard_normal((rows, k // 32)) * 0.02).astype(F32)
+    if fmt in ("Q8_0", "Q4_0"):
+        scale = scale.astype(np.float16).astype(F32)      # halves, as in the file (the grouped layout keeps halves)
     if fmt == "Q8_0":
         return AffineWeight(q=rng.integers(-127, 128, (rows, k)).astype(np.int8), scale=scale, offset=None,
                             block=32, ggml_type=GGMLType.Q8_0)
@@ -105,9 +107,17 @@ def _weight(rng, fmt: str, rows: int, k: int) -> AffineWeight:
                         block=32, bits=16)
 
 
-# (format, path) pairs the kernels have: half-float codes have no integer (q8) path
-MATMUL_CASES = [(f, p) for f in ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "F16") for p in ("float", "q8")
-                if not (f == "F16" and p == "q8")]
+# (format, path) pairs the kernels have: half-float codes have no integer (q8) path; 4- and 8-bit
+# codes in blocks of 32 also have the integer kernel's row-group layout ("q8-grouped")
+MATMUL_CASES = [(f, p) for f in ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "F16") for p in ("float", "q8", "q8-grouped")
+                if not (f == "F16" and p != "float") and not (f == "Q6_K" and p == "q8-grouped")]
+
+
+def _case(rng, fmt: str, path: str, rows: int, k: int):
+    """(weight, matmul) of a (format, path) pair; the grouped layout takes rows in whole groups."""
+    if path == "q8-grouped":
+        return group_rows(_weight(rng, fmt, rows - rows % GROUP + GROUP, k)), ck.q8_matmul
+    return _weight(rng, fmt, rows, k), ck.qmatmul if path == "float" else ck.q8_matmul
 
 
 @pytest.mark.parametrize("fmt,path", MATMUL_CASES)
@@ -115,8 +125,7 @@ MATMUL_CASES = [(f, p) for f in ("Q8_0", "Q4_0", "Q4_1", "Q6_K", "F16") for p in
 def test_matmul_row_does_not_depend_on_the_other_rows(fmt, path, threads):
     rng = np.random.default_rng(hash((fmt, path, threads)) % 2**32)
     rows, k = 163, 512                        # enough work for the threads; a partial chunk of rows
-    aw = _weight(rng, fmt, rows, k)
-    mm = ck.qmatmul if path == "float" else ck.q8_matmul
+    aw, mm = _case(rng, fmt, path, rows, k)
     row = (rng.standard_normal((1, k)) * 3).astype(F32)
     alone = mm(row, aw, nthreads=threads)[0]
     for T in (2, 3, 5, 16, 64):
@@ -133,8 +142,7 @@ def test_matmul_row_does_not_depend_on_its_address(fmt, path):
     that peels for alignment would sum in another order)."""
     rng = np.random.default_rng(7)
     rows, k = 37, 512
-    aw = _weight(rng, fmt, rows, k)
-    mm = ck.qmatmul if path == "float" else ck.q8_matmul
+    aw, mm = _case(rng, fmt, path, rows, k)
     row = (rng.standard_normal(k) * 3).astype(F32)
     results = []
     for shift in range(8):

@@ -8,6 +8,7 @@ of the dot product this machine can run (VNNI, AVX2, portable; each built explic
 from __future__ import annotations
 
 import platform
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metatp.backends import cpu_kernels as ck
-from metatp.backends.affine_quant import AffineWeight, affine_blocks, pack_nibbles
+from metatp.backends.affine_quant import (GROUP, AffineWeight, affine_blocks, group_rows, groupable, pack_nibbles,
+                                          row_major)
 from metatp.backends.numpy_kernels import q8_quantize_reference
 from metatp.ir.tensor import GGMLType
 
@@ -149,18 +151,29 @@ def test_f16_rounding_is_numpys(use):
     assert np.array_equal(ck.round_half(x).view(np.uint32), want.view(np.uint32))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(fmt=st.sampled_from(sorted(FORMATS)), rows=st.integers(1, 40), blocks=st.integers(1, 3),
-       n=st.integers(1, 9), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_integer_sums_exact_and_float_results_within_rounding(use, fmt, rows, blocks, n, threads, seed):
+       n=st.integers(1, 9), threads=st.sampled_from([1, 2]), grouped=st.booleans(), half=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_integer_sums_exact_and_float_results_within_rounding(use, fmt, rows, blocks, n, threads, grouped, half,
+                                                              seed):
+    """Every format, row-major or (where it applies) in the row-group layout, with float32 scales
+    or scales that are halves (which that layout then keeps as halves)."""
     rng = np.random.default_rng(seed)
     k = blocks * 256
-    aw, q = _weight(rng, fmt, rows, k)
+    aw, q = _weight(rng, fmt, rows + (-rows % GROUP if grouped else 0), k)
+    if half:
+        aw = replace(aw, scale=aw.scale.astype(np.float16).astype(F32),
+                     offset=None if aw.offset is None else aw.offset.astype(np.float16).astype(F32))
     x = _activations(rng, n, k)
     kind = FORMATS[fmt][0]
     assert ck.q8_kind(aw) == kind
     isums, ref, mag = _reference(aw, q, x, kind)
     xq = q8_quantize_reference(x, kind)[0]
+    if grouped and groupable(aw):
+        aw = group_rows(aw)
+        assert (aw.scale.dtype == np.float16) == half
+        isums = isums.reshape(n, aw.rows, -1, 2).sum(-1)                   # its sums are per block of 32
     assert np.array_equal(ck.q8_isums(aw, xq), isums)                     # bit-exact integer sums
     y = ck.q8_matmul(x, aw, nthreads=threads)
     # float32: per term one rounded product of the scales and one rounded fused add, then sums of
@@ -187,6 +200,34 @@ def test_strided_rows_and_grouped_items_are_the_same_bits(use):
     for aw, y_buf, y2 in parts:
         assert np.array_equal(y_buf[:, :50], y2)
         assert np.array_equal(y2, ck.q8_matmul(np.ascontiguousarray(x), aw))
+
+
+def test_row_group_layout_joins_calls_and_keeps_its_values(use):
+    """Weights in the row-group layout: in one call with row-major items (sharing one x), each
+    result within rounding of its row-major twin; dequantized (the long-prompt path) bit for bit
+    the same values; rows read back row-major for the embedding lookup; the float kernel refuses
+    them with a clear error."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 512)).astype(F32)
+    calls, pairs = [], []
+    for fmt in ("Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q5_1", "Q6_K"):
+        aw, _ = _weight(rng, fmt, 48, 512)
+        gw = group_rows(aw) if groupable(aw) else aw
+        y = np.empty((3, 48), F32)
+        calls.append(ck.prepare_q8_matmul(gw, x, y, 2))
+        pairs.append((aw, gw, y))
+    ck.group_qmatmul(calls)()
+    for aw, gw, y in pairs:
+        ref = ck.q8_matmul(x, aw)
+        assert np.allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        assert np.array_equal(ck.dequantize(gw).view(np.uint32), ck.dequantize(aw).view(np.uint32))
+        assert np.array_equal(gw.codes([3, 40, 17]), aw.codes([3, 40, 17]))
+        assert np.array_equal(row_major(gw, [9])[1], aw.scale[[9]])
+    grouped = pairs[0][1]
+    with pytest.raises(ValueError, match="row-group layout"):
+        ck.prepare_qmatmul(grouped, x, np.empty((3, 48), F32))
+    with pytest.raises(ValueError, match="rows a multiple of 8"):
+        group_rows(_weight(rng, "Q4_1", 12, 512)[0])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))

@@ -768,12 +768,14 @@ static inline void q8_block_isums(const void *qrow, int64_t b, int bits, int bia
 typedef struct {
     int64_t rows, k, block, bits, bias;   /* codes as in QMatmulArgs (bits 8 or 4) */
     const void *q;
-    const float *scale, *offset;          /* offset may be NULL */
+    const float *scale, *offset;          /* offset may be NULL; IEEE halves with half_scales */
     const float *x;
     int64_t ldx, ntok;
     float *y;
     int64_t ldy;
     int64_t kind;                         /* Q8_0, Q8_1 or Q8_K: how x is rounded */
+    int64_t group;                        /* 1: rows one after another; 8: the row-group layout */
+    int64_t half_scales;                  /* group 8: scale and offset are IEEE halves */
 } Q8MatmulArgs;
 
 typedef struct {
@@ -790,6 +792,9 @@ typedef struct {
 } Q8Act;
 
 static int q8_check(const Q8MatmulArgs *a) {
+    if (a->group != 1 && !(a->group == 8 && (a->bits == 4 || a->bits == 8) && a->block == 32 && a->rows % 8 == 0))
+        return -6;
+    if (a->half_scales && a->group != 8) return -6;
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % 32 || a->rows < 0 || a->ntok < 1) return -2;
     if (q8_check_quant(a->kind, a->k)) return -2;
@@ -924,6 +929,203 @@ static void q8_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t r0, int64_t 
 #undef Q8_FMT
 }
 
+/* ---- the row-group layout (group 8; 4- or 8-bit codes, blocks of 32)
+ * Rows come in groups of 8. Group g's block b is 32 * bits bytes at q + (g * nb + b) * 32 * bits:
+ * 8-bit codes, eight 32-byte words, word j holding codes 4j .. 4j+3 of each of the group's rows
+ * in turn (bytes r*4 .. r*4+3: row 8g+r); nibbles, four words, word j holding nibble bytes
+ * 4j .. 4j+3 of each row (low nibbles: elements 4j..4j+3; high: 16+4j..16+4j+3). Scales (and
+ * offsets) are 8 a (group, block): scale[(g * nb + b) * 8 + r].
+ * Why: with a row in each 32-bit lane, one byte-multiply instruction serves 8 rows, and the
+ * integer sums land one row a lane, so the scales apply to 8 rows with one multiply, no
+ * horizontal sums, and a group's bytes are one sequential stream (one prefetch stream, not 8).
+ * llama.cpp repacks weights for the same reasons (its q4_0_8x8 layouts). */
+#if Q8_SIMD
+/* A group's block as 8 words of unsigned bytes `u` (nibbles; |code| for 8-bit codes, whose
+ * signs are in `w`) in the order q8x8_isum takes them. */
+static inline __attribute__((always_inline)) void q8x8_unpack(const uint8_t *gb, int bits, __m256i u[8], __m256i w[8]) {
+    if (bits == 8) {
+        for (int j = 0; j < 8; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)(gb + 32 * j));
+            u[j] = _mm256_abs_epi8(w[j]);
+        }
+        return;
+    }
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(gb + 32 * j));
+        u[j] = _mm256_and_si256(v, m);
+        u[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    }
+}
+
+/* The exact int32 sums of one group's block against 32 activation codes, one row a lane:
+ * sum_i code[r][i] * x[i], less bias * sum_i x[i] for nibbles. Word j of `u` meets codes 4j..4j+3
+ * of x (the nibbles' high words: 16+4(j-4)..). Unsigned nibbles (<= 15) times codes (|x| <= 127)
+ * add up in 16-bit lanes: 8 byte pairs sum to at most 8 * 2 * 15 * 127 = 30480, no saturation;
+ * 8-bit codes (pairs up to 2 * 127 * 127) widen to 32 bits after each word. */
+static inline __attribute__((always_inline)) __m256i q8x8_isum(const __m256i u[8], const __m256i w[8], int bits,
+                                                               const int8_t *xb, int32_t bias_xsum) {
+    int32_t xw[8];
+    memcpy(xw, xb, 32);
+    __m256i iv = _mm256_setzero_si256();
+    if (bits == 8) {
+        for (int j = 0; j < 8; j++) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xw[j]), w[j]);
+#ifdef DPBUSD
+            iv = DPBUSD(iv, u[j], xs);
+#else
+            iv = _mm256_add_epi32(iv, _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], xs), _mm256_set1_epi16(1)));
+#endif
+        }
+        return iv;
+    }
+#ifdef DPBUSD
+    for (int j = 0; j < 8; j++) iv = DPBUSD(iv, u[j], _mm256_set1_epi32(xw[j]));
+#else
+    __m256i p = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(xw[0]));
+    for (int j = 1; j < 8; j++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(xw[j])));
+    iv = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+    return bias_xsum ? _mm256_sub_epi32(iv, _mm256_set1_epi32(bias_xsum)) : iv;
+}
+#else
+static inline void q8x8_isum_c(const uint8_t *gb, int bits, const int8_t *xb, int32_t bias_xsum, int32_t out[8]) {
+    for (int r = 0; r < 8; r++) {
+        int32_t s = 0;
+        if (bits == 8) {
+            for (int j = 0; j < 8; j++)
+                for (int c = 0; c < 4; c++) s += (int32_t)(int8_t)gb[32 * j + 4 * r + c] * xb[4 * j + c];
+        } else {
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) {
+                    const uint8_t byte = gb[32 * j + 4 * r + c];
+                    s += (int32_t)(byte & 0x0F) * xb[4 * j + c] + (int32_t)(byte >> 4) * xb[16 + 4 * j + c];
+                }
+        }
+        out[r] = s - bias_xsum;
+    }
+}
+#endif
+
+/* Scale (or offset) i of a row-group weight: float32, or an IEEE half (types whose scales are
+ * halves in the GGUF file keep them so: the same values in half the bytes). */
+static inline float scale_at(const uint8_t *p, int64_t i, int half) {
+    if (half) {
+        uint16_t h;
+        memcpy(&h, p + 2 * i, sizeof h);
+        return half_to_float(h);
+    }
+    float f;
+    memcpy(&f, p + 4 * i, sizeof f);
+    return f;
+}
+
+#if Q8_SIMD
+static inline __attribute__((always_inline)) __m256 q8x8_scales(const uint8_t *p, int half) {
+    if (!half) return _mm256_loadu_ps((const float *)p);
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float f[8];
+    for (int r = 0; r < 8; r++) f[r] = scale_at(p, r, 1);
+    return _mm256_loadu_ps(f);
+#endif
+}
+#endif
+
+/* The integer sum of x's codes over block b times the nibble bias (0 without one). */
+static inline int32_t q8x8_bias_xsum(const Q8Act *x, int64_t t, int64_t k, int64_t b, int bias) {
+    if (!bias) return 0;
+    const int32_t *is = x->isum + t * (k / 16) + 2 * b;
+    return bias * (is[0] + is[1]);
+}
+
+/* Group g (rows 8g .. 8g+7) against tokens t0 .. t0+T-1: per token, one 8-lane accumulator for
+ * the scaled integer sums and one for the offset term, each taking the blocks in order, so a
+ * (row, token) result depends on neither T nor the group's other rows (batch invariance). */
+static inline __attribute__((always_inline)) void q8x8_tile(
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int T, int bits, int dshift, int has_off,
+        int half) {
+    const int64_t k = a->k, nb = k / 32, nd = dshift ? k / QK : nb, gbytes = 32 * bits;
+    const int bias = (int)a->bias;
+    const uint8_t *q = (const uint8_t *)a->q + g * nb * gbytes;
+    const int64_t sb = half ? 2 : 4;      /* bytes a scale */
+    const uint8_t *s = (const uint8_t *)a->scale + g * nb * 8 * sb;
+    const uint8_t *m = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
+#if Q8_SIMD
+    __m256 acc[4], off[4];
+    for (int t = 0; t < T; t++) acc[t] = off[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t off = 0; off < gbytes; off += 64) __builtin_prefetch(q + (b + 16) * gbytes + off);
+        if (!(b & (half ? 3 : 1))) {
+            __builtin_prefetch(s + (b + 16) * 8 * sb);
+            if (has_off) __builtin_prefetch(m + (b + 16) * 8 * sb);
+        }
+        __m256i u[8], w[8];
+        q8x8_unpack(q + b * gbytes, bits, u, w);
+        const __m256 sv = q8x8_scales(s + b * 8 * sb, half);
+        const __m256 mv = has_off ? q8x8_scales(m + b * 8 * sb, half) : _mm256_setzero_ps();
+        for (int t = 0; t < T; t++) {
+            const int64_t tt = t0 + t;
+            const __m256i iv = q8x8_isum(u, w, bits, x->q + tt * k + b * 32, q8x8_bias_xsum(x, tt, k, b, bias));
+            const __m256 f = _mm256_mul_ps(sv, _mm256_set1_ps(x->d[tt * nd + (b >> dshift)]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), f, acc[t]);
+            if (has_off) off[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(x->xs[tt * nb + b]), off[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, has_off ? _mm256_add_ps(acc[t], off[t]) : acc[t]);
+        float *y = a->y + (t0 + t) * a->ldy + g * 8;
+        memcpy(y, v, sizeof v);
+    }
+#else
+    for (int t = 0; t < T; t++) {
+        const int64_t tt = t0 + t;
+        float acc[8] = {0}, off[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t is[8];
+            q8x8_isum_c(q + b * gbytes, bits, x->q + tt * k + b * 32, q8x8_bias_xsum(x, tt, k, b, bias), is);
+            const float db = x->d[tt * nd + (b >> dshift)];
+            for (int r = 0; r < 8; r++) {
+                acc[r] += (float)is[r] * (scale_at(s, b * 8 + r, half) * db);
+                if (has_off) off[r] += scale_at(m, b * 8 + r, half) * x->xs[tt * nb + b];
+            }
+        }
+        for (int r = 0; r < 8; r++) a->y[tt * a->ldy + g * 8 + r] = has_off ? acc[r] + off[r] : acc[r];
+    }
+#endif
+}
+
+static inline __attribute__((always_inline)) void q8x8_group_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
+                                                                 int bits, int dshift, int has_off, int half) {
+    for (int64_t t0 = 0; t0 < a->ntok;) {
+        const int64_t left = a->ntok - t0;
+        const int T = left >= 4 ? 4 : (int)left;
+        if (T == 4) q8x8_tile(a, x, g, t0, 4, bits, dshift, has_off, half);
+        else if (T == 3) q8x8_tile(a, x, g, t0, 3, bits, dshift, has_off, half);
+        else if (T == 2) q8x8_tile(a, x, g, t0, 2, bits, dshift, has_off, half);
+        else q8x8_tile(a, x, g, t0, 1, bits, dshift, has_off, half);
+        t0 += T;
+    }
+}
+
+static void q8x8_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t g) {
+    const int dshift = a->kind == Q8_K ? 3 : 0;
+    /* the formats the GGUF types give: Q8_0 (8-bit, half scales); Q4_0 / Q4_1 (nibbles, half
+     * scales, with a bias or an offset); Q4_K (nibbles, float scales and offsets, Q8_K x) */
+    if (a->bits == 8) {
+        if (a->half_scales && !a->offset && !dshift) q8x8_group_fmt(a, x, g, 8, 0, 0, 1);
+        else q8x8_group_fmt(a, x, g, 8, dshift, a->offset != NULL, (int)a->half_scales);
+    } else if (a->half_scales && !dshift) {
+        if (a->offset) q8x8_group_fmt(a, x, g, 4, 0, 1, 1); else q8x8_group_fmt(a, x, g, 4, 0, 0, 1);
+    } else if (dshift && a->offset && !a->half_scales) {
+        q8x8_group_fmt(a, x, g, 4, 3, 1, 0);
+    } else {
+        q8x8_group_fmt(a, x, g, 4, dshift, a->offset != NULL, (int)a->half_scales);
+    }
+}
+
 /* Bytes of one item's quantized activations in the call's scratch. */
 static size_t q8_act_bytes(const Q8MatmulArgs *a) {
     const int64_t k = a->k, n = a->ntok;
@@ -983,7 +1185,7 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
         const Q8MatmulArgs *a = g->items[i];
         const int rc = q8_check(a);
         if (rc) return rc;
-        first_chunk[i + 1] = first_chunk[i] + (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        first_chunk[i + 1] = first_chunk[i] + (a->group == 8 ? a->rows / 8 : (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS);
         work += a->rows * a->k * a->ntok;
         bytes += q8_act_bytes(a);
     }
@@ -999,6 +1201,10 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
         int64_t i = 0;
         while (c >= first_chunk[i + 1]) i++;
         const Q8MatmulArgs *a = g->items[i];
+        if (a->group == 8) {
+            q8x8_group(a, &acts[i], c - first_chunk[i]);
+            continue;
+        }
         const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
         q8_chunk(a, &acts[i], r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
     }
@@ -1018,6 +1224,29 @@ int metatp_q8_isums(const Q8IsumArgs *a) {
     const Q8MatmulArgs *w = a->w;
     const int64_t k = w->k;
     if (w->k <= 0 || w->k % 32 || !(w->bits == 8 || w->bits == 4)) return -2;
+    if (w->group != 1) {
+        if (w->group != 8 || w->block != 32 || w->rows % 8) return -6;
+        const int64_t nb = k / 32, gbytes = 32 * w->bits;
+        const int bits = (int)w->bits;
+        for (int64_t t = 0; t < w->ntok; t++)
+            for (int64_t g = 0; g < w->rows / 8; g++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const int8_t *xb = a->xq + t * k + b * 32;
+                    int32_t xsum = 0;
+                    for (int i = 0; i < 32; i++) xsum += xb[i];
+                    const uint8_t *gb = (const uint8_t *)w->q + (g * nb + b) * gbytes;
+                    int32_t is[8];
+#if Q8_SIMD
+                    __m256i uv[8], wv[8];
+                    q8x8_unpack(gb, bits, uv, wv);
+                    _mm256_storeu_si256((__m256i *)is, q8x8_isum(uv, wv, bits, xb, (int32_t)w->bias * xsum));
+#else
+                    q8x8_isum_c(gb, bits, xb, (int32_t)w->bias * xsum, is);
+#endif
+                    for (int r = 0; r < 8; r++) a->out[(t * w->rows + g * 8 + r) * nb + b] = is[r];
+                }
+        return 0;
+    }
     for (int64_t t = 0; t < w->ntok; t++)
         for (int64_t r = 0; r < w->rows; r++) {
             const void *qrow = (const uint8_t *)w->q + r * (k * w->bits / 8);
@@ -1542,13 +1771,49 @@ typedef struct {
     int64_t o_st;
 } GluArgs;
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for 8 floats, |rel error| < 2e-7 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial
+ * in r, 2^n in the exponent bits). x is clamped to [-87.3, 88.7] (finite, normal results): the
+ * SiLU below needs exp(-x) only as far as 1 + exp(-x) is finite. Why: glibc's scalar expf was
+ * 0.35 ms of a 9 ms decode step (46k calls). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static void silu_mul_row(const float *a, const float *b, float *o, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(a + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+}
+
 int metatp_glu(const GluArgs *g) {
     if (g->act != 0 && g->act != 1) return -1;
     for (int64_t t = 0; t < g->T; t++) {
         const float *a = g->a + t * g->a_st, *b = g->b + t * g->b_st;
         float *o = g->out + t * g->o_st;
         if (g->act == 0) {
-            for (int64_t i = 0; i < g->n; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+            silu_mul_row(a, b, o, g->n);
         } else {
             const float c = 0.7978845608028654f;
             for (int64_t i = 0; i < g->n; i++) {
@@ -1667,17 +1932,56 @@ typedef struct {
     const float *scale, *offset;   /* offset may be NULL */
     float *out;
     int64_t ldo, nthreads;
+    int64_t group;                 /* 1, or 8: the row-group layout (4-bit codes, blocks of 32) */
+    int64_t half_scales;           /* group 8: scale and offset are IEEE halves */
 } DequantArgs;
+
+/* Row r of a weight in the row-group layout, dequantized: lane r % 8 of its group's blocks. */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_grouped_row(const DequantArgs *a, int64_t r, float *out) {
+    const int64_t nb = a->k / 32, g = r / 8, lane = r % 8, gbytes = 32 * a->bits;
+    const int bias = (int)a->bias;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = (const uint8_t *)a->q + (g * nb + b) * gbytes + 4 * lane;
+        const int half = (int)a->half_scales;
+        const float s = scale_at((const uint8_t *)a->scale, (g * nb + b) * 8 + lane, half);
+        const float o = a->offset ? scale_at((const uint8_t *)a->offset, (g * nb + b) * 8 + lane, half) : 0.0f;
+        if (a->bits == 8) {
+            for (int j = 0; j < 8; j++)
+                for (int c = 0; c < 4; c++) {
+                    float v = (float)(int8_t)gb[32 * j + c] * s;
+                    if (a->offset) v += o;
+                    out[b * 32 + 4 * j + c] = v;
+                }
+            continue;
+        }
+        for (int j = 0; j < 4; j++)
+            for (int c = 0; c < 4; c++) {
+                const uint8_t byte = gb[32 * j + c];
+                float lo = (float)((int)(byte & 0x0F) - bias) * s, hi = (float)((int)(byte >> 4) - bias) * s;
+                if (a->offset) { lo += o; hi += o; }
+                out[b * 32 + 4 * j + c] = lo;
+                out[b * 32 + 16 + 4 * j + c] = hi;
+            }
+    }
+}
 
 __attribute__((optimize("fp-contract=off")))
 int metatp_dequant(const DequantArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0) return -2;
     if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0) || a->bits == 16)) return -5;
+    if (a->group != 1 && !(a->group == 8 && (a->bits == 4 || a->bits == 8) && a->block == 32 && a->rows % 8 == 0))
+        return -6;
+    if (a->half_scales && a->group != 8) return -6;
     const int64_t k = a->k, B = a->block, nb = k / B, row_bytes = k * a->bits / 8;
     const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t r = 0; r < a->rows; r++) {
+        if (a->group == 8) {
+            dequant_grouped_row(a, r, a->out + r * a->ldo);
+            continue;
+        }
         const uint8_t *q = (const uint8_t *)a->q + r * row_bytes;
         const float *s = a->scale + r * nb, *o = a->offset ? a->offset + r * nb : NULL;
         float *out = a->out + r * a->ldo;
