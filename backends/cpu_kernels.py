@@ -306,7 +306,11 @@ def batch(closures: list) -> Callable[[], None]:
         return closures[0]
     closures = list(closures)        # the caller may reuse its list
     calls = [f if isinstance(f, _Call) else f.kernel for f in closures]
-    prepares = [f.prepare for f in closures if not isinstance(f, _Call) and getattr(f, "prepare", None)]
+    prepares = []       # in order, each once: closures may share one (a per-step table, a visible length)
+    for f in closures:
+        prep = None if isinstance(f, _Call) else getattr(f, "prepare", None)
+        if prep is not None and not any(prep == p for p in prepares):     # == : bound methods of one object
+            prepares.append(prep)
     fns = (ctypes.c_void_p * len(calls))(*[c.entry for c in calls])
     args = (ctypes.c_void_p * len(calls))(*[ctypes.addressof(c.args) for c in calls])
     call = _Call("metatp_batch", (calls, fns, args), n=len(calls), fns=ctypes.addressof(fns),

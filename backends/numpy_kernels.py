@@ -427,8 +427,12 @@ def _rope(node, out, src, ctx) -> Closure:
                 return cs
             kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs)
 
-            def fill_once() -> None:
-                ctx.per_step(key + ("filled",), fill)
+            def make_fill_once() -> Callable[[], None]:
+                def fill_once() -> None:
+                    ctx.per_step(key + ("filled",), fill)
+                return fill_once
+            # one object for every rope of the plan reading these tables: a batch runs it once a step
+            fill_once = ctx.persistent(key + ("fill-once",), make_fill_once)
 
             def run_kernel() -> None:
                 fill_once()
@@ -475,6 +479,19 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.nd
     return o.reshape(H, T, Dv).transpose(1, 0, 2)
 
 
+class _VisibleSetter:
+    """Sets the visible cache length of several attention kernels from one computation."""
+
+    def __init__(self, visible: Callable[[], int]) -> None:
+        self.visible = visible
+        self.kernels: list = []
+
+    def run(self) -> None:
+        n = self.visible()
+        for kernel in self.kernels:
+            kernel.set_n_kv(n)
+
+
 def _flash_attn(node, out, src, ctx) -> Closure:
     q, k, v = src[0][0], src[1][0], src[2][0]
     mask = src[3][0, 0] if len(src) > 3 and src[3] is not None else None
@@ -499,9 +516,12 @@ def _flash_attn(node, out, src, ctx) -> Closure:
                 and mask.strides[1] == 4):
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
                                        int(v_type))
-
-            def set_visible() -> None:
-                kernel.set_n_kv(ctx.per_step(("visible", id(src_mask)), visible))
+            # one setter for every attention of the plan reading this mask (a batch runs it once a
+            # step): the visible length computed once, set on each kernel
+            setter = ctx.persistent(("visible-setter", id(src_mask), q.shape[1]), lambda: _VisibleSetter(
+                lambda: ctx.per_step(("visible", id(src_mask)), visible)))
+            setter.kernels.append(kernel)
+            set_visible = setter.run
 
             def run_kernel() -> None:
                 set_visible()

@@ -82,6 +82,26 @@ def test_attention_row_is_the_same_alone_and_batched(kind, threads, T):
     assert np.array_equal(alone.view(np.uint32), batched.view(np.uint32)), np.abs(alone - batched).max()
 
 
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_attention_row_is_the_same_with_other_cells_between_its_own(kind, seed):
+    """A decode step's cells land wherever cells are free, so other sequences' (masked) cells may
+    sit between a sequence's own within a block: its row gives the same bits as with its cells
+    side by side (the softmax sums in cell order, where exact zeros change nothing)."""
+    rng = np.random.default_rng(seed)
+    Hkv, g, D, L, n_blk = 2, 3, 64, 29, 64                  # one KV block of the kernel
+    H = Hkv * g
+    ck_all, cv_all = _cache(rng, kind, Hkv, n_blk, D), _cache(rng, kind, Hkv, n_blk, D)
+    mine = np.sort(rng.choice(np.arange(1, n_blk), L - 1, replace=False))
+    mine = np.concatenate([[0], mine])                    # the first cell at a chunk boundary
+    q = rng.standard_normal((H, 1, D)).astype(F32)
+    side_by_side = _attend(q, ck_all[mine].copy(), cv_all[mine].copy(), np.zeros((1, L), F32), kind, L, 2, D)[0]
+    mask = np.full((1, n_blk), -np.inf, F32)
+    mask[0, mine] = 0.0
+    spread = _attend(q, ck_all, cv_all, mask, kind, int(mine[-1]) + 1, 2, D)[0]
+    assert np.array_equal(side_by_side.view(np.uint32), spread.view(np.uint32)), np.abs(side_by_side - spread).max()
+
+
 def _weight(rng, fmt: str, rows: int, k: int) -> AffineWeight:
     """Random codes in the layouts affine_blocks makes (8-bit, nibbles with a bias, offsets,
     blocks of 16 or 32, half floats)."""

@@ -1599,34 +1599,30 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* sr[j] = exp(sr[j] - m) for j < n (a multiple of 8) and their sum: 8 lanes, each summing the
- * elements j = lane (mod 8) in order, then one fixed tree. Scores of -inf (masked cells, and the
- * padding past a block's end) give exact zeros, so a block that ends early sums the same bits as
- * a longer one whose extra cells are masked (batch invariance). Why vectorized: the scalar expf
- * here was ~3 ms of a decode step at depth 1536 (one call per score). */
-static float softmax8(float *sr, int64_t n, float m) {
+/* sr[j] = exp(sr[j] - m) for j < n8 (a multiple of 8: the padding past a block's n cells holds
+ * -inf), and the sum of the first n in cell order. Scores of -inf (masked cells) give exact
+ * zeros, and a sum in cell order does not change when exact zeros come between its terms: a
+ * sequence's cells give the same bits wherever they sit in a block, and whatever else the block
+ * holds (batch invariance; a sum in 8 lanes would depend on each cell's position mod 8). Why
+ * vectorized: the scalar expf here was ~3 ms of a decode step at depth 1536 (one call a score). */
+static float softmax8(float *sr, int64_t n, int64_t n8, float m) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; j += 8) {
+    for (int64_t j = 0; j < n8; j += 8) {
         const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sr + j), mv);
         /* below lo (and -inf): 0; NaN stays NaN (x - x), as expf would keep it */
         const __m256 e = _mm256_and_ps(_mm256_add_ps(exp8(x), _mm256_sub_ps(x, x)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
         _mm256_storeu_ps(sr + j, e);
-        acc = _mm256_add_ps(acc, e);
     }
-    float l8[8];
-    _mm256_storeu_ps(l8, acc);
 #else
-    float l8[8] = {0};
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; j < n8; j++) {
         const float x = sr[j] - m;
-        const float e = x < -87.3f ? 0.0f : expf(x);
-        sr[j] = e;
-        l8[j % 8] += e;
+        sr[j] = x < -87.3f ? 0.0f : expf(x);
     }
 #endif
-    return ((l8[0] + l8[4]) + (l8[2] + l8[6])) + ((l8[1] + l8[5]) + (l8[3] + l8[7]));
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; j++) l += sr[j];
+    return l;
 }
 
 /* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
@@ -1727,7 +1723,7 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
                 for (int64_t d = 0; d < Dv; d++) pr[2 + d] *= alpha;
                 pr[0] = m_new;
             }
-            pr[1] += softmax8(sr, nb8, m_new);
+            pr[1] += softmax8(sr, nb, nb8, m_new);
         }
         /* weighted V: the block's V rows read (dequantized) once for all the unit's query rows
            (skipped when no row gives them weight: another sequence's cells cost no V reads); each
