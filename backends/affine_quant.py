@@ -19,6 +19,10 @@ same float32 operations as gguf (``d*sc``, ``dmin*m``; f16->f32 is exact):
   exact and ``x - y == x + (-y)`` in IEEE arithmetic, so still bit-exact.
 
 All work is vectorized numpy over all blocks of the tensor at once.
+
+`group_rows` reorders a weight of 4- or 8-bit codes into the row-group layout the integer
+(numerics="llamacpp") kernel reads fastest: 8 rows interleaved a 32-bit word at a time, their
+scales side by side (kept as halves when the file's are). `row_major` reads any layout back.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
 __all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "FLOAT_CODES", "AffineWeight", "encodable", "affine_blocks",
-           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "groupable", "group_rows",
+           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "HALF_SCALE_TYPES", "groupable", "group_rows",
            "row_major"]
 
 
@@ -267,11 +271,17 @@ def _spec(ggml_type, k: int) -> tuple[GGMLType, int, bool, Callable[[np.ndarray]
     return (t, *_TYPES[t])
 
 
-def affine_bytes(ggml_type, rows: int, k: int) -> int:
-    """Bytes of the AffineWeight affine_blocks would build for a (rows, K) weight (for memory planning)."""
+# types whose block scales (and offsets) are halves in the file: `group_rows` keeps them so
+HALF_SCALE_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+
+
+def affine_bytes(ggml_type, rows: int, k: int, grouped: bool = False) -> int:
+    """Bytes of the AffineWeight affine_blocks would build for a (rows, K) weight (for memory
+    planning); `grouped`: after `group_rows` where it applies (halves for HALF_SCALE_TYPES)."""
     t, block, has_offset, _ = _spec(ggml_type, k)
     code_bytes = k // 2 if t in NIBBLE_BIAS and k % 32 == 0 else 2 * k if t in FLOAT_CODES else k
-    return rows * code_bytes + rows * (k // block) * 4 * (2 if has_offset else 1)
+    half = grouped and t in HALF_SCALE_TYPES and block == 32 and rows % GROUP == 0 and rows > 0
+    return rows * code_bytes + rows * (k // block) * (2 if half else 4) * (2 if has_offset else 1)
 
 
 def affine_blocks(raw: np.ndarray, ggml_type, k: int) -> AffineWeight:

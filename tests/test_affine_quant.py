@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metatp.backends.affine_quant import (AFFINE_TYPES, NIBBLE_BIAS, AffineWeight, affine_blocks, affine_bytes,
-                                          dequantize_affine, encodable, pack_nibbles, unpack_nibbles)
+from metatp.backends.affine_quant import (AFFINE_TYPES, GROUP, HALF_SCALE_TYPES, NIBBLE_BIAS, AffineWeight,
+                                          affine_blocks, affine_bytes, dequantize_affine, encodable, group_rows,
+                                          groupable, pack_nibbles, unpack_nibbles)
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
@@ -191,3 +192,28 @@ def test_half_float_weights_are_kept_as_they_are(t):
     assert encodable(t, 64) and not encodable(t, 48)      # rows must be whole 32-element blocks
     with pytest.raises(ConfigError, match="multiple of 32"):
         affine_blocks(raw[:, :96], t, 48)
+
+
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_row_group_layout_keeps_values_and_planned_bytes(t):
+    """group_rows (the integer kernel's layout) of real file blocks: the same decoded values,
+    scales kept as halves exactly where the file's are halves, and the bytes memory planning
+    counts for it; types it does not take (blocks of 16) are left alone."""
+    import gguf
+
+    rows, k = 16, 512
+    w = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+    try:
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[t.name])
+    except NotImplementedError:
+        raw = random_raw(t, rows, k, 3)
+    aw = affine_blocks(raw, t, k)
+    if not groupable(aw):
+        assert aw.block == 16
+        return
+    g = group_rows(aw)
+    assert (g.rows, g.k, g.group) == (rows, k, GROUP)
+    assert (g.scale.dtype == np.float16) == (t in HALF_SCALE_TYPES)
+    assert np.array_equal(dequantize_affine(g).view(np.uint32), dequantize_affine(aw).view(np.uint32))
+    assert g.nbytes == affine_bytes(t, rows, k, grouped=True)
+    assert affine_bytes(t, rows + 1, k, grouped=True) == affine_bytes(t, rows + 1, k)     # no whole groups: as is

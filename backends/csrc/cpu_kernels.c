@@ -19,6 +19,10 @@
  * AVX2, with 8-float intrinsics. Chunks of CHUNK_ROWS rows are shared among OpenMP threads; a
  * chunk is computed in register tiles of R rows x T tokens, so a row's codes are converted once
  * for T tokens and a token's x is read once for R rows, with software prefetch a few rows ahead.
+ *
+ * q8_matmul (numerics="llamacpp"): activations rounded to Q8 blocks as llama.cpp rounds them,
+ * integer dot products with the codes. Weights of 4- or 8-bit codes in blocks of 32 come in the
+ * row-group layout (see "the row-group layout" below): 8 rows a 32-bit lane.
  */
 #include <stdint.h>
 #include <stdlib.h>
