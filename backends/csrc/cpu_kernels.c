@@ -795,10 +795,15 @@ typedef struct {
     int32_t *isum;
 } Q8Act;
 
+/* Is this a layout the kernels read: row-major (group 1, float scales), or the row-group layout
+ * (group 8: 4- or 8-bit codes, blocks of 32, whole groups; scales float or halves)? */
+static int layout_ok(int64_t group, int64_t half_scales, int64_t bits, int64_t block, int64_t rows) {
+    if (group == 1) return !half_scales;
+    return group == 8 && (bits == 4 || bits == 8) && block == 32 && rows % 8 == 0;
+}
+
 static int q8_check(const Q8MatmulArgs *a) {
-    if (a->group != 1 && !(a->group == 8 && (a->bits == 4 || a->bits == 8) && a->block == 32 && a->rows % 8 == 0))
-        return -6;
-    if (a->half_scales && a->group != 8) return -6;
+    if (!layout_ok(a->group, a->half_scales, a->bits, a->block, a->rows)) return -6;
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % 32 || a->rows < 0 || a->ntok < 1) return -2;
     if (q8_check_quant(a->kind, a->k)) return -2;
@@ -1229,7 +1234,7 @@ int metatp_q8_isums(const Q8IsumArgs *a) {
     const int64_t k = w->k;
     if (w->k <= 0 || w->k % 32 || !(w->bits == 8 || w->bits == 4)) return -2;
     if (w->group != 1) {
-        if (w->group != 8 || w->block != 32 || w->rows % 8) return -6;
+        if (!layout_ok(w->group, w->half_scales, w->bits, w->block, w->rows)) return -6;
         const int64_t nb = k / 32, gbytes = 32 * w->bits;
         const int bits = (int)w->bits;
         for (int64_t t = 0; t < w->ntok; t++)
@@ -2027,9 +2032,7 @@ int metatp_dequant(const DequantArgs *a) {
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0) return -2;
     if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0) || a->bits == 16)) return -5;
-    if (a->group != 1 && !(a->group == 8 && (a->bits == 4 || a->bits == 8) && a->block == 32 && a->rows % 8 == 0))
-        return -6;
-    if (a->half_scales && a->group != 8) return -6;
+    if (!layout_ok(a->group, a->half_scales, a->bits, a->block, a->rows)) return -6;
     const int64_t k = a->k, B = a->block, nb = k / B, row_bytes = k * a->bits / 8;
     const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
