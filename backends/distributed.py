@@ -220,7 +220,7 @@ class World:
             raise every_rank(ConfigError(
                 f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under mpiexec "
                 "the ranks reduce with MPI_Allreduce (leave allreduce='auto')"))
-        from metatp.backends.numpy_backend import NumpyBackend
+        from metatp.backends.numpy.backend import NumpyBackend
         from metatp.backends.registry import check_options
 
         try:

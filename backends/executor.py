@@ -28,17 +28,13 @@ import numpy as np
 from metatp.backends.analysis import PlanFacts, is_pure_view
 from metatp.backends.base import Executable
 from metatp.backends.slicing import gather_array
+from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import Local, Plan
 
 __all__ = ["Fusion", "NodeSteps", "PlanExecutor", "np_shape"]
-
-
-def np_shape(ne: Sequence[int]) -> tuple[int, int, int, int]:
-    """numpy shape of a ggml `ne` (ne[0] innermost)."""
-    return (ne[3], ne[2], ne[1], ne[0])
 
 
 @dataclass

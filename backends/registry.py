@@ -66,7 +66,7 @@ _ALLREDUCE = Option("allreduce", ALLREDUCE_CHOICES, "auto", "the all-reduce betw
 _WIRE = Option("wire", ("auto", "f32", "bf16"), "auto", "all-reduce wire type (auto: f32 below a size, bf16 above)")
 
 BACKENDS: dict[str, BackendEntry] = {
-    "numpy": BackendEntry("numpy", "metatp.backends.numpy_backend:NumpyBackend", _opts(
+    "numpy": BackendEntry("numpy", "metatp.backends.numpy.backend:NumpyBackend", _opts(
         _NUMERICS, _ALLREDUCE,
         Option("cpu_kernels", (None, False, True), None,
                "compiled C kernels for few-token steps: None when they build, False never, True insist"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import SplitError
 from metatp.ir.tensor import GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import TensorPlan
@@ -17,7 +18,7 @@ __all__ = ["split_array", "gather_array", "device_slices", "local_raw_shape", "s
 
 
 def _as4d(a: np.ndarray, ne) -> np.ndarray:
-    return a.reshape(ne[3], ne[2], ne[1], ne[0])
+    return a.reshape(np_shape(ne))
 
 
 def _local_ne(t: Tensor, tp: TensorPlan, st, j: int) -> tuple[int, int, int, int]:
@@ -46,7 +47,7 @@ def split_array(full: np.ndarray, tensor: Tensor, tplan: TensorPlan, n_devices: 
     parts = []
     for j in range(n_devices):
         ne = _local_ne(tensor, tplan, st, j)
-        parts.append(np.empty((ne[3], ne[2], ne[1], ne[0]), dtype=f4.dtype))
+        parts.append(np.empty(np_shape(ne), dtype=f4.dtype))
     for j, g, loc, length in st.chunks():
         _copy_chunk(parts[j], loc, f4, g, length, ax)
     return parts
@@ -66,7 +67,7 @@ def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> 
     reduced node reads as MIRRORED). split: chunks put back in place; MIRRORED: device 0's copy;
     PARTIAL: the sum over the devices that computed it (the others hold exact zeros)."""
     st = tplan.sync_state
-    shape = _as4d_shape(tensor.ne)
+    shape = np_shape(tensor.ne)
     if st.is_mirrored:
         return np.array(parts[0], copy=True).reshape(shape)
     if st.is_partial:
@@ -77,20 +78,16 @@ def gather_array(parts: list[np.ndarray], tensor: Tensor, tplan: TensorPlan) -> 
         return out
     ax = 3 - st.axis
     out = np.empty(shape, dtype=parts[0].dtype)
-    p4 = [np.asarray(p).reshape(_as4d_shape(_local_ne(tensor, tplan, st, j))) for j, p in enumerate(parts)]
+    p4 = [np.asarray(p).reshape(np_shape(_local_ne(tensor, tplan, st, j))) for j, p in enumerate(parts)]
     for j, g, loc, length in st.chunks():
         _copy_chunk(out, g, p4[j], loc, length, ax)
     return out
 
 
-def _as4d_shape(ne) -> tuple[int, int, int, int]:
-    return (ne[3], ne[2], ne[1], ne[0])
-
-
 def device_slices(full: np.ndarray, tensor, tplan, n_devices: int) -> list[np.ndarray]:
     """A leaf's full host value (any shape with the right element count) -> one array per device,
     as the plan splits it. What every backend's upload starts with."""
-    shape = (tensor.ne[3], tensor.ne[2], tensor.ne[1], tensor.ne[0])
+    shape = np_shape(tensor.ne)
     if full.shape != shape and full.size == tensor.nelements:
         full = full.reshape(shape)
     if n_devices == 1:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from metatp.ir.dtypes import bf16_bits_to_f32
 from metatp.ir.errors import ModelFormatError, ModelNotFoundError
 from metatp.ir.gguf_reader import read_metadata
 from metatp.ir.gguf_validate import validate_gguf
@@ -297,7 +298,7 @@ class Model:
             h = np.ascontiguousarray(w.raw).view(np.uint16).reshape(shape)
             if w.type == GGMLType.F16:
                 return h.view(np.float16).astype(np.float32)
-            return (h.astype(np.uint32) << 16).view(np.float32)
+            return bf16_bits_to_f32(h)
         try:
             out = quants.dequantize(np.asarray(w.raw), w.type)
         except NotImplementedError:

@@ -17,7 +17,7 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
+from metatp.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="session")

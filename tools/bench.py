@@ -178,9 +178,9 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
     tensors = llm.engine.tensors
     kernels = ""
     if type(llm.backend).name == "numpy":
-        from metatp.backends import cpu_kernels
+        from metatp.backends.numpy import native
 
-        kernels = cpu_kernels.kernel_info() if llm.backend.use_kernels else "off"
+        kernels = native.kernel_info() if llm.backend.use_kernels else "off"
     base = {
         "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
         "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
@@ -219,7 +219,7 @@ class _LlamaCppEngine:
 def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
     """(llama.cpp engine, its row fields): default llama.cpp settings (f16 KV cache, no flash
     attention), the kernel thread count metatp uses."""
-    from metatp.backends.cpu_kernels import default_threads
+    from metatp.backends.numpy.native import default_threads
     from metatp.ir.errors import ConfigError
 
     try:

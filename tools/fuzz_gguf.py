@@ -487,7 +487,7 @@ def run_values(examples: int, seed: int, base: Path | None) -> int:
     """Random value mutations of a tiny synthetic model (or `base`); return the violations."""
     with tempfile.TemporaryDirectory(prefix="fuzz_values-") as workdir:
         if base is None:
-            from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+            from metatp.testing.synth import SynthSpec, write_synthetic_gguf
 
             base = Path(workdir, "base.gguf")
             write_synthetic_gguf(base, SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False))

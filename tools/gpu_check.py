@@ -107,7 +107,7 @@ class Config:
     prefill_len: int = 512
 
     def spec(self):
-        from metatp.backends.testing.synth import SynthSpec
+        from metatp.testing.synth import SynthSpec
 
         if self.emulate:       # SmolLM2's head geometry, small widths
             return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=192, n_head=6, n_head_kv=3,
@@ -119,7 +119,7 @@ class Config:
 
     def runtime(self):
         if self.emulate:
-            from metatp.backends.testing import EmuRuntime
+            from metatp.testing import EmuRuntime
 
             return EmuRuntime()
         return None
@@ -197,7 +197,7 @@ def cupy_engine(model, n_ctx: int, n: int = 1, ts=None, cache: str | None = None
 
 
 def numpy_engine(model, n_ctx: int):
-    from metatp.backends.numpy_backend import NumpyBackend
+    from metatp.backends.numpy.backend import NumpyBackend
     from metatp.engine import Engine
 
     lay = layout(1)
@@ -244,7 +244,7 @@ def preflight(rep: Report) -> bool:
     item("nccl", _pf_nccl, False)
     item("free memory", _pf_memory, False)
     if CFG.emulate:
-        from metatp.backends.testing import emulator_available
+        from metatp.testing import emulator_available
 
         return item("kernel emulator (g++)", lambda st: ("available" if emulator_available() else "no g++",
                                                          emulator_available()), True) and bool(ok)
@@ -354,7 +354,7 @@ def _pf_memory(st):
 def section_env(rep: Report) -> bool:
     """GPU, driver, runtime, library versions. False when there is no usable GPU."""
     from metatp.backends.cuda import runtime
-    from metatp.backends.testing import emulator_available
+    from metatp.testing import emulator_available
 
     rep.env["python"] = sys.version.split()[0]
     rep.env["numpy"] = np.__version__
@@ -400,7 +400,7 @@ def section_env(rep: Report) -> bool:
 
 
 def section_kernels(rep: Report, budget: Budget) -> None:
-    from metatp.backends.testing import kernel_checks as gkc
+    from metatp.testing import kernel_checks as gkc
 
     t0 = time.perf_counter()
     results = gkc.check_all_kernels(time_reps=3, emulate=CFG.emulate)
@@ -423,7 +423,7 @@ def section_kernels(rep: Report, budget: Budget) -> None:
 
 def write_model(rep: Report, folder: Path, n_layer: int):
     from metatp.ir.loader import load_model
-    from metatp.backends.testing.synth import write_synthetic_gguf
+    from metatp.testing.synth import write_synthetic_gguf
 
     path = folder / f"smollm2-shape-{n_layer}l{'-emu' if CFG.emulate else ''}.gguf"
     t0 = time.perf_counter()
@@ -661,7 +661,7 @@ def section_mpi(rep: Report, budget: Budget, workdir: Path | None) -> None:
     if limit < 30:
         rep.add("mpi", "1-rank MPI+NCCL smoke", "skipped (time budget)", None)
         return
-    from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+    from metatp.testing.synth import SynthSpec, write_synthetic_gguf
 
     folder = workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-mpi-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -728,7 +728,7 @@ def main(argv=None) -> int:
 
         return int(pytest.main(argv[1:]))
     if argv[:1] == ["--mpi-rank"]:        # one rank of section 6 (started by section_mpi)
-        from metatp.backends.testing import mpi_rank
+        from metatp.testing import mpi_rank
 
         return mpi_rank.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

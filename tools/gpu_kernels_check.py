@@ -5,7 +5,7 @@
     python -m metatp.tools.gpu_kernels_check --emulate      # no GPU: kernels as host C++
 
 The checks, one module per kernel family, and the references live in test support
-(`metatp.backends.testing.kernel_checks`, `metatp.backends.testing.oracles`); this is their
+(`metatp.testing.kernel_checks`, `metatp.testing.oracles`); this is their
 command line. `tests/test_cuda_kernels.py` runs the same checks.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from metatp.backends.testing.kernel_checks import CHECK_NAMES, check_all_kernels, markdown_table
+from metatp.testing.kernel_checks import CHECK_NAMES, check_all_kernels, markdown_table
 
 __all__ = ["CHECK_NAMES", "check_all_kernels", "markdown_table", "main"]
 

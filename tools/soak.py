@@ -59,7 +59,7 @@ def soak(model_path: str | os.PathLike, n_calls: int, seed: int = 0, n_ctx: int 
 
 
 def main() -> int:
-    from metatp.backends.testing.synth import SynthSpec, write_synthetic_gguf
+    from metatp.testing.synth import SynthSpec, write_synthetic_gguf
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--calls", type=int, default=1000)

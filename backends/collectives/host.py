@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from metatp.backends import cpu_kernels
+from metatp.backends.numpy import native
 from metatp.backends.collectives.base import Group, Step
 from metatp.backends.collectives.schedule import (Mode, Schedule, Transfer, TransferOp, check_schedule, mode_names,
                                                   resolve_mode)
@@ -29,7 +29,7 @@ __all__ = ["HostCollective", "HOST_KERNELS", "host_mode", "prepare_schedule", "r
 # Compiled runners with exactly a schedule's bits: mode name -> prepare(bufs, active) -> step or
 # None (None: these buffers don't suit it; the schedule runs on numpy instead).
 HOST_KERNELS: dict[str, Callable[[list[np.ndarray], list[bool]], Step | None]] = {
-    "butterfly": cpu_kernels.prepare_allreduce,
+    "butterfly": native.prepare_allreduce,
 }
 
 

@@ -11,5 +11,5 @@
   CUDA graphs; `device_ops`: the small callables a step list is made of.
 
 Nothing here imports CuPy at import time. Test support (the CPU emulator of the kernels and
-an emulated runtime) lives apart, in `metatp.backends.testing`.
+an emulated runtime) lives apart, in `metatp.testing`.
 """

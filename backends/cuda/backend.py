@@ -13,7 +13,7 @@ places them on `gpus` in order (the k-th owned device on ``gpus[k % len(gpus)]``
 `collective` (NCCL between the processes, `collectives.nccl.NcclCollective`) spans the others.
 
 ``runtime``: the device API. `runtime.CupyRuntime` (the default) is CuPy 13/14; tests hand in
-`metatp.backends.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
+`metatp.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, input_layout, matmul_tokens, raw_nb,
                                           weight_type_name)
-from metatp.backends.executor import np_shape
+from metatp.ir.dtypes import np_shape
 from metatp.backends.slicing import device_slices, local_raw_shape, split_raw
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import Op

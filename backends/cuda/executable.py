@@ -37,7 +37,8 @@ from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, attended_length, contig_strides, graph_itemsize,
                                           input_layout, is_quant_cache, to_float)
-from metatp.backends.executor import Fusion, NodeSteps, PlanExecutor, np_shape
+from metatp.backends.executor import Fusion, NodeSteps, PlanExecutor
+from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes, type_size

@@ -3,7 +3,7 @@
 The kernels are plain CUDA C with ``extern "C"`` entry points; every family (one ``.cu``
 file) becomes one module compiled from source by the kernel engine in use (NVRTC through
 CuPy on a GPU, `runtime.CupyRuntime`; host C++ on the CPU emulator of
-`metatp.backends.testing`). The engine is chosen by the caller, never by a global switch:
+`metatp.testing`). The engine is chosen by the caller, never by a global switch:
 ``with using(engine): ...`` makes every launcher inside the block use it (per thread).
 
 A backend prepares a plan once and replays it, so launches can be *recorded*: inside

@@ -2,7 +2,7 @@
 NVRTC modules, cuBLAS and NCCL calls; and the GPU probe that decides whether "auto" picks it.
 
 Everything the backend does on a device goes through a runtime object, so a test can hand the
-backend another one (`metatp.backends.testing.EmuRuntime`: the same calls on the CPU). The
+backend another one (`metatp.testing.EmuRuntime`: the same calls on the CPU). The
 runtime is also the kernel engine the launchers use (`launch.using(runtime)`, entered by
 `kernels()`): it compiles each ``cuda/<family>.cu`` once per GPU with NVRTC and caches the
 kernels. Importing this module needs neither CuPy nor a GPU; CuPy is imported when a

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from metatp.backends.cuda.launch import KV_QUANT_TYPES, WEIGHT_TYPES
-from metatp.backends.executor import np_shape
+from metatp.ir.dtypes import bf16_bits_to_f32, np_shape
 from metatp.backends.slicing import local_raw_shape
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.ops import Op
@@ -144,7 +144,7 @@ def to_float(h: np.ndarray, dtype, t: Tensor) -> np.ndarray:
 
         return quants.dequantize(np.ascontiguousarray(h), t.type).astype(np.float32)
     if np.dtype(dtype) == np.uint16:
-        return (h.astype(np.uint32) << 16).view(np.float32)
+        return bf16_bits_to_f32(h)
     if t.type == GGMLType.F32 and h.dtype != np.float32:
         return h.astype(np.float32)
     return h

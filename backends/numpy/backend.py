@@ -1,0 +1,318 @@
+"""The numpy backend: runs a Plan on N simulated devices in one process.
+
+Each device owns buffers holding only its slice of every tensor. This module is the weight
+storage policy (float32, a transposed copy for BLAS, or int8 codes the compiled kernels read)
+and the leaf store; `numpy_executable` binds a Plan to buffers and runs it as closures.
+
+A process may own only some of the layout's devices (`devices=[rank]` under MPI, see
+`backends.distributed`): it then stores, allocates and runs only those devices' slices, and
+its `collective` spans the other processes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from metatp.backends.numpy import native
+from metatp.backends.numpy.codes import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable,
+                                          group_rows, groupable)
+from metatp.backends.analysis import PlanFacts
+from metatp.backends.base import Backend, WeightSource
+from metatp.backends.collectives.host import HostCollective
+from metatp.ir.dtypes import np_shape
+from metatp.backends.numpy.executable import NumpyExecutable, host_dtype, host_shape
+from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
+from metatp.passes.plan import DeviceLayout, Plan
+from metatp.backends.slicing import device_slices, split_raw
+
+__all__ = ["NumpyBackend", "NumpyExecutable"]
+
+# "exact": float32 throughout. "llamacpp" (alias "q8"): round activations before quantized/f16
+# matmuls as llama.cpp's CPU backend does (Q8 blocks with an f16 scale) and, for few-token steps
+# on int8 codes, take integer dot products as it does (the fastest CPU mode). Its f16 KV cache is
+# not emulated: rounding K/V alone moved our logits further from llama.cpp's.
+NUMERICS = ("exact", "llamacpp", "q8")
+
+class NumpyBackend(Backend):
+    """N simulated devices; leaf buffers (weights, KV cache) persist across plans.
+
+    allreduce: a mode of `collectives.ALLREDUCE_MODES` run on the host: "auto" (the butterfly),
+    "butterfly", "ring", or llama.cpp's "none" / "internal" (both the butterfly here); the
+    device-only "nccl" raises ConfigError.
+
+    devices: the devices this process owns (default: all of the layout's); a strict subset
+    needs a `collective` spanning the processes that own the others (`MpiCollective`)."""
+
+    name = "numpy"
+
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False,
+                 cpu_kernels: bool | None = None, allreduce: str = "auto",
+                 devices: Sequence[int] | None = None, collective=None) -> None:
+        if numerics not in NUMERICS:
+            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+        self.numerics = numerics
+        self.threads = threads          # run the simulated devices in parallel threads
+        # few-token matmuls read int8-coded weights through the compiled kernel (None: when it builds)
+        if cpu_kernels and not native.available():
+            raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {native.kernel_info()}")
+        self.use_kernels = cpu_kernels is not False and native.available()    # False: never built
+        self.kernel_threads = native.default_threads()
+        self.layout = layout or DeviceLayout()
+        self.n = self.layout.n_devices
+        self.owned = list(range(self.n)) if devices is None else sorted(int(d) for d in devices)
+        if not self.owned or len(set(self.owned)) != len(self.owned) or not all(0 <= d < self.n for d in self.owned):
+            raise ConfigError(f"devices={list(devices or [])}: must be distinct device indices of 0..{self.n - 1}")
+        if len(self.owned) < self.n and collective is None:
+            raise ConfigError(f"this process owns devices {self.owned} of {self.n}: the all-reduce needs a "
+                              "collective spanning the other processes (collectives.mpi.MpiCollective)")
+        # the all-reduce between subgraphs ("auto": the butterfly); its compiled path, when the
+        # mode has one, gives the schedule's bits, so cpu_kernels changes speed, not results
+        self.collective = collective if collective is not None else HostCollective(allreduce, use_kernels=self.use_kernels)
+        self.allreduce = self.collective.name
+        self.wire = "f32"               # simulated devices (and MPI ranks) reduce in float32
+        self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
+        self._whole_codes: dict[tuple, AffineWeight] = {}   # GGUF data -> its codes, when not split
+        self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
+        self._pool = None
+        self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range(self.n)]
+        self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
+        self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
+        self._executables: dict[int, NumpyExecutable] = {}
+        self._facts: tuple[Plan | None, PlanFacts | None] = (None, None)
+
+    @property
+    def allreduce_strategy(self) -> str:
+        """The all-reduce that runs ("none" on one device), named as CupyBackend names its own."""
+        return "none" if self.n == 1 else self.allreduce
+
+    # ---------------------------------------------------------------- leaf data
+    def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
+        """Store a leaf's value, split into per-device slices as the plan says."""
+
+        parts = device_slices(np.ascontiguousarray(full), t, plan.of(t), self.n)
+        self._encoded_only.discard(t)
+        only_matmul = self._only_matmul_weight(t, plan)
+        for d in self.owned:
+            part = np.ascontiguousarray(parts[d])
+            self._transposed[d].pop(t, None)
+            self._packed[d].pop(t, None)         # new values: an int8 copy comes from upload_encoded
+            if only_matmul:
+                # read only as mul_mat's src0: keep just the (in, out) layout the kernel wants
+                wt = np.ascontiguousarray(part.reshape(part.shape[-2], part.shape[-1]).T)
+                self._transposed[d][t] = wt
+                self.leaf[d][t] = wt.T.reshape(part.shape)   # a strided view of the same memory
+            else:
+                self.leaf[d][t] = part if part.flags.writeable else part.copy()   # no read-only memmaps
+
+    def keeps_encoded(self, t: Tensor, ggml_type: GGMLType, plan: Plan) -> bool:
+        """Is this weight kept as codes (instead of float32)? Those read only as a matmul's
+        weight or an embedding table (GET_ROWS), of a type the kernels read."""
+        if not (self.use_kernels and GGMLType(ggml_type) in AFFINE_TYPES):
+            return False
+        local = plan.of(t).local
+        if local and not all(encodable(ggml_type, loc.ne[0]) for loc in local if loc.ne[0] * loc.ne[1]):
+            return False            # a device's rows would not be whole blocks for the kernels
+        return self._read_only_as_weight(t, plan, (Op.MUL_MAT, Op.GET_ROWS))
+
+    def _read_only_as_weight(self, t: Tensor, plan: Plan, ops: tuple[Op, ...]) -> bool:
+        """A 2-D weight whose every reader takes it, unviewed, as src0 of one of `ops` (and only there)."""
+        return self.facts(plan).only_src0_of(t, ops)
+
+    def facts(self, plan: Plan) -> PlanFacts:
+        """The plan's graph facts (kept for the last plan asked about: uploads ask per weight)."""
+        if self._facts[0] is not plan:
+            self._facts = (plan, PlanFacts(plan))
+        return self._facts[1]
+
+    def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> bool:
+        """Keep a matmul weight from its GGUF blocks as int8 codes + per-block float32 scale and
+        offset (~1.25 bytes a weight instead of 4) and no float32 copy: few-token steps read the
+        codes, long prompts dequantize slabs of them for BLAS. False (nothing stored) when the
+        weight is not such a weight or a split cuts its quant blocks: then `upload` it.
+        Mirrored slices share one copy."""
+        if not self.keeps_encoded(t, ggml_type, plan):
+            return False
+
+        try:
+            parts = split_raw(raw, t, GGMLType(ggml_type), plan.of(t), self.n)
+        except SplitError:
+            return False
+        made: dict[int, AffineWeight] = {}
+        whole = self.whole_encoded(t, plan)
+        key = (np.asarray(raw).__array_interface__["data"][0], np.asarray(raw).nbytes, int(ggml_type))
+        if whole and key in self._whole_codes:
+            made[id(parts[0])] = self._whole_codes[key]      # the tied lm head reuses the embedding's codes
+        for d in self.owned:
+            part = parts[d]
+            ne = plan.of(t).local[d].ne
+            self._transposed[d].pop(t, None)
+            # nothing reads the float32 view of an encoded-only weight: a zero-stride stand-in
+            # gives the executor its shape without memory
+            self.leaf[d][t] = np.broadcast_to(np.zeros((), np.float32), np_shape(ne))
+            if ne[0] * ne[1] == 0:
+                self._packed[d].pop(t, None)
+                continue
+            aw = made.get(id(part))
+            if aw is None:
+                aw = made[id(part)] = self._kernel_layout(affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0]))
+            self._packed[d][t] = aw
+            self.slab(d)        # made now, as the plan counts it (its pages are touched only by long prompts)
+        if whole and made:
+            self._whole_codes[key] = next(iter(made.values()))
+        self._encoded_only.add(t)
+        return True
+
+    def _groups_rows(self) -> bool:
+        """With llama.cpp numerics every few-token product is the integer kernel's, which reads
+        4- and 8-bit codes fastest in groups of 8 rows (`group_rows`: 1.19x -> 1.5x llama.cpp's
+        decode, measured on the default model); the float kernel of exact mode reads them row-major."""
+        return self.numerics in ("llamacpp", "q8")
+
+    def _kernel_layout(self, aw: AffineWeight) -> AffineWeight:
+        return group_rows(aw) if self._groups_rows() and groupable(aw) else aw
+
+    def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
+        """Int8 codes when the kernels read this weight so (`upload_encoded`), else float32."""
+        if not self.upload_encoded(t, source.raw, source.ggml_type, plan):
+            self.upload(t, source.dequantize(), plan)
+
+    def whole_encoded(self, t: Tensor, plan: Plan) -> bool:
+        """Does every device hold the whole weight (one device, or mirrored)? Then one set of
+        codes serves every device and every leaf with the same GGUF data (a tied lm head)."""
+        st = plan.of(t).state
+        return self.n == 1 or st.is_mirrored
+
+    def storage_key(self, t: Tensor, plan: Plan, source: str):
+        """Weights with equal keys share one stored copy (count it once), or None."""
+        if len(self.owned) < self.n:
+            return None     # one device here: the engine's once-for-all-devices count would miss it on others
+        if self.keeps_encoded(t, t.type, plan) and self.whole_encoded(t, plan):
+            return ("codes", source)
+        return None
+
+    def encoded_only(self, t: Tensor) -> bool:
+        return t in self._encoded_only
+
+    def slab(self, d: int) -> np.ndarray:
+        """Device d's buffer for dequantized weight slabs (one per device, reused by every matmul)."""
+        s = self._slabs.get(d)
+        if s is None:
+            s = self._slabs[d] = np.empty(native.DEQUANT_CHUNK, np.float32)
+        return s
+
+    def workspace_bytes(self, plan: Plan) -> list[int]:
+        """Per device: bytes beyond weights, KV and the plan's buffers (the dequantization slab)."""
+        enc = any(self.keeps_encoded(t, t.type, plan) for t in plan.graph.leaves if t.flags & Flag.WEIGHT)
+        return [native.DEQUANT_CHUNK * 4 if enc else 0] * self.n
+
+    def packed(self, t: Tensor, d: int) -> AffineWeight | None:
+        return self._packed[d].get(t)
+
+    def _only_matmul_weight(self, t: Tensor, plan: Plan) -> bool:
+        return self._read_only_as_weight(t, plan, (Op.MUL_MAT,))
+
+    def weight_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
+        """Bytes this backend keeps for a weight slice of local shape `local_ne` (f32, one or two layouts)."""
+        n = int(np.prod(local_ne)) * 4
+        if not (t.flags & Flag.WEIGHT):
+            return n
+        if self.keeps_encoded(t, t.type, plan):
+            return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0], grouped=self._groups_rows()) if n else 0
+        if self._only_matmul_weight(t, plan):
+            return n
+        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in self.facts(plan).readers_with_views.get(t, []))
+        return 2 * n if mm else n
+
+    def memory_budget(self) -> tuple[int | None, bool]:
+        """(bytes available, shared by all devices?): simulated devices share the host's memory;
+        a process owning one device of several is checked for its own device (ranks may sit on
+        different machines)."""
+        shared = len(self.owned) == self.n
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, shared
+        except OSError:
+            pass
+        return None, shared
+
+    def step_rows(self) -> int:
+        """The compiled kernels take steps of up to MAX_ROWS rows, each row's sums in an order
+        that does not depend on the others (longer steps go to BLAS, which is not so)."""
+        return native.MAX_ROWS if self.use_kernels else 16
+
+    def kv_page(self) -> int:
+        return native.ATTN_CHUNK
+
+    def kv_itemsize(self, t: Tensor) -> int:
+        """Bytes per element of a float KV cache as stored (f32 4, f16/bf16 2); for a quantized
+        cache the bytes of one block (the memory plan counts those caches by their blocks)."""
+        return type_size(t.type)
+
+    def has(self, t: Tensor) -> bool:
+        return t in self.leaf[self.owned[0]]
+
+    def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
+        """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
+        tp = plan.of(t)
+        for d in self.owned:
+            self.leaf[d][t] = np.zeros(host_shape(t, tp.local[d].ne), dtype=host_dtype(t))
+
+    def transposed(self, t: Tensor, d: int) -> np.ndarray:
+        """A weight stored (in, out)-contiguous for `x @ Wt` (made once, kept)."""
+        if t in self._encoded_only:
+            raise UnsupportedOpError(f"numpy backend: {t.name!r} is kept as int8 codes only; no float32 layout")
+        cache = self._transposed[d]
+        wt = cache.get(t)
+        if wt is None:
+            w = self.leaf[d][t]
+            wt = np.ascontiguousarray(w.reshape(w.shape[-2], w.shape[-1]).T)
+            cache[t] = wt
+        return wt
+
+    def allocated_bytes(self) -> list[int]:
+        """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
+        out = []
+        seen: set[int] = set()      # an int8-coded weight mirrored on every device is one object
+        for d in range(self.n):
+            owned = [a for t, a in self.leaf[d].items()
+                     if t not in self._encoded_only and not _aliases(a, self._transposed[d].values())]
+            n = sum(a.nbytes for a in owned) + sum(a.nbytes for a in self._transposed[d].values())
+            for aw in self._packed[d].values():
+                if id(aw) not in seen:
+                    seen.add(id(aw))
+                    n += aw.nbytes
+            n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
+            n += self._slabs[d].nbytes if d in self._slabs else 0
+            out.append(n)
+        return out
+
+    # ---------------------------------------------------------------- plans
+    def make_executable(self, plan: Plan) -> NumpyExecutable:
+        return NumpyExecutable(self, plan)
+
+    def pool(self):
+        """Worker threads for the owned devices but the first (it runs on the caller's thread), or None."""
+        if not self.threads or len(self.owned) == 1:
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=len(self.owned) - 1, thread_name_prefix="metatp-dev")
+        return self._pool
+
+    def reset_kv(self) -> None:
+        for d in self.owned:
+            for t, a in self.leaf[d].items():
+                if t.flags & Flag.KV_CACHE:
+                    a.fill(0)
+
+
+def _aliases(a: np.ndarray, others) -> bool:
+    """Is `a` a view of one of `others` (a weight kept only in its transposed layout)?"""
+    return a.base is not None and any(np.may_share_memory(a, o) for o in others if o.size == a.size)

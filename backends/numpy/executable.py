@@ -1,0 +1,310 @@
+"""The numpy backend's executable: a Plan bound to host arrays, run as closures.
+
+The walk, binding and reading are the shared `PlanExecutor`'s. What is numpy's own:
+- buffers are numpy arrays (an arena per device; views are numpy views of it);
+- each node becomes one closure over preallocated arrays (`numpy_kernels.kernel_for`);
+- the runner goes node by node across the simulated devices (they are independent inside a
+  subgraph, so any interleaving is valid), turning one node's int8 matmuls on every device
+  into one compiled call; with `threads=True` devices run side by side instead;
+- a mirrored value identical on every device is computed once, by device 0, and read by the
+  others (`PlanFacts.shared_mirrored`);
+- a process that owns some devices only (`NumpyBackend(devices=...)`, one MPI rank) binds and
+  runs those; its collective reduces across processes and gathers split values for `read`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from metatp.backends.numpy import native
+from metatp.backends.numpy.codes import AffineWeight
+from metatp.backends.executor import Fusion, PlanExecutor
+from metatp.ir.dtypes import np_shape
+from metatp.backends.numpy.kernels import Closure, kernel_for, quantize_q8_blocks, rms_norm_mul, round_f16
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes
+from metatp.passes.plan import Local, Plan
+
+if TYPE_CHECKING:
+    from metatp.backends.numpy.backend import NumpyBackend
+
+__all__ = ["NumpyExecutable", "host_dtype", "host_shape", "BYTE_TYPES"]
+
+_DTYPES = {GGMLType.F32: np.float32, GGMLType.I32: np.int32, GGMLType.F16: np.float16}
+# KV-cache types kept as their bytes: a row of ne0 values is row_bytes(type, ne0) uint8 (the
+# compiled kernels and gguf.quants read and write them)
+BYTE_TYPES = frozenset({GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+
+
+def host_dtype(t: Tensor) -> np.dtype:
+    """The numpy dtype of an activation, input or KV-cache tensor (weights are stored apart)."""
+    if t.type in BYTE_TYPES:
+        return np.dtype(np.uint8)
+    try:
+        return np.dtype(_DTYPES[t.type])
+    except KeyError:
+        raise UnsupportedOpError(
+            f"numpy backend: tensor {t.name!r} of type {t.type.name} must be a weight (dequantized on upload)") from None
+
+
+def host_shape(t: Tensor, ne) -> tuple[int, int, int, int]:
+    """The numpy shape of a slice of local shape `ne`: a byte type's innermost axis is the bytes
+    of ne[0] values (whole blocks: the graph views whole head rows)."""
+    if t.type not in BYTE_TYPES:
+        return np_shape(ne)
+    try:
+        return (ne[3], ne[2], ne[1], row_bytes(t.type, ne[0]))
+    except ValueError as e:
+        raise UnsupportedOpError(f"numpy backend: {t.name!r}: {e}") from None
+
+
+def _run_all(closures: list[Closure]) -> None:
+    for f in closures:
+        f()
+
+
+class _DeviceContext:
+    """What kernels may ask the backend while building closures for device `d`."""
+
+    def __init__(self, backend: NumpyBackend, d: int, step_memo: dict, plan_memo: dict) -> None:
+        self.backend = backend
+        self.d = d
+        self._memo = step_memo
+        self._plan_memo = plan_memo
+        self.use_kernels = backend.use_kernels
+
+    def persistent(self, key, make):
+        """A value made once per prepared plan and shared by every node that asks (e.g. a buffer
+        that per-step tables are written into, so compiled kernels can hold its address)."""
+        hit = self._plan_memo.get(key)
+        if hit is None:
+            hit = self._plan_memo[key] = make()
+        return hit
+
+    def per_step(self, key, make):
+        """A value computed once per run and shared by every node that asks (e.g. rope tables)."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = make()
+        return hit
+
+    def is_weight(self, t: Tensor) -> bool:
+        return bool(t.flags & Flag.WEIGHT) and t.view_src is None and t.ne[2] == 1 and t.ne[3] == 1
+
+    def transposed(self, t: Tensor) -> np.ndarray:
+        return self.backend.transposed(t, self.d)
+
+    def packed(self, t: Tensor) -> AffineWeight | None:
+        """The weight as int8 codes when the compiled kernel may read it, else None."""
+        return self.backend.packed(t, self.d) if self.backend.use_kernels else None
+
+    def encoded_only(self, t: Tensor) -> bool:
+        return self.backend.encoded_only(t)
+
+    def slab(self) -> np.ndarray:
+        return self.backend.slab(self.d)
+
+    @property
+    def kernel_threads(self) -> int:
+        return self.backend.kernel_threads
+
+    def activation_rounding(self, w: Tensor):
+        """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
+        if self.backend.numerics not in ("llamacpp", "q8") or not self.is_weight(w) or w.type == GGMLType.F32:
+            return None
+
+        return round_f16 if w.type in (GGMLType.F16, GGMLType.BF16) else quantize_q8_blocks
+
+
+class NumpyExecutable(PlanExecutor):
+    """A plan bound to buffers: per subgraph, closures per device and in node-major order."""
+
+    def __init__(self, backend: NumpyBackend, plan: Plan) -> None:
+        if plan.n_devices != backend.n:
+            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
+        super().__init__(plan, backend.owned)
+        self.backend = backend
+        n = backend.n
+        self.inputs: dict[Tensor, np.ndarray] = {}
+        for t in plan.graph.leaves:
+            if t.flags & Flag.INPUT:
+                arr = np.zeros(np_shape(t.ne), dtype=host_dtype(t))
+                self.inputs[t] = arr
+                for d in self.devices:
+                    self.arrays[d][t] = arr     # inputs are mirrored and read-only: one array serves all
+            elif t.flags & Flag.KV_CACHE and not backend.has(t):
+                backend.allocate_leaf(t, plan)
+        self.bind_leaves(self._leaf)
+        local = len(self.devices)
+        self.shared = self.facts.shared_mirrored() if local > 1 and not backend.threads else set()
+        self.set_fusions(self.find_fusions())
+        late = self.facts.late_reads(self.shared) if self.shared else None
+        for d in self.devices:
+            self.bind_nodes(d, live_until=late if d == self.devices[0] else None)
+        self._step_memo: dict = {}
+        plan_memo: dict = {}
+        self._ctxs = {d: _DeviceContext(backend, d, self._step_memo, plan_memo) for d in self.devices}
+        walked = self.walk()
+        self.steps = self.per_device(walked, self.devices, n)
+        self.node_major = [self._node_major(items) for items in walked]
+        self._reduce = self._allreduce_closures()
+        self._serial = self._serial_step()
+
+    # ---------------------------------------------------------------- memory
+    def _leaf(self, d: int, t: Tensor) -> np.ndarray:
+        if not self.backend.has(t):
+            raise UnsupportedOpError(f"numpy backend: leaf {t.name!r} has no data (upload it first)")
+        return self.backend.leaf[d][t]
+
+    def itemsize(self, t: Tensor) -> int:
+        return host_dtype(t).itemsize
+
+    def new_arena(self, d: int, nbytes: int) -> np.ndarray:
+        arena = np.zeros(max(nbytes, 1), dtype=np.uint8)
+        self.buffer_bytes[d] = arena.nbytes
+        return arena
+
+    def place(self, d: int, arena: np.ndarray, offset: int, node: Tensor, loc: Local) -> np.ndarray:
+        return np.ndarray(host_shape(node, loc.ne), dtype=host_dtype(node), buffer=arena, offset=offset)
+
+    def own_buffer(self, d: int, node: Tensor, loc: Local) -> np.ndarray:
+        arr = np.zeros(host_shape(node, loc.ne), dtype=host_dtype(node))
+        self.buffer_bytes[d] += arr.nbytes
+        return arr
+
+    def view(self, d: int, node: Tensor, loc: Local) -> np.ndarray:
+        """The numpy view of `node`: local shape/strides/offset into its source's buffer."""
+        root = self.arrays[d][node.view_src]
+        if loc.nelements == 0:
+            return np.empty(np_shape(loc.ne), dtype=root.dtype)
+        byte_rows = node.type in BYTE_TYPES
+        if ((node.type not in _DTYPES and not byte_rows) or host_dtype(node) != root.dtype
+                or (byte_rows and node.type != node.view_src.type)):
+            raise UnsupportedOpError(f"numpy backend: view {node.name!r} of a {node.type.name} tensor is not supported")
+        # a byte type's innermost axis is bytes (stride 1); its rows step by the view's strides
+        strides = (loc.nb[3], loc.nb[2], loc.nb[1], 1 if byte_rows else loc.nb[0])
+        return np.ndarray(host_shape(node, loc.ne), dtype=root.dtype, buffer=root, offset=loc.offs,
+                          strides=strides)
+
+    def host_value(self, d: int, t: Tensor) -> np.ndarray:
+        return self.arrays[d][t]
+
+    # ---------------------------------------------------------------- work
+    def find_fusions(self) -> list[Fusion]:
+        """RMS_NORM(x) * w (w a weight row) -> one closure at the MUL; the norm's buffer is
+        never written. The norm must be read only by the MUL, in its subgraph, on the same
+        devices, and x must still be live at the MUL."""
+        plan, facts = self.plan, self.facts
+        out: list[Fusion] = []
+        for node in plan.graph.nodes:
+            if node.op is not Op.MUL or node.src[0].op is not Op.RMS_NORM:
+                continue
+            rms, w = node.src[0], node.src[1]
+            if facts.readers.get(rms) != [node] or not (w.flags & Flag.WEIGHT) or w.ne != (rms.ne[0], 1, 1, 1):
+                continue
+            if facts.sub_of[rms] != facts.sub_of[node] or plan.of(rms).state.is_partial or rms.flags & Flag.OUTPUT:
+                continue
+            if list(plan.of(rms).compute) != list(plan.of(node).compute):
+                continue
+            if not facts.read_after(rms.src[0], node):
+                continue
+            out.append(Fusion("norm", node, (rms,)))
+        return out
+
+    def fused_steps(self, d: int, fusion: Fusion) -> list:
+        a = self.arrays[d]
+        node, rms = fusion.at, fusion.absorbed[0]
+        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels)]
+
+    def node_steps(self, d: int, node: Tensor) -> list:
+        a = self.arrays[d]
+        srcs = [a[s] if s is not None else None for s in node.src]
+        f = kernel_for(node)(node, a[node], srcs, self._ctxs[d])
+        return [f] if f is not None else []
+
+    def zero_fill_step(self, d: int, node: Tensor):
+        return functools.partial(self.arrays[d][node].fill, 0)
+
+    @staticmethod
+    def _node_major(items) -> list[Closure]:
+        """One subgraph's closures node by node across devices; one node's int8 matmuls on every
+        device become one compiled call with one parallel region (under -sm tensor these fixed
+        per-call costs are what grew with N)."""
+        order: list[Closure] = []
+        for item in items:
+            at_node = [f for d in sorted(item.per_device) for f in item.per_device[d]]
+            if len(at_node) > 1 and all(native.is_qmatmul(f) for f in at_node):
+                at_node = [native.group_qmatmul(at_node)]
+            order.extend(at_node)
+        return order
+
+    def _serial_step(self) -> list[Closure]:
+        """The whole step on the caller's thread: every subgraph's closures (node-major) and its
+        all-reduce in plan order, each run of consecutive compiled calls (matmul groups, rope, KV
+        writes, attention, norms, adds, a compiled all-reduce) joined into one ctypes call
+        (`cpu_kernels.batch`), across subgraph boundaries: a decode step is one call. Same calls
+        in the same order: the same bits."""
+        out: list[Closure] = []
+        run: list[Closure] = []
+
+        def flush() -> None:
+            if run:
+                out.append(native.batch(run))
+                run.clear()
+
+        for sub, order in zip(self.plan.subgraphs, self.node_major):
+            reduce = [self._reduce[sub.reduction.node]] if sub.reduction is not None and self.backend.n > 1 else []
+            for f in order + reduce:
+                if native.batchable(f):
+                    run.append(f)
+                else:
+                    flush()
+                    out.append(f)
+        flush()
+        return out
+
+    def _allreduce_closures(self) -> dict[int, Closure]:
+        """One prepared all-reduce per reduced node, by the backend's collective."""
+        out = {}
+        for sub in self.plan.subgraphs:
+            if sub.reduction is None or self.backend.n == 1:
+                continue
+            node = self.plan.graph.nodes[sub.reduction.node]
+            bufs = [self.arrays[d][node] for d in self.devices]
+            active = list(self.plan.of(node).compute)      # every device's flag, local or not
+            out[sub.reduction.node] = self.backend.collective.prepare_allreduce(bufs, active)
+        return out
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The full value of `t`; a process owning some devices only gathers through its collective."""
+        if len(self.devices) == self.plan.n_devices:
+            return super().read(t)
+        return self.read_across(self.backend.collective, t)
+
+    # ---------------------------------------------------------------- running
+    def set_input(self, t: Tensor, value: np.ndarray) -> None:
+        self.inputs[t][...] = np.asarray(value).reshape(self.inputs[t].shape)
+
+    def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
+        for t, v in (inputs or {}).items():
+            self.set_input(t, v)
+        n = self.backend.n
+        self._step_memo.clear()
+        pool = self.backend.pool()
+        if pool is None:
+            for f in self._serial:
+                f()
+            return
+        for sub, per_dev in zip(self.plan.subgraphs, self.steps):
+            # simulated devices run side by side: numpy releases the GIL inside BLAS
+            first, *rest = self.devices
+            futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
+            _run_all(per_dev[first])
+            for fut in futures:
+                fut.result()
+            if sub.reduction is not None and n > 1:
+                self._reduce[sub.reduction.node]()

@@ -1,0 +1,267 @@
+"""EmuRuntime: the CUDA backend's device API on the CPU, for tests without a GPU.
+
+``CupyBackend(layout, runtime=EmuRuntime())`` is the one seam: the runtime brings its own kernel
+engine (an `Emulator`). Device memory is numpy arrays, kernels run on the CUDA emulator, streams and
+events are ordered by issue order, NCCL is a sum over the emulated GPUs, and CUDA-graph capture
+records launches and replays them. Everything above this layer (plans, launches, all-reduce
+schedules, graphs) is the real backend code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from metatp.backends.cuda.launch import using
+from metatp.backends.cuda.runtime import DeviceContext
+from metatp.testing.cuda_emulator import Emulator
+from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+
+__all__ = ["EmuRuntime"]
+
+_stream_handles = itertools.count(0x1000, 0x10)
+
+
+class _EmuStream:
+    """A stream: its own fake handle (`ptr`, as a cupy Stream has), so NCCL's stream argument
+    can be told apart from another stream's."""
+
+    def __init__(self, gpu: int) -> None:
+        self.gpu = gpu
+        self.ptr = next(_stream_handles)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _EmuDevice:
+    def __init__(self, emu: Emulator, gpu: int) -> None:
+        self.emu = emu
+        self.gpu = gpu
+        self._prev: list[int] = []
+
+    def __enter__(self):
+        self._prev.append(self.emu.current_device)
+        self.emu.current_device = self.gpu
+        return self
+
+    def __exit__(self, *exc):
+        self.emu.current_device = self._prev.pop()
+        return False
+
+
+class _EmuComm:
+    """A rank of an emulated NCCL communicator (sums at the end of a group)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+
+class EmuRuntime:
+    """The backend's device operations on the CPU: numpy arrays, kernels on the emulator.
+
+    Work runs in issue order (a valid serialisation of the streams; events are no-ops), a
+    captured graph records the work and replays it, NCCL is emulated for distinct
+    "GPUs". `n_gpus` pretends to have that many GPUs (each its own memory, all host RAM).
+    `nccl_capture=False` makes NCCL refuse to run inside a graph capture (as an old NCCL
+    does), `mem_free` / `pool_free` are what the memory queries report; `peer_access` records
+    the GPU sets peer access was enabled for."""
+
+    name = "emulator"
+
+    def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True,
+                 nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0) -> None:
+        self.emu = Emulator(sm_count=sm_count)
+        self._n_gpus = n_gpus
+        self._nccl = nccl
+        self._gemm = gemm
+        self._nccl_capture = nccl_capture
+        self.mem_free = mem_free
+        self.pool_free = pool_free
+        self.graph_launches = 0
+        self.nccl_calls = 0
+        self.peer_access: list[list[int]] = []
+
+    def n_gpus(self) -> int:
+        return self._n_gpus
+
+    def device(self, gpu: int):
+        return _EmuDevice(self.emu, gpu)
+
+    def new_stream(self, gpu: int):
+        return _EmuStream(gpu)
+
+    def new_event(self, gpu: int):
+        return object()
+
+    def context(self, gpu: int, stream) -> DeviceContext:
+        return DeviceContext(_EmuDevice(self.emu, gpu), stream)
+
+    def kernels(self):
+        """Launch every kernel inside the block on this runtime's emulator."""
+        return using(self.emu)
+
+    @staticmethod
+    def record(stream, event) -> None:
+        pass
+
+    @staticmethod
+    def wait(stream, event) -> None:
+        pass
+
+    @staticmethod
+    def synchronize(stream) -> None:
+        pass
+
+    @staticmethod
+    def host_wait(event) -> None:
+        pass
+
+    def device_synchronize(self, gpu: int) -> None:
+        pass
+
+    def gpu_name(self, gpu: int) -> str:
+        return f"emulated GPU {gpu}"
+
+    def mem_info(self, gpu: int) -> tuple[int, int]:
+        return self.mem_free, 8 << 30
+
+    def pool_free_bytes(self, gpu: int) -> int:
+        return self.pool_free
+
+    def enable_peer_access(self, gpus: Sequence[int]) -> None:
+        self.peer_access.append(list(gpus))
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype=dtype)
+
+    def upload(self, host: np.ndarray):
+        return np.array(host, copy=True, order="C")
+
+    def download(self, arr) -> np.ndarray:
+        return np.array(arr, copy=True)
+
+    def view(self, root, offset: int, shape, strides, dtype):
+        if any(s == 0 for s in shape):
+            return np.empty(shape, dtype=dtype)
+        base = root if root.base is None else root.base
+        extra = root.ctypes.data - base.ctypes.data
+        return np.ndarray(tuple(shape), dtype=dtype, buffer=base, offset=extra + int(offset),
+                          strides=tuple(int(s) for s in strides))
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return np.zeros(max(nbytes, 1), dtype=np.uint8)
+
+    def memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+        self.emu.dispatch(lambda: ctypes.memmove(dst_ptr, src_ptr, nbytes))
+
+    def memcpy_h2d(self, dst_ptr: int, host: np.ndarray, nbytes: int, stream) -> None:
+        data = host.ctypes.data
+        self.emu.dispatch(lambda: ctypes.memmove(dst_ptr, data, nbytes))
+
+    def memset(self, ptr: int, nbytes: int, stream) -> None:
+        self.emu.dispatch(lambda: ctypes.memset(ptr, 0, nbytes))
+
+    def begin_capture(self, stream) -> None:
+        if self.emu.capture is not None:
+            raise RuntimeError("a capture is already active")
+        self.emu.capture = []
+
+    def end_capture(self, stream):
+        graph, self.emu.capture = self.emu.capture, None
+        return graph
+
+    def launch_graph(self, graph, stream) -> None:
+        self.graph_launches += 1
+        for work in graph:
+            work()
+
+    def gemm_available(self) -> bool:
+        return self._gemm
+
+    def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
+             dtype: str, stream, gpu: int) -> None:
+        dt = np.float16 if dtype == "f16" else np.float32
+
+        def run() -> None:
+            w = _host_array(w_ptr, (m, k), dt).astype(np.float32)
+            x = _host_array(x_ptr, (n, k), dt).astype(np.float32)
+            y = np.lib.stride_tricks.as_strided(_host_array(y_ptr, ((n - 1) * ldy + m,), np.float32),
+                                                (n, m), (ldy * 4, 4))
+            y[...] = x @ w.T
+        self.emu.dispatch(run)
+
+    def matmul(self, a, b):
+        return np.matmul(a, b)
+
+    def nccl_module(self):
+        return self if self._nccl else None
+
+    def nccl_comms(self, gpus: Sequence[int]):
+        if not self._nccl:
+            return None
+        if len(set(gpus)) != len(gpus):
+            raise RuntimeError("NCCL: duplicate GPU in one communicator (ncclInvalidUsage)")
+        return [_EmuComm(r) for r in range(len(gpus))]
+
+    def nccl_unique_id(self) -> bytes:
+        """128 random bytes (the size of a real ncclUniqueId)."""
+        from metatp.testing.mpi_nccl import fake_unique_id
+
+        return fake_unique_id()
+
+    def nccl_rank_comm(self, n_ranks: int, uid, rank: int):
+        """A communicator spanning MPI processes: the stand-in that sums over MPI."""
+        if not self._nccl:
+            raise RuntimeError("NCCL is not available (emulated)")
+        from metatp.testing.mpi_nccl import MpiNcclComm
+
+        return MpiNcclComm(n_ranks, uid, rank)
+
+    def nccl_allreduce(self, calls) -> None:
+        if self.emu.capture is not None and not self._nccl_capture:
+            raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
+        self.nccl_calls += 1
+        calls = list(calls)
+        if not all(isinstance(c[0], _EmuComm) for c in calls):
+            self._rank_allreduce(calls)
+            return
+
+        def run() -> None:
+            count, dtype = calls[0][2], calls[0][3]
+            dt = np.uint16 if dtype == "bf16" else np.float32
+            vals = [_host_array(ptr, (count,), dt) for _, ptr, _, _, _ in calls]
+            f32 = [bf16_bits_to_f32(v) if dtype == "bf16" else v for v in vals]
+            total = np.sum(np.stack(f32).astype(np.float32), axis=0, dtype=np.float32)
+            out = f32_to_bf16_bits(total) if dtype == "bf16" else total
+            for v in vals:
+                v[...] = out
+        self.emu.dispatch(run)
+
+
+    def _rank_allreduce(self, calls) -> None:
+        """Communicators spanning processes (`mpi_nccl.MpiNcclComm`): each call as CuPy makes it,
+        `comm.allReduce(ptr, ptr, count, dtype code, NCCL_SUM, stream.ptr)`, run in issue order
+        (recorded when a graph is being captured, run again on every replay)."""
+        from metatp.testing.mpi_nccl import NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_SUM
+
+        codes = {"f32": NCCL_FLOAT32, "bf16": NCCL_BFLOAT16}
+        for comm, ptr, count, dtype, stream in calls:
+            self.emu.dispatch(lambda c=comm, p=ptr, n=count, t=codes[dtype], h=stream.ptr:
+                              c.allReduce(p, p, n, t, NCCL_SUM, h))
+
+
+def _host_array(ptr: int, shape, dtype) -> np.ndarray:
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buf = (ctypes.c_char * max(n, 1)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+

@@ -1,0 +1,1 @@
+"""Shared test support: references, case builders, the MPI rank driver."""
