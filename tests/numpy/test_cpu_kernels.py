@@ -109,7 +109,7 @@ def test_other_isa_builds_agree(monkeypatch, isa, flags):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 flags")
     lib = native.build_library(flags)
-    monkeypatch.setattr(ck, "_library", lambda: (lib, isa))
+    monkeypatch.setattr(native, "_library", lambda: (lib, isa))
     rng = np.random.default_rng(5)
     for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, True), (4, 0, 16, False), (8, 0, 16, False),
                                    (16, 0, 32, False), (16, 1, 32, False)]:

@@ -79,7 +79,7 @@ def lib(request):
 def use(lib):
     """The kernels' entry points run on `lib` for the tests of one module-scoped build."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ck, "_library", lambda: (lib, native.library_isa(lib)))
+        mp.setattr(native, "_library", lambda: (lib, native.library_isa(lib)))
         yield lib
 
 
