@@ -129,7 +129,7 @@ def test_attention_reads_typed_caches(name, T, threads):
     f32 = ref64(xk, xv)                                # the unrounded cache
     assert np.abs(out - f32).max() <= LOOSE[name] * np.abs(f32).max()
     # the numpy reference path (long prompts) reads the same values
-    from metatp.backends.numpy.kernels import attention_reference
+    from metatp.backends.numpy.kernels import attention_numpy as attention_reference
     ref = attention_reference(q, vals_k.transpose(1, 0, 2)[:, :n_vis], vals_v.transpose(1, 0, 2)[:, :n_vis],
                               mask[:, :n_vis], 0.125)
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import (GROUP, AffineWeight, affine_blocks, group_rows, groupable, pack_nibbles,
                                           row_major)
-from metatp.backends.numpy.kernels import q8_quantize_reference
+from metatp.backends.numpy.kernels import q8_quantize_numpy as q8_quantize_reference
 from metatp.ir.tensor import GGMLType
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"CPU kernels unavailable: {native.kernel_info()}")
@@ -273,7 +273,7 @@ def test_backend_runs_llamacpp_numerics_on_the_integer_kernels(synth_factory, nu
                      types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q5_0", "gate": "Q4_K", "up": "Q5_1",
                             "down": "Q6_K", "embd": "Q8_0"})
     path, _ = synth_factory(spec)
-    from metatp.backends.numpy import kernels as numpy_kernels
+    from metatp.backends.numpy.kernels import matmul as numpy_kernels
 
     used = []
 
