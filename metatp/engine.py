@@ -36,6 +36,7 @@ from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpErr
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD, cache_type
+from metatp.ir.models.inputs import graph_inputs, make_feed, step_values
 from metatp.ir.tensor import Flag
 from metatp.kv_cells import KVCells, SeqCells
 from metatp.passes.compile import compile_plan
@@ -45,18 +46,7 @@ from metatp.passes.plan import DeviceLayout, Plan
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Engine", "StepItem", "SeqCells", "sliding_window_mask", "padded_kv"]
-
-def sliding_window_mask(mask: np.ndarray, pos: np.ndarray, window: int) -> np.ndarray:
-    """The causal mask with rows `window` or more positions back hidden as well (llama.cpp's standard
-    SWA: the token at position p sees cache row j iff j <= p and p - j < window), for a mask
-    whose cache row j holds position j (one sequence from cell 0)."""
-    if window <= 0:
-        return mask
-    rows = np.arange(mask.shape[1])
-    out = mask.copy()
-    out[pos[:, None] - rows[None, :] >= window] = -np.inf
-    return out
+__all__ = ["Engine", "StepItem", "SeqCells", "padded_kv"]
 
 
 def padded_kv(n_used: int, n_ctx: int) -> int:
@@ -320,28 +310,15 @@ class Engine:
         n_kv = padded_kv(hi + 1, self.n_ctx)
         spec = BatchSpec(T_pad, n_kv, n_out_pad)
         plan, ex = self.plan_for(spec)
-        inp = plan.graph.meta["inputs"]
-        window = self.model.hparams.sliding_window
-        mask = np.full((T_pad, n_kv), -np.inf, dtype=np.float32)
-        swa = mask.copy() if "kq_mask_swa" in inp else None
-        for i, r in enumerate(rows):
-            seen = items[r.item].seq.cells[: r.pos + 1]
-            mask[i, seen] = 0.0
-            if swa is not None:
-                swa[i, seen[max(0, r.pos + 1 - window):] if window > 0 else seen] = 0.0
-        for i in range(T, T_pad):                # a padding row sees only its own scratch cell
-            mask[i, cells[i]] = 0.0
-            if swa is not None:
-                swa[i, cells[i]] = 0.0
-        feed = {inp["tokens"]: ids, inp["pos"]: pos, inp["kv_idxs"]: cells, inp["kq_mask"]: mask}
-        if swa is not None:
-            feed[inp["kq_mask_swa"]] = swa
-        if "out_ids" in inp:
+        inp = graph_inputs(plan.graph)
+        seen = [items[r.item].seq.cells[: r.pos + 1] for r in rows]
+        seen += [cells[i:i + 1] for i in range(T, T_pad)]    # a padding row sees only its own scratch cell
+        if inp.out_ids is not None:
             sel = out_rows + [out_rows[-1] if out_rows else 0] * (n_out_pad - n_out)
-            feed[inp["out_ids"]] = np.asarray(sel, dtype=np.int32)
         else:
             sel = list(range(T_pad))
-        ex.run(feed)
+        values = step_values(inp, ids, pos, cells, seen, self.model.hparams.sliding_window, sel)
+        ex.run(make_feed(inp, values))
         self.passes += 1
         if not n_out:
             return []

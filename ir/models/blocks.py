@@ -12,6 +12,7 @@ from typing import Callable
 
 from metatp.ir import ops
 from metatp.ir.models.common import BatchSpec, ModelTensors
+from metatp.ir.models.inputs import StepInputs
 from metatp.ir.ops import GluOp, RopeMode
 from metatp.ir.tensor import Tensor, row_bytes
 
@@ -19,7 +20,7 @@ __all__ = ["linear", "embed", "rms_norm_weighted", "layer_norm_weighted", "proje
            "kv_store_and_attend", "ffn_swiglu", "lm_head", "FFN", "Attention"]
 
 FFN = Callable[[ModelTensors, int, Tensor], Tensor]    # (tensors, layer, normed input) -> FFN output
-Attention = Callable[[ModelTensors, int, Tensor, dict, BatchSpec], Tensor]   # (..., inputs, batch) -> attn output
+Attention = Callable[[ModelTensors, int, Tensor, StepInputs[Tensor], BatchSpec], Tensor]   # (..., inputs, batch) -> attn output
 
 
 def linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, ...] | None = None, out_name: str = "") -> Tensor:
@@ -29,9 +30,9 @@ def linear(t: ModelTensors, x: Tensor, name: str, ne: tuple[int, ...] | None = N
     return ops.add(y, b, name=out_name) if b is not None else y
 
 
-def embed(t: ModelTensors, inp: dict[str, Tensor]) -> Tensor:
+def embed(t: ModelTensors, inp: StepInputs[Tensor]) -> Tensor:
     """The token embedding lookup [n_embd, T]."""
-    return ops.get_rows(t.w("token_embd.weight", (t.hp.n_embd, t.hp.n_vocab)), inp["tokens"], name="inp_embd")
+    return ops.get_rows(t.w("token_embd.weight", (t.hp.n_embd, t.hp.n_vocab)), inp.tokens, name="inp_embd")
 
 
 def rms_norm_weighted(t: ModelTensors, x: Tensor, weight_name: str, name: str) -> Tensor:
@@ -57,16 +58,16 @@ def project_qkv(t: ModelTensors, il: int, cur: Tensor, T: int) -> tuple[Tensor, 
             ops.reshape(v, hd_v, n_head_kv, T, name=f"Vcur-{il}"))
 
 
-def rope(t: ModelTensors, x: Tensor, inp: dict[str, Tensor], mode: RopeMode, name: str,
+def rope(t: ModelTensors, x: Tensor, inp: StepInputs[Tensor], mode: RopeMode, name: str,
          freq_base: float | None = None, freq_scale: float | None = None) -> Tensor:
     """RoPE over the model's rope dims at the batch positions (base/scale default to the model's)."""
     hp = t.hp
     base = hp.rope_freq_base if freq_base is None else freq_base
     scale = hp.rope_freq_scale if freq_scale is None else freq_scale
-    return ops.rope(x, inp["pos"], hp.rope_dims, mode, base, scale, name=name)
+    return ops.rope(x, inp.pos, hp.rope_dims, mode, base, scale, name=name)
 
 
-def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tensor, inp: dict[str, Tensor],
+def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs[Tensor],
                         spec: BatchSpec, kq_scale: float, mask: Tensor | None = None,
                         softcap: float = 0.0) -> Tensor:
     """Write this batch's K/V rows into the cache and attend over the first n_kv rows.
@@ -77,8 +78,8 @@ def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     T = spec.n_tokens
     hd_k, hd_v, n_head_kv = hp.head_dim_k, hp.head_dim_v, hp.n_head_kv[il]
     ck, cv = t.cache_k[il], t.cache_v[il]
-    k_w = ops.set_rows(ck, ops.reshape(k, hd_k * n_head_kv, T), inp["kv_idxs"], name=f"k_store-{il}")
-    v_w = ops.set_rows(cv, ops.reshape(v, hd_v * n_head_kv, T), inp["kv_idxs"], name=f"v_store-{il}")
+    k_w = ops.set_rows(ck, ops.reshape(k, hd_k * n_head_kv, T), inp.kv_idxs, name=f"k_store-{il}")
+    v_w = ops.set_rows(cv, ops.reshape(v, hd_v * n_head_kv, T), inp.kv_idxs, name=f"v_store-{il}")
     # one head's row of the cache: whole quant blocks for a quantized cache (the split table and
     # the cache-type check keep head_dim a multiple of the block)
     kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (row_bytes(ck.type, hd_k), ck.nb[1]), 0, name=f"k_view-{il}")
@@ -86,7 +87,7 @@ def kv_store_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     Q = ops.permute(q, 0, 2, 1, 3, name=f"q_perm-{il}")
     K = ops.permute(kview, 0, 2, 1, 3, name=f"k_perm-{il}")
     V = ops.permute(vview, 0, 2, 1, 3, name=f"v_perm-{il}")
-    att = ops.flash_attn_ext(Q, K, V, mask if mask is not None else inp["kq_mask"], kq_scale, softcap,
+    att = ops.flash_attn_ext(Q, K, V, mask if mask is not None else inp.kq_mask, kq_scale, softcap,
                              name=f"fattn-{il}")
     return ops.reshape(att, hd_v * hp.n_head, T, name=f"attn_flat-{il}")
 

@@ -12,9 +12,10 @@ from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size
 
 if TYPE_CHECKING:
     from metatp.ir.loader import HParams, Model
+    from metatp.ir.models.inputs import StepInputs
     from metatp.ir.graph import Graph
 
-__all__ = ["ArchSpec", "BatchSpec", "ModelTensors", "KV_PAD", "KV_CACHE_TYPES", "cache_type", "check_cache_type", "graph_inputs", "output_graph", "select_outputs"]
+__all__ = ["ArchSpec", "BatchSpec", "ModelTensors", "KV_PAD", "KV_CACHE_TYPES", "cache_type", "check_cache_type", "output_graph", "select_outputs"]
 
 KV_PAD = 256   # attended KV length is padded to a multiple of this, so decode graphs are reused
 
@@ -136,7 +137,7 @@ class ModelTensors:
         return self.aliases.get(name, name)
 
 
-def output_graph(t: ModelTensors, spec: BatchSpec, inp: dict[str, Tensor], logits: Tensor) -> Graph:
+def output_graph(t: ModelTensors, spec: BatchSpec, inp: StepInputs[Tensor], logits: Tensor) -> Graph:
     """The finished forward graph; the engine finds its inputs and logits in `meta`."""
     from metatp.ir.graph import Graph
 
@@ -144,23 +145,9 @@ def output_graph(t: ModelTensors, spec: BatchSpec, inp: dict[str, Tensor], logit
                  meta={"inputs": inp, "logits": logits, "spec": spec})
 
 
-def select_outputs(inp: dict[str, Tensor], il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:
+def select_outputs(inp: StepInputs[Tensor], il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:
     """In the last layer keep only the rows whose logits are wanted (llama.cpp's inp_out_ids)."""
-    if il != n_layer - 1 or "out_ids" not in inp:
+    if il != n_layer - 1 or inp.out_ids is None:
         return xs
     names = ("attn_out_sel", "inp_sel", "ffn_inp_sel")
-    return tuple(ops.get_rows(x, inp["out_ids"], name=names[i] if i < 3 else f"sel_{i}") for i, x in enumerate(xs))
-
-
-def graph_inputs(spec: BatchSpec) -> dict[str, Tensor]:
-    """Per-step input leaves: token ids, positions, KV row indices, attention mask, output rows."""
-    T = spec.n_tokens
-    inp = {
-        "tokens": ops.new_tensor("inp_tokens", (T,), GGMLType.I32, Flag.INPUT),
-        "pos": ops.new_tensor("inp_pos", (T,), GGMLType.I32, Flag.INPUT),
-        "kv_idxs": ops.new_tensor("inp_kv_idxs", (T,), GGMLType.I32, Flag.INPUT),
-        "kq_mask": ops.new_tensor("kq_mask", (spec.n_kv, T), GGMLType.F32, Flag.INPUT),
-    }
-    if spec.n_outputs != T:
-        inp["out_ids"] = ops.new_tensor("inp_out_ids", (spec.n_outputs,), GGMLType.I32, Flag.INPUT)
-    return inp
+    return tuple(ops.get_rows(x, inp.out_ids, name=names[i] if i < 3 else f"sel_{i}") for i, x in enumerate(xs))

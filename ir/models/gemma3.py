@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.models.blocks import embed, kv_store_and_attend, linear, lm_head, project_qkv, rms_norm_weighted, rope
-from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, graph_inputs, output_graph, select_outputs
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, output_graph, select_outputs
+from metatp.ir.models.inputs import StepInputs, declare_inputs
 from metatp.ir.ops import GluOp, RopeMode
-from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.ir.tensor import Tensor
 
 if TYPE_CHECKING:
     from metatp.ir.loader import HParams
@@ -66,7 +67,7 @@ def _rope_params(hp: HParams, il: int) -> tuple[float, float]:
     return hp.rope_freq_base, hp.rope_freq_scale
 
 
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: StepInputs[Tensor], spec: BatchSpec,
                rope_mode: RopeMode) -> Tensor:
     hp = t.hp
     p = f"blk.{il}"
@@ -77,7 +78,7 @@ def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], sp
     k = rms_norm_weighted(t, k, f"{p}.attn_k_norm.weight", f"Knorm-{il}")
     k = rope(t, k, inp, rope_mode, f"Krope-{il}", base, fscale)
     q = ops.scale(q, attention_scale(hp), name=f"Qscaled-{il}")
-    mask = inp["kq_mask_swa"] if hp.is_swa(il) else inp["kq_mask"]
+    mask = inp.kq_mask_swa if hp.is_swa(il) else inp.kq_mask
     att = kv_store_and_attend(t, il, q, k, v, inp, spec, 1.0, mask=mask)
     return linear(t, att, f"{p}.attn_output", (hp.head_dim_v * hp.n_head, hp.n_embd), out_name=f"attn_out-{il}")
 
@@ -92,17 +93,10 @@ def _ffn_geglu(t: ModelTensors, il: int, cur: Tensor) -> Tensor:
     return ops.mul_mat(t.w(f"{p}.ffn_down.weight", (hp.n_ff[il], hp.n_embd)), act, name=f"ffn_out-{il}")
 
 
-def _swa_mask_input(spec: BatchSpec) -> Tensor:
-    """The second attention mask (sliding window), filled by the engine next to kq_mask."""
-    return ops.new_tensor("kq_mask_swa", (spec.n_kv, spec.n_tokens), GGMLType.F32, Flag.INPUT)
-
-
 def build_gemma3(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     hp = t.hp
     E = hp.n_embd
-    inp = graph_inputs(spec)
-    if any(hp.swa_layers):
-        inp["kq_mask_swa"] = _swa_mask_input(spec)
+    inp = declare_inputs(spec, swa=any(hp.swa_layers))
     x = embed(t, inp)
     x = ops.scale(x, math.sqrt(E), name="inp_scaled")
     for il in range(hp.n_layer):

@@ -14,14 +14,15 @@ from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.models.blocks import (FFN, Attention, embed, ffn_swiglu, kv_store_and_attend, linear, lm_head,
                                      project_qkv, rms_norm_weighted, rope)
-from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, graph_inputs, output_graph, select_outputs
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, output_graph, select_outputs
+from metatp.ir.models.inputs import StepInputs, declare_inputs
 from metatp.ir.ops import RopeMode
 from metatp.ir.tensor import Tensor
 
 __all__ = ["build_llama", "attention_block"]
 
 
-def attention_block(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+def attention_block(t: ModelTensors, il: int, cur: Tensor, inp: StepInputs[Tensor], spec: BatchSpec,
                     rope_mode: RopeMode = RopeMode.NORMAL) -> Tensor:
     """Q/K/V projections (+biases), optional q/k norms, rope, cache, attention, output projection."""
     hp = t.hp
@@ -45,7 +46,7 @@ def build_llama(t: ModelTensors, spec: BatchSpec, arch: ArchSpec, attention: Att
     The attention and FFN blocks vary by architecture (phi3's fused QKV, MoE experts)."""
     hp = t.hp
     attention = attention or functools.partial(attention_block, rope_mode=arch.rope)
-    inp = graph_inputs(spec)
+    inp = declare_inputs(spec)
     x = embed(t, inp)
     for il in range(hp.n_layer):
         p = f"blk.{il}"

@@ -20,14 +20,15 @@ from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.models.blocks import (embed, ffn_swiglu, kv_store_and_attend, layer_norm_weighted, linear, project_qkv,
                                      rope)
-from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, graph_inputs, output_graph, select_outputs
+from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors, output_graph, select_outputs
+from metatp.ir.models.inputs import StepInputs, declare_inputs
 from metatp.ir.ops import RopeMode
 from metatp.ir.tensor import Tensor
 
 __all__ = ["build_command_r"]
 
 
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: StepInputs[Tensor], spec: BatchSpec,
                rope_mode: RopeMode) -> Tensor:
     """Separate q/k/v (+ biases), optional per-head LayerNorm q/k norms, rope, attention, wo."""
     hp = t.hp
@@ -48,7 +49,7 @@ def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], sp
 def build_command_r(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     """Command-R: one LayerNorm per layer feeding attention and FFN in parallel."""
     hp = t.hp
-    inp = graph_inputs(spec)
+    inp = declare_inputs(spec)
     x = embed(t, inp)
     for il in range(hp.n_layer):
         h = layer_norm_weighted(t, x, t.w(f"blk.{il}.attn_norm.weight", (hp.n_embd,)), f"attn_norm-{il}")

@@ -17,6 +17,7 @@ from metatp.ir.errors import ModelFormatError
 from metatp.ir.graph import Graph
 from metatp.ir.models.blocks import linear, rope
 from metatp.ir.models.common import ArchSpec, BatchSpec, ModelTensors
+from metatp.ir.models.inputs import StepInputs
 from metatp.ir.models.llama import build_llama
 from metatp.ir.ops import GluOp, Op, RopeMode
 from metatp.ir.tensor import Tensor, row_bytes
@@ -52,7 +53,7 @@ def cache_rows(x: Tensor, name: str) -> Tensor:
     return ops.view(src, (x.ne[0] * x.ne[1], x.ne[2]), (x.nb[2],), offs, name=name)
 
 
-def store_kv_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tensor, inp: dict[str, Tensor],
+def store_kv_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tensor, inp: StepInputs[Tensor],
                         spec: BatchSpec, kq_scale: float) -> Tensor:
     """Cache writes through 2-d views of K/V (llama.cpp's cpy_k/cpy_v: V is a strided view of the
     fused QKV output, which a reshape cannot take), then attention over the first n_kv rows."""
@@ -61,14 +62,14 @@ def store_kv_and_attend(t: ModelTensors, il: int, q: Tensor, k: Tensor, v: Tenso
     ck, cv = t.cache_k[il], t.cache_v[il]
     k2 = cache_rows(k, f"k_rows-{il}")
     v2 = cache_rows(v, f"v_rows-{il}")
-    k_w = ops.set_rows(ck, k2, inp["kv_idxs"], name=f"k_store-{il}")
-    v_w = ops.set_rows(cv, v2, inp["kv_idxs"], name=f"v_store-{il}")
+    k_w = ops.set_rows(ck, k2, inp.kv_idxs, name=f"k_store-{il}")
+    v_w = ops.set_rows(cv, v2, inp.kv_idxs, name=f"v_store-{il}")
     kview = ops.view(k_w, (hd_k, n_head_kv, spec.n_kv), (row_bytes(ck.type, hd_k), ck.nb[1]), 0, name=f"k_view-{il}")
     vview = ops.view(v_w, (hd_v, n_head_kv, spec.n_kv), (row_bytes(cv.type, hd_v), cv.nb[1]), 0, name=f"v_view-{il}")
     Q = ops.permute(q, 0, 2, 1, 3, name=f"q_perm-{il}")
     K = ops.permute(kview, 0, 2, 1, 3, name=f"k_perm-{il}")
     V = ops.permute(vview, 0, 2, 1, 3, name=f"v_perm-{il}")
-    att = ops.flash_attn_ext(Q, K, V, inp["kq_mask"], kq_scale, name=f"fattn-{il}")
+    att = ops.flash_attn_ext(Q, K, V, inp.kq_mask, kq_scale, name=f"fattn-{il}")
     return ops.reshape(att, hd_v * hp.n_head, q.ne[2], name=f"attn_flat-{il}")
 
 
@@ -82,7 +83,7 @@ def _check_supported(t: ModelTensors) -> None:
         raise ModelFormatError(f"{t.model.path.name}: phi3 needs equal key and value head sizes")
 
 
-def _attention(t: ModelTensors, il: int, cur: Tensor, inp: dict[str, Tensor], spec: BatchSpec,
+def _attention(t: ModelTensors, il: int, cur: Tensor, inp: StepInputs[Tensor], spec: BatchSpec,
                rope_mode: RopeMode = RopeMode.NEOX) -> Tensor:
     hp = t.hp
     p = f"blk.{il}"

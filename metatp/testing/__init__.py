@@ -1,4 +1,4 @@
-"""Test support, shipped apart from the backends so `tools/gpu_check.py --emulate` works installed.
+"""Test support, shipped apart from the backends so `python -m metatp.tools.gpu_check --emulate` works installed.
 
 - `cuda_emulator`: metatp's CUDA kernels compiled as host C++ (a kernel engine for
   `launch.using`), so launch contracts and kernel logic are checked on a CPU;

@@ -1,10 +1,10 @@
 """One GPU rank under mpiexec: the cupy backend owning device `rank`, NCCL between the ranks.
 
     mpiexec -n 2 python -m metatp.testing.mpi_rank --model m.gguf -ts 1,1 --emulate --out DIR
-    mpiexec -n 1 python tools/gpu_check.py --mpi-rank --smoke --model m.gguf --out DIR   (on a GPU)
+    mpiexec -n 1 python tools/gpu_check --mpi-rank --smoke --model m.gguf --out DIR   (on a GPU)
 
 Started by `tests/test_mpi_gpu.py` (emulated: `EmuRuntime` on every rank, its NCCL stand-in
-summing over MPI) and by `tools/gpu_check.py`'s MPI+NCCL step (a real GPU and NCCL). What
+summing over MPI) and by `tools/gpu_check`'s MPI+NCCL step (a real GPU and NCCL). What
 `LLM(..., backend="cupy", distributed="mpi")` does, with the engine driven directly: the world,
 the layout and the model check, `World.create_backend("cupy")` (local GPU, NCCL unique id over
 MPI), the prompt scored at every position, then greedy tokens with rank 0's token on every rank.

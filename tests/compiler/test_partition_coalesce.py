@@ -9,6 +9,7 @@ import pytest
 from metatp.models import cache_dir
 from metatp.ir import ops
 from metatp.ir.graph import Graph
+from metatp.ir.models.inputs import graph_inputs, make_feed, sequence_values
 from metatp.ir.tensor import Flag
 from metatp.passes import STAGES, DeviceLayout, compile_plan
 from metatp.passes.plan import single_device_plan
@@ -88,11 +89,8 @@ def test_real_model_decode_plan_and_zero_attention_slices():
     for t in g.leaves:
         if t.flags & Flag.KV_CACHE:
             vals[t] = rand(rng, tuple(reversed(t.ne)))
-    inp = g.meta["inputs"]
-    mask = np.full((1, 256), -np.inf, dtype=np.float32)
-    mask[0, :4] = 0
-    feed = {inp["tokens"]: np.array([42], np.int32), inp["pos"]: np.array([3], np.int32),
-            inp["kv_idxs"]: np.array([3], np.int32), inp["kq_mask"]: mask}
+    inp = graph_inputs(g)
+    feed = make_feed(inp, sequence_values(inp, [42], n_past=3))     # token 42 at position 3, cells 0..3 seen
     out = [g.meta["logits"]]
     want = run_single(g, vals, feed, out)[0]
     from support.helpers import upload_and_run

@@ -592,11 +592,12 @@ def test_gpu_check_preflight_lines(monkeypatch, capsys):
     run goes on; on a GPU run a missing import (yaml) stops it."""
     import sys
 
-    from metatp.tools import gpu_check
+    from metatp.tools.gpu_check.config import Config
+    from metatp.tools.gpu_check.preflight import preflight
+    from metatp.tools.gpu_check.report import Report
 
-    monkeypatch.setattr(gpu_check, "CFG", gpu_check.Config(emulate=True))
-    rep = gpu_check.Report()
-    assert gpu_check.preflight(rep) == emulator_available()
+    rep = Report()
+    assert preflight(rep, Config(emulate=True)) == emulator_available()
     items = [r["check"] for r in rep.rows]
     assert items[:10] == ["yaml", "gguf", "numpy", "cupy", "nvrtc", "cuda headers", "gpu", "trivial RawKernel",
                           "nccl", "free memory"]
@@ -605,10 +606,9 @@ def test_gpu_check_preflight_lines(monkeypatch, capsys):
     if not gpu_available():
         gpu_row = next(r for r in rep.rows if r["check"] == "gpu")
         assert gpu_row["result"].startswith("absent") and gpu_row["status"] == "info"
-    monkeypatch.setattr(gpu_check, "CFG", gpu_check.Config(emulate=False))
     monkeypatch.setitem(sys.modules, "yaml", None)
-    rep = gpu_check.Report()
-    assert gpu_check.preflight(rep) is False
+    rep = Report()
+    assert preflight(rep, Config(emulate=False)) is False
     assert next(r for r in rep.rows if r["check"] == "yaml")["status"] == "FAIL"
 
 

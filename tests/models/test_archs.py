@@ -18,7 +18,6 @@ import pytest
 
 from support import arch_reference as ref
 from metatp import LLM, SamplingParams
-from metatp.engine import sliding_window_mask
 from metatp.ir.errors import UnsupportedArchitectureError
 from metatp.ir.loader import load_model
 from metatp.ir.models import SUPPORTED_ARCHITECTURES, BatchSpec, ModelTensors, build_graph
@@ -200,17 +199,6 @@ def test_gemma3_layer_classes_masks_and_rope_bases(synth_factory):
     assert bases == {f"Qrope-{il}": 10000.0 if il != 5 else 1e6 for il in range(6)}
     assert all(n.params["scale"] == 1.0 for n in g.nodes if n.op is Op.FLASH_ATTN_EXT)
     assert next(n for n in g.nodes if n.name == "inp_scaled").params["s"] == pytest.approx(np.sqrt(spec.n_embd))
-
-
-def test_sliding_window_mask():
-    causal = np.full((3, 8), -np.inf, dtype=np.float32)
-    pos = np.array([4, 5, 6])
-    for i, p in enumerate(pos):
-        causal[i, : p + 1] = 0.0
-    swa = sliding_window_mask(causal, pos, 3)
-    visible = [list(np.nonzero(row == 0)[0]) for row in swa]
-    assert visible == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
-    assert sliding_window_mask(causal, pos, 0) is causal
 
 
 # ---------------------------------------------------------------- tensor parallel

@@ -23,6 +23,7 @@ from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.loader import HParams
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
+from metatp.ir.models.inputs import graph_inputs, make_feed, sequence_values
 
 from metatp.ir.ops import GluOp, RopeMode, UnaryOp
 from metatp.ir.tensor import Flag, GGMLType, Tensor
@@ -173,15 +174,9 @@ def llama_case(hp: HParams, T: int, n_ctx: int, n_past: int, n_outputs: int, see
     mt = ModelTensors(fake_model(hp, **model_kw), n_ctx)
     g = build_graph(mt, BatchSpec(T, n_ctx, n_outputs))
     vals = values_for(g, rng)
-    inp = g.meta["inputs"]
-    pos = np.arange(n_past, n_past + T, dtype=np.int32)
-    mask = np.full((T, n_ctx), -np.inf, dtype=np.float32)
-    for i in range(T):
-        mask[i, : n_past + i + 1] = 0.0
-    feed = {inp["tokens"]: rng.integers(0, hp.n_vocab, T).astype(np.int32), inp["pos"]: pos, inp["kv_idxs"]: pos,
-            inp["kq_mask"]: mask}
-    if "out_ids" in inp:
-        feed[inp["out_ids"]] = np.arange(T - n_outputs, T, dtype=np.int32)
+    inp = graph_inputs(g)
+    tokens = rng.integers(0, hp.n_vocab, T).astype(np.int32)
+    feed = make_feed(inp, sequence_values(inp, tokens, n_past))     # the last n_outputs rows read out
     outs = [g.meta["logits"], mt.cache_k[0], mt.cache_v[hp.n_layer - 1]]
     return g, vals, feed, outs
 

@@ -1,0 +1,76 @@
+"""tools/gpu_check: it runs as a folder from a bare source tree, and what it carries to the GPU
+machine (the tree plus the wheels) fits the 64 MiB one call may carry."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metatp.tools.gpu_check import carry
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                               reason="needs git and a checkout")
+
+
+def test_runs_as_a_folder():
+    """`python3 tools/gpu_check --help` (the documented call on the GPU machine) starts: the
+    folder's __main__ maps the source tree before its first metatp import."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check"), "--help"], capture_output=True,
+                       text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=""))
+    assert r.returncode == 0, r.stderr
+    assert "--emulate" in r.stdout and "--budget" in r.stdout
+
+
+def test_source_tree_finder_maps_the_package_dirs():
+    """Without an install, `metatp.tools` etc. resolve to the tree's folders (pyproject's package-dir)."""
+    from metatp.tools._source_tree import PACKAGE_DIRS, SourceTreeFinder
+
+    finder = SourceTreeFinder(ROOT)
+    for name, folder in PACKAGE_DIRS.items():
+        spec = finder.find_spec(name)
+        assert spec.submodule_search_locations == [str(ROOT / folder)], name
+    assert finder.find_spec("metatp.tools.gpu_check") is None       # found below the mapped folder as usual
+    text = (ROOT / "pyproject.toml").read_text()
+    assert all(f'"{name}" = "{folder}"' in text for name, folder in PACKAGE_DIRS.items())
+
+
+@needs_git
+def test_carry_plan_fits_the_budget_on_this_tree(tmp_path):
+    """The real tree plus every planned wheel (at its measured size) fits 64 MiB with room left."""
+    items, problems = carry.measure(ROOT, tmp_path)
+    assert not problems
+    tree = items[0]
+    files = carry.tree_files(ROOT)
+    assert tree.nbytes == sum(f.stat().st_size for f in files) and len(files) > 50
+    assert [i.how for i in items[1:]] == ["estimate"] * len(carry.WHEELS)
+    assert carry.total_mib(items) == pytest.approx(tree.mib + sum(w.mib for w in carry.WHEELS), abs=1e-3)
+    assert carry.total_mib(items) < carry.BUDGET_MIB - 16       # headroom: the tree may grow
+    assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path)]) == 0
+
+
+@needs_git
+def test_carry_counts_the_wheels_there_and_refuses_two_versions(tmp_path, capsys):
+    (tmp_path / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"x" * 2**20)
+    (tmp_path / "extra-1.0-py3-none-any.whl").write_bytes(b"x" * 1000)
+    items, problems = carry.measure(ROOT, tmp_path)
+    by_name = {i.what: i for i in items}
+    assert by_name["gguf-0.19.0-py3-none-any.whl"].nbytes == 2**20
+    assert by_name["gguf-0.19.0-py3-none-any.whl"].how == "measured"
+    assert by_name["extra-1.0-py3-none-any.whl"].how == "measured, not in the plan"
+    assert not problems
+    (tmp_path / "PyYAML-6.0.2-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    (tmp_path / "pyyaml-6.0.3-cp312-cp312-manylinux_2_17_x86_64.whl").write_bytes(b"")
+    _, problems = carry.measure(ROOT, tmp_path)
+    assert len(problems) == 1 and problems[0].startswith("pyyaml: 2 wheels")
+    assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path)]) == 1
+    with open(tmp_path / "mpich-5.0.2-py3-none-manylinux_2_28_x86_64.whl", "wb") as f:
+        f.truncate(70 * 2**20)                                   # sparse: over the budget alone
+    (tmp_path / "PyYAML-6.0.2-cp312-cp312-manylinux_2_17_x86_64.whl").unlink()
+    assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path)]) == 1
+    assert "over budget" in capsys.readouterr().err

@@ -1,0 +1,25 @@
+"""A session that has a GPU: metatp's cupy backend checked end to end, one module per step.
+
+    python3 tools/gpu_check --out gpu-results.md             # from a source tree, no install
+    python3 -m metatp.tools.gpu_check --out gpu-results.md   # when metatp is installed
+    python3 tools/gpu_check --pytest -q -m gpu tests/cuda/   # pytest, same import mapping
+
+Steps (each in its own try/except, so one failure does not hide the others; each prints as it
+goes and the whole run stays inside --budget seconds, about 7 minutes):
+
+0. `preflight`: yaml, gguf, numpy, CuPy, NVRTC and its headers, the GPU, a trivial RawKernel,
+   NCCL, free memory, in about 10 seconds; a missing requirement stops the run there;
+1. `env`: GPU name, driver and runtime versions, CuPy, NVRTC, NCCL, cuBLAS;
+2. `kernels`: every CUDA kernel against numpy on fresh random inputs;
+3. `model`: a synthetic GGUF with SmolLM2-135M's shapes (the real model does not travel to the
+   GPU machine), logits vs the numpy backend for N=1 and N=3 virtual devices, greedy tokens;
+4. `speed`: decode tokens/s eager vs CUDA graph at two KV lengths, graph replay == eager,
+   N=3 virtual devices, prefill;
+5. `nccl`: a 1-rank communicator, f32 and bf16 all-reduce, eagerly and inside a CUDA graph;
+6. `mpi`: one GPU rank under mpiexec with NCCL, in a subprocess bounded in time.
+
+`report` holds the table (printed, and written to --out with a JSON copy); `config` the run's
+settings and the engines; `carry` what travels to the GPU machine (docs/gpu-results.md).
+``--emulate`` is a dry run without a GPU: the same steps on the CPU kernel emulator with a tiny
+model, to catch mistakes before a GPU session spends its time on them.
+"""

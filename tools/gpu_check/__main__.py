@@ -1,0 +1,100 @@
+"""The gpu_check command line: the steps in order, each guarded, inside one time budget.
+
+Run as a folder (`python3 tools/gpu_check`) from a source tree, the metatp packages are mapped
+onto their folders first (`tools/_source_tree.py`); `--pytest ARGS` runs pytest under that same
+mapping and `--mpi-rank ARGS` is one rank of step 6.
+"""
+
+from __future__ import annotations
+
+import sys
+
+if not __package__:                   # run as a folder or file: no installed metatp needed
+    import importlib.util
+    from pathlib import Path
+
+    _spec = importlib.util.spec_from_file_location(
+        "_metatp_source_tree", Path(__file__).resolve().parent.parent / "_source_tree.py")
+    _source_tree = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_source_tree)
+    _source_tree.register()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when every check passed on a GPU (or on the emulator with --emulate)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--pytest"]:          # the GPU tests, importable from a source tree
+        import pytest
+
+        return int(pytest.main(argv[1:]))
+    if argv[:1] == ["--mpi-rank"]:        # one rank of step 6 (started by the mpi step)
+        from metatp.testing import mpi_rank
+
+        return mpi_rank.main(argv[1:])
+    args = _parser().parse_args(argv)
+    from metatp.tools.gpu_check.config import Budget, Config
+
+    cfg = Config.dry_run(args.layers) if args.emulate else Config(n_layer=args.layers)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return run(cfg, Budget(args.budget), set(filter(None, args.skip.split(","))), args.workdir, args.out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="metatp's cupy backend checked end to end on a GPU")
+    ap.add_argument("--out", type=Path, default=None, help="markdown file for the results (a .json copy too)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds the whole run may take (about 7 minutes)")
+    ap.add_argument("--layers", type=int, default=30, help="layers of the synthetic model (30 = SmolLM2-135M)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,nccl,mpi")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic GGUF goes (default: a temp dir)")
+    ap.add_argument("--emulate", action="store_true",
+                    help="dry run without a GPU: the CPU kernel emulator and a tiny model")
+    return ap
+
+
+def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
+    """Every step not in `skip`, each in its own try/except; the table written at the end."""
+    from metatp.tools.gpu_check import env, kernels, model, mpi, nccl, preflight, speed
+    from metatp.tools.gpu_check.report import Report, write_outputs
+
+    rep = Report()
+
+    def step(section: str, what: str, fn, *a):
+        try:
+            return fn(*a)
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the other steps
+            rep.fail(section, what, e)
+            return None
+
+    ready = step("preflight", "preflight", preflight.preflight, rep, cfg)
+    have_gpu = False
+    if not ready:
+        rep.add("preflight", "verdict", "a requirement is missing (lines above): stopping here", False)
+    else:
+        have_gpu = bool(step("env", "environment", env.section_env, rep, cfg))
+    if have_gpu and "kernels" not in skip:
+        step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
+    loaded = None
+    if have_gpu and ({"model", "speed"} - skip):
+        loaded = step("model", "synthetic GGUF", lambda: model.write_model(
+            rep, cfg, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-"))))
+    if loaded is not None and "model" not in skip:
+        step("model", "model checks", model.section_model, rep, cfg, loaded, budget)
+    if loaded is not None and "speed" not in skip:
+        step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
+    if have_gpu and "nccl" not in skip and not cfg.emulate:
+        step("nccl", "NCCL checks", nccl.section_nccl, rep)
+    if have_gpu and "mpi" not in skip:
+        step("mpi", "MPI+NCCL smoke", mpi.section_mpi, rep, cfg, budget, workdir)
+    rep.add("total", "wall time", f"{time.perf_counter() - rep.t0:.0f} s", None)
+    write_outputs(rep, out)
+    return 0 if (rep.passed and have_gpu) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""What travels to the GPU machine, measured against what one call may carry (64 MiB).
+
+The lent machine has no network: whatever gpu_check and the GPU tests import that its image
+lacks travels with the working tree, as wheels in the git-ignored folder `.whl/` (named in the
+call's `carry`). The image (see docs/gpu-results.md) has Python 3.12, numpy, networkx, CuPy,
+pytest, hypothesis, PyYAML, tqdm, requests and an mpi4py, but no gguf and no MPI library.
+
+    python3 tools/gpu_check/carry.py              # the table: tree + wheels vs the budget
+    python3 tools/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
+
+Standard library only, so it runs as a file from a bare source tree. Exit status 1 when what
+would travel is over the budget or `.whl/` holds two versions of one package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BUDGET_MIB = 64.0
+ROOT = Path(__file__).resolve().parent.parent.parent
+WHEEL_DIR = ".whl"
+PYTHON = "3.12"            # the device image's python3
+# pip's platform tags for that machine (x86-64, glibc 2.28 or newer); pip matches them exactly
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One wheel to carry; `mib` is its size as measured (2026-12), used until it is downloaded."""
+
+    name: str
+    version: str
+    why: str
+    mib: float
+
+
+WHEELS = (
+    Wheel("gguf", "0.19.0", "the GGUF reader and writer: not in the image", 0.11),
+    Wheel("pyyaml", "6.0.3", "gguf imports it at once; in the image's list, carried so a change there costs nothing",
+          0.77),
+    Wheel("mpi4py", "4.1.2", "step 6 and tests/mpi/test_mpi_gpu.py; the version known to load the carried MPICH",
+          1.30),
+    Wheel("mpich", "5.0.2", "the MPI library and mpiexec (its bin/): the image has none", 12.67),
+)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One row of the measurement: what, bytes, and whether the size is measured or the estimate."""
+
+    what: str
+    nbytes: int
+    how: str
+
+    @property
+    def mib(self) -> float:
+        return self.nbytes / 2**20
+
+
+def tree_files(root: Path = ROOT) -> list[Path]:
+    """What the device call sends of the checkout: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout
+    return [root / p for p in sorted(set(out.decode().split("\0"))) if p and (root / p).is_file()]
+
+
+def _dist_name(filename: str) -> str:
+    """A wheel file's distribution name, normalised (PyYAML-6.0.3-... and pyyaml-6.0.3-... are one)."""
+    return filename.split("-")[0].lower().replace("_", "-").replace(".", "-")
+
+
+def measure(root: Path = ROOT, wheel_dir: Path | None = None,
+            wheels: tuple[Wheel, ...] = WHEELS) -> tuple[list[Item], list[str]]:
+    """The rows (the tree, then each wheel: measured when present in `wheel_dir`, else its
+    estimate, then anything else found there) and the problems (two versions of one package)."""
+    wheel_dir = root / WHEEL_DIR if wheel_dir is None else wheel_dir
+    files = tree_files(root)
+    items = [Item(f"project tree ({len(files)} files)", sum(f.stat().st_size for f in files), "git ls-files")]
+    found: dict[str, list[Path]] = {}
+    for f in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
+        found.setdefault(_dist_name(f.name), []).append(f)
+    problems = [f"{name}: {len(fs)} wheels in {wheel_dir} ({', '.join(f.name for f in fs)}); keep one"
+                for name, fs in found.items() if len(fs) > 1]
+    for w in wheels:
+        have = found.pop(_dist_name(w.name), [])
+        if have:
+            items.append(Item(have[0].name, sum(f.stat().st_size for f in have), "measured"))
+        else:
+            items.append(Item(f"{w.name}=={w.version} (not downloaded)", int(w.mib * 2**20), "estimate"))
+    for fs in found.values():
+        items.extend(Item(f.name, f.stat().st_size, "measured, not in the plan") for f in fs)
+    return items, problems
+
+
+def total_mib(items: list[Item]) -> float:
+    return sum(i.nbytes for i in items) / 2**20
+
+
+def table(items: list[Item], budget_mib: float = BUDGET_MIB) -> str:
+    """The measurement as markdown (the format of docs/gpu-results.md's carry section)."""
+    lines = ["| item | MiB | size |", "| --- | ---: | --- |"]
+    lines += [f"| {i.what} | {i.mib:.2f} | {i.how} |" for i in items]
+    total = total_mib(items)
+    lines.append(f"| **total** | **{total:.2f}** | of {budget_mib:.0f} MiB ({budget_mib - total:.1f} left) |")
+    return "\n".join(lines)
+
+
+def download(wheel_dir: Path, wheels: tuple[Wheel, ...] = WHEELS) -> None:
+    """pip download (no dependencies, binary only, for the device's Python and platform) each
+    wheel not already in `wheel_dir`: each is fetched once."""
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    present = {_dist_name(f.name) for f in wheel_dir.glob("*.whl")}
+    missing = [f"{w.name}=={w.version}" for w in wheels if _dist_name(w.name) not in present]
+    if not missing:
+        return
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+           PYTHON, "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(wheel_dir),
+           *missing]
+    subprocess.run(cmd, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="what travels to the GPU machine, against the carry budget")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout that travels (default: this one)")
+    ap.add_argument("--wheels", type=Path, default=None, help=f"the wheel folder (default: ROOT/{WHEEL_DIR})")
+    ap.add_argument("--download", action="store_true", help="fetch the wheels not yet there first (needs a network)")
+    ap.add_argument("--budget", type=float, default=BUDGET_MIB, help="MiB one call may carry in all")
+    args = ap.parse_args(argv)
+    wheel_dir = args.wheels or args.root / WHEEL_DIR
+    if args.download:
+        download(wheel_dir)
+    items, problems = measure(args.root, wheel_dir)
+    print(table(items, args.budget))
+    for p in problems:
+        print(f"problem: {p}", file=sys.stderr)
+    over = total_mib(items) > args.budget
+    if over:
+        print(f"over budget: {total_mib(items):.1f} MiB > {args.budget:.0f} MiB", file=sys.stderr)
+    return 1 if (over or problems) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

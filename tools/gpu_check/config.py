@@ -1,0 +1,92 @@
+"""What a gpu_check run does (the real thing on a GPU, or a small dry run on the emulator),
+its time budget, and the engines every section builds."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+SMOLLM2_TYPES = {r: "Q4_1" for r in ("q", "k", "v", "o", "gate", "up", "down")} | {"embd": "Q8_0"}
+
+
+@dataclass
+class Config:
+    """What a run does: the real thing on a GPU, or a small dry run on the emulator."""
+
+    emulate: bool = False
+    n_layer: int = 30
+    kv_lengths: tuple[int, ...] = (128, 2048)
+    decode_steps: int = 64
+    prompt_len: int = 16
+    greedy_steps: int = 15
+    prefill_len: int = 512
+
+    @classmethod
+    def dry_run(cls, n_layer: int = 2) -> Config:
+        """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
+        return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), decode_steps=4,
+                   prompt_len=12, greedy_steps=3, prefill_len=24)
+
+    def spec(self):
+        """The synthetic model: SmolLM2-135M's shapes (the real model cannot travel to the GPU
+        machine); with `emulate` its head geometry at small widths."""
+        from metatp.testing.synth import SynthSpec
+
+        if self.emulate:
+            return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=192, n_head=6, n_head_kv=3,
+                             n_ff=256, n_vocab=512, n_ctx_train=8192, rope_base=100000.0, norm_eps=1e-5,
+                             tied=True, types=dict(SMOLLM2_TYPES), seed=0)
+        return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536,
+                         n_vocab=49152, n_ctx_train=8192, rope_base=100000.0, norm_eps=1e-5, tied=True,
+                         types=dict(SMOLLM2_TYPES), seed=0)
+
+    def runtime(self):
+        """The CUDA backend's device API: the emulator's with `emulate`, else CuPy's (None)."""
+        if self.emulate:
+            from metatp.testing import EmuRuntime
+
+            return EmuRuntime()
+        return None
+
+    @property
+    def vocab(self) -> int:
+        return self.spec().n_vocab
+
+
+class Budget:
+    """Seconds left of the whole run (each section checks it before a long step)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def layout(n: int, ts=None):
+    from metatp.passes.plan import DeviceLayout
+
+    return DeviceLayout(n, "tensor" if n > 1 else "none", ts)
+
+
+def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str = "f32", **kw):
+    """A cupy engine on `n` (virtual) devices; `cache`: the KV cache type of K and V ("q8_0", ...;
+    default the F32 graph cache, stored as the backend's kv_dtype); `kw` go to CupyBackend."""
+    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.engine import Engine
+
+    lay = layout(n, ts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Engine(model, n_ctx, lay, CupyBackend(lay, runtime=cfg.runtime(), **kw),
+                      cache_type_k=cache, cache_type_v=cache)
+
+
+def numpy_engine(model, n_ctx: int):
+    """The reference: the numpy backend on one device."""
+    from metatp.backends.numpy.backend import NumpyBackend
+    from metatp.engine import Engine
+
+    lay = layout(1)
+    return Engine(model, n_ctx, lay, NumpyBackend(lay))

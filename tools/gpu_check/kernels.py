@@ -1,0 +1,31 @@
+"""Step 2: every CUDA kernel against numpy on fresh random inputs (`metatp.testing.kernel_checks`,
+timed), one row per kernel group."""
+
+from __future__ import annotations
+
+import time
+
+from metatp.tools.gpu_check.config import Config
+from metatp.tools.gpu_check.report import Report
+
+
+def section_kernels(rep: Report, cfg: Config) -> None:
+    from metatp.testing import kernel_checks as gkc
+
+    t0 = time.perf_counter()
+    results = gkc.check_all_kernels(time_reps=3, emulate=cfg.emulate)
+    rep.kernel_table = gkc.markdown_table(results)
+    by_group: dict[str, list[dict]] = {}
+    for r in results:
+        by_group.setdefault(r["name"].split(":")[0], []).append(r)
+    for name, rows in by_group.items():
+        bad = [r for r in rows if not r["pass"]]
+        worst = max((r["max_rel_err"] for r in rows if r.get("max_rel_err") is not None), default=None)
+        res = f"{len(rows) - len(bad)}/{len(rows)} pass"
+        if worst is not None:
+            res += f", worst rel err {worst:.1e}"
+        if bad:
+            res += "; failing: " + ", ".join(f"{r['dtype']} ({r.get('error') or r.get('max_rel_err')})"
+                                             for r in bad[:3])
+        rep.add("kernels", name, res, not bad)
+    rep.add("kernels", "time", f"{time.perf_counter() - t0:.1f} s (NVRTC compile included)", None)

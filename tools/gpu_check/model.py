@@ -1,0 +1,77 @@
+"""Step 3: a synthetic GGUF with the default model's shapes, and the cupy backend's logits
+against the numpy backend's (N=1, N=3 virtual devices, uneven splits, a q8_0 KV cache), greedy
+tokens compared."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from metatp.testing.oracles import rel_err
+from metatp.tools.gpu_check.config import Budget, Config, cupy_engine, numpy_engine
+from metatp.tools.gpu_check.report import Report
+
+
+def write_model(rep: Report, cfg: Config, folder: Path):
+    """Write and load the synthetic model of `cfg` (one info row: its size and write time)."""
+    from metatp.ir.loader import load_model
+    from metatp.testing.synth import write_synthetic_gguf
+
+    path = folder / f"smollm2-shape-{cfg.n_layer}l{'-emu' if cfg.emulate else ''}.gguf"
+    t0 = time.perf_counter()
+    write_synthetic_gguf(path, cfg.spec())
+    rep.add("model", "synthetic GGUF", f"{cfg.n_layer} layers, {path.stat().st_size / 2**20:.0f} MiB, written in "
+            f"{time.perf_counter() - t0:.1f} s", None)
+    return load_model(path)
+
+
+def teacher_forced(eng, ref, prompt, steps: int):
+    """Logits of both engines over the prompt, then `steps` tokens that the reference picks."""
+    got, want = [eng.forward(prompt)], [ref.forward(prompt)]
+    for _ in range(steps):
+        tok = int(np.argmax(want[-1]))
+        got.append(eng.forward([tok]))
+        want.append(ref.forward([tok]))
+    return got, want
+
+
+def greedy_report(got, want) -> tuple[str, bool]:
+    """'k/n same greedy token' (+ worst rel err); a mismatch only counts where the
+    reference's top two are further apart than the error."""
+    same, bad = 0, 0
+    for a, b in zip(got, want):
+        ia, ib = int(np.argmax(a)), int(np.argmax(b))
+        if ia == ib:
+            same += 1
+        elif b[ib] - b[ia] > 2 * np.abs(a - b).max():
+            bad += 1
+    worst = max(rel_err(a, b) for a, b in zip(got, want))
+    return f"{same}/{len(got)} same greedy token, max rel err {worst:.1e}", bad == 0 and worst < 5e-2
+
+
+CASES = ((1, None, {}, "N=1 (f16 KV, f16 GEMM)"),
+         (1, None, {"kv_dtype": "f32", "matmul_dtype": "f32"}, "N=1 exact (f32 KV, f32 GEMM)"),
+         (3, None, {}, "N=3 virtual devices"),
+         (3, (1.0, 2.0, 1.0), {}, "N=3 virtual, tensor_split 1,2,1"),
+         (3, (1.0, 2.0, 1.0), {"cache": "q8_0"}, "N=3 virtual, tensor_split 1,2,1, q8_0 KV cache"))
+
+
+def section_model(rep: Report, cfg: Config, model, budget: Budget) -> None:
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(300, cfg.vocab, cfg.prompt_len)]
+    ref = numpy_engine(model, 512)
+    for n, ts, kw, label in CASES:
+        if budget.left() < 120:
+            rep.add("model", label, "skipped (time budget)", None)
+            continue
+        try:
+            ref.reset()
+            eng = cupy_engine(cfg, model, 512, n, ts, **kw)
+            got, want = teacher_forced(eng, ref, prompt, cfg.greedy_steps)
+            res, ok = greedy_report(got, want)
+            rep.add("model", f"logits vs numpy, {label}", res, ok)
+            del eng
+        except Exception as e:  # noqa: BLE001
+            rep.fail("model", label, e)

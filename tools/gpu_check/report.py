@@ -1,0 +1,62 @@
+"""The results table: rows as they come (printed at once), the environment, tracebacks, and the
+markdown + JSON written at the end."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Report:
+    """Rows of the results table, plus the environment and any tracebacks."""
+
+    rows: list[dict] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    details: list[str] = field(default_factory=list)
+    kernel_table: str = ""
+    t0: float = field(default_factory=time.perf_counter)
+
+    def add(self, section: str, check: str, result: str, ok: bool | None) -> None:
+        """One row; `ok` None is a plain note (info), False a failure."""
+        status = "pass" if ok else ("FAIL" if ok is False else "info")
+        self.rows.append({"section": section, "check": check, "result": result, "status": status})
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section:8s} {check}: {result} ({status})", flush=True)
+
+    def fail(self, section: str, what: str, e: BaseException) -> None:
+        """A FAIL row for an exception, its traceback kept for the written report."""
+        self.add(section, what, f"{type(e).__name__}: {e}"[:300], False)
+        self.details.append(f"### {section}: {what}\n```\n{traceback.format_exc()}```")
+
+    def markdown(self) -> str:
+        lines = ["| section | check | result | status |", "| --- | --- | --- | --- |"]
+        for r in self.rows:
+            lines.append(f"| {r['section']} | {r['check']} | {r['result'].replace('|', '/')} | {r['status']} |")
+        return "\n".join(lines)
+
+    @property
+    def passed(self) -> bool:
+        return all(r["status"] != "FAIL" for r in self.rows)
+
+
+def write_outputs(rep: Report, out: Path | None) -> None:
+    """Print the table; with `out`, write it (plus the kernel table and tracebacks) and a .json copy."""
+    env = ", ".join(f"{k}={v}" for k, v in rep.env.items())
+    text = [f"metatp gpu_check — {time.strftime('%Y-%m-%d %H:%M:%S')}", "", f"Environment: {env}", "",
+            rep.markdown(), ""]
+    print("\n" + "\n".join(text), flush=True)
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = "\n".join(text)
+    if rep.kernel_table:
+        body += "\n## Kernel checks\n\n" + rep.kernel_table + "\n"
+    if rep.details:
+        body += "\n## Failures\n\n" + "\n\n".join(rep.details) + "\n"
+    out.write_text(body, encoding="utf-8")
+    out.with_suffix(".json").write_text(json.dumps({"env": rep.env, "rows": rep.rows}, indent=1, default=str),
+                                        encoding="utf-8")
+    print(f"wrote {out} and {out.with_suffix('.json')}", flush=True)
