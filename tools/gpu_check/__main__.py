@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from metatp.tools.gpu_check import env, kernels, model, mpi, nccl, preflight, speed
+    from metatp.tools.gpu_check import allreduce, env, kernels, model, preflight, ranks, speed
     from metatp.tools.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -88,9 +88,9 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
     if loaded is not None and "speed" not in skip:
         step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
     if have_gpu and "nccl" not in skip and not cfg.emulate:
-        step("nccl", "NCCL checks", nccl.section_nccl, rep)
+        step("nccl", "NCCL checks", allreduce.section_nccl, rep)
     if have_gpu and "mpi" not in skip:
-        step("mpi", "MPI+NCCL smoke", mpi.section_mpi, rep, cfg, budget, workdir)
+        step("mpi", "MPI+NCCL smoke", ranks.section_mpi, rep, cfg, budget, workdir)
     rep.add("total", "wall time", f"{time.perf_counter() - rep.t0:.0f} s", None)
     write_outputs(rep, out)
     return 0 if (rep.passed and have_gpu) else 1
