@@ -46,9 +46,11 @@ def check_seed(name: str, seed: Any) -> int | None:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie).
+    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie); a tiny
+    one (even a denormal) is the limit of the softmax: the maximal logits, ties drawn uniformly.
 
-    `n`: samples per prompt (vLLM); with a seed, sample i > 0 draws from its own stream of it.
+    `n`: samples per prompt (vLLM), at most MAX_N; with a seed, sample i > 0 draws from its own
+    stream of it.
     `logprobs`: None, or report each token's log-probability (of the raw logits, as vLLM does)
     and that many of the most likely alternatives (0: only the token's own)."""
 
