@@ -24,6 +24,7 @@ from metatp.scheduler import StopMatcher as _StopMatcher  # noqa: F401 -- kept i
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
 DEFAULT_N_CTX = 2048
+MAX_N_CTX = 2**31 - 1        # cells and positions are int32 (the kv_idxs and pos inputs)
 
 
 @dataclass
@@ -179,6 +180,8 @@ class LLM:
                               f"{_type_name(model)} {_short(model)}")
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx <= 0):
             raise ConfigError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+        if n_ctx is not None and n_ctx > MAX_N_CTX:
+            raise ConfigError(f"n_ctx must be at most {MAX_N_CTX} (KV cells and positions are 32-bit), got {n_ctx}")
         n_ctx = None if n_ctx is None else int(n_ctx)
         if isinstance(n_batch, bool) or not isinstance(n_batch, numbers.Integral) or n_batch <= 0:
             raise ConfigError(f"n_batch must be a positive integer, got {n_batch!r}")
@@ -284,8 +287,11 @@ class LLM:
         if limit is None:
             return mem
 
+        host = self.backend.name == "numpy"   # its devices are host memory: the engine's tables count too
+
         def need(m) -> list[int]:          # simulated devices share one pool: compare the sum
-            return [sum(m.totals())] if shared else m.totals()
+            extra = m.host if host else 0
+            return [sum(m.totals()) + extra] if shared else [t + extra for t in m.totals()]
 
         def fits(m) -> bool:
             return max(need(m)) <= limit
@@ -306,7 +312,8 @@ class LLM:
         d = max(range(len(totals)), key=lambda j: totals[j])
         where = "in all" if shared else f"on device {d}"
         parts = (f"weights {format_bytes(mem.weights[d])}, KV cache {format_bytes(mem.kv[d])} for "
-                 f"n_ctx={self.n_ctx}, buffers {format_bytes(mem.compute[d])}")
+                 f"n_ctx={self.n_ctx}, buffers {format_bytes(mem.compute[d])}"
+                 + (f", host cell tables and masks {format_bytes(mem.host)}" if host else ""))
         if shared and mem.n_devices > 1:
             parts = f"{mem.n_devices} simulated devices; device 0: " + parts
         advice = (f"n_ctx={fitted} would fit (or pass fit_context=True / --fit)" if fitted > 0 else

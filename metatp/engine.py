@@ -145,7 +145,13 @@ class Engine:
         spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
         plan = self.compile(build_graph(self.tensors, spec))
         return plan_memory(plan, self._weight_bytes(), self.n_ctx, self.backend.workspace_bytes(plan),
-                           kv_itemsize=self.backend.kv_itemsize)
+                           kv_itemsize=self.backend.kv_itemsize, host=self._host_bytes(plan, spec))
+
+    def _host_bytes(self, plan: Plan, spec: BatchSpec) -> int:
+        """Host bytes that grow with n_ctx: the cell table (and its searches) and a pass's float32
+        masks (`_run_pass` builds one per mask input, T x n_kv, before the backend copies it in)."""
+        n_masks = sum(k in plan.graph.meta["inputs"] for k in ("kq_mask", "kq_mask_swa"))
+        return KVCells.planned_bytes(self.n_ctx) + n_masks * spec.n_tokens * spec.n_kv * 4
 
     def _weight_bytes(self):
         """The backend's bytes per weight slice, counting once what it stores once (the codes of

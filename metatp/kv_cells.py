@@ -52,20 +52,40 @@ class SeqCells:
 class KVCells:
     """Ownership of the `n_cells` KV rows; thread-safe (reservations come from any thread)."""
 
+    TABLE_BYTES = 8      # per cell: the int64 owner table
+    SCAN_BYTES = 24      # per cell, at most, while a search runs (free-cell indices, joined and sorted)
+
+    @classmethod
+    def planned_bytes(cls, n_cells: int) -> int:
+        """Host bytes this bookkeeping may hold for `n_cells` cells (the memory plan counts them)."""
+        return n_cells * (cls.TABLE_BYTES + cls.SCAN_BYTES)
+
     def __init__(self, n_cells: int, page: int = 1) -> None:
         if n_cells <= 0:
             raise ConfigError(f"a KV cache needs at least one cell, got {n_cells}")
         self.n_cells = n_cells
         self.page = max(1, page)
-        self.owner = np.full(n_cells, -1, dtype=np.int64)      # sequence id, -1 = free
+        self._owner: np.ndarray | None = None                   # made on first use (see `owner`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._made = threading.Lock()
         self.live: dict[int, SeqCells] = {}                     # id -> sequence, while it owns cells
+
+    @property
+    def owner(self) -> np.ndarray:
+        """Sequence id per cell, -1 = free. Allocated on first use, not in the constructor: an
+        engine is built (and its memory planned, `metatp.passes.memory`) before the budget
+        check, which must be able to refuse an impossible n_ctx before this table exists."""
+        if self._owner is None:
+            with self._made:
+                if self._owner is None:
+                    self._owner = np.full(self.n_cells, -1, dtype=np.int64)
+        return self._owner
 
     @property
     def n_used(self) -> int:
         """Cells owned by some sequence (reserved or written)."""
-        return int(np.count_nonzero(self.owner >= 0))
+        return 0 if self._owner is None else int(np.count_nonzero(self._owner >= 0))
 
     @property
     def n_free(self) -> int:

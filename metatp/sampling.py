@@ -11,7 +11,9 @@ import numpy as np
 
 from metatp.ir.errors import ConfigError
 
-__all__ = ["SamplingParams", "Sampler", "check_seed"]
+__all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N"]
+
+MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
 
 
 def _is_bool(v: Any) -> bool:
@@ -25,7 +27,7 @@ def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False
     if v < lo or (lo_open and v == lo) or v > hi:
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
-    return float(v)
+    return float(v) + 0.0          # + 0.0: -0.0 is 0.0
 
 
 def _integer(v: Any) -> bool:
@@ -44,9 +46,11 @@ def check_seed(name: str, seed: Any) -> int | None:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie).
+    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie); a tiny
+    one (even a denormal) is the limit of the softmax: the maximal logits, ties drawn uniformly.
 
-    `n`: samples per prompt (vLLM); with a seed, sample i > 0 draws from its own stream of it.
+    `n`: samples per prompt (vLLM), at most MAX_N; with a seed, sample i > 0 draws from its own
+    stream of it.
     `logprobs`: None, or report each token's log-probability (of the raw logits, as vLLM does)
     and that many of the most likely alternatives (0: only the token's own)."""
 
@@ -64,8 +68,8 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not _integer(self.n) or self.n < 1:
-            raise ConfigError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise ConfigError(f"n must be an integer from 1 to {MAX_N} (samples per prompt), got {self.n!r}")
         self.n = int(self.n)
         if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
@@ -113,27 +117,61 @@ class Sampler:
         p = self.p
         x = np.asarray(logits, dtype=np.float32)
         if p.repetition_penalty != 1.0 and len(history):
-            x = x.copy()
-            ids = np.unique(np.asarray(history, dtype=np.int64))
-            v = x[ids]
-            x[ids] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
+            x = _penalize(x, np.unique(np.asarray(history, dtype=np.int64)), p.repetition_penalty)
         if p.greedy:
             return int(np.argmax(x))
-        x = x.astype(np.float64) / p.temperature
-        if 0 < p.top_k < x.size:
-            kth = np.partition(x, -p.top_k)[-p.top_k]
-            x = np.where(x < kth, -np.inf, x)
-        x -= x.max()
-        probs = np.exp(x)
-        probs /= probs.sum()
-        if p.min_p > 0:
-            probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
-        if p.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cum = np.cumsum(probs[order])
-            cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
-            keep = np.zeros_like(probs)
-            keep[order[:cut]] = probs[order[:cut]]
-            probs = keep
-        probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+        with np.errstate(over="ignore"):     # an overflow below is a -inf logit: probability 0
+            x = _scaled(x.astype(np.float64), p.temperature)
+            if 0 < p.top_k < x.size:
+                kth = np.partition(x, -p.top_k)[-p.top_k]
+                x = np.where(x < kth, -np.inf, x)
+            x -= x.max()
+            probs = np.exp(x)
+            probs /= probs.sum()
+            if p.min_p > 0:
+                probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
+            if p.top_p < 1.0:
+                order = np.argsort(-probs, kind="stable")
+                cum = np.cumsum(probs[order])
+                cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
+                keep = np.zeros_like(probs)
+                keep[order[:cut]] = probs[order[:cut]]
+                probs = keep
+            probs /= probs.sum()
+            return int(self.rng.choice(probs.size, p=probs))
+
+
+_F32 = np.finfo(np.float32)
+_F32_TINY = np.float32(np.nextafter(np.float32(0), np.float32(1)))    # the least positive float32
+
+
+def _penalize(x: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
+    """Seen tokens' logits divided by the penalty where positive, multiplied where negative
+    (llama.cpp's repeat penalty), in float32 with the penalty as a float32 -- one beyond float32's
+    range taken at its edge, so never 0 or inf and 0 * penalty stays 0. Where a result overflows
+    float32, the logits come back as float64 (where none can overflow), so the ordering the
+    penalty defines survives and the temperature below never meets inf."""
+    r = np.float32(min(max(penalty, float(_F32_TINY)), float(_F32.max)))
+    v = x[ids]
+    with np.errstate(over="ignore"):
+        out = np.where(v > 0, v / r, v * r)
+    if not np.isfinite(out).all():
+        x = x.astype(np.float64)
+        v = v.astype(np.float64)
+        out = np.where(v > 0, v / np.float64(r), v * np.float64(r))
+    else:
+        x = x.copy()
+    x[ids] = out
+    return x
+
+
+def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
+    """Logits over the temperature (float64; the caller ignores overflow). Where the largest
+    quotient overflows (a tiny or denormal temperature), the max is taken off first: the largest
+    logits give 0, the rest their distance over the temperature (-inf where it overflows), which
+    is the softmax's limit -- greedy among the maximal logits -- and never inf - inf. Otherwise
+    exactly the plain quotient, so ordinary temperatures draw what they always drew."""
+    z = x / temperature
+    if math.isfinite(float(z.max())):
+        return z
+    return (x - x.max()) / temperature

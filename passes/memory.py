@@ -6,6 +6,7 @@ message that says what would fit (llama.cpp's `--fit`, which its tensor mode lac
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +41,7 @@ class MemoryPlan:
     compute: list[int]
     kv_per_token: list[int]      # KV bytes per context token, per device
     n_ctx: int
+    host: int = 0                # host bytes of the engine's per-cell tables and step masks (not in totals)
 
     @property
     def n_devices(self) -> int:
@@ -57,11 +59,12 @@ class MemoryPlan:
 
 
 def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: list[int] | None = None,
-                kv_itemsize: KvItemsize | None = None) -> MemoryPlan:
+                kv_itemsize: KvItemsize | None = None, host: int = 0) -> MemoryPlan:
     """Bytes per device for `plan` (use the largest batch plan: compute buffers scale with it).
     `workspace`: per-device bytes a backend needs beyond the plan's buffers (counted as compute).
     `kv_itemsize`: bytes per element of the KV cache as the backend stores it (default: the
-    graph type's size)."""
+    graph type's size). `host`: bytes the caller keeps in host memory that grow with n_ctx
+    (kept apart: they count against a device's budget only where the device is the host)."""
     n = plan.n_devices
     weights, kv, compute, kv_tok = [0] * n, [0] * n, [0] * n, [0] * n
     for t in plan.graph.leaves:
@@ -83,7 +86,7 @@ def plan_memory(plan: Plan, weight_bytes: WeightBytes, n_ctx: int, workspace: li
     for d in range(n):
         compute[d] += assign_offsets(plan, d, lambda t: _ITEM.get(t.type.name, 4))[1]
         compute[d] += workspace[d] if workspace else 0
-    return MemoryPlan(weights, kv, compute, kv_tok, n_ctx)
+    return MemoryPlan(weights, kv, compute, kv_tok, n_ctx, host)
 
 
 def fit_context(plan_for_ctx: Callable[[int], MemoryPlan], fits: Callable[[MemoryPlan], bool],
@@ -122,9 +125,12 @@ def parse_bytes(text: str | int) -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"cannot read memory size {text!r} (e.g. 8GiB, 512MB)") from None
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not value > 0:        # `not >`: NaN is refused too
         raise ConfigError(f"cannot read memory size {text!r} (e.g. 8GiB, 512MB)")
-    return int(value * _UNITS[unit])
+    size = value * _UNITS[unit]
+    if not math.isfinite(size) or size < 1:
+        raise ConfigError(f"memory size {text!r} must be from 1 byte to a finite size (e.g. 8GiB, 512MB)")
+    return int(size)
 
 
 def format_bytes(n: int) -> str:
