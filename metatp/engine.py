@@ -150,7 +150,8 @@ class Engine:
     def _host_bytes(self, plan: Plan, spec: BatchSpec) -> int:
         """Host bytes that grow with n_ctx: the cell table (and its searches) and a pass's float32
         masks (`_run_pass` builds one per mask input, T x n_kv, before the backend copies it in)."""
-        n_masks = sum(k in plan.graph.meta["inputs"] for k in ("kq_mask", "kq_mask_swa"))
+        inputs = plan.graph.meta["inputs"]
+        n_masks = sum(m is not None for m in (inputs.kq_mask, inputs.kq_mask_swa))
         return KVCells.planned_bytes(self.n_ctx) + n_masks * spec.n_tokens * spec.n_kv * 4
 
     def _weight_bytes(self):
