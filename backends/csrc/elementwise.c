@@ -50,7 +50,7 @@ int metatp_glu(const GluArgs *g) {
  * array calls each); as compiled calls they join the step's batch (one ctypes call for a run).
  *
  * rms_norm: out = x * (1 / sqrt(mean(x^2) + eps)) [* w] per row, as ggml and
- * numpy_kernels.rms_scale round it: the sum of squares in double, the mean rounded to float, the
+ * numpy/kernels' rms_scale round it: the sum of squares in double, the mean rounded to float, the
  * rest in float, the weight multiplied after the scale (two roundings). */
 typedef struct {
     int64_t T, n;

@@ -1,9 +1,9 @@
 /* q8.c: llama.cpp's Q8 rounding of activation rows and the integer block dot product (part of the
- * unity build cpu_kernels.c, after qmatmul.c; ~ggml-cpu's quants.c). The matrix products built
+ * unity build cpu_kernels.c; uses simd.h; ~ggml-cpu's quants.c). The matrix products built
  * on them are in repack.c (the row-group layout) and q8_matmul.c. */
 
 /* ------------------------------------------------------------------ Q8 activations (numerics="llamacpp")
- * Why: the float kernel above converts every weight code to a float and multiplies float
+ * Why: the float kernel (qmatmul.c) converts every weight code to a float and multiplies float
  * activations; llama.cpp instead rounds each activation row to int8 blocks once per step and takes
  * integer dot products, 4-8x more multiply-adds per instruction. These kernels do the same, with
  * llama.cpp's rounding, so the "llamacpp" numerics mode is both the closer one and the faster one.

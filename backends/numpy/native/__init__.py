@@ -17,9 +17,8 @@ from metatp.backends.numpy.native.attention import attention_usable, prepare_att
 from metatp.backends.numpy.native.elementwise import (GLU_ACTS, prepare_add, prepare_allreduce, prepare_glu,
                                                       prepare_rms_norm)
 from metatp.backends.numpy.native.kv import KV_TYPES, kv_dequantize, kv_quantize, kv_row_bytes, prepare_set_rows
-from metatp.backends.numpy.native.lib import (_LOCAL_SIZE_VARS, ATTN_CHUNK, MAX_ROWS, _library,  # noqa: F401
-                                              available, batch, batchable, build_library, default_threads, isa,
-                                              kernel_info, library_isa)
+from metatp.backends.numpy.native.lib import (ATTN_CHUNK, MAX_ROWS, available, batch, batchable, build_library,
+                                              default_threads, isa, kernel_info, library_isa)
 from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K, dequantize, group_qmatmul,
                                                  is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
                                                  prepare_qmatmul, q8_isums, q8_kind, q8_matmul, q8_quantize, qmatmul,
