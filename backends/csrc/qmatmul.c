@@ -53,7 +53,6 @@ static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-
 /* AVX2: the tile holds each 16-lane accumulator as two __m256 (lanes 0..7, 8..15) and unpacks
  * codes straight into them (see simd.h). Same sums as the v16f code. */
 

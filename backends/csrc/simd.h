@@ -257,7 +257,6 @@ static inline float hsum(v16f v) {
 /* AVX2 has 8-float registers: GCC moves a 16-float vector type between its halves through the
  * stack (several times slower), so code for this ISA unpacks 16 codes (or 8 halves) straight
  * into __m256 halves (qmatmul.c's tile, kv.c's row reads). */
-
 static inline __attribute__((always_inline)) void bytes16_to_f32(__m128i b, int is_signed, __m256 *lo, __m256 *hi) {
     const __m128i h = _mm_srli_si128(b, 8);
     *lo = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
@@ -278,7 +277,6 @@ static inline __attribute__((always_inline)) void halves8_to_f32(const uint16_t 
     }
 #endif
 }
-
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -306,7 +304,6 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 /* The most independent products one grouped call takes (QMatmulGroup, Q8MatmulGroup). */
-
 enum { MAX_ITEMS = 64 };
 
 /* The register tiling both matrix products share: rows r0 .. r0+nr of an item against its ntok
