@@ -25,26 +25,42 @@ def host_cache_dir(env_var: str, prefix: str) -> Path:
     return path
 
 
+def _folder_digest(folder: Path) -> str:
+    """A hash of every file in `folder` (names and bytes): what `#include "..."` may read from it."""
+    h = hashlib.sha1()
+    for p in sorted(folder.iterdir()):
+        if p.is_file():
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def build_shared_library(name: str, source: str, suffix: str, compiler: str, flags: Sequence[str],
-                         cache: Path, salt: str = "", libs: Sequence[str] = ()) -> Path:
+                         cache: Path, salt: str = "", libs: Sequence[str] = (),
+                         include_dir: Path | None = None) -> Path:
     """The path of `name-<hash>.so` built from `source` (a `suffix` file) with `compiler flags`
     (`libs` go after the source, where the linker looks for them).
 
     The hash covers the source, compiler, flags and `salt` (e.g. the CPU model when building
-    with -march=native), so a change of any of them builds anew. Concurrent builders are safe:
+    with -march=native), so a change of any of them builds anew. With `include_dir` the source
+    may `#include "..."` the files of that folder (it is passed as -I) and the hash covers every
+    file in it too, so a change in any of them also builds anew. Concurrent builders are safe:
     each writes in its own temporary folder and renames atomically. Raises RuntimeError with the
     compiler's message on failure."""
-    digest = hashlib.sha1("\0".join([source, compiler, *flags, salt, *libs]).encode()).hexdigest()[:16]
+    parts = [source, compiler, *flags, salt, *libs]
+    if include_dir is not None:
+        parts.append(_folder_digest(include_dir))
+    digest = hashlib.sha1("\0".join(parts).encode()).hexdigest()[:16]
     out = cache / f"{name}-{digest}.so"
     if out.is_file():
         return out
+    include = ["-I", str(include_dir)] if include_dir is not None else []
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         src = Path(tmp) / f"{name}{suffix}"
         src.write_text(source, encoding="utf-8")
         so = Path(tmp) / out.name
         try:
-            r = subprocess.run([compiler, *flags, "-o", str(so), str(src), *libs], capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run([compiler, *flags, *include, "-o", str(so), str(src), *libs], capture_output=True,
+                               text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise RuntimeError(f"building {name}{suffix} with {compiler} failed: {e}") from None
         if r.returncode != 0:

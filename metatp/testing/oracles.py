@@ -14,7 +14,7 @@ import numpy as np
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 - re-exported for the checks
 
 __all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "kv_quantize", "kv_dequantize",
-           "kv_rows", "ref_rope", "ref_attention", "gelu", "silu"]
+           "kv_rows", "ref_rope", "ref_attention", "ref_q8_quantize", "gelu", "silu"]
 
 
 def _gguf():
@@ -132,8 +132,9 @@ def ref_rope(x, pos, n_dims, freq_base, freq_scale, neox, freq_factors=None, att
     return y
 
 
-def ref_attention(q, k, v, scale, mask=None, softcap=0.0, causal=True, causal_offset=0):
-    """q [T, H, D], k/v [n_kv, Hkv, D] (float64) -> [T, H, D]; empty rows give 0."""
+def ref_attention(q, k, v, scale, mask=None, softcap=0.0, causal=True, causal_offset=0, sinks=None):
+    """q [T, H, D], k/v [n_kv, Hkv, D] (float64) -> [T, H, D]; empty rows give 0. sinks [H] (or
+    None): one logit per query head that joins every row's softmax denominator only."""
     T, H, D = q.shape
     n_kv, hkv, _ = k.shape
     g = H // hkv
@@ -151,12 +152,55 @@ def ref_attention(q, k, v, scale, mask=None, softcap=0.0, causal=True, causal_of
             t = np.arange(T)[:, None]
             s = np.where(j <= t + causal_offset, s, -np.inf)
         m = s.max(axis=1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, float(sinks[h]))
         ok = np.isfinite(m[:, 0])
         p = np.where(ok[:, None], np.exp(s - np.where(ok[:, None], m, 0.0)), 0.0)
         den = p.sum(axis=1, keepdims=True)
+        if sinks is not None:
+            den = den + np.exp(float(sinks[h]) - m)
         o = p @ vh
         out[:, h, :] = np.where(den > 0, o / np.where(den > 0, den, 1.0), 0.0)
     return out
+
+
+def ref_q8_quantize(x, kind: int):
+    """llama.cpp's rounding of activation rows x [n, K] before its integer dot products (ggml-cpu's
+    x86 quantize_row_q8_0 / q8_1, quantize_row_q8_K_ref), computed in float64 and rounded to float32
+    exactly where llama.cpp's float32 arithmetic rounds (a float32 product, or quotient, is the
+    float64 one rounded once), so codes and scales are llama.cpp's bit for bit.
+
+    kind 0 (Q8_0) / 1 (Q8_1): blocks of 32, d = amax/127 kept as f16, q = rint(x * (127/amax)) (ties
+    to even); Q8_1 adds s = f16(d * sum q) with d before its f16 rounding. kind 2 (Q8_K): blocks of
+    256, max = the first element of largest |x|, iscale = -127/max, q = min(127, rint(iscale * x)),
+    d = 1/iscale. Returns (codes int8 [n, K], scales float32 [n, K/32 or K/256], s float32 [n, K/32]
+    or None, int32 sums of each 16 codes [n, K/16])."""
+    def f32(v):
+        return np.asarray(v, np.float64).astype(np.float32).astype(np.float64)
+
+    x = np.asarray(x, np.float32).astype(np.float64)
+    n, k = x.shape
+    s = None
+    if kind == 2:
+        xb = x.reshape(n, k // 256, 256)
+        mx = np.take_along_axis(xb, np.abs(xb).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        zero = mx == 0
+        iscale = f32(-127.0 / np.where(zero, 1.0, mx))
+        q = np.where(zero[..., None], 0.0, np.minimum(127.0, np.rint(f32(iscale[..., None] * xb))))
+        d = np.where(zero, 0.0, f32(1.0 / iscale))
+    else:
+        xb = x.reshape(n, k // 32, 32)
+        amax = np.abs(xb).max(axis=-1)
+        zero = amax == 0
+        db = f32(amax / 127.0)
+        inv = np.where(zero, 0.0, f32(127.0 / np.where(zero, 1.0, amax)))
+        q = np.rint(f32(xb * inv[..., None]))
+        d = db.astype(np.float32).astype(np.float16)
+        if kind == 1:
+            s = f32(db * q.sum(axis=-1)).astype(np.float32).astype(np.float16).astype(np.float32)
+    q = q.astype(np.int8).reshape(n, k)
+    isum = q.reshape(n, k // 16, 16).astype(np.int32).sum(axis=-1, dtype=np.int32)
+    return q, np.asarray(d, np.float32), s, isum
 
 
 def gelu(x):

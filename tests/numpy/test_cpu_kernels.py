@@ -1,5 +1,6 @@
-"""The numpy backend's compiled CPU kernels (backends/csrc/cpu_kernels.c) against their numpy
-references, and the backend with them against the backend without them.
+"""The numpy backend's compiled CPU kernels (backends/csrc/, through backends/numpy/native/) against
+the float64 references of metatp.testing.oracles (or the dequantized product), and the backend
+with them against the backend without them.
 
 Skipped only where no C compiler can build them (they are then unused: the backend keeps numpy).
 """
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import AffineWeight, dequantize_affine, pack_nibbles
 from metatp.backends.collectives import HostCollective
-from metatp.backends.numpy.kernels import attention_reference, rope_reference
+from metatp.testing.oracles import gelu, ref_attention, ref_rope, silu
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"CPU kernels unavailable: {native.kernel_info()}")
 
@@ -109,7 +110,7 @@ def test_other_isa_builds_agree(monkeypatch, isa, flags):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 flags")
     lib = native.build_library(flags)
-    monkeypatch.setattr(native, "_library", lambda: (lib, isa))
+    monkeypatch.setattr(native.lib, "_library", lambda: (lib, isa))
     rng = np.random.default_rng(5)
     for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, True), (4, 0, 16, False), (8, 0, 16, False),
                                    (16, 0, 32, False), (16, 1, 32, False)]:
@@ -133,7 +134,6 @@ def test_qmatmul_rejects_bad_shapes():
        neox=st.booleans(), seed=st.integers(0, 2**16))
 def test_rope_matches_reference(T, H, half, extra, neox, seed):
     from metatp.backends.numpy.kernels import rope_cos_sin
-    from metatp.ir.ops import RopeMode
 
     rng = np.random.default_rng(seed)
     n_dims, D = 2 * half, 2 * half + extra
@@ -144,9 +144,15 @@ def test_rope_matches_reference(T, H, half, extra, neox, seed):
     cs[0], cs[1] = rope_cos_sin(pos, n_dims, 10000.0, 1.0)
     out = np.full((T, H, D), np.nan, F32)
     native.prepare_rope(x, out, n_dims, neox, cs)()
-    mode = RopeMode.NEOX if neox else RopeMode.NORMAL
-    ref = rope_reference(x, pos, n_dims, mode, 10000.0)
+    ref = ref_rope(x, pos, n_dims, 10000.0, 1.0, neox)
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _ref_attention(q, k, v, mask, scale, softcap, sinks):
+    """The float64 oracle in the kernel's layouts: q (H, T, D), k/v (Hkv, n_kv, D) -> (T, H, D)."""
+    return ref_attention(q.transpose(1, 0, 2).astype(np.float64), k.transpose(1, 0, 2).astype(np.float64),
+                         v.transpose(1, 0, 2).astype(np.float64), scale, mask=mask.astype(np.float64),
+                         softcap=softcap, causal=False, sinks=sinks)
 
 
 @settings(max_examples=40, deadline=None)
@@ -169,7 +175,7 @@ def test_attention_matches_reference(T, Hkv, g, D, n_max, data, softcap, sinks, 
     out = np.full((T, H, D), np.nan, F32)
     run = native.prepare_attention(q, k, v, mask, 0.125, softcap, sk, out)
     run(n_vis)
-    ref = attention_reference(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, softcap, sk)
+    ref = _ref_attention(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, softcap, sk)
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -195,20 +201,18 @@ def test_attention_split_kv_matches_reference(T, Hkv, g, D, n_vis, hidden, threa
     sk = rng.standard_normal(H).astype(F32) if sinks else None
     out = np.full((T, H, D), np.nan, F32)
     native.prepare_attention(q, k, v, mask, 0.125, 0.0, sk, out, threads)(n_vis)
-    ref = attention_reference(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, 0.0, sk)
+    ref = _ref_attention(q, k[:, :n_vis], v[:, :n_vis], mask[:, :n_vis], 0.125, 0.0, sk)
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_glu_matches_numpy(act):
-    from metatp.backends.numpy.kernels import _gelu_tanh, _silu
-
+def test_glu_matches_the_oracle(act):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((64, 2 * 300)) * 4).astype(F32)
     a, b = x[:, :300], x[:, 300:]
     out = np.empty((64, 300), F32)
     native.prepare_glu(a, b, out, act)()
-    ref = (_silu if act == "silu" else _gelu_tanh)(a) * b
+    ref = (silu if act == "silu" else gelu)(a.astype(np.float64)) * b
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())   # 1 + tanh cancels near -1
     assert native.prepare_glu(a, b, out, "relu") is None        # not a kernel activation: numpy keeps it
 
@@ -313,12 +317,12 @@ def test_backend_with_kernels_matches_numpy_path(synth_factory, n_devices, ts):
 
 def test_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("METATP_CPU_KERNELS", "0")
-    native._library.cache_clear()
+    native.lib._library.cache_clear()
     try:
         assert not native.available() and "METATP_CPU_KERNELS=0" in native.kernel_info()
     finally:
         monkeypatch.delenv("METATP_CPU_KERNELS")
-        native._library.cache_clear()
+        native.lib._library.cache_clear()
     assert native.available()
 
 
@@ -328,7 +332,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
 
     monkeypatch.setenv("CC", "false")                     # a "compiler" that always fails
     monkeypatch.setenv("METATP_KERNEL_CACHE", str(tmp_path))
-    native._library.cache_clear()
+    native.lib._library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built"):
             assert not native.available()
@@ -338,7 +342,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path):
             NumpyBackend(cpu_kernels=True)
     finally:
         monkeypatch.undo()
-        native._library.cache_clear()
+        native.lib._library.cache_clear()
     assert native.available()
 
 
@@ -387,9 +391,9 @@ def test_set_rows_matches_numpy_and_refuses_bad_ids():
 def test_default_threads_share_the_machine_among_local_mpi_ranks(monkeypatch):
     """N ranks on one machine each take cores / N threads (N ranks of all cores spin against
     each other); an explicit thread count wins."""
-    for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", *native._LOCAL_SIZE_VARS):
+    for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", *native.lib._LOCAL_SIZE_VARS):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(native.lib.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert native.default_threads() == 8
     monkeypatch.setenv("MPI_LOCALNRANKS", "2")
     assert native.default_threads() == 4

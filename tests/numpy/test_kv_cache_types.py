@@ -26,6 +26,7 @@ from metatp.ir.models import ModelTensors
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout
+from metatp.testing.oracles import ref_attention
 from metatp.testing.synth import SynthSpec
 
 F32 = np.float32
@@ -128,10 +129,10 @@ def test_attention_reads_typed_caches(name, T, threads):
     assert np.allclose(out, exact, rtol=1e-5, atol=1e-5)
     f32 = ref64(xk, xv)                                # the unrounded cache
     assert np.abs(out - f32).max() <= LOOSE[name] * np.abs(f32).max()
-    # the numpy reference path (long prompts) reads the same values
-    from metatp.backends.numpy.kernels import attention_numpy as attention_reference
-    ref = attention_reference(q, vals_k.transpose(1, 0, 2)[:, :n_vis], vals_v.transpose(1, 0, 2)[:, :n_vis],
-                              mask[:, :n_vis], 0.125)
+    # the shared float64 oracle over the visible cells of the same values (the long-prompt path's view)
+    ref = ref_attention(q.transpose(1, 0, 2).astype(np.float64), vals_k[:n_vis].astype(np.float64),
+                        vals_v[:n_vis].astype(np.float64), 0.125, mask=mask[:, :n_vis].astype(np.float64),
+                        causal=False)
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 

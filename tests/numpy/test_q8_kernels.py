@@ -1,5 +1,5 @@
-"""The integer (Q8 activation) kernels of numerics="llamacpp" against a numpy reference of the same
-rounding: activations quantized bit for bit as `numpy_kernels.q8_quantize_reference` (llama.cpp's
+"""The integer (Q8 activation) kernels of numerics="llamacpp" against a float64 oracle of the same
+rounding: activations quantized bit for bit as `metatp.testing.oracles.ref_q8_quantize` (llama.cpp's
 x86 quantize_row_q8_0 / q8_1 and quantize_row_q8_K_ref), integer block sums bit-exact, float
 results within float32 rounding of the exact (float64) combination of those sums, for every build
 of the dot product this machine can run (VNNI, AVX2, portable; each built explicitly).
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import (GROUP, AffineWeight, affine_blocks, group_rows, groupable, pack_nibbles,
                                           row_major)
-from metatp.backends.numpy.kernels import q8_quantize_numpy as q8_quantize_reference
 from metatp.ir.tensor import GGMLType
+from metatp.testing.oracles import ref_q8_quantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"CPU kernels unavailable: {native.kernel_info()}")
 
@@ -79,7 +79,7 @@ def lib(request):
 def use(lib):
     """The kernels' entry points run on `lib` for the tests of one module-scoped build."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native, "_library", lambda: (lib, native.library_isa(lib)))
+        mp.setattr(native.lib, "_library", lambda: (lib, native.library_isa(lib)))
         yield lib
 
 
@@ -105,8 +105,8 @@ def _activations(rng, n: int, k: int) -> np.ndarray:
 
 
 def _reference(aw: AffineWeight, q: np.ndarray, x: np.ndarray, kind: int):
-    """(integer sums per 16 elements, the float64 result) from the numpy rounding of x."""
-    xq, d, s, isum = q8_quantize_reference(x, kind)
+    """(integer sums per 16 elements, the float64 result) from the oracle's rounding of x."""
+    xq, d, s, isum = ref_q8_quantize(x, kind)
     n, k = x.shape
     isums = (q.astype(np.int64)[None] * xq.astype(np.int64)[:, None]).reshape(n, aw.rows, k // 16, 16).sum(-1)
     per = isums.reshape(n, aw.rows, k // aw.block, aw.block // 16).sum(-1).astype(np.float64)
@@ -129,7 +129,7 @@ def _reference(aw: AffineWeight, q: np.ndarray, x: np.ndarray, kind: int):
        seed=st.integers(0, 2**16))
 def test_activation_rounding_is_bit_exact(use, n, blocks, kind, seed):
     x = _activations(np.random.default_rng(seed), n, blocks * 256)
-    got, want = native.q8_quantize(x, kind), q8_quantize_reference(x, kind)
+    got, want = native.q8_quantize(x, kind), ref_q8_quantize(x, kind)
     for g, w in zip(got, want):
         if w is None:
             assert g is None
@@ -169,7 +169,7 @@ def test_integer_sums_exact_and_float_results_within_rounding(use, fmt, rows, bl
     kind = FORMATS[fmt][0]
     assert native.q8_kind(aw) == kind
     isums, ref, mag = _reference(aw, q, x, kind)
-    xq = q8_quantize_reference(x, kind)[0]
+    xq = ref_q8_quantize(x, kind)[0]
     if grouped and groupable(aw):
         aw = group_rows(aw)
         assert (aw.scale.dtype == np.float16) == half

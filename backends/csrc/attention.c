@@ -1,0 +1,327 @@
+/* attention.c: decode attention over the KV cache (part of the unity build cpu_kernels.c, after
+ * kv.c, whose row types and row reads it uses). */
+
+/* ------------------------------------------------------------------ attention
+ * Softmax attention of a few queries over a KV cache, at memory speed: decode reads the whole
+ * cache every step (at a depth of 1536 tokens as many bytes as the weights), so
+ *  - every K and V row is read (and, for a 16-bit or quantized cache, dequantized) once per step
+ *    per KV head: all the query rows that share a KV head (its query heads x the step's tokens,
+ *    GQA) are scored against a row while it is in L1;
+ *  - the cache is streamed in blocks of KV_BLOCK rows with an online softmax (running max m,
+ *    running sum l, output rescaled when m grows), so nothing of length n_kv is kept;
+ *  - the KV length is cut into chunks of ATTN_CHUNK rows at absolute multiples of ATTN_CHUNK;
+ *    the OpenMP threads share the (KV head, chunk) units; each unit leaves (m, l, unnormalized
+ *    output) per query row, merged afterwards in chunk order with a log-sum-exp.
+ * Batch invariance: chunks and blocks sit at fixed cache positions (not derived from n_kv, T or
+ * the thread count), a query row whose mask hides a whole chunk is skipped there, a hidden block
+ * leaves a row's state exactly as it was, and every row's arithmetic is its own; so a row's output
+ * depends only on its query, its visible cells and their positions modulo ATTN_CHUNK. A sequence
+ * whose first cell is a multiple of ATTN_CHUNK gets the same bits alone or among others.
+ * q (H, T, D) float32: q[h*q_sh + t*q_st + d]; k/v (Hkv, n_kv, D|Dv) cache rows of type k_type/
+ * v_type at byte strides: row (g, j) at k + g*k_sh + j*k_sj; mask (T, n_kv) additive or NULL:
+ * mask[t*m_st + j]; sinks (H) or NULL; out (T, H, Dv): out[t*o_st + h*o_sh + d]. Query head h
+ * reads kv head h / (H/Hkv). softcap > 0: s = softcap*tanh(s/softcap) before the mask.
+ * scratch: Hkv * max_chunks * (H/Hkv) * T * (Dv + 2) + nthreads * (H/Hkv) * T * KV_BLOCK floats,
+ * max_chunks >= ceil(n_kv / ATTN_CHUNK). */
+
+enum { KV_BLOCK = 64, ATTN_CHUNK = 128, KV_PREFETCH = 16 };
+
+int metatp_attn_chunk(void) { return ATTN_CHUNK; }
+
+typedef float v8f_a __attribute__((vector_size(32), aligned(4)));   /* unaligned 8-float loads */
+
+/* Float loads of a (dequantized) cache row. */
+static inline v8f kv_load8(const float *row, int64_t d) {
+    return *(const v8f_a *)(row + d);
+}
+static inline float kv_load1(const float *row, int64_t d) {
+    return row[d];
+}
+
+/* Cache row j of a head as floats: the row itself for float32, else dequantized into buf. */
+static inline const float *kv_row(int64_t type, const uint8_t *head, int64_t j, int64_t stride, int64_t n,
+                                  float *buf) {
+    const uint8_t *p = head + j * stride;
+    if (type == T_F32) return (const float *)p;
+    kv_dequant_row(type, p, n, buf);
+    return buf;
+}
+
+static inline float hsum8(v8f v) {
+    v4f l, h;
+    memcpy(&l, &v, sizeof l);
+    memcpy(&h, (const char *)&v + sizeof l, sizeof h);
+    const v4f b = l + h;
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+typedef struct {
+    int64_t T, H, Hkv, D, Dv, n_kv;   /* n_kv: the visible cache rows, set before each call */
+    const float *q;
+    int64_t q_sh, q_st;
+    const void *k;
+    int64_t k_sh, k_sj, k_type;       /* byte strides */
+    const void *v;
+    int64_t v_sh, v_sj, v_type;
+    const float *mask;
+    int64_t m_st;
+    float scale, softcap;
+    const float *sinks;
+    float *out;
+    int64_t o_st, o_sh;
+    float *scratch;
+    int64_t max_chunks, nthreads;
+} AttentionArgs;
+
+/* out[e] = q . k_e over the first D8 (a multiple of 8) elements, for eight rows k_e: one
+ * accumulator per row, then one transpose-and-add (each row's lanes are summed among themselves
+ * in a fixed tree, whatever the other rows hold). */
+static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8, float out[8]) {
+    v8f acc[8];
+    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
+    for (int64_t d = 0; d < D8; d += 8) {
+        const v8f qv = *(const v8f_a *)(q + d);
+        for (int e = 0; e < 8; e++) acc[e] += qv * kv_load8(k[e], d);
+    }
+#if defined(__AVX2__) || defined(__AVX__)
+    const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
+    const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out, sum);
+#else
+    for (int e = 0; e < 8; e++) {      /* the same tree as above, lane by lane */
+        const v8f v = acc[e];
+        out[e] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+#endif
+}
+
+/* sr[j] = exp(sr[j] - m) for j < n8 (a multiple of 8: the padding past a block's n cells holds
+ * -inf), and the sum of the first n in cell order. Scores of -inf (masked cells) give exact
+ * zeros, and a sum in cell order does not change when exact zeros come between its terms: a
+ * sequence's cells give the same bits wherever they sit in a block, and whatever else the block
+ * holds (batch invariance; a sum in 8 lanes would depend on each cell's position mod 8). Why
+ * vectorized: the scalar expf here was ~3 ms of a decode step at depth 1536 (one call a score). */
+static float softmax8(float *sr, int64_t n, int64_t n8, float m) {
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
+    for (int64_t j = 0; j < n8; j += 8) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(sr + j), mv);
+        /* below lo (and -inf): 0; NaN stays NaN (x - x), as expf would keep it */
+        const __m256 e = _mm256_and_ps(_mm256_add_ps(exp8(x), _mm256_sub_ps(x, x)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
+        _mm256_storeu_ps(sr + j, e);
+    }
+#else
+    for (int64_t j = 0; j < n8; j++) {
+        const float x = sr[j] - m;
+        sr[j] = x < -87.3f ? 0.0f : expf(x);
+    }
+#endif
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; j++) l += sr[j];
+    return l;
+}
+
+/* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
+ * that see any of those rows. part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
+static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf) {
+    const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
+    const uint8_t *kh = (const uint8_t *)a->k + g * a->k_sh, *vh = (const uint8_t *)a->v + g * a->v_sh;
+    const float scale = a->scale, softcap = a->softcap;
+    const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8, Dv32 = Dv - Dv % 32, vst = Dv + 16, kst = D + 16;
+    const int64_t krow_bytes = kv_row_bytes(a->k_type, D), vrow_bytes = kv_row_bytes(a->v_type, Dv);
+    float kbuf[8 * kst];              /* dequantized K rows of a group of eight */
+    float *vblock = (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));     /* dequantized V rows */
+    const float *vrows[KV_BLOCK];
+    int64_t rows[G], na = 0;
+    unsigned char seen[T];
+    for (int64_t t = 0; t < T; t++) {           /* does query t see anything in this chunk? */
+        seen[t] = a->mask == NULL;
+        for (int64_t j = j0; j < j1 && !seen[t]; j++) seen[t] = a->mask[t * a->m_st + j] != -INFINITY;
+    }
+    for (int64_t r = 0; r < G; r++) {
+        float *pr = part + r * P;
+        pr[0] = -INFINITY;                      /* an unseen chunk: skipped by the merge */
+        pr[1] = 0.0f;
+        if (!seen[r % T]) continue;
+        rows[na++] = r;
+        for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
+    }
+    if (na == 0 || !vblock) {
+        free(vblock);
+        return;
+    }
+    for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
+        const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK, nb8 = (nb + 7) & ~(int64_t)7;
+        /* scores of the block, eight K rows at a time (each read once for all the unit's query
+           rows; eight accumulators hide the FMA latency and are summed by one transpose). A
+           missing row of the last group repeats the first and its lanes are dropped, so every
+           score is computed the same way wherever the visible cells end. */
+        for (int64_t j8 = 0; j8 < nb; j8 += 8) {
+            const float *kr[8];
+            /* one head's rows are strided by the other heads' rows: streams too short and sparse
+               for the hardware prefetcher (in a decode step attention ran at ~3 GB/s) */
+            for (int64_t e = 0; e < 8; e++) {
+                const int64_t jp = b0 + j8 + KV_PREFETCH + e;
+                if (jp < j1 + KV_PREFETCH) {
+                    prefetch_span(kh + jp * a->k_sj, krow_bytes);
+                    prefetch_span(vh + jp * a->v_sj, vrow_bytes);
+                }
+            }
+            for (int e = 0; e < 8; e++) {
+                const int64_t jj = j8 + e < nb ? j8 + e : j8;
+                kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
+            }
+            for (int64_t ia = 0; ia < na; ia++) {
+                const int64_t r = rows[ia], i = r / T, t = r % T, h = g * gsize + i;
+                const float *qr = a->q + h * a->q_sh + t * a->q_st;
+                float sc8[8];
+                dot8_rows(qr, kr, D8, sc8);
+#if defined(__AVX2__)
+                if (D8 == D && softcap <= 0.0f) {
+                    /* scale and mask 8 scores at once; the last group of a block takes its mask
+                       through a padded copy, so every score goes the same way (no other path) */
+                    __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(sc8), _mm256_set1_ps(scale));
+                    if (a->mask) {
+                        const float *mrow = a->mask + t * a->m_st + b0 + j8;
+                        float m8[8] = {0};
+                        memcpy(m8, mrow, sizeof(float) * (size_t)(nb - j8 < 8 ? nb - j8 : 8));
+                        sv = _mm256_add_ps(sv, _mm256_loadu_ps(m8));
+                    }
+                    _mm256_storeu_ps(sbuf + ia * KV_BLOCK + j8, sv);      /* lanes past nb: padding */
+                    continue;
+                }
+#endif
+                for (int e = 0; e < 8 && j8 + e < nb; e++) {
+                    float sc = sc8[e];
+                    for (int64_t d = D8; d < D; d++) sc += qr[d] * kv_load1(kr[e], d);
+                    sc *= scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    if (a->mask) sc += a->mask[t * a->m_st + b0 + j8 + e];
+                    sbuf[ia * KV_BLOCK + j8 + e] = sc;
+                }
+            }
+        }
+        /* online softmax: new running max, rescale, probabilities in place; a block the row
+           cannot see changes nothing (its probabilities are exact zeros) */
+        for (int64_t ia = 0; ia < na; ia++) {
+            float *pr = part + rows[ia] * P, *sr = sbuf + ia * KV_BLOCK;
+            for (int64_t jj = nb; jj < nb8; jj++) sr[jj] = -INFINITY;      /* whole vectors: see softmax8 */
+            float bm = -INFINITY;
+            for (int64_t jj = 0; jj < nb; jj++) bm = sr[jj] > bm ? sr[jj] : bm;
+            const float m_new = bm > pr[0] ? bm : pr[0];
+            if (m_new == -INFINITY) {                       /* nothing visible yet */
+                for (int64_t jj = 0; jj < nb; jj++) sr[jj] = 0.0f;
+                continue;
+            }
+            if (m_new > pr[0]) {
+                const float alpha = pr[0] == -INFINITY ? 0.0f : expf(pr[0] - m_new);
+                pr[1] *= alpha;
+                for (int64_t d = 0; d < Dv; d++) pr[2 + d] *= alpha;
+                pr[0] = m_new;
+            }
+            pr[1] += softmax8(sr, nb, nb8, m_new);
+        }
+        /* weighted V: the block's V rows read (dequantized) once for all the unit's query rows
+           (skipped when no row gives them weight: another sequence's cells cost no V reads); each
+           query row then sums them in row order with its accumulator in registers */
+        for (int64_t jj = 0; jj < nb; jj++) {
+            int any = 0;
+            for (int64_t ia = 0; ia < na && !any; ia++) any = sbuf[ia * KV_BLOCK + jj] != 0.0f;
+            vrows[jj] = any ? kv_row(a->v_type, vh, b0 + jj, a->v_sj, Dv, vblock + jj * vst) : NULL;
+        }
+        for (int64_t ia = 0; ia < na; ia++) {
+            const float *sr = sbuf + ia * KV_BLOCK;
+            float *acc = part + rows[ia] * P + 2;
+            int64_t d = 0;
+            for (; d < Dv32; d += 32) {
+                v8f a0 = *(v8f_a *)(acc + d), a1 = *(v8f_a *)(acc + d + 8);
+                v8f a2 = *(v8f_a *)(acc + d + 16), a3 = *(v8f_a *)(acc + d + 24);
+                for (int64_t jj = 0; jj < nb; jj++) {
+                    const float p = sr[jj];
+                    if (p == 0.0f) continue;
+                    const float *vr = vrows[jj];
+                    const v8f pv = (v8f){p, p, p, p, p, p, p, p};
+                    a0 += pv * kv_load8(vr, d);
+                    a1 += pv * kv_load8(vr, d + 8);
+                    a2 += pv * kv_load8(vr, d + 16);
+                    a3 += pv * kv_load8(vr, d + 24);
+                }
+                *(v8f_a *)(acc + d) = a0;
+                *(v8f_a *)(acc + d + 8) = a1;
+                *(v8f_a *)(acc + d + 16) = a2;
+                *(v8f_a *)(acc + d + 24) = a3;
+            }
+            for (; d < Dv8; d += 8) {
+                v8f a0 = *(v8f_a *)(acc + d);
+                for (int64_t jj = 0; jj < nb; jj++) {
+                    const float p = sr[jj];
+                    if (p == 0.0f) continue;
+                    a0 += (v8f){p, p, p, p, p, p, p, p} * kv_load8(vrows[jj], d);
+                }
+                *(v8f_a *)(acc + d) = a0;
+            }
+            for (; d < Dv; d++) {
+                float a1 = acc[d];
+                for (int64_t jj = 0; jj < nb; jj++)
+                    if (sr[jj] != 0.0f) a1 += sr[jj] * kv_load1(vrows[jj], d);
+                acc[d] = a1;
+            }
+        }
+    }
+    free(vblock);
+}
+
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
+
+int metatp_attention(const AttentionArgs *a) {
+    const int64_t T = a->T, H = a->H, Hkv = a->Hkv, Dv = a->Dv, n_kv = a->n_kv;
+    if (Hkv <= 0 || H % Hkv || n_kv <= 0 || T <= 0 || a->nthreads < 1) return -1;
+    if (kv_row_bytes(a->k_type, a->D) < 0 || kv_row_bytes(a->v_type, Dv) < 0) return -5;
+    const int64_t gsize = H / Hkv, G = gsize * T, P = Dv + 2;
+    const int64_t nch = (n_kv + ATTN_CHUNK - 1) / ATTN_CHUNK, units = Hkv * nch;
+    if (nch > a->max_chunks) return -2;
+    /* threads change who computes a unit, never what it computes */
+    const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 && units > 1 ? (int)a->nthreads : 1;
+    float *parts = a->scratch, *sbufs = a->scratch + Hkv * a->max_chunks * G * P;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *sbuf = sbufs + (int64_t)THREAD_NUM() * G * KV_BLOCK;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t g = u / nch, c = u % nch, j0 = c * ATTN_CHUNK;
+            const int64_t j1 = j0 + ATTN_CHUNK < n_kv ? j0 + ATTN_CHUNK : n_kv;
+            attn_unit(a, g, j0, j1, parts + u * G * P, sbuf);
+        }
+        /* merge the chunks of each query row in chunk order (log-sum-exp), add the sink, normalize */
+#pragma omp for schedule(static)
+        for (int64_t gr = 0; gr < Hkv * G; gr++) {
+            const int64_t g = gr / G, r = gr % G, i = r / T, t = r % T, h = g * gsize + i;
+            float m = a->sinks ? a->sinks[h] : -INFINITY;
+            for (int64_t c = 0; c < nch; c++) {
+                const float mc = parts[((g * nch + c) * G + r) * P];
+                m = mc > m ? mc : m;
+            }
+            float *orow = a->out + t * a->o_st + h * a->o_sh;
+            for (int64_t d = 0; d < Dv; d++) orow[d] = 0.0f;
+            if (m == -INFINITY) continue;
+            float l = a->sinks ? expf(a->sinks[h] - m) : 0.0f;
+            for (int64_t c = 0; c < nch; c++) {
+                const float *pc = parts + ((g * nch + c) * G + r) * P;
+                if (pc[0] == -INFINITY) continue;
+                const float w = expf(pc[0] - m);
+                l += w * pc[1];
+                for (int64_t d = 0; d < Dv; d++) orow[d] += w * pc[2 + d];
+            }
+            const float inv = 1.0f / l;
+            for (int64_t d = 0; d < Dv; d++) orow[d] *= inv;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,282 @@
+/* qmatmul.c: y = x @ W^T over int8-coded weights, float32 activations (part of the unity build
+ * cpu_kernels.c; uses simd.h).
+ *
+ * Why: a decode step streams every weight once. As float32 that is 4 bytes a weight and the
+ * step is bound by memory bandwidth; kept as int8 codes with one float32 scale (and offset)
+ * per block of 16 or 32 it is ~1.25 bytes (~0.75 for types whose codes fit a nibble: those are
+ * stored two a byte), and the codes are turned into floats in registers.
+ * Activations stay float32, so the result equals the float32 product of the dequantized
+ * weights up to summation order.
+ *
+ *   y[t][r] = sum_b scale[r][b] * sum_i q[r][b*B+i] * x[t][b*B+i]  +  sum_b offset[r][b] * xsum[t][b]
+ *
+ * Written with GCC vector extensions (-march=native turns them into AVX-512 or NEON) and, for
+ * AVX2, with 8-float intrinsics. Chunks of CHUNK_ROWS rows are shared among OpenMP threads; a
+ * chunk is computed in register tiles of R rows x T tokens, so a row's codes are converted once
+ * for T tokens and a token's x is read once for R rows, with software prefetch a few rows ahead.
+ */
+
+typedef struct {
+    /* bits 8: int8 codes; 4: nibbles, code = nibble - bias; 16: halves, bias 1 = bfloat16 */
+    int64_t rows, k, block, bits, bias;
+    const void *q;
+    const float *scale, *offset;   /* offset may be NULL */
+    const float *x;
+    int64_t ldx, ntok;
+    float *y;
+    int64_t ldy;
+} QMatmulArgs;
+
+/* Several independent products in one parallel region (e.g. one node's slices on every
+ * simulated device): the threads share out all their rows, so a group pays one fork/join. */
+typedef struct {
+    int64_t n;
+    const QMatmulArgs *const *items;
+    int64_t nthreads;
+} QMatmulGroup;
+
+static int qmm_check(const QMatmulArgs *a) {
+    if (a->block != 16 && a->block != 32) return -1;
+    if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0 || a->ntok < 1) return -2;
+    if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0 && a->bias >= 0 && a->bias <= 15)
+          || (a->bits == 16 && (a->bias == 0 || a->bias == 1)))) return -5;
+    return 0;
+}
+
+/* Per token, per block: the sum of x that the block's offset multiplies. */
+static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
+    const int64_t nb = a->k / a->block;
+    for (int64_t t = 0; t < a->ntok; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            xsum[t * nb + b] = sum_f32(a->x + t * a->ldx + b * a->block, a->block);
+        }
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2: the tile holds each 16-lane accumulator as two __m256 (lanes 0..7, 8..15) and unpacks
+ * codes straight into them (see simd.h). Same sums as the v16f code. */
+
+/* Unit k (16 codes) as two 8-float halves; nibbles without their bias (see qmm_store). */
+static inline __attribute__((always_inline)) void unit_pair(const void *q, int64_t k, int bits, int bias, __m256 u[2]) {
+    if (bits == 4) {
+        __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (k >> 1) * UNIT));
+        if (k & 1) b = _mm_srli_epi16(b, 4);
+        bytes16_to_f32(_mm_and_si128(b, _mm_set1_epi8(0x0F)), 0, &u[0], &u[1]);
+    } else if (bits == 16) {
+        halves8_to_f32((const uint16_t *)q + k * UNIT, bias, &u[0]);
+        halves8_to_f32((const uint16_t *)q + k * UNIT + 8, bias, &u[1]);
+    } else {
+        bytes16_to_f32(_mm_loadu_si128((const __m128i *)((const int8_t *)q + k * UNIT)), 1, &u[0], &u[1]);
+    }
+}
+
+/* Block b of 32 codes (units 2b, 2b+1) as four halves; 16 nibble bytes are read once. */
+static inline __attribute__((always_inline)) void block_pairs(const void *q, int64_t b, int bits, int bias, __m256 u[4]) {
+    if (bits == 4) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * UNIT)), m = _mm_set1_epi8(0x0F);
+        bytes16_to_f32(_mm_and_si128(v, m), 0, &u[0], &u[1]);
+        bytes16_to_f32(_mm_and_si128(_mm_srli_epi16(v, 4), m), 0, &u[2], &u[3]);
+    } else {
+        unit_pair(q, 2 * b, bits, bias, &u[0]);
+        unit_pair(q, 2 * b + 1, bits, bias, &u[2]);
+    }
+}
+
+static inline float hsum_pair(__m256 lo, __m256 hi) {
+    const __m256 a = _mm256_add_ps(lo, hi);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static inline __attribute__((always_inline)) void qmm_tile(
+        const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, int shift, float *res) {
+    const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx;
+    const int64_t rowbytes = k * bits / 8;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nb;
+    const float *x0 = a->x + t0 * ldx;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nb, R * nb * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nb, R * nb * (int64_t)sizeof(float));
+    __m256 acc[4][4][2];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
+    if (shift == 1) {
+        const int64_t step = R * bits * 4;
+        for (int64_t b = 0; b < units / 2; b++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+            for (int i = 0; i < R; i++) {
+                __m256 u[4];
+                block_pairs(q0 + i * rowbytes, b, bits, bias, u);
+                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + b);
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + 2 * b * UNIT;
+                    __m256 p0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xt));
+                    __m256 p1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xt + 8));
+                    p0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xt + 16), p0);
+                    p1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xt + 24), p1);
+                    acc[i][t][0] = _mm256_fmadd_ps(sc, p0, acc[i][t][0]);
+                    acc[i][t][1] = _mm256_fmadd_ps(sc, p1, acc[i][t][1]);
+                }
+            }
+        }
+    } else {
+        const int64_t step = R * bits * 2;
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
+            for (int i = 0; i < R; i++) {
+                __m256 w[2];
+                unit_pair(q0 + i * rowbytes, u, bits, bias, w);
+                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + u);
+                w[0] = _mm256_mul_ps(w[0], sc);
+                w[1] = _mm256_mul_ps(w[1], sc);
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + u * UNIT;
+                    acc[i][t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), acc[i][t][0]);
+                    acc[i][t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), acc[i][t][1]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) res[i * T + t] = hsum_pair(acc[i][t][0], acc[i][t][1]);
+}
+#else
+/* R rows (from r0) x T tokens (from t0) of one item, for one code format (constants at every
+ * call site, so the loops unroll and the accumulators stay in registers): a unit's codes are
+ * converted once for all T tokens and a token's x is read for all R rows. Each (row, token) sum
+ * is one v16f accumulator taking the blocks in order, whatever the tile shape or the step's other
+ * tokens (batch invariance): blocks of 32 sum their two units unscaled and scale once per block,
+ * blocks of 16 scale each unit. res[i * T + t]. */
+static inline __attribute__((always_inline)) void qmm_tile(
+        const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, int shift, float *res) {
+    const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx;
+    const int64_t rowbytes = k * bits / 8;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nb;
+    const float *x0 = a->x + t0 * ldx;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nb, R * nb * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nb, R * nb * (int64_t)sizeof(float));
+    v16f acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = (v16f){0};
+    if (shift == 1) {
+        const int64_t step = R * bits * 4;                 /* the tile's code bytes per block */
+        for (int64_t b = 0; b < units / 2; b++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+            for (int i = 0; i < R; i++) {
+                const void *q = q0 + i * rowbytes;
+                const v16f u0 = unit_codes(q, 2 * b, bits, bias), u1 = unit_codes(q, 2 * b + 1, bits, bias);
+                const float sc = s0[i * nb + b];
+                for (int t = 0; t < T; t++) {
+                    const float *xt = x0 + t * ldx + 2 * b * UNIT;
+                    v16f p = u0 * load_f32(xt);
+                    p += u1 * load_f32(xt + UNIT);
+                    acc[i][t] += sc * p;
+                }
+            }
+        }
+    } else {
+        const int64_t step = R * bits * 2;                 /* the tile's code bytes per unit */
+        for (int64_t u = 0; u < units; u++) {
+            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
+            for (int i = 0; i < R; i++) {
+                const v16f w = unit_codes(q0 + i * rowbytes, u, bits, bias) * s0[i * nb + u];
+                for (int t = 0; t < T; t++) acc[i][t] += w * load_f32(x0 + t * ldx + u * UNIT);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) res[i * T + t] = hsum(acc[i][t]);
+}
+#endif
+
+static int needs_xsum(const QMatmulArgs *a) {
+    return a->offset != NULL || (a->bits == 4 && a->bias != 0);
+}
+
+/* The tile's results plus the offset term and the nibble bias (nibbles are read without their
+ * bias, one instruction less per 16 codes; it comes back as - bias * sum_b scale[b] * xsum[b]),
+ * per row and token in block order, into y. */
+static __attribute__((noinline, noclone)) void qmm_store(const QMatmulArgs *a, const float *xsum, int64_t r0, int R, int64_t t0, int T,
+                             const float *res) {
+    const int64_t nb = a->k / a->block;
+    const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
+    for (int i = 0; i < R; i++)
+        for (int t = 0; t < T; t++) {
+            float v = res[i * T + t];
+            const float *xs = xsum ? xsum + (t0 + t) * nb : NULL;
+            if (a->offset) {
+                v += dot_f32(a->offset + (r0 + i) * nb, xs, nb);
+            }
+            if (bias != 0.0f) {
+                v = fmaf(-bias, dot_f32(a->scale + (r0 + i) * nb, xs, nb), v);
+            }
+            a->y[(t0 + t) * a->ldy + r0 + i] = v;
+        }
+}
+
+/* Rows r0 .. r0+nr of an item against all its tokens (TILE_ROWS): one row a tile for 3 or 4
+ * tokens, two for 2, four for 1. */
+static inline __attribute__((always_inline)) void qmm_chunk_fmt(
+        const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr, int bits, int bias, int shift) {
+    float res[16];
+#define QMM_TILE(r, R, t0, T) do { \
+        qmm_tile(a, (r), (R), (t0), (T), bits, bias, shift, res); \
+        qmm_store(a, xsum, (r), (R), (t0), (T), res); \
+    } while (0)
+    TILE_ROWS(QMM_TILE, a->ntok, r0, nr, 1, 1, 2, 4);
+#undef QMM_TILE
+}
+
+/* One chunk of rows, dispatched on the code format: int8, nibbles (read without their bias),
+ * halves or bfloat16s; blocks of 32 or 16. */
+static void qmm_chunk(const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr) {
+    const int shift = a->block == 32 ? 1 : 0;
+#define QMM_FMT(B, BIAS) do { \
+        if (shift) qmm_chunk_fmt(a, xsum, r0, nr, (B), (BIAS), 1); \
+        else qmm_chunk_fmt(a, xsum, r0, nr, (B), (BIAS), 0); \
+    } while (0)
+    if (a->bits == 4) QMM_FMT(4, 0);
+    else if (a->bits == 16 && a->bias) QMM_FMT(16, 1);
+    else if (a->bits == 16) QMM_FMT(16, 0);
+    else QMM_FMT(8, 0);
+#undef QMM_FMT
+}
+
+/* Returns 0, or a negative code for arguments the kernel does not take. */
+int metatp_qmatmul(const QMatmulGroup *g) {
+    const int64_t n = g->n;
+    if (n < 1 || n > MAX_ITEMS) return -4;
+    int64_t first_chunk[MAX_ITEMS + 1], xsum_at[MAX_ITEMS + 1], work = 0;
+    first_chunk[0] = xsum_at[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const QMatmulArgs *a = g->items[i];
+        const int rc = qmm_check(a);
+        if (rc) return rc;
+        first_chunk[i + 1] = first_chunk[i] + (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * a->ntok : 0);
+        work += a->rows * a->k * a->ntok;
+    }
+    float *xsum = NULL;
+    if (xsum_at[n]) {
+        xsum = (float *)malloc(sizeof(float) * (size_t)xsum_at[n]);
+        if (!xsum) return -3;
+        for (int64_t i = 0; i < n; i++)
+            if (needs_xsum(g->items[i])) qmm_xsum(g->items[i], xsum + xsum_at[i]);
+    }
+    const int nthreads = work < (int64_t)1 << 16 ? 1 : (int)g->nthreads;   /* small: not worth waking threads */
+    const int64_t total = first_chunk[n];
+
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t c = 0; c < total; c++) {
+        int64_t i = 0;
+        while (c >= first_chunk[i + 1]) i++;
+        const QMatmulArgs *a = g->items[i];
+        const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
+        qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+    }
+    free(xsum);
+    return 0;
+}

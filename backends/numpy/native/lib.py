@@ -1,0 +1,245 @@
+"""Building and loading the C library (`csrc/cpu_kernels.c`), its argument structs, one prepared
+call (`_Call`), batches of calls and the kernel thread count.
+
+The library is built on first use with the machine's C compiler (-O3 -march=native, OpenMP when
+available) and cached; where that is impossible (no compiler, METATP_CPU_KERNELS=0)
+`available()` is False and the backend keeps its numpy path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import shutil
+import warnings
+from importlib import resources
+from typing import Callable
+
+import numpy as np
+
+from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+__all__ = ["available", "kernel_info", "isa", "library_isa", "build_library", "default_threads", "batchable",
+           "batch", "ATTN_CHUNK", "MAX_ROWS"]
+
+# The decode attention cuts the KV length into chunks at absolute multiples of ATTN_CHUNK cells
+# (ATTN_CHUNK in attention.c): a query row's result depends only on its visible cells and their
+# positions modulo ATTN_CHUNK, so a sequence whose first cell is a multiple of it gets the same
+# bits alone or batched with others (the engine places sequences so).
+ATTN_CHUNK = 128
+
+# The most rows (tokens of one step) the few-token kernels are used for: a step of 64 sequences'
+# decode tokens; longer prompt chunks go to float32 BLAS (faster there, but its sums depend on the
+# batch shape). numpy/kernels dispatches on it.
+MAX_ROWS = 64
+
+_FLAG_SETS = (
+    ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
+    ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=gnu11", "-w"),   # no OpenMP runtime
+    ("-O3", "-fPIC", "-shared", "-std=gnu11", "-w"),                        # compiler without -march=native
+)
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _struct(name: str, fields: str) -> type[ctypes.Structure]:
+    """A ctypes mirror of one argument struct of the C kernels ("name:type ..."; i=int64,
+    f=float, p=pointer), fields in the C order."""
+    kinds = {"i": _I64, "f": _F32, "p": _PTR}
+    return type(name, (ctypes.Structure,), {"_fields_": [(f.split(":")[0], kinds[f.split(":")[1]])
+                                                         for f in fields.split()]})
+
+
+# Every entry point of the library and the struct its one pointer argument points to.
+_ARGS = {
+    "metatp_qmatmul": _struct("QMatmulGroup", "n:i items:p nthreads:i"),
+    "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p"),
+    "metatp_attention": _struct("AttentionArgs", "T:i H:i Hkv:i D:i Dv:i n_kv:i q:p q_sh:i q_st:i k:p k_sh:i "
+                                                 "k_sj:i k_type:i v:p v_sh:i v_sj:i v_type:i mask:p m_st:i scale:f "
+                                                 "softcap:f sinks:p out:p o_st:i o_sh:i scratch:p max_chunks:i "
+                                                 "nthreads:i"),
+    "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
+    "metatp_rms_norm": _struct("RmsNormArgs", "T:i n:i x:p x_st:i w:p out:p o_st:i eps:f"),
+    "metatp_add": _struct("AddArgs", "T:i n:i a:p a_st:i b:p b_st:i out:p o_st:i"),
+    "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
+    "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p type:i"),
+    "metatp_kv_convert": _struct("KvConvertArgs", "type:i rows:i n:i x:p q:p out:p"),
+    "metatp_q8_matmul": _struct("Q8MatmulGroup", "n:i items:p nthreads:i"),
+    "metatp_q8_quantize": _struct("Q8QuantArgs", "kind:i ntok:i k:i x:p ldx:i q:p d:p s:p isum:p"),
+    "metatp_q8_isums": _struct("Q8IsumArgs", "w:p xq:p out:p"),
+    "metatp_round_half": _struct("HalfArgs", "n:i x:p out:p"),
+    "metatp_batch": _struct("BatchArgs", "n:i fns:p args:p failed:i"),
+    "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
+                                             "nthreads:i group:i half_scales:i"),
+}
+
+
+class _Call:
+    """One prepared kernel call: the argument struct is built once; calling costs one ctypes
+    call with one pointer. Holds the arrays whose addresses the struct contains."""
+
+    def __init__(self, name: str, keep: tuple, **fields) -> None:
+        lib = _library()[0]
+        if lib is None:
+            raise RuntimeError(f"CPU kernels unavailable: {kernel_info()}")
+        self.name = name
+        self.args = _ARGS[name](**fields)
+        self.keep = keep
+        self._fn = functools.partial(getattr(lib, name), ctypes.addressof(self.args))
+        self.entry = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value    # for batches
+
+    def __call__(self) -> None:
+        rc = self._fn()
+        if rc:
+            raise RuntimeError(f"{self.name} rejected its arguments (code {rc})")
+
+
+def _cpu_signature() -> str:
+    """Part of the cache key: a library built with -march=native runs only on a like CPU."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    sig += line
+    except OSError:
+        pass
+    return sig
+
+
+def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
+    """Build (or take from the cache) `csrc/cpu_kernels.c` with these compiler flags and load it.
+    Raises RuntimeError/OSError when that fails. (Tests also build other ISA paths with it.)
+    cpu_kernels.c is a unity file including the other files of csrc/: they are compiled with -I
+    on that folder, and a change in any of them builds anew."""
+
+    cc = cc or os.environ.get("CC", "cc")
+    with resources.as_file(resources.files("metatp.backends").joinpath("csrc")) as csrc:
+        source = (csrc / "cpu_kernels.c").read_text(encoding="utf-8")
+        path = build_shared_library("cpu_kernels", source, ".c", cc, flags,
+                                    host_cache_dir("METATP_KERNEL_CACHE", "metatp-kernels"), _cpu_signature(),
+                                    libs=("-lm",), include_dir=csrc)
+    lib = ctypes.CDLL(str(path))
+    for name in _ARGS:
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p]
+    lib.metatp_isa.restype = ctypes.c_char_p
+    lib.metatp_isa.argtypes = []
+    lib.metatp_attn_chunk.restype = ctypes.c_int
+    lib.metatp_attn_chunk.argtypes = []
+    if lib.metatp_attn_chunk() != ATTN_CHUNK:
+        raise RuntimeError(f"attention.c has ATTN_CHUNK {lib.metatp_attn_chunk()}, native/lib.py {ATTN_CHUNK}")
+    return lib
+
+
+def library_isa(lib: ctypes.CDLL) -> str:
+    """Which integer dot-product path a build compiled: avx512-vnni, avx-vnni, avx2 or portable."""
+    return lib.metatp_isa().decode()
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, a line saying which build or why none)."""
+    if os.environ.get("METATP_CPU_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None, "off (METATP_CPU_KERNELS=0)"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None, f"off (no C compiler {cc!r} on PATH)"
+    errors = []
+    for flags in _FLAG_SETS:
+        try:
+            lib = build_library(flags, cc)
+        except (RuntimeError, OSError) as e:
+            errors.append(str(e).splitlines()[0])
+            continue
+        shown = " ".join(f for f in flags if f.startswith(("-march", "-fopenmp")))
+        info = f"cpu_kernels ({cc} {shown}; q8 {library_isa(lib)})".replace(" ;", ";")
+        return lib, info + ("" if "-fopenmp" in flags else ", single-threaded")
+    warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "
+                  f"(slower): {errors[-1] if errors else 'unknown error'}", RuntimeWarning, stacklevel=2)
+    return None, "off (build failed)"
+
+
+def available() -> bool:
+    """True when the compiled kernel can be used on this machine."""
+    return _library()[0] is not None
+
+
+def kernel_info() -> str:
+    """One line for reports: which build is in use, or why none."""
+    return _library()[1]
+
+
+def isa() -> str | None:
+    """The integer dot-product path of the build in use (None without one)."""
+    lib = _library()[0]
+    return None if lib is None else library_isa(lib)
+
+
+# What MPI launchers tell each process about the ranks sharing its machine (MPICH/hydra, Open MPI,
+# MVAPICH): read without importing mpi4py.
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def _local_ranks() -> int:
+    for var in _LOCAL_SIZE_VARS:
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return 1
+
+
+def default_threads() -> int:
+    """Threads for the kernel: METATP_NUM_THREADS, else OMP/OPENBLAS_NUM_THREADS, else the CPUs
+    this process may use (the same count numpy's BLAS takes) shared among the MPI ranks on this
+    machine (N ranks of 2 threads each on 2 cores would spin against each other)."""
+    for var in ("METATP_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        v = os.environ.get(var, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    try:
+        cpus = max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        cpus = max(1, os.cpu_count() or 1)
+    return max(1, cpus // _local_ranks())
+
+
+def _elems(a: np.ndarray, axis: int) -> int:
+    """Stride of `axis` in float32 elements."""
+    return a.strides[axis] // 4
+
+def batchable(f) -> bool:
+    """Can `f` join a `batch`: a prepared kernel call, or a closure around one that says so with
+    `.kernel` (the call) and `.prepare` (Python work to do first, or None)."""
+    return isinstance(f, _Call) or isinstance(getattr(f, "kernel", None), _Call)
+
+
+def batch(closures: list) -> Callable[[], None]:
+    """One closure doing the work of several `batchable` ones, in their order: first every
+    `.prepare` (they only read inputs and set arguments: per-step tables, the visible cache
+    length), then all the kernels in one ctypes call. Bit-identical to calling them in turn."""
+    if len(closures) == 1:
+        return closures[0]
+    closures = list(closures)        # the caller may reuse its list
+    calls = [f if isinstance(f, _Call) else f.kernel for f in closures]
+    prepares = []       # in order, each once: closures may share one (a per-step table, a visible length)
+    for f in closures:
+        prep = None if isinstance(f, _Call) else getattr(f, "prepare", None)
+        if prep is not None and not any(prep == p for p in prepares):     # == : bound methods of one object
+            prepares.append(prep)
+    fns = (ctypes.c_void_p * len(calls))(*[c.entry for c in calls])
+    args = (ctypes.c_void_p * len(calls))(*[ctypes.addressof(c.args) for c in calls])
+    call = _Call("metatp_batch", (calls, fns, args), n=len(calls), fns=ctypes.addressof(fns),
+                 args=ctypes.addressof(args), failed=0)
+    fn = call._fn
+
+    def run() -> None:
+        for prep in prepares:
+            prep()
+        if fn():
+            closures[int(call.args.failed)]()      # the failing one again, for its own error
+            raise RuntimeError(f"{calls[int(call.args.failed)].name} failed inside a batch")
+    run.keep = (call, closures)
+    return run
