@@ -2,7 +2,7 @@
 
 The walk, binding and reading are the shared `PlanExecutor`'s. What is numpy's own:
 - buffers are numpy arrays (an arena per device; views are numpy views of it);
-- each node becomes one closure over preallocated arrays (`numpy_kernels.kernel_for`);
+- each node becomes one closure over preallocated arrays (`kernels.kernel_for`);
 - the runner goes node by node across the simulated devices (they are independent inside a
   subgraph, so any interleaving is valid), turning one node's int8 matmuls on every device
   into one compiled call; with `threads=True` devices run side by side instead;

@@ -31,13 +31,6 @@ from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Tensor
 
-# Names tests/numpy/test_cpu_kernels.py imports from here. rope_reference (test-only) and the old
-# name attention_reference go once that test compares against metatp.testing.oracles.
-from metatp.backends.numpy.kernels.attention import rope_reference  # noqa: E402,F401
-from metatp.backends.numpy.kernels.elementwise import _gelu_tanh, _silu  # noqa: E402,F401
-
-attention_reference = attention_numpy
-
 __all__ = ["KERNELS", "kernel_for", "Closure", "rms_norm_mul", "quantize_q8_blocks", "round_f16", "q8_quantize_numpy",
            "rope_cos_sin", "attention_numpy", "kv_store_rows", "kv_load_rows"]
 

@@ -167,23 +167,3 @@ def _flash_attn(node, out, src, ctx) -> Closure:
                                   scale, softcap, sinks)
     return run
 
-
-def rope_reference(x: np.ndarray, pos: np.ndarray, n_dims: int, mode: int, freq_base: float,
-                   freq_scale: float = 1.0, freq_factors: np.ndarray | None = None) -> np.ndarray:
-    """x: (T, H, D) float32 -> roped copy (normal: adjacent pairs; NEOX: halves).
-
-    Not used by the runtime (`_rope` computes the same in place) and not a reference (that is
-    `metatp.testing.oracles.ref_rope`): kept only because tests/numpy/test_cpu_kernels.py imports
-    it; delete it once that test compares against the oracle."""
-    out = np.array(x, dtype=F32, copy=True)
-    cos, sin = rope_cos_sin(pos, n_dims, freq_base, freq_scale, freq_factors)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if mode == RopeMode.NEOX:
-        x0, x1 = x[..., : n_dims // 2], x[..., n_dims // 2: n_dims]
-        out[..., : n_dims // 2] = x0 * cos - x1 * sin
-        out[..., n_dims // 2: n_dims] = x0 * sin + x1 * cos
-    else:
-        x0, x1 = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
-        out[..., 0:n_dims:2] = x0 * cos - x1 * sin
-        out[..., 1:n_dims:2] = x0 * sin + x1 * cos
-    return out
