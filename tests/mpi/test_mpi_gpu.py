@@ -2,8 +2,8 @@
 
 Without a GPU (CI): every rank runs the cupy backend on the CPU kernel emulator (`EmuRuntime`,
 one emulated GPU per local rank) and its NCCL communicator is the test stand-in
-`backends/testing/mpi_nccl.MpiNcclComm`, which really sums over MPI. So `mpiexec -n 2` runs the
-real wiring: `World.create_backend("cupy")`, the local GPU check, the unique id drawn by rank 0
+`metatp/testing/mpi_nccl.MpiNcclComm`, which really sums over MPI. So `mpiexec -n 2` runs the
+real wiring: `LLM(backend="cupy", distributed="mpi")`, the local GPU check, the unique id drawn by rank 0
 and broadcast, the communicator handed each buffer's pointer and the device stream, the calls
 captured into the decode step's CUDA graph and replayed. Logits are checked against one process
 (the numpy backend, and the emulated cupy backend with both devices in one process).
