@@ -1,4 +1,10 @@
-"""Shared fixtures: synthetic GGUF models and the real default model (when it is cached)."""
+"""Shared fixtures: synthetic GGUF models and the real default model (when it is cached).
+
+A test module names its synthetic model once, as a module-level `SPEC` (a `SynthSpec`), and
+takes it as `path` (the GGUF file, a str), `synth_model` (loaded) or `llm` (an `LLM` on the
+numpy backend with the module's `LLM_OPTIONS`). Files are written once per session per spec
+(`synth_factory`). `tests/test_fixtures.py` checks that no fixture is declared twice.
+"""
 
 from __future__ import annotations
 
@@ -35,14 +41,53 @@ def synth_factory(tmp_path_factory):
     return make
 
 
-def default_model_path() -> Path | None:
-    """The default model, fetched once if needed (CI fetches it; the download is ~90 MB)."""
+def _module_attr(request, name: str):
+    try:
+        return getattr(request.module, name)
+    except AttributeError:
+        raise pytest.UsageError(f"{request.module.__name__} uses a fixture that needs a module-level {name}") from None
+
+
+@pytest.fixture(scope="module")
+def path(request, synth_factory) -> str:
+    """The test module's synthetic model (its `SPEC`), as a path string."""
+    return str(synth_factory(_module_attr(request, "SPEC"))[0])
+
+
+@pytest.fixture(scope="module")
+def synth_model(path):
+    """The test module's synthetic model (its `SPEC`), loaded."""
+    from metatp.ir.loader import load_model
+
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def llm(request, path):
+    """An LLM on the module's synthetic model: numpy backend, the module's `LLM_OPTIONS` (n_ctx...)."""
+    from metatp import LLM
+
+    return LLM(path, backend="numpy", **_module_attr(request, "LLM_OPTIONS"))
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The default model, fetched once if needed (CI fetches it; the download is ~90 MB); the
+    tests that take it skip without a network and a cached copy."""
     from metatp.models import resolve_model
 
     try:
         return resolve_model(None, quiet=True)
     except Exception as e:  # no network and no cache: the real-model tests cannot run
         pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def default_llm(default_model):
+    """An LLM on the default model: numpy backend, n_ctx 512."""
+    from metatp import LLM
+
+    return LLM(str(default_model), n_ctx=512, backend="numpy")
 
 
 def pytest_sessionstart(session) -> None:

@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import numpy as np
 import gguf
 
 from metatp.ir.gguf_validate import GGUFFieldError, GGUFLayout, validate_gguf
+from metatp.testing.gguf_edit import GGUFParts, finish_gguf, read_parts, write_parts
 
 # A validation that takes longer than this on a small file counts as a hang.
 MAX_VALIDATE_SECONDS = 2.0
@@ -79,10 +79,7 @@ def build_sample_gguf(path: str | os.PathLike[str]) -> None:
                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("token_embd.weight", rng.standard_normal((2, 16)).astype(np.float16))
     w.add_tensor("output_norm.weight", rng.standard_normal(32).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 # -- mutators: pure functions of the input bytes and explicit parameters -------------------
@@ -263,48 +260,7 @@ def run(examples: int, seed: int, base: bytes, use_reader: bool, save_dir: Path 
     return n_failed
 
 
-# -- metadata values: rewrite a well-formed file with hostile values --------------------------
-
-@dataclass
-class GGUFParts:
-    """A GGUF as plain parts that can be changed and written again (keys keep their value types)."""
-
-    arch: str
-    kvs: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]]   # key -> (value, type, element type)
-    tensors: list[tuple[str, np.ndarray, gguf.GGMLQuantizationType, tuple[int, ...]]]   # name, data, type, ne
-
-
-def read_parts(path: str | os.PathLike[str]) -> GGUFParts:
-    reader = gguf.GGUFReader(os.fspath(path))
-    kvs: dict[str, tuple[Any, gguf.GGUFValueType, gguf.GGUFValueType | None]] = {}
-    arch = ""
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if key == "general.architecture":
-            arch = str(f.contents())
-            continue
-        sub = f.types[1] if len(f.types) > 1 else None
-        kvs[key] = (f.contents(), f.types[0], sub)
-    tensors = [(t.name, np.array(t.data), gguf.GGMLQuantizationType(int(t.tensor_type)),
-                tuple(int(x) for x in t.shape)) for t in reader.tensors]
-    return GGUFParts(arch, kvs, tensors)
-
-
-def write_parts(path: str | os.PathLike[str], parts: GGUFParts) -> None:
-    w = gguf.GGUFWriter(os.fspath(path), parts.arch)
-    for key, (value, vtype, sub) in parts.kvs.items():
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for name, data, qtype, ne in parts.tensors:
-        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, np.ascontiguousarray(data).reshape(tuple(reversed(ne))))
-        else:
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
+# -- metadata values: rewrite a well-formed file with hostile values (the editor: metatp.testing.gguf_edit)
 
 VT = gguf.GGUFValueType
 

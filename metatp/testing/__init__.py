@@ -5,7 +5,11 @@
 - `emulated_runtime`: `EmuRuntime`, the CUDA backend's device API on the CPU: the one seam,
   ``CupyBackend(layout, runtime=EmuRuntime())``;
 - `oracles`: the float64 references; `kernel_checks`: one check module per kernel family;
-- `synth`: small synthetic GGUF models written with `gguf.GGUFWriter` (the tests' model factory).
+- `synth`: small synthetic GGUF models written with `gguf.GGUFWriter` (the tests' model factory);
+  `gguf_edit`: a GGUF read into parts, changed and written back (`read_parts` / `write_parts`);
+- `compare`: two engines along one teacher-forced token path (`teacher_forced`);
+- `mpi_rank`: one GPU rank under mpiexec through `LLM(distributed="mpi")`, and the prompt run
+  every rank driver shares (`run_prompt`); `mpi_nccl`: the NCCL stand-in that sums over MPI.
 
 Production modules never import this package.
 """

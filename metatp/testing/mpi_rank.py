@@ -1,20 +1,21 @@
-"""One GPU rank under mpiexec: the cupy backend owning device `rank`, NCCL between the ranks.
+"""One GPU rank under mpiexec: `LLM(backend="cupy", distributed="mpi")` owning device `rank`,
+NCCL between the ranks; and the prompt run every rank test driver shares (`run_prompt`).
 
     mpiexec -n 2 python -m metatp.testing.mpi_rank --model m.gguf -ts 1,1 --emulate --out DIR
     mpiexec -n 1 python tools/gpu_check --mpi-rank --smoke --model m.gguf --out DIR   (on a GPU)
 
-Started by `tests/test_mpi_gpu.py` (emulated: `EmuRuntime` on every rank, its NCCL stand-in
-summing over MPI) and by `tools/gpu_check`'s MPI+NCCL step (a real GPU and NCCL). What
-`LLM(..., backend="cupy", distributed="mpi")` does, with the engine driven directly: the world,
-the layout and the model check, `World.create_backend("cupy")` (local GPU, NCCL unique id over
-MPI), the prompt scored at every position, then greedy tokens with rank 0's token on every rank.
-Rank 0 writes `result.npz`; every rank writes `rank{r}.json` (its GPU, what the communicator
+Started by `tests/mpi/test_mpi_gpu.py` (emulated: `EmuRuntime` on every rank, its NCCL stand-in
+`mpi_nccl` summing over MPI) and by `tools/gpu_check`'s MPI+NCCL step (a real GPU and NCCL).
+The API does the wiring (the world, the layout and the model check, the local GPU, the NCCL
+unique id over MPI); this module adds what the checks read: `run_prompt` scores the prompt at
+every position, then generates greedy tokens (rank 0's on every rank). Rank 0 writes
+`result.npz` (logits, tokens); every rank writes `rank{r}.json` (its GPU, what the communicator
 was handed, the graph mode). `--smoke` (one rank) also runs the single-process cupy backend on
 the same prompt and the collective's step eagerly and inside a CUDA graph, and writes
-`smoke.json`.
+`smoke.json`. `tests/support/mpi_worker.py` drives the numpy backend through `run_prompt` too.
 
-Errors follow the CLI's rules under MPI: one line `metatp: error: ...`, printed once, then exit 1
-or MPI_Abort of every rank.
+Errors follow the CLI's rules under MPI (`finish_error`): one line `metatp: error: ...`,
+printed once, then exit 1 or MPI_Abort of every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "run_prompt", "write_result"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,27 +55,39 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from metatp.backends.distributed import init_world, should_report
+    from metatp.backends.distributed import finish_error
     from metatp.ir.errors import MetatpError
 
-    world = None
     try:
-        world = init_world("mpi")
-        return _run(world, args)
+        return _run(args)
     except MetatpError as e:
-        if should_report(e, world):
-            print(f"metatp: error: {e}", file=sys.stderr, flush=True)
-        if world is not None and world.size > 1 and not getattr(e, "every_rank", False):
-            world.abort(1)      # the others may be waiting in a collective
-        return 1
+        return finish_error(e, f"metatp: error: {e}", 1)
 
 
-def _runtime(args, world):
+def run_prompt(llm, prompt: list[int], n_gen: int) -> tuple[np.ndarray, list[int]]:
+    """What every rank runs: the prompt scored (logits at every position), then `n_gen` greedy
+    tokens generated from it (rank 0's prompt and tokens on every rank, as `LLM` agrees them)."""
+    from metatp.sampling import SamplingParams
+
+    logits = llm.score(prompt)
+    out = llm.generate([prompt], SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True))
+    return logits, list(out[0].outputs[0].token_ids)
+
+
+def write_result(out: Path, rank: int, logits: np.ndarray, tokens: list[int]) -> None:
+    """Rank 0's `result.npz`: the prompt's logits and the greedy tokens."""
+    if rank == 0:
+        np.savez(out / "result.npz", logits=logits, tokens=np.array(tokens))
+
+
+def _runtime(args):
+    """EmuRuntime with one emulated GPU per rank (or --emu-gpus) under --emulate, else None (CuPy)."""
     if not args.emulate:
         return None
+    from metatp.backends.distributed import init_world
     from metatp.testing import EmuRuntime
 
-    return EmuRuntime(n_gpus=args.emu_gpus if args.emu_gpus is not None else world.size)
+    return EmuRuntime(n_gpus=args.emu_gpus if args.emu_gpus is not None else init_world("mpi").size)
 
 
 def _options(args) -> dict:
@@ -86,40 +98,30 @@ def _options(args) -> dict:
     return opts
 
 
-def _run(world, args) -> int:
-    from metatp.engine import Engine
-    from metatp.ir.loader import load_model
-    from metatp.passes.plan import DeviceLayout
+def _run(args) -> int:
+    from metatp.api import LLM
 
-    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
-    n, mode = world.layout_for(None, None, ts)
-    layout = DeviceLayout(n, mode, ts)
-    world.check_model(args.model)
-    model = load_model(args.model)
-    backend = world.create_backend("cupy", layout, runtime=_runtime(args, world), **_options(args))
-    engine = Engine(model, args.n_ctx, layout, backend)
-    prompt = world.agree_tokens([int(x) for x in args.prompt.split(",")])
+    # `runtime` is the device-API seam `World.create_backend` takes for cupy (EmuRuntime here)
+    runtime = _runtime(args)
+    options = _options(args) | ({"runtime": runtime} if runtime is not None else {})
+    llm = LLM(args.model, n_ctx=args.n_ctx, backend="cupy", tensor_split=args.tensor_split, distributed="mpi",
+              backend_options=options)
+    world, backend = llm.world, llm.backend
+    prompt = [int(x) for x in args.prompt.split(",")]
     t0 = time.perf_counter()
-    logits = engine.forward(prompt, all_logits=True)
-    tokens: list[int] = []
-    last = logits[-1]
-    for _ in range(args.n_gen):
-        tok = world.agree_token(int(np.argmax(last)))
-        tokens.append(tok)
-        last = engine.forward(world.agree_tokens([tok]))
+    logits, tokens = run_prompt(llm, prompt, args.n_gen)
     seconds = time.perf_counter() - t0
     facts = _facts(world, backend, seconds)
     if args.check_collective or args.smoke:
         facts["collective"] = _collective_steps(world)
-    smoke = _smoke(world, args, model, layout, prompt, logits, tokens) if args.smoke else None
+    smoke = _smoke(args, llm.model, llm.layout, prompt, logits, tokens) if args.smoke else None
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{world.rank}.json").write_text(json.dumps(facts))
-        if world.rank == 0:
-            np.savez(out / "result.npz", logits=logits, tokens=np.array(tokens), last=last)
-            if smoke is not None:
-                (out / "smoke.json").write_text(json.dumps(smoke))
+        write_result(out, world.rank, logits, tokens)
+        if world.rank == 0 and smoke is not None:
+            (out / "smoke.json").write_text(json.dumps(smoke))
     backend.collective.close()
     return 0
 
@@ -141,13 +143,13 @@ def _facts(world, backend, seconds: float) -> dict:
     return facts
 
 
-def _smoke(world, args, model, layout, prompt, logits, tokens) -> dict:
-    """One rank: the same prompt on the single-process cupy backend (greedy tokens and logits
-    compared), and the NCCL step of the rank's collective eagerly and inside a CUDA graph."""
+def _smoke(args, model, layout, prompt, logits, tokens) -> dict:
+    """One rank: the same prompt on the single-process cupy backend driven directly (greedy
+    tokens and logits compared with the rank's)."""
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.engine import Engine
 
-    ref = Engine(model, args.n_ctx, layout, CupyBackend(layout, runtime=_runtime(args, world), **_options(args)))
+    ref = Engine(model, args.n_ctx, layout, CupyBackend(layout, runtime=_runtime(args), **_options(args)))
     want = ref.forward(prompt, all_logits=True)
     ref_tokens, last = [], want[-1]
     for _ in range(args.n_gen):

@@ -1,5 +1,8 @@
 """Write small synthetic GGUF models with random weights (tests, device checks, benchmarks).
 
+(`metatp.testing.gguf_edit` beside it reads a GGUF into parts and writes it back, for tests
+that change a file's keys or tensors.)
+
 The weights are real GGUF tensors of the requested types (quantised with `gguf.quants`, or random
 raw blocks for K-quants, which `gguf` cannot quantise), so the loader, the split table and every
 backend see exactly what a downloaded model would give them.
@@ -11,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from metatp.testing.gguf_edit import finish_gguf
 
 __all__ = ["SynthSpec", "write_synthetic_gguf", "random_weight_bytes", "byte_vocab"]
 
@@ -49,6 +54,7 @@ class SynthSpec:
     expert_down_bias: bool = False   # ffn_down_exps.bias [n_embd, n_expert] (the PARTIAL expert bias)
     expert_weights_scale: float = 0.0  # `{arch}.expert_weights_scale` (0: not written)
     write_expert_ff_len: bool = True  # write `{arch}.expert_feed_forward_length` (mixtral files do not)
+    chat_template: str | None = None  # `tokenizer.chat_template` (None: not written)
 
     @property
     def hd(self) -> int:
@@ -152,6 +158,8 @@ def _write_metadata(w, spec: SynthSpec) -> None:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_add_bos_token(False)
+    if spec.chat_template is not None:
+        w.add_chat_template(spec.chat_template)
 
 
 def write_synthetic_gguf(path: str | os.PathLike, spec: SynthSpec) -> dict[str, np.ndarray]:
@@ -186,10 +194,7 @@ def write_synthetic_gguf(path: str | os.PathLike, spec: SynthSpec) -> dict[str, 
     for il in range(spec.n_layer):
         _put_attention(put, spec, f"blk.{il}")
         _put_ffn(put, spec, f"blk.{il}")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return values
 
 

@@ -3,8 +3,8 @@
 A new op that lacks a piece fails here with the list of what is missing, instead of failing at run
 time on the first model that uses it. A piece that is deliberately absent is listed in
 UNSUPPORTED with the reason; an entry there that is no longer true fails too, so the list stays
-honest. The CUDA side is found by introspection only (a `CUDA_OPS` table keyed by Op, or the
-`_op_<name>` methods of the CuPy executable), so the check survives that backend being split up.
+honest. The CUDA side is found by introspection only (the `CUDA_OPS` table keyed by Op in
+`CUDA_MODULES`), so the check survives that backend being split up.
 Also: every kernel name a launcher asks for is an extern "C" entry point of its family's .cu
 (after the C preprocessor, when `cpp` is installed).
 """
@@ -12,7 +12,6 @@ Also: every kernel name a launcher asks for is an extern "C" entry point of its 
 from __future__ import annotations
 
 import importlib
-import inspect
 import re
 import shutil
 import subprocess
@@ -47,7 +46,7 @@ def _numpy_kernel(op: Op) -> object | None:
 
 
 def _cuda_handlers() -> tuple[dict[Op, object], str]:
-    """{op: handler} from a CUDA_OPS table or `_op_<name>` methods, and where they were found."""
+    """{op: handler} from the CUDA_OPS table, and where it was found."""
     tried = []
     for name in CUDA_MODULES:
         try:
@@ -58,13 +57,7 @@ def _cuda_handlers() -> tuple[dict[Op, object], str]:
         table = getattr(mod, "CUDA_OPS", None)
         if isinstance(table, dict) and table:
             return {op: h for op, h in table.items() if isinstance(op, Op)}, f"{name}.CUDA_OPS"
-        for cls_name, cls in inspect.getmembers(mod, inspect.isclass):
-            if cls.__module__ != mod.__name__:
-                continue
-            found = {op: getattr(cls, f"_op_{op.name.lower()}") for op in Op if hasattr(cls, f"_op_{op.name.lower()}")}
-            if found:
-                return found, f"{name}.{cls_name}._op_*"
-        tried.append(f"{name} (no CUDA_OPS table and no class with _op_* methods)")
+        tried.append(f"{name} (no CUDA_OPS table)")
     pytest.fail("could not find the CUDA op handlers; looked in " + "; ".join(tried))
 
 

@@ -33,7 +33,8 @@ from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes import DeviceLayout, compile_plan
 from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
-from metatp.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.testing.compare import teacher_forced
+from metatp.testing.synth import SynthSpec
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
 requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")
@@ -43,7 +44,8 @@ RUNTIMES = [pytest.param("emu", marks=requires_cxx, id="emulator"),
 
 Q_TYPES = {"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_1", "gate": "Q4_1", "up": "Q4_1", "down": "Q4_1",
            "embd": "Q8_0"}
-SMALL = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, types=Q_TYPES, seed=3)
+SPEC = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, types=Q_TYPES,
+                 seed=3)                       # the `synth_model` fixture (tests/conftest.py)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 
 
@@ -53,13 +55,6 @@ def runtime(kind: str, **kw):
 
 def layout_for(n: int, ts=None) -> DeviceLayout:
     return DeviceLayout(n, "tensor" if n > 1 else "none", tuple(ts) if ts else None)
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cupy") / "small.gguf"
-    write_synthetic_gguf(path, SMALL)
-    return load_model(path)
 
 
 def engines(model, kind, n=1, ts=None, ref_n=None, **backend_kw):
@@ -79,12 +74,7 @@ def rel_err(a, b) -> float:
 
 def run_teacher_forced(eng, ref, steps: int):
     """Prefill PROMPT, then `steps` decode tokens chosen by the reference; logits of both."""
-    got, want = [eng.forward(PROMPT)], [ref.forward(PROMPT)]
-    for _ in range(steps):
-        tok = int(np.argmax(want[-1]))
-        got.append(eng.forward([tok]))
-        want.append(ref.forward([tok]))
-    return got, want
+    return teacher_forced(eng, ref, PROMPT, steps)
 
 
 def assert_same_greedy(got, want, tol: float) -> None:
@@ -216,8 +206,8 @@ def test_cupy_backend_refuses_bad_options():
 
 # ============================================================== backend (emulator and GPU)
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_single_device_logits_match_numpy(small_model, kind):
-    eng, ref = engines(small_model, kind, kv_dtype="f32", matmul_dtype="f32")
+def test_single_device_logits_match_numpy(synth_model, kind):
+    eng, ref = engines(synth_model, kind, kv_dtype="f32", matmul_dtype="f32")
     got, want = run_teacher_forced(eng, ref, 4)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
@@ -225,9 +215,9 @@ def test_single_device_logits_match_numpy(small_model, kind):
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_default_numerics_f16_kv_and_gemm(small_model, kind):
+def test_default_numerics_f16_kv_and_gemm(synth_model, kind):
     """f16 KV cache and f16 operands for the prefill GEMM: close, same greedy tokens."""
-    eng, ref = engines(small_model, kind)
+    eng, ref = engines(synth_model, kind)
     got, want = run_teacher_forced(eng, ref, 4)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 2e-2
@@ -236,9 +226,9 @@ def test_default_numerics_f16_kv_and_gemm(small_model, kind):
 
 @pytest.mark.parametrize("kind", RUNTIMES)
 @pytest.mark.parametrize("n, ts", [(3, None), (3, (1, 2, 0.5)), (2, (3, 1))])
-def test_virtual_devices_match_single_device(small_model, kind, n, ts):
+def test_virtual_devices_match_single_device(synth_model, kind, n, ts):
     """Tensor parallel on virtual devices (one GPU), uneven splits, vs the numpy single device."""
-    eng, ref = engines(small_model, kind, n=n, ts=ts, ref_n=1, kv_dtype="f32", matmul_dtype="f32")
+    eng, ref = engines(synth_model, kind, n=n, ts=ts, ref_n=1, kv_dtype="f32", matmul_dtype="f32")
     assert eng.backend.virtual or kind == "gpu"
     got, want = run_teacher_forced(eng, ref, 3)
     for a, b in zip(got, want):
@@ -246,7 +236,7 @@ def test_virtual_devices_match_single_device(small_model, kind, n, ts):
     assert_same_greedy(got, want, 1e-4)
 
 
-def test_emulated_gpus_capture_nccl_in_one_graph(small_model):
+def test_emulated_gpus_capture_nccl_in_one_graph(synth_model):
     """Three distinct (emulated) GPUs: NCCL all-reduce captured inside one CUDA graph spanning
     the GPUs (no eager NCCL call per step once captured), bit-identical to eager."""
     if not emulator_available():
@@ -255,8 +245,8 @@ def test_emulated_gpus_capture_nccl_in_one_graph(small_model):
     be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32")
     eager_be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32", cuda_graphs=False)
     assert be.allreduce_strategy == "nccl"
-    eng, ref = Engine(small_model, 512, lay, be), Engine(small_model, 512, lay, NumpyBackend(lay))
-    eager = Engine(small_model, 512, lay, eager_be)
+    eng, ref = Engine(synth_model, 512, lay, be), Engine(synth_model, 512, lay, NumpyBackend(lay))
+    eager = Engine(synth_model, 512, lay, eager_be)
     got, want = run_teacher_forced(eng, ref, 3)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
@@ -276,16 +266,16 @@ def test_emulated_gpus_capture_nccl_in_one_graph(small_model):
     assert be.rt.graph_launches - launches >= 2         # decode steps replayed the captured graph
 
 
-def test_multi_gpu_graph_falls_back_to_segments(small_model):
+def test_multi_gpu_graph_falls_back_to_segments(synth_model):
     """NCCL that cannot be captured: one warning, then per-subgraph segments with eager NCCL;
     `multi_gpu_graphs="segments"` asks for that mode directly."""
     if not emulator_available():
         pytest.skip("no host C++ compiler")
     lay = layout_for(3, (1, 2, 1))
-    ref = Engine(small_model, 512, lay, NumpyBackend(lay))
+    ref = Engine(synth_model, 512, lay, NumpyBackend(lay))
     for kw, rt in (({}, EmuRuntime(n_gpus=3, nccl_capture=False)), ({"multi_gpu_graphs": "segments"}, EmuRuntime(n_gpus=3))):
         be = CupyBackend(lay, runtime=rt, kv_dtype="f32", matmul_dtype="f32", **kw)
-        eng = Engine(small_model, 512, lay, be)
+        eng = Engine(synth_model, 512, lay, be)
         ref.reset()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -357,10 +347,10 @@ def test_gemm_enters_its_device_and_stream():
 
 @pytest.mark.parametrize("kind", RUNTIMES)
 @pytest.mark.parametrize("n", [1, 3])
-def test_cuda_graph_replay_equals_eager(small_model, kind, n):
+def test_cuda_graph_replay_equals_eager(synth_model, kind, n):
     lay = layout_for(n, (1, 2, 1) if n == 3 else None)
-    eager = Engine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=False))
-    graph = Engine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=True))
+    eager = Engine(synth_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=False))
+    graph = Engine(synth_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), cuda_graphs=True))
     a, b = eager.forward(PROMPT), graph.forward(PROMPT)
     assert np.array_equal(a, b)
     for _ in range(4):
@@ -470,16 +460,14 @@ def test_nccl_one_rank_smoke():
 
 # ---------------------------------------------------------------- coverage and errors
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_moe_and_fused_qkv_architectures(tmp_path, kind):
+def test_moe_and_fused_qkv_architectures(synth_factory, kind):
     """MUL_MAT_ID, top-k, ADD_ID, views into a fused QKV: qwen3moe and phi3, two devices."""
     specs = [SynthSpec(arch="qwen3moe", qk_norm=True, head_dim=32, n_expert=4, n_expert_used=2, n_ff_exp=256,
                        expert_down_bias=True, seed=23, types={"down_exps": "Q4_K", "up_exps": "Q8_0"}),
              SynthSpec(arch="phi3", fused_qkv=True, fused_up_gate=True, n_ff=512, tied=False, seed=21,
                        types={"qkv": "Q8_0", "o": "Q8_0", "down": "Q6_K", "up": "Q4_0"})]
-    for i, spec in enumerate(specs):
-        path = tmp_path / f"m{i}.gguf"
-        write_synthetic_gguf(path, spec)
-        model = load_model(path)
+    for spec in specs:
+        model = load_model(synth_factory(spec)[0])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             eng, ref = engines(model, kind, n=2, ts=(3, 1), kv_dtype="f32", matmul_dtype="f32")
@@ -502,27 +490,27 @@ def test_unsupported_op_is_named():
         be.prepare(plan)
 
 
-def test_memory_accounting_counts_raw_weights(small_model):
+def test_memory_accounting_counts_raw_weights(synth_model):
     if not emulator_available():
         pytest.skip("no host C++ compiler")
-    eng, _ = engines(small_model, "emu")
+    eng, _ = engines(synth_model, "emu")
     mem = eng.memory_plan()
-    f32_bytes = sum(int(np.prod(w.ne)) * 4 for w in small_model.weights.values())
+    f32_bytes = sum(int(np.prod(w.ne)) * 4 for w in synth_model.weights.values())
     assert mem.weights[0] < f32_bytes / 3          # Q4_1 / Q8_0 blocks, not floats
     eng.forward(PROMPT)
     assert eng.backend.allocated_bytes()[0] > 0
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_memory_plan_counts_f16_kv_and_gpu_workspace(small_model, n):
+def test_memory_plan_counts_f16_kv_and_gpu_workspace(synth_model, n):
     """The plan counts the KV cache at its stored size (f16 by default) and the GPU scratch
     (f16 GEMM copies, attention workspace, wire buffers, input block): it matches what the
     backend allocates for the largest plan and a decode step."""
     if not emulator_available():
         pytest.skip("no host C++ compiler")
     lay = layout_for(n, (1, 1) if n == 2 else None)
-    f16 = Engine(small_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime()), n_batch=32)
-    f32 = Engine(small_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime(), kv_dtype="f32", matmul_dtype="f32"),
+    f16 = Engine(synth_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime()), n_batch=32)
+    f32 = Engine(synth_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime(), kv_dtype="f32", matmul_dtype="f32"),
                  n_batch=32)
     m16, m32 = f16.memory_plan(), f32.memory_plan()
     assert m16.kv == [k // 2 for k in m32.kv] and sum(m16.kv) > 0
@@ -530,7 +518,7 @@ def test_memory_plan_counts_f16_kv_and_gpu_workspace(small_model, n):
     f16.forward(list(range(2, 34)))               # the largest plan (32 tokens: dequantize + GEMM)
     f16.forward([5])                              # and a decode step
     work = f16.backend.workspace_bytes(f16.plan_for(_largest_spec(f16))[0])
-    assert all(w > 2 * 32 * small_model.hparams.n_embd for w in work)      # at least the f16 copy of x
+    assert all(w > 2 * 32 * synth_model.hparams.n_embd for w in work)      # at least the f16 copy of x
     planned = sum(m16.totals())
     actual = sum(f16.backend.allocated_bytes())
     assert abs(planned - actual) / actual < 0.10, (planned, actual)
@@ -551,14 +539,14 @@ def test_memory_budget_counts_cupy_pool_cache():
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_few_token_steps_use_matvec(small_model, kind):
+def test_few_token_steps_use_matvec(synth_model, kind):
     """Prompts of 2..8 tokens run the multi-token matvec (no one-token fusions)."""
-    eng, ref = engines(small_model, kind, kv_dtype="f32", matmul_dtype="f32")
+    eng, ref = engines(synth_model, kind, kv_dtype="f32", matmul_dtype="f32")
     for chunk in ([5, 6], [7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19]):
         assert rel_err(eng.forward(chunk), ref.forward(chunk)) < 1e-4
 
 
-def test_fused_kernels_fall_back_to_single_launches(small_model, monkeypatch):
+def test_fused_kernels_fall_back_to_single_launches(synth_model, monkeypatch):
     """When a fused kernel cannot take a layout, its nodes run one by one, same results."""
     if not emulator_available():
         pytest.skip("no host C++ compiler")
@@ -568,7 +556,7 @@ def test_fused_kernels_fall_back_to_single_launches(small_model, monkeypatch):
         raise ValueError("layout not supported by the fused kernel")
     for kind in cuda_ops.FusionKind:
         monkeypatch.setitem(cuda_ops.FUSED_OPS, kind, refuse)
-    eng, ref = engines(small_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32")
+    eng, ref = engines(synth_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32")
     got, want = run_teacher_forced(eng, ref, 2)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
@@ -576,11 +564,11 @@ def test_fused_kernels_fall_back_to_single_launches(small_model, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_float_upload_path_of_todays_engine(small_model, kind):
+def test_float_upload_path_of_todays_engine(synth_model, kind):
     """The engine as it is (weights dequantized to float32 by `upload`) also runs on cupy."""
     lay = layout_for(2, (1, 1))
-    eng = Engine(small_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), kv_dtype="f32", matmul_dtype="f32"))
-    ref = Engine(small_model, 512, lay, NumpyBackend(lay))
+    eng = Engine(synth_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), kv_dtype="f32", matmul_dtype="f32"))
+    ref = Engine(synth_model, 512, lay, NumpyBackend(lay))
     got, want = run_teacher_forced(eng, ref, 2)
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1e-4
@@ -612,7 +600,7 @@ def test_gpu_check_preflight_lines(monkeypatch, capsys):
     assert next(r for r in rep.rows if r["check"] == "yaml")["status"] == "FAIL"
 
 
-def test_virtual_devices_share_mirrored_values_in_order(small_model):
+def test_virtual_devices_share_mirrored_values_in_order(synth_model):
     """Devices on one GPU compute a mirrored value once (device 0) and read its buffer: in every
     subgraph that makes one, device 0 records `shared_ready` after its last and every other
     device waits for it before its first read. (The emulator runs work in issue order, so the
@@ -621,7 +609,8 @@ def test_virtual_devices_share_mirrored_values_in_order(small_model):
         pytest.skip("no host C++ compiler")
     from metatp.backends.cuda.device_ops import Record, Wait
 
-    eng, ref = engines(small_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32", cuda_graphs=False)
+    eng, ref = engines(synth_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32",
+                       cuda_graphs=False)
     got, want = run_teacher_forced(eng, ref, 1)
     assert all(rel_err(a, b) < 1e-4 for a, b in zip(got, want))
     be = eng.backend
@@ -639,7 +628,7 @@ def test_virtual_devices_share_mirrored_values_in_order(small_model):
                 assert all(ex.arrays[d][t] is ex.arrays[0][t] for d in (1, 2))
         assert waited > 0
     lay = layout_for(4)
-    spread = Engine(small_model, 512, lay, CupyBackend(lay, runtime=EmuRuntime(n_gpus=2), gpus=[0, 1],
+    spread = Engine(synth_model, 512, lay, CupyBackend(lay, runtime=EmuRuntime(n_gpus=2), gpus=[0, 1],
                                                        kv_dtype="f32", matmul_dtype="f32"))
     spread.forward(PROMPT)
     assert all(not ex.shared for ex in spread.backend._executables.values())   # across GPUs: not shared

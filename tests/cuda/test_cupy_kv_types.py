@@ -23,7 +23,6 @@ from metatp.backends.numpy.backend import NumpyBackend
 from metatp.testing import EmuRuntime, emulator_available
 from metatp.engine import Engine
 from metatp.ir.errors import ConfigError
-from metatp.ir.loader import load_model
 from metatp.ir.models import ModelTensors
 from metatp.ir.models.common import cache_type
 from metatp.ir.tensor import Flag, row_bytes
@@ -53,11 +52,6 @@ MIN_COSINE = {"f16": 0.99999, "q8_0": 0.9999, "q4_0": 0.999}
 TOL_TP = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model(synth_factory):
-    return load_model(synth_factory(SPEC)[0])
-
-
 def layout_for(n: int, ts=None) -> DeviceLayout:
     return DeviceLayout(n, "tensor" if n > 1 else "none", tuple(ts) if ts else None)
 
@@ -78,9 +72,9 @@ def rel_err(a, b) -> float:
 
 
 @pytest.fixture(scope="module")
-def f32_path(model):
+def f32_path(synth_model):
     """The numpy backend's exact f32-cache logits along its own greedy path (prompt + STEPS)."""
-    eng = Engine(model, N_CTX, layout_for(1), NumpyBackend(layout_for(1)))
+    eng = Engine(synth_model, N_CTX, layout_for(1), NumpyBackend(layout_for(1)))
     logits = [eng.forward(PROMPT)]
     tokens = []
     for _ in range(STEPS):
@@ -117,10 +111,10 @@ def assert_argmax_where_clear(got, want, margin: float = 0.1) -> None:
 # ============================================================== storage and accounting (emulator)
 @requires_cxx
 @pytest.mark.parametrize("kt", ["q8_0", "q4_0", "f16", "bf16"])
-def test_cache_stored_in_its_type(model, kt):
+def test_cache_stored_in_its_type(synth_model, kt):
     """A quantized cache is its raw blocks (uint8, row bytes per cell), f16 / bf16 16-bit; the memory
     plan's KV bytes are what the backend allocates."""
-    eng = cupy_engine(model, "emu", kt, n=3, ts=(1, 2, 1))
+    eng = cupy_engine(synth_model, "emu", kt, n=3, ts=(1, 2, 1))
     mem = eng.memory_plan()
     eng.forward(PROMPT[:3])
     be = eng.backend
@@ -136,10 +130,10 @@ def test_cache_stored_in_its_type(model, kt):
 
 
 @requires_cxx
-def test_f32_graph_cache_keeps_kv_dtype(model):
+def test_f32_graph_cache_keeps_kv_dtype(synth_model):
     """An F32 graph cache is stored as kv_dtype (f16 by default), as before cache types existed."""
     for kv_dtype, want in (("f16", np.float16), ("bf16", np.uint16), ("f32", np.float32)):
-        eng = cupy_engine(model, "emu", "f32", kv_dtype=kv_dtype)
+        eng = cupy_engine(synth_model, "emu", "f32", kv_dtype=kv_dtype)
         eng.forward(PROMPT[:2])
         kv = [a for t, a in eng.backend.leaf[0].items() if t.flags & Flag.KV_CACHE]
         assert kv and all(a.dtype == want for a in kv)
@@ -148,10 +142,10 @@ def test_f32_graph_cache_keeps_kv_dtype(model):
 
 
 @requires_cxx
-def test_mixed_k_and_v_types_are_a_config_error(model):
+def test_mixed_k_and_v_types_are_a_config_error(synth_model):
     """The attention kernels take K and V of one type: a q8_0 K with an f16 V is refused by name
     before any cache is allocated."""
-    eng = cupy_engine(model, "emu", "q8_0", "f16")
+    eng = cupy_engine(synth_model, "emu", "q8_0", "f16")
     with pytest.raises(ConfigError) as e:
         eng.forward(PROMPT[:2])
     msg = str(e.value)
@@ -162,12 +156,12 @@ def test_mixed_k_and_v_types_are_a_config_error(model):
 # ============================================================== end to end
 @pytest.mark.parametrize("kind", RUNTIMES)
 @pytest.mark.parametrize("kt", ["q8_0", "q4_0", "f16"])
-def test_cache_type_tensor_parallel_and_vs_f32(model, f32_path, kind, kt):
+def test_cache_type_tensor_parallel_and_vs_f32(synth_model, f32_path, kind, kt):
     """N=1 and N=3 (tensor_split 1,2,1) of one cache type: the same greedy tokens, logits within
     float tolerance; both close to the numpy backend's f32 cache along its greedy path."""
     tokens, want = f32_path
-    one = teacher_forced(cupy_engine(model, kind, kt), tokens)
-    tp = teacher_forced(cupy_engine(model, kind, kt, n=3, ts=(1, 2, 1)), tokens)
+    one = teacher_forced(cupy_engine(synth_model, kind, kt), tokens)
+    tp = teacher_forced(cupy_engine(synth_model, kind, kt, n=3, ts=(1, 2, 1)), tokens)
     for a, b in zip(tp, one):
         assert rel_err(a, b) < TOL_TP
     for a, b in zip(one, want):
@@ -175,27 +169,28 @@ def test_cache_type_tensor_parallel_and_vs_f32(model, f32_path, kind, kt):
     cos = [float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(one, want)]
     assert np.mean(cos) >= MIN_COSINE[kt], (kt, cos)
     assert_argmax_where_clear(one, want)
-    assert greedy(cupy_engine(model, kind, kt, n=3, ts=(1, 2, 1)), STEPS) == greedy(cupy_engine(model, kind, kt), STEPS)
+    assert (greedy(cupy_engine(synth_model, kind, kt, n=3, ts=(1, 2, 1)), STEPS)
+            == greedy(cupy_engine(synth_model, kind, kt), STEPS))
 
 
 @requires_cxx
 @pytest.mark.parametrize("kt", ["bf16", "q4_1", "q5_0", "q5_1"])
-def test_other_cache_types_close_to_f32(model, f32_path, kt):
+def test_other_cache_types_close_to_f32(synth_model, f32_path, kt):
     """The remaining types, N=2 (3,1): close to the f32 cache along its greedy path."""
     tokens, want = f32_path
-    got = teacher_forced(cupy_engine(model, "emu", kt, n=2, ts=(3, 1)), tokens)
+    got = teacher_forced(cupy_engine(synth_model, "emu", kt, n=2, ts=(3, 1)), tokens)
     for a, b in zip(got, want):
         assert rel_err(a, b) < TOL_VS_F32[kt], kt
     assert_argmax_where_clear(got, want)
 
 
 @requires_cxx
-def test_quantized_cache_decode_replays_cuda_graph(model, f32_path):
+def test_quantized_cache_decode_replays_cuda_graph(synth_model, f32_path):
     """The decode step of a q8_0 cache is captured and replayed (row indices and KV length read
     from device memory) and gives the eager run's logits."""
     tokens, _ = f32_path
-    cap = cupy_engine(model, "emu", "q8_0", n=3, ts=(1, 2, 1))
-    eager = cupy_engine(model, "emu", "q8_0", n=3, ts=(1, 2, 1), cuda_graphs=False)
+    cap = cupy_engine(synth_model, "emu", "q8_0", n=3, ts=(1, 2, 1))
+    eager = cupy_engine(synth_model, "emu", "q8_0", n=3, ts=(1, 2, 1), cuda_graphs=False)
     a, b = teacher_forced(cap, tokens), teacher_forced(eager, tokens)
     assert any(ex.graph_mode is not None for _, ex in cap._plans.values())
     for x, y in zip(a, b):

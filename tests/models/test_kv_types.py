@@ -21,20 +21,16 @@ from metatp.testing.synth import SynthSpec
 
 LAYOUTS = [DeviceLayout(), DeviceLayout(2, "tensor", (3.0, 1.0)), DeviceLayout(3, "tensor", (1.0, 2.0, 1.0)),
            DeviceLayout(4, "tensor", (2.0, 1.0, 0.0, 1.0))]
-
-
-@pytest.fixture(scope="module")
-def model(synth_factory):
-    return load_model(synth_factory(SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, seed=5))[0])
+SPEC = SynthSpec(n_embd=128, n_head=8, n_head_kv=4, head_dim=32, seed=5)    # the `synth_model` fixture
 
 
 @pytest.mark.parametrize("name", list(KV_CACHE_TYPES))
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"n{lay.n_devices}")
-def test_cache_split_is_whole_heads_and_blocks(model, name, layout):
+def test_cache_split_is_whole_heads_and_blocks(synth_model, name, layout):
     ty = cache_type(name)
-    tensors = ModelTensors(model, 64, ty)
-    plan = compile_plan(build_graph(tensors, BatchSpec(1, 64, 1)), layout, model.hparams)
-    hd = model.hparams.head_dim_k
+    tensors = ModelTensors(synth_model, 64, ty)
+    plan = compile_plan(build_graph(tensors, BatchSpec(1, 64, 1)), layout, synth_model.hparams)
+    hd = synth_model.hparams.head_dim_k
     for cache in tensors.cache_k + tensors.cache_v:
         assert cache.type == ty
         extents = [loc.ne[0] for loc in plan.of(cache).local]
@@ -43,17 +39,14 @@ def test_cache_split_is_whole_heads_and_blocks(model, name, layout):
             assert e % hd == 0 and e % block_size(ty) == 0, (name, extents)
 
 
-def test_k_and_v_types_may_differ(model):
-    tensors = ModelTensors(model, 64, GGMLType.Q8_0, GGMLType.F16)
+def test_k_and_v_types_may_differ(synth_model):
+    tensors = ModelTensors(synth_model, 64, GGMLType.Q8_0, GGMLType.F16)
     assert {t.type for t in tensors.cache_k} == {GGMLType.Q8_0}
     assert {t.type for t in tensors.cache_v} == {GGMLType.F16}
 
 
-def test_head_size_not_whole_blocks_is_a_config_error(tmp_path):
-    from metatp.testing.synth import write_synthetic_gguf
-
-    path = tmp_path / "hd40.gguf"
-    write_synthetic_gguf(path, SynthSpec(n_embd=160, n_head=4, n_head_kv=2, head_dim=40, seed=6))
+def test_head_size_not_whole_blocks_is_a_config_error(synth_factory):
+    path, _ = synth_factory(SynthSpec(n_embd=160, n_head=4, n_head_kv=2, head_dim=40, seed=6))
     m = load_model(path)
     ModelTensors(m, 64, GGMLType.F16)                  # a float cache takes any head size
     with pytest.raises(ConfigError) as e:
@@ -69,10 +62,10 @@ def test_unknown_cache_type_names_the_choices():
 
 
 @pytest.mark.parametrize("name", ["f32", "f16", "q8_0", "q4_0"])
-def test_memory_plan_counts_the_stored_cache(model, name):
+def test_memory_plan_counts_the_stored_cache(synth_model, name):
     ty = cache_type(name)
-    tensors = ModelTensors(model, 256, ty)
-    plan = compile_plan(build_graph(tensors, BatchSpec(1, 256, 1)), LAYOUTS[2], model.hparams)
+    tensors = ModelTensors(synth_model, 256, ty)
+    plan = compile_plan(build_graph(tensors, BatchSpec(1, 256, 1)), LAYOUTS[2], synth_model.hparams)
     mem = plan_memory(plan, lambda t, ne, p: 0, 256)
     for d in range(3):
         want = sum(row_bytes(ty, plan.of(c).local[d].ne[0]) * 256 if plan.of(c).local[d].ne[0] else 0
@@ -80,14 +73,14 @@ def test_memory_plan_counts_the_stored_cache(model, name):
         assert mem.kv[d] == want
 
 
-def test_dump_counts_the_cache_type(model):
+def test_dump_counts_the_cache_type(synth_model):
     """`metatp dump -ctk q8_0` shows the cache at its block bytes (34 per 32 values)."""
     import json
 
     from metatp.tools.dump import DumpRequest, dump_model
 
     def kv(name):
-        out = json.loads(dump_model(DumpRequest(model=str(model.path), n_devices=2, fmt="json", n_ctx=256,
+        out = json.loads(dump_model(DumpRequest(model=str(synth_model.path), n_devices=2, fmt="json", n_ctx=256,
                                                 cache_type_k=name)))
         return out["summary"]["memory"]["kv"]
     assert [4 * q for q in kv("q8_0")] == [34 * f // 32 for f in kv("f32")]

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import default_model_path
 from metatp import LLM, SamplingParams
 
 REFS = Path(__file__).resolve().parents[3] / "shared" / "refs" / "smollm2"   # ../shared beside the checkout
@@ -29,28 +28,23 @@ def _cases() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(str(default_model_path()), n_ctx=512, backend="numpy")
-
-
-@pytest.fixture(scope="module")
-def llm_llamacpp(llm):
-    return LLM(str(llm.model_path), n_ctx=512, backend="numpy", numerics="llamacpp")
+def llm_llamacpp(default_llm):
+    return LLM(str(default_llm.model_path), n_ctx=512, backend="numpy", numerics="llamacpp")
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
-def test_tokenize_matches_llamacpp(llm):
+def test_tokenize_matches_llamacpp(default_llm):
     for case in _cases():
-        assert llm.tokenize(case["prompt"]) == case["ids_used_for_logits"]
-        assert llm.detokenize(case["greedy_ids"]) == case["greedy_text_special"]
+        assert default_llm.tokenize(case["prompt"]) == case["ids_used_for_logits"]
+        assert default_llm.detokenize(case["greedy_ids"]) == case["greedy_text_special"]
 
 
-def test_exact_logits_match_transformers_fp32(llm):
+def test_exact_logits_match_transformers_fp32(default_llm):
     for case in _cases():
-        logits = llm.score(case["ids_used_for_logits"])
+        logits = default_llm.score(case["ids_used_for_logits"])
         hf = np.load(REFS / f"hf_p{case['index']}_last.npy")
         assert np.abs(logits[-1] - hf).max() < 0.05
 
@@ -60,17 +54,17 @@ def _clear(case: dict, min_margin: float = 0.1) -> np.ndarray:
     return np.array([p["top1_top2_margin"] > min_margin for p in case["positions"]])
 
 
-def test_exact_logits_track_llamacpp(llm):
+def test_exact_logits_track_llamacpp(default_llm):
     """fp32 vs llama.cpp (which quantizes activations): same argmax, cosine >= 0.997 everywhere."""
     for case in _cases():
         ref = np.load(REFS / f"llama_p{case['index']}_all.npz")["logits"]
-        logits = llm.score(case["ids_used_for_logits"])
+        logits = default_llm.score(case["ids_used_for_logits"])
         assert (logits.argmax(-1) == ref.argmax(-1))[_clear(case)].all()
         assert _cos(logits, ref).min() >= 0.997
         assert _cos(logits[-1:], ref[-1:]).min() >= 0.999
 
 
-def test_llamacpp_numerics_move_closer_to_llamacpp(llm, llm_llamacpp):
+def test_llamacpp_numerics_move_closer_to_llamacpp(default_llm, llm_llamacpp):
     """Rounding activations as llama.cpp does brings the logits nearer to its own, on average over
     the reference prompts. Per prompt and per position the emulation is chaotic (a 1-ulp change
     upstream flips a Q8 rounding): summation-order changes of the CPU kernels alone moved one
@@ -80,7 +74,7 @@ def test_llamacpp_numerics_move_closer_to_llamacpp(llm, llm_llamacpp):
     for case in _cases():
         ids = case["ids_used_for_logits"]
         ref = np.load(REFS / f"llama_p{case['index']}_all.npz")["logits"]
-        emulated, exact = llm_llamacpp.score(ids), llm.score(ids)
+        emulated, exact = llm_llamacpp.score(ids), default_llm.score(ids)
         err_emulated.append(np.abs(emulated - ref).mean())
         err_exact.append(np.abs(exact - ref).mean())
         assert (emulated.argmax(-1) == ref.argmax(-1))[_clear(case)].all()
@@ -88,24 +82,25 @@ def test_llamacpp_numerics_move_closer_to_llamacpp(llm, llm_llamacpp):
     assert np.mean(err_emulated) < np.mean(err_exact)
 
 
-def test_teacher_forced_greedy_agrees_where_margin_is_clear(llm):
+def test_teacher_forced_greedy_agrees_where_margin_is_clear(default_llm):
     for case in _cases():
         ids = case["ids_used_for_logits"] + case["greedy_ids"][:-1]
-        logits = llm.score(ids)[len(case["ids_used_for_logits"]) - 1:]
+        logits = default_llm.score(ids)[len(case["ids_used_for_logits"]) - 1:]
         for step, (row, want) in enumerate(zip(logits, case["greedy_ids"])):
             if case["greedy_steps"][step]["top1_top2_margin"] > 0.5:
                 assert int(row.argmax()) == want, f"prompt {case['index']} step {step}"
 
 
-def test_capital_of_france_and_two_plus_two(llm):
-    out = llm.generate("The capital of France is", SamplingParams(max_tokens=4))[0].outputs[0]
+def test_capital_of_france_and_two_plus_two(default_llm):
+    out = default_llm.generate("The capital of France is", SamplingParams(max_tokens=4))[0].outputs[0]
     assert "Paris" in out.text
-    chat = llm.create_chat_completion([{"role": "user", "content": "What is 2+2?"}], max_tokens=24, temperature=0.0)
+    chat = default_llm.create_chat_completion([{"role": "user", "content": "What is 2+2?"}], max_tokens=24,
+                                              temperature=0.0)
     assert "4" in chat["choices"][0]["message"]["content"]
 
 
 @pytest.mark.parametrize("n_devices, tensor_split", [(2, None), (3, None), (4, None), (2, [3, 1]), (3, [1, 2, 1])])
-def test_tensor_parallel_matches_single_device(llm, n_devices, tensor_split):
+def test_tensor_parallel_matches_single_device(default_llm, n_devices, tensor_split):
     """Logits at every prompt position within 1e-4 relative, and the same 32 greedy tokens."""
     import warnings
 
@@ -116,12 +111,13 @@ def test_tensor_parallel_matches_single_device(llm, n_devices, tensor_split):
     ids = case["ids_used_for_logits"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # 4 devices > 3 KV heads: zero attention slices
-        tp = LLM(str(llm.model_path), n_ctx=512, backend="numpy", n_devices=n_devices, split_mode="tensor",
+        tp = LLM(str(default_llm.model_path), n_ctx=512, backend="numpy", n_devices=n_devices, split_mode="tensor",
                  tensor_split=tensor_split)
-    ref = llm.score(ids)
+    ref = default_llm.score(ids)
     got = tp.score(ids)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    assert tp.generate([ids], params)[0].outputs[0].token_ids == llm.generate([ids], params)[0].outputs[0].token_ids
+    got_ids = tp.generate([ids], params)[0].outputs[0].token_ids
+    assert got_ids == default_llm.generate([ids], params)[0].outputs[0].token_ids
     plan, _ = tp.engine.plan_for(BatchSpec(1, padded_kv(len(ids) + 1, 512), 1))
     assert plan.stats["reductions_per_step"] == 60

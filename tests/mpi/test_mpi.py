@@ -13,7 +13,6 @@ Skips with a reason where mpi4py or mpiexec is missing (`pip install "metatp[mpi
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from support.helpers import assert_close, mpi_missing
+from support.mpi import check_ok, cli, error_lines, mpiexec
 from metatp.testing.synth import SynthSpec
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "mpi_worker.py"
@@ -35,19 +35,7 @@ needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() o
 
 def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`mpiexec -n n python tests/support/mpi_worker.py args...` on this machine only."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", METATP_NUM_THREADS="1",
-               # oversubscribed ranks must yield the CPU while they wait in a collective (MPICH)
-               MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMPI_MCA_mpi_yield_when_idle="1")
-    cmd = ["mpiexec", "-n", str(n), sys.executable, str(WORKER), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _check_ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, f"mpiexec failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-
-
-def _error_lines(r: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in r.stderr.splitlines() if line.startswith("metatp: error:")]
+    return mpiexec(n, [sys.executable, str(WORKER), *args], timeout=timeout)
 
 
 def reference(path: Path, ts: tuple[float, ...] | None, n_ctx: int = 256, n_gen: int = 32, prompt=PROMPT):
@@ -74,7 +62,7 @@ def run_ranks(tmp_path: Path, path: Path, ts: tuple[float, ...], n_gen: int = 32
     out.mkdir()
     r = mpirun(len(ts), "--model", str(path), "-ts", ",".join(str(x) for x in ts), "--out", str(out),
                "--n-gen", str(n_gen), "--prompt", ",".join(map(str, prompt)))
-    _check_ok(r)
+    check_ok(r)
     res = np.load(out / "result.npz")
     mem = [json.loads((out / f"mem{k}.json").read_text()) for k in range(len(ts))]
     return res, mem
@@ -120,10 +108,8 @@ def test_ranks_match_single_process_synthetic(synth_factory, tmp_path, ts):
 
 @needs_mpi
 @pytest.mark.slow
-def test_ranks_match_single_process_default_model(tmp_path):
-    from conftest import default_model_path
-
-    path = default_model_path()
+def test_ranks_match_single_process_default_model(default_model, tmp_path):
+    path = default_model
     ts = (1.0, 2.0, 1.0)
     prompt = [1, 504, 3575, 282, 4649, 314, 253, 1345]
     res, mem = run_ranks(tmp_path, path, ts, prompt=prompt)
@@ -142,7 +128,7 @@ def test_world_size_must_match_devices(synth_factory):
     path, _ = synth_factory(SYNTH)
     r = mpirun(2, "--model", str(path), "--devices", "3", timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "--devices 3 but mpiexec started 2 processes" in lines[0], r.stderr
 
 
@@ -151,7 +137,7 @@ def test_tensor_split_must_match_world(synth_factory):
     path, _ = synth_factory(SYNTH)
     r = mpirun(2, "--model", str(path), "-ts", "1,2,1", timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "-ts has 3 shares but mpiexec started 2 processes" in lines[0], r.stderr
 
 
@@ -163,7 +149,7 @@ def test_ranks_must_agree_on_the_model(synth_factory, tmp_path):
     shutil.copy(b, tmp_path / "m1.gguf")
     r = mpirun(2, "--model", str(tmp_path / "m{rank}.gguf"), timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "ranks disagree on the model file" in lines[0] and "rank 1" in lines[0], r.stderr
 
 
@@ -172,7 +158,7 @@ def test_mpi4py_missing_is_one_line(synth_factory):
     path, _ = synth_factory(SYNTH)
     r = mpirun(2, "--model", str(path), "--no-mpi4py", timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "mpi4py cannot be imported" in lines[0] and "metatp[mpi]" in lines[0], r.stderr
 
 
@@ -184,15 +170,6 @@ def test_one_failing_rank_ends_every_rank(synth_factory):
     assert r.returncode != 0
     assert time.monotonic() - t0 < 30
     assert r.stderr.count("rank 1 fails on purpose") == 1, r.stderr
-
-
-def _cli(*args: str, n: int | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "metatp.cli", *args]
-    if n is None:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", METATP_NUM_THREADS="1", MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    return subprocess.run(["mpiexec", "-n", str(n), *cmd], capture_output=True, text=True, timeout=120, env=env)
 
 
 @needs_mpi
@@ -208,7 +185,7 @@ def test_api_under_mpiexec_follows_rank_0(synth_factory, tmp_path):
     path, _ = synth_factory(SYNTH)
     r = mpirun(2, "--api", "--model", str(path), "-ts", "3,1", "--n-ctx", "128", "--n-gen", "10",
                "--out", str(tmp_path))
-    _check_ok(r)
+    check_ok(r)
     facts = [json.loads((tmp_path / f"api{k}.json").read_text()) for k in range(2)]
     assert facts[0]["size"] == 2
     for k in ("greedy", "sampled", "passes"):
@@ -225,13 +202,13 @@ def test_cli_generate_under_mpiexec(synth_factory):
     --devices that disagrees with the world is one line."""
     path, _ = synth_factory(SYNTH)
     flags = ["-m", str(path), "-p", "hello world", "-n", "12", "--temp", "0", "-c", "128"]
-    one = _cli("generate", *flags)
+    one = cli("generate", *flags)
     assert one.returncode == 0, one.stderr
-    two = _cli("generate", *flags, "-ts", "3,1", n=2)
+    two = cli("generate", *flags, "-ts", "3,1", n=2)
     assert two.returncode == 0, two.stderr
     assert two.stdout == one.stdout
-    bad = _cli("generate", *flags, "--devices", "3", n=2)
-    assert bad.returncode == 1 and len(_error_lines(bad)) == 1, bad.stderr
+    bad = cli("generate", *flags, "--devices", "3", n=2)
+    assert bad.returncode == 1 and len(error_lines(bad)) == 1, bad.stderr
 
 
 # ---------------------------------------------------------------- NCCL (GPU ranks)
@@ -260,7 +237,7 @@ def _gpus() -> int:
 @pytest.mark.skipif(_nccl_missing() is not None, reason=_nccl_missing() or "")
 def test_nccl_unique_id_travels_over_mpi():
     r = mpirun(2, "--model", "-", "--nccl-uid", timeout=60)
-    _check_ok(r)
+    check_ok(r)
     assert "nccl uid agreed on 2 ranks" in r.stdout
 
 
@@ -269,7 +246,7 @@ def test_nccl_unique_id_travels_over_mpi():
 def test_nccl_without_a_gpu_is_one_line():
     r = mpirun(1, "--model", "-", "--nccl-allreduce", timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "no CUDA GPU is visible" in lines[0], r.stderr
 
 
@@ -279,5 +256,5 @@ def test_nccl_without_a_gpu_is_one_line():
 def test_nccl_allreduce_between_gpu_ranks():
     n = min(2, _gpus())
     r = mpirun(n, "--model", "-", "--nccl-allreduce", timeout=120)
-    _check_ok(r)
+    check_ok(r)
     assert f"nccl all-reduce ok on {n} rank(s)" in r.stdout

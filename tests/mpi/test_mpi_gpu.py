@@ -2,8 +2,8 @@
 
 Without a GPU (CI): every rank runs the cupy backend on the CPU kernel emulator (`EmuRuntime`,
 one emulated GPU per local rank) and its NCCL communicator is the test stand-in
-`backends/testing/mpi_nccl.MpiNcclComm`, which really sums over MPI. So `mpiexec -n 2` runs the
-real wiring: `World.create_backend("cupy")`, the local GPU check, the unique id drawn by rank 0
+`metatp/testing/mpi_nccl.MpiNcclComm`, which really sums over MPI. So `mpiexec -n 2` runs the
+real wiring: `LLM(backend="cupy", distributed="mpi")`, the local GPU check, the unique id drawn by rank 0
 and broadcast, the communicator handed each buffer's pointer and the device stream, the calls
 captured into the decode step's CUDA graph and replayed. Logits are checked against one process
 (the numpy backend, and the emulated cupy backend with both devices in one process).
@@ -15,7 +15,6 @@ Skips with a reason where mpi4py / mpiexec, g++ (the emulator), or a GPU is miss
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 
 from support.helpers import assert_close, mpi_missing
+from support.mpi import check_ok, error_lines, mpiexec
 from metatp.testing import emulator_available
 from metatp.testing.synth import SynthSpec
 
@@ -53,25 +53,14 @@ needs_emu = pytest.mark.skipif(not emulator_available(), reason="no host C++ com
 
 def mpirun(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """`mpiexec -n n python -m metatp.testing.mpi_rank args...` on this machine."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", METATP_NUM_THREADS="1",
-               MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMPI_MCA_mpi_yield_when_idle="1")
-    cmd = ["mpiexec", "-n", str(n), sys.executable, "-m", "metatp.testing.mpi_rank", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _check_ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, f"mpiexec failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-
-
-def _error_lines(r: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in r.stderr.splitlines() if line.startswith("metatp: error:")]
+    return mpiexec(n, [sys.executable, "-m", "metatp.testing.mpi_rank", *args], timeout=timeout)
 
 
 def _run_ranks(tmp_path: Path, path: Path, ts, *extra: str, n_gen: int = 8):
     out = tmp_path / "out"
     r = mpirun(len(ts), "--model", str(path), "-ts", ",".join(str(x) for x in ts), "--out", str(out),
                "--n-gen", str(n_gen), "--prompt", ",".join(map(str, PROMPT)), *extra)
-    _check_ok(r)
+    check_ok(r)
     facts = [json.loads((out / f"rank{k}.json").read_text()) for k in range(len(ts))]
     return np.load(out / "result.npz"), facts
 
@@ -177,7 +166,7 @@ def test_fewer_gpus_than_local_ranks_is_one_line(synth_factory, tmp_path):
     path, _ = synth_factory(SYNTH)
     r = mpirun(2, "--model", str(path), "-ts", "1,1", "--emulate", "--emu-gpus", "1", timeout=120)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "2 ranks on this machine but 1 GPU(s)" in lines[0], r.stderr
 
 
@@ -193,7 +182,7 @@ def test_one_gpu_rank_with_nccl_matches_single_process(synth_factory, tmp_path):
     path, _ = synth_factory(SYNTH)
     out = tmp_path / "out"
     r = mpirun(1, "--model", str(path), "--out", str(out), "--smoke", "--n-gen", "8", timeout=300)
-    _check_ok(r)
+    check_ok(r)
     smoke = json.loads((out / "smoke.json").read_text())
     facts = json.loads((out / "rank0.json").read_text())
     assert smoke["same_tokens"] and smoke["logits_rel_err"] <= 1e-5, smoke

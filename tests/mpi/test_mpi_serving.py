@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from support.helpers import mpi_missing
+from support.serving import ServeProcess, free_port
 from metatp.testing.synth import SynthSpec
 
 
@@ -43,16 +44,10 @@ def _missing() -> str | None:
 needs_mpi = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
 
 SPEC = SynthSpec(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, tied=False, seed=21, default_type="Q8_0",
-                 n_ctx_train=4096)
+                 n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
 PROMPTS = ["the quick brown fox", "12 34 56", "hello world, hello", "zz"]
 N_CTX = "1024"
 TS = (3.0, 1.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metatp() -> list[str]:
@@ -94,39 +89,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-class MpiServer:
+class MpiServer(ServeProcess):
     """`mpiexec -n 2 metatp serve ...` on a free port of 127.0.0.1, in a session of its own."""
+
+    name = "mpiexec metatp serve"
 
     def __init__(self, model: str, *args: str, log: Path, command: list[str] | None = None,
                  port: int | None = None, wait: bool = True) -> None:
-        import httpx
-
-        self.port = port or _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+        port = port or free_port()
+        env = {"OPENBLAS_NUM_THREADS": "1", "METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                # oversubscribed ranks yield the CPU while they wait inside a step's collective
                "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OMPI_MCA_mpi_yield_when_idle": "1"}
-        cmd = ["mpiexec", "-n", "2", *(command or _metatp()), "serve", "-m", model, "--port", str(self.port),
+        cmd = ["mpiexec", "-n", "2", *(command or _metatp()), "serve", "-m", model, "--port", str(port),
                "--backend", "numpy", "-sm", "tensor", "-c", N_CTX, "-a", "m", *args]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        if not wait:
-            return
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mpiexec metatp serve exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        self.kill()
-        pytest.fail(f"mpiexec metatp serve did not come up within 180 s:\n{self.text()[-3000:]}")
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
+        super().__init__(cmd, log=log, port=port, env=env, new_session=True)
+        if wait:
+            self.wait_ready(180, 0.3)
 
     def ranks(self) -> list[int]:
         """The pids of the two metatp processes (the ranks)."""
@@ -140,11 +118,6 @@ class MpiServer:
             if b"serve" in cmd:               # not the hydra proxy between mpiexec and the ranks
                 out.append(pid)
         return out
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", timeout=120, max_retries=0)
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -160,6 +133,8 @@ class MpiServer:
                 pass
             self.proc.wait(timeout=30)
 
+    stop = kill
+
 
 def _reference(path: str, prompts: list[str], n: int) -> list[str]:
     """Greedy texts from LLM.generate in this process, the model split as the ranks split it."""
@@ -173,23 +148,18 @@ def _reference(path: str, prompts: list[str], n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def synth(synth_factory) -> str:
-    return str(synth_factory(SPEC)[0])
-
-
-@pytest.fixture(scope="module")
-def server(synth, tmp_path_factory):
-    s = MpiServer(synth, "--parallel", "4", "-ts", ",".join(map(str, TS)),
+def mpi_server(path, tmp_path_factory):
+    s = MpiServer(path, "--parallel", "4", "-ts", ",".join(map(str, TS)),
                   log=tmp_path_factory.mktemp("mpi-serve") / "server.log")
     yield s
     s.kill()
 
 
 @needs_mpi
-def test_concurrent_and_streamed_completions_match_one_process(server, synth):
-    assert len(server.ranks()) == 2, server.text()
-    want = _reference(synth, PROMPTS, 12)
-    c = server.client()
+def test_concurrent_and_streamed_completions_match_one_process(mpi_server, path):
+    assert len(mpi_server.ranks()) == 2, mpi_server.text()
+    want = _reference(path, PROMPTS, 12)
+    c = mpi_server.client()
     got: dict[int, str] = {}
 
     def one(i: int) -> None:
@@ -220,9 +190,9 @@ def test_concurrent_and_streamed_completions_match_one_process(server, synth):
 
 
 @needs_mpi
-def test_idle_followers_do_not_spin(server):
+def test_idle_followers_do_not_spin(mpi_server):
     """MPICH's blocking receive would burn a core per idle rank; the followers sleep between probes."""
-    ranks = server.ranks()
+    ranks = mpi_server.ranks()
     assert len(ranks) == 2
     time.sleep(1.0)                         # past the short spin after the last step
     before = {p: _cpu_seconds(p) for p in ranks}
@@ -235,8 +205,8 @@ def test_idle_followers_do_not_spin(server):
 
 
 @needs_mpi
-def test_sigterm_ends_every_rank_cleanly(synth, tmp_path):
-    s = MpiServer(synth, log=tmp_path / "term.log")
+def test_sigterm_ends_every_rank_cleanly(path, tmp_path):
+    s = MpiServer(path, log=tmp_path / "term.log")
     try:
         ranks = s.ranks()
         assert len(ranks) == 2
@@ -277,12 +247,12 @@ raise SystemExit(main(sys.argv[1:]))
 
 
 @needs_mpi
-def test_a_failing_follower_ends_every_rank(synth, tmp_path):
+def test_a_failing_follower_ends_every_rank(path, tmp_path):
     import httpx
 
     script = tmp_path / "failing_serve.py"
     script.write_text(FAILING)
-    s = MpiServer(synth, log=tmp_path / "fail.log", command=[sys.executable, str(script)])
+    s = MpiServer(path, log=tmp_path / "fail.log", command=[sys.executable, str(script)])
     try:
         ranks = s.ranks()
         t0 = time.monotonic()
@@ -302,13 +272,13 @@ def test_a_failing_follower_ends_every_rank(synth, tmp_path):
 
 
 @needs_mpi
-def test_rank0_that_cannot_serve_ends_every_rank(synth, tmp_path):
+def test_rank0_that_cannot_serve_ends_every_rank(path, tmp_path):
     """Rank 0's server exiting (here: its port is taken) stops the followers too."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        s = MpiServer(synth, log=tmp_path / "bind.log", port=port, wait=False)
+        s = MpiServer(path, log=tmp_path / "bind.log", port=port, wait=False)
         try:
             rc = s.wait(120)                      # bounded: the model loads first
             assert rc not in (None, 0), f"mpiexec: {rc}\n{s.text()[-3000:]}"
@@ -318,11 +288,10 @@ def test_rank0_that_cannot_serve_ends_every_rank(synth, tmp_path):
 
 
 @needs_mpi
-def test_default_model_chat_and_stream_match_one_process(tmp_path):
-    from conftest import default_model_path
+def test_default_model_chat_and_stream_match_one_process(default_model, tmp_path):
     from metatp.api import LLM
 
-    path = str(default_model_path())
+    path = str(default_model)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     llm = LLM(path, n_ctx=int(N_CTX), backend="numpy", n_devices=2, split_mode="tensor", distributed="none")
     want_chat = llm.create_chat_completion(msgs, max_tokens=12, temperature=0)["choices"][0]["message"]["content"]
@@ -381,7 +350,7 @@ def _recording(engine, log: list) -> None:
     engine.run = recorded
 
 
-def test_step_batches_replay_the_same_steps(synth):
+def test_step_batches_replay_the_same_steps(path):
     """No MPI needed: a follower replaying rank 0's StepBatches (admissions, a cancelled stream's
     free, chunked prompts, n=2) runs the same steps on the same cache cells with the same logits."""
     import numpy as np
@@ -391,7 +360,7 @@ def test_step_batches_replay_the_same_steps(synth):
     from metatp.scheduler import STOP, StepBatch, follow
 
     def make() -> LLM:
-        return LLM(synth, n_ctx=256, backend="numpy", n_devices=2, split_mode="tensor", n_batch=8,
+        return LLM(path, n_ctx=256, backend="numpy", n_devices=2, split_mode="tensor", n_batch=8,
                    distributed="none", max_num_seqs=3)
     lead, rest = make(), make()
     posts: list = []

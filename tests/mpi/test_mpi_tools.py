@@ -11,13 +11,11 @@ Skips with a reason where mpi4py or mpiexec is missing (`pip install "metatp[mpi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from support.helpers import mpi_missing
+from support.mpi import check_ok, cli, error_lines
 from metatp.testing.synth import SynthSpec
 from metatp.tools.bench import MPI_COLUMNS, BenchConfig, run_bench
 
@@ -26,25 +24,6 @@ SYNTH = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab
 
 
 pytestmark = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
-
-
-def _cli(*args: str, n: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`metatp ARGS` in one process, or under `mpiexec -n n` on this machine."""
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", METATP_NUM_THREADS="1",
-               # oversubscribed ranks must yield the CPU while they wait in a collective (MPICH)
-               MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMPI_MCA_mpi_yield_when_idle="1")
-    cmd = [sys.executable, "-m", "metatp.cli", *args]
-    if n is not None:
-        cmd = ["mpiexec", "-n", str(n), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _check_ok(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, f"failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-
-
-def _error_lines(r: subprocess.CompletedProcess) -> list[str]:
-    return [line for line in r.stderr.splitlines() if line.startswith("metatp: error:")]
 
 
 def _md_table(text: str) -> list[dict]:
@@ -60,8 +39,8 @@ BENCH = ["-p", "8", "-n", "4", "-r", "2", "--backend", "numpy"]
 
 def test_bench_under_mpiexec_has_the_in_process_rows_and_allreduce_times(synth_factory):
     path, _ = synth_factory(SYNTH)
-    r = _cli("bench", "-m", str(path), *BENCH, "-sm", "tensor", n=2)
-    _check_ok(r)
+    r = cli("bench", "-m", str(path), *BENCH, "-sm", "tensor", n=2)
+    check_ok(r)
     rows = _md_table(r.stdout)
     want = run_bench(BenchConfig(model=str(path), n_prompt=[8], n_gen=[4], repetitions=1, backend="numpy",
                                  n_devices=[2], split_mode=["tensor"]))
@@ -82,9 +61,9 @@ def test_bench_under_mpiexec_json_with_tensor_split_and_interleave(synth_factory
     """An explicit --devices equal to the world size is accepted; -ts and --interleave work
     across processes (the baseline on rank 0 alternates with the 2-rank layout)."""
     path, _ = synth_factory(SYNTH)
-    r = _cli("bench", "-m", str(path), *BENCH, "--devices", "2", "-sm", "none,tensor", "-ts", "3/1",
+    r = cli("bench", "-m", str(path), *BENCH, "--devices", "2", "-sm", "none,tensor", "-ts", "3/1",
              "--interleave", "-o", "json", n=2)
-    _check_ok(r)
+    check_ok(r)
     rows = json.loads(r.stdout)
     assert [(x["n_devices"], x["split_mode"], x["tensor_split"], x["test"]) for x in rows] == [
         (1, "none", "", "pp8"), (1, "none", "", "tg4"), (2, "tensor", "3/1", "pp8"), (2, "tensor", "3/1", "tg4")]
@@ -104,9 +83,9 @@ def test_bench_under_mpiexec_json_with_tensor_split_and_interleave(synth_factory
 ], ids=["devices", "tensor-split", "split-mode"])
 def test_bench_layout_that_disagrees_with_the_world_is_one_line(synth_factory, flags, message):
     path, _ = synth_factory(SYNTH)
-    r = _cli("bench", "-m", str(path), *BENCH, *flags, n=2, timeout=60)
+    r = cli("bench", "-m", str(path), *BENCH, *flags, n=2, timeout=60)
     assert r.returncode != 0
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert "|" not in r.stdout
 
@@ -115,17 +94,17 @@ def test_bench_layout_that_disagrees_with_the_world_is_one_line(synth_factory, f
                          ids=["even", "ts-3,1", "prefill-json"])
 def test_dump_under_mpiexec_prints_once_what_one_process_prints(synth_factory, flags):
     path, _ = synth_factory(SYNTH)
-    one = _cli("dump", "-m", str(path), "--devices", "2", *flags)
-    _check_ok(one)
-    two = _cli("dump", "-m", str(path), *flags, n=2)
-    _check_ok(two)
+    one = cli("dump", "-m", str(path), "--devices", "2", *flags)
+    check_ok(one)
+    two = cli("dump", "-m", str(path), *flags, n=2)
+    check_ok(two)
     assert two.stdout == one.stdout and one.stdout.strip()
     assert two.stderr == ""
 
 
 def test_dump_devices_that_disagree_with_the_world_is_one_line(synth_factory):
     path, _ = synth_factory(SYNTH)
-    r = _cli("dump", "-m", str(path), "--devices", "3", n=2, timeout=60)
+    r = cli("dump", "-m", str(path), "--devices", "3", n=2, timeout=60)
     assert r.returncode != 0 and r.stdout == ""
-    lines = _error_lines(r)
+    lines = error_lines(r)
     assert len(lines) == 1 and "--devices 3 but mpiexec started 2 processes" in lines[0], r.stderr

@@ -12,16 +12,7 @@ from metatp.cli import main
 from metatp.ir.errors import BackendUnavailableError, ConfigError, ContextOverflowError
 from metatp.testing.synth import SynthSpec
 
-TINY = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=31)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from metatp.testing.synth import write_synthetic_gguf
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    write_synthetic_gguf(path, TINY)
-    return str(path)
+SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=31)   # the `path` fixture
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -37,23 +28,23 @@ def tiny(tmp_path_factory):
     ({"backend": "tpu"}, "unknown backend"),
     ({"numerics": "fast"}, "numerics='fast' is not one of exact, llamacpp"),
 ])
-def test_bad_configuration(tiny, kwargs, match):
+def test_bad_configuration(path, kwargs, match):
     with pytest.raises(ConfigError, match=match):
-        LLM(tiny, **{"backend": "numpy", **kwargs})
+        LLM(path, **{"backend": "numpy", **kwargs})
 
 
-def test_cupy_without_gpu_is_a_clear_error(tiny):
+def test_cupy_without_gpu_is_a_clear_error(path):
     from metatp.backends import gpu_available
 
     if gpu_available():
         pytest.skip("a GPU is present: cupy is usable here")
     with pytest.raises(BackendUnavailableError, match="backend='numpy'"):
-        LLM(tiny, backend="cupy")
+        LLM(path, backend="cupy")
 
 
-def test_context_beyond_training_warns(tiny):
+def test_context_beyond_training_warns(path):
     with pytest.warns(UserWarning, match="trained context"):
-        LLM(tiny, n_ctx=TINY.n_ctx_train + 1, backend="numpy")
+        LLM(path, n_ctx=SPEC.n_ctx_train + 1, backend="numpy")
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -65,8 +56,8 @@ def test_bad_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_generation_limits(tiny):
-    llm = LLM(tiny, n_ctx=32, backend="numpy")
+def test_generation_limits(path):
+    llm = LLM(path, n_ctx=32, backend="numpy")
     with pytest.raises(ContextOverflowError, match="prompt has 40 tokens"):
         llm.generate([list(range(2, 42))])
     out = llm.generate([list(range(2, 22))], SamplingParams(max_tokens=1000, ignore_eos=True))[0].outputs[0]
@@ -85,10 +76,10 @@ def test_stop_strings_spanning_token_boundaries():
     assert m.feed("abx")[0] == "ab" and m.feed("q")[0] == "xq" and m.flush() == ""
 
 
-def test_streaming_never_splits_a_utf8_character(tiny):
+def test_streaming_never_splits_a_utf8_character(path):
     from metatp.ir.tokenizer import StreamDecoder
 
-    llm = LLM(tiny, n_ctx=32, backend="numpy")
+    llm = LLM(path, n_ctx=32, backend="numpy")
     tok = llm.tokenizer
     ids = tok.encode("naïve 😀 日本")
     dec = StreamDecoder(tok)
@@ -107,16 +98,16 @@ def test_streaming_never_splits_a_utf8_character(tiny):
     (["generate"], "no prompt"),
     (["generate", "-f", "/nonexistent/prompt.txt"], "cannot read prompt file"),
 ])
-def test_cli_error_paths_print_one_line(tiny, capsys, argv, needle):
-    rc = main([argv[0], "-m", tiny, *argv[1:]])
+def test_cli_error_paths_print_one_line(path, capsys, argv, needle):
+    rc = main([argv[0], "-m", path, *argv[1:]])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc != 0 and len(err) == 1 and err[0].startswith("metatp: error:") and needle in err[0], err
 
 
-def test_soak_is_flat_and_deterministic(tiny):
+def test_soak_is_flat_and_deterministic(path):
     from metatp.tools.soak import soak
 
-    a = soak(tiny, 120, seed=5)
-    b = soak(tiny, 120, seed=5)
+    a = soak(path, 120, seed=5)
+    b = soak(path, 120, seed=5)
     assert a["digest"] == b["digest"]
     assert a["rss_end"] - a["rss_after_warmup"] < 16 * 2**20

@@ -11,29 +11,11 @@ import pytest
 
 from metatp import LLM, SamplingParams
 from metatp.ir.errors import ConfigError, MetatpError
-from metatp.testing.synth import SynthSpec, write_synthetic_gguf
+from metatp.testing.synth import SynthSpec
 
-SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=5)
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-
-
-@pytest.fixture(scope="module")
-def path(tmp_path_factory) -> str:
-    import gguf
-
-    from metatp.tools.fuzz_gguf import read_parts, write_parts
-
-    p = tmp_path_factory.mktemp("api") / "tiny.gguf"
-    write_synthetic_gguf(p, SPEC)
-    parts = read_parts(p)
-    parts.kvs["tokenizer.chat_template"] = (TEMPLATE, gguf.GGUFValueType.STRING, None)
-    write_parts(p, parts)
-    return str(p)
-
-
-@pytest.fixture(scope="module")
-def llm(path) -> LLM:
-    return LLM(path, n_ctx=64, backend="numpy")
+SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=5, chat_template=TEMPLATE)
+LLM_OPTIONS = {"n_ctx": 64}          # the `llm` fixture (tests/conftest.py)
 
 
 def sp(**kw) -> SamplingParams:

@@ -25,17 +25,18 @@ from metatp.ir import chat_template as chat_template
 from metatp.ir.errors import ConfigError, MetatpError, ModelFormatError, ModelNotFoundError, NumericalError
 from metatp.ir.loader import load_model
 from metatp.ir.tokenizer import Tokenizer, _gpt2_byte_table
-from metatp.tools import fuzz_gguf as fz
+from metatp.testing.gguf_edit import read_parts, write_parts
 from metatp.testing.synth import SynthSpec
+from metatp.tools import fuzz_gguf as fz
 
 VT = gguf.GGUFValueType
-SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=9)
+SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=9)   # the `path` fixture
 BUDGET_SECONDS = 0.3          # the template time budget in these tests (2 s in production)
 
 
 @pytest.fixture(scope="module")
-def base(synth_factory):
-    return fz.read_parts(synth_factory(SPEC)[0])
+def base(path):
+    return read_parts(path)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +51,7 @@ def mutant(base, tmp_path, *mutations, name="m.gguf") -> str:
     for _, apply in mutations:
         apply(parts)
     path = tmp_path / name
-    fz.write_parts(path, parts)
+    write_parts(path, parts)
     return str(path)
 
 

@@ -26,17 +26,8 @@ from metatp.testing.synth import SynthSpec
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)
+LLM_OPTIONS = {"n_ctx": 2048}       # the `llm` fixture (tests/conftest.py)
 PROMPTS = ["hello there", "the other one", "a", "xyz xyz", "0123456789", "batch", "one more prompt", "q"]
-
-
-@pytest.fixture(scope="module")
-def path(synth_factory) -> str:
-    return str(synth_factory(SPEC)[0])
-
-
-@pytest.fixture(scope="module")
-def llm(path) -> LLM:
-    return LLM(path, n_ctx=2048, backend="numpy")
 
 
 def greedy(n: int = 12, **kw) -> SamplingParams:
@@ -164,11 +155,9 @@ def test_tensor_parallel_batch_equals_solo(path):
     assert all(np.array_equal(g, w) for g, w in zip(decode_logits(tp, 2, 5), want))
 
 
-def test_default_model_batch_equals_solo():
+def test_default_model_batch_equals_solo(default_llm):
     """The real default model (Q4_1), when it is cached: batched greedy tokens equal solo ones."""
-    from conftest import default_model_path
-
-    real = LLM(str(default_model_path()), n_ctx=512, backend="numpy")
+    real = default_llm
     prompts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
     alone = [real.generate(p, greedy(6))[0].outputs[0].token_ids for p in prompts]
     assert [r.outputs[0].token_ids for r in real.generate(prompts, greedy(6))] == alone

@@ -26,18 +26,10 @@ SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=Fal
 PROMPTS = ["hello there", "the other one", "a"]
 MODES = {"greedy": dict(temperature=0.0), "seeded": dict(temperature=1.0, seed=7)}
 
-
-@pytest.fixture(scope="module")
-def path(synth_factory) -> str:
-    return str(synth_factory(SPEC)[0])
-
-
-@pytest.fixture(scope="module")
-def llm(path) -> LLM:
-    # room for each of the (up to 4) concurrent sequences to start on its own KV page: bit-identity
-    # with a solo run is what the engine promises then (with n_ctx=128 a sequence could start
-    # mid-page and straddle an attention block, which sums in another order)
-    return LLM(path, n_ctx=4 * 128, backend="numpy")
+# the `llm` fixture (tests/conftest.py): room for each of the (up to 4) concurrent sequences to start
+# on its own KV page: bit-identity with a solo run is what the engine promises then (with n_ctx=128 a
+# sequence could start mid-page and straddle an attention block, which sums in another order)
+LLM_OPTIONS = {"n_ctx": 4 * 128}
 
 
 def params(mode: str, n: int = 10) -> SamplingParams:

@@ -12,10 +12,7 @@ chat template. Every request loop is bounded in count and time. Serving under
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,45 +25,27 @@ pytest.importorskip("uvicorn", reason="metatp serve needs uvicorn (pip install '
 openai = pytest.importorskip("openai", reason="the serving tests talk to the server with the openai client")
 httpx = pytest.importorskip("httpx", reason="the serving tests send raw HTTP with httpx")
 
-from metatp.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
+from metatp.testing.synth import SynthSpec  # noqa: E402
+from support.serving import ServeProcess, free_port  # noqa: E402
 
 KEY = "test-key"
 SPEC = SynthSpec(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, tied=False, seed=21, default_type="Q8_0",
-                 n_ctx_train=4096)
+                 n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
+MODEL = "synth-q8.gguf"               # the id the server lists: the model file's name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(ServeProcess):
     """A `metatp serve` subprocess on a free port of 127.0.0.1 (stopped by its pid)."""
 
     def __init__(self, model: str, *args: str, log: Path) -> None:
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "metatp", "serve", "-m", model, "--port",
-                                          str(self.port), "--backend", "numpy", *args],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"metatp serve exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"metatp serve did not come up within 120 s:\n{log.read_text()[-3000:]}")
+        port = free_port()
+        super().__init__([sys.executable, "-m", "metatp", "serve", "-m", model, "--port", str(port),
+                          "--backend", "numpy", *args], log=log, port=port,
+                         env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.wait_ready(120, 0.2)
 
     def client(self, key: str = KEY) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=120, max_retries=0)
+        return super().client(key)
 
     def post(self, path: str, body: str | dict, key: str | None = KEY, timeout: float = 60) -> "httpx.Response":
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -87,32 +66,21 @@ class Server:
             m = self.metrics()
         return m
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
+
+@pytest.fixture(scope="module")
+def served_model(path, tmp_path_factory) -> str:
+    """The module's synthetic model (`path`) under the file name the server lists (`MODEL`)."""
+    link = tmp_path_factory.mktemp("serve") / MODEL
+    link.symlink_to(path)
+    return str(link)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    p = tmp_path_factory.mktemp("serve") / "synth-q8.gguf"
-    write_synthetic_gguf(p, SPEC)
-    return str(p)
-
-
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    s = Server(model, "-c", "2048", "--parallel", "16", "--api-key", KEY,
+def server(served_model, tmp_path_factory):
+    s = Server(served_model, "-c", "2048", "--parallel", "16", "--api-key", KEY,
                log=tmp_path_factory.mktemp("serve-log") / "server.log")
     yield s
     s.stop()
-
-
-MODEL = "synth-q8.gguf"
 
 
 def complete(client, prompt: str, n: int = 12, **kw) -> str:
@@ -260,9 +228,9 @@ def test_load_64_requests_at_concurrency_16(server):
 
 
 @pytest.fixture(scope="module")
-def tight(model, tmp_path_factory):
+def tight(served_model, tmp_path_factory):
     """One slot and room for one waiting request."""
-    s = Server(model, "-c", "4096", "--parallel", "1", "--max-waiting", "1",
+    s = Server(served_model, "-c", "4096", "--parallel", "1", "--max-waiting", "1",
                log=tmp_path_factory.mktemp("serve-log") / "tight.log")
     yield s
     s.stop()
@@ -314,10 +282,8 @@ def test_full_queue_answers_503(tight):
 
 # ---------------------------------------------------------------- the default model: chat template
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    from conftest import default_model_path
-
-    s = Server(str(default_model_path()), "-c", "1024", "--parallel", "4",
+def real(default_model, tmp_path_factory):
+    s = Server(str(default_model), "-c", "1024", "--parallel", "4",
                log=tmp_path_factory.mktemp("serve-log") / "real.log")
     yield s
     s.stop()

@@ -1,13 +1,16 @@
 """One rank of an MPI run, started by tests/mpi/test_mpi.py as `mpiexec -n N python tests/support/mpi_worker.py ...`.
 
-It does what `LLM(..., distributed="mpi")` and `metatp generate` do under mpiexec, with the
-engine and backend driven directly (the API wiring is applied by the lead): detect the world,
-check the layout and the model file, build this rank's backend (device `rank` only, MPI
-all-reduce), score a prompt at every position, then generate greedily with rank 0's token on
-every rank. Rank 0 writes the logits and tokens; every rank writes its memory facts.
+It is `LLM(..., backend="numpy", distributed="mpi")` on every rank (the API detects the world,
+checks the layout and the model file, and builds this rank's backend: device `rank` only, MPI
+all-reduce), run as `metatp.testing.mpi_rank.run_prompt` runs it: a prompt scored at every
+position, then greedy tokens with rank 0's token on every rank. Rank 0 writes the logits and
+tokens; every rank writes its memory facts. Test-only extras: a rank that fails mid-generation
+(--fail-rank), mpi4py hidden (--no-mpi4py), the NCCL bootstrap (--nccl-uid, --nccl-allreduce)
+and the API with rank-dependent prompts and seeds (--api).
 
-Errors follow the CLI's rules under MPI: one line, printed once (by rank 0 when every rank
-found it, by the rank that had it otherwise), then exit 1 or MPI_Abort of every rank.
+Errors follow the CLI's rules under MPI (`finish_error`): one line, printed once (by rank 0
+when every rank found it, by the rank that had it otherwise), then exit 1 or MPI_Abort of
+every rank.
 """
 
 from __future__ import annotations
@@ -61,61 +64,54 @@ def main(argv=None) -> int:
     if args.no_mpi4py:
         sys.meta_path.insert(0, _NoMpi4py())
 
-    from metatp.backends.distributed import init_world, should_report
+    from metatp.backends.distributed import finish_error, init_world
     from metatp.ir.errors import MetatpError
 
-    world = None
     try:
         if args.api:
             return _api(args)
-        world = init_world("mpi")
         if args.nccl_uid or args.nccl_allreduce:
-            return _nccl(world, args)
-        return _run(world, args)
+            return _nccl(init_world("mpi"), args)
+        return _run(args)
     except MetatpError as e:
-        if should_report(e, world):
-            print(f"metatp: error: {e}", file=sys.stderr, flush=True)
-        if world is not None and not getattr(e, "every_rank", False):
-            world.abort(1)      # the others may be waiting in a collective
-        return 1
+        return finish_error(e, f"metatp: error: {e}", 1)
 
 
-def _run(world, args) -> int:
-    from metatp.backends.distributed import process_memory
-    from metatp.engine import Engine
-    from metatp.ir.loader import load_model
-    from metatp.passes.plan import DeviceLayout
+def _run(args) -> int:
+    from metatp.api import LLM
+    from metatp.backends.distributed import launched_rank, process_memory
+    from metatp.testing.mpi_rank import run_prompt, write_result
 
-    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
-    n, mode = world.layout_for(args.devices, None, ts)
-    layout = DeviceLayout(n, mode, ts)
-    path = args.model.replace("{rank}", str(world.rank))
-    world.check_model(path)
-    model = load_model(path)
-    backend = world.create_backend("numpy", layout)
-    engine = Engine(model, args.n_ctx, layout, backend)
+    path = args.model.replace("{rank}", str(launched_rank() or 0))
+    llm = LLM(path, n_ctx=args.n_ctx, backend="numpy", n_devices=args.devices, tensor_split=args.tensor_split,
+              distributed="mpi")
+    rank = llm.world.rank
+    if args.fail_rank == rank:
+        _fail_in_generation(llm.engine, rank, args.fail_after)
     _trim()
     before = process_memory()
-
-    prompt = world.agree_tokens([int(x) for x in args.prompt.split(",")])
-    logits = engine.forward(prompt, all_logits=True)
-    tokens: list[int] = []
-    last = logits[-1]
-    for step in range(args.n_gen):
-        if args.fail_rank == world.rank and step == args.fail_after:
-            raise RuntimeError(f"rank {world.rank} fails on purpose at step {step}")
-        tok = world.agree_token(int(np.argmax(last)))
-        tokens.append(tok)
-        last = engine.forward(world.agree_tokens([tok]))
+    logits, tokens = run_prompt(llm, [int(x) for x in args.prompt.split(",")], args.n_gen)
     _trim()
     after = process_memory()
     if args.out:
         out = Path(args.out)
-        facts = _memory_facts(engine, backend, world.rank, before, after)
-        (out / f"mem{world.rank}.json").write_text(json.dumps(facts))
-        if world.rank == 0:
-            np.savez(out / "result.npz", logits=logits, tokens=np.array(tokens), last=last)
+        facts = _memory_facts(llm.engine, llm.backend, rank, before, after)
+        (out / f"mem{rank}.json").write_text(json.dumps(facts))
+        write_result(out, rank, logits, tokens)
     return 0
+
+
+def _fail_in_generation(engine, rank: int, after: int) -> None:
+    """This rank's engine raises where generation step `after` would run (after the prompt's
+    scoring pass and the generation's prefill), while the other ranks wait in its collective."""
+    run, calls = engine.run, [0]
+
+    def failing(items):
+        calls[0] += 1
+        if calls[0] == 2 + after:
+            raise RuntimeError(f"rank {rank} fails on purpose at step {after}")
+        return run(items)
+    engine.run = failing
 
 
 API_PROMPTS = [[1, 17, 42, 99, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [250, 3]]
@@ -127,9 +123,10 @@ def _api(args) -> int:
     request enters, sampled tokens per step), or the ranks drift apart or hang. Every rank writes
     what it got."""
     from metatp.api import LLM
+    from metatp.backends.distributed import launched_rank
     from metatp.sampling import SamplingParams
 
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = launched_rank() or 0
     llm = LLM(args.model, n_ctx=args.n_ctx, tensor_split=args.tensor_split, seed=rank, distributed="mpi")
     prompts = API_PROMPTS if rank == 0 else [[3] * (4 + rank + i) for i in range(len(API_PROMPTS))]
     greedy = llm.generate(prompts, SamplingParams(max_tokens=args.n_gen, temperature=0))

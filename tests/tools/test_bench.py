@@ -118,12 +118,10 @@ def test_compare_without_llama_cpp_is_a_one_line_error(synth_factory, monkeypatc
 
 
 @pytest.mark.slow
-def test_compare_with_the_real_llama_cpp():
+def test_compare_with_the_real_llama_cpp(default_model):
     """The real llama-cpp-python on the default model, when it is installed (skipped otherwise)."""
     pytest.importorskip("llama_cpp")
-    from conftest import default_model_path
-
-    model = str(default_model_path())
+    model = str(default_model)
     rows = run_bench(BenchConfig(model=model, n_prompt=[8], n_gen=[2], repetitions=1, backend="numpy",
                                  compare="llama-cpp"))
     assert [r["backend"] for r in rows] == ["numpy", "numpy", "llama.cpp", "llama.cpp"]

@@ -29,7 +29,6 @@ from metatp.tools.dump import dot as dump_dot
 from metatp.tools.dump import DumpRequest, Link, communication_bill, dump, dump_model, raw_weight_bytes
 from metatp.testing.synth import SynthSpec
 
-from conftest import default_model_path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "dump-format.md"
 F32 = GGMLType.F32
@@ -461,9 +460,9 @@ def test_bad_format_and_layer_from_python():
 
 
 @pytest.fixture(scope="module")
-def default_json() -> dict:
+def default_json(default_model) -> dict:
     """`metatp dump --devices 2 -sm tensor --format json | python -m json.tool`, parsed."""
-    path = default_model_path()
+    path = default_model
     dump_cmd = [sys.executable, "-m", "metatp", "dump", "-m", str(path), "--devices", "2", "-sm", "tensor",
                 "--format", "json"]
     produced = subprocess.run(dump_cmd, capture_output=True, check=True)
@@ -490,12 +489,12 @@ def test_default_model_decode_has_two_reductions_per_layer(default_json):
     _check_schema(d)
 
 
-def test_default_model_summary_matches_the_plan(default_json):
+def test_default_model_summary_matches_the_plan(default_model, default_json):
     from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 
     from metatp.ir.loader import load_model
 
-    model = load_model(default_model_path(), with_tokenizer=False)
+    model = load_model(default_model, with_tokenizer=False)
     graph = build_graph(ModelTensors(model, 2048), BatchSpec(1, 2048, 1))
     plan = compile_plan(graph, TWO, model.hparams)
     _assert_summary_matches(default_json["summary"], plan)

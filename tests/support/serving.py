@@ -1,0 +1,69 @@
+"""A `metatp serve` process under test: started on a free port of 127.0.0.1, its output in a log
+file, ready once /health answers (tests/serving/test_serving.py runs one process,
+tests/mpi/test_mpi_serving.py `mpiexec -n 2`; each adds what it inspects)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`cmd` (which serves on `self.port`) in a subprocess writing to `log`; `wait_ready` polls
+    /health until it answers 200, failing the test (with the log's tail) if the process exits
+    first or the time runs out."""
+
+    name = "metatp serve"
+
+    def __init__(self, cmd: list[str], *, log: Path, port: int, env: dict[str, str],
+                 new_session: bool = False) -> None:
+        self.port = port
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                         start_new_session=new_session)
+
+    def wait_ready(self, timeout: float, poll: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(poll)
+        self.stop()
+        pytest.fail(f"{self.name} did not come up within {timeout:.0f} s:\n{self.text()[-3000:]}")
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def client(self, key: str = "unused"):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=120, max_retries=0)
+
+    def stop(self) -> None:
+        """Terminate (then kill) the process."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
