@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metatp.testing.compare import teacher_forced
 from metatp.testing.oracles import rel_err
 from metatp.tools.gpu_check.config import Budget, Config, cupy_engine, numpy_engine
 from metatp.tools.gpu_check.report import Report
@@ -25,16 +26,6 @@ def write_model(rep: Report, cfg: Config, folder: Path):
     rep.add("model", "synthetic GGUF", f"{cfg.n_layer} layers, {path.stat().st_size / 2**20:.0f} MiB, written in "
             f"{time.perf_counter() - t0:.1f} s", None)
     return load_model(path)
-
-
-def teacher_forced(eng, ref, prompt, steps: int):
-    """Logits of both engines over the prompt, then `steps` tokens that the reference picks."""
-    got, want = [eng.forward(prompt)], [ref.forward(prompt)]
-    for _ in range(steps):
-        tok = int(np.argmax(want[-1]))
-        got.append(eng.forward([tok]))
-        want.append(ref.forward([tok]))
-    return got, want
 
 
 def greedy_report(got, want) -> tuple[str, bool]:
