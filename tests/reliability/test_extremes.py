@@ -33,17 +33,8 @@ SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=Fals
 EXTREMES = [0.0, -0.0, 5e-324, 1e-310, 1e-30, 1e308, math.inf, -math.inf, math.nan,
             2**63, 2**64, 10**30, -1, 0.5, 1, 2]
 SAMPLING = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "n", "logprobs"]
+LLM_OPTIONS = {"n_ctx": 64}    # the shared `llm` fixture
 BIG_ALLOCATION = 64 * 2**20          # no refusal may allocate more than this on its way
-
-
-@pytest.fixture(scope="module")
-def path(synth_factory) -> str:
-    return str(synth_factory(SPEC)[0])
-
-
-@pytest.fixture(scope="module")
-def llm(path) -> LLM:
-    return LLM(path, n_ctx=64, backend="numpy")
 
 
 def outcome(call):
