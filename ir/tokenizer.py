@@ -30,135 +30,14 @@ from typing import Any
 
 from metatp.ir.chat_template import compile_template, render_template
 from metatp.ir.errors import ConfigError, ModelFormatError
+from metatp.ir.tokenizer_tables import (
+    BYTE, BYTE_TO_CHAR, CHAR_TO_BYTE, CONTROL, EOG_TEXTS, EOM_TEXTS, EOT_TEXTS, FIM_MID_TEXTS,
+    FIM_PAD_TEXTS, FIM_PRE_TEXTS, FIM_REP_TEXTS, FIM_SEP_TEXTS, FIM_SUF_TEXTS, GPT2, NORMAL,
+    PRE_TOKENIZERS, PreTokenizer, SPM_SPACE, TYPE_TO_ATTR, UNKNOWN, UNUSED, USER_DEFINED,
+    gpt2_byte_table)
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
-# Token attributes, as llama.cpp's llama_token_attr bit flags.
-_UNKNOWN = 1 << 0
-_UNUSED = 1 << 1
-_NORMAL = 1 << 2
-_CONTROL = 1 << 3
-_USER_DEFINED = 1 << 4
-_BYTE = 1 << 5
-
-# GGUF token types (gguf.TokenType) -> attribute flags; anything else is "undefined" (0).
-_TYPE_TO_ATTR = {1: _NORMAL, 2: _UNKNOWN, 3: _CONTROL, 4: _USER_DEFINED, 5: _UNUSED, 6: _BYTE}
-
-_SPM_SPACE = "\u2581"  # '▁', SentencePiece's escaped space
-
-# ---------------------------------------------------------------- pre-tokenizers
-# The regexes llama.cpp uses per `tokenizer.ggml.pre` (llm_tokenizer_bpe). Where llama.cpp
-# rewrote a HF regex for std::regex (e.g. `(?i:'s|...)`), the original HF form is used:
-# the `tokenizers` library runs Oniguruma, which takes it as is.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SEED_CODER = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
-    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_DEEPSEEK3 = [
-    r"\p{N}{1,3}",
-    "[一-龥぀-ゟ゠-ヿ]+",
-    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
-    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-]
-_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
-
-
-class _Pre:
-    """How one `tokenizer.ggml.pre` value pre-splits text, and the flags llama.cpp ties to it."""
-
-    def __init__(self, regexes: list[str], *, ignore_merges: bool = False, add_bos: bool = False) -> None:
-        self.regexes = regexes
-        self.ignore_merges = ignore_merges  # a word that is a whole vocab token skips the merges
-        self.add_bos = add_bos  # llama.cpp's add_bos default for this pre-tokenizer
-
-
-def _pre_table() -> dict[str, _Pre]:
-    groups: list[tuple[tuple[str, ...], _Pre]] = [
-        (("default",), _Pre(_DEFAULT)),
-        (("gpt2", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
-          "a.x-4.0", "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "mpt",
-          "olmo", "jais", "exaone4", "trillion", "granite-docling"), _Pre([_GPT2])),
-        (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-          "jina-v5-nano", "dbrx", "smaug-bpe"), _Pre([_LLAMA3], ignore_merges=True, add_bos=True)),
-        (("glm4", "chatglm-bpe"), _Pre([_LLAMA3])),
-        (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
-         _Pre([r"\p{N}", _GPT2])),
-        (("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan", "solar-open"),
-         _Pre([_QWEN2])),
-        (("qwen35",), _Pre([_QWEN35])),
-        (("falcon",), _Pre([r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"])),
-        (("deepseek-coder",), _Pre(["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"])),
-        (("deepseek-v3", "hunyuan-dense", "joyai-llm"), _Pre(_DEEPSEEK3)),
-        (("tekken",), _Pre([_TEKKEN], ignore_merges=True, add_bos=True)),
-        (("gpt-4o", "llama4", "kanana2"), _Pre([_GPT4O])),
-        (("poro-chat", "bloom", "gpt3-finnish"), _Pre([r" ?[^(\s|.,!?…。，、।۔،)]+"])),
-        (("seed-coder",), _Pre([_SEED_CODER])),
-    ]
-    return {name: pre for names, pre in groups for name in names}
-
-
-_PRE_TOKENIZERS = _pre_table()
-
-# ---------------------------------------------------------------- end-of-generation detection
-# llama.cpp finds these tokens by their text (llama_vocab::impl::load); so do we. Where several
-# match, the first text in the tuple wins (llama.cpp's pick is the hash map's order).
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-              "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
-_EOM_TEXTS = ("<|eom_id|>",)
-_FIM_PRE_TEXTS = ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                  "<|code_prefix|>", "<|prefix|>")
-_FIM_SUF_TEXTS = ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                  "<|code_suffix|>", "<|suffix|>")
-_FIM_MID_TEXTS = ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                  "<|code_middle|>", "<|middle|>")
-_FIM_PAD_TEXTS = ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")
-_FIM_REP_TEXTS = ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")
-_FIM_SEP_TEXTS = ("<|file_sep|>",)
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<｜end▁of▁sentence｜>", "[e~[",
-})
-
-
-def _gpt2_byte_table() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table = {b: chr(b) for b in keep}
-    n = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
-_BYTE_TO_CHAR = _gpt2_byte_table()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
 # ---------------------------------------------------------------- metadata helpers
@@ -266,7 +145,7 @@ class Tokenizer:
         types = _num_list(md, "tokenizer.ggml.token_type", n, int) or [1] * n
         self.token_types: list[int] = types
         self.scores: list[float] = _num_list(md, "tokenizer.ggml.scores", n, float) or [0.0] * n
-        self._attrs: list[int] = [_TYPE_TO_ATTR.get(t, 0) for t in types]
+        self._attrs: list[int] = [TYPE_TO_ATTR.get(t, 0) for t in types]
 
         spm = model == "llama"
         if spm:
@@ -282,10 +161,10 @@ class Tokenizer:
             if not isinstance(pre, str):
                 raise ModelFormatError(f"tokenizer metadata: 'tokenizer.ggml.pre' must be a string, got {pre!r}")
             self.pre = pre
-            if pre not in _PRE_TOKENIZERS:
+            if pre not in PRE_TOKENIZERS:
                 warnings.warn(f"tokenizer: unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); falling back to "
                               "the GPT-2 regex, token ids may differ from llama.cpp's", stacklevel=3)
-            self._pre = _PRE_TOKENIZERS.get(pre, _Pre([_GPT2]))
+            self._pre = PRE_TOKENIZERS.get(pre, PreTokenizer([GPT2]))
             add_bos_default = self._pre.add_bos
 
         self.add_space_prefix = _flag(md, "tokenizer.ggml.add_space_prefix", spm)
@@ -306,7 +185,7 @@ class Tokenizer:
         self.chat_template = tmpl or None
 
         # special tokens cut out of the text before BPE, longest first (llama.cpp sorts by byte length)
-        special = [i for i, a in enumerate(self._attrs) if a & (_CONTROL | _USER_DEFINED | _UNKNOWN)]
+        special = [i for i, a in enumerate(self._attrs) if a & (CONTROL | USER_DEFINED | UNKNOWN)]
         special.sort(key=lambda i: (-len(self.tokens[i].encode("utf-8")), i))
         self._special_order: list[int] = special
 
@@ -328,25 +207,25 @@ class Tokenizer:
         """
         n = self.n_vocab
         fim = {}
-        for what, texts in (("pre", _FIM_PRE_TEXTS), ("suf", _FIM_SUF_TEXTS), ("mid", _FIM_MID_TEXTS),
-                            ("pad", _FIM_PAD_TEXTS), ("rep", _FIM_REP_TEXTS), ("sep", _FIM_SEP_TEXTS)):
+        for what, texts in (("pre", FIM_PRE_TEXTS), ("suf", FIM_SUF_TEXTS), ("mid", FIM_MID_TEXTS),
+                            ("pad", FIM_PAD_TEXTS), ("rep", FIM_REP_TEXTS), ("sep", FIM_SEP_TEXTS)):
             fim[what] = _token_id(md, f"tokenizer.ggml.fim_{what}_token_id", None, n)
             if fim[what] is None:
                 fim[what] = self._first_with_text(texts)
         if self.eot_id is None:
-            self.eot_id = self._first_with_text(_EOT_TEXTS)
+            self.eot_id = self._first_with_text(EOT_TEXTS)
         if eom_id is None:
-            eom_id = self._first_with_text(_EOM_TEXTS)
+            eom_id = self._first_with_text(EOM_TEXTS)
         for i in (self.eot_id, eom_id, *fim.values()):
             if i is not None:
-                self._attrs[i] |= _CONTROL
+                self._attrs[i] |= CONTROL
 
         eog = {fim[k] for k in ("pad", "rep", "sep") if fim[k] is not None}
-        for t in _EOG_TEXTS:
+        for t in EOG_TEXTS:
             i = self._token_to_id.get(t)
             if i is not None:
                 eog.add(i)
-                self._attrs[i] |= _CONTROL
+                self._attrs[i] |= CONTROL
         eog.update(i for i in (self.eos_id, self.eot_id, eom_id) if i is not None)
 
         texts = {self.tokens[i]: i for i in eog}
@@ -354,15 +233,15 @@ class Tokenizer:
         if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
                                    or ("<|calls|>" in texts and "<|flush|>" in texts)):
             eog.discard(texts["<|end|>"])
-            self._attrs[texts["<|end|>"]] = _USER_DEFINED
+            self._attrs[texts["<|end|>"]] = USER_DEFINED
         if "<|tool_response>" in texts and "</s>" in texts:
             eog.discard(texts["</s>"])
-            self._attrs[texts["</s>"]] = _NORMAL
+            self._attrs[texts["</s>"]] = NORMAL
 
         # control tokens named "unused" are unused (they still render as text when asked)
         for i, a in enumerate(self._attrs):
-            if a & _CONTROL and "unused" in self.tokens[i]:
-                self._attrs[i] |= _UNUSED
+            if a & CONTROL and "unused" in self.tokens[i]:
+                self._attrs[i] |= UNUSED
         return frozenset(eog)
 
     def _check_coverage(self, spm: bool) -> None:
@@ -372,7 +251,7 @@ class Tokenizer:
             return
         # Real vocabularies lack a few bytes (control characters, bytes UTF-8 never uses): those
         # are refused when met (encode); a vocabulary without printable ASCII is refused here.
-        table = _gpt2_byte_table()
+        table = gpt2_byte_table()
         missing = [b for b in range(0x20, 0x7F) if table[b] not in self._token_to_id]
         if missing:
             raise ModelFormatError(f"tokenizer metadata: the byte-level BPE vocabulary lacks the symbols of "
@@ -417,7 +296,7 @@ class Tokenizer:
         """
         hf = _hf()
         vocab = self._token_to_id
-        is_byte = [bool(a & _BYTE) for a in self._attrs]
+        is_byte = [bool(a & BYTE) for a in self._attrs]
         ranked: list[tuple[float, int, int, str, str]] = []
         for i, t in enumerate(self.tokens):
             if is_byte[i] or len(t) < 2:
@@ -471,7 +350,7 @@ class Tokenizer:
         """Split text into raw fragments and special-token ids (llama.cpp's tokenizer_st_partition)."""
         frags: list[str | int] = [text] if text else []
         for tid in self._special_order:
-            if not special and self._attrs[tid] & (_CONTROL | _UNKNOWN):
+            if not special and self._attrs[tid] & (CONTROL | UNKNOWN):
                 continue
             tok = self.tokens[tid]
             if tok not in text:
@@ -493,11 +372,11 @@ class Tokenizer:
         if self.model == "llama":
             if self.add_space_prefix and prev_special:
                 frag = " " + frag
-            frag = frag.replace(" ", _SPM_SPACE)
+            frag = frag.replace(" ", SPM_SPACE)
         ids = self._hf_tok.encode(frag, add_special_tokens=False).ids
         if self.model == "gpt2":
             # the BPE model drops bytes missing from the vocabulary without a word: refuse instead
-            if "".join(self.tokens[i] for i in ids) != "".join(_BYTE_TO_CHAR[b] for b in frag.encode("utf-8")):
+            if "".join(self.tokens[i] for i in ids) != "".join(BYTE_TO_CHAR[b] for b in frag.encode("utf-8")):
                 raise ConfigError(f"this model's vocabulary cannot represent the text: "
                                   f"{self._first_unrepresentable(frag)!r} has no byte token")
         elif not ids and frag:
@@ -505,7 +384,7 @@ class Tokenizer:
         return ids
 
     def _first_unrepresentable(self, frag: str) -> str:
-        table = _gpt2_byte_table()
+        table = gpt2_byte_table()
         for ch in frag:
             if any(table[b] not in self._token_to_id for b in ch.encode("utf-8")):
                 return ch
@@ -532,14 +411,14 @@ class Tokenizer:
 
     def _make_piece(self, i: int) -> bytes:
         attr, text = self._attrs[i], self.tokens[i]
-        if attr & (_CONTROL | _UNKNOWN | _USER_DEFINED):
+        if attr & (CONTROL | UNKNOWN | USER_DEFINED):
             return text.encode("utf-8")
-        if attr & _NORMAL:
+        if attr & NORMAL:
             if self.model == "gpt2":
-                return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8")
+                return b"".join(bytes([CHAR_TO_BYTE[c]]) if c in CHAR_TO_BYTE else c.encode("utf-8")
                                 for c in text)
-            return text.replace(_SPM_SPACE, " ").encode("utf-8")
-        if attr & _BYTE:
+            return text.replace(SPM_SPACE, " ").encode("utf-8")
+        if attr & BYTE:
             if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
                 try:
                     return bytes([int(text[3:5], 16)])
@@ -550,7 +429,7 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """True for control and unknown tokens: the ones `skip_special` leaves out of the text."""
-        return bool(self._attrs[self._check_id(token_id)] & (_CONTROL | _UNKNOWN))
+        return bool(self._attrs[self._check_id(token_id)] & (CONTROL | UNKNOWN))
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of a token sequence: the tokens' bytes joined, invalid UTF-8 shown as U+FFFD.

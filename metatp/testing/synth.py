@@ -63,9 +63,9 @@ class SynthSpec:
 
 def byte_vocab(n_vocab: int) -> tuple[list[str], list[str], list[int]]:
     """A GPT-2 byte-level vocabulary: 256 byte tokens, merges of common pairs, two control tokens."""
-    from metatp.ir.tokenizer import _gpt2_byte_table
+    from metatp.ir.tokenizer_tables import gpt2_byte_table
 
-    table = _gpt2_byte_table()
+    table = gpt2_byte_table()
     tokens = ["<|bos|>", "<|eos|>"] + [table[b] for b in range(256)]
     types = [3, 3] + [1] * 256
     merges: list[str] = []

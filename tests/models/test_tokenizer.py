@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metatp.ir.errors import ConfigError, ModelFormatError
-from metatp.ir.tokenizer import _PRE_TOKENIZERS, StreamDecoder, Tokenizer, _gpt2_byte_table
+from metatp.ir.tokenizer import StreamDecoder, Tokenizer
+from metatp.ir.tokenizer_tables import PRE_TOKENIZERS, gpt2_byte_table
 
 from metatp.models import cache_dir  # noqa: E402
 
@@ -160,7 +161,7 @@ def spm() -> Tokenizer:
 
 def _bpe_metadata(**extra) -> dict:
     """A byte-level BPE ('gpt2') vocab: all 256 byte symbols, a few merges, chat control tokens."""
-    b2u = _gpt2_byte_table()
+    b2u = gpt2_byte_table()
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [b2u[b] for b in range(256)]
     types = [CONTROL] * 3 + [NORMAL] * 256
     merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2"]
@@ -376,7 +377,7 @@ def test_bpe_smollm_pre_splits_digits() -> None:
     assert [gpt2.tokens[i] for i in gpt2.encode("12")] == ["12"]
 
 
-@pytest.mark.parametrize("pre", sorted(_PRE_TOKENIZERS))
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
 def test_every_pre_tokenizer_compiles_and_is_lossless(pre: str) -> None:
     tok = Tokenizer.from_metadata(_bpe_metadata(**{"tokenizer.ggml.pre": pre}))
     text = "Hello, World! It's 12345 héllo 世界 ひらがな\n\n  x\t\ty 'LL"

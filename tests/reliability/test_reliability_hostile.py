@@ -24,7 +24,8 @@ from metatp.cli import main
 from metatp.ir import chat_template as chat_template
 from metatp.ir.errors import ConfigError, MetatpError, ModelFormatError, ModelNotFoundError, NumericalError
 from metatp.ir.loader import load_model
-from metatp.ir.tokenizer import Tokenizer, _gpt2_byte_table
+from metatp.ir.tokenizer import Tokenizer
+from metatp.ir.tokenizer_tables import gpt2_byte_table
 from metatp.testing.gguf_edit import read_parts, write_parts
 from metatp.testing.synth import SynthSpec
 from metatp.tools import fuzz_gguf as fz
@@ -57,7 +58,7 @@ def mutant(base, tmp_path, *mutations, name="m.gguf") -> str:
 
 # ---------------------------------------------------------------- templates
 def bpe_tokenizer(template: str) -> Tokenizer:
-    table = _gpt2_byte_table()
+    table = gpt2_byte_table()
     tokens = ["<|bos|>", "<|eos|>"] + [table[b] for b in range(256)]
     return Tokenizer.from_metadata({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.tokens": tokens,
@@ -217,7 +218,7 @@ def _fill(name: str, value: float):
 
 
 def test_vocabulary_that_cannot_write_text():
-    table = _gpt2_byte_table()
+    table = gpt2_byte_table()
     tokens = ["<|bos|>"] + [table[b] for b in range(256) if b != 0x04]
     tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
                                    "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": []})
