@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from metatp.backends.cuda.runtime import gpu_available, gpu_probe
-from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry, check_options
+from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry
 from metatp.ir.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["BACKENDS", "gpu_available", "gpu_probe", "resolve_backend_name", "create_backend"]
@@ -28,5 +28,4 @@ def resolve_backend_name(name: str) -> str:
 def create_backend(name: str, layout, **options):
     """A backend instance for `layout` (a passes.plan.DeviceLayout) with `options` checked
     against the backend's table in `backends.registry` (None: the backend's default)."""
-    resolved = resolve_backend_name(name)
-    return backend_entry(resolved).load()(layout, **check_options(resolved, options))
+    return backend_entry(resolve_backend_name(name)).create(layout, options)

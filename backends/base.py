@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from metatp.backends.collectives.wire import WireThresholds
+from metatp.backends.store import LeafStore, owned_devices
 from metatp.ir.tensor import GGMLType, Tensor
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["WeightSource", "Executable", "Backend"]
+__all__ = ["WeightSource", "BackendInfo", "Executable", "Backend"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,27 @@ class WeightSource:
     dequantize: Callable[[], np.ndarray]
 
 
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend runs, for reports (bench rows, batched-bench, GPU checks): read this
+    rather than a backend's attributes."""
+
+    name: str                       # "numpy", "cupy"
+    n_devices: int                  # devices of the layout
+    owned: tuple[int, ...]          # the devices this process drives
+    allreduce: str                  # the all-reduce that runs: "none" on one device, a schedule, "nccl", "mpi"
+    wire: str                       # its wire type: "f32", "bf16", or "auto" (f32 below the thresholds)
+    wire_thresholds: WireThresholds
+    kernels: str                    # the kernels in use, in words (numpy: the C build, or "off")
+    kernel_threads: int | None      # threads of the compiled CPU kernels (None: the backend has none)
+    options: tuple[tuple[str, Any], ...] = ()   # further settings in effect (cupy: graphs, dtypes)
+
+
 class Executable(ABC):
     """A Plan bound to buffers on the devices this process owns."""
 
     plan: Plan
+    buffer_bytes: list[int]          # per device: bytes of this plan's own buffers
 
     @abstractmethod
     def set_input(self, t: Tensor, value: np.ndarray) -> None:
@@ -52,11 +71,28 @@ class Executable(ABC):
         """The full value of `t` on the host (gathered from slices; a partial sum is reduced)."""
 
 
-class Backend(ABC):
-    """N devices (simulated in one process, or GPUs) that run Plans for one model."""
+class Backend(LeafStore, ABC):
+    """N devices (simulated in one process, or GPUs) that run Plans for one model.
+
+    The base owns the leaf store (`backends.store`: which devices this process owns, every
+    stored leaf, `has`, `allocate_leaf`, `reset_kv`) and the prepared plans."""
 
     name: str = "?"
     layout: DeviceLayout
+    #: the collective a process owning only some devices must be given (named in the error)
+    spanning: str = "a collective spanning the processes"
+
+    def __init__(self, layout: DeviceLayout | None = None, devices: Sequence[int] | None = None,
+                 collective: Any = None) -> None:
+        self.layout = layout or DeviceLayout()
+        n = self.layout.n_devices
+        self.init_store(n, owned_devices(n, devices, collective, self.spanning))
+        self.collective = collective
+        self._executables: dict[int, Executable] = {}
+
+    @abstractmethod
+    def describe(self) -> BackendInfo:
+        """What this backend runs (name, all-reduce, wire, kernels, kernel threads)."""
 
     # ---- weights and the KV cache
     @abstractmethod
@@ -87,21 +123,12 @@ class Backend(ABC):
         tiles the cache at absolute positions then meets the sequence as it does alone."""
         return 1
 
-    @abstractmethod
-    def has(self, t: Tensor) -> bool:
-        """Is leaf `t` (a weight or the KV cache) stored?"""
-
-    @abstractmethod
-    def reset_kv(self) -> None:
-        """Zero the KV cache (a new sequence starts)."""
-
     # ---- plans
     def prepare(self, plan: Plan) -> Executable:
         """The plan bound to buffers, made once per plan (preparing twice returns the same one)."""
-        cache = self.__dict__.setdefault("_executables", {})
-        ex = cache.get(id(plan))
+        ex = self._executables.get(id(plan))
         if ex is None or ex.plan is not plan:
-            ex = cache[id(plan)] = self.make_executable(plan)
+            ex = self._executables[id(plan)] = self.make_executable(plan)
         return ex
 
     @abstractmethod
@@ -110,11 +137,10 @@ class Backend(ABC):
 
     def release(self, plan: Plan) -> None:
         """Forget a prepared plan and free its buffers (after queued work that uses them)."""
-        cache = self.__dict__.get("_executables", {})
-        ex = cache.get(id(plan))
+        ex = self._executables.get(id(plan))
         if ex is not None and ex.plan is plan:
             self.synchronize()
-            del cache[id(plan)]
+            del self._executables[id(plan)]
 
     def synchronize(self) -> None:
         """Wait for queued device work (a no-op where work runs synchronously)."""
@@ -129,6 +155,9 @@ class Backend(ABC):
     def memory_budget(self) -> tuple[int | None, bool]:
         """(bytes available or None if unknown, shared by all devices?)."""
 
-    @abstractmethod
     def allocated_bytes(self) -> list[int]:
-        """Bytes held per device now (weights, KV cache, prepared plans' buffers)."""
+        """Bytes held per device now: the stored leaves (`leaf_bytes`) and the buffers of the
+        largest prepared plan."""
+        leaves = self.leaf_bytes()
+        return [leaves[d] + max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
+                for d in range(self.n)]

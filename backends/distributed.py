@@ -5,7 +5,8 @@
 of an N-device layout, stores only that device's weight slices and KV heads (the numpy
 backend's `devices=[rank]`), walks only that device's part of every plan, and sums the
 partial results between subgraphs through MPI (`collectives.mpi.MpiCollective`; GPU ranks:
-NCCL, `collectives.nccl`).
+NCCL, `cuda.nccl.NcclCollective`). The backend itself is made by its registry entry
+(`registry.BackendEntry.create`), as in one process, with the rank's device and collective.
 
 Ranks run in lock step: every rank makes the same forward calls with the same inputs, or a
 collective waits forever. So, once at start, the ranks check that they agree on the world size
@@ -187,7 +188,7 @@ class World:
     def collective(self, kind: str = "mpi", **options):
         """The all-reduce and gather between the ranks' devices (one of each kind per world):
         "mpi" (CPU ranks: MPI_Allreduce), or "nccl" (GPU ranks: NCCL bootstrapped over MPI, on
-        this rank's local GPU; `options` as `collectives.nccl.NcclCollective` takes them, used
+        this rank's local GPU; `options` as `cuda.nccl.NcclCollective` takes them, used
         when it is first made)."""
         made = self._collective if isinstance(self._collective, dict) else {}
         self._collective = made
@@ -197,7 +198,7 @@ class World:
 
                 made[kind] = MpiCollective(self.comm)
             elif kind == "nccl":
-                from metatp.backends.collectives.nccl import NcclCollective
+                from metatp.backends.cuda.nccl import NcclCollective
 
                 made[kind] = NcclCollective(self.comm, **options)
             else:
@@ -205,54 +206,50 @@ class World:
         return made[kind]
 
     def create_backend(self, name: str, layout, **options):
-        """This rank's backend, owning device `rank` of `layout`: numpy reducing over MPI, or
-        cupy on the GPU of this rank's local rank reducing through NCCL (its unique id
-        broadcast over MPI). `options` as `backends.create_backend` takes them (checked by the
-        registry); `runtime` (cupy only) is the device-API seam tests use (`EmuRuntime`)."""
+        """This rank's backend, owning device `rank` of `layout`, made by the backend's registry
+        entry: numpy reducing over MPI, or cupy on the GPU of this rank's local rank reducing
+        through NCCL (its unique id broadcast over MPI). `options` as `backends.create_backend`
+        takes them (checked by the registry); `runtime` (cupy only) is the device-API seam
+        tests use (`EmuRuntime`). Errors every rank finds alike (options, no GPU, fewer GPUs
+        than local ranks) are reported once, by rank 0."""
+        from metatp.backends.registry import backend_entry
+
         if layout.n_devices != self.size:
             raise every_rank(ConfigError(f"layout has {layout.n_devices} devices for {self.size} ranks"))
-        if name == "cupy":
-            return self._cupy_backend(layout, options)
-        if name not in ("auto", "numpy"):
-            raise every_rank(ConfigError(f"unknown backend {name!r}; choose one of auto, numpy, cupy"))
-        allreduce = options.pop("allreduce", None)
-        if allreduce not in (None, "auto"):
-            raise every_rank(ConfigError(
-                f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under mpiexec "
-                "the ranks reduce with MPI_Allreduce (leave allreduce='auto')"))
-        from metatp.backends.numpy.backend import NumpyBackend
-        from metatp.backends.registry import check_options
-
         try:
-            checked = check_options("numpy", options)
+            entry = backend_entry("numpy" if name == "auto" else name)
         except MetatpError as e:
             raise every_rank(e) from None
-        return NumpyBackend(layout, **checked, devices=self.devices, collective=self.collective())
+        if entry.name == "cupy":
+            return self._cupy_backend(entry, layout, options)
+        allreduce = options.pop("allreduce", None)
+        try:
+            if allreduce not in (None, "auto"):
+                raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under "
+                                  "mpiexec the ranks reduce with MPI_Allreduce (leave allreduce='auto')")
+            checked = entry.check(options)
+        except MetatpError as e:
+            raise every_rank(e) from None
+        return entry.create(layout, checked, devices=self.devices, collective=self.collective())
 
-    def _cupy_backend(self, layout, options: dict):
-        """The cupy backend of a GPU rank: one device, this rank's local GPU, NCCL between ranks.
-        Errors every rank finds alike (options, no GPU, fewer GPUs than local ranks) are
-        reported once, by rank 0."""
-        from metatp.backends.cuda.backend import CupyBackend
-        from metatp.backends.registry import check_options
-
+    def _cupy_backend(self, entry, layout, options: dict):
+        """The cupy backend of a GPU rank: one device, this rank's local GPU, NCCL between ranks."""
         runtime = options.pop("runtime", None)
         allreduce = options.pop("allreduce", None)
         try:
             if allreduce not in (None, "auto", "nccl"):
                 raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; "
                                   "under mpiexec GPU ranks reduce with NCCL (leave allreduce='auto')")
-            checked = check_options("cupy", options)
+            checked = entry.check(options)
             if runtime is None:
-                from metatp.backends.collectives.nccl import _cupy_runtime
+                from metatp.backends.cuda.nccl import cupy_runtime
 
-                runtime = _cupy_runtime()
+                runtime = cupy_runtime()
         except MetatpError as e:
             raise every_rank(e) from None
-        wire = {k: checked[k] for k in ("wire",) if k in checked}
-        collective = self.collective("nccl", runtime=runtime, **({"wire": "auto"} | wire))
-        return CupyBackend(layout, **checked, runtime=runtime, gpus=[collective.gpu], devices=self.devices,
-                           collective=collective)
+        collective = self.collective("nccl", runtime=runtime, wire=checked.get("wire", "auto"))
+        return entry.create(layout, checked, runtime=runtime, gpus=[collective.gpu], devices=self.devices,
+                            collective=collective)
 
     # ---------------------------------------------------------------- faults
     def abort(self, code: int = 1) -> None:

@@ -1,10 +1,13 @@
 """One Plan executor for every backend: binding, the plan walk, and reading results.
 
 A backend's executable subclasses `PlanExecutor` and supplies only what really differs:
-how memory is allocated and viewed (`new_arena`, `place`, `view`), what a node runs
-(`node_steps`, `fused_steps`, `zero_fill_step`), and how the collected steps are run (its
-runner: node-major closures and threads on the host; streams, events and CUDA graphs on a
-GPU). The walk below is the one place that decides which device runs which node:
+how inputs and memory are allocated and viewed (`bind_inputs`, `new_arena`, `place`, `view`),
+what a node runs (`node_steps`, `fused_steps`, `zero_fill_step`), and how the collected steps
+are run (its runner: node-major closures and threads on the host; streams, events and CUDA
+graphs on a GPU). `PlanExecutor.__init__` runs the one construction sequence (inputs, leaves,
+shared values, fusions, node buffers, the walk, one prepared all-reduce per reduction) and
+`read` gathers results. The walk below is the one place that decides which device runs which
+node:
 
 - a pure view runs nothing (its memory is its source's);
 - a device whose slice is empty runs nothing, or zero-fills the buffer when a later node
@@ -19,14 +22,17 @@ them all, one when a process drives one device of a larger group.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.analysis import PlanFacts, is_pure_view
-from metatp.backends.base import Executable
+from metatp.backends.analysis import is_pure_view
+from metatp.backends.base import Backend, Executable
+from metatp.backends.collectives.base import Step
+from metatp.backends.fusion import Fusion
 from metatp.backends.slicing import gather_array
 from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
@@ -34,23 +40,7 @@ from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import Local, Plan
 
-__all__ = ["Fusion", "NodeSteps", "PlanExecutor", "np_shape"]
-
-
-@dataclass
-class Fusion:
-    """Nodes run as one launch at `at`'s position; `absorbed` nodes get no launch of their own.
-
-    Memory rules that keep the arena allocator's view (computed from the unfused graph) true:
-    an input read later than its last unfused reader is kept alive (`keep`), and an output
-    written before its own node gets memory of its own (`detach`)."""
-
-    kind: str
-    at: Tensor
-    absorbed: tuple[Tensor, ...]
-    keep: tuple[Tensor, ...] = ()
-    detach: tuple[Tensor, ...] = ()
-    parts: dict = field(default_factory=dict)
+__all__ = ["NodeSteps", "PlanExecutor"]
 
 
 @dataclass
@@ -62,82 +52,122 @@ class NodeSteps:
 
 
 class PlanExecutor(Executable):
-    """The shared part of an executable. Subclasses call `bind()` then `walk()` in __init__."""
+    """The shared part of an executable. A subclass sets up what its hooks need, then calls
+    `super().__init__(backend, plan)`, which binds and walks the plan; after it, `steps`
+    holds [subgraph][device] -> steps and `reductions` [subgraph] -> the prepared all-reduce
+    (None where the subgraph ends without one)."""
 
-    def __init__(self, plan: Plan, devices: Iterable[int]) -> None:
+    def __init__(self, backend: Backend, plan: Plan) -> None:
+        if plan.n_devices != backend.n:
+            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
+        self.backend = backend
         self.plan = plan
-        self.devices = list(devices)
-        self.facts = PlanFacts(plan)
+        self.devices = list(backend.owned)
+        self.facts = plan.facts
         n = plan.n_devices
         self.arrays: list[dict[Tensor, Any]] = [{} for _ in range(n)]
         self.buffer_bytes = [0] * n
         self.fusions: dict[Tensor, Fusion] = {}
         self.shared: set[Tensor] = set()
+        self.bind_inputs()
+        self.bind_leaves()
+        several = len(self.devices) > 1
+        self.shared = self.facts.shared_mirrored() if several and self.shares_mirrored() else set()
+        self.set_fusions(self.find_fusions())
+        late = self.facts.late_reads(self.shared) if self.shared else None
+        for d in self.devices:
+            self.bind_nodes(d, live_until=late if d == self.devices[0] else None)
+        self.walked = self.walk()
+        self.steps = self.per_device(self.walked, self.devices, n)
+        self.reductions = self.prepare_reductions()
 
     # ---------------------------------------------------------------- hooks (memory)
+    @abstractmethod
+    def bind_inputs(self) -> None:
+        """Buffers for every INPUT leaf of the plan on every owned device (`self.arrays`)."""
+
+    @abstractmethod
     def itemsize(self, t: Tensor) -> int:
         """Bytes per element of an activation of `t`'s type in this backend's buffers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def new_arena(self, d: int, nbytes: int) -> Any:
         """Device d's activation memory of `nbytes` bytes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def place(self, d: int, arena: Any, offset: int, node: Tensor, loc: Local) -> Any:
         """The buffer of an owner node at `offset` in the arena."""
-        raise NotImplementedError
 
+    @abstractmethod
     def own_buffer(self, d: int, node: Tensor, loc: Local) -> Any:
         """Memory of its own for a detached node (written before its own position)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def view(self, d: int, node: Tensor, loc: Local) -> Any:
         """A view node's buffer: its local shape, strides and offset into its source's memory."""
-        raise NotImplementedError
+
+    @abstractmethod
+    def host_value(self, d: int, t: Tensor) -> np.ndarray:
+        """Device d's slice of `t` as a host array in the graph's type."""
 
     def device_scope(self, d: int):
         """Context entered while building device d's steps (a GPU's device context)."""
         return nullcontext()
 
+    def shares_mirrored(self) -> bool:
+        """May the first device compute the values mirrored on every device for all of them
+        (`PlanFacts.shared_mirrored`)? Only where the devices share memory (default: no)."""
+        return False
+
     # ---------------------------------------------------------------- hooks (work)
     def find_fusions(self) -> list[Fusion]:
-        """The fusions this backend's kernels implement, found on this plan (default: none)."""
+        """The fusions this backend's kernels implement, found on this plan (`fusion.select`;
+        default: none)."""
         return []
 
+    @abstractmethod
     def node_steps(self, d: int, node: Tensor) -> list:
         """Device d's steps for one node (raise UnsupportedOpError for an op it cannot run)."""
-        raise NotImplementedError
 
     def fused_steps(self, d: int, fusion: Fusion) -> list:
         raise UnsupportedOpError(f"{type(self).__name__}: fusion {fusion.kind!r} is not implemented")
 
+    @abstractmethod
     def zero_fill_step(self, d: int, node: Tensor):
         """A step that writes zeros over device d's buffer of `node`."""
-        raise NotImplementedError
 
-    def host_value(self, d: int, t: Tensor) -> np.ndarray:
-        """Device d's slice of `t` as a host array in the graph's type."""
-        raise NotImplementedError
+    def reduction_collective(self) -> Any:
+        """The collective that sums the reduced nodes (default: the backend's)."""
+        return self.backend.collective
+
+    def reduction_buffer(self, d: int, node: Tensor) -> Any:
+        """Device d's buffer of a reduced node, as the collective takes it."""
+        return self.arrays[d][node]
+
+    def reduction_stream(self) -> Any:
+        """The stream the prepared all-reduces run on (None: the collective's own choice)."""
+        return None
 
     # ---------------------------------------------------------------- binding
-    def bind_leaves(self, leaf_of) -> None:
-        """Map every non-input leaf to its stored per-device value (`leaf_of(d, t)`)."""
+    def bind_leaves(self) -> None:
+        """Map every non-input leaf to the backend's stored per-device value (a KV cache not
+        stored yet is allocated, zero-filled, now)."""
+        backend = self.backend
         for t in self.plan.graph.leaves:
             if t.flags & Flag.INPUT:
                 continue
+            if t.flags & Flag.KV_CACHE and not backend.has(t):
+                backend.allocate_leaf(t, self.plan)
+            if not backend.has(t):
+                raise UnsupportedOpError(f"{backend.name} backend: leaf {t.name!r} has no data (upload it first)")
             for d in self.devices:
-                self.arrays[d][t] = leaf_of(d, t)
+                self.arrays[d][t] = backend.leaf[d][t]
 
     def set_fusions(self, fusions: list[Fusion]) -> None:
-        """Adopt fusions; a node may belong to one fusion only (earlier ones win)."""
-        taken: set[Tensor] = set()
-        self.fusions = {}
-        for f in fusions:
-            members = (f.at, *f.absorbed)
-            if any(m in taken for m in members):
-                continue
-            taken.update(members)
-            self.fusions[f.at] = f
+        """Adopt fusions (`fusion.select` made them disjoint: a node belongs to one at most)."""
+        self.fusions = {f.at: f for f in fusions}
+        if sum(len(f.members) for f in fusions) != len({m for f in fusions for m in f.members}):
+            raise ValueError("fusions overlap: a node may belong to one fusion only (use fusion.select)")
 
     def bind_nodes(self, d: int, live_until: dict[Tensor, int] | None = None) -> None:
         """Device d's node buffers: owners in one arena (dead buffers reused), fusion outputs
@@ -207,17 +237,37 @@ class PlanExecutor(Executable):
             out.append(lists)
         return out
 
+    # ---------------------------------------------------------------- all-reduces
+    def prepare_reductions(self) -> list[Step | None]:
+        """[subgraph] -> its all-reduce, prepared once (`Collective.prepare_allreduce`), or None.
+        Which devices contribute is the reduced node's compute flags: every device's, local or
+        not (a device with an empty slice counts as zeros)."""
+        out: list[Step | None] = [None] * len(self.plan.subgraphs)
+        if self.plan.n_devices == 1:
+            return out
+        collective = self.reduction_collective()
+        stream = self.reduction_stream()
+        for k, sub in enumerate(self.plan.subgraphs):
+            if sub.reduction is None:
+                continue
+            node = self.plan.graph.nodes[sub.reduction.node]
+            bufs = [self.reduction_buffer(d, node) for d in self.devices]
+            active = list(self.plan.of(node).compute)
+            out[k] = collective.prepare_allreduce(bufs, active, stream=stream)
+        return out
+
     # ---------------------------------------------------------------- results
     def read(self, t: Tensor) -> np.ndarray:
-        """The full value of `t` (gathered from slices; a PARTIAL value is summed)."""
+        """The full value of `t` (gathered from slices; a PARTIAL value is summed); a process
+        owning some devices only gathers through the backend's collective (`read_across`)."""
+        self.backend.synchronize()
+        if len(self.devices) < self.plan.n_devices:
+            return self.read_across(t)
         if self.plan.n_devices == 1:
             return np.array(self.host_value(self.devices[0], t), copy=True).reshape(np_shape(t.ne))
-        if len(self.devices) != self.plan.n_devices:
-            raise UnsupportedOpError(f"read({t.name!r}): this process holds devices {self.devices} of "
-                                     f"{self.plan.n_devices}; use read_across with the collective")
         return gather_array([self.host_value(d, t) for d in self.devices], t, self.plan.of(t))
 
-    def read_across(self, collective, t: Tensor) -> np.ndarray:
+    def read_across(self, t: Tensor) -> np.ndarray:
         """The full value of `t` when this process owns only some devices: a value every device
         holds whole (mirrored and computed everywhere) is read here; a split one (the
         vocabulary-split logits) is gathered from every process (`collective.allgather`) and put
@@ -227,6 +277,6 @@ class PlanExecutor(Executable):
         if tp.sync_state.is_mirrored and all(tp.compute[d] for d in own):
             return np.array(self.host_value(own[0], t), copy=True).reshape(np_shape(t.ne))
         counts = [loc.nelements for loc in tp.local]
-        flat = collective.allgather([self.host_value(d, t) for d in own], counts)
+        flat = self.backend.collective.allgather([self.host_value(d, t) for d in own], counts)
         parts = [p.reshape(np_shape(loc.ne)) for p, loc in zip(flat, tp.local)]
         return gather_array(parts, t, tp)

@@ -1,14 +1,17 @@
 """Backends by name, and the options each takes, validated in one place.
 
 An option is chosen once (by `LLM(...)` or the CLI), checked here against the table, and
-handed to the backend's constructor; nothing downstream re-derives it. Names follow
-llama.cpp where it has one (GGML_CUDA_ALLREDUCE-style all-reduce choice, `-ctk`-style
-cache types later).
+handed to the backend's constructor, which does not check it again; nothing downstream
+re-derives it. Every backend is made here (`BackendEntry.create`): in one process by
+`backends.create_backend`, and on an MPI rank by `distributed.World.create_backend`, which adds
+how the rank is wired (its device, the collective spanning the ranks). Names follow llama.cpp
+where it has one (GGML_CUDA_ALLREDUCE-style all-reduce choice, `-ctk`-style cache types later).
 """
 
 from __future__ import annotations
 
 import importlib
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,18 +27,28 @@ ALLREDUCE_CHOICES = mode_names()
 
 @dataclass(frozen=True)
 class Option:
-    """One backend option: its allowed values (a tuple) or type (bool), default and meaning."""
+    """One backend option: its allowed values (a tuple) or type (bool; int: a whole number >= 1),
+    default and meaning."""
 
     name: str
     allowed: tuple | type
     default: Any
     doc: str
 
+    def takes_none(self) -> bool:
+        """Is None one of the values (else None means "the backend's default")?"""
+        return isinstance(self.allowed, tuple) and None in self.allowed
+
     def check(self, value: Any, backend: str) -> Any:
         if self.allowed is bool:
             if not isinstance(value, bool):
                 raise ConfigError(f"{backend} backend: option {self.name}={value!r} must be True or False")
             return value
+        if self.allowed is int:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ConfigError(f"{backend} backend: option {self.name}={value!r} must be a whole number >= 1 "
+                                  f"({self.doc})")
+            return int(value)
         if value not in self.allowed:
             raise ConfigError(f"{backend} backend: option {self.name}={value!r} is not one of "
                               f"{', '.join(map(str, self.allowed))} ({self.doc})")
@@ -50,10 +63,35 @@ class BackendEntry:
     name: str
     target: str                       # "module:Class"
     options: dict[str, Option] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)     # an old option name -> its new one
 
     def load(self):
         module, _, cls = self.target.partition(":")
         return getattr(importlib.import_module(module), cls)
+
+    def check(self, options: dict[str, Any]) -> dict[str, Any]:
+        """`options` validated; None values mean "the default" and are dropped. An option the
+        backend does not take is an error naming the ones it does (an old name: its new one)."""
+        out: dict[str, Any] = {}
+        for key, value in options.items():
+            opt = self.options.get(key)
+            if opt is None:
+                if key in self.renamed:
+                    new = self.options[self.renamed[key]]
+                    raise ConfigError(f"{self.name} backend: option {key!r} is now {new.name!r} ({new.doc}); "
+                                      f"it takes {', '.join(self.options)}")
+                raise ConfigError(f"{self.name} backend has no option {key!r}; it takes {', '.join(self.options)}")
+            if value is None and not opt.takes_none():
+                continue            # the backend's default
+            out[key] = opt.check(value, self.name)
+        return out
+
+    def create(self, layout: Any, options: dict[str, Any], **wiring: Any) -> Any:
+        """The backend for `layout` with `options` checked; `wiring` is how this process drives
+        its devices, not a user's choice (an MPI rank's `devices` and `collective`, cupy's
+        `runtime` and `gpus`) and is passed as it is."""
+        checked = self.check(options)
+        return self.load()(layout, **checked, **wiring)
 
 
 def _opts(*options: Option) -> dict[str, Option]:
@@ -62,6 +100,8 @@ def _opts(*options: Option) -> dict[str, Option]:
 
 _NUMERICS = Option("numerics", ("exact", "llamacpp", "q8"), "exact",
                    "exact float32, or llama.cpp's CPU rounding of matmul activations (q8: the same)")
+_EXACT = Option("numerics", ("exact",), "exact",
+                "float32 only; the numpy backend emulates llama.cpp's rounding")
 _ALLREDUCE = Option("allreduce", ALLREDUCE_CHOICES, "auto", "the all-reduce between devices")
 _WIRE = Option("wire", ("auto", "f32", "bf16"), "auto", "all-reduce wire type (auto: f32 below a size, bf16 above)")
 
@@ -70,10 +110,12 @@ BACKENDS: dict[str, BackendEntry] = {
         _NUMERICS, _ALLREDUCE,
         Option("cpu_kernels", (None, False, True), None,
                "compiled C kernels for few-token steps: None when they build, False never, True insist"),
-        Option("threads", bool, False, "run simulated devices in parallel threads"),
-    )),
+        Option("parallel_devices", bool, False, "run the simulated devices side by side in threads"),
+        Option("kernel_threads", int, None,
+               "threads of the compiled kernels; None: $METATP_NUM_THREADS, else the CPUs shared among local ranks"),
+    ), renamed={"threads": "parallel_devices"}),
     "cupy": BackendEntry("cupy", "metatp.backends.cuda.backend:CupyBackend", _opts(
-        _NUMERICS, _ALLREDUCE, _WIRE,
+        _EXACT, _ALLREDUCE, _WIRE,
         Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
         Option("kv_dtype", ("f16", "bf16", "f32"), "f16", "KV cache storage type"),
         Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),
@@ -91,15 +133,5 @@ def backend_entry(name: str) -> BackendEntry:
 
 
 def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """`options` validated for backend `name`; None values mean "the default" and are dropped.
-    An option the backend does not take is an error naming the ones it does."""
-    entry = backend_entry(name)
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        opt = entry.options.get(key)
-        if opt is None:
-            raise ConfigError(f"{name} backend has no option {key!r}; it takes {', '.join(entry.options)}")
-        if value is None and (opt.allowed is bool or None not in opt.allowed):
-            continue            # the backend's default
-        out[key] = opt.check(value, name)
-    return out
+    """`options` validated for backend `name` (`BackendEntry.check`)."""
+    return backend_entry(name).check(options)

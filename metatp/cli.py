@@ -63,7 +63,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
-    under `mpiexec -n N` without either, the world size does)."""
+    under `mpiexec -n N` without either, the world size does), and the backend options the
+    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads)."""
     from metatp.backends.distributed import launched_world_size
     from metatp.passes.plan import DeviceLayout
 
@@ -74,6 +75,8 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
         n = world if world is not None and world > 1 else 1
     mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
     options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
+    if getattr(args, "threads", None):
+        options["kernel_threads"] = args.threads
     return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
             "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
             "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
@@ -121,8 +124,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
     options = layout_kwargs(args)
-    if args.threads:
-        os.environ["METATP_NUM_THREADS"] = str(args.threads)     # the compiled kernels' thread count
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               n_batch=args.batch_size, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
@@ -171,7 +172,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
-    sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (METATP_NUM_THREADS)")
+    sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(func=_cmd_serve)
 

@@ -9,7 +9,7 @@ final node is reduced too.
 Zero slices: a device whose slice of any split source (or of its own split result) is empty
 does not compute the node. For chain values the device's contribution is then an exact zero:
 a chain node whose un-reduced operands are all zero on a device is skipped there too, the
-all-reduce fills zeros for a skipped sink (`Reduction.active`), and a skipped chain value that
+all-reduce fills zeros for a skipped sink (its `TensorPlan.compute`), and a skipped chain value that
 a computing node on the same device still reads (two branches merged by an ADD, a bias owner)
 is zero-filled by the backend (`TensorPlan.zero_fill`). Nodes in a chain's range that do not
 read its un-reduced values are never disabled by the chain, so no MIRRORED value goes stale
@@ -195,7 +195,7 @@ def make_subgraphs(graph: Graph, chains: list[Chain], compute: dict[Tensor, list
         if ch.start < start:
             raise SplitError(f"internal: overlapping reduction chains at node {ch.start}")
         sink = graph.nodes[ch.sink]
-        red = Reduction(ch.sink, list(ch.roots), sink.nbytes, list(compute[sink]))
+        red = Reduction(ch.sink, list(ch.roots), sink.nbytes)
         subs.append(Subgraph(start, ch.sink, red))
         start = ch.sink + 1
     if start < len(graph.nodes):

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from metatp.ir.errors import ConfigError
 from metatp.ir.graph import Graph
 from metatp.ir.tensor import Tensor
 from metatp.passes.state import SplitState
+
+if TYPE_CHECKING:
+    from metatp.backends.analysis import PlanFacts
 
 __all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Subgraph", "Plan", "single_device_plan"]
 
@@ -91,9 +96,8 @@ class Reduction:
     node: int                    # index of the node whose value is all-reduced in place
     covers: list[int]            # the PARTIAL nodes this one reduction stands for
     nbytes: int                  # bytes of the reduced tensor (full size, per device)
-    # per device: does it contribute (False: its slice was empty, the all-reduce fills zeros).
-    # Always equal to the reduced node's TensorPlan.compute. None: every device.
-    active: list[bool] | None = None
+    # Which devices contribute is the reduced node's TensorPlan.compute (False: its slice was
+    # empty, the all-reduce counts it as zeros): executors and the dump read it there.
 
 
 @dataclass
@@ -117,6 +121,14 @@ class Plan:
 
     def of(self, t: Tensor) -> TensorPlan:
         return self.tensors[t]
+
+    @cached_property
+    def facts(self) -> PlanFacts:
+        """The graph facts every backend reads (`backends.analysis.PlanFacts`), made once per
+        Plan: the weight uploads, the executor and the fusion finders share them."""
+        from metatp.backends.analysis import PlanFacts
+
+        return PlanFacts(self)
 
     @property
     def reductions(self) -> list[Reduction]:

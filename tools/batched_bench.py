@@ -140,16 +140,15 @@ def _cmd(args: argparse.Namespace) -> int:
     from metatp.cli import layout_kwargs
 
     pps, tgs, npls = _int_list(args.npp, "-npp"), _int_list(args.ntg, "-ntg"), _int_list(args.npl, "-npl")
-    if args.threads:
-        os.environ["METATP_NUM_THREADS"] = str(args.threads)
     need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
     llm = LLM(args.model, n_ctx=args.n_ctx or max(need, 512), backend=args.backend, n_batch=args.batch_size,
               max_num_seqs=max(npls), **layout_kwargs(args))
     rows = []
     if args.output == "md":
-        print(f"model {llm.model_path}, backend {type(llm.backend).name}, split {llm.layout.split_mode} x "
+        info = llm.backend.describe()
+        print(f"model {llm.model_path}, backend {info.name}, split {llm.layout.split_mode} x "
               f"{llm.layout.n_devices}, n_ctx {llm.n_ctx}, n_batch {llm.engine.n_batch}, kernel threads "
-              f"{os.environ.get('METATP_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS') or 'default'}, "
+              f"{info.kernel_threads if info.kernel_threads is not None else '-'}, "
               f"load {os.getloadavg()[0]:.2f}\n")
     for pp in pps:
         for tg in tgs:
@@ -173,7 +172,8 @@ def add_parser(sub) -> None:
     p.add_argument("-ntg", default="32", help="generated tokens per sequence, comma-separated (default 32)")
     p.add_argument("-npl", default="1,2,4,8", help="parallel sequences B, comma-separated (default 1,2,4,8)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step (default 512)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: kernel threads")
+    p.add_argument("-t", "--threads", type=int, default=None,
+                   help="numpy backend: kernel threads (option kernel_threads; default $METATP_NUM_THREADS)")
     p.add_argument("--ttft", action="store_true", help="also time to first token of B requests sent at once")
     p.add_argument("--no-warmup", action="store_true", help="time the first run (plans compile inside it)")
     p.add_argument("-o", "--output", default="md", choices=["md", "jsonl"])

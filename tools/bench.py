@@ -143,14 +143,13 @@ def _peak_rss() -> int:
 def _decode_allreduces(eng, backend) -> dict:
     """Row fields for one decode step's all-reduces: how many, the algorithm the backend runs and
     the bytes its schedule moves on the busiest rank (collectives.allreduce_bytes)."""
-    from metatp.backends.collectives import WireThresholds, allreduce_bytes
+    from metatp.backends.collectives import allreduce_bytes
     from metatp.engine import padded_kv
     from metatp.ir.models import BatchSpec
 
     plan, _ = eng.plan_for(BatchSpec(1, padded_kv(1, eng.n_ctx), 1))
-    strategy = backend.allreduce_strategy
-    wire = getattr(backend, "wire", "f32")
-    thresholds = getattr(backend, "wire_thresholds", WireThresholds())
+    info = backend.describe()
+    strategy, wire, thresholds = info.allreduce, info.wire, info.wire_thresholds
     # MPI ranks: MPICH / Open MPI run recursive doubling for short vectors, billed as the butterfly
     billed = "butterfly" if strategy == "mpi" else strategy
     per_rank = 0
@@ -176,14 +175,11 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
     llm = LLM(cfg.model, n_ctx=_n_ctx(cfg), backend=cfg.backend, n_devices=n_dev, split_mode=sm,
               tensor_split=list(ts) if ts else None, seed=cfg.seed, numerics=numerics, distributed=distributed, **kv)
     tensors = llm.engine.tensors
-    kernels = ""
-    if type(llm.backend).name == "numpy":
-        from metatp.backends.numpy import native
-
-        kernels = native.kernel_info() if llm.backend.use_kernels else "off"
+    info = llm.backend.describe()
+    kernels = info.kernels if info.kernel_threads is not None else ""     # the CPU kernels' build, or "off"
     base = {
         "model_filename": str(llm.model_path), "model_type": f"{llm.model.arch} {llm.model.name}",
-        "backend": type(llm.backend).name, "n_devices": n_dev, "split_mode": sm,
+        "backend": info.name, "n_devices": n_dev, "split_mode": sm,
         "tensor_split": "/".join(f"{x:g}" for x in ts) if ts else "",
         "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels, "numerics": numerics,
         "type_k": tensors.kv_type.name.lower(), "type_v": tensors.kv_type_v.name.lower(),

@@ -4,7 +4,9 @@ An executor binds buffers once (when a Plan is prepared) and runs the returned s
 forward pass, so the interface is "prepare, then call": a runner can resolve pointers, pick a
 compiled path and allocate temporaries up front. Buffers are given per device of a `Group`
 that this process drives: all of them when devices are simulated in one process (numpy, CuPy's
-virtual devices), one when a process drives one device (`mpi.MpiCollective`, `nccl.NcclCollective`).
+devices in one process), one when a process drives one device (`mpi.MpiCollective`; GPU ranks:
+`cuda.nccl.NcclCollective`). This package is device-independent: device collectives live with
+their backend and implement `Collective` there (`cuda.collective.DeviceCollective`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Step", "Group", "Collective", "AllGather", "PointToPoint"]
+__all__ = ["Step", "Group", "Collective", "AllGather"]
 
 Step = Callable[[], None]
 
@@ -43,11 +45,15 @@ class Collective(Protocol):
     entry per device of the group even when only some buffers are local: `active[i]` False
     means device `group.devices[i]` computed nothing: its buffer may hold garbage (NaN),
     contributes zeros and is overwritten with the sum. After the step every device holds the
-    same bits."""
+    same bits.
+
+    `stream`: where a device collective issues the step (a GPU rank's device stream, so the
+    call is captured with the kernels); host collectives take None and ignore it."""
 
     name: str
 
-    def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None) -> Step:
+    def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None,
+                          stream: Any = None) -> Step:
         ...
 
 
@@ -60,19 +66,4 @@ class AllGather(Protocol):
     def allgather(self, local: Sequence[Any], counts: Sequence[int]) -> list[Any]:
         """`local`: this process's devices' slices (`group.local` order); `counts[i]`: elements
         of device `group.devices[i]`'s slice. Returns every device's slice, flat, in group order."""
-        ...
-
-
-@runtime_checkable
-class PointToPoint(Protocol):
-    """Send/receive between two devices, for layer split (each device runs a range of layers
-    and hands the residual stream to the next). Interface only: no backend implements it yet.
-
-    A send and its matching receive are prepared on their own devices (possibly in different
-    processes); the pair completes when both steps have run, in either order."""
-
-    def prepare_send(self, buf: Any, peer: int) -> Step:
-        ...
-
-    def prepare_recv(self, buf: Any, peer: int) -> Step:
         ...

@@ -14,7 +14,7 @@ butterfly of `cpu_kernels`); the choice is explicit in `HostCollective`, never s
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -137,7 +137,9 @@ class HostCollective:
             raise ConfigError("the host collective needs every device of its group in this process")
         self.group = group
 
-    def prepare_allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None) -> Step:
+    def prepare_allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None,
+                          stream: Any = None) -> Step:
+        """The step summing `bufs` in place (`stream`: unused, the host runs it on the caller's thread)."""
         if not bufs:
             return lambda: None
         flags = _check_bufs(bufs, active)

@@ -52,9 +52,11 @@ class MpiCollective:
             raise ValueError(f"active has {len(active)} entries for a group of {self.size} ranks")
         return bool(active[self.rank])
 
-    def prepare_allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None) -> Step:
+    def prepare_allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None,
+                          stream: Any = None) -> Step:
         """One step: zero this rank's buffer if it computed nothing, then Allreduce in place.
-        A non-contiguous buffer (a strided view) is staged through a contiguous copy."""
+        A non-contiguous buffer (a strided view) is staged through a contiguous copy (`stream`:
+        unused, host buffers)."""
         if len(bufs) != 1:
             raise ConfigError(f"the MPI collective drives one device per rank, got {len(bufs)} local buffers")
         buf = bufs[0]

@@ -10,7 +10,7 @@ once, `nccl.NcclGroup`) and how much scratch memory a plan needs. Running a plan
 A process may own only some of the layout's devices (`devices=[rank]` under MPI, one GPU per
 rank, see `backends.distributed`): it stores, allocates and runs only those devices' slices,
 places them on `gpus` in order (the k-th owned device on ``gpus[k % len(gpus)]``), and its
-`collective` (NCCL between the processes, `collectives.nccl.NcclCollective`) spans the others.
+`collective` (NCCL between the processes, `cuda.nccl.NcclCollective`) spans the others.
 
 ``runtime``: the device API. `runtime.CupyRuntime` (the default) is CuPy 13/14; tests hand in
 `metatp.testing.EmuRuntime` (the same calls on the CPU, kernels on the emulator).
@@ -22,8 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.analysis import PlanFacts
-from metatp.backends.base import Backend, WeightSource
+from metatp.backends.base import Backend, BackendInfo, WeightSource
 from metatp.backends.collectives.schedule import Mode, resolve_mode
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda import kernels as ck
@@ -40,11 +39,8 @@ from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["CupyBackend", "RAW_READERS", "KV_DTYPES", "MATMUL_DTYPES", "MULTI_GPU_GRAPHS"]
+__all__ = ["CupyBackend", "RAW_READERS"]
 
-KV_DTYPES = ("f16", "bf16", "f32")
-MULTI_GPU_GRAPHS = ("whole", "segments")
-MATMUL_DTYPES = ("f16", "f32")
 #: the ops whose kernels read a weight's raw GGUF blocks (as src0; MUL_MAT needs it 2-D)
 RAW_READERS = (Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS)
 
@@ -85,9 +81,13 @@ class CupyBackend(Backend):
 
     devices: the devices this process owns (default: all of the layout's); a strict subset
     needs a `collective` spanning the processes that own the others (its `prepare_allreduce`
-    takes this process's buffers and the device stream, `allgather` reads split values)."""
+    takes this process's buffers and the device stream, `allgather` reads split values).
+
+    Option values are checked by `backends.registry` (numerics: "exact" only; the numpy
+    backend emulates llama.cpp's rounding)."""
 
     name = "cupy"
+    spanning = "cuda.nccl.NcclCollective"
 
     def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", *,
                  cuda_graphs: bool = True, allreduce: str = "auto", wire: str = "auto",
@@ -95,22 +95,8 @@ class CupyBackend(Backend):
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
                  collective=None) -> None:
-        if numerics != "exact":
-            raise ConfigError(f"cupy backend: numerics={numerics!r} is not supported (only 'exact'; the "
-                              "numpy backend emulates llama.cpp's rounding)")
-        requested = resolve_mode(allreduce, auto="nccl")       # validates the name
-        wire_dtype(2, 0, wire)   # validates the mode
-        if kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        if matmul_dtype not in MATMUL_DTYPES:
-            raise ConfigError(f"matmul_dtype must be one of {', '.join(MATMUL_DTYPES)}, got {matmul_dtype!r}")
-        if multi_gpu_graphs not in MULTI_GPU_GRAPHS:
-            raise ConfigError(f"multi_gpu_graphs must be one of {', '.join(MULTI_GPU_GRAPHS)}, "
-                              f"got {multi_gpu_graphs!r}")
-        self.layout = layout or DeviceLayout()
-        self.n = self.layout.n_devices
-        self.owned = _owned_devices(self.n, devices, collective)
-        self.collective = collective
+        requested = resolve_mode(allreduce, auto="nccl")
+        super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
             raise ConfigError(f"a collective spanning processes drives one device per process; this one owns "
                               f"devices {self.owned}")
@@ -137,9 +123,6 @@ class CupyBackend(Backend):
             self.devices[d] = Device(self.rt, d, self.gpus[k % len(self.gpus)])
         self.distinct_gpus = len({dev.gpu for dev in self.local_devices}) == len(self.owned)
         self.virtual = not self.distinct_gpus
-        self.leaf: list[dict[Tensor, Any]] = [{} for _ in range(self.n)]
-        self._executables: dict[int, CupyExecutable] = {}
-        self._facts: dict[int, PlanFacts] = {}
         self.allreduce = allreduce
         self.nccl: NcclGroup | None = None
         if requested.device_only and self.n > 1 and self.collective is None:
@@ -168,12 +151,13 @@ class CupyBackend(Backend):
             return "none"
         return self.collective.name if self.collective is not None else self.mode.name
 
-    def facts(self, plan: Plan) -> PlanFacts:
-        """The plan's facts, computed once per plan."""
-        f = self._facts.get(id(plan))
-        if f is None or f.plan is not plan:
-            f = self._facts[id(plan)] = PlanFacts(plan)
-        return f
+    def describe(self) -> BackendInfo:
+        return BackendInfo(name=self.name, n_devices=self.n, owned=tuple(self.owned),
+                           allreduce=self.allreduce_strategy, wire=self.wire, wire_thresholds=self.wire_thresholds,
+                           kernels="cuda (nvrtc)", kernel_threads=None,
+                           options=(("cuda_graphs", self.cuda_graphs), ("kv_dtype", self.kv_dtype),
+                                    ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
+                                    ("gpus", tuple(self.gpus)), ("virtual", self.virtual)))
 
     # ---------------------------------------------------------------- leaf data
     def _store(self, d: int, host: np.ndarray):
@@ -193,7 +177,7 @@ class CupyBackend(Backend):
     def keeps_raw(self, t: Tensor, plan: Plan) -> bool:
         """Is weight `t` stored in its GGUF encoding (only raw-reading kernels read it)?"""
         return (weight_type_name(t.type) is not None
-                and self.facts(plan).only_src0_of(t, RAW_READERS, matrix_ops=(Op.MUL_MAT,)))
+                and plan.facts.only_src0_of(t, RAW_READERS, matrix_ops=(Op.MUL_MAT,)))
 
     def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
         """GPU kernels read the GGUF encoding: keep it when only they read the weight, else
@@ -310,18 +294,20 @@ class CupyBackend(Backend):
                         want("recv_bf16", n_el, np.uint16)
         return need
 
-    def has(self, t: Tensor) -> bool:
-        return t in self.leaf[self.owned[0]]
+    def new_leaf(self, d: int, t: Tensor, ne: tuple[int, ...]):
+        """A zero-filled device buffer (a quantized cache as uint8 rows of blocks)."""
+        shape = local_raw_shape(t.type, ne) if block_size(t.type) > 1 else np_shape(ne)
+        with self.rt.device(self.devices[d].gpu):
+            arr = self.rt.zeros(shape, self._leaf_dtype(t))
+        self.rt.device_synchronize(self.devices[d].gpu)
+        return arr
 
-    def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
-        """Zero-filled per-device buffers for a persistent leaf (the KV cache; a quantized cache as
-        uint8 rows of blocks)."""
-        for d in self.owned:
-            ne = plan.of(t).local[d].ne
-            shape = local_raw_shape(t.type, ne) if block_size(t.type) > 1 else np_shape(ne)
-            with self.rt.device(self.devices[d].gpu):
-                self.leaf[d][t] = self.rt.zeros(shape, self._leaf_dtype(t))
-            self.rt.device_synchronize(self.devices[d].gpu)
+    def zero_leaf(self, d: int, value) -> None:
+        """A memset on the device's stream (`reset_kv` then synchronizes)."""
+        dev = self.devices[d]
+        if value.nbytes:
+            with dev.ctx:
+                self.rt.memset(device_ptr(value), int(value.nbytes), dev.stream)
 
     def _leaf_dtype(self, t: Tensor):
         if t.flags & Flag.KV_CACHE:
@@ -343,22 +329,6 @@ class CupyBackend(Backend):
             return min(free), False
         return sum(free), True
 
-    def allocated_bytes(self) -> list[int]:
-        out = []
-        for d in range(self.n):
-            n = sum(int(a.nbytes) for a in self.leaf[d].values())
-            n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
-            out.append(n)
-        return out
-
-    def reset_kv(self) -> None:
-        for d, dev in zip(self.owned, self.local_devices):
-            with dev.ctx:
-                for t, a in self.leaf[d].items():
-                    if t.flags & Flag.KV_CACHE and a.nbytes:
-                        self.rt.memset(device_ptr(a), int(a.nbytes), dev.stream)
-        self.synchronize()
-
     def synchronize(self) -> None:
         for dev in self.local_devices:
             self.rt.synchronize(dev.stream)
@@ -367,18 +337,3 @@ class CupyBackend(Backend):
     def make_executable(self, plan: Plan) -> CupyExecutable:
         self.check_cache_types(plan)
         return CupyExecutable(self, plan)
-
-    def release(self, plan: Plan) -> None:
-        super().release(plan)
-        self._facts.pop(id(plan), None)
-
-
-def _owned_devices(n: int, devices: Sequence[int] | None, collective) -> list[int]:
-    """The layout's devices this process owns (all by default); a strict subset needs a collective."""
-    owned = list(range(n)) if devices is None else sorted(int(d) for d in devices)
-    if not owned or len(set(owned)) != len(owned) or not all(0 <= d < n for d in owned):
-        raise ConfigError(f"devices={list(devices or [])}: must be distinct device indices of 0..{n - 1}")
-    if len(owned) < n and collective is None:
-        raise ConfigError(f"this process owns devices {owned} of {n}: the all-reduce needs a collective "
-                          "spanning the other processes (collectives.nccl.NcclCollective)")
-    return owned

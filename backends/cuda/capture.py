@@ -81,7 +81,7 @@ class Runner:
         self.fork()
         for k in range(len(self.ex.plan.subgraphs)):
             self.run_subgraph(k)
-            self.ex.allreduce(k, self.capturing)
+            self.ex.allreduce(k)
         self.join()
 
     def run(self) -> None:

@@ -1,20 +1,19 @@
-"""The all-reduce between subgraphs on CUDA devices: NCCL when every device is its own GPU,
-else (and as NCCL's per-call fallback) a schedule of `collectives.schedule` lowered to device
-copies, adds and events by `collectives.device`.
+"""The all-reduce between subgraphs on CUDA devices driven by one process: NCCL when every
+device is its own GPU, else (and as NCCL's per-call fallback) a schedule of
+`collectives.schedule` lowered to device copies, adds and events by `collectives.device`.
+`DeviceCollective` is a `collectives.Collective`: `prepare_allreduce(bufs, active)` returns
+the step the runner calls after each subgraph.
 
 FP32 on the wire below llama.cpp's size thresholds, BF16 above (`collectives.wire`): a BF16
-reduction converts each device's value into a wire buffer first and back after.
-
-A process that owns one device of several (one GPU per MPI rank) sums through the backend's
-collective spanning the processes instead (`RankCollective`: NCCL, `collectives.nccl`), on
-its device's stream, so the call is issued (and captured into the step's CUDA graph) where
-the subgraph's kernels ran.
+reduction converts each device's value into a wire buffer first and back after
+(`wire_steps`, which the NCCL collective between MPI ranks, `cuda.nccl.NcclCollective`,
+shares).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -28,18 +27,39 @@ from metatp.backends.cuda.launch import device_ptr, recording
 if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ["Reduction", "DeviceCollective", "RankCollective"]
+__all__ = ["wire_steps", "PreparedReduction", "DeviceCollective"]
+
+
+def wire_steps(rt: Any, gpu: int, stream: Any, buf: Any, send: Any, active: bool, wire: str) -> tuple[list, list]:
+    """(prologue, epilogue) of one device's part of an all-reduce: zero an inactive device's
+    value (a fill: its buffer may hold garbage, NaN) and, on a BF16 wire, convert the flat f32
+    `buf` into the wire buffer `send` before the sum and back after it."""
+    pre: list = [] if active else [Memset(rt, device_ptr(buf), int(buf.nbytes), stream)]
+    post: list = []
+    if wire == "bf16":
+        with rt.kernels(), rt.device(gpu):
+            with recording() as launches:
+                ck.f32_to_bf16(buf, send)
+            pre += [la.frozen() for la in launches]
+            with recording() as launches:
+                ck.bf16_to_f32(send, buf)
+            post += [la.frozen() for la in launches]
+    return pre, post
 
 
 @dataclass
-class Reduction:
-    """One prepared all-reduce: per-device steps of the schedule, and the NCCL alternative."""
+class PreparedReduction:
+    """One prepared all-reduce (the step `DeviceCollective.prepare_allreduce` returns): per-device
+    steps of the schedule, and the NCCL alternative."""
 
-    node: Any
+    collective: DeviceCollective
     n_elements: int
     wire: str                                       # "f32" / "bf16"
     ops: list = field(default_factory=list)         # schedule: [(device, [steps])] in issue order
     nccl: list = field(default_factory=list)        # NCCL: [(device, pre)], (None, calls), [(device, post)]
+
+    def __call__(self) -> None:
+        self.collective.run(self)
 
 
 class _Steps:
@@ -65,21 +85,26 @@ class _Steps:
 
 
 class DeviceCollective:
-    """Prepares and runs the executable's reductions with the backend's mode."""
+    """The executable's all-reduces with the backend's mode, on every device's own stream."""
 
     def __init__(self, ex: CupyExecutable, mode: Mode) -> None:
         self.ex = ex
         self.backend = ex.backend
         self.mode = mode
+        self.name = mode.name
         # a device-only mode (NCCL) falls back per call to the butterfly
         self.schedule_fn = mode.schedule or butterfly_schedule
 
-    def prepare(self, node, bufs: list, active: list[bool]) -> Reduction:
+    def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None,
+                          stream: Any = None) -> PreparedReduction:
+        """The step for flat f32 `bufs` (one per device, in device order). `stream` is not used:
+        each device's part runs on its own stream."""
         ex, backend = self.ex, self.backend
         n = len(bufs)
         n_el = int(bufs[0].size)
+        flags = [True] * n if active is None else list(active)
         wire = wire_dtype(n, n_el, backend.wire, backend.wire_thresholds)
-        r = Reduction(node, n_el, wire)
+        r = PreparedReduction(self, n_el, wire)
         send, recv = [], []
         for d in range(n):
             if wire == "bf16":
@@ -88,9 +113,10 @@ class DeviceCollective:
             else:
                 send.append(bufs[d])
                 recv.append(ex.scratch_buffer(d, "recv_f32", n_el, np.float32)[:n_el])
-        pro = [(d, self._prologue(d, bufs[d], send[d], active[d], wire)) for d in range(n)]
-        epi = [(d, self._epilogue(d, bufs[d], send[d], wire)) for d in range(n)]
         devs = ex.devs
+        edges = [wire_steps(ex.rt, devs[d].gpu, devs[d].stream, bufs[d], send[d], flags[d], wire) for d in range(n)]
+        pro = [(d, edges[d][0]) for d in range(n)]
+        epi = [(d, edges[d][1]) for d in range(n)]
         lowered = lower_schedule(self.schedule_fn(n, n_el), send, recv, _Steps(ex),
                                  [dev.ready for dev in devs], [dev.read_done for dev in devs])
         r.ops = pro + lowered + epi
@@ -100,35 +126,14 @@ class DeviceCollective:
             r.nccl = pro + [(None, calls)] + epi
         return r
 
-    def _prologue(self, d: int, buf, send, active: bool, wire: str) -> list:
-        """Zero an inactive device's value (a fill: its buffer may hold garbage, NaN) and put the
-        value into the wire format."""
-        ex = self.ex
-        dev = ex.devs[d]
-        steps: list = []
-        if not active:
-            steps.append(Memset(ex.rt, device_ptr(buf), int(buf.nbytes), dev.stream))
-        if wire == "bf16":
-            with ex.rt.device(dev.gpu), recording() as launches:
-                ck.f32_to_bf16(buf, send)
-            steps += [la.frozen() for la in launches]
-        return steps
-
-    def _epilogue(self, d: int, buf, send, wire: str) -> list:
-        if wire != "bf16":
-            return []
-        with self.ex.rt.device(self.ex.devs[d].gpu), recording() as launches:
-            ck.bf16_to_f32(send, buf)
-        return [la.frozen() for la in launches]
-
-    def run(self, r: Reduction, capturing: bool) -> None:
+    def run(self, r: PreparedReduction) -> None:
         """NCCL when it is set up (per-call fallback to the schedule), else the schedule."""
         nccl = self.backend.nccl
         if r.nccl and nccl is not None and nccl.active:
             ok = True
             for d, item in r.nccl:
                 if d is None:
-                    ok = nccl.allreduce(item, capturing)
+                    ok = nccl.allreduce(item, self.ex.capturing)
                     if not ok:
                         break       # the prologue may have run: the schedule redoes it (idempotent)
                 elif item:
@@ -138,25 +143,3 @@ class DeviceCollective:
         for d, steps in r.ops:
             if steps:
                 self.ex.run_steps(d, steps)
-
-
-class RankCollective:
-    """The reductions of an executable whose process owns some devices of the group: each one
-    is the spanning collective's step on the owned device's stream (`prepare_allreduce(bufs,
-    active, stream=)`; every device's `active` flag, local or not)."""
-
-    def __init__(self, ex: CupyExecutable, collective: Any) -> None:
-        if len(ex.devices) != 1:
-            raise ValueError(f"a collective spanning processes drives one device per process, "
-                             f"this one owns {ex.devices}")
-        self.ex = ex
-        self.collective = collective
-        self.device = ex.devs[ex.devices[0]]
-
-    def prepare(self, node, bufs: list, active: list[bool]):
-        """The prepared step (pointers and wire type resolved once)."""
-        return self.collective.prepare_allreduce(bufs, active, stream=self.device.stream)
-
-    def run(self, step, capturing: bool) -> None:
-        """Issue the step (inside a graph capture, the NCCL call is captured with the kernels)."""
-        step()

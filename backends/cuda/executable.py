@@ -11,8 +11,8 @@ devices); this module supplies what is CUDA's:
 - each node becomes frozen kernel launches (`ops.CUDA_OPS`, `ops.FUSED_OPS`; a fused kernel
   that refuses a layout falls back to its nodes one by one);
 - the all-reduce between subgraphs (`collective.DeviceCollective`; a process owning one device
-  of several: the backend's collective spanning the processes, `collective.RankCollective`),
-  and the runner (streams, events and CUDA graphs, `capture.Runner`).
+  of several: the backend's collective spanning the processes, `nccl.NcclCollective`, on the
+  device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`).
 
 Mirrored values identical on every device (`PlanFacts.shared_mirrored`) are computed once,
 by the first device, when all devices share one GPU: the others read its buffer. They wait
@@ -31,13 +31,14 @@ import numpy as np
 
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.capture import Runner
-from metatp.backends.cuda.collective import DeviceCollective, RankCollective
+from metatp.backends.cuda.collective import DeviceCollective
 from metatp.backends.cuda.device_ops import HostStep, Memset, Record, Wait
 from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, attended_length, contig_strides, graph_itemsize,
                                           input_layout, is_quant_cache, to_float)
-from metatp.backends.executor import Fusion, NodeSteps, PlanExecutor
+from metatp.backends.executor import NodeSteps, PlanExecutor
+from metatp.backends.fusion import Fusion, FusionKind
 from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
@@ -53,37 +54,17 @@ __all__ = ["CupyExecutable"]
 class CupyExecutable(PlanExecutor):
     """A plan bound to device buffers: per subgraph, per device, a list of launches."""
 
-    def __init__(self, backend: CupyBackend, plan: Plan, share_mirrored: bool = True) -> None:
-        if plan.n_devices != backend.n:
-            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
-        super().__init__(plan, backend.owned)
-        self.backend = backend
+    backend: CupyBackend
+
+    def __init__(self, backend: CupyBackend, plan: Plan) -> None:
         self.rt = backend.rt
         self.devs = backend.devices                 # Device objects, None where not owned (self.devices: the owned indices)
         self.n = backend.n
-        self.facts = backend.facts(plan)
         self._scratch: list[dict[str, Any]] = [{} for _ in range(self.n)]
         self._retired: list = []          # outgrown scratch buffers: frozen launches may point at them
-        self.leads = self._lead_devices()
+        self.leads = self._lead_devices(backend.owned)
         with self.rt.kernels():
-            self._bind_inputs()
-            self.bind_leaves(self._leaf)
-            one_gpu = len(self.leads) == 1
-            several = len(self.devices) > 1
-            self.shared = self.facts.shared_mirrored() if share_mirrored and several and one_gpu else set()
-            self.set_fusions(self.find_fusions())
-            self._unshare_fused()
-            late = self.facts.late_reads(self.shared) if self.shared else None
-            for d in self.devices:
-                self.bind_nodes(d, live_until=late if d == self.devices[0] else None)
-                with self.rt.device(self.devs[d].gpu):
-                    self._presize(d)
-            walked = self.walk()
-            self._order_shared_reads(walked)
-            self.steps = self.per_device(walked, self.devices, self.n)
-            self.collective = (RankCollective(self, backend.collective) if backend.collective is not None
-                               else DeviceCollective(self, backend.mode))
-            self.reductions = self._build_reductions()
+            super().__init__(backend, plan)
         self.capturable = all(not isinstance(s, HostStep)
                               for per_dev in self.steps for steps in per_dev for s in steps)
         for gpu in self.leads:
@@ -91,14 +72,14 @@ class CupyExecutable(PlanExecutor):
         self.runner = Runner(self)
 
     # ---------------------------------------------------------------- devices and inputs
-    def _lead_devices(self) -> dict[int, int]:
+    def _lead_devices(self, owned: list[int]) -> dict[int, int]:
         """GPU -> the first logical device on it (its stream copies inputs and joins the rest)."""
         leads: dict[int, int] = {}
-        for d in self.devices:
+        for d in owned:
             leads.setdefault(self.devs[d].gpu, d)
         return leads
 
-    def _bind_inputs(self) -> None:
+    def bind_inputs(self) -> None:
         """One input block per GPU (every INPUT leaf, plus an int32 'attended length' per
         attention mask), filled from a pinned host mirror by one copy per step."""
         graph = self.plan.graph
@@ -141,13 +122,15 @@ class CupyExecutable(PlanExecutor):
             kv[0] = attended_length(view)
 
     # ---------------------------------------------------------------- memory (PlanExecutor hooks)
-    def _leaf(self, d: int, t: Tensor):
-        backend = self.backend
-        if t.flags & Flag.KV_CACHE and not backend.has(t):
-            backend.allocate_leaf(t, self.plan)
-        if not backend.has(t):
-            raise UnsupportedOpError(f"cupy backend: leaf {t.name!r} has no data (upload it first)")
-        return backend.leaf[d][t]
+    def shares_mirrored(self) -> bool:
+        """Devices on one GPU share its memory: the first computes mirrored values for all."""
+        return len(self.leads) == 1
+
+    def bind_nodes(self, d: int, live_until: dict[Tensor, int] | None = None) -> None:
+        """The shared binding, then device d's scratch buffers at their largest size."""
+        super().bind_nodes(d, live_until)
+        with self.rt.device(self.devs[d].gpu):
+            self._presize(d)
 
     def itemsize(self, t: Tensor) -> int:
         return graph_itemsize(t)
@@ -237,16 +220,13 @@ class CupyExecutable(PlanExecutor):
             h = self.rt.download(a)
         return to_float(h, a.dtype, t)
 
-    def read(self, t: Tensor) -> np.ndarray:
-        """The full value of `t`; a process owning some devices only gathers through its collective."""
-        self.backend.synchronize()
-        if len(self.devices) < self.n:
-            return self.read_across(self.backend.collective, t)
-        return super().read(t)
-
     # ---------------------------------------------------------------- work (PlanExecutor hooks)
     def find_fusions(self) -> list[Fusion]:
         return find_fusions(self)
+
+    def set_fusions(self, fusions: list[Fusion]) -> None:
+        super().set_fusions(fusions)
+        self._unshare_fused()
 
     def node_steps(self, d: int, node: Tensor) -> list:
         handler = ops.CUDA_OPS.get(node.op)
@@ -270,9 +250,9 @@ class CupyExecutable(PlanExecutor):
         idx = self.plan.graph.index
         steps: list = []
         for t in sorted((f.at, *f.absorbed), key=lambda t: idx[t]):
-            if t.op is Op.RMS_NORM and f.kind != ops.FusionKind.NORM:
+            if t.op is Op.RMS_NORM and f.kind != FusionKind.NORM:
                 continue
-            if t.op is Op.MUL and t.src[0].op is Op.RMS_NORM and f.kind != ops.FusionKind.NORM:
+            if t.op is Op.MUL and t.src[0].op is Op.RMS_NORM and f.kind != FusionKind.NORM:
                 steps += ops.norm_times_weight(self, d, t, t.src[0])
                 continue
             steps += self.node_steps(d, t)
@@ -283,6 +263,12 @@ class CupyExecutable(PlanExecutor):
         return Memset(self.rt, device_ptr(a), int(a.nbytes), self.devs[d].stream)
 
     # ---------------------------------------------------------------- mirrored values shared on one GPU
+    def walk(self) -> list[list[NodeSteps]]:
+        """The shared walk, with the waits that order reads of values the lead shares."""
+        walked = super().walk()
+        self._order_shared_reads(walked)
+        return walked
+
     def _unshare_fused(self) -> None:
         """A value absorbed into a fusion another device runs for itself is not shared: a
         fallback there would write the lead's buffer."""
@@ -316,27 +302,25 @@ class CupyExecutable(PlanExecutor):
         return any(s is not None and (s.view_src or s) in self.shared for m in members for s in m.src)
 
     # ---------------------------------------------------------------- all-reduce and running
-    def _build_reductions(self) -> dict[int, Any]:
-        out: dict[int, Any] = {}
-        if self.n == 1:
-            return out
-        graph = self.plan.graph
-        for k, sub in enumerate(self.plan.subgraphs):
-            red = sub.reduction
-            if red is None:
-                continue
-            node = graph.nodes[red.node]
-            if node.type != GGMLType.F32:
-                raise UnsupportedOpError(f"cupy backend: all-reduce of a {node.type.name} tensor ({node.name!r})")
-            bufs = []
-            for d in self.devices:
-                a = self.arrays[d][node]
-                if not a.flags.c_contiguous:
-                    raise UnsupportedOpError(f"cupy backend: reduced tensor {node.name!r} is not contiguous")
-                bufs.append(a.reshape(-1))
-            active = list(red.active) if red.active is not None else list(self.plan.of(node).compute)
-            out[k] = self.collective.prepare(node, bufs, active)
-        return out
+    def reduction_collective(self):
+        """The backend's collective spanning the processes when it has one (one owned device),
+        else this executable's own over the devices of this process."""
+        if self.backend.collective is not None:
+            return self.backend.collective
+        return DeviceCollective(self, self.backend.mode)
+
+    def reduction_buffer(self, d: int, node: Tensor):
+        """Device d's buffer of a reduced node, flat: f32 and contiguous (as the kernels sum)."""
+        if node.type != GGMLType.F32:
+            raise UnsupportedOpError(f"cupy backend: all-reduce of a {node.type.name} tensor ({node.name!r})")
+        a = self.arrays[d][node]
+        if not a.flags.c_contiguous:
+            raise UnsupportedOpError(f"cupy backend: reduced tensor {node.name!r} is not contiguous")
+        return a.reshape(-1)
+
+    def reduction_stream(self):
+        """A process owning one device sums on that device's stream (inside its captured graph)."""
+        return self.devs[self.devices[0]].stream if self.backend.collective is not None else None
 
     def run_steps(self, d: int, steps: list) -> None:
         """Issue `steps` on device d's stream."""
@@ -344,10 +328,16 @@ class CupyExecutable(PlanExecutor):
             for s in steps:
                 s()
 
-    def allreduce(self, k: int, capturing: bool = False) -> None:
-        r = self.reductions.get(k)
+    def allreduce(self, k: int) -> None:
+        """Subgraph k's all-reduce, if it ends with one."""
+        r = self.reductions[k]
         if r is not None:
-            self.collective.run(r, capturing)
+            r()
+
+    @property
+    def capturing(self) -> bool:
+        """Is the runner capturing the step into a CUDA graph now (an NCCL failure then propagates)?"""
+        return self.runner.capturing
 
     def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
         """One step: inputs to the devices, then the graph (replayed when captured)."""

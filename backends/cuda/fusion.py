@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from metatp.backends.cuda import kernels as ck
-from metatp.backends.cuda.ops import FusionKind, weight_operand
+from metatp.backends.cuda.ops import weight_operand
 from metatp.backends.cuda.storage import RawWeight, matmul_tokens
-from metatp.backends.executor import Fusion
+from metatp.backends.fusion import Fusion, FusionKind, norm_weight_fusion, select
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 
@@ -32,17 +32,8 @@ NORM_FOLD_MAX_ROWS = 8192
 
 def find_fusions(ex: CupyExecutable) -> list[Fusion]:
     """Every fusion of the plan; a node joins one fusion at most (earlier finders win)."""
-    found: list[Fusion] = []
-    taken: set[Tensor] = set()
-    for find in (_glu_fusion, _add_fusion, _multi_fusions, _norm_fusion, _rope_pair_fusion, _set_rows_pair_fusion):
-        for node in ex.plan.graph.nodes:
-            for f in find(ex, node, taken) or ():
-                members = (f.at, *f.absorbed)
-                if any(m in taken for m in members):
-                    continue
-                taken.update(members)
-                found.append(f)
-    return found
+    return select(ex, (_glu_fusion, _add_fusion, _multi_fusions, _norm_fusion, _rope_pair_fusion,
+                       _set_rows_pair_fusion))
 
 
 def _norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tensor, Tensor] | None:
@@ -153,25 +144,24 @@ def _group_rows(ex: CupyExecutable, mms: Sequence[Tensor]) -> int:
 
 
 def _norm_fusion(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
-    """MUL(RMS_NORM(x) or NORM(x), w) with w a weight row [ne0] (as the numpy backend fuses);
-    x is kept alive when nothing reads it after the MUL."""
-    if node.op is not Op.MUL:
-        return []
-    norm_node, w = node.src[0], node.src[1]
-    if norm_node.op not in (Op.RMS_NORM, Op.NORM) or not (w.flags & Flag.WEIGHT):
-        return []
-    if w.ne != (norm_node.ne[0], 1, 1, 1) or not ex.facts.sole_reader(norm_node, node):
-        return []
+    """MUL(RMS_NORM(x) or NORM(x), w) with w a weight row [ne0] (as the numpy backend fuses)."""
+    return norm_weight_fusion(ex, node, (Op.RMS_NORM, Op.NORM), lambda mul, norm: _norm_keep(ex, mul, norm))
+
+
+def _norm_keep(ex: CupyExecutable, node: Tensor, norm_node: Tensor) -> tuple[Tensor, ...] | None:
+    """What the norm x weight kernel needs kept alive: x, when nothing reads it after the MUL
+    (not for a prefill-sized x); None when the kernel cannot take the weight (raw blocks)."""
+    w = node.src[1]
     if any(isinstance(ex.arrays[d][w], RawWeight) for d in ex.devices):
-        return []
+        return None
     x = norm_node.src[0]
     x_root = x.view_src or x
-    keep = ()
+    keep: tuple[Tensor, ...] = ()
     if x_root.op is not Op.NONE and not ex.facts.uses_after(x_root, ex.plan.graph.index[node]):
         keep = (x_root,)
         if norm_node.ne[1] * norm_node.ne[2] * norm_node.ne[3] > ck.MATVEC_MAX_TOKENS:
-            return []          # keeping a prefill-sized tensor alive costs more than the launch
-    return [Fusion(FusionKind.NORM, node, (norm_node,), keep=keep, parts={"norm": norm_node})]
+            return None          # keeping a prefill-sized tensor alive costs more than the launch
+    return keep
 
 
 def _later_partners(ex: CupyExecutable, node: Tensor, taken):

@@ -10,7 +10,6 @@ makes the executable run the fusion's nodes one by one.
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -19,7 +18,7 @@ from metatp.backends.cuda import kernels as ck
 from metatp.backends.cuda.device_ops import HostStep
 from metatp.backends.cuda.launch import device_ptr, recording
 from metatp.backends.cuda.storage import RawWeight, graph_itemsize, quant_cache_type
-from metatp.backends.executor import Fusion
+from metatp.backends.fusion import Fusion, FusionKind
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op, RopeMode, UnaryOp
 from metatp.ir.tensor import Flag, Tensor
@@ -27,20 +26,9 @@ from metatp.ir.tensor import Flag, Tensor
 if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ["FusionKind", "CUDA_OPS", "FUSED_OPS", "Handler", "record", "weight_operand", "norm_times_weight"]
+__all__ = ["CUDA_OPS", "FUSED_OPS", "Handler", "record", "weight_operand", "norm_times_weight"]
 
 Handler = Callable[["CupyExecutable", int, Tensor], list]
-
-
-class FusionKind(str, enum.Enum):
-    """The fusions this kernel set implements (`fusion.py` finds them, `FUSED_OPS` runs them)."""
-
-    NORM = "norm"                       # MUL(RMS_NORM / NORM (x), w): one norm x weight kernel
-    MATVEC_ADD = "matvec_add"           # ADD(matvec, residual or bias): the add in the epilogue
-    MATVEC_GLU = "matvec_glu"           # GLU(gate matvec, up matvec) (+ the folded RMS norm)
-    MATVEC_MULTI = "matvec_multi"       # up to three matvecs of one x (q, k, v) (+ the folded RMS norm)
-    ROPE_PAIR = "rope_pair"             # ROPE of Q and K with the same positions
-    SET_ROWS_PAIR = "set_rows_pair"     # SET_ROWS of K and V with the same rows
 
 
 def record(fn, *args, **kw) -> list:

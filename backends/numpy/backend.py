@@ -2,7 +2,7 @@
 
 Each device owns buffers holding only its slice of every tensor. This module is the weight
 storage policy (float32, a transposed copy for BLAS, or int8 codes the compiled kernels read)
-and the leaf store; `numpy_executable` binds a Plan to buffers and runs it as closures.
+over the base's leaf store; `executable` binds a Plan to buffers and runs it as closures.
 
 A process may own only some of the layout's devices (`devices=[rank]` under MPI, see
 `backends.distributed`): it then stores, allocates and runs only those devices' slices, and
@@ -18,9 +18,9 @@ import numpy as np
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable,
                                           group_rows, groupable)
-from metatp.backends.analysis import PlanFacts
-from metatp.backends.base import Backend, WeightSource
+from metatp.backends.base import Backend, BackendInfo, WeightSource
 from metatp.backends.collectives.host import HostCollective
+from metatp.backends.collectives.wire import WireThresholds
 from metatp.ir.dtypes import np_shape
 from metatp.backends.numpy.executable import NumpyExecutable, host_dtype, host_shape
 from metatp.ir.errors import ConfigError, SplitError, UnsupportedOpError
@@ -31,11 +31,6 @@ from metatp.backends.slicing import device_slices, split_raw
 
 __all__ = ["NumpyBackend", "NumpyExecutable"]
 
-# "exact": float32 throughout. "llamacpp" (alias "q8"): round activations before quantized/f16
-# matmuls as llama.cpp's CPU backend does (Q8 blocks with an f16 scale) and, for few-token steps
-# on int8 codes, take integer dot products as it does (the fastest CPU mode). Its f16 KV cache is
-# not emulated: rounding K/V alone moved our logits further from llama.cpp's.
-NUMERICS = ("exact", "llamacpp", "q8")
 
 class NumpyBackend(Backend):
     """N simulated devices; leaf buffers (weights, KV cache) persist across plans.
@@ -44,34 +39,37 @@ class NumpyBackend(Backend):
     "butterfly", "ring", or llama.cpp's "none" / "internal" (both the butterfly here); the
     device-only "nccl" raises ConfigError.
 
+    numerics (checked by `backends.registry`): "exact", float32 throughout; "llamacpp" (alias
+    "q8"), round activations before quantized/f16 matmuls as llama.cpp's CPU backend does (Q8
+    blocks with an f16 scale) and, for few-token steps on int8 codes, take integer dot products
+    as it does (the fastest CPU mode). Its f16 KV cache is not emulated: rounding K/V alone
+    moved our logits further from llama.cpp's.
+
+    parallel_devices: run the simulated devices side by side in threads. kernel_threads: the
+    compiled kernels' thread count (None: `native.default_threads()`, METATP_NUM_THREADS or the
+    CPUs this process may use, shared among the MPI ranks on the machine).
+
     devices: the devices this process owns (default: all of the layout's); a strict subset
     needs a `collective` spanning the processes that own the others (`MpiCollective`)."""
 
     name = "numpy"
+    spanning = "collectives.mpi.MpiCollective"
 
-    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", threads: bool = False,
-                 cpu_kernels: bool | None = None, allreduce: str = "auto",
+    def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", parallel_devices: bool = False,
+                 cpu_kernels: bool | None = None, allreduce: str = "auto", kernel_threads: int | None = None,
                  devices: Sequence[int] | None = None, collective=None) -> None:
-        if numerics not in NUMERICS:
-            raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.numerics = numerics
-        self.threads = threads          # run the simulated devices in parallel threads
+        self.parallel_devices = parallel_devices
         # few-token matmuls read int8-coded weights through the compiled kernel (None: when it builds)
         if cpu_kernels and not native.available():
             raise ConfigError(f"cpu_kernels=True but the CPU kernel is unavailable: {native.kernel_info()}")
         self.use_kernels = cpu_kernels is not False and native.available()    # False: never built
-        self.kernel_threads = native.default_threads()
-        self.layout = layout or DeviceLayout()
-        self.n = self.layout.n_devices
-        self.owned = list(range(self.n)) if devices is None else sorted(int(d) for d in devices)
-        if not self.owned or len(set(self.owned)) != len(self.owned) or not all(0 <= d < self.n for d in self.owned):
-            raise ConfigError(f"devices={list(devices or [])}: must be distinct device indices of 0..{self.n - 1}")
-        if len(self.owned) < self.n and collective is None:
-            raise ConfigError(f"this process owns devices {self.owned} of {self.n}: the all-reduce needs a "
-                              "collective spanning the other processes (collectives.mpi.MpiCollective)")
+        self.kernel_threads = kernel_threads if kernel_threads is not None else native.default_threads()
+        super().__init__(layout, devices, collective)
         # the all-reduce between subgraphs ("auto": the butterfly); its compiled path, when the
         # mode has one, gives the schedule's bits, so cpu_kernels changes speed, not results
-        self.collective = collective if collective is not None else HostCollective(allreduce, use_kernels=self.use_kernels)
+        if collective is None:
+            self.collective = HostCollective(allreduce, use_kernels=self.use_kernels)
         self.allreduce = self.collective.name
         self.wire = "f32"               # simulated devices (and MPI ranks) reduce in float32
         self._encoded_only: set[Tensor] = set()     # weights with no float32 copy (int8 codes only)
@@ -79,15 +77,19 @@ class NumpyBackend(Backend):
         self._slabs: dict[int, np.ndarray] = {}     # per device: where long prompts dequantize codes
         self._pool = None
         self._packed: list[dict[Tensor, AffineWeight]] = [{} for _ in range(self.n)]
-        self.leaf: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
         self._transposed: list[dict[Tensor, np.ndarray]] = [{} for _ in range(self.n)]
-        self._executables: dict[int, NumpyExecutable] = {}
-        self._facts: tuple[Plan | None, PlanFacts | None] = (None, None)
 
     @property
     def allreduce_strategy(self) -> str:
         """The all-reduce that runs ("none" on one device), named as CupyBackend names its own."""
         return "none" if self.n == 1 else self.allreduce
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(name=self.name, n_devices=self.n, owned=tuple(self.owned),
+                           allreduce=self.allreduce_strategy, wire=self.wire, wire_thresholds=WireThresholds(),
+                           kernels=native.kernel_info() if self.use_kernels else "off",
+                           kernel_threads=self.kernel_threads,
+                           options=(("numerics", self.numerics), ("parallel_devices", self.parallel_devices)))
 
     # ---------------------------------------------------------------- leaf data
     def upload(self, t: Tensor, full: np.ndarray, plan: Plan) -> None:
@@ -120,13 +122,7 @@ class NumpyBackend(Backend):
 
     def _read_only_as_weight(self, t: Tensor, plan: Plan, ops: tuple[Op, ...]) -> bool:
         """A 2-D weight whose every reader takes it, unviewed, as src0 of one of `ops` (and only there)."""
-        return self.facts(plan).only_src0_of(t, ops)
-
-    def facts(self, plan: Plan) -> PlanFacts:
-        """The plan's graph facts (kept for the last plan asked about: uploads ask per weight)."""
-        if self._facts[0] is not plan:
-            self._facts = (plan, PlanFacts(plan))
-        return self._facts[1]
+        return plan.facts.only_src0_of(t, ops)
 
     def upload_encoded(self, t: Tensor, raw: np.ndarray, ggml_type: GGMLType, plan: Plan) -> bool:
         """Keep a matmul weight from its GGUF blocks as int8 codes + per-block float32 scale and
@@ -224,7 +220,7 @@ class NumpyBackend(Backend):
             return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0], grouped=self._groups_rows()) if n else 0
         if self._only_matmul_weight(t, plan):
             return n
-        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in self.facts(plan).readers_with_views.get(t, []))
+        mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in plan.facts.readers_with_views.get(t, []))
         return 2 * n if mm else n
 
     def memory_budget(self) -> tuple[int | None, bool]:
@@ -254,14 +250,11 @@ class NumpyBackend(Backend):
         cache the bytes of one block (the memory plan counts those caches by their blocks)."""
         return type_size(t.type)
 
-    def has(self, t: Tensor) -> bool:
-        return t in self.leaf[self.owned[0]]
+    def new_leaf(self, d: int, t: Tensor, ne: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(host_shape(t, ne), dtype=host_dtype(t))
 
-    def allocate_leaf(self, t: Tensor, plan: Plan) -> None:
-        """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
-        tp = plan.of(t)
-        for d in self.owned:
-            self.leaf[d][t] = np.zeros(host_shape(t, tp.local[d].ne), dtype=host_dtype(t))
+    def zero_leaf(self, d: int, value: np.ndarray) -> None:
+        value.fill(0)
 
     def transposed(self, t: Tensor, d: int) -> np.ndarray:
         """A weight stored (in, out)-contiguous for `x @ Wt` (made once, kept)."""
@@ -275,8 +268,9 @@ class NumpyBackend(Backend):
             cache[t] = wt
         return wt
 
-    def allocated_bytes(self) -> list[int]:
-        """Bytes held per device (leaves, transposed weights, and prepared plans' buffers)."""
+    def leaf_bytes(self) -> list[int]:
+        """Bytes of the stored leaves per device: float32 values, transposed weights, int8 codes
+        and the dequantization slab (the base adds the prepared plans' buffers)."""
         out = []
         seen: set[int] = set()      # an int8-coded weight mirrored on every device is one object
         for d in range(self.n):
@@ -287,7 +281,6 @@ class NumpyBackend(Backend):
                 if id(aw) not in seen:
                     seen.add(id(aw))
                     n += aw.nbytes
-            n += max((ex.buffer_bytes[d] for ex in self._executables.values()), default=0)
             n += self._slabs[d].nbytes if d in self._slabs else 0
             out.append(n)
         return out
@@ -298,19 +291,13 @@ class NumpyBackend(Backend):
 
     def pool(self):
         """Worker threads for the owned devices but the first (it runs on the caller's thread), or None."""
-        if not self.threads or len(self.owned) == 1:
+        if not self.parallel_devices or len(self.owned) == 1:
             return None
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(max_workers=len(self.owned) - 1, thread_name_prefix="metatp-dev")
         return self._pool
-
-    def reset_kv(self) -> None:
-        for d in self.owned:
-            for t, a in self.leaf[d].items():
-                if t.flags & Flag.KV_CACHE:
-                    a.fill(0)
 
 
 def _aliases(a: np.ndarray, others) -> bool:

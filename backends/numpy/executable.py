@@ -5,7 +5,7 @@ The walk, binding and reading are the shared `PlanExecutor`'s. What is numpy's o
 - each node becomes one closure over preallocated arrays (`kernels.kernel_for`);
 - the runner goes node by node across the simulated devices (they are independent inside a
   subgraph, so any interleaving is valid), turning one node's int8 matmuls on every device
-  into one compiled call; with `threads=True` devices run side by side instead;
+  into one compiled call; with `parallel_devices=True` devices run side by side instead;
 - a mirrored value identical on every device is computed once, by device 0, and read by the
   others (`PlanFacts.shared_mirrored`);
 - a process that owns some devices only (`NumpyBackend(devices=...)`, one MPI rank) binds and
@@ -21,7 +21,8 @@ import numpy as np
 
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import AffineWeight
-from metatp.backends.executor import Fusion, PlanExecutor
+from metatp.backends.executor import PlanExecutor
+from metatp.backends.fusion import Fusion, norm_weight_fusion, select
 from metatp.ir.dtypes import np_shape
 from metatp.backends.numpy.kernels import Closure, kernel_for, quantize_q8_blocks, rms_norm_mul, round_f16
 from metatp.ir.errors import UnsupportedOpError
@@ -123,42 +124,32 @@ class _DeviceContext:
 class NumpyExecutable(PlanExecutor):
     """A plan bound to buffers: per subgraph, closures per device and in node-major order."""
 
+    backend: NumpyBackend
+
     def __init__(self, backend: NumpyBackend, plan: Plan) -> None:
-        if plan.n_devices != backend.n:
-            raise ValueError(f"plan is for {plan.n_devices} devices, backend has {backend.n}")
-        super().__init__(plan, backend.owned)
-        self.backend = backend
-        n = backend.n
+        self._step_memo: dict = {}
+        plan_memo: dict = {}
+        self._ctxs = {d: _DeviceContext(backend, d, self._step_memo, plan_memo) for d in backend.owned}
+        super().__init__(backend, plan)
+        self.node_major = [self._node_major(items) for items in self.walked]
+        self._serial = self._serial_step()
+
+    # ---------------------------------------------------------------- memory
+    def bind_inputs(self) -> None:
+        """One zero array per INPUT leaf: inputs are mirrored and read-only, so one array
+        serves every device."""
         self.inputs: dict[Tensor, np.ndarray] = {}
-        for t in plan.graph.leaves:
+        for t in self.plan.graph.leaves:
             if t.flags & Flag.INPUT:
                 arr = np.zeros(np_shape(t.ne), dtype=host_dtype(t))
                 self.inputs[t] = arr
                 for d in self.devices:
-                    self.arrays[d][t] = arr     # inputs are mirrored and read-only: one array serves all
-            elif t.flags & Flag.KV_CACHE and not backend.has(t):
-                backend.allocate_leaf(t, plan)
-        self.bind_leaves(self._leaf)
-        local = len(self.devices)
-        self.shared = self.facts.shared_mirrored() if local > 1 and not backend.threads else set()
-        self.set_fusions(self.find_fusions())
-        late = self.facts.late_reads(self.shared) if self.shared else None
-        for d in self.devices:
-            self.bind_nodes(d, live_until=late if d == self.devices[0] else None)
-        self._step_memo: dict = {}
-        plan_memo: dict = {}
-        self._ctxs = {d: _DeviceContext(backend, d, self._step_memo, plan_memo) for d in self.devices}
-        walked = self.walk()
-        self.steps = self.per_device(walked, self.devices, n)
-        self.node_major = [self._node_major(items) for items in walked]
-        self._reduce = self._allreduce_closures()
-        self._serial = self._serial_step()
+                    self.arrays[d][t] = arr
 
-    # ---------------------------------------------------------------- memory
-    def _leaf(self, d: int, t: Tensor) -> np.ndarray:
-        if not self.backend.has(t):
-            raise UnsupportedOpError(f"numpy backend: leaf {t.name!r} has no data (upload it first)")
-        return self.backend.leaf[d][t]
+    def shares_mirrored(self) -> bool:
+        """Simulated devices share the host's memory: device 0 computes mirrored values for all
+        (not when they run side by side in threads)."""
+        return not self.backend.parallel_devices
 
     def itemsize(self, t: Tensor) -> int:
         return host_dtype(t).itemsize
@@ -196,24 +187,8 @@ class NumpyExecutable(PlanExecutor):
     # ---------------------------------------------------------------- work
     def find_fusions(self) -> list[Fusion]:
         """RMS_NORM(x) * w (w a weight row) -> one closure at the MUL; the norm's buffer is
-        never written. The norm must be read only by the MUL, in its subgraph, on the same
-        devices, and x must still be live at the MUL."""
-        plan, facts = self.plan, self.facts
-        out: list[Fusion] = []
-        for node in plan.graph.nodes:
-            if node.op is not Op.MUL or node.src[0].op is not Op.RMS_NORM:
-                continue
-            rms, w = node.src[0], node.src[1]
-            if facts.readers.get(rms) != [node] or not (w.flags & Flag.WEIGHT) or w.ne != (rms.ne[0], 1, 1, 1):
-                continue
-            if facts.sub_of[rms] != facts.sub_of[node] or plan.of(rms).state.is_partial or rms.flags & Flag.OUTPUT:
-                continue
-            if list(plan.of(rms).compute) != list(plan.of(node).compute):
-                continue
-            if not facts.read_after(rms.src[0], node):
-                continue
-            out.append(Fusion("norm", node, (rms,)))
-        return out
+        never written. x must still be live at the MUL (the closure reads it there)."""
+        return select(self, [_norm_fusion])
 
     def fused_steps(self, d: int, fusion: Fusion) -> list:
         a = self.arrays[d]
@@ -256,9 +231,8 @@ class NumpyExecutable(PlanExecutor):
                 out.append(native.batch(run))
                 run.clear()
 
-        for sub, order in zip(self.plan.subgraphs, self.node_major):
-            reduce = [self._reduce[sub.reduction.node]] if sub.reduction is not None and self.backend.n > 1 else []
-            for f in order + reduce:
+        for order, reduce in zip(self.node_major, self.reductions):
+            for f in order + ([reduce] if reduce is not None else []):
                 if native.batchable(f):
                     run.append(f)
                 else:
@@ -267,24 +241,6 @@ class NumpyExecutable(PlanExecutor):
         flush()
         return out
 
-    def _allreduce_closures(self) -> dict[int, Closure]:
-        """One prepared all-reduce per reduced node, by the backend's collective."""
-        out = {}
-        for sub in self.plan.subgraphs:
-            if sub.reduction is None or self.backend.n == 1:
-                continue
-            node = self.plan.graph.nodes[sub.reduction.node]
-            bufs = [self.arrays[d][node] for d in self.devices]
-            active = list(self.plan.of(node).compute)      # every device's flag, local or not
-            out[sub.reduction.node] = self.backend.collective.prepare_allreduce(bufs, active)
-        return out
-
-    def read(self, t: Tensor) -> np.ndarray:
-        """The full value of `t`; a process owning some devices only gathers through its collective."""
-        if len(self.devices) == self.plan.n_devices:
-            return super().read(t)
-        return self.read_across(self.backend.collective, t)
-
     # ---------------------------------------------------------------- running
     def set_input(self, t: Tensor, value: np.ndarray) -> None:
         self.inputs[t][...] = np.asarray(value).reshape(self.inputs[t].shape)
@@ -292,19 +248,25 @@ class NumpyExecutable(PlanExecutor):
     def run(self, inputs: dict[Tensor, np.ndarray] | None = None) -> None:
         for t, v in (inputs or {}).items():
             self.set_input(t, v)
-        n = self.backend.n
         self._step_memo.clear()
         pool = self.backend.pool()
         if pool is None:
             for f in self._serial:
                 f()
             return
-        for sub, per_dev in zip(self.plan.subgraphs, self.steps):
+        for per_dev, reduce in zip(self.steps, self.reductions):
             # simulated devices run side by side: numpy releases the GIL inside BLAS
             first, *rest = self.devices
             futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
             _run_all(per_dev[first])
             for fut in futures:
                 fut.result()
-            if sub.reduction is not None and n > 1:
-                self._reduce[sub.reduction.node]()
+            if reduce is not None:
+                reduce()
+
+
+def _norm_fusion(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """The norm x weight closure reads x at the MUL: x must still be live there (nothing is
+    kept alive for it)."""
+    return norm_weight_fusion(ex, node, (Op.RMS_NORM,),
+                              lambda mul, norm: () if ex.facts.read_after(norm.src[0], mul) else None)

@@ -21,6 +21,8 @@ from metatp.backends.collectives import (WireThresholds, butterfly_schedule, rin
                                          wire_dtype)
 from metatp.backends.cuda.backend import RAW_READERS, CupyBackend
 from metatp.backends.cuda.runtime import CupyRuntime, gpu_available
+from metatp.backends.fusion import FusionKind
+from metatp.backends.registry import backend_entry
 from metatp.backends.slicing import split_raw
 from metatp.testing import EmuRuntime, emulator_available
 from metatp.backends.numpy.backend import NumpyBackend
@@ -196,10 +198,16 @@ def test_weights_stay_quantized_only_for_matmul_and_get_rows():
 
 
 def test_cupy_backend_refuses_bad_options():
-    with pytest.raises(ConfigError):
-        CupyBackend(DeviceLayout(), runtime=EmuRuntime(), wire="fp8")
-    with pytest.raises(ConfigError):
-        CupyBackend(DeviceLayout(), runtime=EmuRuntime(), numerics="llamacpp")
+    """Option values are refused by the registry, the one place that checks them (and the one
+    factory: `BackendEntry.create`)."""
+    entry = backend_entry("cupy")
+    with pytest.raises(ConfigError, match="wire='fp8' is not one of auto, f32, bf16"):
+        entry.create(DeviceLayout(), {"wire": "fp8"}, runtime=EmuRuntime())
+    with pytest.raises(ConfigError, match="numerics='llamacpp' is not one of exact"):
+        entry.create(DeviceLayout(), {"numerics": "llamacpp"}, runtime=EmuRuntime())
+    for key, bad in (("kv_dtype", "f8"), ("matmul_dtype", "bf16"), ("multi_gpu_graphs", "none")):
+        with pytest.raises(ConfigError, match=f"option {key}={bad!r} is not one of"):
+            entry.create(DeviceLayout(), {key: bad}, runtime=EmuRuntime())
     with pytest.raises(ConfigError):     # NCCL cannot use one GPU twice
         CupyBackend(layout_for(2), runtime=EmuRuntime(n_gpus=1), allreduce="nccl")
 
@@ -286,8 +294,8 @@ def test_multi_gpu_graph_falls_back_to_segments(synth_model):
         assert be.cuda_graphs and be.multi_gpu_graphs == "segments"
         fallbacks = [w for w in caught if "graph segments" in str(w.message)]
         assert len(fallbacks) == (0 if kw else 1)
-    with pytest.raises(ConfigError):
-        CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), multi_gpu_graphs="one")
+    with pytest.raises(ConfigError):         # checked by the registry, the one validator
+        backend_entry("cupy").create(lay, {"multi_gpu_graphs": "one"}, runtime=EmuRuntime(n_gpus=3))
 
 
 def test_peer_access_for_virtual_devices_over_several_gpus():
@@ -554,7 +562,7 @@ def test_fused_kernels_fall_back_to_single_launches(synth_model, monkeypatch):
 
     def refuse(ex, d, f):
         raise ValueError("layout not supported by the fused kernel")
-    for kind in cuda_ops.FusionKind:
+    for kind in FusionKind:
         monkeypatch.setitem(cuda_ops.FUSED_OPS, kind, refuse)
     eng, ref = engines(synth_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32")
     got, want = run_teacher_forced(eng, ref, 2)

@@ -299,3 +299,21 @@ def test_a_new_algorithm_is_one_function_and_one_row(synth_factory, monkeypatch)
     star, be = _logits(path, 3, (1, 2, 1), allreduce="star")
     assert be.allreduce_strategy == "star"
     np.testing.assert_allclose(star, one, atol=1e-4 * np.abs(one).max(), rtol=1e-4)
+
+
+def test_every_collective_is_the_one_protocol():
+    """Host, MPI, the CUDA devices of one process and NCCL between GPU ranks all prepare an
+    all-reduce as `Collective.prepare_allreduce(bufs, active, stream=None)`."""
+    import inspect
+
+    from metatp.backends.collectives import Collective, MpiCollective
+    from metatp.backends.cuda.collective import DeviceCollective
+    from metatp.backends.cuda.nccl import NcclCollective
+
+    want = ["self", "bufs", "active", "stream"]
+    for cls in (HostCollective, MpiCollective, DeviceCollective, NcclCollective):
+        params = inspect.signature(cls.prepare_allreduce).parameters
+        assert list(params) == want and params["stream"].default is None, cls.__name__
+    assert isinstance(HostCollective("auto"), Collective)
+    import metatp.backends.collectives as collectives
+    assert not hasattr(collectives, "PointToPoint") and not hasattr(collectives, "NcclCollective")

@@ -364,7 +364,7 @@ def test_devices_in_threads_match_one_thread(synth_factory):
     layout = DeviceLayout(3, "tensor", (1.0, 2.0, 1.0))
     out = []
     for threads in (False, True):
-        eng = Engine(model, 64, layout, NumpyBackend(layout, threads=threads), n_batch=64)
+        eng = Engine(model, 64, layout, NumpyBackend(layout, parallel_devices=threads), n_batch=64)
         eng.forward(list(range(1, 20)))
         out.append(np.stack([eng.forward([t]) for t in (3, 7, 11)]))
     assert np.allclose(out[0], out[1], rtol=1e-5, atol=1e-5 * np.abs(out[0]).max())

@@ -162,7 +162,7 @@ def _memory_facts(engine, backend, rank: int, before: dict, after: dict) -> dict
 
 def _nccl(world, args) -> int:
     """The NCCL bootstrap: the unique id over MPI (no GPU needed), or a real all-reduce on GPUs."""
-    from metatp.backends.collectives.nccl import NcclCollective, nccl_unique_id
+    from metatp.backends.cuda.nccl import NcclCollective, nccl_unique_id
 
     if args.nccl_uid:
         uid = nccl_unique_id(world.comm)

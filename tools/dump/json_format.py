@@ -48,6 +48,12 @@ def _tensor_data(view: PlanView, t: Tensor, why: dict[Tensor, str]) -> dict:
     }
 
 
+def _active(view: PlanView, node: int) -> list[bool] | None:
+    """Which devices contribute to the all-reduce of node `node`: the node's compute flags."""
+    tp = view.plan.tensors.get(view.graph.nodes[node])
+    return list(tp.compute) if tp is not None else None
+
+
 def _reductions_data(view: PlanView) -> list[dict]:
     p = view.plan.n_devices
     out = []
@@ -58,7 +64,7 @@ def _reductions_data(view: PlanView) -> list[dict]:
             "covers": list(r.covers), "cover_labels": [view.label(view.graph.nodes[c]) for c in r.covers],
             "nbytes": r.nbytes, "ring_bytes_per_rank": round(2 * (p - 1) / p * r.nbytes) if p > 1 else 0,
             "bytes_per_rank": reduction_bytes(p, r.nbytes, view.allreduce, view.wire)[0],
-            "active": list(r.active) if r.active is not None else None,
+            "active": _active(view, r.node),
         })
     return out
 

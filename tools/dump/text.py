@@ -66,7 +66,8 @@ def _reduction_line(view: PlanView, i: int) -> str:
     p = view.plan.n_devices
     covers = ", ".join(f"{c} {view.label(view.graph.nodes[c])}" for c in r.covers)
     per_rank, _ = reduction_bytes(p, r.nbytes, view.allreduce, view.wire)
-    active = f" active={flags_text(r.active)}" if r.active is not None else ""
+    tp = view.plan.tensors.get(view.graph.nodes[r.node])
+    active = f" active={flags_text(tp.compute)}" if tp is not None else ""
     return (f"{'':5}  ==== all-reduce #{rid} of node {r.node} (end of subgraph {k}): {_bytes_exact(r.nbytes)},"
             f" {resolve_mode(view.allreduce).name} {format_bytes(per_rank)}/rank{active}; covers PARTIAL {covers}")
 
