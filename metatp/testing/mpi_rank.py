@@ -129,10 +129,11 @@ def _run(args) -> int:
 def _facts(world, backend, seconds: float) -> dict:
     """What this rank's backend and communicator were given (the test checks the wiring)."""
     coll = backend.collective
+    info = backend.describe()
     dev = backend.devices[world.rank]
     execs = list(backend._executables.values())
     facts = {"rank": world.rank, "size": world.size, "local_rank": world.local_rank, "gpu": dev.gpu,
-             "owned": backend.owned, "strategy": backend.allreduce_strategy, "stream": getattr(dev.stream, "ptr", None),
+             "owned": list(info.owned), "strategy": info.allreduce, "stream": getattr(dev.stream, "ptr", None),
              "graph_modes": sorted({str(ex.graph_mode) for ex in execs}), "seconds": seconds,
              "held": {d: len(backend.leaf[d]) for d in range(backend.n)}, "allocated": backend.allocated_bytes()}
     comm = coll.nccl
@@ -146,10 +147,10 @@ def _facts(world, backend, seconds: float) -> dict:
 def _smoke(args, model, layout, prompt, logits, tokens) -> dict:
     """One rank: the same prompt on the single-process cupy backend driven directly (greedy
     tokens and logits compared with the rank's)."""
-    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.backends.registry import backend_entry
     from metatp.engine import Engine
 
-    ref = Engine(model, args.n_ctx, layout, CupyBackend(layout, runtime=_runtime(args), **_options(args)))
+    ref = Engine(model, args.n_ctx, layout, backend_entry("cupy").create(layout, _options(args), runtime=_runtime(args)))
     want = ref.forward(prompt, all_logits=True)
     ref_tokens, last = [], want[-1]
     for _ in range(args.n_gen):

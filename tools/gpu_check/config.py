@@ -73,20 +73,20 @@ def layout(n: int, ts=None):
 def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str = "f32", **kw):
     """A cupy engine on `n` (virtual) devices; `cache`: the KV cache type of K and V ("q8_0", ...;
     default the F32 graph cache, stored as the backend's kv_dtype); `kw` go to CupyBackend."""
-    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.backends.registry import backend_entry
     from metatp.engine import Engine
 
     lay = layout(n, ts)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Engine(model, n_ctx, lay, CupyBackend(lay, runtime=cfg.runtime(), **kw),
+        return Engine(model, n_ctx, lay, backend_entry("cupy").create(lay, kw, runtime=cfg.runtime()),
                       cache_type_k=cache, cache_type_v=cache)
 
 
 def numpy_engine(model, n_ctx: int):
     """The reference: the numpy backend on one device."""
-    from metatp.backends.numpy.backend import NumpyBackend
+    from metatp.backends.registry import backend_entry
     from metatp.engine import Engine
 
     lay = layout(1)
-    return Engine(model, n_ctx, lay, NumpyBackend(lay))
+    return Engine(model, n_ctx, lay, backend_entry("numpy").create(lay, {}))

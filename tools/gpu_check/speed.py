@@ -82,7 +82,7 @@ def section_speed(rep: Report, cfg: Config, model, budget: Budget) -> None:
             r = time_decode(cfg, eng, cfg.kv_lengths[0], max(4, cfg.decode_steps // 2))
             rep.add("speed", f"decode N=3 virtual devices KV {cfg.kv_lengths[0]} CUDA graph",
                     f"{r['tok_s']:.0f} tok/s ({r['us']:.0f} µs/token, {r['launches']} launches over 3 devices, "
-                    f"{r['graph']}, all-reduce {eng.backend.allreduce_strategy})", None)
+                    f"{r['graph']}, all-reduce {eng.backend.describe().allreduce})", None)
         except Exception as e:  # noqa: BLE001
             rep.fail("speed", "decode N=3 virtual", e)
 
