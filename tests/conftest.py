@@ -49,6 +49,12 @@ from metatp.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
 from support.require import NAMES, apply_markers, require, required_names  # noqa: E402
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--soak-requests", type=int, default=None,
+                     help="requests of the serving soak (tests/serving/test_serving_soak.py; default "
+                          "$METATP_SOAK_REQUESTS, else the test's own bound)")
+
+
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "requires(*names, why=...): needs these prerequisites "
                             f"(skip, or fail when METATP_REQUIRE names them): {', '.join(NAMES)}")

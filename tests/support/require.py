@@ -191,19 +191,22 @@ def _why(name: str, why: object) -> str | None:
     return missing(name) if why is CHECK else why  # type: ignore[return-value]
 
 
-def require(name: str, why: str | None | _Check = CHECK) -> None:
-    """Skip the running test when `name` is missing, or fail it when METATP_REQUIRE names it."""
+def require(name: str, why: str | None | _Check = CHECK, *, _at_item: bool = False) -> None:
+    """Skip the running test when `name` is missing, or fail it when METATP_REQUIRE names it.
+    (The skip is reported at the caller's line; a marker's at the test's.)"""
+    __tracebackhide__ = True
     reason = _why(name, why)
     if reason is None:
         return
     if name in required_names():
         pytest.fail(f"{ENV} requires {name!r} ({NAMES[name]}), but {reason}", pytrace=False)
-    pytest.skip(f"[{name}] {reason}")
+    raise pytest.skip.Exception(f"[{name}] {reason}", _use_item_location=_at_item)
 
 
 def have(name: str, why: str | None | _Check = CHECK) -> bool:
     """For an optional part of a test: True when `name` is present; False when it is missing (or
     the test fails when METATP_REQUIRE names it)."""
+    __tracebackhide__ = True
     reason = _why(name, why)
     if reason is not None and name in required_names():
         pytest.fail(f"{ENV} requires {name!r} ({NAMES[name]}), but {reason}", pytrace=False)
@@ -222,4 +225,4 @@ def apply_markers(item: pytest.Item) -> None:
     """Run `require` for every `requires` marker on a test (conftest's setup hook)."""
     for mark in item.iter_markers("requires"):
         for name in mark.args:
-            require(name, mark.kwargs.get("why", CHECK))
+            require(name, mark.kwargs.get("why", CHECK), _at_item=True)
