@@ -300,6 +300,7 @@ class Request:
 class Metrics:
     """Counters for /metrics (Prometheus) and the batched bench."""
 
+    requests_accepted: int = 0       # submitted and not refused; each ends finished, cancelled or failed
     requests_finished: int = 0
     requests_failed: int = 0
     requests_cancelled: int = 0
@@ -367,12 +368,14 @@ class Scheduler:
             raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
         with self._state:
             if req.kind != "score" and req.max_new == 0:
+                self.metrics.requests_accepted += 1
                 self._finish(req, StepOutput(None, "", "length"))
                 return
             if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
                 raise QueueFullError(f"the server is busy: {len(self.waiting)} requests are waiting "
                                      f"(--max-waiting {self.max_waiting}); retry later")
             req.t_submit = time.perf_counter()
+            self.metrics.requests_accepted += 1
             self.waiting.append(req)
             self._changed.notify_all()
 

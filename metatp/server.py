@@ -558,6 +558,8 @@ def _prometheus(srv: _Server) -> str:
     metric("requests_running", "gauge", "Sequences being decoded or prefilled.", s.n_running)
     metric("requests_waiting", "gauge", "Sequences waiting for a slot or KV cells.", s.n_waiting)
     metric("requests_total", "counter", "HTTP generation requests accepted.", srv.requests_total)
+    metric("sequences_accepted_total", "counter", "Sequences queued (each ends finished, cancelled or failed).",
+           m.requests_accepted)
     metric("sequences_finished_total", "counter", "Sequences that finished.", m.requests_finished)
     metric("sequences_cancelled_total", "counter", "Sequences cancelled (client gone).", m.requests_cancelled)
     metric("sequences_failed_total", "counter", "Sequences that failed.", m.requests_failed)

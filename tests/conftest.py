@@ -4,6 +4,28 @@ A test module names its synthetic model once, as a module-level `SPEC` (a `Synth
 takes it as `path` (the GGUF file, a str), `synth_model` (loaded) or `llm` (an `LLM` on the
 numpy backend with the module's `LLM_OPTIONS`). Files are written once per session per spec
 (`synth_factory`). `tests/test_fixtures.py` checks that no fixture is declared twice.
+
+Prerequisites (`tests/support/require.py`): a test that needs something this machine may lack
+is marked `@requires(name)` (or calls `require(name)`), never a bare skip. It skips, saying
+why, unless `METATP_REQUIRE` (comma-separated names, or `all`) names it: then it fails with
+the reason (a broken C build: the compiler's message). `.ci/run` sets it for what CI installs.
+The names:
+
+- `cpu_kernels`: the numpy backend's C kernels build and load ($CC or cc);
+- `emulator`: a host C++ compiler ($CXX or g++) for the CUDA-kernel emulator;
+- `mpi`: mpi4py and `mpiexec` on PATH (the `mpi` extra);
+- `serve`: fastapi, uvicorn, openai and httpx (the `serve` and `test` extras);
+- `nvrtc`: cupy with a loadable NVRTC (the `nvrtc` extra; no GPU needed);
+- `nvcc`: the CUDA toolkit's nvcc (not in CI's list: CI installs no toolkit);
+- `gpu`: a usable CUDA GPU (not in CI's list: CI has none);
+- `nccl`: cupy with NCCL (not in CI's list);
+- `model`: the real models read from the model cache, the default model and gemma3-270m (not in
+  CI's list: the default model is fetched at session start when there is a network);
+- `refs`: the reference outputs in shared/refs beside the checkout (made on the development
+  machine; not in CI's list);
+- `bench`: llama-cpp-python (the `bench` extra, not installed by CI);
+- `graphviz`: Graphviz's `dot`; `cpp`: a C preprocessor; `git`: git and a git checkout.
+An unknown name is a usage error (a typo must not turn the switch off).
 """
 
 from __future__ import annotations
@@ -24,6 +46,27 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 from metatp.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
+from support.require import NAMES, apply_markers, require, required_names  # noqa: E402
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--soak-requests", type=int, default=None,
+                     help="requests of the serving soak (tests/serving/test_serving_soak.py; default "
+                          "$METATP_SOAK_REQUESTS, else the test's own bound)")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "requires(*names, why=...): needs these prerequisites "
+                            f"(skip, or fail when METATP_REQUIRE names them): {', '.join(NAMES)}")
+    try:
+        required_names()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    apply_markers(item)
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +122,7 @@ def default_model() -> Path:
     try:
         return resolve_model(None, quiet=True)
     except Exception as e:  # no network and no cache: the real-model tests cannot run
-        pytest.skip(f"default model unavailable: {e}")
+        require("model", f"default model unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

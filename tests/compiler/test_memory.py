@@ -8,6 +8,7 @@ from metatp import LLM
 from metatp.ir.errors import ConfigError, MemoryPlanError
 from metatp.passes.memory import parse_bytes
 from metatp.testing.synth import SynthSpec
+from support.require import require
 
 
 def test_plan_matches_numpy_allocation_within_10_percent(synth_factory):
@@ -23,10 +24,7 @@ def test_plan_matches_numpy_allocation_within_10_percent(synth_factory):
 def test_plan_matches_allocation_with_int8_coded_weights(synth_factory):
     """Quantized weights kept as int8 codes (compiled CPU kernels): no float32 copy, one
     dequantization slab per device; the plan still matches what is allocated."""
-    from metatp.backends.numpy import native
-
-    if not native.available():
-        pytest.skip(f"CPU kernels unavailable: {native.kernel_info()}")
+    require("cpu_kernels")
     types = {r: "Q4_1" for r in ("q", "k", "v", "o", "gate", "up", "down")} | {"embd": "Q8_0"}
     path, _ = synth_factory(SynthSpec(n_vocab=2000, n_embd=128, n_ff=256, seed=22, types=types))
     for n_devices in (1, 2):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 from metatp.ir import ops
 from metatp.ir.ops import OPS, Op
 from metatp.passes.rules import OP_RULES, RULES
+from support.require import requires
 
 PIECES = ("builder", "rule", "numpy kernel", "cuda handler")
 
@@ -153,7 +153,7 @@ def test_every_launched_kernel_name_is_an_expected_entry_point():
 _ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 
 
-@pytest.mark.skipif(shutil.which("cpp") is None, reason="no C preprocessor (cpp) to expand the entry-point macros")
+@requires("cpp")   # expands the entry-point macros
 def test_expected_entry_points_are_declared_in_the_cu_sources():
     ck = _launch_module()
     problems = []

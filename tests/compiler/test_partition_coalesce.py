@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from metatp.models import cache_dir
+from support.require import requires
 from metatp.ir import ops
 from metatp.ir.graph import Graph
 from metatp.ir.models.inputs import graph_inputs, make_feed, sequence_values
@@ -57,7 +58,7 @@ def test_split_mode_none_and_stages():
     assert seen["lowered"].of(g.nodes[0]).local
 
 
-@pytest.mark.skipif(not REAL_MODEL.exists(), reason="default model not cached")
+@requires("model", why=None if REAL_MODEL.exists() else "default model not cached")
 def test_real_model_decode_plan_and_zero_attention_slices():
     """SmolLM2-135M: 30 layers -> 60 all-reduces; 3 KV heads on 4 devices leave one device without
     attention in every layer (rotating), and the split decode step still equals one device."""

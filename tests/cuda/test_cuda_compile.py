@@ -17,6 +17,7 @@ import warnings
 import pytest
 
 from metatp.backends.cuda import kernels as ck, runtime
+from support.require import requires
 
 ARCHS = ("sm_80", "sm_90")
 NVCC = shutil.which("nvcc")
@@ -72,7 +73,7 @@ def test_import_without_cupy():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@requires("nvcc", why=None if NVCC else "nvcc not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("family", ck.FAMILIES)
 def test_nvcc_compiles(family, arch, tmp_path):

@@ -17,14 +17,12 @@ import pytest
 
 from metatp.backends.cuda import kernels as ck
 from metatp.backends.cuda.launch import using
-from metatp.backends.cuda.runtime import gpu_available
 from metatp.testing import kernel_checks as gkc, oracles
-from metatp.testing.cuda_emulator import Emulator, emulator_available
+from metatp.testing.cuda_emulator import Emulator
+from support.require import requires
 
-requires_gpu = pytest.mark.skipif(
-    not gpu_available(), reason="no CUDA GPU (cupy not installed or no device visible)"
-)
-requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler (g++)")
+requires_gpu = requires("gpu")
+requires_cxx = requires("emulator")
 
 
 def _check(group: str, emulate: bool) -> None:

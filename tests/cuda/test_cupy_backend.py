@@ -37,9 +37,10 @@ from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from support.require import require, requires
 
-requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
-requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")
+requires_gpu = requires("gpu")
+requires_cxx = requires("emulator")
 
 RUNTIMES = [pytest.param("emu", marks=requires_cxx, id="emulator"),
             pytest.param("gpu", marks=[pytest.mark.gpu, requires_gpu], id="gpu")]
@@ -247,8 +248,7 @@ def test_virtual_devices_match_single_device(synth_model, kind, n, ts):
 def test_emulated_gpus_capture_nccl_in_one_graph(synth_model):
     """Three distinct (emulated) GPUs: NCCL all-reduce captured inside one CUDA graph spanning
     the GPUs (no eager NCCL call per step once captured), bit-identical to eager."""
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     lay = layout_for(3, (1, 2, 1))
     be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32")
     eager_be = CupyBackend(lay, runtime=EmuRuntime(n_gpus=3), kv_dtype="f32", matmul_dtype="f32", cuda_graphs=False)
@@ -277,8 +277,7 @@ def test_emulated_gpus_capture_nccl_in_one_graph(synth_model):
 def test_multi_gpu_graph_falls_back_to_segments(synth_model):
     """NCCL that cannot be captured: one warning, then per-subgraph segments with eager NCCL;
     `multi_gpu_graphs="segments"` asks for that mode directly."""
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     lay = layout_for(3, (1, 2, 1))
     ref = Engine(synth_model, 512, lay, NumpyBackend(lay))
     for kw, rt in (({}, EmuRuntime(n_gpus=3, nccl_capture=False)), ({"multi_gpu_graphs": "segments"}, EmuRuntime(n_gpus=3))):
@@ -434,8 +433,7 @@ def test_allreduce_bf16_wire_error_bound(kind, n, ts):
 
 
 def test_allreduce_emulated_nccl_with_inactive_devices():
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     plan, vals, feed, out, want = mlp_case(3, (1, 0, 2))
     for wire in ("f32", "bf16"):
         be = CupyBackend(plan.layout, runtime=EmuRuntime(n_gpus=3), wire=wire, allreduce="nccl")
@@ -451,7 +449,7 @@ def test_nccl_one_rank_smoke():
     """A 1-rank communicator on the one GPU: f32 and bf16 all-reduce leave the value as it is."""
     rt = CupyRuntime()
     if rt.nccl_module() is None:
-        pytest.skip("NCCL not available to cupy")
+        require("nccl", "NCCL not available to cupy")
     import cupy as cp
 
     comms = rt.nccl_comms([0])
@@ -485,8 +483,7 @@ def test_moe_and_fused_qkv_architectures(synth_factory, kind):
 
 
 def test_unsupported_op_is_named():
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     q = ops.new_tensor("q", (16, 1, 2), GGMLType.F32, Flag.INPUT)
     k = ops.new_tensor("k", (16, 4, 1), GGMLType.F32, Flag.INPUT)
     sinks = ops.new_tensor("sinks", (2,), GGMLType.F32, Flag.WEIGHT)
@@ -499,8 +496,7 @@ def test_unsupported_op_is_named():
 
 
 def test_memory_accounting_counts_raw_weights(synth_model):
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     eng, _ = engines(synth_model, "emu")
     mem = eng.memory_plan()
     f32_bytes = sum(int(np.prod(w.ne)) * 4 for w in synth_model.weights.values())
@@ -514,8 +510,7 @@ def test_memory_plan_counts_f16_kv_and_gpu_workspace(synth_model, n):
     """The plan counts the KV cache at its stored size (f16 by default) and the GPU scratch
     (f16 GEMM copies, attention workspace, wire buffers, input block): it matches what the
     backend allocates for the largest plan and a decode step."""
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     lay = layout_for(n, (1, 1) if n == 2 else None)
     f16 = Engine(synth_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime()), n_batch=32)
     f32 = Engine(synth_model, 128, lay, CupyBackend(lay, runtime=EmuRuntime(), kv_dtype="f32", matmul_dtype="f32"),
@@ -556,8 +551,7 @@ def test_few_token_steps_use_matvec(synth_model, kind):
 
 def test_fused_kernels_fall_back_to_single_launches(synth_model, monkeypatch):
     """When a fused kernel cannot take a layout, its nodes run one by one, same results."""
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     from metatp.backends.cuda import ops as cuda_ops
 
     def refuse(ex, d, f):
@@ -613,8 +607,7 @@ def test_virtual_devices_share_mirrored_values_in_order(synth_model):
     subgraph that makes one, device 0 records `shared_ready` after its last and every other
     device waits for it before its first read. (The emulator runs work in issue order, so the
     order itself is checked here by structure; a GPU run checks the values.)"""
-    if not emulator_available():
-        pytest.skip("no host C++ compiler")
+    require("emulator")
     from metatp.backends.cuda.device_ops import Record, Wait
 
     eng, ref = engines(synth_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32",

@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 
 from metatp.backends.cuda.backend import CupyBackend
-from metatp.backends.cuda.runtime import gpu_available
 from metatp.backends.numpy.backend import NumpyBackend
-from metatp.testing import EmuRuntime, emulator_available
+from metatp.testing import EmuRuntime
 from metatp.engine import Engine
 from metatp.ir.errors import ConfigError
 from metatp.ir.models import ModelTensors
@@ -28,9 +27,10 @@ from metatp.ir.models.common import cache_type
 from metatp.ir.tensor import Flag, row_bytes
 from metatp.passes import DeviceLayout
 from metatp.testing.synth import SynthSpec
+from support.require import requires
 
-requires_gpu = pytest.mark.skipif(not gpu_available(), reason="no CUDA GPU (cupy not installed or no device)")
-requires_cxx = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")
+requires_gpu = requires("gpu")
+requires_cxx = requires("emulator")
 RUNTIMES = [pytest.param("emu", marks=requires_cxx, id="emulator"),
             pytest.param("gpu", marks=[pytest.mark.gpu, requires_gpu], id="gpu")]
 

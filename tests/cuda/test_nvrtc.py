@@ -28,6 +28,7 @@ import types
 import pytest
 
 from metatp.backends.cuda import kernels as ck, runtime
+from support.require import requires
 
 #: (name, --std) of the option sets of the CuPy versions the backend supports
 OPTION_SETS = (("cupy14", "c++17"), ("cupy13", "c++11"))
@@ -50,7 +51,7 @@ def _toolchain():
 
 
 TOOLCHAIN, WHY_NOT = _toolchain()
-requires_nvrtc = pytest.mark.skipif(TOOLCHAIN is None, reason=WHY_NOT)
+requires_nvrtc = requires("nvrtc", why=WHY_NOT if TOOLCHAIN is None else None)
 
 
 class _KeptModule:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from support import arch_reference as ref
+from support.require import require
 from metatp import LLM, SamplingParams
 from metatp.ir.errors import UnsupportedArchitectureError
 from metatp.ir.loader import load_model
@@ -250,7 +251,7 @@ def test_gemma3_270m_greedy_matches_llamacpp():
 
     path = cache_dir() / KNOWN_MODELS["gemma3-270m"].filename
     if not path.is_file():
-        pytest.skip(f"gemma3-270m is not in the model cache ({path}); `metatp info -m gemma3-270m` fetches it")
+        require("model", f"gemma3-270m is not in the model cache ({path}); `metatp info -m gemma3-270m` fetches it")
     llm = LLM(str(path), n_ctx=64, backend="numpy")
     for prompt, (n, want) in GEMMA3_LLAMACPP_GREEDY.items():
         out = llm.generate(prompt, SamplingParams(max_tokens=n))[0].outputs[0]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from metatp import LLM, SamplingParams
+from support.require import require
 
 REFS = Path(__file__).resolve().parents[3] / "shared" / "refs" / "smollm2"   # ../shared beside the checkout
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow
 def _cases() -> list[dict]:
     f = REFS / "cases.json"
     if not f.exists():
-        pytest.skip(f"reference data not found at {REFS}")
+        require("refs", f"reference data not found at {REFS}")
     return json.loads(f.read_text())["cases"]
 
 

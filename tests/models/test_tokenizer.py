@@ -21,6 +21,7 @@ from metatp.ir.tokenizer import StreamDecoder, Tokenizer
 from metatp.ir.tokenizer_tables import PRE_TOKENIZERS, gpt2_byte_table
 
 from metatp.models import cache_dir  # noqa: E402
+from support.require import require  # noqa: E402
 
 SMOLLM_GGUF = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM_CASES = Path(__file__).resolve().parents[3] / "shared" / "refs" / "smollm2" / "cases.json"
@@ -194,14 +195,14 @@ def bpe() -> Tokenizer:
 @pytest.fixture(scope="module")
 def smollm() -> Tokenizer:
     if not SMOLLM_GGUF.is_file():
-        pytest.skip(f"{SMOLLM_GGUF} is absent (fetch it with metatp.models.resolve_model(None))")
+        require("model", f"{SMOLLM_GGUF} is absent (fetch it with metatp.models.resolve_model(None))")
     return Tokenizer.from_metadata(_read_metadata(SMOLLM_GGUF))
 
 
 @pytest.fixture(scope="module")
 def smollm_cases() -> list[dict]:
     if not SMOLLM_CASES.is_file():
-        pytest.skip(f"{SMOLLM_CASES} is absent")
+        require("refs", f"{SMOLLM_CASES} is absent")
     return json.loads(SMOLLM_CASES.read_text())["cases"]
 
 
@@ -264,7 +265,7 @@ def test_smollm_chat_template(smollm: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def gemma() -> Tokenizer:
     if not GEMMA_GGUF.is_file():
-        pytest.skip(f"{GEMMA_GGUF} is absent (fetch it with metatp.models.resolve_model('gemma3-270m'))")
+        require("model", f"{GEMMA_GGUF} is absent (fetch it with metatp.models.resolve_model('gemma3-270m'))")
     return Tokenizer.from_metadata(_read_metadata(GEMMA_GGUF))
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.helpers import assert_close, mpi_missing
+from support.helpers import assert_close
+from support.require import requires
 from support.mpi import check_ok, cli, error_lines, mpiexec
 from metatp.testing.synth import SynthSpec
 
@@ -30,7 +31,7 @@ WORKER = Path(__file__).resolve().parents[1] / "support" / "mpi_worker.py"
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
 
 
-needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
+needs_mpi = requires("mpi")
 
 
 def mpirun(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -234,7 +235,7 @@ def _gpus() -> int:
 
 
 @needs_mpi
-@pytest.mark.skipif(_nccl_missing() is not None, reason=_nccl_missing() or "")
+@requires("nccl", why=_nccl_missing())
 def test_nccl_unique_id_travels_over_mpi():
     r = mpirun(2, "--model", "-", "--nccl-uid", timeout=60)
     check_ok(r)
@@ -242,7 +243,8 @@ def test_nccl_unique_id_travels_over_mpi():
 
 
 @needs_mpi
-@pytest.mark.skipif(_nccl_missing() is not None or _gpus() > 0, reason="needs cupy with NCCL and no GPU")
+@requires("nccl", why=_nccl_missing())
+@pytest.mark.skipif(_gpus() > 0, reason="needs no GPU (a GPU is visible here)")
 def test_nccl_without_a_gpu_is_one_line():
     r = mpirun(1, "--model", "-", "--nccl-allreduce", timeout=60)
     assert r.returncode != 0
@@ -252,7 +254,8 @@ def test_nccl_without_a_gpu_is_one_line():
 
 @needs_mpi
 @pytest.mark.gpu
-@pytest.mark.skipif(_nccl_missing() is not None or _gpus() == 0, reason="needs cupy with NCCL and a GPU")
+@requires("nccl", why=_nccl_missing())
+@requires("gpu")
 def test_nccl_allreduce_between_gpu_ranks():
     n = min(2, _gpus())
     r = mpirun(n, "--model", "-", "--nccl-allreduce", timeout=120)

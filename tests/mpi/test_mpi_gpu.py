@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.helpers import assert_close, mpi_missing
+from support.helpers import assert_close
+from support.require import requires
 from support.mpi import check_ok, error_lines, mpiexec
-from metatp.testing import emulator_available
 from metatp.testing.synth import SynthSpec
 
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]
@@ -47,8 +47,8 @@ def _gpu_missing() -> str | None:
     return None if getattr(nccl, "available", False) else "cupy has no NCCL (pip install nvidia-nccl-cu12)"
 
 
-needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
-needs_emu = pytest.mark.skipif(not emulator_available(), reason="no host C++ compiler for the kernel emulator")
+needs_mpi = requires("mpi")
+needs_emu = requires("emulator")
 
 
 def mpirun(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -175,7 +175,7 @@ def test_fewer_gpus_than_local_ranks_is_one_line(synth_factory, tmp_path):
 
 @needs_mpi
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpu_missing() is not None, reason=_gpu_missing() or "")
+@requires("gpu", why=_gpu_missing())
 def test_one_gpu_rank_with_nccl_matches_single_process(synth_factory, tmp_path):
     """One rank, real NCCL over MPI: the same greedy tokens and logits as the single-process
     cupy backend, and the collective's step eagerly and in a CUDA graph."""

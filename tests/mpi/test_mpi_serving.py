@@ -25,23 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from support.helpers import mpi_missing
+from support.require import requires
 from support.serving import ServeProcess, free_port
 from metatp.testing.synth import SynthSpec
 
-
-def _missing() -> str | None:
-    if mpi_missing():
-        return mpi_missing()
-    for mod in ("fastapi", "uvicorn", "openai", "httpx"):
-        try:
-            __import__(mod)
-        except ImportError:
-            return f"{mod} is not installed (pip install 'metatp[serve,test]')"
-    return None
-
-
-needs_mpi = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+needs_mpi = requires("mpi", "serve")
 
 SPEC = SynthSpec(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, tied=False, seed=21, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)

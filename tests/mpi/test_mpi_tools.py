@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from support.helpers import mpi_missing
+from support.require import requires
 from support.mpi import check_ok, cli, error_lines
 from metatp.testing.synth import SynthSpec
 from metatp.tools.bench import MPI_COLUMNS, BenchConfig, run_bench
@@ -23,7 +23,7 @@ SYNTH = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab
                   types={"gate": "Q4_0", "up": "Q4_0", "down": "Q8_0"})
 
 
-pytestmark = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
+pytestmark = requires("mpi")
 
 
 def _md_table(text: str) -> list[dict]:

@@ -16,6 +16,7 @@ from metatp.backends.numpy.codes import (AFFINE_TYPES, GROUP, HALF_SCALE_TYPES, 
                                           groupable, pack_nibbles, unpack_nibbles)
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
+from support.require import requires
 
 T = GGMLType
 SYMMETRIC = {T.Q4_0, T.Q5_0, T.Q8_0, T.Q3_K, T.Q6_K}
@@ -148,7 +149,7 @@ def _check_tensors(tensors, want: set[GGMLType], rows: int = 192) -> None:
     assert set(seen) == want
 
 
-@pytest.mark.skipif(not SMOL.exists(), reason="SmolLM2-135M Q4_1 model not cached")
+@requires("model", why=None if SMOL.exists() else "SmolLM2-135M Q4_1 model not cached")
 def test_real_model_smollm():
     """Tensors as gguf.GGUFReader exposes them (uint8, shape (rows, row_bytes))."""
     reader = gguf.GGUFReader(SMOL)
@@ -157,7 +158,7 @@ def test_real_model_smollm():
     _check_tensors(tensors, {T.Q4_1, T.Q8_0})
 
 
-@pytest.mark.skipif(not GEMMA.exists(), reason="gemma-3-270m Q4_K_M model not cached")
+@requires("model", why=None if GEMMA.exists() else "gemma-3-270m Q4_K_M model not cached")
 def test_real_model_gemma():
     """Read through metatp's validated layout + a memmap: GGUFReader spends ~11 s on gemma's 262k vocab."""
     from metatp.ir.gguf_validate import validate_gguf

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from metatp.backends.numpy import native
+from support.require import requires
 from metatp.backends.numpy.codes import GROUP, AffineWeight, group_rows, pack_nibbles
 from metatp.ir.tensor import GGMLType
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable")
+pytestmark = requires("cpu_kernels")
 
 F32 = np.float32
 KV_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metatp.backends.numpy import native
+from support.require import have
 from metatp.backends.collectives import (ALLREDUCE_MODES, HostCollective, Mode, Schedule, Transfer, TransferOp,
                                          butterfly_schedule, bytes_moved, bytes_per_rank, check_schedule,
                                          resolve_mode, ring_schedule, schedule_for, wire_dtype)
@@ -171,7 +171,7 @@ def test_butterfly_keeps_the_bits_of_the_implementation_it_replaced(n):
         _simulate(naive, butterfly_schedule(n, size), active)
         for j in range(n):
             assert np.array_equal(host[j], before[j]) and np.array_equal(naive[j], before[j])
-        if native.available():
+        if have("cpu_kernels"):
             compiled = [b.copy() for b in base]
             HostCollective("butterfly", use_kernels=True).prepare_allreduce(compiled, active)()
             assert all(np.array_equal(compiled[j], before[j]) for j in range(n))
@@ -192,7 +192,7 @@ def test_compiled_path_is_an_explicit_choice():
     bufs = [np.ones(8, F32) for _ in range(3)]
     ring = HostCollective("ring", use_kernels=True).prepare_allreduce(bufs)
     assert type(ring).__name__ == "function"                        # no C ring: the host runner
-    if native.available():
+    if have("cpu_kernels"):
         fly = HostCollective("butterfly", use_kernels=True).prepare_allreduce(bufs)
         assert type(fly).__name__ == "_Call"
 
@@ -277,7 +277,7 @@ def test_numpy_backend_modes(synth_factory, n, ts):
     scale = np.abs(one).max()
     for got in (fly, fly_py, ring, ring_py):
         np.testing.assert_allclose(got, one, atol=1e-4 * scale, rtol=1e-4)
-    if native.available():     # the C butterfly vs the host runner: only the matmuls differ
+    if have("cpu_kernels"):     # the C butterfly vs the host runner: only the matmuls differ
         np.testing.assert_allclose(fly, fly_py, atol=1e-4 * scale)
 
 

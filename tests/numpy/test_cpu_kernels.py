@@ -16,8 +16,9 @@ from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import AffineWeight, dequantize_affine, pack_nibbles
 from metatp.backends.collectives import HostCollective
 from metatp.testing.oracles import gelu, ref_attention, ref_rope, silu
+from support.require import requires
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"CPU kernels unavailable: {native.kernel_info()}")
+pytestmark = requires("cpu_kernels")
 
 F32 = np.float32
 

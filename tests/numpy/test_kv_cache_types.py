@@ -28,10 +28,11 @@ from metatp.ir.tensor import Flag, GGMLType
 from metatp.passes.plan import DeviceLayout
 from metatp.testing.oracles import ref_attention
 from metatp.testing.synth import SynthSpec
+from support.require import requires
 
 F32 = np.float32
 TYPED = [n for n in KV_CACHE_TYPES if n != "f32"]
-kernels = pytest.mark.skipif(not native.available(), reason="CPU kernels unavailable")
+kernels = requires("cpu_kernels")
 
 
 def _rows(rng, n: int, k: int) -> np.ndarray:

@@ -20,8 +20,9 @@ from metatp.backends.numpy.codes import (GROUP, AffineWeight, affine_blocks, gro
                                           row_major)
 from metatp.ir.tensor import GGMLType
 from metatp.testing.oracles import ref_q8_quantize
+from support.require import requires
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"CPU kernels unavailable: {native.kernel_info()}")
+pytestmark = requires("cpu_kernels")
 
 F32 = np.float32
 _BASE = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metatp.models import cache_dir
+from support.require import requires
 from metatp.ir.errors import ModelFormatError, ModelNotFoundError
 from metatp.ir.gguf_validate import (
     MAX_ARRAY_ELEMENTS_TOTAL,
@@ -158,7 +159,7 @@ def test_sample_validates_and_matches_reader(sample_path: Path) -> None:
     assert layout.file_size == layout.data_offset + 224 + 128 == sample_path.stat().st_size
 
 
-@pytest.mark.skipif(not REAL_MODEL.exists(), reason="reference model not downloaded")
+@requires("model", why=None if REAL_MODEL.exists() else "reference model not downloaded")
 def test_real_model_validates_fast() -> None:
     validate_gguf(REAL_MODEL)  # warm the page cache
     start = time.perf_counter()
@@ -171,7 +172,7 @@ def test_real_model_validates_fast() -> None:
     assert layout.data_offset + end <= layout.file_size
 
 
-@pytest.mark.skipif(not REAL_MODEL.exists(), reason="reference model not downloaded")
+@requires("model", why=None if REAL_MODEL.exists() else "reference model not downloaded")
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cut=st.integers(0, 1_785_663))

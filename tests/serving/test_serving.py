@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("fastapi", reason="metatp serve needs fastapi (pip install 'metatp[serve]')")
-pytest.importorskip("uvicorn", reason="metatp serve needs uvicorn (pip install 'metatp[serve]')")
-openai = pytest.importorskip("openai", reason="the serving tests talk to the server with the openai client")
-httpx = pytest.importorskip("httpx", reason="the serving tests send raw HTTP with httpx")
+from metatp.testing.synth import SynthSpec
+from support.require import requires
+from support.serving import ServeProcess, free_port, optional_import
 
-from metatp.testing.synth import SynthSpec  # noqa: E402
-from support.serving import ServeProcess, free_port  # noqa: E402
+pytestmark = requires("serve")           # fastapi, uvicorn, openai, httpx: skip, or fail under METATP_REQUIRE
+openai = optional_import("openai")       # None without it (the marker then stops every test first)
+httpx = optional_import("httpx")
 
 KEY = "test-key"
 SPEC = SynthSpec(n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, tied=False, seed=21, default_type="Q8_0",

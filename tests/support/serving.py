@@ -4,6 +4,7 @@ tests/mpi/test_mpi_serving.py `mpiexec -n 2`; each adds what it inspects)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -11,6 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
+
+
+def optional_import(name: str):
+    """The module, or None where it is not installed: a module-level import for a test file
+    whose tests are marked `requires("serve")` (the marker skips or fails them, instead of an
+    import error at collection, which would stop the whole session)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def free_port() -> int:

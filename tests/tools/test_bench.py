@@ -11,6 +11,7 @@ import pytest
 from metatp.cli import main
 from metatp.tools.bench import BenchConfig, format_rows, run_bench
 from metatp.testing.synth import SynthSpec
+from support.require import require
 
 FIELDS = {"model_filename", "backend", "n_devices", "split_mode", "tensor_split", "n_prompt", "n_gen", "n_depth",
           "avg_ts", "stddev_ts", "samples_ts", "reductions_per_token", "peak_memory_bytes", "test", "vs_none",
@@ -120,7 +121,7 @@ def test_compare_without_llama_cpp_is_a_one_line_error(synth_factory, monkeypatc
 @pytest.mark.slow
 def test_compare_with_the_real_llama_cpp(default_model):
     """The real llama-cpp-python on the default model, when it is installed (skipped otherwise)."""
-    pytest.importorskip("llama_cpp")
+    require("bench")
     model = str(default_model)
     rows = run_bench(BenchConfig(model=model, n_prompt=[8], n_gen=[2], repetitions=1, backend="numpy",
                                  compare="llama-cpp"))

@@ -28,6 +28,7 @@ from metatp.tools import dump as dump_mod
 from metatp.tools.dump import dot as dump_dot
 from metatp.tools.dump import DumpRequest, Link, communication_bill, dump, dump_model, raw_weight_bytes
 from metatp.testing.synth import SynthSpec
+from support.require import require
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "dump-format.md"
@@ -436,8 +437,7 @@ def test_dot_has_clusters_colours_reductions_and_legend():
 
 
 def test_svg_renders_where_graphviz_is_installed():
-    if shutil.which("dot") is None:
-        pytest.skip("Graphviz `dot` is not installed")
+    require("graphviz")
     svg = dump(compile_plan(moe_block(), TWO, None), "svg")
     assert "<svg" in svg and "all-reduce #0" in html.unescape(svg)
 

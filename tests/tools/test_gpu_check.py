@@ -4,7 +4,6 @@ machine (the tree plus the wheels) fits the 64 MiB one call may carry."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from metatp.tools.gpu_check import carry
+from support.require import requires
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_git = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                               reason="needs git and a checkout")
+needs_git = requires("git")
 
 
 def test_runs_as_a_folder():
