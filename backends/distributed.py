@@ -334,6 +334,9 @@ def init_world(distributed: str | None = "auto") -> World | None:
     comm = MPI.COMM_WORLD
     _WORLD = World(comm, comm.Get_rank(), comm.Get_size())
     _install_abort_hook(_WORLD)
+    from metatp.backends.watchdog import watch
+
+    watch(_WORLD)           # the same metatp on every rank; a heartbeat ends the job if a rank goes silent
     return _WORLD
 
 
