@@ -16,7 +16,9 @@ numpy on another machine cannot make the ranks drift apart.
 
 An error that only one rank hits ends every rank (`abort`, `MPI_Abort`) instead of leaving
 the others waiting inside a collective; an error every rank finds (a bad flag, the model check)
-is reported by rank 0 only (`every_rank`, `should_report`).
+is reported by rank 0 only (`every_rank`, `should_report`). A rank that dies is the launcher's
+to clean up; one that goes silent (stopped, frozen) is found by a heartbeat between the ranks,
+which also checks at start that every rank runs the same metatp (`backends.watchdog`).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class Heartbeat:
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
-        tick = 0.05 if self.timeout < 2 else 0.2
+        tick = min(0.5, self.timeout / 10)        # default: 2 wake-ups a second, a beat each second
         last_tick = next_beat = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()

@@ -24,15 +24,13 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from support.helpers import mpi_missing
-from support.mpi import FaultJob, alive, fault_lines
+from support.mpi import FaultJob, fault_lines
 from metatp.testing.synth import SynthSpec
 
 needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
@@ -199,6 +197,14 @@ def test_serve_ends_every_rank_and_answers_requests_in_flight(path, tmp_path, si
         job.kill()
 
 
+def _start_args(command: str, path: str) -> list[str]:
+    if command == "serve":
+        from support.serving import free_port
+
+        return _serve_args(path, free_port())
+    return [*{"generate": GENERATE, "bench": BENCH}[command], "-m", path]
+
+
 # ---------------------------------------------------------------- a host that cannot be reached
 # A label over 63 octets is no DNS name, so the C library refuses it without asking a nameserver:
 # nothing leaves this machine (`nohost.invalid` would be sent to the resolver in resolv.conf).
@@ -221,14 +227,6 @@ def test_a_hostfile_naming_an_unreachable_host(path, tmp_path, command):
 
 
 # ---------------------------------------------------------------- ranks that disagree at start
-def _start_args(command: str, path: str) -> list[str]:
-    if command == "serve":
-        from support.serving import free_port
-
-        return _serve_args(path, free_port())
-    return [*{"generate": GENERATE, "bench": BENCH}[command], "-m", path]
-
-
 @pytest.fixture(scope="module")
 def other_bytes_model(synth_factory) -> str:
     """A model of the same shapes as SPEC's, other weights (other bytes)."""
@@ -276,6 +274,7 @@ def test_a_slow_healthy_step_is_not_a_fault(path, tmp_path):
     try:
         end = job.wait_end(120)
         assert end is not None and job.proc.returncode == 0, job.text()[-3000:]
+        assert end - job.started > 3, "the slow step did not happen"
         assert not fault_lines(job.text()), job.text()[-3000:]
     finally:
         job.kill()
