@@ -17,7 +17,9 @@ numpy on another machine cannot make the ranks drift apart.
 
 An error that only one rank hits ends every rank (`abort`, `MPI_Abort`) instead of leaving
 the others waiting inside a collective; an error every rank finds (a bad flag, the model check)
-is reported by rank 0 only (`every_rank`, `should_report`).
+is reported by rank 0 only (`every_rank`, `should_report`). A rank that dies is the launcher's
+to clean up; one that goes silent (stopped, frozen) is found by a heartbeat between the ranks,
+which also checks at start that every rank runs the same metatp (`backends.watchdog`).
 """
 
 from __future__ import annotations
@@ -331,6 +333,9 @@ def init_world(distributed: str | None = "auto") -> World | None:
     comm = MPI.COMM_WORLD
     _WORLD = World(comm, comm.Get_rank(), comm.Get_size())
     _install_abort_hook(_WORLD)
+    from metatp.backends.watchdog import watch
+
+    watch(_WORLD)           # the same metatp on every rank; a heartbeat ends the job if a rank goes silent
     return _WORLD
 
 

@@ -392,6 +392,25 @@ class Scheduler:
                 self.metrics.requests_cancelled += 1
             self._changed.notify_all()
 
+    def abandon(self, err: BaseException, timeout: float = 1.0) -> int:
+        """Fail every request now, from another thread, leaving the engine alone (a step may be
+        stuck inside it): the MPI job is ending on a lost rank (`backends.watchdog`), and each
+        request's caller gets `err` instead of waiting. Returns how many requests failed."""
+        if not self._state.acquire(timeout=timeout):
+            return 0
+        try:
+            reqs = [r for r in (*self.running, *self.waiting) if not r.done]
+            self.running.clear()
+            self.waiting.clear()
+            for r in reqs:
+                r.state, r.finish_reason = "done", "error"
+                self.metrics.requests_failed += 1
+                self._emit(r, StepOutput(None, "", "error", error=err))
+            self._changed.notify_all()
+            return len(reqs)
+        finally:
+            self._state.release()
+
     def next_event(self, req: Request, timeout: float | None = None) -> StepOutput:
         """The request's next output, stepping the engine while it has none (see the module doc)."""
         deadline = None if timeout is None else time.monotonic() + timeout

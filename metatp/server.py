@@ -173,6 +173,9 @@ class _Server:
         self.world = _world(llm)
         if self.world is not None:
             self.sched.lead(self.world)        # rank 0 posts every step to the other ranks
+            from metatp.backends.watchdog import add_fault_hook
+
+            add_fault_hook(self.sched.abandon)  # a lost rank: requests in flight answer 500, then the job ends
 
     def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
         """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
@@ -301,6 +304,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         finally:
             srv.sched.stop()
             srv.sched.stop_leading()
+            if srv.world is not None:
+                from metatp.backends.watchdog import remove_fault_hook
+
+                remove_fault_hook(srv.sched.abandon)
 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
