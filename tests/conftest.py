@@ -16,7 +16,7 @@ The names:
 - `mpi`: mpi4py and `mpiexec` on PATH (the `mpi` extra);
 - `serve`: fastapi, uvicorn, openai and httpx (the `serve` and `test` extras);
 - `nvrtc`: cupy with a loadable NVRTC (the `nvrtc` extra; no GPU needed);
-- `nvcc`: the CUDA toolkit's nvcc (not in CI's list: CI installs no toolkit);
+- `nvcc`: the CUDA toolkit's nvcc (CI requires it where its image has one on PATH);
 - `gpu`: a usable CUDA GPU (not in CI's list: CI has none);
 - `nccl`: cupy with NCCL (not in CI's list);
 - `model`: the real models read from the model cache, the default model and gemma3-270m (not in
@@ -24,7 +24,8 @@ The names:
 - `refs`: the reference outputs in shared/refs beside the checkout (made on the development
   machine; not in CI's list);
 - `bench`: llama-cpp-python (the `bench` extra, not installed by CI);
-- `graphviz`: Graphviz's `dot`; `cpp`: a C preprocessor; `git`: git and a git checkout.
+- `graphviz`: Graphviz's `dot`; `cpp`: a C preprocessor; `git`: git and a git checkout;
+  `ssh`: an ssh client (MPICH reaches other hosts through it).
 An unknown name is a usage error (a typo must not turn the switch off).
 """
 

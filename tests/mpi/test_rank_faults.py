@@ -29,11 +29,11 @@ import time
 
 import pytest
 
-from support.helpers import mpi_missing
 from support.mpi import FaultJob, fault_lines
+from support.require import require, requires
 from metatp.testing.synth import SynthSpec
 
-needs_mpi = pytest.mark.skipif(mpi_missing() is not None, reason=mpi_missing() or "")
+needs_mpi = requires("mpi")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=28, default_type="Q8_0",
                  n_ctx_train=4096)      # the `path` fixture (tests/conftest.py)
@@ -161,8 +161,7 @@ SERVE_CASES = [("SIGKILL", 1, "EXIT STRING: Killed (signal 9)"),
 @needs_mpi
 @pytest.mark.parametrize("sig,rank,line", SERVE_CASES, ids=[f"{s}-rank{r}" for s, r, _ in SERVE_CASES])
 def test_serve_ends_every_rank_and_answers_requests_in_flight(path, tmp_path, sig, rank, line):
-    pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
+    require("serve")
     from support.serving import free_port
 
     port = free_port()
@@ -212,7 +211,7 @@ UNREACHABLE = "nohost-" + "x" * 64 + ".invalid"
 
 
 @needs_mpi
-@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh: hydra's remote launcher is ssh")
+@requires("ssh")
 @pytest.mark.parametrize("command", ["generate", "bench", "serve"])
 def test_a_hostfile_naming_an_unreachable_host(path, tmp_path, command):
     hosts = tmp_path / "hosts"

@@ -28,8 +28,8 @@ def _inject(kind: str, at: int, seconds: float, out: str) -> None:
     prepare = MpiCollective.prepare_allreduce
     calls = [0]
 
-    def prepare_faulty(self, bufs, active=None):
-        step = prepare(self, bufs, active)
+    def prepare_faulty(self, bufs, active=None, stream=None):
+        step = prepare(self, bufs, active, stream=stream)
 
         def faulty() -> None:
             calls[0] += 1

@@ -40,6 +40,7 @@ NAMES: dict[str, str] = {
     "graphviz": "Graphviz's `dot` on PATH",
     "cpp": "a C preprocessor (`cpp`) on PATH",
     "git": "git on PATH and a git checkout of the project",
+    "ssh": "an ssh client on PATH (MPICH's launcher reaches other hosts through it)",
 }
 
 ENV = "METATP_REQUIRE"
@@ -173,6 +174,7 @@ _CHECKS: dict[str, Callable[[], str | None]] = {
     "graphviz": _on_path("dot", "Graphviz"),
     "cpp": _on_path("cpp", "C preprocessor"),
     "git": _git,
+    "ssh": _on_path("ssh", "ssh client"),
 }
 assert set(_CHECKS) == set(NAMES)
 
