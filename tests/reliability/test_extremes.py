@@ -275,10 +275,10 @@ def test_cli_numbers_at_their_extremes(path, capsys, flags, ok):
     ({"n": 2**63}, "n"), ({"top_k": 2**64}, True),
 ], ids=repr)
 def test_server_fields_at_their_extremes(llm, body, ok):
-    from metatp.server import BadRequest, _sampling
+    from metatp.server.fields import BadRequest, sampling_params
 
     try:
-        params = _sampling(body, None, 3)
+        params = sampling_params(body, None, 3)
     except BadRequest as e:
         assert ok is not True and ok in str(e), str(e)
         return

@@ -1,0 +1,253 @@
+"""The FastAPI app: routes, auth and error handlers; the OpenAI response shapes per route."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from metatp.ir.errors import ConfigError, MetatpError
+from metatp.scheduler import StepOutput
+from metatp.server.fields import BadRequest, bool_field, int_field, is_int, sampling_params
+from metatp.server.frontend import Frontend
+from metatp.server.metrics import prometheus_text
+from metatp.server.ranks import served_world
+from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
+
+if TYPE_CHECKING:
+    from metatp.api import LLM
+
+try:        # module level: the handlers' string annotations (postponed evaluation) must resolve here
+    from fastapi import Request as HttpRequest
+except ImportError:        # metatp[serve] not installed: create_app says so
+    HttpRequest = None      # type: ignore[assignment,misc]
+
+
+def error_response(e: BadRequest):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None, parallel: int = 4,
+               max_waiting: int = 64):
+    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up).
+    Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
+    arranges both); its shutdown posts STOP to them."""
+    from contextlib import asynccontextmanager
+
+    world = served_world(llm)
+    if world is not None and not world.is_root:
+        raise ConfigError(f"rank {world.rank} does not serve HTTP: under mpiexec rank 0 serves and the other "
+                          "ranks follow its steps (metatp.server.serve does both)")
+
+    try:
+        from fastapi import FastAPI
+    except ImportError:
+        raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+    srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), parallel, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        srv.sched.start()
+        try:
+            yield
+        finally:
+            srv.sched.stop()
+            srv.sched.stop_leading()
+            if srv.world is not None:
+                from metatp.backends.watchdog import remove_fault_hook
+
+                remove_fault_hook(srv.sched.abandon)
+
+    app = FastAPI(title="metatp", lifespan=lifespan)
+    app.state.server = srv
+
+    def check_auth(request: HttpRequest) -> None:
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise BadRequest("invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key",
+                             401, "authentication_error")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: HttpRequest, e: BadRequest):
+        return error_response(e)
+
+    @app.exception_handler(MetatpError)
+    async def metatp_error(request: HttpRequest, e: MetatpError):
+        return error_response(BadRequest(str(e)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: HttpRequest, e: Exception):   # a bug: one line, keep serving
+        return JSONResponse(BadRequest(f"internal error: {type(e).__name__}: {e}", None, "internal_error", 500,
+                                       "server_error").body(), status_code=500)
+
+    async def body_of(request: HttpRequest) -> dict:
+        check_auth(request)
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models(request: HttpRequest):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
+                                            "owned_by": "metatp", "meta": {"n_ctx": llm.n_ctx,
+                                                                           "n_vocab": llm.n_vocab}}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+        body = await body_of(request)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise BadRequest("'content' must be a string", "content")
+        # llama-server: add_special adds BOS (and the like) where the model asks for it
+        ids = llm.tokenize(content, add_bos=None if bool_field(body, "add_special", False) else False)
+        if bool_field(body, "with_pieces", False):
+            return {"tokens": [{"id": t, "piece": srv.piece(t)} for t in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+        body = await body_of(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+            raise BadRequest("'tokens' must be a list of token ids", "tokens")
+        return {"content": llm.detokenize(srv._ids(tokens) if tokens else [])}
+
+    @app.get("/metrics")
+    async def metrics(request: HttpRequest):
+        check_auth(request)
+        return PlainTextResponse(prometheus_text(srv), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: HttpRequest):
+        body = await body_of(request)
+        model = srv.check_model(body)
+        if "prompt" not in body:
+            raise BadRequest("'prompt' is required", "prompt")
+        lp = int_field(body, "logprobs", None, 0, 20)
+        params = sampling_params(body, lp, 16)
+        stream = bool_field(body, "stream", False)
+        usage_in_stream = stream_usage(body, stream)
+        echo = bool_field(body, "echo", False)
+        ids_list = srv.prompt_ids(body["prompt"])
+        reqs, queue = await srv.start(ids_list, params)
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def choice_lp(outs: list[StepOutput]) -> dict | None:
+            if lp is None:
+                return None
+            toks = [o for o in outs if o.token is not None]
+            offs, at = [], 0
+            for o in toks:
+                offs.append(at)
+                at += len(o.text)
+            return {"tokens": [srv.piece(o.token) for o in toks], "token_logprobs": [o.logprob for o in toks],
+                    "top_logprobs": [srv.top_by_piece(o.top_logprobs) for o in toks],
+                    "text_offset": offs}
+
+        if stream:
+            @sse_errors
+            async def events() -> AsyncIterator[str]:
+                n_gen = 0
+                async for choice, out in outputs(request, srv, reqs, queue):
+                    n_gen += out.token is not None
+                    if out.text or out.finish_reason:
+                        c = {"index": choice, "text": out.text, "logprobs": choice_lp([out]),
+                             "finish_reason": out.finish_reason}
+                        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                    "choices": [c], **({"usage": None} if usage_in_stream else {})})
+                if usage_in_stream:
+                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": srv.usage(ids_list, params.n, n_gen)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        per = await collect(request, srv, reqs, queue)
+        choices = []
+        for choice, outs in enumerate(per):
+            prefix = llm.detokenize(ids_list[choice // params.n]) if echo else ""
+            choices.append({"index": choice, "text": prefix + "".join(o.text for o in outs),
+                            "logprobs": choice_lp(outs), "finish_reason": outs[-1].finish_reason})
+        n_gen = sum(o.token is not None for outs in per for o in outs)
+        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": srv.usage(ids_list, params.n, n_gen)}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat(request: HttpRequest):
+        from metatp.api import _chat_messages
+
+        body = await body_of(request)
+        model = srv.check_model(body)
+        if "messages" not in body:
+            raise BadRequest("'messages' is required", "messages")
+        want_lp = bool_field(body, "logprobs", False)
+        top = int_field(body, "top_logprobs", 0, 0, 20)
+        if top and not want_lp:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        params = sampling_params(body, top if want_lp else None, None)
+        stream = bool_field(body, "stream", False)
+        usage_in_stream = stream_usage(body, stream)
+        try:
+            text = llm.tokenizer.apply_chat_template(_chat_messages(body["messages"]), add_generation_prompt=True)
+        except ConfigError as e:
+            raise BadRequest(str(e), "messages") from None
+        ids = llm.tokenize(text, special=True)
+        if not ids:
+            raise BadRequest("the chat template rendered these messages as an empty prompt", "messages")
+        reqs, queue = await srv.start([ids], params)
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def lp_entry(o: StepOutput) -> dict:
+            p = srv.piece(o.token)
+            return {"token": p, "logprob": o.logprob, "bytes": list(p.encode()),
+                    "top_logprobs": [{"token": srv.piece(t), "logprob": v, "bytes": list(srv.piece(t).encode())}
+                                     for t, v in (o.top_logprobs or {}).items()]}
+
+        def choice_lp(outs: list[StepOutput]) -> dict | None:
+            return {"content": [lp_entry(o) for o in outs if o.token is not None]} if want_lp else None
+
+        if stream:
+            @sse_errors
+            async def events() -> AsyncIterator[str]:
+                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+                extra = {"usage": None} if usage_in_stream else {}
+                for i in range(len(reqs)):
+                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}], **extra})
+                n_gen = 0
+                async for choice, out in outputs(request, srv, reqs, queue):
+                    n_gen += out.token is not None
+                    if out.text or out.finish_reason:
+                        delta = {"content": out.text} if out.text else {}
+                        yield sse({**head, "choices": [{"index": choice, "delta": delta, "logprobs": choice_lp([out]),
+                                                         "finish_reason": out.finish_reason}], **extra})
+                if usage_in_stream:
+                    yield sse({**head, "choices": [], "usage": srv.usage([ids], params.n, n_gen)})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        per = await collect(request, srv, reqs, queue)
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                    "logprobs": choice_lp(outs), "finish_reason": outs[-1].finish_reason}
+                   for i, outs in enumerate(per)]
+        n_gen = sum(o.token is not None for outs in per for o in outs)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": srv.usage([ids], params.n, n_gen)}
+
+    return app

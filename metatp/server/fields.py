@@ -1,0 +1,95 @@
+"""Request fields of the OpenAI routes, checked once: a wrong type or value is a `BadRequest`
+(OpenAI's error object, status 400) naming the field; `sampling_params` builds `SamplingParams`."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from typing import Any
+
+from metatp.ir.errors import ConfigError
+from metatp.sampling import SamplingParams
+
+
+class BadRequest(Exception):
+    """A request the server refuses: OpenAI's error object with an HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------- request field checks
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_field(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None,
+         nullable: bool = True) -> Any:
+    v = body.get(name, default)
+    if v is None and nullable:
+        return default
+    if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f" from {lo}" if lo is not None else ""
+        rng += f" to {hi}" if hi is not None else ""
+        raise BadRequest(f"'{name}' must be an integer{rng}, got {json.dumps(v)}", name)
+    return v
+
+
+def num_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+            or v < lo or v > hi or (lo_open and v == lo):
+        raise BadRequest(f"'{name}' must be a number {'>' if lo_open else '>='} {lo} and <= {hi}, got {json.dumps(v)}",
+                         name)
+    return float(v)
+
+
+def bool_field(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {json.dumps(v)}", name)
+    return v
+
+
+def stop_field(body: dict) -> list[str] | None:
+    v = body.get("stop")
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
+        return v
+    raise BadRequest(f"'stop' must be a string or a list of at most 16 strings, got {json.dumps(v)[:80]}", "stop")
+
+
+def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:
+    """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos) as SamplingParams."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        num_field(body, name, 0.0, -2.0, 2.0)            # accepted as OpenAI clients send them; not applied
+    max_tokens = int_field(body, "max_tokens", None, 0)
+    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
+        max_tokens = int_field(body, "max_completion_tokens", None, 0)
+    top_k = int_field(body, "top_k", -1, -1)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else default_max,
+            temperature=num_field(body, "temperature", 1.0, 0.0, 2.0), top_p=num_field(body, "top_p", 1.0, 0.0, 1.0, True),
+            top_k=top_k if top_k > 0 else -1, min_p=num_field(body, "min_p", 0.0, 0.0, 1.0),
+            repetition_penalty=num_field(body, "repetition_penalty", 1.0, 0.0, 10.0, True),
+            seed=int_field(body, "seed", None, 0, 2 ** 63 - 1), stop=stop_field(body),
+            ignore_eos=bool_field(body, "ignore_eos", False), logprobs=logprobs, n=int_field(body, "n", 1, 1, 16))
+    except ConfigError as e:
+        raise BadRequest(str(e)) from None
+
+
+# ---------------------------------------------------------------- the app

@@ -1,0 +1,132 @@
+"""The server's face of one LLM: prompts to token ids, requests started on the scheduler with
+their outputs delivered onto the event loop, cancellation, usage and token pieces for logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from metatp.ir.errors import ContextOverflowError
+from metatp.sampling import SamplingParams
+from metatp.scheduler import QueueFullError, Request, StepOutput
+from metatp.server.fields import BadRequest, is_int
+from metatp.server.ranks import served_world
+
+if TYPE_CHECKING:
+    from metatp.api import LLM
+
+
+class Frontend:
+    """The LLM, its scheduler in driver mode, and the request handlers' shared helpers."""
+
+    def __init__(self, llm: "LLM", model_name: str, parallel: int, max_waiting: int) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.names = {model_name, str(llm.model_path), os.path.basename(str(llm.model_path))}
+        self.sched = llm.scheduler
+        self.sched.max_num_seqs = parallel
+        self.sched.max_waiting = max_waiting
+        self.slot_ctx = max(1, llm.n_ctx // parallel)
+        self.created = int(time.time())
+        self.requests_total = 0
+        self.world = served_world(llm)
+        if self.world is not None:
+            self.sched.lead(self.world)        # rank 0 posts every step to the other ranks
+            from metatp.backends.watchdog import add_fault_hook
+
+            add_fault_hook(self.sched.abandon)  # a lost rank: requests in flight answer 500, then the job ends
+
+    def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
+        """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
+        are in `follow` and never join a prompt broadcast; the tokens reach them in the step batches."""
+        return self.llm._request(ids, params, index, max_context=self.slot_ctx, on_event=on_event,
+                                 agree=self.world is None)
+
+    def check_model(self, body: dict) -> str:
+        m = body.get("model", self.model_name)
+        if m is None:
+            return self.model_name
+        if not isinstance(m, str):
+            raise BadRequest(f"'model' must be a string, got {json.dumps(m)[:60]}", "model")
+        if m not in self.names:
+            raise BadRequest(f"the model {m!r} does not exist; this server serves {self.model_name!r}", "model",
+                             "model_not_found")
+        return self.model_name
+
+    def prompt_ids(self, prompt: Any) -> list[list[int]]:
+        """A completions prompt (text, token ids, or a list of either) as token id lists."""
+        llm = self.llm
+        if isinstance(prompt, str):
+            return [llm._prompt_ids(prompt)]
+        if isinstance(prompt, list) and prompt:
+            if all(is_int(t) for t in prompt):
+                return [self._ids(prompt)]
+            if all(isinstance(p, str) for p in prompt):
+                return [llm._prompt_ids(p) for p in prompt]
+            if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
+                return [self._ids(p) for p in prompt]
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
+                         "prompt")
+
+    def _ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.llm.n_vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of range for a vocabulary of {self.llm.n_vocab}", "prompt")
+        return list(ids)
+
+    def top_by_piece(self, top: dict[int, float] | None) -> dict[str, float]:
+        """OpenAI's completions logprobs key alternatives by text: two tokens with one text (byte
+        pieces of a character) keep the likelier value."""
+        out: dict[str, float] = {}
+        for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
+            out.setdefault(self.piece(t), v)
+        return out
+
+    def piece(self, tok: int) -> str:
+        return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+
+    async def start(self, ids_list: list[list[int]], params: SamplingParams) -> tuple[list[Request], asyncio.Queue]:
+        """Submit n requests per prompt; their outputs arrive on one queue as (choice index, output)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs: list[Request] = []
+
+        def on_event(req: Request, out: StepOutput, choice: int) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
+        try:
+            for p, ids in enumerate(ids_list):
+                if len(ids) > self.llm.n_ctx:
+                    raise BadRequest(f"the prompt has {len(ids)} tokens but the context holds {self.llm.n_ctx}; "
+                                     "shorten the prompt", "prompt", "context_length_exceeded")
+                for i in range(params.n):
+                    choice = p * params.n + i
+                    req = self.request(ids, params, i, lambda r, o, c=choice: on_event(r, o, c))
+                    if req.n_cells > self.llm.n_ctx:
+                        raise BadRequest(f"{req.n_cells} tokens do not fit the context of {self.llm.n_ctx}",
+                                         "max_tokens", "context_length_exceeded")
+                    reqs.append(req)
+            for req in reqs:
+                self.sched.submit(req)
+        except QueueFullError as e:
+            self.cancel(reqs)
+            raise BadRequest(str(e), None, "server_busy", 503, "server_error") from None
+        except ContextOverflowError as e:
+            self.cancel(reqs)
+            raise BadRequest(str(e), "prompt", "context_length_exceeded") from None
+        except BaseException:
+            self.cancel(reqs)
+            raise
+        self.requests_total += 1
+        return reqs, queue
+
+    def cancel(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            if not r.done:
+                self.sched.cancel(r)
+
+    def usage(self, ids_list: list[list[int]], n: int, completion: int) -> dict:
+        prompt = sum(len(ids) for ids in ids_list)          # counted once however many samples (n)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

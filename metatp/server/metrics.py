@@ -1,0 +1,44 @@
+"""`/metrics`: the scheduler's counters and gauges as Prometheus text."""
+
+from __future__ import annotations
+
+from metatp.server.frontend import Frontend
+
+
+def prometheus_text(srv: Frontend) -> str:
+    """/metrics: llama-server's and vLLM's usual quantities in Prometheus text format."""
+    s, m, cells = srv.sched, srv.sched.metrics, srv.llm.engine.cells
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float) -> None:
+        lines.extend([f"# HELP metatp_{name} {help_}", f"# TYPE metatp_{name} {kind}", f"metatp_{name} {value}"])
+    metric("requests_running", "gauge", "Sequences being decoded or prefilled.", s.n_running)
+    metric("requests_waiting", "gauge", "Sequences waiting for a slot or KV cells.", s.n_waiting)
+    metric("requests_total", "counter", "HTTP generation requests accepted.", srv.requests_total)
+    metric("sequences_accepted_total", "counter", "Sequences queued (each ends finished, cancelled or failed).",
+           m.requests_accepted)
+    metric("sequences_finished_total", "counter", "Sequences that finished.", m.requests_finished)
+    metric("sequences_cancelled_total", "counter", "Sequences cancelled (client gone).", m.requests_cancelled)
+    metric("sequences_failed_total", "counter", "Sequences that failed.", m.requests_failed)
+    metric("prompt_tokens_total", "counter", "Prompt tokens processed.", m.prompt_tokens)
+    metric("generation_tokens_total", "counter", "Tokens generated.", m.generated_tokens)
+    metric("steps_total", "counter", "Engine steps run.", m.steps)
+    metric("step_sequences_max", "gauge", "Most sequences one step carried.", m.max_step_seqs)
+    metric("kv_cells_used", "gauge", "KV cells owned by sequences.", cells.n_used)
+    metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
+    hist = dict(m.step_seqs_hist)
+    lines += ["# HELP metatp_step_sequences Sequences per engine step.", "# TYPE metatp_step_sequences histogram"]
+    total = 0
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        lines.append(f'metatp_step_sequences_bucket{{le="{b}"}} {sum(v for k, v in hist.items() if k <= b)}')
+    total = sum(hist.values())
+    lines += [f'metatp_step_sequences_bucket{{le="+Inf"}} {total}',
+              f"metatp_step_sequences_sum {sum(k * v for k, v in hist.items())}", f"metatp_step_sequences_count {total}"]
+    lines += ["# HELP metatp_time_to_first_token_seconds Time from submission to the first token.",
+              "# TYPE metatp_time_to_first_token_seconds histogram"]
+    for b in m.TTFT_BOUNDS:
+        lines.append(f'metatp_time_to_first_token_seconds_bucket{{le="{b}"}} {m.ttft_buckets.get(b, 0)}')
+    lines += [f'metatp_time_to_first_token_seconds_bucket{{le="+Inf"}} {m.ttft_count}',
+              f"metatp_time_to_first_token_seconds_sum {m.ttft_sum}",
+              f"metatp_time_to_first_token_seconds_count {m.ttft_count}"]
+    return "\n".join(lines) + "\n"
