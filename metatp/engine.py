@@ -250,7 +250,7 @@ class Engine:
         `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
         committed only when every pass succeeded. Under MPI every rank makes this call with the
         same items on the same cells (a server's followers replay rank 0's `StepBatch`es,
-        `metatp.scheduler.follow`): passes, padding and masks depend on nothing else."""
+        `metatp.lockstep.follow`): passes, padding and masks depend on nothing else."""
         items = list(items)
         if len({id(it.seq) for it in items}) != len(items):
             raise ConfigError("a step may carry each sequence only once")

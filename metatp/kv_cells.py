@@ -107,7 +107,7 @@ class KVCells:
 
     def adopt(self, seq_id: int, cells: np.ndarray) -> SeqCells:
         """A sequence with a given id owning exactly `cells`: a follower rank of a served model
-        mirrors rank 0's reservation (`metatp.scheduler.follow`) instead of choosing its own, so
+        mirrors rank 0's reservation (`metatp.lockstep.follow`) instead of choosing its own, so
         that every rank's cache has the same owner in every cell."""
         cells = np.asarray(cells, dtype=np.int32)
         with self._lock:

@@ -12,8 +12,8 @@ text), /tokenize and /detokenize (llama-server's shapes).
 Under MPI (`mpiexec -n N metatp serve -m MODEL -sm tensor [-ts ...]`, one process per device),
 rank 0 alone runs the HTTP server, tokenizes, schedules and samples; its scheduler *leads*
 (`Scheduler.lead`): before every step it posts the step's batch -- KV cells taken and freed,
-each sequence's tokens and logits mode (`metatp.scheduler.StepBatch`) -- and the other ranks,
-which never open a port, run the same forward pass in lock step (`metatp.scheduler.follow`),
+each sequence's tokens and logits mode (`metatp.lockstep.StepBatch`) -- and the other ranks,
+which never open a port, run the same forward pass in lock step (`metatp.lockstep.follow`),
 sleeping between probes while the server idles. The server stopping (SIGINT/SIGTERM to
 mpiexec, which passes them to every rank, or uvicorn exiting) posts STOP and every rank exits
 0; a failing step on any rank aborts every rank with the error printed once.

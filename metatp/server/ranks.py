@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from metatp.ir.errors import ConfigError
-from metatp.scheduler import follow
+from metatp.lockstep import follow
 
 if TYPE_CHECKING:
     from metatp.api import LLM

@@ -345,7 +345,7 @@ def test_step_batches_replay_the_same_steps(path):
 
     from metatp.api import LLM
     from metatp.sampling import SamplingParams
-    from metatp.scheduler import STOP, StepBatch, follow
+    from metatp.lockstep import STOP, StepBatch, follow
 
     def make() -> LLM:
         return LLM(path, n_ctx=256, backend="numpy", n_devices=2, split_mode="tensor", n_batch=8,
