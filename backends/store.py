@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any, Sequence
 
-from metatp.ir.errors import ConfigError
+from metatp.ir.errors import ConfigError, MemoryPlanError
 from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.plan import Plan
 
@@ -58,7 +58,12 @@ class LeafStore:
         """Zero-filled per-device buffers for a persistent leaf (the KV cache)."""
         tp = plan.of(t)
         for d in self.owned:
-            self.leaf[d][t] = self.new_leaf(d, t, tuple(tp.local[d].ne))
+            try:
+                self.leaf[d][t] = self.new_leaf(d, t, tuple(tp.local[d].ne))
+            except MemoryError:     # the plan fitted a budget this machine does not have
+                raise MemoryPlanError(f"device {d}: cannot allocate {t.name} (ne {list(tp.local[d].ne)}): "
+                                      "the memory budget is larger than the memory this machine can give; lower "
+                                      "n_ctx or the memory budget") from None
 
     def reset_kv(self) -> None:
         """Zero the KV cache (a new sequence starts)."""

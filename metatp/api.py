@@ -19,7 +19,6 @@ from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
 from metatp.scheduler import Request, Scheduler, StepOutput
-from metatp.scheduler import StopMatcher as _StopMatcher  # noqa: F401 -- kept importable from here
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 

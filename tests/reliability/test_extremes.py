@@ -285,3 +285,19 @@ def test_server_fields_at_their_extremes(llm, body, ok):
     assert ok is True
     params.max_tokens = min(params.max_tokens, 3)
     assert len(llm.generate("hi", params)[0].outputs[0].token_ids) >= 1
+
+
+def test_a_budget_larger_than_the_machine_is_a_typed_error_at_allocation(path):
+    """An explicit budget is trusted by the plan; when the machine cannot give the KV cache it
+    promised (here: an address-space limit), the allocation is a MemoryPlanError, not MemoryError."""
+    import subprocess
+    import sys
+
+    code = ("import resource, warnings; warnings.simplefilter('ignore')\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+            "from metatp import LLM\nfrom metatp.ir.errors import MemoryPlanError\n"
+            "try:\n"
+            f"    LLM({path!r}, n_ctx=2**27, memory_budget=2**62, backend='numpy').generate('hi')\n"
+            "except MemoryPlanError as e:\n    print('typed:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("typed: device 0: cannot allocate cache_k"), out.stderr[-2000:]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from metatp import LLM, SamplingParams
-from metatp.api import _StopMatcher
+from metatp.scheduler import StopMatcher
 from metatp.cli import main
 from metatp.ir.errors import BackendUnavailableError, ConfigError, ContextOverflowError
 from metatp.testing.synth import SynthSpec
@@ -68,11 +68,11 @@ def test_generation_limits(path):
 
 
 def test_stop_strings_spanning_token_boundaries():
-    m = _StopMatcher(["STOP"])
+    m = StopMatcher(["STOP"])
     emitted = [m.feed(p) for p in ["hello S", "T", "O", "P and more"]]
     assert "".join(t for t, _ in emitted) == "hello "
     assert emitted[-1][1] == "STOP"
-    m = _StopMatcher(["xyz"])
+    m = StopMatcher(["xyz"])
     assert m.feed("abx")[0] == "ab" and m.feed("q")[0] == "xq" and m.flush() == ""
 
 
