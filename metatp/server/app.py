@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.scheduler import StepOutput
+from metatp.server.body import parse_object, read_body
 from metatp.server.fields import BadRequest, bool_field, int_field, is_int, sampling_params
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
@@ -87,14 +87,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
 
     async def body_of(request: HttpRequest) -> dict:
         check_auth(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
+        return parse_object(await read_body(request.stream()))
 
     @app.get("/health")
     @app.get("/v1/health")

@@ -30,7 +30,7 @@ def is_int(v: Any) -> bool:
 
 
 def int_field(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None,
-         nullable: bool = True) -> Any:
+              nullable: bool = True) -> Any:
     v = body.get(name, default)
     if v is None and nullable:
         return default

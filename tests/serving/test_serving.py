@@ -176,6 +176,20 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert complete(server.client(), "still serving", 2)                     # everyone else goes on
 
 
+@pytest.mark.parametrize("body,status,words", [
+    ("[" * 100_000 + "]" * 100_000, 400, "nested deeper"),                           # a RecursionError before
+    ('{"prompt": "x", "a": ' + "[" * 5000 + "]" * 5000 + "}", 400, "nested deeper"),  # a reset before
+    ('{"prompt": "' + "[" * 200 + '", "max_tokens": 1}', 200, None),                    # brackets in a string
+    ('{"prompt": "x", "pad": "' + "a" * (17 << 20) + '"}', 413, "larger than"),
+], ids=["array-1e5-deep", "5000-deep-in-object", "brackets-in-a-string", "17-MiB"])
+def test_hostile_bodies_are_bounded_before_parsing(server, body, status, words):
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text[:300]
+    if words:
+        assert words in r.json()["error"]["message"] and "Traceback" not in r.text
+    assert complete(server.client(), "still serving", 2)
+
+
 def test_chat_errors_without_template_and_bad_messages(server):
     r = server.post("/v1/chat/completions", {"messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
