@@ -97,6 +97,7 @@ class BatchedLlamaCpp:
         self._ctx = None
         self._batch = None
         self._cap = 0
+        self._step = n_batch
 
     def _context(self, b: int, n_ctx: int):
         """A context for b sequences of n_ctx cells in all; kept while (b, n_ctx) stays."""
@@ -105,11 +106,13 @@ class BatchedLlamaCpp:
             self.close()
             params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
             params.n_ctx, params.n_seq_max = n_ctx, b
+            params.n_batch, params.n_ubatch = self.n_batch, min(self.n_batch, 512)
             self._ctx = lib.llama_init_from_model(self.llm.model, params)
             if not self._ctx:
                 raise ComparisonFailed(f"--compare llama-cpp: llama.cpp could not create a context for B={b}, "
                                        f"n_ctx={n_ctx}")
             self._key = (b, n_ctx)
+            self._step = lib.llama_n_batch(self._ctx)         # llama.cpp caps n_batch at n_ctx
         if self._batch is None or self._cap < max(b, self.n_batch):
             if self._batch is not None:
                 lib.llama_batch_free(self._batch)
@@ -121,8 +124,8 @@ class BatchedLlamaCpp:
     def _decode(self, ctx, entries: list[tuple[int, int, int, bool]]) -> None:
         """Decode (token, pos, seq_id, wants logits) entries in calls of at most n_batch tokens."""
         lib, batch = self._lib, self._batch
-        for start in range(0, len(entries), self.n_batch):
-            chunk = entries[start:start + self.n_batch]
+        for start in range(0, len(entries), self._step):
+            chunk = entries[start:start + self._step]
             for i, (tok, pos, seq, out) in enumerate(chunk):
                 batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
                 batch.seq_id[i][0], batch.logits[i] = seq, out
@@ -155,6 +158,7 @@ class BatchedLlamaCpp:
 
 def _child(conn, model_path: str, n_threads: int, n_batch: int) -> None:
     """The child's loop: load, say ready, then answer (pp, tg, b, seed) with ("ok", times)."""
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")      # a GGML_ASSERT prints its line, not a gdb session
     try:
         eng = BatchedLlamaCpp(model_path, n_threads, n_batch)
         conn.send(("ready", version()))
@@ -185,6 +189,8 @@ def death_line(exitcode: int | None) -> str:
         if name == "SIGILL":
             line += (" (an illegal instruction: ggml's AMX matmul on a CPU that reports AMX tiles the kernel does "
                      f"not enable); rebuild llama-cpp-python without AMX: {AMX_FIX}")
+        elif name == "SIGABRT":
+            line += " (ggml aborted: its GGML_ASSERT message is above)"
         return line + "; metatp's rows follow without llama.cpp's"
     return f"--compare llama-cpp: the llama.cpp process exited (code {exitcode}); metatp's rows follow without llama.cpp's"
 
