@@ -26,8 +26,8 @@ def _warnings(err: str) -> list[str]:
 
 @requires("bench")
 def test_compare_rows_carry_ratios(path, capsys):
-    # -b 16: B=3 prompts of 8 (24 tokens) go to llama.cpp in two llama_decode calls
-    assert main(["batched-bench", "-m", path, *ARGS, "-b", "16", "-r", "2", "--compare", "llama-cpp",
+    # B=3 prompts of 100: 300 tokens, over the n_ctx (256) of the context llama-cpp-python loads with
+    assert main(["batched-bench", "-m", path, *ARGS, "-npp", "100", "-r", "2", "--compare", "llama-cpp",
                  "-o", "jsonl"]) == 0
     captured = capsys.readouterr()
     rows = _rows(captured.out)
