@@ -10,6 +10,13 @@ sequence. Columns as llama-batched-bench prints them:
 Each configuration runs once untimed first, so every plan it needs is compiled before the
 clock starts. `--ttft` also sends B requests at once through the scheduler (as a server's
 clients would) and reports the median and worst time to first token.
+
+`--compare llama-cpp` measures every configuration through llama.cpp too, in the same
+invocation (llama-cpp-python's batch API in a child process, tools/llamacpp.py, with metatp's
+kernel thread count): per configuration both warm up, then their `-r` repetitions alternate,
+and every metatp row carries S_PP and S_TG divided by llama.cpp's. If the llama.cpp side cannot
+run (not installed, a load failure, the child killed by a signal) one line on stderr says why
+and metatp's rows are printed without it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ class BatchedRow:
     n_devices: int = 1
     ttft_median: float | None = None
     ttft_max: float | None = None
+    program: str = "metatp"
+    vs_llama_cpp_s_pp: float | None = None    # this row's S_PP / llama.cpp's (with --compare)
+    vs_llama_cpp_s_tg: float | None = None
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -96,8 +106,17 @@ def _ttft(llm, pp: int, b: int, rng: np.random.Generator) -> tuple[float, float]
     return statistics.median(ttfts), max(ttfts)
 
 
-def run_config(llm, pp: int, tg: int, b: int, warmup: bool = True, ttft: bool = False, seed: int = 0) -> BatchedRow:
-    """One row of the table (the configuration runs once untimed first when `warmup`)."""
+def _row(pp: int, tg: int, b: int, t_pp: float, t_tg: float, **extra) -> BatchedRow:
+    t = t_pp + t_tg
+    return BatchedRow(pp, tg, b, b * (pp + tg), t_pp, b * pp / t_pp if t_pp > 0 else 0.0, t_tg,
+                      b * tg / t_tg if t_tg > 0 else 0.0, t, b * (pp + tg) / t if t > 0 else 0.0, **extra)
+
+
+def run_config(llm, pp: int, tg: int, b: int, warmup: bool = True, ttft: bool = False, seed: int = 0,
+               repetitions: int = 1, partner=None) -> BatchedRow:
+    """One row of the table (the configuration runs once untimed first when `warmup`); times are
+    means over `repetitions`. `partner(pp, tg, b, seed)`, if given, runs right after each of
+    metatp's runs (the warm-up included), so another program's repetitions interleave with ours."""
     from metatp.ir.errors import ConfigError
 
     eng = llm.engine
@@ -106,14 +125,20 @@ def run_config(llm, pp: int, tg: int, b: int, warmup: bool = True, ttft: bool = 
     if b * (pp + tg) > eng.n_ctx:
         raise ConfigError(f"PP={pp}, TG={tg}, B={b} needs {b * (pp + tg)} KV cells but the context has "
                           f"{eng.n_ctx}; raise -c")
+    if repetitions < 1:
+        raise ConfigError(f"-r: repetitions must be >= 1, got {repetitions}")
     rng = np.random.default_rng(seed)
     if warmup:
         _timed(eng, pp, tg, b, rng)
-    t_pp, t_tg = _timed(eng, pp, tg, b, rng)
-    t = t_pp + t_tg
-    row = BatchedRow(pp, tg, b, b * (pp + tg), t_pp, b * pp / t_pp if t_pp > 0 else 0.0, t_tg,
-                     b * tg / t_tg if t_tg > 0 else 0.0, t, b * (pp + tg) / t if t > 0 else 0.0,
-                     llm.layout.split_mode, llm.layout.n_devices)
+        if partner is not None:
+            partner(pp, tg, b, seed)
+    t_pp = t_tg = 0.0
+    for r in range(repetitions):
+        dt_pp, dt_tg = _timed(eng, pp, tg, b, rng)
+        t_pp, t_tg = t_pp + dt_pp / repetitions, t_tg + dt_tg / repetitions
+        if partner is not None:
+            partner(pp, tg, b, seed + 1 + r)
+    row = _row(pp, tg, b, t_pp, t_tg, split_mode=llm.layout.split_mode, n_devices=llm.layout.n_devices)
     if ttft:
         if warmup:
             _ttft(llm, pp, b, rng)
@@ -121,18 +146,91 @@ def run_config(llm, pp: int, tg: int, b: int, warmup: bool = True, ttft: bool = 
     return row
 
 
+class _LlamaCppSide:
+    """llama.cpp's rows of a --compare run: a partner for run_config that sums its timed runs,
+    and turns a failure of the child into one line (`failed`) and no more llama.cpp rows."""
+
+    def __init__(self, model_path: str, n_threads: int, n_batch: int) -> None:
+        from metatp.tools import llamacpp
+
+        self.failed: str | None = None
+        self.child = None
+        self._runs: list[tuple[float, float]] = []
+        try:
+            self.child = llamacpp.LlamaCppChild(model_path, n_threads, n_batch)
+        except llamacpp.ComparisonFailed as e:
+            self._fail(str(e))
+
+    def _fail(self, line: str) -> None:
+        self.failed = line
+        print(f"metatp: warning: {line}", file=sys.stderr, flush=True)
+        if self.child is not None:
+            self.child.close()
+            self.child = None
+
+    def __call__(self, pp: int, tg: int, b: int, seed: int) -> None:
+        from metatp.tools import llamacpp
+
+        if self.child is None:
+            return
+        try:
+            self._runs.append(self.child.timed(pp, tg, b, seed))
+        except llamacpp.ComparisonFailed as e:
+            self._fail(str(e))
+
+    def start(self) -> None:
+        """A new configuration: forget the runs so far (the warm-up's among them)."""
+        self._runs = []
+
+    def row(self, ours: BatchedRow, warmup: bool) -> BatchedRow | None:
+        """llama.cpp's row of the configuration just run (its timed runs' means), and our ratios."""
+        timed = self._runs[1:] if warmup else self._runs
+        if self.child is None or not timed:
+            return None
+        t_pp, t_tg = (sum(x) / len(timed) for x in zip(*timed))
+        ref = _row(ours.pp, ours.tg, ours.b, t_pp, t_tg, program="llama.cpp")
+        ours.vs_llama_cpp_s_pp = ours.s_pp / ref.s_pp if ref.s_pp > 0 else None
+        ours.vs_llama_cpp_s_tg = ours.s_tg / ref.s_tg if ref.s_tg > 0 else None
+        return ref
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.child.close()
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:7.2f}x" if x is not None else f"{'-':>8s}"
+
+
 def format_table(rows: list[BatchedRow]) -> str:
-    head = ("|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+    """llama-batched-bench's table; with llama.cpp rows, a program column and metatp's ratios."""
+    compare = any(r.program != "metatp" for r in rows)
+    head = (("| program   " if compare else "")
+            + "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |"
+            + (" S_PP vs llama.cpp | S_TG vs llama.cpp |" if compare else "")
             + (" TTFT med s | TTFT max s |" if any(r.ttft_median is not None for r in rows) else ""))
     sep = "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"
     out = [head, sep]
     for r in rows:
-        line = (f"| {r.pp:5d} | {r.tg:6d} | {r.b:4d} | {r.n_kv:6d} | {r.t_pp:8.3f} | {r.s_pp:8.2f} | "
+        line = ((f"| {r.program:9s} " if compare else "")
+                + f"| {r.pp:5d} | {r.tg:6d} | {r.b:4d} | {r.n_kv:6d} | {r.t_pp:8.3f} | {r.s_pp:8.2f} | "
                 f"{r.t_tg:8.3f} | {r.s_tg:8.2f} | {r.t:8.3f} | {r.s:8.2f} |")
+        if compare:
+            line += f" {_ratio(r.vs_llama_cpp_s_pp):>17s} | {_ratio(r.vs_llama_cpp_s_tg):>17s} |"
         if r.ttft_median is not None:
             line += f" {r.ttft_median:10.3f} | {r.ttft_max:10.3f} |"
+        elif any(x.ttft_median is not None for x in rows):
+            line += f" {'-':>10s} | {'-':>10s} |"
         out.append(line)
     return "\n".join(out)
+
+
+def _threads(llm) -> int:
+    """The kernel threads metatp runs with (llama.cpp gets the same count)."""
+    from metatp.backends.numpy.native import default_threads
+
+    n = llm.backend.describe().kernel_threads
+    return n if n else default_threads()
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -143,20 +241,35 @@ def _cmd(args: argparse.Namespace) -> int:
     need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
     llm = LLM(args.model, n_ctx=args.n_ctx or max(need, 512), backend=args.backend, n_batch=args.batch_size,
               max_num_seqs=max(npls), **layout_kwargs(args))
+    threads = _threads(llm)
     rows = []
     if args.output == "md":
         info = llm.backend.describe()
         print(f"model {llm.model_path}, backend {info.name}, split {llm.layout.split_mode} x "
               f"{llm.layout.n_devices}, n_ctx {llm.n_ctx}, n_batch {llm.engine.n_batch}, kernel threads "
               f"{info.kernel_threads if info.kernel_threads is not None else '-'}, "
-              f"load {os.getloadavg()[0]:.2f}\n")
-    for pp in pps:
-        for tg in tgs:
-            for b in npls:
-                row = run_config(llm, pp, tg, b, warmup=not args.no_warmup, ttft=args.ttft)
-                rows.append(row)
-                if args.output == "jsonl":
-                    print(json.dumps(asdict(row)), flush=True)
+              f"load {os.getloadavg()[0]:.2f}", flush=True)
+    side = _LlamaCppSide(str(llm.model_path), threads, llm.engine.n_batch) if args.compare else None
+    if args.output == "md":
+        if side is not None and side.child is not None:
+            print(f"compared with {side.child.version}, {threads} threads, f16 KV cache, interleaved")
+        print()
+    try:
+        for pp in pps:
+            for tg in tgs:
+                for b in npls:
+                    if side is not None:
+                        side.start()
+                    row = run_config(llm, pp, tg, b, warmup=not args.no_warmup, ttft=args.ttft,
+                                     repetitions=args.repetitions, partner=side)
+                    ref = side.row(row, warmup=not args.no_warmup) if side is not None else None
+                    rows += [row] + ([ref] if ref is not None else [])
+                    if args.output == "jsonl":
+                        for r in [row] + ([ref] if ref is not None else []):
+                            print(json.dumps(asdict(r)), flush=True)
+    finally:
+        if side is not None:
+            side.close()
     if args.output == "md":
         print(format_table(rows))
     return 0
@@ -176,6 +289,10 @@ def add_parser(sub) -> None:
                    help="numpy backend: kernel threads (option kernel_threads; default $METATP_NUM_THREADS)")
     p.add_argument("--ttft", action="store_true", help="also time to first token of B requests sent at once")
     p.add_argument("--no-warmup", action="store_true", help="time the first run (plans compile inside it)")
+    p.add_argument("-r", "--repetitions", type=int, default=1, help="timed runs per row, averaged (default 1)")
+    p.add_argument("--compare", default=None, choices=["llama-cpp"],
+                   help="also run every row through llama.cpp (llama-cpp-python, in a child process), "
+                        "interleaved, with metatp's S_PP and S_TG as multiples of llama.cpp's")
     p.add_argument("-o", "--output", default="md", choices=["md", "jsonl"])
     p.set_defaults(func=_cmd)
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from metatp.tools import llamacpp
+
 __all__ = ["BenchConfig", "run_bench", "check_world", "add_parser", "format_rows", "MPI_COLUMNS"]
 
 
@@ -189,27 +191,7 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
 
 
 COMPARE = ("llama-cpp",)
-
-
-class _LlamaCppEngine:
-    """llama-cpp-python behind the two calls the timers make (`reset`, `forward` -> the last
-    position's logits), so its rows are timed by the same code as metatp's."""
-
-    def __init__(self, model_path: str, n_ctx: int, n_threads: int) -> None:
-        import llama_cpp
-
-        self._lib = llama_cpp
-        self.llm = llama_cpp.Llama(model_path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                   logits_all=False, verbose=False)
-        self.n_vocab = self.llm.n_vocab()
-
-    def reset(self) -> None:
-        self.llm.reset()
-
-    def forward(self, tokens: list[int]) -> np.ndarray:
-        self.llm.eval(tokens)
-        ptr = self._lib.llama_get_logits_ith(self.llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+_LlamaCppEngine = llamacpp.LlamaCppEngine
 
 
 def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
@@ -219,15 +201,14 @@ def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
     from metatp.ir.errors import ConfigError
 
     try:
-        import llama_cpp
-    except ImportError:
-        raise ConfigError("--compare llama-cpp needs llama-cpp-python (pip install llama-cpp-python, or "
-                          "metatp[bench])") from None
+        kernels = llamacpp.version()
+    except llamacpp.ComparisonFailed as e:
+        raise ConfigError(str(e)) from None
     threads = default_threads()
     eng = _LlamaCppEngine(model_path, _n_ctx(cfg), threads)
     base = {"model_filename": model_path, "model_type": "llama.cpp", "backend": "llama.cpp",
             "n_devices": 1, "split_mode": "none", "tensor_split": "", "n_threads": str(threads),
-            "cpu_kernels": f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}", "numerics": "llama.cpp",
+            "cpu_kernels": kernels, "numerics": "llama.cpp",
             "type_k": "f16", "type_v": "f16", "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0}
     return eng, base
 
