@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-__all__ = ["AMX_FIX", "INSTALL_HINT", "CRASH_ENV", "ComparisonFailed", "import_llama_cpp", "load", "version",
+__all__ = ["AMX_FIX", "INSTALL_HINT", "ComparisonFailed", "import_llama_cpp", "load", "version",
            "LlamaCppEngine", "BatchedLlamaCpp", "LlamaCppChild", "death_line"]
 
 INSTALL_HINT = "pip install llama-cpp-python, or metatp[bench]"
@@ -27,8 +27,6 @@ INSTALL_HINT = "pip install llama-cpp-python, or metatp[bench]"
 AMX_FIX = ("CMAKE_ARGS=\"-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' "
            "-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'\" "
            "pip install --force-reinstall --no-cache-dir llama-cpp-python")
-#: tests: the child kills itself with this signal (a name, e.g. SIGILL) before its first timed run
-CRASH_ENV = "METATP_TEST_LLAMACPP_CHILD_SIGNAL"
 
 
 class ComparisonFailed(RuntimeError):
@@ -167,9 +165,6 @@ def _child(conn, model_path: str, n_threads: int, n_batch: int) -> None:
                    f"--compare llama-cpp: llama.cpp could not load {model_path}: {type(e).__name__}: {e}"))
         return
     while (msg := conn.recv()) is not None:
-        sig = os.environ.get(CRASH_ENV)
-        if sig:
-            os.kill(os.getpid(), getattr(signal, sig))
         try:
             conn.send(("ok", eng.timed(*msg)))
         except Exception as e:
@@ -198,12 +193,14 @@ def death_line(exitcode: int | None) -> str:
 class LlamaCppChild:
     """BatchedLlamaCpp in a child process (spawned: a clean interpreter, no forked threads)."""
 
+    target = staticmethod(_child)      # what the child runs (a test stands in a child that crashes)
+
     def __init__(self, model_path: str, n_threads: int, n_batch: int) -> None:
         if not available():                     # the child would only say the same, later
             raise ComparisonFailed(f"--compare llama-cpp needs llama-cpp-python ({INSTALL_HINT})")
         mp = multiprocessing.get_context("spawn")
         self._conn, child_conn = mp.Pipe()
-        self._proc = mp.Process(target=_child, args=(child_conn, model_path, n_threads, n_batch), daemon=True)
+        self._proc = mp.Process(target=self.target, args=(child_conn, model_path, n_threads, n_batch), daemon=True)
         self._proc.start()
         child_conn.close()
         self.version = self._answer()

@@ -9,6 +9,7 @@ import json
 from metatp.cli import main
 from metatp.testing.synth import SynthSpec
 from metatp.tools import batched_bench, llamacpp
+from support.llamacpp_child import crashing_child
 from support.require import requires
 
 SPEC = SynthSpec(seed=46)
@@ -52,7 +53,7 @@ def test_compare_table_has_the_ratio_columns(path, capsys):
 
 @requires("bench")
 def test_a_child_killed_by_sigill_is_one_line_and_metatps_rows_stay(path, capsys, monkeypatch):
-    monkeypatch.setenv(llamacpp.CRASH_ENV, "SIGILL")
+    monkeypatch.setattr(llamacpp.LlamaCppChild, "target", staticmethod(crashing_child))
     assert main(["batched-bench", "-m", path, *ARGS, "--compare", "llama-cpp", "-o", "jsonl"]) == 0
     captured = capsys.readouterr()
     rows = _rows(captured.out)
