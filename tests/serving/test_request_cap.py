@@ -93,15 +93,15 @@ class Server(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
+def cap_server(path, tmp_path_factory):
     s = Server(path, "-c", "1024", "--parallel", "4", log=tmp_path_factory.mktemp("cap") / "serve.log")
     yield s
     s.stop()
 
 
 @requires("serve")
-def test_small_requests_finish_in_their_own_time_beside_a_huge_one(server):
-    c = server.client()
+def test_small_requests_finish_in_their_own_time_beside_a_huge_one(cap_server):
+    c = cap_server.client()
     done: dict[str, float] = {}
     huge: dict = {}
 
@@ -112,7 +112,7 @@ def test_small_requests_finish_in_their_own_time_beside_a_huge_one(server):
     t = threading.Thread(target=run_huge)
     t.start()
     deadline = time.monotonic() + 60
-    while server.running() < 1 and time.monotonic() < deadline:   # the huge one holds its slot
+    while cap_server.running() < 1 and time.monotonic() < deadline:   # the huge one holds its slot
         time.sleep(0.02)
     sent = time.monotonic()
     smalls = []
@@ -133,8 +133,8 @@ def test_small_requests_finish_in_their_own_time_beside_a_huge_one(server):
 
 
 @requires("serve")
-def test_a_prompt_past_the_cap_is_a_400_naming_it(server):
-    c = server.client()
+def test_a_prompt_past_the_cap_is_a_400_naming_it(cap_server):
+    c = cap_server.client()
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="m", prompt=[7] * 257, max_tokens=2)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
@@ -142,7 +142,7 @@ def test_a_prompt_past_the_cap_is_a_400_naming_it(server):
     assert "257 tokens" in err["message"] and "256" in err["message"]
     r = c.completions.create(model="m", prompt=[7] * 256, max_tokens=2)     # exactly the cap: no room, "length"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
-    models = httpx.get(server.base + "/v1/models", timeout=30).json()
+    models = httpx.get(cap_server.base + "/v1/models", timeout=30).json()
     assert models["data"][0]["max_model_len"] == 256
 
 
