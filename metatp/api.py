@@ -18,7 +18,7 @@ import numpy as np
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
-from metatp.scheduler import Request, Scheduler, StepOutput
+from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -147,6 +147,10 @@ class LLM:
     GPUs, else the butterfly), "butterfly", "ring", "nccl", or llama.cpp's GGML_CUDA_ALLREDUCE
     spellings "none" / "internal" (the copy-and-add butterfly).
     `max_num_seqs`: sequences decoded together in one step (continuous batching; vLLM's name).
+    `max_model_len`: the most tokens one request may hold, prompt + completion (vLLM's name): a
+    longer prompt is a ContextOverflowError, a generation reaching it ends with "length", and
+    admission reserves no more cells than it. None: the cache alone bounds a request (n_ctx
+    cells); `metatp serve` defaults it to n_ctx // parallel (llama-server's slot).
     `cache_type_k` / `cache_type_v`: KV cache types (llama.cpp's -ctk / -ctv): f32 (default; the
     cupy backend keeps an f32 cache as its kv_dtype, f16), f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1;
     V defaults to K's. A quantized cache is split by whole heads like any other (beyond llama.cpp,
@@ -167,7 +171,7 @@ class LLM:
                  fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
-                 cache_type_v: str | None = None) -> None:
+                 cache_type_v: str | None = None, max_model_len: int | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -189,6 +193,10 @@ class LLM:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         max_num_seqs = int(max_num_seqs)
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, numbers.Integral)
+                                          or max_model_len <= 0):
+            raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
+        max_model_len = None if max_model_len is None else int(max_model_len)
         cache_type(cache_type_k, "k")             # a bad name fails before the model is read
         if cache_type_v is not None:
             cache_type(cache_type_v, "v")
@@ -248,6 +256,10 @@ class LLM:
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
                              **self._cache_types)
         self.memory = self._check_memory(memory_budget, fit_context, n_batch)
+        if max_model_len is not None and max_model_len > self.n_ctx:
+            raise ConfigError(f"max_model_len={max_model_len} is more than the cache holds (n_ctx={self.n_ctx}); "
+                              "raise n_ctx or lower max_model_len")
+        self.max_model_len = max_model_len
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
         self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs)
@@ -344,8 +356,7 @@ class LLM:
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """float32 logits [len(ids), n_vocab] at every position of a fresh sequence."""
         ids = self._check_ids(ids, "ids")
-        if len(ids) > self.n_ctx:
-            raise ContextOverflowError(f"{len(ids)} tokens do not fit in the context of {self.n_ctx} (n_ctx)")
+        context_budget(len(ids), self.n_ctx, self.max_model_len)
         req = self._request(ids, SamplingParams(max_tokens=0), kind="score")
         self.scheduler.submit(req)
         for out in self._events(req):
@@ -378,12 +389,13 @@ class LLM:
 
     # ---------------------------------------------------------------- generation core
     def _request(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-                 max_context: int | None = None, on_event=None, agree: bool = True) -> Request:
+                 max_model_len: int | None = None, on_event=None, agree: bool = True) -> Request:
         """A scheduler request with its own random generator: a seeded one draws from its seed
         (sample i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's
         generator now, so its tokens never depend on who shares its steps. Under MPI the prompt
         is rank 0's on every rank (where a sequence's prompt enters the scheduler), unless
-        `agree` is False: the server's rank 0 alone makes requests, the others follow its steps."""
+        `agree` is False: the server's rank 0 alone makes requests, the others follow its steps.
+        `max_model_len`: this request's cap (the server's), else the LLM's."""
         if self.world is not None and agree:
             prompt_ids = self.world.agree_tokens(prompt_ids)
         if params.seed is not None:
@@ -394,7 +406,8 @@ class LLM:
             with self._rng_lock:
                 rng = np.random.default_rng(int(self._rng.integers(2 ** 63)))
         return Request(prompt_ids, params, rng, self.tokenizer, self.n_ctx, kind=kind, index=index,
-                       max_context=max_context, on_event=on_event)
+                       max_model_len=self.max_model_len if max_model_len is None else max_model_len,
+                       on_event=on_event)
 
     def _events(self, req: Request) -> Iterator[StepOutput]:
         """A submitted request's outputs until its last; cancels it if the caller stops early."""

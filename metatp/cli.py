@@ -125,11 +125,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
     options = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
-              n_batch=args.batch_size, verbose=True, **options)
+              n_batch=args.batch_size, max_model_len=args.max_model_len, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
-              f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences)", file=sys.stderr, flush=True)
+              f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
+              f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, parallel=args.parallel,
           max_waiting=args.max_waiting, log_level=args.log_level)
     return 0
@@ -168,6 +169,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     sv.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (slots; default 4)")
+    sv.add_argument("--max-model-len", type=int, default=None,
+                    help="most tokens one request may hold, prompt + completion (default: n_ctx / parallel)")
     sv.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step, prompts chunked to fit (default 512)")
     sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")

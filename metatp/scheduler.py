@@ -3,7 +3,9 @@
 A `Request` is one sample being generated (or one prompt being scored). Requests wait in a
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and enough KV cells for prompt + max_tokens are free, so a running request
-never runs out of room. One step carries the next token of every decoding request plus
+never runs out of room. What one request may hold is bounded by one rule (`context_budget`):
+the cache's n_ctx, and a per-request cap `max_model_len` (a server's n_ctx / parallel by
+default, llama-server's slot), so one huge max_tokens cannot reserve the whole cache. One step carries the next token of every decoding request plus
 chunks of admitted prompts, up to `n_batch` tokens (chunked prefill); each request samples
 from its own logits with its own random generator, stop strings and limits, so its tokens do
 not depend on who shares its steps.
@@ -44,11 +46,29 @@ from metatp.sampling import Sampler, SamplingParams
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Request", "StepOutput", "Scheduler", "QueueFullError", "StopMatcher", "check_logits", "Metrics"]
+__all__ = ["Request", "StepOutput", "Scheduler", "QueueFullError", "StopMatcher", "check_logits", "Metrics",
+           "context_budget"]
 
 
 class QueueFullError(MetatpError):
     """The waiting queue is full (a server answers 503 / 429): try again later."""
+
+
+def context_budget(n_prompt: int, n_ctx: int, max_model_len: int | None = None) -> int:
+    """The one context-length rule: how many tokens a sequence with an `n_prompt`-token prompt
+    may generate. The cache holds n_ctx cells and the last token needs none of its own
+    (n_ctx - n_prompt + 1). A per-request cap `max_model_len` bounds prompt + completion
+    (vLLM's meaning; llama-server's n_ctx/np slot). A prompt past either is a ContextOverflowError."""
+    if max_model_len is not None and n_prompt > max_model_len:
+        raise ContextOverflowError(
+            f"the prompt has {n_prompt} tokens but a request may hold at most {max_model_len} "
+            "(max_model_len); shorten the prompt or raise --max-model-len")
+    if n_prompt > n_ctx:
+        raise ContextOverflowError(
+            f"the prompt has {n_prompt} tokens but the context holds {n_ctx} (n_ctx); "
+            "shorten the prompt or raise n_ctx")
+    budget = n_ctx - n_prompt + 1
+    return budget if max_model_len is None else min(budget, max_model_len - n_prompt)
 
 
 def check_logits(logits: np.ndarray, what: str) -> None:
@@ -127,26 +147,17 @@ class Request:
     """One sample of one prompt (or one prompt to score) and everything it carries between steps."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, tokenizer,
-                 n_ctx: int, kind: str = "generate", index: int = 0, max_context: int | None = None,
+                 n_ctx: int, kind: str = "generate", index: int = 0, max_model_len: int | None = None,
                  on_event: Callable[["Request", StepOutput], None] | None = None) -> None:
         from metatp.ir.tokenizer import StreamDecoder
 
-        if len(prompt_ids) > n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx} (n_ctx); "
-                "shorten the prompt or raise n_ctx")
+        budget = context_budget(len(prompt_ids), n_ctx, max_model_len)
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.kind = kind
         self.index = index
         self.on_event = on_event
-        budget = n_ctx - len(prompt_ids) + 1            # the last token needs no KV slot of its own
-        if params.max_tokens is not None:
-            self.max_new = min(params.max_tokens, budget)
-        elif max_context is not None and len(prompt_ids) < max_context:
-            self.max_new = max_context - len(prompt_ids) + 1   # a server slot's share of the context
-        else:
-            self.max_new = budget
+        self.max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
         if kind == "score":
             self.max_new = 0
         self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)

@@ -32,10 +32,11 @@ def error_response(e: BadRequest):
 
 
 def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None, parallel: int = 4,
-               max_waiting: int = 64):
+               max_waiting: int = 64, max_model_len: int | None = None):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up).
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
-    arranges both); its shutdown posts STOP to them."""
+    arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
+    completion); default the LLM's, else n_ctx // parallel (llama-server's slot)."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -49,7 +50,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), parallel, max_waiting)
+    srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), parallel, max_waiting,
+                   max_model_len)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,7 +102,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         check_auth(request)
         return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
                                             "owned_by": "metatp", "meta": {"n_ctx": llm.n_ctx,
-                                                                           "n_vocab": llm.n_vocab}}]}
+                                                                           "n_vocab": llm.n_vocab},
+                                            "max_model_len": srv.max_model_len}]}
 
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest):

@@ -9,7 +9,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from metatp.ir.errors import ContextOverflowError
+from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
 from metatp.scheduler import QueueFullError, Request, StepOutput
 from metatp.server.fields import BadRequest, is_int
@@ -22,14 +22,19 @@ if TYPE_CHECKING:
 class Frontend:
     """The LLM, its scheduler in driver mode, and the request handlers' shared helpers."""
 
-    def __init__(self, llm: "LLM", model_name: str, parallel: int, max_waiting: int) -> None:
+    def __init__(self, llm: "LLM", model_name: str, parallel: int, max_waiting: int,
+                 max_model_len: int | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
         self.names = {model_name, str(llm.model_path), os.path.basename(str(llm.model_path))}
         self.sched = llm.scheduler
         self.sched.max_num_seqs = parallel
         self.sched.max_waiting = max_waiting
-        self.slot_ctx = max(1, llm.n_ctx // parallel)
+        # one request's cap (prompt + completion): given, the LLM's, else llama-server's slot n_ctx/np,
+        # so that one huge max_tokens cannot reserve the cache every other request waits for
+        self.max_model_len = max_model_len or llm.max_model_len or max(1, llm.n_ctx // parallel)
+        if not 0 < self.max_model_len <= llm.n_ctx:
+            raise ConfigError(f"max_model_len must be from 1 to n_ctx={llm.n_ctx}, got {self.max_model_len}")
         self.created = int(time.time())
         self.requests_total = 0
         self.world = served_world(llm)
@@ -42,7 +47,7 @@ class Frontend:
     def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
         """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
         are in `follow` and never join a prompt broadcast; the tokens reach them in the step batches."""
-        return self.llm._request(ids, params, index, max_context=self.slot_ctx, on_event=on_event,
+        return self.llm._request(ids, params, index, max_model_len=self.max_model_len, on_event=on_event,
                                  agree=self.world is None)
 
     def check_model(self, body: dict) -> str:
@@ -98,16 +103,9 @@ class Frontend:
             loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
         try:
             for p, ids in enumerate(ids_list):
-                if len(ids) > self.llm.n_ctx:
-                    raise BadRequest(f"the prompt has {len(ids)} tokens but the context holds {self.llm.n_ctx}; "
-                                     "shorten the prompt", "prompt", "context_length_exceeded")
-                for i in range(params.n):
+                for i in range(params.n):     # a prompt past the cap: ContextOverflowError (context_budget)
                     choice = p * params.n + i
-                    req = self.request(ids, params, i, lambda r, o, c=choice: on_event(r, o, c))
-                    if req.n_cells > self.llm.n_ctx:
-                        raise BadRequest(f"{req.n_cells} tokens do not fit the context of {self.llm.n_ctx}",
-                                         "max_tokens", "context_length_exceeded")
-                    reqs.append(req)
+                    reqs.append(self.request(ids, params, i, lambda r, o, c=choice: on_event(r, o, c)))
             for req in reqs:
                 self.sched.submit(req)
         except QueueFullError as e:

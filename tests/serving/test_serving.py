@@ -77,7 +77,7 @@ def served_model(path, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(served_model, tmp_path_factory):
-    s = Server(served_model, "-c", "2048", "--parallel", "16", "--api-key", KEY,
+    s = Server(served_model, "-c", "2048", "--parallel", "16", "--max-model-len", "2048", "--api-key", KEY,
                log=tmp_path_factory.mktemp("serve-log") / "server.log")
     yield s
     s.stop()
