@@ -36,7 +36,7 @@ import numpy as np
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["DISTRIBUTED_MODES", "World", "launched_world_size", "launched_rank", "init_world", "model_digest", "every_rank",
-           "should_report", "current_world", "finish_error", "process_memory"]
+           "first_disagreeing", "should_report", "current_world", "finish_error", "process_memory"]
 
 DISTRIBUTED_MODES = ("auto", "none", "mpi")
 
@@ -69,6 +69,12 @@ def launched_rank() -> int | None:
         if value and value.strip().isdigit():
             return int(value)
     return None
+
+
+def first_disagreeing(seen: list[tuple]) -> int | None:
+    """The first rank whose entry (its first field) differs from rank 0's in an allgather of
+    per-rank facts; None when every rank agrees."""
+    return next((r for r, entry in enumerate(seen) if entry[0] != seen[0][0]), None)
 
 
 def every_rank(err: MetatpError) -> MetatpError:
@@ -156,13 +162,11 @@ class World:
         between machines); returns the digest."""
         mine = model_digest(path)
         seen = self.comm.allgather((mine, self.host, str(path)))
-        want = seen[0][0]
-        bad = [r for r, (d, _, _) in enumerate(seen) if d != want]
-        if bad:
-            r = bad[0]
+        r = first_disagreeing(seen)
+        if r is not None:
             raise every_rank(ConfigError(
                 f"ranks disagree on the model file: rank 0 on {seen[0][1]} has {seen[0][2]} "
-                f"({_short_digest(want)}) but rank {r} on {seen[r][1]} has {seen[r][2]} "
+                f"({_short_digest(seen[0][0])}) but rank {r} on {seen[r][1]} has {seen[r][2]} "
                 f"({_short_digest(seen[r][0])}); give every rank the same GGUF"))
         return mine
 

@@ -80,15 +80,13 @@ def _version() -> str:
 def check_versions(world: Any) -> list[tuple[str, str, int]]:
     """Every rank runs the same metatp (rank 0's tokens and plans must mean the same everywhere):
     a ConfigError every rank raises alike otherwise. Returns every rank's (version, host, pid)."""
-    from metatp.backends.distributed import every_rank
+    from metatp.backends.distributed import every_rank, first_disagreeing
 
     seen = world.comm.allgather((_version(), world.host, os.getpid()))
-    want = seen[0][0]
-    bad = [r for r, (v, _, _) in enumerate(seen) if v != want]
-    if bad:
-        r = bad[0]
+    r = first_disagreeing(seen)
+    if r is not None:
         raise every_rank(ConfigError(
-            f"ranks run different versions of metatp: rank 0 on {seen[0][1]} has {want} but rank {r} on "
+            f"ranks run different versions of metatp: rank 0 on {seen[0][1]} has {seen[0][0]} but rank {r} on "
             f"{seen[r][1]} has {seen[r][0]}; install the same metatp on every machine"))
     return seen
 
