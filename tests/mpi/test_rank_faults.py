@@ -74,24 +74,19 @@ CASES = [("SIGKILL", 1, "EXIT STRING: Killed (signal 9)"),
          ("SIGSTOP", 0, "rank 0 (pid")]
 
 
-@needs_mpi
-@pytest.mark.parametrize("sig,rank,line", CASES, ids=[f"{s}-rank{r}" for s, r, _ in CASES])
-def test_generate_ends_every_rank(path, tmp_path, sig, rank, line):
-    job = FaultJob([*GENERATE, "-m", path], tmp_path, env={**FAST, "FAULT": f"{sig}:{rank}:40"})
-    try:
-        t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"generate, {sig} on rank {rank}"), line)
-    finally:
-        job.kill()
+# command -> (its arguments, the all-reduce call the fault is injected at, the cases it runs)
+COMMANDS = {"generate": (GENERATE, 40, CASES), "bench": (BENCH, 300, CASES[:2])}
+FAULT_RUNS = [(c, *case) for c, (_, _, cases) in COMMANDS.items() for case in cases]
 
 
 @needs_mpi
-@pytest.mark.parametrize("sig,rank,line", CASES[:2], ids=[f"{s}-rank{r}" for s, r, _ in CASES[:2]])
-def test_bench_ends_every_rank(path, tmp_path, sig, rank, line):
-    job = FaultJob([*BENCH, "-m", path], tmp_path, env={**FAST, "FAULT": f"{sig}:{rank}:300"})
+@pytest.mark.parametrize("command,sig,rank,line", FAULT_RUNS, ids=[f"{c}-{s}-rank{r}" for c, s, r, _ in FAULT_RUNS])
+def test_a_fault_mid_step_ends_every_rank(path, tmp_path, command, sig, rank, line):
+    args, at, _ = COMMANDS[command]
+    job = FaultJob([*args, "-m", path], tmp_path, env={**FAST, "FAULT": f"{sig}:{rank}:{at}"})
     try:
         t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"bench, {sig} on rank {rank}"), line)
+        _one_line(_ended(job, t, f"{command}, {sig} on rank {rank}"), line)
     finally:
         job.kill()
 
