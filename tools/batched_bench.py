@@ -240,12 +240,13 @@ def _cmd(args: argparse.Namespace) -> int:
     pps, tgs, npls = _int_list(args.npp, "-npp"), _int_list(args.ntg, "-ntg"), _int_list(args.npl, "-npl")
     need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
     llm = LLM(args.model, n_ctx=args.n_ctx or max(need, 512), backend=args.backend, n_batch=args.batch_size,
-              max_num_seqs=max(npls), **layout_kwargs(args))
+              max_num_seqs=max(npls), numerics=args.numerics, **layout_kwargs(args))
     threads = _threads(llm)
     rows = []
     if args.output == "md":
         info = llm.backend.describe()
-        print(f"model {llm.model_path}, backend {info.name}, split {llm.layout.split_mode} x "
+        numerics = dict(info.options).get("numerics", "exact")
+        print(f"model {llm.model_path}, backend {info.name}, numerics {numerics}, split {llm.layout.split_mode} x "
               f"{llm.layout.n_devices}, n_ctx {llm.n_ctx}, n_batch {llm.engine.n_batch}, kernel threads "
               f"{info.kernel_threads if info.kernel_threads is not None else '-'}, "
               f"load {os.getloadavg()[0]:.2f}", flush=True)
@@ -285,6 +286,8 @@ def add_parser(sub) -> None:
     p.add_argument("-ntg", default="32", help="generated tokens per sequence, comma-separated (default 32)")
     p.add_argument("-npl", default="1,2,4,8", help="parallel sequences B, comma-separated (default 1,2,4,8)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step (default 512)")
+    p.add_argument("--numerics", default="exact", choices=["exact", "llamacpp", "q8"],
+                   help="numpy backend: exact float32, or llama.cpp's Q8 activations and integer dot products")
     p.add_argument("-t", "--threads", type=int, default=None,
                    help="numpy backend: kernel threads (option kernel_threads; default $METATP_NUM_THREADS)")
     p.add_argument("--ttft", action="store_true", help="also time to first token of B requests sent at once")

@@ -103,3 +103,12 @@ def test_llama_cpp_runs_interleave_with_metatps(path, capsys, monkeypatch):
     assert _FakeChild.made == (1, 512)                     # metatp's kernel threads, its n_batch
     ref = [r for r in _rows(capsys.readouterr().out) if r["program"] == "llama.cpp"]
     assert [(r["b"], r["t_pp"], r["t_tg"], r["s_tg"]) for r in ref] == [(1, 0.5, 0.25, 12.0), (3, 0.5, 0.25, 36.0)]
+
+
+def test_numerics_reach_the_backend(path, capsys):
+    """`--numerics q8` runs the rows on the integer kernels (the header reads the backend's own setting)."""
+    assert main(["batched-bench", "-m", path, *ARGS, "--numerics", "q8"]) == 0
+    out = capsys.readouterr().out
+    assert ", numerics q8," in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if line.startswith("|")][2:]      # past the header and rule
+    assert len(rows) == 2 and all(float(line.split("|")[8]) > 0 for line in rows)  # B=1 and B=3, S_TG > 0
