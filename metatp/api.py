@@ -20,7 +20,7 @@ from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
 from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
 DEFAULT_N_CTX = 2048
 MAX_N_CTX = 2**31 - 1        # cells and positions are int32 (the kv_idxs and pos inputs)
@@ -114,7 +114,7 @@ def _message_content(i: int, content: Any) -> str:
                       f"got {_type_name(content)} {_short(content)}")
 
 
-def _chat_messages(messages: Any) -> list[dict]:
+def chat_messages(messages: Any) -> list[dict]:
     """OpenAI-style messages, normalised for the template: content always a string."""
     if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
         raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
@@ -357,7 +357,7 @@ class LLM:
         """float32 logits [len(ids), n_vocab] at every position of a fresh sequence."""
         ids = self._check_ids(ids, "ids")
         context_budget(len(ids), self.n_ctx, self.max_model_len)
-        req = self._request(ids, SamplingParams(max_tokens=0), kind="score")
+        req = self.submit(ids, SamplingParams(max_tokens=0), kind="score")
         self.scheduler.submit(req)
         for out in self._events(req):
             if out.logits is not None:
@@ -373,8 +373,8 @@ class LLM:
             raise ConfigError(f"{name}: token id {bad[0]} is out of range for a vocabulary of {self.n_vocab}")
         return ids
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """A prompt (text, or integer token ids) as ids."""
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A prompt (text, or integer token ids) as checked ids (an empty text: the BOS token)."""
         if isinstance(prompt, bytes):
             raise ConfigError("a prompt must be text (str) or token ids, got bytes; decode it first")
         if isinstance(prompt, str):
@@ -388,14 +388,17 @@ class LLM:
         return self._check_ids(prompt)
 
     # ---------------------------------------------------------------- generation core
-    def _request(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-                 max_model_len: int | None = None, on_event=None, agree: bool = True) -> Request:
-        """A scheduler request with its own random generator: a seeded one draws from its seed
-        (sample i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's
-        generator now, so its tokens never depend on who shares its steps. Under MPI the prompt
-        is rank 0's on every rank (where a sequence's prompt enters the scheduler), unless
-        `agree` is False: the server's rank 0 alone makes requests, the others follow its steps.
-        `max_model_len`: this request's cap (the server's), else the LLM's."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
+               max_model_len: int | None = None, on_event=None, agree: bool = True) -> Request:
+        """Submit one sample (`index` of params.n) of a prompt: the public request entry point that
+        `generate`, `score`, streaming and the server share. Returns the scheduler `Request`; its
+        outputs go to `on_event` (a server) or come to whoever waits on it.
+
+        Each request has its own random generator: a seeded one draws from its seed (sample
+        i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's generator now,
+        so its tokens never depend on who shares its steps. Under MPI the prompt is rank 0's on
+        every rank, unless `agree` is False (a server's rank 0 alone submits; the others follow
+        its steps). `max_model_len`: this request's cap (the server's), else the LLM's."""
         if self.world is not None and agree:
             prompt_ids = self.world.agree_tokens(prompt_ids)
         if params.seed is not None:
@@ -426,7 +429,7 @@ class LLM:
     def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         """Yields text pieces as tokens are generated; the last step carries finish_reason.
         The stream is a sequence of its own in the shared batch (closing it frees its cells)."""
-        req = self._request(prompt_ids, params)
+        req = self.submit(prompt_ids, params)
         self.scheduler.submit(req)
         yield from self._events(req)
 
@@ -448,7 +451,7 @@ class LLM:
 
     def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
         """One whole generation, batched with whatever else runs on this LLM."""
-        req = self._request(prompt_ids, params)
+        req = self.submit(prompt_ids, params)
         self.scheduler.submit(req)
         out = self._collect(req)
         return out.token_ids, out.text, out.finish_reason, out.stop_reason
@@ -474,8 +477,8 @@ class LLM:
             hint = "; build one with SamplingParams(**d)" if isinstance(sampling_params, dict) else ""
             raise ConfigError(f"sampling_params must be a SamplingParams (or a list of one per prompt), got "
                               f"{_type_name(sampling_params)} {_short(sampling_params)}{hint}")
-        all_ids = [self._prompt_ids(p) for p in prompts]      # every prompt checked before any work
-        reqs = [[self._request(ids, params, i) for i in range(params.n)] for ids, params in zip(all_ids, per_prompt)]
+        all_ids = [self.prompt_ids(p) for p in prompts]      # every prompt checked before any work
+        reqs = [[self.submit(ids, params, i) for i in range(params.n)] for ids, params in zip(all_ids, per_prompt)]
         t0 = time.perf_counter()
         submitted: list[Request] = []
         try:
@@ -525,7 +528,7 @@ class LLM:
         """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
-        ids = self._prompt_ids(prompt)
+        ids = self.prompt_ids(prompt)
         cid = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         model_name = str(self.model_path)
@@ -560,7 +563,7 @@ class LLM:
         Message content may be a string, None, or OpenAI content parts of type "text"."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
         stream = _check_bool("stream", stream)
-        prompt = self.tokenizer.apply_chat_template(_chat_messages(messages), add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=True)
         ids = self.tokenize(prompt, special=True)
         if not ids:
             raise ConfigError("the chat template rendered these messages as an empty prompt")

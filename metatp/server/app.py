@@ -187,7 +187,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: HttpRequest):
-        from metatp.api import _chat_messages
+        from metatp.api import chat_messages
 
         body = await body_of(request)
         model = srv.check_model(body)
@@ -201,7 +201,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         stream = bool_field(body, "stream", False)
         usage_in_stream = stream_usage(body, stream)
         try:
-            text = llm.tokenizer.apply_chat_template(_chat_messages(body["messages"]), add_generation_prompt=True)
+            text = llm.tokenizer.apply_chat_template(chat_messages(body["messages"]), add_generation_prompt=True)
         except ConfigError as e:
             raise BadRequest(str(e), "messages") from None
         ids = llm.tokenize(text, special=True)

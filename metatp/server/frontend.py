@@ -47,7 +47,7 @@ class Frontend:
     def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
         """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
         are in `follow` and never join a prompt broadcast; the tokens reach them in the step batches."""
-        return self.llm._request(ids, params, index, max_model_len=self.max_model_len, on_event=on_event,
+        return self.llm.submit(ids, params, index, max_model_len=self.max_model_len, on_event=on_event,
                                  agree=self.world is None)
 
     def check_model(self, body: dict) -> str:
@@ -65,12 +65,12 @@ class Frontend:
         """A completions prompt (text, token ids, or a list of either) as token id lists."""
         llm = self.llm
         if isinstance(prompt, str):
-            return [llm._prompt_ids(prompt)]
+            return [llm.prompt_ids(prompt)]
         if isinstance(prompt, list) and prompt:
             if all(is_int(t) for t in prompt):
                 return [self._ids(prompt)]
             if all(isinstance(p, str) for p in prompt):
-                return [llm._prompt_ids(p) for p in prompt]
+                return [llm.prompt_ids(p) for p in prompt]
             if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
                 return [self._ids(p) for p in prompt]
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
