@@ -78,6 +78,11 @@ def make_weight(rng: np.random.Generator, wtype: str, n_rows: int, ne0: int):
         raw[:, 2:4] = f16col(0.005)
     elif wtype == "q6_k":
         raw[:, 208:210] = f16col(0.01)
+    elif wtype == "q2_k":
+        raw[:, 80:82] = f16col(0.01)
+        raw[:, 82:84] = f16col(0.005)
+    elif wtype == "q3_k":
+        raw[:, 108:110] = f16col(0.01)
     else:
         raise ValueError(wtype)
     raw = raw.reshape(n_rows, ne0 // bs * ts)

@@ -124,7 +124,7 @@ def test_get_rows_batch_strides_are_64_bit():
 
 # ------------------------------------------------------------- oracle sanity (CPU)
 def test_bf16_bits_match_gguf():
-    gguf = pytest.importorskip("gguf")
+    import gguf
     x = (np.random.default_rng(0).standard_normal(1000) * 100).astype(np.float32)
     x[:3] = [np.inf, -np.inf, np.nan]
     ours = oracles.f32_to_bf16_bits(x)
@@ -189,7 +189,6 @@ def test_quantized_cache_launchers_refuse_what_they_cannot_take():
 @pytest.mark.parametrize("cache_type", ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_kv_rows_oracle(cache_type):
     """The cache oracle: stored form and its value (within the type's rounding of the input)."""
-    pytest.importorskip("gguf")
     x = np.random.default_rng(4).standard_normal((3, 2, 64)).astype(np.float32)
     stored, val = oracles.kv_rows(x, cache_type)
     assert val.shape == x.shape and val.dtype == np.float64
