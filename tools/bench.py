@@ -191,7 +191,6 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
 
 
 COMPARE = ("llama-cpp",)
-_LlamaCppEngine = llamacpp.LlamaCppEngine
 
 
 def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
@@ -205,7 +204,7 @@ def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
     except llamacpp.ComparisonFailed as e:
         raise ConfigError(str(e)) from None
     threads = default_threads()
-    eng = _LlamaCppEngine(model_path, _n_ctx(cfg), threads)
+    eng = llamacpp.LlamaCppEngine(model_path, _n_ctx(cfg), threads)
     base = {"model_filename": model_path, "model_type": "llama.cpp", "backend": "llama.cpp",
             "n_devices": 1, "split_mode": "none", "tensor_split": "", "n_threads": str(threads),
             "cpu_kernels": kernels, "numerics": "llama.cpp",

@@ -81,11 +81,11 @@ def test_compare_rows_interleave_and_carry_ratios(synth_factory, monkeypatch):
     import sys
     import types
 
-    from metatp.tools import bench
+    from metatp.tools import bench, llamacpp
 
     path, _ = synth_factory(SynthSpec(seed=44))
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="fake"))
-    monkeypatch.setattr(bench, "_LlamaCppEngine", _FakeLlamaCpp)
+    monkeypatch.setattr(llamacpp, "LlamaCppEngine", _FakeLlamaCpp)
     order = []
     real_measure = bench._measure
     monkeypatch.setattr(bench, "_measure", lambda eng, *a: order.append(type(eng).__name__) or real_measure(eng, *a))
