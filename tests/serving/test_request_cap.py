@@ -94,7 +94,7 @@ class Server(ServeProcess):
 
 @pytest.fixture(scope="module")
 def cap_server(path, tmp_path_factory):
-    s = Server(path, "-c", "1024", "--parallel", "4", log=tmp_path_factory.mktemp("cap") / "serve.log")
+    s = Server(path, "-c", "4096", "--parallel", "4", log=tmp_path_factory.mktemp("cap") / "serve.log")
     yield s
     s.stop()
 
@@ -115,35 +115,40 @@ def test_small_requests_finish_in_their_own_time_beside_a_huge_one(cap_server):
     while cap_server.running() < 1 and time.monotonic() < deadline:   # the huge one holds its slot
         time.sleep(0.02)
     sent = time.monotonic()
-    smalls = []
-    for i in range(3):
-        r = c.completions.create(model="m", prompt=[20 + i, 21 + i], max_tokens=4, temperature=0,
-                                 extra_body={"ignore_eos": True})
+    smalls: dict[int, object] = {}
+
+    def run_small(i: int) -> None:                                 # all three at once, beside the huge one
+        smalls[i] = c.completions.create(model="m", prompt=[20 + i, 21 + i], max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
         done[f"small{i}"] = time.monotonic()
-        smalls.append(r)
+    small_threads = [threading.Thread(target=run_small, args=(i,)) for i in range(3)]
+    for s in small_threads:
+        s.start()
+    for s in small_threads:
+        s.join(timeout=300)
     t.join(timeout=300)
     assert not t.is_alive()
-    for i, r in enumerate(smalls):
+    for i, r in sorted(smalls.items()):
         assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
         assert done[f"small{i}"] < done["huge"], done                # none waited for the huge one to end
-    assert done["small2"] - sent < 10, done                        # their own time, not max_tokens' 100000
+    assert max(done[f"small{i}"] for i in range(3)) - sent < 10, done                        # their own time, not max_tokens' 100000
     r = huge["r"]
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 1024 // 4 - len(PROMPT)    # the cap (n_ctx / parallel) - prompt
+    assert r.usage.completion_tokens == 4096 // 4 - len(PROMPT)    # the cap (n_ctx / parallel) - prompt
 
 
 @requires("serve")
 def test_a_prompt_past_the_cap_is_a_400_naming_it(cap_server):
     c = cap_server.client()
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="m", prompt=[7] * 257, max_tokens=2)
+        c.completions.create(model="m", prompt=[7] * 1025, max_tokens=2)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
-    assert "257 tokens" in err["message"] and "256" in err["message"]
-    r = c.completions.create(model="m", prompt=[7] * 256, max_tokens=2)     # exactly the cap: no room, "length"
+    assert "1025 tokens" in err["message"] and "1024" in err["message"]
+    r = c.completions.create(model="m", prompt=[7] * 1024, max_tokens=2)     # exactly the cap: no room, "length"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
     models = httpx.get(cap_server.base + "/v1/models", timeout=30).json()
-    assert models["data"][0]["max_model_len"] == 256
+    assert models["data"][0]["max_model_len"] == 1024
 
 
 @requires("serve")
