@@ -13,7 +13,8 @@ Python. What ends such a job:
   each `interval` seconds on a communicator of its own, and reads theirs. A peer not heard from
   for `METATP_RANK_TIMEOUT` seconds (default 20) makes this rank print one line naming it, run
   the fault hooks (a server fails its requests in flight with an HTTP 500), and exit; the launcher
-  then kills the rest (hydra sends SIGKILL, which ends a stopped process too).
+  then kills the rest (hydra sends SIGKILL, which ends a stopped process too; should a stopped
+  peer on this machine outlive that, a detached checker kills it a few seconds later).
 
 Why a heartbeat and not a step deadline: the beats come from a thread of their own, so a
 healthy rank beats through any step, however slow (a long prefill, the first step compiling
@@ -32,6 +33,7 @@ whole job) restarts its clocks instead of blaming the others.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -227,7 +229,59 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 -- a closed stdout must not keep this rank alive
             pass
         time.sleep(0.25)            # let the launcher forward the line before the job is torn down
+        self._end_stopped_peer(lost)
         os._exit(1)
+
+    def _end_stopped_peer(self, lost: int) -> None:
+        """A fallback for a lost peer on this machine that is *stopped* (SIGSTOP, a debugger): the
+        launcher ends the job once this rank exits, but a stopped process ignores every signal
+        but SIGKILL until it is resumed, so a launcher that asks it to terminate first waits on
+        it forever. A small detached checker kills the peer if it is still that same stopped
+        process `_STOPPED_GRACE_S` after this rank is gone (normally the launcher has ended it
+        by then and the checker does nothing). A peer elsewhere, or one still running, is left
+        to the launcher."""
+        if self.peers is None:
+            return
+        _, host, pid = self.peers[lost]
+        stat = _proc_stat(pid)
+        if host != socket.gethostname() or stat is None or stat[0] not in ("T", "t"):
+            return
+        import subprocess
+
+        try:
+            subprocess.Popen([sys.executable, "-c", _CHECKER, str(pid), stat[1], str(_STOPPED_GRACE_S)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True, close_fds=True)
+        except OSError:
+            pass
+
+
+_STOPPED_GRACE_S = 5.0
+
+# argv: pid, its start time (/proc stat field 22), seconds to wait; kills it only if it is the same,
+# still stopped, process then
+_CHECKER = """
+import os, signal, sys, time
+pid, started, wait = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+time.sleep(wait)
+try:
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    if rest[0] in ("T", "t") and rest[19] == started:
+        os.kill(pid, signal.SIGKILL)
+except (OSError, IndexError):
+    pass
+"""
+
+
+def _proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time) of process `pid` on this machine (Linux /proc), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        return rest[0], rest[19]
+    except (OSError, IndexError):
+        return None
 
 
 _HEARTBEAT: Heartbeat | None = None

@@ -54,7 +54,8 @@ def _report(what: str, took: float) -> None:
 def _ended(job: FaultJob, since: float, what: str) -> str:
     """Wait for every rank to end (bounded); returns the job's output. Fails with the log otherwise."""
     end = job.wait_end(BOUND + 10)
-    assert end is not None, f"{what}: still running {BOUND + 10:.0f} s after the fault:\n{job.text()[-3000:]}"
+    assert end is not None, (f"{what}: still running {BOUND + 10:.0f} s after the fault ({job.states()}):\n"
+                             f"{job.text()[-3000:]}")
     took = end - since
     _report(what, took)
     assert took < BOUND, f"{what}: took {took:.1f} s"
@@ -327,3 +328,41 @@ def test_one_rank_reports_a_peer_several_lost():
     assert beats[0]._lost(now) == 1
     assert beats[2]._lost(now) is None
     assert beats[2]._lost(now + STAGGER_S) == 1
+
+
+def _sleeper() -> "subprocess.Popen":
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_a_stopped_local_peer_left_behind_is_killed_after_the_grace(monkeypatch):
+    """The fallback behind the launcher: a lost peer on this machine that is still stopped
+    `_STOPPED_GRACE_S` after this rank ends is killed (a stopped process ignores SIGTERM); one
+    that runs, or lives on another machine, is left alone."""
+    import socket
+    from types import SimpleNamespace
+
+    from metatp.backends import watchdog
+
+    monkeypatch.setattr(watchdog, "_STOPPED_GRACE_S", 0.3)
+    stopped, running, remote = _sleeper(), _sleeper(), _sleeper()
+    try:
+        for p in (stopped, remote):
+            os.kill(p.pid, signal.SIGSTOP)
+        me = socket.gethostname()
+        peers = [("v", me, os.getpid()), ("v", me, stopped.pid), ("v", me, running.pid), ("v", "elsewhere", remote.pid)]
+        hb = SimpleNamespace(peers=peers)
+        deadline = time.monotonic() + 3
+        while watchdog._proc_stat(stopped.pid)[0] not in "Tt" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for lost in (1, 2, 3):
+            watchdog.Heartbeat._end_stopped_peer(hb, lost)
+        assert stopped.wait(timeout=20) == -signal.SIGKILL
+        time.sleep(1.0)
+        assert running.poll() is None and remote.poll() is None
+    finally:
+        for p in (stopped, running, remote):
+            p.kill()
+            p.wait()

@@ -113,6 +113,17 @@ class FaultJob:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def states(self) -> str:
+        """Which of mpiexec and the ranks are still there, and in what state (for a failure's message)."""
+        def state(pid: int) -> str:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return "gone"
+        ranks = ", ".join(f"rank {i} pid {p}: {state(p)}" for i, p in enumerate(self.pids()))
+        return f"mpiexec: {'running' if self.proc.poll() is None else f'exited {self.proc.returncode}'}; {ranks}"
+
     def kill(self) -> None:
         """End whatever is left (the job's own session: mpiexec and every rank)."""
         if self.proc.poll() is None:
