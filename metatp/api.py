@@ -9,42 +9,21 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ConfigError, ContextOverflowError
+from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
+from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
 DEFAULT_N_CTX = 2048
 MAX_N_CTX = 2**31 - 1        # cells and positions are int32 (the kv_idxs and pos inputs)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None       # "stop" (EOS / stop string) or "length"
-    stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None      # per token: its log-probability and the top ones
-    cumulative_logprob: float | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    metrics: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- argument checks at the public boundary
@@ -357,12 +336,7 @@ class LLM:
         """float32 logits [len(ids), n_vocab] at every position of a fresh sequence."""
         ids = self._check_ids(ids, "ids")
         context_budget(len(ids), self.n_ctx, self.max_model_len)
-        req = self.submit(ids, SamplingParams(max_tokens=0), kind="score")
-        self.scheduler.submit(req)
-        for out in self._events(req):
-            if out.logits is not None:
-                return out.logits
-        raise ContextOverflowError("scoring ended without logits")  # not reached: a score ends with them
+        return self.submit(ids, SamplingParams(max_tokens=0), kind="score").logits()
 
     def _check_ids(self, ids: Any, name: str = "prompt", allow_empty: bool = False) -> list[int]:
         ids = _token_ids(name, ids)
@@ -389,10 +363,11 @@ class LLM:
 
     # ---------------------------------------------------------------- generation core
     def submit(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-               max_model_len: int | None = None, on_event=None, agree: bool = True) -> Request:
-        """Submit one sample (`index` of params.n) of a prompt: the public request entry point that
-        `generate`, `score`, streaming and the server share. Returns the scheduler `Request`; its
-        outputs go to `on_event` (a server) or come to whoever waits on it.
+               max_model_len: int | None = None, on_output=None, agree: bool = True) -> RequestHandle:
+        """Queue one sample (`index` of params.n) of a prompt: the public request entry point that
+        `generate`, `score`, streaming and the server share. Returns its `RequestHandle`: iterate
+        it, wait for its `result()`, or `cancel()` it; with `on_output`, each output goes to that
+        callback instead (a server). QueueFullError when a bounded waiting queue is full.
 
         Each request has its own random generator: a seeded one draws from its seed (sample
         i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's generator now,
@@ -408,52 +383,20 @@ class LLM:
         else:
             with self._rng_lock:
                 rng = np.random.default_rng(int(self._rng.integers(2 ** 63)))
-        return Request(prompt_ids, params, rng, self.tokenizer, self.n_ctx, kind=kind, index=index,
-                       max_model_len=self.max_model_len if max_model_len is None else max_model_len,
-                       on_event=on_event)
-
-    def _events(self, req: Request) -> Iterator[StepOutput]:
-        """A submitted request's outputs until its last; cancels it if the caller stops early."""
-        try:
-            while True:
-                out = self.scheduler.next_event(req)
-                if out.error is not None:
-                    raise out.error
-                yield out
-                if out.finish_reason is not None:
-                    return
-        finally:
-            if not req.done:
-                self.scheduler.cancel(req)
+        req = Request(prompt_ids, params, rng, self.tokenizer, self.n_ctx, kind=kind, index=index,
+                      max_model_len=self.max_model_len if max_model_len is None else max_model_len)
+        handle = RequestHandle(req, self.scheduler, on_output)
+        self.scheduler.submit(req)
+        return handle
 
     def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         """Yields text pieces as tokens are generated; the last step carries finish_reason.
         The stream is a sequence of its own in the shared batch (closing it frees its cells)."""
-        req = self.submit(prompt_ids, params)
-        self.scheduler.submit(req)
-        yield from self._events(req)
-
-    def _collect(self, req: Request) -> CompletionOutput:
-        ids: list[int] = []
-        pieces: list[str] = []
-        lps: list[dict[int, float]] | None = [] if req.params.logprobs is not None else None
-        finish, reason = "length", None
-        for step in self._events(req):
-            if step.token is not None:
-                ids.append(step.token)
-                if lps is not None:
-                    lps.append({step.token: step.logprob, **(step.top_logprobs or {})})
-            pieces.append(step.text)
-            if step.finish_reason:
-                finish, reason = step.finish_reason, step.stop_reason
-        cum = None if lps is None else float(sum(d[t] for d, t in zip(lps, ids)))
-        return CompletionOutput(req.index, "".join(pieces), ids, finish, reason, lps, cum)
+        yield from self.submit(prompt_ids, params)
 
     def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
         """One whole generation, batched with whatever else runs on this LLM."""
-        req = self.submit(prompt_ids, params)
-        self.scheduler.submit(req)
-        out = self._collect(req)
+        out = self.submit(prompt_ids, params).result()
         return out.token_ids, out.text, out.finish_reason, out.stop_reason
 
     # ---------------------------------------------------------------- vLLM-style
@@ -478,26 +421,26 @@ class LLM:
             raise ConfigError(f"sampling_params must be a SamplingParams (or a list of one per prompt), got "
                               f"{_type_name(sampling_params)} {_short(sampling_params)}{hint}")
         all_ids = [self.prompt_ids(p) for p in prompts]      # every prompt checked before any work
-        reqs = [[self.submit(ids, params, i) for i in range(params.n)] for ids, params in zip(all_ids, per_prompt)]
         t0 = time.perf_counter()
-        submitted: list[Request] = []
+        groups: list[list[RequestHandle]] = []
         try:
-            for group in reqs:
-                for r in group:
-                    self.scheduler.submit(r)
-                    submitted.append(r)
-            outs = [[self._collect(r) for r in group] for group in reqs]
+            for ids, params in zip(all_ids, per_prompt):     # every sample queued before any step runs
+                groups.append([])
+                for i in range(params.n):
+                    groups[-1].append(self.submit(ids, params, i))
+            outs = [[h.result() for h in group] for group in groups]
         finally:
-            for r in submitted:
-                if not r.done:
-                    self.scheduler.cancel(r)
+            for group in groups:
+                for h in group:
+                    if not h.done:
+                        h.cancel()
         results = []
-        for p, ids, group, out in zip(prompts, all_ids, reqs, outs):
-            first = min((r.t_first for r in group if r.t_first is not None), default=None)
+        for p, ids, group, out in zip(prompts, all_ids, groups, outs):
+            first = min((h.request.t_first for h in group if h.request.t_first is not None), default=None)
             results.append(RequestOutput(
                 request_id=uuid.uuid4().hex[:12], prompt=p if isinstance(p, str) else None, prompt_token_ids=ids,
                 outputs=out, metrics={"seconds": time.perf_counter() - t0,
-                                      "time_to_first_token": None if first is None else first - group[0].t_submit}))
+                                      "time_to_first_token": None if first is None else first - group[0].request.t_submit}))
         return results
 
     @staticmethod

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
-from metatp.scheduler import QueueFullError, Request, StepOutput
+from metatp.requests import RequestHandle
+from metatp.scheduler import QueueFullError, StepOutput
 from metatp.server.fields import BadRequest, is_int
 from metatp.server.ranks import served_world
 
@@ -44,11 +45,12 @@ class Frontend:
 
             add_fault_hook(self.sched.abandon)  # a lost rank: requests in flight answer 500, then the job ends
 
-    def request(self, ids: list[int], params: SamplingParams, index: int, on_event) -> Request:
-        """A scheduler request. Under MPI rank 0 makes it alone (`agree=False`): the other ranks
-        are in `follow` and never join a prompt broadcast; the tokens reach them in the step batches."""
-        return self.llm.submit(ids, params, index, max_model_len=self.max_model_len, on_event=on_event,
-                                 agree=self.world is None)
+    def request(self, ids: list[int], params: SamplingParams, index: int, on_output) -> RequestHandle:
+        """Queue a request (its outputs go to `on_output`). Under MPI rank 0 makes it alone
+        (`agree=False`): the other ranks are in `follow` and never join a prompt broadcast; the
+        tokens reach them in the step batches."""
+        return self.llm.submit(ids, params, index, max_model_len=self.max_model_len, on_output=on_output,
+                               agree=self.world is None)
 
     def check_model(self, body: dict) -> str:
         m = body.get("model", self.model_name)
@@ -93,37 +95,35 @@ class Frontend:
     def piece(self, tok: int) -> str:
         return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
-    async def start(self, ids_list: list[list[int]], params: SamplingParams) -> tuple[list[Request], asyncio.Queue]:
-        """Submit n requests per prompt; their outputs arrive on one queue as (choice index, output)."""
+    async def start(self, ids_list: list[list[int]], params: SamplingParams) -> tuple[list[RequestHandle], asyncio.Queue]:
+        """Queue n requests per prompt; their outputs arrive on one queue as (choice index, output)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        reqs: list[Request] = []
+        handles: list[RequestHandle] = []
 
-        def on_event(req: Request, out: StepOutput, choice: int) -> None:
+        def on_output(out: StepOutput, choice: int) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
         try:
             for p, ids in enumerate(ids_list):
                 for i in range(params.n):     # a prompt past the cap: ContextOverflowError (context_budget)
                     choice = p * params.n + i
-                    reqs.append(self.request(ids, params, i, lambda r, o, c=choice: on_event(r, o, c)))
-            for req in reqs:
-                self.sched.submit(req)
+                    handles.append(self.request(ids, params, i, lambda o, c=choice: on_output(o, c)))
         except QueueFullError as e:
-            self.cancel(reqs)
+            self.cancel(handles)
             raise BadRequest(str(e), None, "server_busy", 503, "server_error") from None
         except ContextOverflowError as e:
-            self.cancel(reqs)
+            self.cancel(handles)
             raise BadRequest(str(e), "prompt", "context_length_exceeded") from None
         except BaseException:
-            self.cancel(reqs)
+            self.cancel(handles)
             raise
         self.requests_total += 1
-        return reqs, queue
+        return handles, queue
 
-    def cancel(self, reqs: list[Request]) -> None:
-        for r in reqs:
-            if not r.done:
-                self.sched.cancel(r)
+    def cancel(self, handles: list[RequestHandle]) -> None:
+        for h in handles:
+            if not h.done:
+                h.cancel()
 
     def usage(self, ids_list: list[list[int]], n: int, completion: int) -> dict:
         prompt = sum(len(ids) for ids in ids_list)          # counted once however many samples (n)

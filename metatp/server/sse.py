@@ -7,7 +7,8 @@ import asyncio
 import json
 from typing import AsyncIterator
 
-from metatp.scheduler import Request, StepOutput
+from metatp.requests import RequestHandle
+from metatp.scheduler import StepOutput
 from metatp.server.fields import BadRequest, bool_field
 from metatp.server.frontend import Frontend
 
@@ -39,7 +40,7 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def outputs(request, srv: Frontend, reqs: list[Request], queue: asyncio.Queue):
+async def outputs(request, srv: Frontend, reqs: list[RequestHandle], queue: asyncio.Queue):
     """Each output of the requests as it comes, until every one has finished; cancels them all if
     the client goes away (or the handler is cancelled) first."""
     left = len(reqs)
@@ -60,7 +61,7 @@ async def outputs(request, srv: Frontend, reqs: list[Request], queue: asyncio.Qu
         srv.cancel(reqs)
 
 
-async def collect(request, srv: Frontend, reqs: list[Request], queue: asyncio.Queue) -> list[list[StepOutput]]:
+async def collect(request, srv: Frontend, reqs: list[RequestHandle], queue: asyncio.Queue) -> list[list[StepOutput]]:
     per: list[list[StepOutput]] = [[] for _ in reqs]
     async for choice, out in outputs(request, srv, reqs, queue):
         per[choice].append(out)

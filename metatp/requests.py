@@ -1,0 +1,115 @@
+"""What `LLM.submit` hands back: a handle on one queued request, and the vLLM-shaped results.
+
+A `RequestHandle` is the one way callers (`LLM.generate`, `score`, streaming, the completions
+APIs, the HTTP server, the benches) hold a request: iterate it for its outputs as the engine
+produces them, `cancel()` it, or wait for its `result()`. Leaving an iteration early cancels
+the request, so a caller that stops listening never keeps cache cells busy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+
+from metatp.ir.errors import ConfigError
+
+if TYPE_CHECKING:
+    from metatp.scheduler import Request, Scheduler, StepOutput
+
+__all__ = ["CompletionOutput", "RequestOutput", "RequestHandle"]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None       # "stop" (EOS / stop string) or "length"
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None      # per token: its log-probability and the top ones
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: dict = field(default_factory=dict)
+
+
+class RequestHandle:
+    """One request queued on a scheduler (see the module doc). With `on_output`, the outputs
+    go to that callback (from the thread that runs the step) instead of to an iterator."""
+
+    def __init__(self, request: "Request", scheduler: "Scheduler",
+                 on_output: Callable[["StepOutput"], None] | None = None) -> None:
+        self.request = request
+        self._scheduler = scheduler
+        self._pushed = on_output is not None
+        if on_output is not None:
+            request.on_event = lambda _req, out: on_output(out)
+
+    @property
+    def index(self) -> int:
+        return self.request.index
+
+    @property
+    def done(self) -> bool:
+        return self.request.done
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.request.finish_reason
+
+    def cancel(self) -> None:
+        """Stop the request; its cells are freed at the next step boundary."""
+        self._scheduler.cancel(self.request)
+
+    def __iter__(self) -> Iterator["StepOutput"]:
+        """The outputs until the last one (it carries finish_reason); a failed request raises its
+        error here. Stopping early cancels the request."""
+        if self._pushed:
+            raise ConfigError("this request's outputs go to its on_output callback; it cannot also be iterated")
+        req = self.request
+        try:
+            while True:
+                out = self._scheduler.next_event(req)
+                if out.error is not None:
+                    raise out.error
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if not req.done:
+                self._scheduler.cancel(req)
+
+    def result(self) -> CompletionOutput:
+        """Wait for the whole generation: its text, tokens, finish reason and logprobs."""
+        ids: list[int] = []
+        pieces: list[str] = []
+        lps: list[dict[int, float]] | None = [] if self.request.params.logprobs is not None else None
+        finish, reason = "length", None
+        for step in self:
+            if step.token is not None:
+                ids.append(step.token)
+                if lps is not None:
+                    lps.append({step.token: step.logprob, **(step.top_logprobs or {})})
+            pieces.append(step.text)
+            if step.finish_reason:
+                finish, reason = step.finish_reason, step.stop_reason
+        cum = None if lps is None else float(sum(d[t] for d, t in zip(lps, ids)))
+        return CompletionOutput(self.index, "".join(pieces), ids, finish, reason, lps, cum)
+
+    def logits(self) -> np.ndarray:
+        """A scoring request's float32 logits [n_prompt, n_vocab] (waits for them)."""
+        if self.request.kind != "score":
+            raise ConfigError("logits() is for a scoring request (kind='score'); use result() for a generation")
+        for out in self:
+            if out.logits is not None:
+                return out.logits
+        raise ConfigError("the scoring request ended without logits")
