@@ -126,6 +126,7 @@ class LLM:
     GPUs, else the butterfly), "butterfly", "ring", "nccl", or llama.cpp's GGML_CUDA_ALLREDUCE
     spellings "none" / "internal" (the copy-and-add butterfly).
     `max_num_seqs`: sequences decoded together in one step (continuous batching; vLLM's name).
+    `max_waiting`: requests that may wait for a slot (None: unbounded); one more is QueueFullError.
     `max_model_len`: the most tokens one request may hold, prompt + completion (vLLM's name): a
     longer prompt is a ContextOverflowError, a generation reaching it ends with "length", and
     admission reserves no more cells than it. None: the cache alone bounds a request (n_ctx
@@ -150,7 +151,8 @@ class LLM:
                  fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
-                 cache_type_v: str | None = None, max_model_len: int | None = None) -> None:
+                 cache_type_v: str | None = None, max_model_len: int | None = None,
+                 max_waiting: int | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -172,6 +174,9 @@ class LLM:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         max_num_seqs = int(max_num_seqs)
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, numbers.Integral)
+                                        or max_waiting < 0):
+            raise ConfigError(f"max_waiting must be an integer >= 0 or None (unbounded), got {max_waiting!r}")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, numbers.Integral)
                                           or max_model_len <= 0):
             raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
@@ -241,7 +246,8 @@ class LLM:
         self.max_model_len = max_model_len
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
-        self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs)
+        self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs,
+                                   max_waiting=None if max_waiting is None else int(max_waiting))
         self.verbose = verbose
 
     @staticmethod

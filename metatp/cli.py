@@ -125,14 +125,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
     options = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
-              n_batch=args.batch_size, max_model_len=args.max_model_len, verbose=True, **options)
+              max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
+              verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
               f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
               f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, parallel=args.parallel,
-          max_waiting=args.max_waiting, log_level=args.log_level)
+    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, log_level=args.log_level)
     return 0
 
 

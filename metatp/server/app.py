@@ -31,12 +31,13 @@ def error_response(e: BadRequest):
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None, parallel: int = 4,
-               max_waiting: int = 64, max_model_len: int | None = None):
-    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up).
+def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None,
+               max_model_len: int | None = None):
+    """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
+    with the LLM's own limits (`LLM(max_num_seqs=, max_waiting=)`: the server changes none).
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
-    completion); default the LLM's, else n_ctx // parallel (llama-server's slot)."""
+    completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot)."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -50,8 +51,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), parallel, max_waiting,
-                   max_model_len)
+    srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -23,14 +23,12 @@ if TYPE_CHECKING:
 class Frontend:
     """The LLM, its scheduler in driver mode, and the request handlers' shared helpers."""
 
-    def __init__(self, llm: "LLM", model_name: str, parallel: int, max_waiting: int,
-                 max_model_len: int | None = None) -> None:
+    def __init__(self, llm: "LLM", model_name: str, max_model_len: int | None = None) -> None:
         self.llm = llm
         self.model_name = model_name
         self.names = {model_name, str(llm.model_path), os.path.basename(str(llm.model_path))}
-        self.sched = llm.scheduler
-        self.sched.max_num_seqs = parallel
-        self.sched.max_waiting = max_waiting
+        self.sched = llm.scheduler              # its limits are the LLM's (max_num_seqs, max_waiting)
+        parallel = self.sched.max_num_seqs
         # one request's cap (prompt + completion): given, the LLM's, else llama-server's slot n_ctx/np,
         # so that one huge max_tokens cannot reserve the cache every other request waits for
         self.max_model_len = max_model_len or llm.max_model_len or max(1, llm.n_ctx // parallel)

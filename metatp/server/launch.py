@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          api_key: str | None = None, parallel: int = 4, max_waiting: int = 64, log_level: str = "warning",
-          max_model_len: int | None = None) -> None:
+          api_key: str | None = None, log_level: str = "warning", max_model_len: int | None = None) -> None:
     """Run the server until interrupted. Under MPI every rank calls this: rank 0 serves HTTP and
     leads the steps, the other ranks follow them (`follow_steps`); an interrupt or the server
     exiting ends every rank cleanly (returns normally; SystemExit from uvicorn still propagates)."""
@@ -28,7 +27,7 @@ def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str
         import uvicorn
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
-    app = create_app(llm, model_name, api_key, parallel, max_waiting, max_model_len)
+    app = create_app(llm, model_name, api_key, max_model_len)
     if world is None:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
         return
