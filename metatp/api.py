@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from metatp import openai_api as oai
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
@@ -478,14 +479,12 @@ class LLM:
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         ids = self.prompt_ids(prompt)
-        cid = f"cmpl-{uuid.uuid4()}"
-        created = int(time.time())
+        cid, created = oai.response_id("cmpl")
         model_name = str(self.model_path)
         prefix = (prompt if isinstance(prompt, str) else self.detokenize(ids)) if echo else ""
 
-        def chunk(text: str, finish: str | None) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+        def chunk(text: str, finish: str | None, use: dict | None = None) -> dict:
+            return oai.text_completion(cid, created, model_name, [oai.text_choice(0, text, finish)], use)
 
         if stream:
             def gen() -> Iterator[dict]:
@@ -496,10 +495,7 @@ class LLM:
                         yield chunk(step.text, step.finish_reason)
             return gen()
         out_ids, text, finish, _ = self._run(ids, params)
-        res = chunk(prefix + text, finish)
-        res["usage"] = {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
-                        "total_tokens": len(ids) + len(out_ids)}
-        return res
+        return chunk(prefix + text, finish, oai.usage(len(ids), len(out_ids)))
 
     __call__ = create_completion
 
@@ -516,25 +512,19 @@ class LLM:
         ids = self.tokenize(prompt, special=True)
         if not ids:
             raise ConfigError("the chat template rendered these messages as an empty prompt")
-        cid = f"chatcmpl-{uuid.uuid4()}"
-        created = int(time.time())
+        cid, created = oai.response_id("chatcmpl")
         model_name = str(self.model_path)
         if stream:
             def gen() -> Iterator[dict]:
-                yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                       "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+                yield oai.chat_chunk(cid, created, model_name, [oai.chat_delta(0, None, None, role=True)])
                 for step in self._stream(ids, params):
                     if step.text or step.finish_reason:
-                        delta = {"content": step.text} if step.text else {}
-                        yield {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                               "choices": [{"index": 0, "delta": delta, "finish_reason": step.finish_reason}]}
+                        yield oai.chat_chunk(cid, created, model_name,
+                                             [oai.chat_delta(0, step.text, step.finish_reason)])
             return gen()
         out_ids, text, finish, _ = self._run(ids, params)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
-                          "total_tokens": len(ids) + len(out_ids)}}
+        return oai.chat_completion(cid, created, model_name, [oai.chat_choice(0, text, finish)],
+                                   oai.usage(len(ids), len(out_ids)))
 
 
 def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:

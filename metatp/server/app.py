@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
+from metatp import openai_api as oai
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.scheduler import StepOutput
 from metatp.server.body import parse_object, read_body
@@ -144,19 +143,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         echo = bool_field(body, "echo", False)
         ids_list = srv.prompt_ids(body["prompt"])
         reqs, queue = await srv.start(ids_list, params)
-        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        cid, created = oai.response_id("cmpl")
 
         def choice_lp(outs: list[StepOutput]) -> dict | None:
-            if lp is None:
-                return None
-            toks = [o for o in outs if o.token is not None]
-            offs, at = [], 0
-            for o in toks:
-                offs.append(at)
-                at += len(o.text)
-            return {"tokens": [srv.piece(o.token) for o in toks], "token_logprobs": [o.logprob for o in toks],
-                    "top_logprobs": [srv.top_by_piece(o.top_logprobs) for o in toks],
-                    "text_offset": offs}
+            return None if lp is None else oai.completion_logprobs(outs, srv.piece)
 
         if stream:
             @sse_errors
@@ -165,24 +155,20 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
                 async for choice, out in outputs(request, srv, reqs, queue):
                     n_gen += out.token is not None
                     if out.text or out.finish_reason:
-                        c = {"index": choice, "text": out.text, "logprobs": choice_lp([out]),
-                             "finish_reason": out.finish_reason}
-                        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                    "choices": [c], **({"usage": None} if usage_in_stream else {})})
+                        c = oai.text_choice(choice, out.text, out.finish_reason, choice_lp([out]))
+                        yield sse(oai.text_completion(cid, created, model, [c], stream_usage=usage_in_stream))
                 if usage_in_stream:
-                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": srv.usage(ids_list, params.n, n_gen)})
+                    yield sse(oai.text_completion(cid, created, model, [], srv.usage(ids_list, params.n, n_gen)))
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         per = await collect(request, srv, reqs, queue)
         choices = []
         for choice, outs in enumerate(per):
             prefix = llm.detokenize(ids_list[choice // params.n]) if echo else ""
-            choices.append({"index": choice, "text": prefix + "".join(o.text for o in outs),
-                            "logprobs": choice_lp(outs), "finish_reason": outs[-1].finish_reason})
+            choices.append(oai.text_choice(choice, prefix + "".join(o.text for o in outs), outs[-1].finish_reason,
+                                           choice_lp(outs)))
         n_gen = sum(o.token is not None for outs in per for o in outs)
-        return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": srv.usage(ids_list, params.n, n_gen)}
+        return oai.text_completion(cid, created, model, choices, srv.usage(ids_list, params.n, n_gen))
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -208,42 +194,31 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         if not ids:
             raise BadRequest("the chat template rendered these messages as an empty prompt", "messages")
         reqs, queue = await srv.start([ids], params)
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def lp_entry(o: StepOutput) -> dict:
-            p = srv.piece(o.token)
-            return {"token": p, "logprob": o.logprob, "bytes": list(p.encode()),
-                    "top_logprobs": [{"token": srv.piece(t), "logprob": v, "bytes": list(srv.piece(t).encode())}
-                                     for t, v in (o.top_logprobs or {}).items()]}
+        cid, created = oai.response_id("chatcmpl")
 
         def choice_lp(outs: list[StepOutput]) -> dict | None:
-            return {"content": [lp_entry(o) for o in outs if o.token is not None]} if want_lp else None
+            return oai.chat_logprobs(outs, srv.piece) if want_lp else None
 
         if stream:
             @sse_errors
             async def events() -> AsyncIterator[str]:
-                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-                extra = {"usage": None} if usage_in_stream else {}
                 for i in range(len(reqs)):
-                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}], **extra})
+                    yield sse(oai.chat_chunk(cid, created, model, [oai.chat_delta(i, None, None, role=True)],
+                                             stream_usage=usage_in_stream))
                 n_gen = 0
                 async for choice, out in outputs(request, srv, reqs, queue):
                     n_gen += out.token is not None
                     if out.text or out.finish_reason:
-                        delta = {"content": out.text} if out.text else {}
-                        yield sse({**head, "choices": [{"index": choice, "delta": delta, "logprobs": choice_lp([out]),
-                                                         "finish_reason": out.finish_reason}], **extra})
+                        c = oai.chat_delta(choice, out.text, out.finish_reason, choice_lp([out]))
+                        yield sse(oai.chat_chunk(cid, created, model, [c], stream_usage=usage_in_stream))
                 if usage_in_stream:
-                    yield sse({**head, "choices": [], "usage": srv.usage([ids], params.n, n_gen)})
+                    yield sse(oai.chat_chunk(cid, created, model, [], srv.usage([ids], params.n, n_gen)))
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         per = await collect(request, srv, reqs, queue)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                    "logprobs": choice_lp(outs), "finish_reason": outs[-1].finish_reason}
+        choices = [oai.chat_choice(i, "".join(o.text for o in outs), outs[-1].finish_reason, choice_lp(outs))
                    for i, outs in enumerate(per)]
         n_gen = sum(o.token is not None for outs in per for o in outs)
-        return {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-                "usage": srv.usage([ids], params.n, n_gen)}
+        return oai.chat_completion(cid, created, model, choices, srv.usage([ids], params.n, n_gen))
 
     return app

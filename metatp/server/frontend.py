@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
+from metatp.openai_api import usage
 from metatp.requests import RequestHandle
 from metatp.scheduler import QueueFullError, StepOutput
 from metatp.server.fields import BadRequest, is_int
@@ -82,14 +83,6 @@ class Frontend:
             raise BadRequest(f"token id {bad[0]} is out of range for a vocabulary of {self.llm.n_vocab}", "prompt")
         return list(ids)
 
-    def top_by_piece(self, top: dict[int, float] | None) -> dict[str, float]:
-        """OpenAI's completions logprobs key alternatives by text: two tokens with one text (byte
-        pieces of a character) keep the likelier value."""
-        out: dict[str, float] = {}
-        for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
-            out.setdefault(self.piece(t), v)
-        return out
-
     def piece(self, tok: int) -> str:
         return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
@@ -124,5 +117,4 @@ class Frontend:
                 h.cancel()
 
     def usage(self, ids_list: list[list[int]], n: int, completion: int) -> dict:
-        prompt = sum(len(ids) for ids in ids_list)          # counted once however many samples (n)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return usage(sum(len(ids) for ids in ids_list), completion)   # the prompt counted once however many samples (n)

@@ -48,3 +48,18 @@ def test_a_bad_max_waiting_is_a_config_error(path, bad):
 
     with pytest.raises(ConfigError, match="max_waiting"):
         LLM(path, n_ctx=64, backend="numpy", max_waiting=bad)
+
+
+def test_the_openai_shapes_are_written_once():
+    """Every OpenAI response object ("text_completion", "chat.completion", its chunks) is built in
+    metatp/openai_api.py, which the Python completions and the HTTP routes share."""
+    root = Path(metatp.server.__file__).parent.parent
+    shapes = {"text_completion", "chat.completion", "chat.completion.chunk"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "openai_api.py" or "testing" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in shapes:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert not found, found

@@ -1,0 +1,108 @@
+"""The OpenAI response shapes, written once: completions and chat completions, whole or as
+stream chunks, with usage and logprobs. `LLM.create_completion` / `create_chat_completion` and
+the HTTP routes (`metatp.server.app`) both build their answers here, so a field added or fixed
+is added or fixed for both.
+
+Logprobs come from the step outputs (`metatp.scheduler.StepOutput`: token, logprob, top
+alternatives); `piece(token)` gives a token's text as the client sees it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable, Iterable, Sequence
+
+__all__ = ["response_id", "usage", "text_choice", "text_completion", "chat_delta", "chat_choice",
+           "chat_completion", "chat_chunk", "completion_logprobs", "chat_logprobs", "top_by_piece"]
+
+Piece = Callable[[int], str]
+
+
+def response_id(kind: str) -> tuple[str, int]:
+    """A fresh id ("cmpl-…" / "chatcmpl-…") and the creation time, as OpenAI stamps a response."""
+    return f"{kind}-{uuid.uuid4().hex}", int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _head(cid: str, obj: str, created: int, model: str) -> dict:
+    return {"id": cid, "object": obj, "created": created, "model": model}
+
+
+def _with_usage(body: dict, use: dict | None, stream_usage: bool | None) -> dict:
+    """`use` as the body's usage; in a stream with include_usage, the chunks carry usage null."""
+    if use is not None:
+        body["usage"] = use
+    elif stream_usage:
+        body["usage"] = None
+    return body
+
+
+# ---------------------------------------------------------------- completions
+def text_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def text_completion(cid: str, created: int, model: str, choices: list[dict], use: dict | None = None,
+                    stream_usage: bool | None = None) -> dict:
+    """A completion (with `use`), or one stream chunk of it (`use` None; usage null with
+    `stream_usage`; the last chunk of such a stream has no choices and the usage)."""
+    return _with_usage({**_head(cid, "text_completion", created, model), "choices": choices}, use, stream_usage)
+
+
+def top_by_piece(top: dict[int, float] | None, piece: Piece) -> dict[str, float]:
+    """OpenAI's completions logprobs key alternatives by text: two tokens with one text (byte
+    pieces of a character) keep the likelier value."""
+    out: dict[str, float] = {}
+    for t, v in sorted((top or {}).items(), key=lambda kv: -kv[1]):
+        out.setdefault(piece(t), v)
+    return out
+
+
+def completion_logprobs(outs: Iterable, piece: Piece) -> dict:
+    """The completions logprobs object of these outputs (tokens, token_logprobs, top_logprobs,
+    text_offset within this piece of text)."""
+    toks = [o for o in outs if o.token is not None]
+    offsets, at = [], 0
+    for o in toks:
+        offsets.append(at)
+        at += len(o.text)
+    return {"tokens": [piece(o.token) for o in toks], "token_logprobs": [o.logprob for o in toks],
+            "top_logprobs": [top_by_piece(o.top_logprobs, piece) for o in toks], "text_offset": offsets}
+
+
+# ---------------------------------------------------------------- chat
+def chat_delta(index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+               role: bool = False) -> dict:
+    """A stream chunk's choice: the role first (`role`), then content pieces, then the finish."""
+    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish}
+
+
+def chat_completion(cid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {**_head(cid, "chat.completion", created, model), "choices": choices, "usage": use}
+
+
+def chat_chunk(cid: str, created: int, model: str, choices: list[dict], use: dict | None = None,
+               stream_usage: bool | None = None) -> dict:
+    return _with_usage({**_head(cid, "chat.completion.chunk", created, model), "choices": choices}, use,
+                       stream_usage)
+
+
+def chat_logprobs(outs: Sequence, piece: Piece) -> dict:
+    """The chat logprobs object: per generated token its text, logprob, bytes and alternatives."""
+    def entry(token: int, logprob: float) -> dict:
+        p = piece(token)
+        return {"token": p, "logprob": logprob, "bytes": list(p.encode())}
+    return {"content": [{**entry(o.token, o.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in (o.top_logprobs or {}).items()]}
+                        for o in outs if o.token is not None]}
