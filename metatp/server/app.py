@@ -124,6 +124,16 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
             raise BadRequest("'tokens' must be a list of token ids", "tokens")
         return {"content": llm.detokenize(srv._ids(tokens) if tokens else [])}
 
+    async def generation_body(request: HttpRequest, required: str) -> tuple[dict, str, bool, bool]:
+        """A generation route's body, the model it names, whether it streams and whether the
+        stream ends with usage; a BadRequest when `required` ('prompt' / 'messages') is missing."""
+        body = await body_of(request)
+        model = srv.check_model(body)
+        if required not in body:
+            raise BadRequest(f"'{required}' is required", required)
+        stream = bool_field(body, "stream", False)
+        return body, model, stream, stream_usage(body, stream)
+
     @app.get("/metrics")
     async def metrics(request: HttpRequest):
         check_auth(request)
@@ -132,14 +142,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(request: HttpRequest):
-        body = await body_of(request)
-        model = srv.check_model(body)
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", "prompt")
+        body, model, stream, usage_in_stream = await generation_body(request, "prompt")
         lp = int_field(body, "logprobs", None, 0, 20)
         params = sampling_params(body, lp, 16)
-        stream = bool_field(body, "stream", False)
-        usage_in_stream = stream_usage(body, stream)
         echo = bool_field(body, "echo", False)
         ids_list = srv.prompt_ids(body["prompt"])
         reqs, queue = await srv.start(ids_list, params)
@@ -175,17 +180,12 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     async def chat(request: HttpRequest):
         from metatp.api import chat_messages
 
-        body = await body_of(request)
-        model = srv.check_model(body)
-        if "messages" not in body:
-            raise BadRequest("'messages' is required", "messages")
+        body, model, stream, usage_in_stream = await generation_body(request, "messages")
         want_lp = bool_field(body, "logprobs", False)
         top = int_field(body, "top_logprobs", 0, 0, 20)
         if top and not want_lp:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         params = sampling_params(body, top if want_lp else None, None)
-        stream = bool_field(body, "stream", False)
-        usage_in_stream = stream_usage(body, stream)
         try:
             text = llm.tokenizer.apply_chat_template(chat_messages(body["messages"]), add_generation_prompt=True)
         except ConfigError as e:
