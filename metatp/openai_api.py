@@ -14,7 +14,8 @@ import uuid
 from typing import Callable, Iterable, Sequence
 
 __all__ = ["response_id", "usage", "text_choice", "text_completion", "chat_delta", "chat_choice",
-           "chat_completion", "chat_chunk", "completion_logprobs", "chat_logprobs", "top_by_piece"]
+           "chat_completion", "chat_chunk", "completion_logprobs", "chat_logprobs", "top_by_piece",
+           "echo_logprobs", "join_logprobs", "vllm_prompt_logprobs"]
 
 Piece = Callable[[int], str]
 
@@ -73,6 +74,49 @@ def completion_logprobs(outs: Iterable, piece: Piece) -> dict:
         at += len(o.text)
     return {"tokens": [piece(o.token) for o in toks], "token_logprobs": [o.logprob for o in toks],
             "top_logprobs": [top_by_piece(o.top_logprobs, piece) for o in toks], "text_offset": offsets}
+
+
+def echo_logprobs(ids: list[int], entries: list, piece: Piece) -> dict:
+    """The completions logprobs object of an echoed prompt: `entries` from
+    `metatp.logprobs.prompt_logprobs` (the first token's value and alternatives are null)."""
+    offsets, at = [], 0
+    for t in ids:
+        offsets.append(at)
+        at += len(piece(t))
+    return {"tokens": [piece(t) for t in ids],
+            "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": [None if e is None else top_by_piece(e[1], piece) for e in entries],
+            "text_offset": offsets}
+
+
+def join_logprobs(prompt: dict | None, generated: dict | None, shift: int) -> dict | None:
+    """An echoed prompt's logprobs followed by the generated ones (their offsets moved past the
+    `shift` characters of the prompt's text)."""
+    if prompt is None or generated is None:
+        return generated if prompt is None else prompt
+    return {"tokens": prompt["tokens"] + generated["tokens"],
+            "token_logprobs": prompt["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": prompt["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": prompt["text_offset"] + [o + shift for o in generated["text_offset"]]}
+
+
+def vllm_prompt_logprobs(ids: list[int], entries: list, piece: Piece) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: per prompt token (None for the first) a map from token id
+    to its logprob, rank among the vocabulary (1 = likeliest) and text, for the prompt's own
+    token and the top alternatives."""
+    out: list[dict | None] = []
+    for t, e in zip(ids, entries):
+        if e is None:
+            out.append(None)
+            continue
+        lp, top, own = e
+        ranked = sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))
+        rank = {tok: r + 1 for r, (tok, _) in enumerate(ranked)}
+        d = {str(t): {"logprob": lp, "rank": own, "decoded_token": piece(t)}}
+        for tok, v in ranked:
+            d.setdefault(str(tok), {"logprob": v, "rank": rank[tok], "decoded_token": piece(tok)})
+        out.append(d)
+    return out
 
 
 # ---------------------------------------------------------------- chat

@@ -41,6 +41,7 @@ from metatp.engine import Engine, StepItem
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
 from metatp.kv_cells import SeqCells
 from metatp.lockstep import Leader
+from metatp.logprobs import token_logprob
 from metatp.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
@@ -130,19 +131,6 @@ class StepOutput:
     error: BaseException | None = None
 
 
-def _logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, dict[int, float]]:
-    """log-softmax of the raw logits (as vLLM reports them): the token's value and the top k."""
-    x = logits.astype(np.float64)
-    m = x.max()
-    lse = m + math.log(float(np.exp(x - m).sum()))
-    top: dict[int, float] = {}
-    if k > 0:
-        idx = np.argpartition(-x, min(k, x.size - 1))[:k]
-        idx = idx[np.lexsort((idx, -x[idx]))]
-        top = {int(i): float(x[i] - lse) for i in idx}
-    return float(x[token] - lse), top
-
-
 class Request:
     """One sample of one prompt (or one prompt to score) and everything it carries between steps."""
 
@@ -193,7 +181,7 @@ class Request:
         """Take the next token (sampled here unless given) and decide whether the request ends here."""
         if tok is None:
             tok = self.sample(logits)
-        lp, top = _logprobs(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
+        lp, top = token_logprob(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
         self.history.append(tok)
         self.output_ids.append(tok)
         n = len(self.output_ids)

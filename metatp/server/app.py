@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from metatp import openai_api as oai
 from metatp.ir.errors import ConfigError, MetatpError
+from metatp.logprobs import prompt_logprobs
+from metatp.sampling import SamplingParams
 from metatp.scheduler import StepOutput
 from metatp.server.body import parse_object, read_body
 from metatp.server.fields import BadRequest, bool_field, int_field, is_int, sampling_params
@@ -146,16 +148,42 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         lp = int_field(body, "logprobs", None, 0, 20)
         params = sampling_params(body, lp, 16)
         echo = bool_field(body, "echo", False)
+        n_prompt_lp = int_field(body, "prompt_logprobs", None, 0, 20)          # vLLM's field
         ids_list = srv.prompt_ids(body["prompt"])
+        scored = None                           # per prompt: its tokens' logprobs (echo + logprobs)
+        if (echo and lp is not None) or n_prompt_lp is not None:
+            scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0))
         reqs, queue = await srv.start(ids_list, params)
         cid, created = oai.response_id("cmpl")
+        prefixes = [llm.detokenize(ids) if echo else "" for ids in ids_list]
 
         def choice_lp(outs: list[StepOutput]) -> dict | None:
             return None if lp is None else oai.completion_logprobs(outs, srv.piece)
 
+        def echoed(choice: int) -> tuple[str, dict | None]:
+            """The prompt's text and logprobs at the head of this choice (echo)."""
+            p = choice // params.n
+            if not echo:
+                return "", None
+            if lp is None:
+                return prefixes[p], None
+            return prefixes[p], oai.echo_logprobs(ids_list[p], [_top_k(e, lp) for e in scored[p]], srv.piece)
+
+        def with_prompt_lp(c: dict, choice: int) -> dict:
+            if n_prompt_lp is not None:
+                p = choice // params.n
+                c["prompt_logprobs"] = oai.vllm_prompt_logprobs(
+                    ids_list[p], [e if e is None else (*_top_k(e, n_prompt_lp), e[2]) for e in scored[p]], srv.piece)
+            return c
+
         if stream:
             @sse_errors
             async def events() -> AsyncIterator[str]:
+                if echo or n_prompt_lp is not None:      # the prompt first, once per choice
+                    for choice in range(len(reqs)):
+                        text, plp = echoed(choice)
+                        c = with_prompt_lp(oai.text_choice(choice, text, None, plp), choice)
+                        yield sse(oai.text_completion(cid, created, model, [c], stream_usage=usage_in_stream))
                 n_gen = 0
                 async for choice, out in outputs(request, srv, reqs, queue):
                     n_gen += out.token is not None
@@ -169,11 +197,18 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         per = await collect(request, srv, reqs, queue)
         choices = []
         for choice, outs in enumerate(per):
-            prefix = llm.detokenize(ids_list[choice // params.n]) if echo else ""
-            choices.append(oai.text_choice(choice, prefix + "".join(o.text for o in outs), outs[-1].finish_reason,
-                                           choice_lp(outs)))
+            text, plp = echoed(choice)
+            logprobs = oai.join_logprobs(plp, choice_lp(outs), len(text)) if lp is not None else None
+            choices.append(with_prompt_lp(oai.text_choice(choice, text + "".join(o.text for o in outs),
+                                                          outs[-1].finish_reason, logprobs), choice))
         n_gen = sum(o.token is not None for outs in per for o in outs)
         return oai.text_completion(cid, created, model, choices, srv.usage(ids_list, params.n, n_gen))
+
+    async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int) -> list[list]:
+        """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each."""
+        handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0), kind="score")
+        per = await collect(request, srv, handles, queue)
+        return [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)]
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -222,3 +257,11 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         return oai.chat_completion(cid, created, model, choices, srv.usage([ids], params.n, n_gen))
 
     return app
+
+
+def _top_k(entry: tuple | None, k: int) -> tuple | None:
+    """(logprob, the k likeliest of its alternatives) from a prompt entry computed for more."""
+    if entry is None:
+        return None
+    lp, top = entry[0], entry[1]
+    return lp, dict(sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))[:k])

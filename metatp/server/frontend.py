@@ -44,12 +44,13 @@ class Frontend:
 
             add_fault_hook(self.sched.abandon)  # a lost rank: requests in flight answer 500, then the job ends
 
-    def request(self, ids: list[int], params: SamplingParams, index: int, on_output) -> RequestHandle:
+    def request(self, ids: list[int], params: SamplingParams, index: int, on_output,
+                kind: str = "generate") -> RequestHandle:
         """Queue a request (its outputs go to `on_output`). Under MPI rank 0 makes it alone
         (`agree=False`): the other ranks are in `follow` and never join a prompt broadcast; the
         tokens reach them in the step batches."""
-        return self.llm.submit(ids, params, index, max_model_len=self.max_model_len, on_output=on_output,
-                               agree=self.world is None)
+        return self.llm.submit(ids, params, index, kind=kind, max_model_len=self.max_model_len,
+                               on_output=on_output, agree=self.world is None)
 
     def check_model(self, body: dict) -> str:
         m = body.get("model", self.model_name)
@@ -86,8 +87,10 @@ class Frontend:
     def piece(self, tok: int) -> str:
         return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
-    async def start(self, ids_list: list[list[int]], params: SamplingParams) -> tuple[list[RequestHandle], asyncio.Queue]:
-        """Queue n requests per prompt; their outputs arrive on one queue as (choice index, output)."""
+    async def start(self, ids_list: list[list[int]], params: SamplingParams,
+                    kind: str = "generate") -> tuple[list[RequestHandle], asyncio.Queue]:
+        """Queue n requests per prompt (kind "score": one per prompt, its logits at every
+        position); their outputs arrive on one queue as (choice index, output)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
@@ -98,7 +101,7 @@ class Frontend:
             for p, ids in enumerate(ids_list):
                 for i in range(params.n):     # a prompt past the cap: ContextOverflowError (context_budget)
                     choice = p * params.n + i
-                    handles.append(self.request(ids, params, i, lambda o, c=choice: on_output(o, c)))
+                    handles.append(self.request(ids, params, i, lambda o, c=choice: on_output(o, c), kind))
         except QueueFullError as e:
             self.cancel(handles)
             raise BadRequest(str(e), None, "server_busy", 503, "server_error") from None
@@ -108,7 +111,7 @@ class Frontend:
         except BaseException:
             self.cancel(handles)
             raise
-        self.requests_total += 1
+        self.requests_total += kind == "generate"
         return handles, queue
 
     def cancel(self, handles: list[RequestHandle]) -> None:
