@@ -204,6 +204,10 @@ class NumpyExecutable(PlanExecutor):
     def zero_fill_step(self, d: int, node: Tensor):
         return functools.partial(self.arrays[d][node].fill, 0)
 
+    def transfer_step(self, node: Tensor, src: int, dst: int):
+        """-sm layer: simulated devices copy between their own buffers."""
+        return functools.partial(np.copyto, self.arrays[dst][node], self.arrays[src][node])
+
     @staticmethod
     def _node_major(items) -> list[Closure]:
         """One subgraph's closures node by node across devices; one node's int8 matmuls on every
@@ -231,8 +235,8 @@ class NumpyExecutable(PlanExecutor):
                 out.append(native.batch(run))
                 run.clear()
 
-        for order, reduce in zip(self.node_major, self.reductions):
-            for f in order + ([reduce] if reduce is not None else []):
+        for order, reduce, moves in zip(self.node_major, self.reductions, self.transfers):
+            for f in order + ([reduce] if reduce is not None else []) + moves:
                 if native.batchable(f):
                     run.append(f)
                 else:
@@ -254,7 +258,7 @@ class NumpyExecutable(PlanExecutor):
             for f in self._serial:
                 f()
             return
-        for per_dev, reduce in zip(self.steps, self.reductions):
+        for per_dev, reduce, moves in zip(self.steps, self.reductions, self.transfers):
             # simulated devices run side by side: numpy releases the GIL inside BLAS
             first, *rest = self.devices
             futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
@@ -263,6 +267,7 @@ class NumpyExecutable(PlanExecutor):
                 fut.result()
             if reduce is not None:
                 reduce()
+            _run_all(moves)
 
 
 def _norm_fusion(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:
