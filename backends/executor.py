@@ -7,8 +7,8 @@ are run (its runner: node-major closures and threads on the host; streams, event
 graphs on a GPU). `PlanExecutor.__init__` runs the one construction sequence (inputs, leaves,
 shared values, fusions, node buffers, the walk, one prepared all-reduce per reduction) and
 `read` gathers results. Under -sm layer a subgraph may end with copies of values another
-device reads (`transfer_step`, prepared once per `Transfer`). The walk below is the one place that decides which device runs which
-node:
+device reads (`transfer_step`, prepared once per `Transfer`). The walk below is the one place
+that decides which device runs which node:
 
 - a pure view runs nothing (its memory is its source's);
 - a device whose slice is empty runs nothing, or zero-fills the buffer when a later node

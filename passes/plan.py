@@ -78,6 +78,9 @@ class Local:
 
 @dataclass
 class TensorPlan:
+    """How one tensor sits on the devices. Under -sm layer (`passes.layer_plan`) a device holds
+    the tensor when its Local is the whole tensor (empty, ne0 = 0, elsewhere)."""
+
     tensor: Tensor
     state: SplitState            # assume_sync=False: PARTIAL where a reduction is pending
     sync_state: SplitState       # assume_sync=True: what consumers see

@@ -222,10 +222,11 @@ class NumpyExecutable(PlanExecutor):
         return order
 
     def _serial_step(self) -> list[Closure]:
-        """The whole step on the caller's thread: every subgraph's closures (node-major) and its
-        all-reduce in plan order, each run of consecutive compiled calls (matmul groups, rope, KV
-        writes, attention, norms, adds, a compiled all-reduce) joined into one ctypes call
-        (`cpu_kernels.batch`), across subgraph boundaries: a decode step is one call. Same calls
+        """The whole step on the caller's thread: every subgraph's closures (node-major), its
+        all-reduce and its copies between devices (-sm layer) in plan order, each run of
+        consecutive compiled calls (matmul groups, rope, KV writes, attention, norms, adds, a
+        compiled all-reduce) joined into one ctypes call (`cpu_kernels.batch`), across subgraph
+        boundaries: a decode step is one call (a copy between devices ends a run). Same calls
         in the same order: the same bits."""
         out: list[Closure] = []
         run: list[Closure] = []

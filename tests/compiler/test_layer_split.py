@@ -219,3 +219,34 @@ def test_dump_shows_assignment_and_bill(path, capsys):
     assert sum(len(s["transfers"]) for s in data["subgraphs"]) == boundaries
     assert main(["dump", "-m", path, "-c", "64", "--devices", "2", "-sm", "layer", "--stage", "coalesced"]) != 0
     assert "--stage coalesced" in capsys.readouterr().err
+
+
+def test_side_by_side_devices_run_the_copies_too(path):
+    one = LLM(path, backend="numpy", **LLM_OPTIONS).score(IDS)
+    llm = LLM(path, backend="numpy", n_devices=3, split_mode="layer", tensor_split=[1, 1, 1],
+              backend_options={"parallel_devices": True}, **LLM_OPTIONS)
+    assert _rel(llm.score(IDS), one) < 1e-5
+
+
+def test_a_backend_without_copies_refuses_the_layer_plan(path):
+    """The executor template's default transfer_step names the mode (the cupy backend has none yet)."""
+    from metatp.backends.executor import PlanExecutor
+    from metatp.backends.numpy.backend import NumpyBackend
+    from metatp.backends.numpy.executable import NumpyExecutable
+    from metatp.ir.errors import UnsupportedOpError
+    from metatp.ir.loader import load_model
+
+    class NoCopies(NumpyExecutable):
+        transfer_step = PlanExecutor.transfer_step
+
+    layout = DeviceLayout(2, "layer", (1, 1))
+    model = load_model(path)
+    plan = _plan(model, layout)
+    backend = NumpyBackend(layout)
+    for t in plan.graph.leaves:
+        if t.flags & Flag.WEIGHT:
+            backend.upload(t, model.dequantize(t.name) if t.name in model.weights else np.zeros(t.ne[::-1], np.float32),
+                           plan)
+    with pytest.raises(UnsupportedOpError, match="split_mode='layer'"):
+        NoCopies(backend, plan)
+    assert NumpyExecutable(backend, plan).transfers

@@ -134,7 +134,8 @@ def _transfer_text(b: dict) -> list[str]:
                f" {_bytes_exact(b['bytes_per_step'])} per step")
     out.append(f"  per token: {_bytes_exact(b['bytes_per_token'])} (one hidden vector per boundary);"
                f" per {b['prompt_tokens']}-token prompt: {_bytes_exact(b['bytes_per_prompt'])}")
-    out.append(f"  est. latency: {b['latency_per_step_us']:.1f} us per step, {b['latency_per_token_us']:.2f} us per token")
+    out.append(f"  est. latency: {b['latency_per_step_us']:.1f} us per step,"
+               f" {b['latency_per_token_us']:.2f} us per token")
     return out
 
 
