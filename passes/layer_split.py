@@ -9,9 +9,9 @@ embeddings) on the CPU; here it stays on device 0.
 
 Nodes follow the weights and KV cache they read (`place_nodes`): a node reading a layer's
 weight or cache runs on that layer's device, one reading only other nodes as early as its
-sources allow, and a weight-free node is moved to the device of its readers when that saves a
-copy (the rms_norm that opens a layer runs on that layer's device, so exactly the residual
-stream crosses each boundary).
+sources allow, and a weight-free node is moved to the device of its readers when that copies
+no more bytes (the rms_norm that opens a layer runs on that layer's device, so exactly the
+residual stream crosses each boundary).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def place_nodes(graph: Graph, n_layer: int, slots: list[int]) -> dict[Tensor, in
                 readers.setdefault(s, []).append(n)
         dev[n] = d
     outputs = set(graph.outputs)
-    for _ in range(len(slots) + 1):             # each round moves a chain of free nodes one device on
+    for _ in range(len(graph.nodes) * len(slots)):      # nodes only move forward: this ends
         if not _pull_forward(graph, dev, pinned, readers, outputs):
             break
     return dev
@@ -115,8 +115,11 @@ def _deps(n: Tensor) -> list[Tensor]:
 
 def _pull_forward(graph: Graph, dev: dict[Tensor, int], pinned: set[Tensor], readers: dict[Tensor, list[Tensor]],
                   outputs: set[Tensor]) -> bool:
-    """Move each weight-free node whose readers all sit on one later device there, when every
-    node it reads is on that device already or copied there anyway (one copy fewer, none more)."""
+    """Move each weight-free node whose readers all sit on one later device there, when the
+    values it reads that would newly be copied there are no more bytes than its own copy.
+
+    A tie moves too: the rms_norm opening a layer and the last layer's row selection both read
+    the residual stream, and only once both have moved is the residual the one value copied."""
     moved = False
     for n in reversed(graph.nodes):
         if n in pinned or n in outputs or not readers.get(n):
@@ -128,7 +131,9 @@ def _pull_forward(graph: Graph, dev: dict[Tensor, int], pinned: set[Tensor], rea
         if e <= dev[n]:
             continue
         srcs = [s for s in _deps(n) if s.op is not Op.NONE]
-        if all(dev[s] == e or any(dev[r] == e for r in readers[s] if r is not n) for s in srcs):
+        added = sum(s.nbytes for s in srcs
+                    if dev[s] != e and not any(dev[r] == e for r in readers[s] if r is not n))
+        if added <= n.nbytes:
             dev[n] = e
             moved = True
     return moved

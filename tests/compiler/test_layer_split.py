@@ -214,7 +214,11 @@ def test_dump_shows_assignment_and_bill(path, capsys):
     bill = data["summary"]["transfers"]
     assert data["summary"]["communication"] is None and data["summary"]["reductions_per_step"] == 0
     assert bill["layer_devices"] == devs[:-1] and bill["output_device"] == devs[-1]
-    assert bill["bytes_per_token"] == per_token and bill["bytes_per_prompt"] == 512 * per_token
+    layers = devs[:-1]                      # a prompt's last row alone goes into the output layer
+    between = sum(a != b for a, b in zip([0] + layers, layers))
+    assert between == 1 and devs[-2] != devs[-1]
+    assert bill["bytes_per_token"] == per_token
+    assert bill["bytes_per_prompt"] == (512 * between + 1) * SPEC.n_embd * 4
     assert bill["transfers_per_step"] == boundaries
     assert sum(len(s["transfers"]) for s in data["subgraphs"]) == boundaries
     assert main(["dump", "-m", path, "-c", "64", "--devices", "2", "-sm", "layer", "--stage", "coalesced"]) != 0
@@ -250,3 +254,63 @@ def test_a_backend_without_copies_refuses_the_layer_plan(path):
     with pytest.raises(UnsupportedOpError, match="split_mode='layer'"):
         NoCopies(backend, plan)
     assert NumpyExecutable(backend, plan).transfers
+
+
+# ---------------------------------------------------------------- hand-built and random graphs
+
+
+def _layer_layouts():
+    from hypothesis import strategies as st
+
+    def make(ts: list[int], first_positive: int) -> DeviceLayout:
+        if sum(ts) == 0:
+            ts[first_positive % len(ts)] = 1
+        return DeviceLayout(len(ts), "layer", tuple(ts))
+    return st.builds(make, st.lists(st.integers(0, 4), min_size=1, max_size=5), st.integers(0, 16))
+
+
+def test_layer_plans_equal_one_device_on_random_llama_steps():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from support.helpers import assert_close, llama_case, llama_hparams, run_single, run_split
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(layout=_layer_layouts(), n_layer=st.integers(1, 5), T=st.integers(1, 3), n_past=st.integers(0, 3),
+           tied=st.booleans(), seed=st.integers(0, 2**16))
+    def check(layout, n_layer, T, n_past, tied, seed):
+        hp = llama_hparams(n_layer=n_layer, n_embd=16, n_head=2, n_head_kv=1, hd=8, n_ff=32, n_vocab=40)
+        g, vals, feed, outs = llama_case(hp, T, n_ctx=8, n_past=n_past, n_outputs=1, seed=seed, tied=tied)
+        want = run_single(g, vals, feed, outs)
+        plan, got = run_split(g, layout, vals, feed, outs, hp)
+        for w, o, t in zip(want, got, outs):
+            assert_close(o, w, f"{t.name} on {layout}", rtol=1e-6)
+        devs = layer_devices(n_layer, layout.ratios())
+        assert [(x.src, x.dst) for x in plan.transfers] == [(a, b) for a, b in zip([0] + devs, devs) if a != b]
+    check()
+
+
+def test_a_weight_every_layer_reads_is_held_by_every_device():
+    """A global weight read inside every layer (llama.cpp duplicates rope_freqs per layer) is mirrored."""
+    from metatp.ir import ops
+    from metatp.ir.graph import Graph
+    from metatp.ir.tensor import GGMLType
+    from support.helpers import assert_close, run_single, run_split
+
+    rng = np.random.default_rng(3)
+    tok = ops.new_tensor("token_embd.weight", (8, 10), flags=Flag.WEIGHT)
+    ids = ops.new_tensor("inp_tokens", (3,), GGMLType.I32, Flag.INPUT)
+    shared = ops.new_tensor("shared_scale.weight", (8,), flags=Flag.WEIGHT)
+    h = ops.get_rows(tok, ids, name="inp_embd")
+    for il in range(3):
+        w = ops.new_tensor(f"blk.{il}.w.weight", (8, 8), flags=Flag.WEIGHT)
+        h = ops.add(ops.mul(ops.mul_mat(w, h), shared), h, name=f"l_out-{il}")
+    out = ops.mul_mat(ops.new_tensor("output.weight", (8, 10), flags=Flag.WEIGHT), h, name="result_output")
+    g = Graph([out])
+    vals = {t: rng.standard_normal(t.ne[::-1]).astype(np.float32) for t in g.leaves if t.flags & Flag.WEIGHT}
+    feed = {ids: np.array([1, 7, 3], np.int32)}
+    layout = DeviceLayout(3, "layer", (1, 1, 1))
+    plan, got = run_split(g, layout, vals, feed, [out])
+    assert_close(got[0], run_single(g, vals, feed, [out])[0], rtol=1e-6)
+    assert plan.of(shared).state.is_mirrored and _holders(plan.of(shared)) == [0, 1, 2]
+    assert layer_devices(3, (1, 1, 1)) == [0, 0, 1, 2]        # x = .25 < 1/3, .5, .75
+    assert [(x.src, x.dst) for x in plan.transfers] == [(0, 1), (1, 2)]

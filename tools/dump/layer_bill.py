@@ -3,9 +3,10 @@
 A layer split moves, at each device boundary, one hidden vector per token (n_embd float32):
 the bill is the plan's transfers, counted per step (exact, from the plan), per token (the
 bytes of one row of every transferred tensor) and per prompt of DEFAULT_PREFILL_TOKENS tokens
-(that many rows per transfer: an upper bound, the hop into the output layer carries only the
-rows whose logits are wanted). Time charges the link's fixed cost once per copy plus the bytes
-over its bandwidth (the same Link as the all-reduce bill).
+(that many rows per boundary between layers; the hop into the output layer, when the last
+layer sits elsewhere, carries only the row whose logits a prompt wants). Time charges the
+link's fixed cost once per copy plus the bytes over its bandwidth (the same Link as the
+all-reduce bill).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def _row_bytes(plan: Plan, node: int, nbytes: int) -> int:
     return nbytes // rows if rows else nbytes
 
 
+def _output_hop(plan: Plan, moves: list[dict]) -> dict | None:
+    """The copy into the output layer (the last one to its device), when the last layer runs on
+    another device; None otherwise."""
+    a = layer_assignment(plan)
+    if not a["layer_devices"] or a["layer_devices"][-1] == a["output_device"]:
+        return None
+    into = [m for m in moves if m["dst"] == a["output_device"]]
+    return into[-1] if into else None
+
+
 def transfer_bill(plan: Plan, link: Link, n_tokens: int) -> dict:
     """The copies of a layer plan: each one, and bytes / estimated time per step, token and prompt."""
     nodes = plan.graph.nodes
@@ -39,6 +50,8 @@ def transfer_bill(plan: Plan, link: Link, n_tokens: int) -> dict:
     step = sum(m["nbytes"] for m in moves)
     per_token = sum(m["bytes_per_token"] for m in moves)
     prompt = DEFAULT_PREFILL_TOKENS
+    head = _output_hop(plan, moves)
+    per_prompt = sum(m["bytes_per_token"] * (1 if m is head else prompt) for m in moves)
     return {
         **layer_assignment(plan),
         "link": {"name": link.name, "latency_us": link.latency_us, "bandwidth_gbs": link.bandwidth_gbs},
@@ -48,7 +61,7 @@ def transfer_bill(plan: Plan, link: Link, n_tokens: int) -> dict:
         "bytes_per_step": step,
         "bytes_per_token": per_token,
         "prompt_tokens": prompt,
-        "bytes_per_prompt": per_token * prompt,
+        "bytes_per_prompt": per_prompt,
         "latency_per_step_us": link.seconds(len(moves), step) * 1e6,
         "latency_per_token_us": link.seconds(len(moves), per_token) * 1e6,
     }
