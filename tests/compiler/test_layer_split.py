@@ -314,3 +314,13 @@ def test_a_weight_every_layer_reads_is_held_by_every_device():
     assert plan.of(shared).state.is_mirrored and _holders(plan.of(shared)) == [0, 1, 2]
     assert layer_devices(3, (1, 1, 1)) == [0, 0, 1, 2]        # x = .25 < 1/3, .5, .75
     assert [(x.src, x.dst) for x in plan.transfers] == [(0, 1), (1, 2)]
+
+
+def test_several_sequences_in_one_step_match_one_device(path):
+    """The engine's batched steps (several prompts, then their decode tokens together)."""
+    prompts = [IDS[:3], IDS[2:7], IDS[1:2]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    one = LLM(path, backend="numpy", **LLM_OPTIONS).generate(prompts, params)
+    split = LLM(path, backend="numpy", n_devices=4, split_mode="layer", tensor_split=[1, 1, 2, 1],
+                **LLM_OPTIONS).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in one]
