@@ -151,6 +151,10 @@ class World:
             raise every_rank(ConfigError(
                 f"--devices {n} but mpiexec started {self.size} processes: the world size is the device "
                 f"count (one process per device); run mpiexec -n {n} or drop --devices"))
+        if self.size > 1 and split_mode == "layer":
+            raise every_rank(ConfigError(
+                f"mpiexec started {self.size} processes but split_mode 'layer' is not supported across "
+                "processes yet: run -sm layer in one process (--devices N, no mpiexec), or -sm tensor under mpiexec"))
         if self.size > 1 and split_mode not in (None, "tensor"):
             raise every_rank(ConfigError(
                 f"mpiexec started {self.size} processes but split_mode is {split_mode!r}: "

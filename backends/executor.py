@@ -6,8 +6,9 @@ what a node runs (`node_steps`, `fused_steps`, `zero_fill_step`), and how the co
 are run (its runner: node-major closures and threads on the host; streams, events and CUDA
 graphs on a GPU). `PlanExecutor.__init__` runs the one construction sequence (inputs, leaves,
 shared values, fusions, node buffers, the walk, one prepared all-reduce per reduction) and
-`read` gathers results. The walk below is the one place that decides which device runs which
-node:
+`read` gathers results. Under -sm layer a subgraph may end with copies of values another
+device reads (`transfer_step`, prepared once per `Transfer`). The walk below is the one place
+that decides which device runs which node:
 
 - a pure view runs nothing (its memory is its source's);
 - a device whose slice is empty runs nothing, or zero-fills the buffer when a later node
@@ -54,8 +55,9 @@ class NodeSteps:
 class PlanExecutor(Executable):
     """The shared part of an executable. A subclass sets up what its hooks need, then calls
     `super().__init__(backend, plan)`, which binds and walks the plan; after it, `steps`
-    holds [subgraph][device] -> steps and `reductions` [subgraph] -> the prepared all-reduce
-    (None where the subgraph ends without one)."""
+    holds [subgraph][device] -> steps, `reductions` [subgraph] -> the prepared all-reduce
+    (None where the subgraph ends without one) and `transfers` [subgraph] -> its prepared
+    copies between devices (run after the all-reduce; empty but under -sm layer)."""
 
     def __init__(self, backend: Backend, plan: Plan) -> None:
         if plan.n_devices != backend.n:
@@ -80,6 +82,7 @@ class PlanExecutor(Executable):
         self.walked = self.walk()
         self.steps = self.per_device(self.walked, self.devices, n)
         self.reductions = self.prepare_reductions()
+        self.transfers = self.prepare_transfers()
 
     # ---------------------------------------------------------------- hooks (memory)
     @abstractmethod
@@ -143,6 +146,11 @@ class PlanExecutor(Executable):
     def reduction_buffer(self, d: int, node: Tensor) -> Any:
         """Device d's buffer of a reduced node, as the collective takes it."""
         return self.arrays[d][node]
+
+    def transfer_step(self, node: Tensor, src: int, dst: int) -> Any:
+        """A step copying device src's buffer of `node` into device dst's (-sm layer)."""
+        raise UnsupportedOpError(f"{self.backend.name} backend: split_mode='layer' (copies between devices) "
+                                 "is not implemented on this backend yet")
 
     def reduction_stream(self) -> Any:
         """The stream the prepared all-reduces run on (None: the collective's own choice)."""
@@ -254,6 +262,18 @@ class PlanExecutor(Executable):
             bufs = [self.reduction_buffer(d, node) for d in self.devices]
             active = list(self.plan.of(node).compute)
             out[k] = collective.prepare_allreduce(bufs, active, stream=stream)
+        return out
+
+    def prepare_transfers(self) -> list[list]:
+        """[subgraph] -> its copies between devices (`transfer_step`), in plan order."""
+        out: list[list] = [[] for _ in self.plan.subgraphs]
+        nodes = self.plan.graph.nodes
+        for k, sub in enumerate(self.plan.subgraphs):
+            for x in sub.transfers:
+                if len(self.devices) < self.plan.n_devices:
+                    raise UnsupportedOpError("split_mode='layer' is not supported across processes yet "
+                                             "(one process must own every device)")
+                out[k].append(self.transfer_step(nodes[x.node], x.src, x.dst))
         return out
 
     # ---------------------------------------------------------------- results

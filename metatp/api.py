@@ -114,7 +114,7 @@ class LLM:
 
     `model`: a GGUF path or a known model name; None is the default small model.
     `n_ctx`: context size; default 2048, capped at the model's trained context.
-    `n_devices`/`split_mode`/`tensor_split` follow llama.cpp (-sm tensor -ts 3,1).
+    `n_devices`/`split_mode`/`tensor_split` follow llama.cpp (-sm tensor or -sm layer, -ts 3,1).
     `numerics`: "exact" (float32) or "llamacpp" (numpy backend only: round activations and the KV
     cache as llama.cpp's CPU backend does, to compare logits with it).
     `memory_budget`: bytes per device ("8GiB"); default: what the backend reports free. The memory
@@ -191,7 +191,7 @@ class LLM:
             if not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string, got {_type_name(v)} {_short(v)}")
         if split_mode is not None and not isinstance(split_mode, str):
-            raise ConfigError(f"split_mode must be 'none', 'tensor' or None, got {_short(split_mode)}")
+            raise ConfigError(f"split_mode must be 'none', 'tensor', 'layer' or None, got {_short(split_mode)}")
         seed = check_seed("seed", seed)
         fit_context = _check_bool("fit_context", fit_context)
         verbose = _check_bool("verbose", verbose)

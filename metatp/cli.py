@@ -50,7 +50,8 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
                    help="KV cache type for V (default: as -ctk)")
     p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor"], help="none | tensor")
+    p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor", "layer"],
+                   help="none | tensor | layer (whole layers per device, -ts their shares)")
     p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
     p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
     p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")

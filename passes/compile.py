@@ -7,6 +7,9 @@ Stages, each available as a Plan snapshot for the dump tool (`stop_after=`):
 - "coalesced":   delayed reductions merged (the final subgraphs and states), locals empty;
 - "lowered":     the final plan with per-device shapes, strides and offsets (the default).
 
+split_mode "layer" has none of these passes: `passes.layer_plan` places whole layers on devices
+and copies the hidden state between them, so only "built" and "lowered" exist for it.
+
 `coalesce=False` gives the final plan of the "partitioned" stage, lowered (tests compare the
 two). `overrides` pins leaf states (tests of the rules; the split table decides otherwise).
 
@@ -26,6 +29,7 @@ from metatp.ir.errors import ConfigError
 from metatp.ir.graph import Graph
 from metatp.ir.tensor import Tensor
 from metatp.passes.coalesce import coalesce as coalesce_chains
+from metatp.passes.layer_plan import compile_layer_plan
 from metatp.passes.lower import lower
 from metatp.passes.partition import (Chain, choose_owners, make_subgraphs, mark_compute, minimal_chains,
                                      partial_leaf_fixups, partial_nodes)
@@ -122,6 +126,12 @@ def compile_stages(graph: Graph, layout: DeviceLayout, hparams=None, *, coalesce
         out["built"] = Plan(graph, layout, {}, [], {"stage": "built", "n_subgraphs": 0})
     if last == 0:
         return out
+    if layout.split_mode == "layer":
+        if stop_after != "lowered":
+            raise ConfigError(f"stage {stop_after!r} belongs to -sm tensor's passes; -sm layer has the stages "
+                              "built and lowered only")
+        out["lowered"] = compile_layer_plan(graph, layout, hparams)
+        return out
     graph.check()
     table = make_table(graph, layout, hparams)
     over = dict(overrides or {})
@@ -156,6 +166,8 @@ def compile_plan(graph: Graph, layout: DeviceLayout, hparams=None, *, stop_after
     snapshot instead (see STAGES). coalesce=False: one reduction per PARTIAL node."""
     if layout.split_mode == "none":
         return single_device_plan(graph)
+    if layout.split_mode == "layer" and stop_after == "lowered":
+        return compile_layer_plan(graph, layout, hparams)
     stages = compile_stages(graph, layout, hparams, coalesce=coalesce, overrides=overrides,
                             stop_after=stop_after, keep_all=False)
     return stages[stop_after]

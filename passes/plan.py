@@ -18,9 +18,9 @@ from metatp.passes.state import SplitState
 if TYPE_CHECKING:
     from metatp.backends.analysis import PlanFacts
 
-__all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Subgraph", "Plan", "single_device_plan"]
+__all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Transfer", "Subgraph", "Plan", "single_device_plan"]
 
-SPLIT_MODES = ("none", "tensor")
+SPLIT_MODES = ("none", "tensor", "layer")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class DeviceLayout:
         if self.split_mode not in SPLIT_MODES:
             raise ConfigError(f"split_mode must be one of {', '.join(SPLIT_MODES)}, got {self.split_mode!r}")
         if self.split_mode == "none" and self.n_devices != 1:
-            raise ConfigError(f"n_devices={self.n_devices} needs split_mode='tensor' (split_mode='none' runs on one device)")
+            raise ConfigError(f"n_devices={self.n_devices} needs split_mode='tensor' or 'layer' "
+                              "(split_mode='none' runs on one device)")
         if self.tensor_split is not None:
             ts = self.tensor_split
             if len(ts) != self.n_devices:
@@ -77,6 +78,9 @@ class Local:
 
 @dataclass
 class TensorPlan:
+    """How one tensor sits on the devices. Under -sm layer (`passes.layer_plan`) a device holds
+    the tensor when its Local is the whole tensor (empty, ne0 = 0, elsewhere)."""
+
     tensor: Tensor
     state: SplitState            # assume_sync=False: PARTIAL where a reduction is pending
     sync_state: SplitState       # assume_sync=True: what consumers see
@@ -101,10 +105,23 @@ class Reduction:
 
 
 @dataclass
+class Transfer:
+    """split_mode="layer": a point-to-point copy of one node's whole buffer from the device that
+    computed it to a device that reads it (the hidden state at a layer boundary)."""
+
+    node: int                    # index of the node whose buffer is copied
+    src: int                     # the device that computed it
+    dst: int                     # the device that reads it (its own buffer of the node)
+    nbytes: int                  # bytes copied
+
+
+@dataclass
 class Subgraph:
     start: int                   # first node index
     end: int                     # last node index (inclusive)
     reduction: Reduction | None  # all-reduce after the subgraph (None: nothing pending)
+    # copies after the subgraph (and after its all-reduce), in order; empty but under -sm layer
+    transfers: list[Transfer] = field(default_factory=list)
 
 
 @dataclass
@@ -133,6 +150,10 @@ class Plan:
     @property
     def reductions(self) -> list[Reduction]:
         return [s.reduction for s in self.subgraphs if s.reduction is not None]
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        return [t for s in self.subgraphs for t in s.transfers]
 
 
 def _full_local(t: Tensor) -> Local:

@@ -83,7 +83,7 @@ def _layouts(cfg: BenchConfig) -> list[tuple[int, str, tuple[float, ...] | None]
         key = (n, sm, ts)
         if key not in out:
             out.append(key)
-    if any(sm == "tensor" for _, sm, _ in out) and (1, "none", None) not in out:
+    if any(sm != "none" for _, sm, _ in out) and (1, "none", None) not in out:
         out.insert(0, (1, "none", None))
     return out
 
@@ -531,8 +531,8 @@ def _config(args: argparse.Namespace, world) -> BenchConfig:
     split_mode = args.split_mode or ("tensor" if world is not None else "none")
     modes = [m.strip() for m in split_mode.split(",") if m.strip()]
     for m in modes:
-        if m not in ("none", "tensor"):
-            raise ConfigError(f"-sm: unknown split mode {m!r} (none, tensor)")
+        if m not in ("none", "tensor", "layer"):
+            raise ConfigError(f"-sm: unknown split mode {m!r} (none, tensor, layer)")
     ts = [DeviceLayout.parse_split(t) for t in args.tensor_split.split(",")] if args.tensor_split else [None]
     default_devices = [world.size] if world is not None else [1]
     return BenchConfig(model=args.model, n_prompt=_int_list(args.n_prompt), n_gen=_int_list(args.n_gen),

@@ -201,9 +201,14 @@ class NumpyBackend(Backend):
         return s
 
     def workspace_bytes(self, plan: Plan) -> list[int]:
-        """Per device: bytes beyond weights, KV and the plan's buffers (the dequantization slab)."""
-        enc = any(self.keeps_encoded(t, t.type, plan) for t in plan.graph.leaves if t.flags & Flag.WEIGHT)
-        return [native.DEQUANT_CHUNK * 4 if enc else 0] * self.n
+        """Per device: bytes beyond weights, KV and the plan's buffers (the dequantization slab, on
+        the devices that hold int8 codes: `upload_encoded` makes it there only; -sm layer)."""
+        enc = [False] * self.n
+        for t in plan.graph.leaves:
+            if t.flags & Flag.WEIGHT and self.keeps_encoded(t, t.type, plan):
+                for d, loc in enumerate(plan.of(t).local):
+                    enc[d] = enc[d] or bool(loc.ne[0] * loc.ne[1])
+        return [native.DEQUANT_CHUNK * 4 if e else 0 for e in enc]
 
     def packed(self, t: Tensor, d: int) -> AffineWeight | None:
         return self._packed[d].get(t)

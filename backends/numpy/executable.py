@@ -204,6 +204,10 @@ class NumpyExecutable(PlanExecutor):
     def zero_fill_step(self, d: int, node: Tensor):
         return functools.partial(self.arrays[d][node].fill, 0)
 
+    def transfer_step(self, node: Tensor, src: int, dst: int):
+        """-sm layer: simulated devices copy between their own buffers."""
+        return functools.partial(np.copyto, self.arrays[dst][node], self.arrays[src][node])
+
     @staticmethod
     def _node_major(items) -> list[Closure]:
         """One subgraph's closures node by node across devices; one node's int8 matmuls on every
@@ -218,10 +222,11 @@ class NumpyExecutable(PlanExecutor):
         return order
 
     def _serial_step(self) -> list[Closure]:
-        """The whole step on the caller's thread: every subgraph's closures (node-major) and its
-        all-reduce in plan order, each run of consecutive compiled calls (matmul groups, rope, KV
-        writes, attention, norms, adds, a compiled all-reduce) joined into one ctypes call
-        (`cpu_kernels.batch`), across subgraph boundaries: a decode step is one call. Same calls
+        """The whole step on the caller's thread: every subgraph's closures (node-major), its
+        all-reduce and its copies between devices (-sm layer) in plan order, each run of
+        consecutive compiled calls (matmul groups, rope, KV writes, attention, norms, adds, a
+        compiled all-reduce) joined into one ctypes call (`cpu_kernels.batch`), across subgraph
+        boundaries: a decode step is one call (a copy between devices ends a run). Same calls
         in the same order: the same bits."""
         out: list[Closure] = []
         run: list[Closure] = []
@@ -231,8 +236,8 @@ class NumpyExecutable(PlanExecutor):
                 out.append(native.batch(run))
                 run.clear()
 
-        for order, reduce in zip(self.node_major, self.reductions):
-            for f in order + ([reduce] if reduce is not None else []):
+        for order, reduce, moves in zip(self.node_major, self.reductions, self.transfers):
+            for f in order + ([reduce] if reduce is not None else []) + moves:
                 if native.batchable(f):
                     run.append(f)
                 else:
@@ -254,7 +259,7 @@ class NumpyExecutable(PlanExecutor):
             for f in self._serial:
                 f()
             return
-        for per_dev, reduce in zip(self.steps, self.reductions):
+        for per_dev, reduce, moves in zip(self.steps, self.reductions, self.transfers):
             # simulated devices run side by side: numpy releases the GIL inside BLAS
             first, *rest = self.devices
             futures = [pool.submit(_run_all, per_dev[d]) for d in rest]
@@ -263,6 +268,7 @@ class NumpyExecutable(PlanExecutor):
                 fut.result()
             if reduce is not None:
                 reduce()
+            _run_all(moves)
 
 
 def _norm_fusion(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:

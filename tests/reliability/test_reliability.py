@@ -22,7 +22,7 @@ SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=31) 
     ({"n_devices": 2, "split_mode": "tensor", "tensor_split": [1, math.nan]}, "finite"),
     ({"n_devices": 0}, "n_devices must be"),
     ({"n_devices": 2, "split_mode": "none"}, "needs split_mode='tensor'"),
-    ({"split_mode": "layer"}, "split_mode must be one of"),
+    ({"split_mode": "row"}, "split_mode must be one of"),
     ({"n_ctx": 0}, "n_ctx must be a positive integer"),
     ({"n_ctx": -5}, "n_ctx must be a positive integer"),
     ({"backend": "tpu"}, "unknown backend"),

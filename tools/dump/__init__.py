@@ -5,7 +5,8 @@ program (json, schema in docs/dump-format.md) or as a picture (dot / svg, one cl
 subgraph, nodes coloured by split state). Its summary adds what the Plan implies: per-device
 weight and KV bytes, the mirrored overhead, and the communication bill of tensor parallelism
 (bytes the chosen all-reduce schedule moves, reductions per token, tensor vs layer split,
-latency per token).
+latency per token); for -sm layer, the layer assignment and the copies between devices
+(`layer_bill`).
 
 The graph is built from the GGUF header only (tensor infos and scalar metadata); no weight is
 read or dequantised, so dumping the default model takes well under two seconds.
@@ -34,6 +35,7 @@ from metatp.tools.dump.view import (DEFAULT_N_CTX, DEFAULT_PREFILL_TOKENS, FORMA
                                     communication_bill, node_layers, plan_summary, raw_weight_bytes)
 from metatp.tools.dump.text import format_text
 from metatp.tools.dump.json_format import format_json
+from metatp.tools.dump.layer_bill import transfer_bill
 from metatp.tools.dump.dot import format_dot, render_svg
 
 __all__ = ["dump", "dump_model", "DumpRequest", "mpi_layout", "Link", "LINKS", "FORMATS", "PHASES",
@@ -97,6 +99,10 @@ def dump(plan: Plan, fmt: str = "text", *, layer: int | None = None, link: Link 
         dot_text = format_dot(view, info)
         return dot_text if fmt == "dot" else render_svg(dot_text)
     summary = plan_summary(view, lowered, as_link(link), n_tokens, hparams, n_ctx)
+    summary["transfers"] = None
+    if plan.layout.split_mode == "layer" and plan.tensors:
+        summary["communication"] = None          # nothing is all-reduced: the copies are the bill
+        summary["transfers"] = transfer_bill(plan, as_link(link), n_tokens)
     if fmt == "json":
         return format_json(view, info, summary, hparams)
     return format_text(view, info, summary, hparams)
@@ -163,6 +169,9 @@ def _compile(graph: Graph, layout, hparams, stage: str) -> tuple[Plan, Plan]:
     if layout.split_mode == "none":
         plan = single_device_plan(graph)
         return plan, plan
+    if layout.split_mode == "layer" and stage not in ("built", "lowered"):
+        raise ConfigError(f"--stage {stage}: -sm layer has the stages built and lowered only (the others are "
+                          "-sm tensor's passes)")
     stages = compile_stages(graph, layout, hparams, keep_all=stage != "lowered")
     return stages[stage], stages["lowered"]
 
@@ -209,7 +218,8 @@ def add_parser(sub) -> None:
                                    "state of every tensor, subgraphs, all-reduces, memory and the communication bill.")
     d.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
     d.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    d.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor"], help="none | tensor")
+    d.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor", "layer"],
+                   help="none | tensor | layer (whole layers per device, -ts their shares)")
     d.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
     d.add_argument("--phase", default="decode", choices=PHASES, help="decode (1 token, full cache) | prefill")
     d.add_argument("--n-tokens", type=int, default=None, help=f"prefill batch size (default {DEFAULT_PREFILL_TOKENS})")

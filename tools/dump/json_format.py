@@ -75,7 +75,8 @@ def format_json(view: PlanView, info: dict, summary: dict, hparams) -> str:
     for k, sg in enumerate(view.plan.subgraphs):
         rid = view.reduction_of[sg.reduction.node][0] if sg.reduction is not None else None
         subgraphs.append({"id": k, "start": sg.start, "end": sg.end, "n_nodes": sg.end - sg.start + 1,
-                          "reduction": rid})
+                          "reduction": rid, "transfers": [{"node": x.node, "src": x.src, "dst": x.dst,
+                                                           "nbytes": x.nbytes} for x in sg.transfers]})
     data = {
         "format": "metatp-dump",
         "version": SCHEMA_VERSION,

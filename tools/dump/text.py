@@ -111,7 +111,43 @@ def _summary_text(s: dict) -> list[str]:
     c = s["communication"]
     if c is not None:
         out += _bill_text(c)
+    if s.get("transfers"):
+        out += _transfer_text(s["transfers"])
     return out
+
+
+def _transfer_text(b: dict) -> list[str]:
+    """-sm layer: which device runs which layers, and the copies at the boundaries."""
+    link = b["link"]
+    out = ["", "layer assignment (llama.cpp's rule: layers in proportion to -ts, output layer as slot n_layer)",
+           f"  input layer (token embeddings): dev{b['input_device']}"]
+    for d, layers in enumerate(b["layers_per_device"]):
+        span = _spans(layers)
+        out.append(f"  dev{d}: {len(layers)} layer(s){' ' + span if span else ''}")
+    out.append(f"  output layer (final norm, lm head): dev{b['output_device']}")
+    out += ["", f"copy bill (point-to-point, no all-reduce; link {link['name']}: {link['latency_us']:g} us per copy,"
+                f" {link['bandwidth_gbs']:g} GB/s)"]
+    for m in b["transfers"]:
+        out.append(f"  node {m['node']} {m['name'] or '(unnamed)'}: dev{m['src']} -> dev{m['dst']},"
+                   f" {_bytes_exact(m['nbytes'])} per step, {m['bytes_per_token']} B per token")
+    out.append(f"  copies per step: {b['transfers_per_step']} ({b['n_tokens_per_step']} token(s) per step),"
+               f" {_bytes_exact(b['bytes_per_step'])} per step")
+    out.append(f"  per token: {_bytes_exact(b['bytes_per_token'])} (one hidden vector per boundary);"
+               f" per {b['prompt_tokens']}-token prompt: {_bytes_exact(b['bytes_per_prompt'])}")
+    out.append(f"  est. latency: {b['latency_per_step_us']:.1f} us per step,"
+               f" {b['latency_per_token_us']:.2f} us per token")
+    return out
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[tuple[int, int]] = []
+    for il in layers:
+        if parts and parts[-1][1] == il - 1:
+            parts[-1] = (parts[-1][0], il)
+        else:
+            parts.append((il, il))
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
 
 
 def _bill_text(c: dict) -> list[str]:
@@ -166,9 +202,13 @@ def format_text(view: PlanView, info: dict, summary: dict, hparams) -> str:
     lines += ["", f"leaves ({len(view.leaves)}): kind name shape type state [bytes per device] (split rule)"]
     lines += [_leaf_line(view, t, why) for t in view.leaves]
     lines += ["", f"nodes ({len(view.nodes)}): index op name shape type state compute=<per device> sg=<subgraph>"]
+    copies = {sub.end: sub.transfers for sub in view.plan.subgraphs if sub.transfers}
     for i in view.nodes:
         lines.append(_node_line(view, i))
         if i in view.reduction_of:
             lines.append(_reduction_line(view, i))
+        for x in copies.get(i, ()):
+            lines.append(f"{'':5}  ==== copy of node {x.node} {view.label(view.graph.nodes[x.node])}: dev{x.src} -> "
+                         f"dev{x.dst}, {_bytes_exact(x.nbytes)}")
     lines += _summary_text(summary)
     return "\n".join(lines) + "\n"
