@@ -36,8 +36,8 @@ def check_logit_bias(v: Any) -> dict[int, float]:
     for k, b in v.items():
         if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral) or k < 0:
             raise ConfigError(f"logit_bias: token ids must be integers >= 0, got {k!r}")
-        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real) or not math.isfinite(b) \
-                or not -100 <= b <= 100:
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real) \
+                or not (isinstance(b, numbers.Integral) or math.isfinite(b)) or not -100 <= b <= 100:
             raise ConfigError(f"logit_bias: the bias of token {int(k)} must be a number from -100 to 100, got {b!r}")
         out[int(k)] = float(b) + 0.0
     return out
@@ -101,12 +101,31 @@ class Penalties:
         if n_vocab is not None and self.both_bans.size >= n_vocab:
             raise ConfigError("logit_bias bans every token of the vocabulary (with min_tokens' end tokens): "
                               "nothing is left to sample")
+        self._source: Sequence[int] | None = None
+        self._seen, self._ids, self._counts = 0, _EMPTY, _EMPTY     # counts of _source[:_seen]
+
+    def _count(self, generated: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, counts) of the generated tokens, kept up to date a token at a time while the
+        caller passes the same growing list (a request's output_ids); anything else is counted afresh."""
+        n = len(generated)
+        if generated is not self._source or n < self._seen or n - self._seen > 8:
+            self._source = generated
+            self._ids, self._counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        else:
+            for t in generated[self._seen:]:
+                i = int(np.searchsorted(self._ids, t))
+                if i < self._ids.size and self._ids[i] == t:
+                    self._counts[i] += 1
+                else:
+                    self._ids, self._counts = np.insert(self._ids, i, t), np.insert(self._counts, i, 1)
+        self._seen = n
+        return self._ids, self._counts
 
     def step(self, generated: Sequence[int]) -> Adjustment | None:
         """This step's adjustment, from the tokens generated so far; None: nothing to do."""
         terms = []
         if (self.frequency or self.presence) and len(generated):
-            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            ids, counts = self._count(generated)
             terms.append((ids, -(self.frequency * counts + self.presence)))
         if self.bias_ids.size:
             terms.append((self.bias_ids, self.bias_vals))

@@ -24,12 +24,15 @@ def _is_bool(v: Any) -> bool:
 
 def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
     """A finite real number in range (numpy scalars welcome) as a Python float."""
-    if _is_bool(v) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+    if _is_bool(v) or not isinstance(v, numbers.Real) or not (isinstance(v, numbers.Integral) or math.isfinite(v)):
         raise ConfigError(f"{name} must be a finite number, got {v!r} ({type(v).__name__})")
     if v < lo or (lo_open and v == lo) or v > hi:
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
-    return float(v) + 0.0          # + 0.0: -0.0 is 0.0
+    try:
+        return float(v) + 0.0      # + 0.0: -0.0 is 0.0
+    except OverflowError:          # an integer beyond float64
+        raise ConfigError(f"{name} must be a finite number, got an integer too large for a float") from None
 
 
 def _integer(v: Any) -> bool:

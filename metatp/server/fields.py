@@ -45,7 +45,7 @@ def num_field(body: dict, name: str, default: float, lo: float, hi: float, lo_op
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (is_int(v) or math.isfinite(v)) \
             or v < lo or v > hi or (lo_open and v == lo):
         raise BadRequest(f"'{name}' must be a number {'>' if lo_open else '>='} {lo} and <= {hi}, got {json.dumps(v)}",
                          name)
@@ -81,10 +81,11 @@ def logit_bias_field(body: dict) -> dict[int, float] | None:
         raise BadRequest(f"'logit_bias' must be an object of token id -> bias, got {json.dumps(v)[:80]}", "logit_bias")
     out: dict[int, float] = {}
     for k, b in v.items():
-        if not (k.isascii() and k.isdigit()):
+        if not (k.isascii() and k.isdigit() and len(k) <= 18):
             raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {json.dumps(k)[:40]}",
                              "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not math.isfinite(b) or not -100 <= b <= 100:
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (is_int(b) or math.isfinite(b)) \
+                or not -100 <= b <= 100:
             raise BadRequest(f"'logit_bias' values must be numbers from -100 to 100, got {json.dumps(b)[:40]} "
                              f"for token {k}", "logit_bias")
         out[int(k)] = float(b)

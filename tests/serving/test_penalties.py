@@ -242,8 +242,9 @@ def test_server_min_tokens_holds_eos_and_stop_ids_back(client, llm):
 @pytest.mark.parametrize("field, value", [
     ("frequency_penalty", 2.5), ("presence_penalty", -3), ("presence_penalty", "1"),
     ("logit_bias", {"abc": 1}), ("logit_bias", {"-5": 1}), ("logit_bias", {"5": 100.5}), ("logit_bias", {"5": True}),
-    ("logit_bias", [5, 1]), ("logit_bias", {"100000": 1}), ("min_tokens", -1), ("min_tokens", 1.5),
-    ("min_tokens", 20), ("stop_token_ids", ["a"]), ("stop_token_ids", 5),
+    ("logit_bias", [5, 1]), ("logit_bias", {"100000": 1}), ("logit_bias", {"9" * 5000: 1}),
+    ("logit_bias", {"5": 10 ** 400}), ("frequency_penalty", 10 ** 400), ("temperature", 10 ** 400),
+    ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", 20), ("stop_token_ids", ["a"]), ("stop_token_ids", 5),
 ])
 def test_server_bad_values_are_a_400_naming_the_field(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
@@ -259,3 +260,16 @@ def test_server_defaults_leave_outputs_bit_identical(client):
         b = complete(client, 16, **kw, **defaults)
         assert a.choices[0].text == b.choices[0].text
         assert a.choices[0].logprobs.token_logprobs == b.choices[0].logprobs.token_logprobs
+
+
+@serve
+def test_server_chat_applies_them_as_the_python_api_does(client, llm):
+    msgs = [{"role": "user", "content": PROMPT}]
+    plain = llm.create_chat_completion(msgs, max_tokens=12, temperature=0.0)["choices"][0]["message"]["content"]
+    first = llm.tokenize(plain[0], add_bos=False)[0]
+    kw = dict(frequency_penalty=2.0, presence_penalty=1.0)
+    want = llm.create_chat_completion(msgs, max_tokens=12, temperature=0.0, logit_bias={first: -100}, **kw)
+    r = client.chat.completions.create(model=client.model_id, messages=msgs, max_tokens=12, temperature=0.0,
+                                       logit_bias={str(first): -100}, **kw)
+    assert r.choices[0].message.content == want["choices"][0]["message"]["content"] != plain
+    assert plain[0] not in r.choices[0].message.content[:1]

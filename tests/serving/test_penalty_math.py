@@ -116,7 +116,8 @@ def test_defaults_do_no_work_and_change_nothing():
     (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={5: float("inf")}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"), (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=2.0), "min_tokens"),
-    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"), (dict(logit_bias={5: 10 ** 400}), "logit_bias"),
+    (dict(frequency_penalty=10 ** 400), "frequency_penalty"), (dict(temperature=10 ** 400), "temperature"),
 ])
 def test_bad_values_are_a_config_error_naming_the_field(kw, name):
     with pytest.raises(ConfigError, match=name):
@@ -150,3 +151,16 @@ def test_stop_strings_end_nothing_before_min_tokens_but_may_start_there():
     m = StopMatcher(["e"])
     assert release_unstopped(m, "ee") == "ee" and m.text == ""
     assert m.feed("ab") == ("ab", None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(CASE)
+def test_counts_kept_a_token_at_a_time_equal_the_reference_at_every_step(case):
+    """The sampler is called with the request's own growing list: its counts are updated in place."""
+    logits, generated, freq, pres, bias, min_tokens, end_ids = case
+    pen = Penalties(freq, pres, bias, min_tokens, end_ids, n_vocab=V)
+    grown: list[int] = []
+    for tok in generated:
+        want = reference(logits, grown, freq, pres, bias, min_tokens, end_ids)
+        assert np.array_equal(np.asarray(pen(logits, grown), np.float64), want)
+        grown.append(tok)
