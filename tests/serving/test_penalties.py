@@ -273,3 +273,17 @@ def test_server_chat_applies_them_as_the_python_api_does(client, llm):
                                        logit_bias={str(first): -100}, **kw)
     assert r.choices[0].message.content == want["choices"][0]["message"]["content"] != plain
     assert plain[0] not in r.choices[0].message.content[:1]
+
+
+@serve
+def test_server_streams_what_it_answers_with_min_tokens_and_a_stop_string(client, llm):
+    stop = greedy(llm, n=1).text
+    for m in (0, 3):
+        extra = {"ignore_eos": True, "min_tokens": m}
+        whole = client.completions.create(model=client.model_id, prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                          stop=[stop], extra_body=extra).choices[0]
+        chunks = client.completions.create(model=client.model_id, prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                           stop=[stop], extra_body=extra, stream=True)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == whole.text == greedy(llm, n=16, stop=stop, min_tokens=m).text
+        assert (whole.text != "") == (m > 0) and whole.finish_reason == "stop"
