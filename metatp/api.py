@@ -17,7 +17,7 @@ import numpy as np
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.ir.models.common import cache_type
-from metatp.sampling import SamplingParams, check_seed, with_penalties
+from metatp.sampling import SamplingParams, check_seed
 from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
@@ -526,7 +526,7 @@ class LLM:
                           stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
                           echo: bool = False, **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns."""
-        params = with_penalties(_completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty), penalties)
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         ids = self.prompt_ids(prompt)
         cid = f"cmpl-{uuid.uuid4()}"
@@ -561,7 +561,7 @@ class LLM:
         """OpenAI-style chat completion using the GGUF's chat template.
 
         Message content may be a string, None, or OpenAI content parts of type "text"."""
-        params = with_penalties(_completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty), penalties)
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream = _check_bool("stream", stream)
         prompt = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=True)
         ids = self.tokenize(prompt, special=True)

@@ -13,9 +13,10 @@ import numpy as np
 from metatp.ir.errors import ConfigError
 from metatp.penalties import Penalties, check_logit_bias, check_min_tokens
 
-__all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N", "with_penalties"]
+__all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N"]
 
 MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
+_KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
 def _is_bool(v: Any) -> bool:
@@ -127,6 +128,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def with_keywords(self, extra: dict[str, Any]) -> "SamplingParams":
+        """These params with llama-cpp-python's frequency_penalty / presence_penalty / logit_bias
+        keyword arguments (and vLLM's min_tokens / stop_token_ids) of `LLM.create_completion` and
+        `create_chat_completion`; None keeps the default. Any other name: TypeError, as Python says."""
+        bad = [k for k in extra if k not in _KEYWORD_EXTRAS]
+        if bad:
+            raise TypeError(f"got an unexpected keyword argument {bad[0]!r} (the sampling keywords beyond the "
+                            f"named ones: {', '.join(_KEYWORD_EXTRAS)})")
+        given = {k: v for k, v in extra.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
 
 class Sampler:
     """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax)."""
@@ -210,17 +222,3 @@ def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
         return z
     return (x - x.max()) / temperature
 
-
-_KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
-
-
-def with_penalties(params: SamplingParams, extra: dict[str, Any]) -> SamplingParams:
-    """`params` with llama-cpp-python's frequency_penalty / presence_penalty / logit_bias keyword
-    arguments (and vLLM's min_tokens / stop_token_ids) of `LLM.create_completion` and
-    `create_chat_completion`; None keeps the default. Any other name: TypeError, as Python says."""
-    bad = [k for k in extra if k not in _KEYWORD_EXTRAS]
-    if bad:
-        raise TypeError(f"got an unexpected keyword argument {bad[0]!r} (the sampling keywords beyond the "
-                        f"named ones: {', '.join(_KEYWORD_EXTRAS)})")
-    given = {k: v for k, v in extra.items() if v is not None}
-    return dataclasses.replace(params, **given) if given else params

@@ -41,8 +41,8 @@ from metatp.engine import Engine, StepItem
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
 from metatp.kv_cells import SeqCells
 from metatp.lockstep import Leader
-from metatp.penalties import release_unstopped
 from metatp.sampling import Sampler, SamplingParams
+from metatp.penalties import release_unstopped
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World

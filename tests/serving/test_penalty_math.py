@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from metatp.ir.errors import ConfigError
 from metatp.penalties import Penalties, adjust, release_unstopped
-from metatp.sampling import Sampler, SamplingParams, with_penalties
+from metatp.sampling import Sampler, SamplingParams
 from metatp.scheduler import StopMatcher
 
 V = 40
@@ -134,12 +134,12 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary():
 
 
 def test_the_keyword_arguments_of_the_llama_cpp_style_calls():
-    p = with_penalties(SamplingParams(), {"frequency_penalty": 1.0, "presence_penalty": None, "logit_bias": {3: -100}})
+    p = SamplingParams().with_keywords({"frequency_penalty": 1.0, "presence_penalty": None, "logit_bias": {3: -100}})
     assert (p.frequency_penalty, p.presence_penalty, p.logit_bias) == (1.0, 0.0, {3: -100.0})
     with pytest.raises(TypeError, match="mirostat"):
-        with_penalties(SamplingParams(), {"mirostat": 2})
+        SamplingParams().with_keywords({"mirostat": 2})
     with pytest.raises(ConfigError, match="frequency_penalty"):
-        with_penalties(SamplingParams(), {"frequency_penalty": 9})
+        SamplingParams().with_keywords({"frequency_penalty": 9})
 
 
 def test_stop_strings_end_nothing_before_min_tokens_but_may_start_there():
