@@ -474,9 +474,9 @@ class LLM:
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, stop: str | list[str] | None = None,
                           stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
-                          echo: bool = False) -> dict | Iterator[dict]:
+                          echo: bool = False, **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns."""
-        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         ids = self.prompt_ids(prompt)
         cid, created = oai.response_id("cmpl")
@@ -502,11 +502,11 @@ class LLM:
     def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.2,
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
-                               repeat_penalty: float = 1.0) -> dict | Iterator[dict]:
+                               repeat_penalty: float = 1.0, **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style chat completion using the GGUF's chat template.
 
         Message content may be a string, None, or OpenAI content parts of type "text"."""
-        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty)
+        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream = _check_bool("stream", stream)
         prompt = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=True)
         ids = self.tokenize(prompt, special=True)

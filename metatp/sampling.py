@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -10,10 +11,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from metatp.ir.errors import ConfigError
+from metatp.penalties import Penalties, check_logit_bias, check_min_tokens
 
 __all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N"]
 
 MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
+_KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
 def _is_bool(v: Any) -> bool:
@@ -22,12 +25,15 @@ def _is_bool(v: Any) -> bool:
 
 def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
     """A finite real number in range (numpy scalars welcome) as a Python float."""
-    if _is_bool(v) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+    if _is_bool(v) or not isinstance(v, numbers.Real) or not (isinstance(v, numbers.Integral) or math.isfinite(v)):
         raise ConfigError(f"{name} must be a finite number, got {v!r} ({type(v).__name__})")
     if v < lo or (lo_open and v == lo) or v > hi:
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
-    return float(v) + 0.0          # + 0.0: -0.0 is 0.0
+    try:
+        return float(v) + 0.0      # + 0.0: -0.0 is 0.0
+    except OverflowError:          # an integer beyond float64
+        raise ConfigError(f"{name} must be a finite number, got an integer too large for a float") from None
 
 
 def _integer(v: Any) -> bool:
@@ -52,7 +58,11 @@ class SamplingParams:
     `n`: samples per prompt (vLLM), at most MAX_N; with a seed, sample i > 0 draws from its own
     stream of it.
     `logprobs`: None, or report each token's log-probability (of the raw logits, as vLLM does)
-    and that many of the most likely alternatives (0: only the token's own)."""
+    and that many of the most likely alternatives (0: only the token's own).
+    `frequency_penalty`, `presence_penalty` (OpenAI's, -2..2, over the tokens generated so far),
+    `logit_bias` ({token id: bias}, -100..100 added to the logits; -100 bans the token) and
+    `min_tokens` (vLLM's: EOS, stop_token_ids and stop strings end nothing before that many
+    tokens) are applied after repetition_penalty: see metatp.penalties."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -66,6 +76,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
@@ -100,24 +114,56 @@ class SamplingParams:
         if not _is_bool(self.ignore_eos):
             raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.ignore_eos = bool(self.ignore_eos)
+        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.logit_bias = check_logit_bias(self.logit_bias) or None
+        self.min_tokens = check_min_tokens(self.min_tokens, self.max_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        """Is any of frequency/presence penalty, logit_bias, min_tokens set (else no work for them)?"""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def with_keywords(self, extra: dict[str, Any]) -> "SamplingParams":
+        """These params with llama-cpp-python's frequency_penalty / presence_penalty / logit_bias
+        keyword arguments (and vLLM's min_tokens / stop_token_ids) of `LLM.create_completion` and
+        `create_chat_completion`; None keeps the default. Any other name: TypeError, as Python says."""
+        bad = [k for k in extra if k not in _KEYWORD_EXTRAS]
+        if bad:
+            raise TypeError(f"got an unexpected keyword argument {bad[0]!r} (the sampling keywords beyond the "
+                            f"named ones: {', '.join(_KEYWORD_EXTRAS)})")
+        given = {k: v for k, v in extra.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
 
 class Sampler:
     """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax)."""
 
-    def __init__(self, params: SamplingParams, rng: np.random.Generator) -> None:
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, end_ids: Sequence[int] = (),
+                 n_vocab: int | None = None) -> None:
+        """`end_ids`: the tokens that end this generation (min_tokens bans them until then);
+        `n_vocab`: where given, logit_bias ids are checked against it (ConfigError)."""
         self.p = params
         self.rng = np.random.default_rng(params.seed) if params.seed is not None else rng
+        self.penalties = None
+        if params.penalized:
+            pen = Penalties(params.frequency_penalty, params.presence_penalty, params.logit_bias or {},
+                            params.min_tokens, end_ids, n_vocab)
+            self.penalties = pen if pen.active else None
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
+        """`history`: prompt and generated tokens (repetition_penalty's); `generated`: the
+        generated ones alone (frequency/presence penalties and min_tokens count these)."""
         p = self.p
         x = np.asarray(logits, dtype=np.float32)
         if p.repetition_penalty != 1.0 and len(history):
             x = _penalize(x, np.unique(np.asarray(history, dtype=np.int64)), p.repetition_penalty)
+        if self.penalties is not None:
+            x = self.penalties(x, generated)
         if p.greedy:
             return int(np.argmax(x))
         with np.errstate(over="ignore"):     # an overflow below is a -inf logit: probability 0
@@ -175,3 +221,4 @@ def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:
     if math.isfinite(float(z.max())):
         return z
     return (x - x.max()) / temperature
+

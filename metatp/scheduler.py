@@ -43,6 +43,7 @@ from metatp.kv_cells import SeqCells
 from metatp.lockstep import Leader
 from metatp.logprobs import token_logprob
 from metatp.sampling import Sampler, SamplingParams
+from metatp.penalties import release_unstopped
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -149,11 +150,11 @@ class Request:
         if kind == "score":
             self.max_new = 0
         self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
-        self.sampler = Sampler(params, rng)
         self.stops = StopMatcher(params.stop or [])
         self.decoder = StreamDecoder(tokenizer, skip_special=True)
         self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
         self.stop_ids = set(params.stop_token_ids)
+        self.sampler = Sampler(params, rng, end_ids=self.eog | self.stop_ids, n_vocab=tokenizer.n_vocab)
         self.n_logprobs = params.logprobs
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
@@ -175,7 +176,7 @@ class Request:
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits)."""
         check_logits(logits, f"after {len(self.history)} tokens")
-        return self.sampler(logits, self.history)
+        return self.sampler(logits, self.history, self.output_ids)
 
     def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
         """Take the next token (sampled here unless given) and decide whether the request ends here."""
@@ -189,15 +190,19 @@ class Request:
         if tok in self.eog or tok in self.stop_ids:
             return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",
                               tok if tok in self.stop_ids else None, lp, top)
-        text, hit = stops.feed(dec.push(tok))
+        text, hit = self._feed(dec.push(tok), n)
         if hit is not None:
             return StepOutput(tok, text, "stop", hit, lp, top)
         if n >= self.max_new:
-            tail, hit = stops.feed(dec.flush())
+            tail, hit = self._feed(dec.flush(), n)
             return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
                               "stop" if hit is not None else "length", hit, lp, top)
         self.pending = tok
         return StepOutput(tok, text, None, None, lp, top)
+
+    def _feed(self, piece: str, n: int) -> tuple[str, str | None]:
+        """The stop matcher's answer for the text of token n; none stops before min_tokens (vLLM)."""
+        return self.stops.feed(piece) if n > self.params.min_tokens else (release_unstopped(self.stops, piece), None)
 
 
 @dataclass

@@ -45,7 +45,7 @@ def num_field(body: dict, name: str, default: float, lo: float, hi: float, lo_op
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) \
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (is_int(v) or math.isfinite(v)) \
             or v < lo or v > hi or (lo_open and v == lo):
         raise BadRequest(f"'{name}' must be a number {'>' if lo_open else '>='} {lo} and <= {hi}, got {json.dumps(v)}",
                          name)
@@ -72,10 +72,44 @@ def stop_field(body: dict) -> list[str] | None:
     raise BadRequest(f"'stop' must be a string or a list of at most 16 strings, got {json.dumps(v)[:80]}", "stop")
 
 
+def logit_bias_field(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: a JSON object of token ids (as strings) -> bias from -100 to 100."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise BadRequest(f"'logit_bias' must be an object of token id -> bias, got {json.dumps(v)[:80]}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 18):
+            raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {json.dumps(k)[:40]}",
+                             "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (is_int(b) or math.isfinite(b)) \
+                or not -100 <= b <= 100:
+            raise BadRequest(f"'logit_bias' values must be numbers from -100 to 100, got {json.dumps(b)[:40]} "
+                             f"for token {k}", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
+def token_ids_field(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
+        raise BadRequest(f"'{name}' must be a list of token ids (integers >= 0), got {json.dumps(v)[:80]}", name)
+    return v
+
+
+def _named(message: str, body: dict) -> str | None:
+    """The field a SamplingParams error names (its messages start with it), if the body has it."""
+    name = message.split(" ", 1)[0].rstrip(":")
+    return name if name in body else None
+
+
 def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:
-    """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos) as SamplingParams."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        num_field(body, name, 0.0, -2.0, 2.0)            # accepted as OpenAI clients send them; not applied
+    """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos, min_tokens,
+    stop_token_ids) as SamplingParams."""
     max_tokens = int_field(body, "max_tokens", None, 0)
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         max_tokens = int_field(body, "max_completion_tokens", None, 0)
@@ -87,9 +121,12 @@ def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -
             top_k=top_k if top_k > 0 else -1, min_p=num_field(body, "min_p", 0.0, 0.0, 1.0),
             repetition_penalty=num_field(body, "repetition_penalty", 1.0, 0.0, 10.0, True),
             seed=int_field(body, "seed", None, 0, 2 ** 63 - 1), stop=stop_field(body),
-            ignore_eos=bool_field(body, "ignore_eos", False), logprobs=logprobs, n=int_field(body, "n", 1, 1, 16))
+            ignore_eos=bool_field(body, "ignore_eos", False), logprobs=logprobs, n=int_field(body, "n", 1, 1, 16),
+            frequency_penalty=num_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=num_field(body, "presence_penalty", 0.0, -2.0, 2.0), logit_bias=logit_bias_field(body),
+            min_tokens=int_field(body, "min_tokens", 0, 0), stop_token_ids=token_ids_field(body, "stop_token_ids"))
     except ConfigError as e:
-        raise BadRequest(str(e)) from None
+        raise BadRequest(str(e), _named(str(e), body)) from None
 
 
 # ---------------------------------------------------------------- the app
