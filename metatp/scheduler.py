@@ -476,6 +476,9 @@ class Scheduler:
         samples nothing, and decoding goes on from the pending token (nothing reaches the client)."""
         self.running.remove(r)
         self._release(r)
+        if r.state == "prefill" and r.refill is None:     # a prompt cut short: counted once, when fed again
+            self.metrics.prompt_tokens -= r.n_fed
+            self.metrics.recomputed_tokens += r.n_fed
         r.seq, r.n_fed = None, 0
         if r.state == "decode":
             r.refill = r.history[:-1]

@@ -49,13 +49,14 @@ def test_cache_exhaustion_gives_every_request_its_solo_output(llm, solo):
     """16 requests of 2 pages on a 4-page cache: preempted ones are recomputed, and every request
     gets its solo tokens and the same logits bits (logprobs equal exactly), no cell leaked."""
     m = llm.scheduler.metrics
-    before, recomputed = m.preemptions, m.recomputed_tokens
+    before, recomputed, prompt_tokens = m.preemptions, m.recomputed_tokens, m.prompt_tokens
     got = [o.outputs[0] for o in llm.generate(PROMPTS, LONG)]
     assert [o.token_ids for o in got] == [o.token_ids for o in solo]
     assert [o.text for o in got] == [o.text for o in solo]
     assert [o.logprobs for o in got] == [o.logprobs for o in solo]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 200 for o in got)
     assert m.preemptions > before and m.recomputed_tokens > recomputed
+    assert m.prompt_tokens - prompt_tokens == sum(map(len, PROMPTS))     # recomputed tokens apart
     assert llm.engine.cells.n_used == 0 and not llm.engine.cells.live
     assert not llm.scheduler.running and not llm.scheduler.waiting
 
@@ -81,13 +82,13 @@ def test_streams_through_a_preemption_deliver_each_token_once_in_order(llm, solo
     its held-back text."""
     sched = llm.scheduler
     ref_sampled = SamplingParams(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
-    want_sampled = llm.generate([PROMPTS[1]], ref_sampled)[0].outputs[0]
+    want_sampled = llm.generate([PROMPTS[3]], ref_sampled)[0].outputs[0]
     stop = solo[2].text[-40:-30]
     want_stop = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
                                                           stop=[stop]))[0].outputs[0]
     assert want_stop.finish_reason == "stop" and 150 < len(want_stop.token_ids) < 200
     params = [LONG] * len(PROMPTS)
-    params[1] = ref_sampled
+    params[3] = ref_sampled
     params[2] = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, stop=[stop])
     events: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
     reqs = [llm.submit(p, sp, on_event=lambda r, out, i=i: events[i].append(out))
@@ -106,13 +107,58 @@ def test_streams_through_a_preemption_deliver_each_token_once_in_order(llm, solo
         if not sched.step():
             break
     assert all(r.done for r in reqs)
-    assert any(0 < n < 200 for _, n in delivered_at_preemption), delivered_at_preemption   # mid-stream
+    mid_stream = {i for i, n in delivered_at_preemption if 0 < n < 200}
+    assert {2, 3} <= mid_stream, delivered_at_preemption        # the newest two, when the oldest need pages
     for i, evs in events.items():
-        want = want_sampled if i == 1 else want_stop if i == 2 else solo[i]
+        want = want_sampled if i == 3 else want_stop if i == 2 else solo[i]
         assert [e.token for e in evs] == want.token_ids, i                 # each token once, in order
         assert "".join(e.text for e in evs) == want.text, i
         assert [e.finish_reason for e in evs[:-1]] == [None] * (len(evs) - 1)
         assert evs[-1].finish_reason == want.finish_reason
+    assert llm.engine.cells.n_used == 0
+
+
+def _tokens_and_logprobs(sched, req) -> tuple[list[int], list[float]]:
+    tokens, lps = [], []
+    while True:
+        out = sched.next_event(req, timeout=60)
+        if out.token is not None:
+            tokens.append(out.token)
+            lps.append(out.logprob)
+        if out.finish_reason is not None:
+            return tokens, lps
+
+
+def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatch):
+    """A 200-token prompt fed in chunks of a small n_batch is preempted between two chunks (the
+    oldest request needs a page): it is fed again from its start and gives its solo output."""
+    llm = LLM(path, n_ctx=512, backend="numpy", n_batch=64, max_num_seqs=4)
+    sched = llm.scheduler
+    grow = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True, logprobs=0)
+    short = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    long_prompt = [int(x) for x in np.random.default_rng(2).integers(1, 200, 200)]
+    want = [llm.generate([ids], sp)[0].outputs[0] for ids, sp in
+            (([5, 6, 7], grow), ([8, 9], grow), (long_prompt, short))]
+    seen: list[tuple[str, int]] = []
+    preempt = sched._preempt
+
+    def recording(r):
+        seen.append((r.state, r.n_fed))
+        preempt(r)
+    monkeypatch.setattr(sched, "_preempt", recording)
+    a = llm.submit([5, 6, 7], grow)
+    sched.submit(a)
+    while a.seq is None or a.seq.n_past < 126:                  # a: one page, two cells short of its end
+        sched.step()
+    c, b = llm.submit([8, 9], grow), llm.submit(long_prompt, short)
+    sched.submit(c)                                             # c: the third page; b: the last two
+    sched.submit(b)
+    outs = [_tokens_and_logprobs(sched, r) for r in (a, c, b)]
+    assert seen and seen[0][0] == "prefill" and 0 < seen[0][1] < 200, seen     # b, between two chunks
+    for got, w in zip(outs, want):
+        assert got == (w.token_ids, [lp[t] for lp, t in zip(w.logprobs, w.token_ids)])
+    m = sched.metrics
+    assert m.prompt_tokens == 2 * (3 + 2 + 200) and m.recomputed_tokens >= 124
     assert llm.engine.cells.n_used == 0
 
 
