@@ -211,7 +211,8 @@ class KVCells:
         free = self.owner < 0
         last = int(seq.cells[-1]) if cap else -1
         at_page = cap % self.page == 0 and (not cap or int(seq.cells[0]) % self.page == 0)
-        runs = np.concatenate([[0], np.cumsum(free, dtype=np.int32)])     # runs[j] = free cells below j
+        runs = np.zeros(self.n_cells + 1, np.int32)                      # runs[j]: free cells below j
+        np.cumsum(free, dtype=np.int32, out=runs[1:])
         for k in dict.fromkeys((k_want, k_need)):
             end = last + 1 + k
             if cap and end <= self.n_cells and runs[end] - runs[last + 1] == k:

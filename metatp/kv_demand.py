@@ -3,20 +3,24 @@
 Admission takes the cells for a request's prompt and its next token; before each step every
 decoding request must own a cell for the token it feeds, and grows a page of positions at a
 time (`metatp.kv_cells.KVCells.try_grow`: in place where the next cells are free). When the
-cache cannot supply one, the scheduler preempts the most recently admitted running request
-(`Scheduler._preempt`: recompute preemption) until it can. A request never takes more cells
-than it can use (prompt + max_tokens - 1). Under MPI every cell operation is posted to the
-followers (`post`: "take", "grow"; freeing is the scheduler's "free").
+cache cannot supply one, the most recently admitted running request is preempted until it can
+(vLLM's recompute preemption, `preempt`): its cells are freed, its tokens, random generator
+and stop-string state kept, and it waits first in line; re-admitted, it prefills its prompt
+and generated tokens but the pending one (`Request.refill`) as they were first computed, and
+decodes on from the pending token, so its client sees one stream. A request never takes more
+cells than it can use (prompt + max_tokens - 1). Under MPI every cell operation is posted to
+the followers (`post`: "take", "grow"; a preemption's free is the scheduler's "free").
 """
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Callable
 
 from metatp.kv_cells import KVCells, SeqCells
 
 if TYPE_CHECKING:
-    from metatp.scheduler import Request
+    from metatp.scheduler import Metrics, Request
 
 __all__ = ["CellDemand", "prefill_ids", "prefill_chunk"]
 
@@ -44,9 +48,12 @@ class CellDemand:
 
     BLOCK = 16          # cells taken at a time where the cache is not paged (vLLM's block size)
 
-    def __init__(self, cells: KVCells, post: Callable[[tuple], None]) -> None:
+    def __init__(self, cells: KVCells, post: Callable[[tuple], None], release: Callable[["Request"], None],
+                 metrics: "Metrics") -> None:
         self.cells = cells
-        self.post = post
+        self.post = post              # records a cell operation (for MPI followers)
+        self.release = release        # frees a request's cells (and posts the free)
+        self.metrics = metrics
         # a paged cache (the backend's kv_page > 1) places every sequence on pages of its own,
         # in order, unless it runs alone: a request waits or preempts rather than break that
         self.paged = cells.page > 1
@@ -68,10 +75,11 @@ class CellDemand:
             self.post(("take", seq.id, seq.cells.copy()))
         return seq
 
-    def make_room(self, running: list["Request"], preempt: Callable[["Request"], None]) -> bool:
+    def make_room(self, running: list["Request"], waiting: collections.deque["Request"]) -> bool:
         """Give every decoding request in `running` (oldest first) a cell for the token it feeds
-        this step; while the cache has none, `preempt` the last of `running` (the most recently
-        admitted, possibly the one growing). Returns whether anything was preempted."""
+        this step; while the cache has none, preempt the last of `running` (the most recently
+        admitted, possibly the one growing) to the front of `waiting`. Returns whether anything
+        was preempted."""
         preempted = False
         for r in list(running):
             while r.state == "decode" and r.seq.capacity <= r.seq.n_past:
@@ -81,6 +89,20 @@ class CellDemand:
                     if added.size:
                         self.post(("grow", r.seq.id, added.copy()))
                     break
-                preempt(running[-1])
+                self.preempt(running.pop(), waiting)
                 preempted = True
         return preempted
+
+    def preempt(self, r: "Request", waiting: collections.deque["Request"]) -> None:
+        """Recompute preemption of `r`, already out of the running list (see the module doc)."""
+        self.release(r)
+        if r.state == "prefill" and r.refill is None:     # a prompt cut short: counted once, when fed again
+            self.metrics.prompt_tokens -= r.n_fed
+            self.metrics.recomputed_tokens += r.n_fed
+        r.seq, r.n_fed = None, 0
+        if r.state == "decode":
+            r.refill = r.history[:-1]
+        r.score_rows.clear()
+        r.state = "waiting"
+        waiting.appendleft(r)
+        self.metrics.preemptions += 1

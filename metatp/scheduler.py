@@ -4,7 +4,7 @@ A `Request` is one sample being generated (or one prompt being scored). Requests
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (`_preempt`: its cells freed,
+none, the most recently admitted running request is preempted (its cells freed,
 its tokens and sampler state kept, queued first) and later re-prefilled as first computed, so
 its client sees one stream and the tokens of a run alone. A step that preempts admits nothing.
 What one request may hold is bounded by one rule (`context_budget`): the cache's n_ctx, and a
@@ -178,7 +178,7 @@ class Request:
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
         self.pending: int | None = None        # the sampled token the next step feeds
-        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (`_preempt`)
+        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (kv_demand)
         self.history = list(prompt_ids)
         self.output_ids: list[int] = []
         self.score_rows: list[np.ndarray] = []
@@ -272,7 +272,8 @@ class Scheduler:
         self._stop = threading.Event()
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
-        self.demand = CellDemand(engine.cells, self._post)     # KV cells on demand (metatp.kv_demand)
+        # KV cells on demand and recompute preemption (metatp.kv_demand)
+        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics)
 
     def lead(self, world: "World") -> None:
         """Drive every rank of `world` from here (rank 0 of a server): each step is posted to the
@@ -443,7 +444,7 @@ class Scheduler:
                 self._release(r)
                 r.state, r.finish_reason = "done", "cancelled"
                 self.metrics.requests_cancelled += 1
-            preempted = self.demand.make_room(self.running, self._preempt)
+            preempted = self.demand.make_room(self.running, self.waiting)
             while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
                 r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
                 seq = self.demand.admit(r, alone=not self.running)
@@ -469,23 +470,6 @@ class Scheduler:
                 reqs.append(r)
                 budget -= len(chunk)
             return items, reqs
-
-    def _preempt(self, r: Request) -> None:
-        """Recompute preemption: free the request's cells, keep its tokens and sampler state, and
-        queue it first; its prefill later feeds prompt + generated tokens but the pending one,
-        samples nothing, and decoding goes on from the pending token (nothing reaches the client)."""
-        self.running.remove(r)
-        self._release(r)
-        if r.state == "prefill" and r.refill is None:     # a prompt cut short: counted once, when fed again
-            self.metrics.prompt_tokens -= r.n_fed
-            self.metrics.recomputed_tokens += r.n_fed
-        r.seq, r.n_fed = None, 0
-        if r.state == "decode":
-            r.refill = r.history[:-1]
-        r.score_rows.clear()
-        r.state = "waiting"
-        self.waiting.appendleft(r)
-        self.metrics.preemptions += 1
 
     def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, pick: int | BaseException | None,
                  now: float) -> None:

@@ -95,12 +95,12 @@ def test_streams_through_a_preemption_deliver_each_token_once_in_order(llm, solo
             for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     index = {id(r): i for i, r in enumerate(reqs)}
     delivered_at_preemption: list[tuple[int, int]] = []
-    preempt = sched._preempt
+    preempt = sched.demand.preempt
 
-    def recording(r):
+    def recording(r, waiting):
         delivered_at_preemption.append((index[id(r)], len(events[index[id(r)]])))
-        preempt(r)
-    monkeypatch.setattr(sched, "_preempt", recording)
+        preempt(r, waiting)
+    monkeypatch.setattr(sched.demand, "preempt", recording)
     for r in reqs:
         sched.submit(r)
     for _ in range(20_000):
@@ -140,12 +140,12 @@ def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatc
     want = [llm.generate([ids], sp)[0].outputs[0] for ids, sp in
             (([5, 6, 7], grow), ([8, 9], grow), (long_prompt, short))]
     seen: list[tuple[str, int]] = []
-    preempt = sched._preempt
+    preempt = sched.demand.preempt
 
-    def recording(r):
+    def recording(r, waiting):
         seen.append((r.state, r.n_fed))
-        preempt(r)
-    monkeypatch.setattr(sched, "_preempt", recording)
+        preempt(r, waiting)
+    monkeypatch.setattr(sched.demand, "preempt", recording)
     a = llm.submit([5, 6, 7], grow)
     sched.submit(a)
     while a.seq is None or a.seq.n_past < 126:                  # a: one page, two cells short of its end
