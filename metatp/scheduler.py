@@ -4,9 +4,9 @@ A `Request` is one sample being generated (or one prompt being scored). Requests
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (its cells freed,
-its tokens and sampler state kept, queued first) and later re-prefilled as first computed, so
-its client sees one stream and the tokens of a run alone. A step that preempts admits nothing.
+none, the most recently admitted running request is preempted (its cells freed, its tokens and
+sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
+one stream and the tokens of a run alone. A step that preempts admits nothing.
 What one request may hold is bounded by one rule (`context_budget`): the cache's n_ctx, and a
 per-request cap `max_model_len` (a server's n_ctx / parallel by default, llama-server's slot).
 One step carries the next token of every decoding request plus
