@@ -1,21 +1,24 @@
 """The unified KV cache's bookkeeping: which sequence owns each cell (llama.cpp's llama_kv_cells).
 
 The cache has `n_cells` rows; every row (cell) is free or owned by one sequence, and an owned
-cell holds one position of its owner once written. A sequence reserves its cells when it is
-admitted (prompt + the tokens it may generate), so a running sequence never runs out of room
-and nothing has to be preempted; it returns them when it ends, fails or is cancelled.
+cell holds one position of its owner once written: position p of a sequence lives in
+`cells[p]`. Sequences take cells on demand (`try_reserve` for the first ones, `try_grow` as
+they go; the scheduler takes a page of positions at a time, `metatp.kv_demand`) and return
+them when they end, fail, are cancelled or preempted (`free`).
 
-A reservation is one contiguous range of cells (first fit): position p of a sequence lives in
-`cells[p]` = start + p. Attention then meets a sequence's rows as one unbroken window in the
-same order wherever it lies, so a kernel that reduces over each row's visible window from its
-first cell computes the same bits alone or next to other sequences. A sequence that grows past
-its reservation (the engine's `forward` without a reservation) extends its range when the next
-cells are free, else takes any free cells (still correct, no longer one window).
-
-Ranges start on a page boundary where one is free (`page` cells, as vLLM's KV blocks): a
-kernel that tiles the KV length in chunks at absolute cell positions (the numpy backend's
-attention does, in chunks of 128) then meets every sequence's window at the same phase as when
-it runs alone from cell 0.
+Placement keeps a sequence computing the same bits alone or beside others. The cache is cut
+into pages of `page` cells (the backend's `kv_page`: the numpy attention's 128-cell chunks, at
+absolute cell positions; a cache of fewer than two pages is not paged). A new sequence starts
+on a page boundary, in the lowest free run that holds it, else on whole free pages; a growing
+one extends in place when the next cells are free (the common case), else takes the lowest
+free page after its last cell. Attention then meets every page of the sequence at the same
+phase as alone from cell 0, and merges its chunks in the same order: measured on the numpy
+backend (tests/serving/test_preemption.py), pages scattered in ascending order give the same
+bits as one contiguous range; pages out of order do not (the chunks' partial sums are merged
+in cell order and an FMA is not commutative), nor do positions off their phase (p not at a
+cell = p mod page, or one page of positions split over two). `paged` placements refuse those
+(the caller waits or preempts); otherwise, where no such room is free, any free cells are
+taken, those after the sequence's last first: still correct, no longer bit-identical.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class KVCells:
         if n_cells <= 0:
             raise ConfigError(f"a KV cache needs at least one cell, got {n_cells}")
         self.n_cells = n_cells
-        self.page = max(1, page)
+        # a cache of fewer than two pages is not paged: its sequences share it cell by cell
+        self.page = max(1, page) if n_cells >= 2 * page else 1
         self._owner: np.ndarray | None = None                   # made on first use (see `owner`)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -92,18 +96,38 @@ class KVCells:
         return self.n_cells - self.n_used
 
     def reserve(self, n: int) -> SeqCells:
-        """A new sequence owning the `n` lowest free cells; ContextOverflowError if fewer are free."""
+        """A new sequence owning `n` cells (placed as `try_reserve` places them);
+        ContextOverflowError if fewer are free."""
         with self._lock:
-            seq_id = next(self._ids)
-            return self._new(seq_id, n)
+            seq = self._reserve(n, n)
+            if seq is None:
+                raise self._overflow(n)
+            return seq
 
-    def try_reserve(self, n: int) -> SeqCells | None:
-        """Like `reserve`, but None when the cells are not free now (the caller waits)."""
+    def try_reserve(self, need: int, want: int | None = None, paged: bool = False) -> SeqCells | None:
+        """A new sequence owning `want` cells where that many are free, else `need`; None when
+        fewer than `need` are free now (the caller waits), or, `paged`, when no placement keeps
+        the sequence's pages in order from a page boundary (see the module doc)."""
         with self._lock:
-            if self._first_fit(n) is None:
-                return None
-            seq_id = next(self._ids)
-            return self._new(seq_id, n)
+            return self._reserve(need, need if want is None else want, paged)
+
+    def try_grow(self, seq: SeqCells, need: int, want: int | None = None, paged: bool = False) -> np.ndarray | None:
+        """Room for `need` positions in all (`want` where that many cells are free): the cells
+        added (none if it had room), or None when the cache cannot supply `need` now (`paged`:
+        not in place or on a later free page)."""
+        with self._lock:
+            if seq.freed:
+                raise ConfigError(f"sequence {seq.id} has ended; its cells are gone")
+            pick = self._place(seq, need, need if want is None else want, paged)
+            if pick is not None and pick.size:
+                self.owner[pick] = seq.id
+                seq.cells = np.concatenate([seq.cells, pick])
+            return pick
+
+    def grow(self, seq: SeqCells, n: int) -> None:
+        """Give `seq` room for `n` positions in all (ContextOverflowError when the cache is full)."""
+        if self.try_grow(seq, n) is None:
+            raise self._overflow(n)
 
     def adopt(self, seq_id: int, cells: np.ndarray) -> SeqCells:
         """A sequence with a given id owning exactly `cells`: a follower rank of a served model
@@ -113,44 +137,21 @@ class KVCells:
         with self._lock:
             if seq_id in self.live:
                 raise ConfigError(f"sequence {seq_id} already owns cells")
-            if cells.size and (int(cells.min()) < 0 or int(cells.max()) >= self.n_cells
-                               or (self.owner[cells] >= 0).any() or np.unique(cells).size != cells.size):
-                raise ConfigError(f"sequence {seq_id} cannot take its {cells.size} cells: some are out of range, "
-                                  "repeated or owned by another sequence")
+            self._check_free(seq_id, cells)
             self.owner[cells] = seq_id
             seq = SeqCells(seq_id, cells.copy())
             self.live[seq_id] = seq
             return seq
 
-    def grow(self, seq: SeqCells, n: int) -> None:
-        """Give `seq` room for `n` positions in all (a sequence that did not reserve up front).
-        New cells come after its last one where possible, so its rows stay in ascending order."""
+    def extend(self, seq: SeqCells, cells: np.ndarray) -> None:
+        """Append exactly `cells` to `seq`: a follower mirrors rank 0's growth (`try_grow`)."""
+        cells = np.asarray(cells, dtype=np.int32)
         with self._lock:
-            extra = n - seq.capacity
-            if extra <= 0:
-                return
-            if seq.freed:
-                raise ConfigError(f"sequence {seq.id} has ended; its cells are gone")
-            free = np.flatnonzero(self.owner < 0)
-            if not seq.capacity:
-                start = self._first_fit(extra)
-                pick = np.arange(start, start + extra) if start is not None else free[:extra]
-            else:
-                last = int(seq.cells[-1])
-                nxt = np.arange(last + 1, last + 1 + extra)
-                if nxt[-1] < self.n_cells and (self.owner[nxt] < 0).all():
-                    pick = nxt                     # the range simply extends
-                else:
-                    after = free[free > last]
-                    pick = after[:extra] if after.size >= extra else free[:extra]
-            if pick.size < extra:
-                raise ContextOverflowError(
-                    f"{n} tokens do not fit in the KV cache: {self.n_free} of {self.n_cells} cells are free "
-                    f"(the context size n_ctx is shared by the running sequences)")
-            self.owner[pick] = seq.id
-            # if the cells after its last one are taken, positions still map in order, but its rows
-            # are no longer ascending (correct, only not bit-identical to a run alone)
-            seq.cells = np.concatenate([seq.cells, pick.astype(np.int32)])
+            if seq.freed or self.live.get(seq.id) is not seq:
+                raise ConfigError(f"sequence {seq.id} has ended; it cannot grow")
+            self._check_free(seq.id, cells)
+            self.owner[cells] = seq.id
+            seq.cells = np.concatenate([seq.cells, cells])
 
     def free(self, seq: SeqCells) -> None:
         """Return every cell of `seq` (idempotent)."""
@@ -174,35 +175,63 @@ class KVCells:
             cells = np.sort(np.concatenate(picks))
             return cells[:limit].astype(np.int32)
 
-    def _new(self, seq_id: int, n: int) -> SeqCells:
-        seq = SeqCells(seq_id, self._take(seq_id, n))
-        self.live[seq_id] = seq
+    # ------------------------------------------------------------ placement (under the lock)
+    def _reserve(self, need: int, want: int, paged: bool = False) -> SeqCells | None:
+        if need < 0:
+            raise ConfigError(f"cannot reserve {need} KV cells")
+        pick = self._place(None, need, want, paged)
+        if pick is None:
+            return None
+        seq = SeqCells(next(self._ids), pick)
+        self.owner[pick] = seq.id
+        self.live[seq.id] = seq
         return seq
 
-    def _take(self, seq_id: int, n: int) -> np.ndarray:
-        if n < 0:
-            raise ConfigError(f"cannot reserve {n} KV cells")
-        free = np.flatnonzero(self.owner < 0)
-        if free.size < n:
-            raise ContextOverflowError(
-                f"{n} tokens do not fit in the KV cache: {free.size} of {self.n_cells} cells are free "
-                f"(the context size n_ctx is shared by the running sequences)")
-        start = self._first_fit(n)
-        pick = np.arange(start, start + n) if start is not None else free[:n]    # fragmented: any cells
-        self.owner[pick] = seq_id
-        return pick.astype(np.int32)
+    def _overflow(self, n: int) -> ContextOverflowError:
+        return ContextOverflowError(
+            f"{n} tokens do not fit in the KV cache: {self.n_free} of {self.n_cells} cells are free "
+            f"(the context size n_ctx is shared by the running sequences)")
 
-    def _first_fit(self, n: int) -> int | None:
-        """The first cell of the lowest run of `n` free cells starting on a page boundary, else of
-        any run of `n` free cells, or None."""
-        if n == 0:
-            return 0
-        free = np.concatenate([[False], self.owner < 0, [False]])
-        edges = np.flatnonzero(np.diff(free.astype(np.int8)))
-        starts, ends = edges[0::2], edges[1::2]
-        aligned = -(-starts // self.page) * self.page
-        ok = np.flatnonzero(ends - aligned >= n)
-        if ok.size:
-            return int(aligned[ok[0]])
-        ok = np.flatnonzero(ends - starts >= n)
-        return int(starts[ok[0]]) if ok.size else None
+    def _check_free(self, seq_id: int, cells: np.ndarray) -> None:
+        if cells.size and (int(cells.min()) < 0 or int(cells.max()) >= self.n_cells
+                           or (self.owner[cells] >= 0).any() or np.unique(cells).size != cells.size):
+            raise ConfigError(f"sequence {seq_id} cannot take its {cells.size} cells: some are out of range, "
+                              "repeated or owned by another sequence")
+
+    def _place(self, seq: SeqCells | None, need: int, want: int, paged: bool = False) -> np.ndarray | None:
+        """The cells for positions capacity.. of `seq` (a new sequence if None): `want` of them
+        where possible, else `need`, None if fewer are free. In order of preference (module doc):
+        in place after its last cell; a free run starting on a page boundary after it (only
+        where the new cells start a page of positions); whole free pages after it; then (unless
+        `paged`) any free cells, those after its last first."""
+        cap = 0 if seq is None else seq.capacity
+        k_need, k_want = need - cap, max(want, need) - cap
+        if k_need <= 0:
+            return np.zeros(0, np.int32)
+        free = self.owner < 0
+        last = int(seq.cells[-1]) if cap else -1
+        at_page = cap % self.page == 0 and (not cap or int(seq.cells[0]) % self.page == 0)
+        runs = np.zeros(self.n_cells + 1, np.int32)                      # runs[j]: free cells below j
+        np.cumsum(free, dtype=np.int32, out=runs[1:])
+        for k in dict.fromkeys((k_want, k_need)):
+            end = last + 1 + k
+            if cap and end <= self.n_cells and runs[end] - runs[last + 1] == k:
+                return np.arange(last + 1, end, dtype=np.int32)            # the range extends
+            if at_page:
+                starts = np.arange(-(-(last + 1) // self.page) * self.page, self.n_cells - k + 1, self.page)
+                ok = starts[runs[starts + k] - runs[starts] == k]
+                if ok.size:
+                    return np.arange(ok[0], ok[0] + k, dtype=np.int32)
+        if at_page:                         # scattered pages, ascending: still the same bits
+            first = -(-(last + 1) // self.page)
+            bounds = np.arange(first, self.n_cells // self.page + 1) * self.page
+            whole = bounds[:-1][np.diff(runs[bounds]) == self.page]
+            for k in (k_want, k_need):
+                if whole.size * self.page >= k:
+                    n_pages = -(-k // self.page)
+                    return (whole[:n_pages, None] + np.arange(self.page)).reshape(-1)[:k].astype(np.int32)
+        idx = np.flatnonzero(free)
+        if idx.size < k_need or paged:
+            return None
+        after = idx[idx > last]
+        return (after if after.size >= k_need else idx)[:k_need].astype(np.int32)

@@ -35,7 +35,8 @@ class StepBatch:
     """One step as rank 0 posts it to the other ranks (`Scheduler.lead`, `follow`).
 
     `ops`: the KV cell operations since the previous step, in order: ("take", seq id, int32
-    cells) for an admitted sequence, ("free", seq id) for one that ended. `items`: the step's
+    cells) for an admitted sequence, ("grow", seq id, int32 cells) for cells a running one takes
+    on demand, ("free", seq id) for one that ended or was preempted. `items`: the step's
     StepItems as (seq id, its n_past before the step, token ids, logits mode). Positions, pass
     rows, padding cells and masks all follow from these in `Engine.run`, the same on every rank;
     n_past travels only to catch ranks that drifted apart."""
@@ -102,6 +103,8 @@ def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: i
     for op in batch.ops:
         if op[0] == "take":
             seqs[op[1]] = engine.cells.adopt(op[1], op[2])
+        elif op[0] == "grow" and op[1] in seqs:
+            engine.cells.extend(seqs[op[1]], op[2])
         elif op[0] == "free" and op[1] in seqs:
             engine.free(seqs.pop(op[1]))
         else:
@@ -113,5 +116,8 @@ def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: i
             have = "no such sequence" if seq is None else f"{seq.n_past} positions"
             raise LockStepError(f"rank {rank} is out of step with rank 0: sequence {seq_id} has {have} here "
                                 f"but {n_past} on rank 0")
+        if n_past + len(tokens) > seq.capacity:     # cells are rank 0's choice, never taken here
+            raise LockStepError(f"rank {rank}: sequence {seq_id} has {seq.capacity} cells but its step needs "
+                                f"{n_past + len(tokens)}; rank 0 posted no growth for it")
         items.append(StepItem(seq, list(tokens), logits))
     return items

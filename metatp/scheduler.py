@@ -2,10 +2,14 @@
 
 A `Request` is one sample being generated (or one prompt being scored). Requests wait in a
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
-(`max_num_seqs`) and enough KV cells for prompt + max_tokens are free, so a running request
-never runs out of room. What one request may hold is bounded by one rule (`context_budget`):
-the cache's n_ctx, and a per-request cap `max_model_len` (a server's n_ctx / parallel by
-default, llama-server's slot), so one huge max_tokens cannot reserve the whole cache. One step carries the next token of every decoding request plus
+(`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
+(`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
+none, the most recently admitted running request is preempted (its cells freed, its tokens and
+sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
+one stream and the tokens of a run alone. A step that preempts admits nothing.
+What one request may hold is bounded by one rule (`context_budget`): the cache's n_ctx, and a
+per-request cap `max_model_len` (a server's n_ctx / parallel by default, llama-server's slot).
+One step carries the next token of every decoding request plus
 chunks of admitted prompts, up to `n_batch` tokens (chunked prefill); each request samples
 from its own logits with its own random generator, stop strings and limits, so its tokens do
 not depend on who shares its steps.
@@ -23,7 +27,9 @@ Under MPI there are two ways to keep the ranks in lock step. A program every ran
 there the scheduler *leads* (`Scheduler.lead`): before each step it posts the step to the other
 ranks as a `StepBatch` -- the KV cell operations since the last step and the step's items -- and
 those ranks, which have no scheduler, run exactly the same `Engine.run` (`follow`) until rank 0
-posts `STOP` (`metatp.lockstep`). Tokens are sampled on rank 0 only; the other ranks' logits are not read.
+posts `STOP` (`metatp.lockstep`; cells taken, grown and freed travel in the batch). Tokens are
+sampled on rank 0 only; the other ranks' logits are not read. Preemption depends only on the
+requests and the cells, so every rank of a `generate` preempts alike.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import numpy as np
 from metatp.engine import Engine, StepItem
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
 from metatp.kv_cells import SeqCells
+from metatp.kv_demand import CellDemand, prefill_chunk
 from metatp.lockstep import Leader
 from metatp.logprobs import token_logprob
 from metatp.sampling import Sampler, SamplingParams
@@ -160,6 +167,7 @@ class Request:
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
         self.pending: int | None = None        # the sampled token the next step feeds
+        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (kv_demand)
         self.history = list(prompt_ids)
         self.output_ids: list[int] = []
         self.score_rows: list[np.ndarray] = []
@@ -221,6 +229,8 @@ class Metrics:
     ttft_sum: float = 0.0
     ttft_count: int = 0
     ttft_buckets: dict[float, int] = field(default_factory=dict)
+    preemptions: int = 0             # running requests whose cells were taken back (recomputed later)
+    recomputed_tokens: int = 0       # tokens prefilled again after a preemption
 
     TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -255,6 +265,8 @@ class Scheduler:
         self._stop = threading.Event()
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
+        # KV cells on demand and recompute preemption (metatp.kv_demand)
+        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics)
 
     def lead(self, world: "World") -> None:
         """Drive every rank of `world` from here (rank 0 of a server): each step is posted to the
@@ -264,6 +276,10 @@ class Scheduler:
             raise ConfigError(f"only rank 0 leads the steps; rank {world.rank} follows (metatp.lockstep.follow)")
         self.world = None
         self._leader = Leader(world)
+
+    def _post(self, op: tuple) -> None:
+        if self._leader is not None:
+            self._leader.ops.append(op)
 
     def stop_leading(self) -> None:
         """Tell the followers that no step will come (after the driver thread has stopped)."""
@@ -384,7 +400,7 @@ class Scheduler:
         """Does this step's item give its request a token (a decode step, or the prompt's last chunk)?"""
         if r.kind == "score":
             return False
-        return r.state == "decode" or r.n_fed + len(it.tokens) == len(r.prompt_ids)
+        return r.state == "decode" or (r.refill is None and r.n_fed + len(it.tokens) == len(r.prompt_ids))
 
     def _sample(self, reqs: list[Request], items: list[StepItem],
                 outs: list[np.ndarray | None]) -> list[int | BaseException | None]:
@@ -421,14 +437,13 @@ class Scheduler:
                 self._release(r)
                 r.state, r.finish_reason = "done", "cancelled"
                 self.metrics.requests_cancelled += 1
-            while self.waiting and len(self.running) < self.max_num_seqs:
-                r = self.waiting[0]
-                seq = self.engine.cells.try_reserve(r.n_cells)
+            preempted = self.demand.make_room(self.running, self.waiting)
+            while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
+                r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
+                seq = self.demand.admit(r, alone=not self.running)
                 if seq is None:
                     break
                 self.waiting.popleft()
-                if self._leader is not None:
-                    self._leader.ops.append(("take", seq.id, seq.cells.copy()))
                 r.seq, r.state = seq, "prefill"
                 self.running.append(r)
             items: list[StepItem] = []
@@ -442,8 +457,8 @@ class Scheduler:
             for r in self.running:
                 if r.state != "prefill" or budget <= 0:
                     continue
-                chunk = r.prompt_ids[r.n_fed:r.n_fed + budget]
-                last = r.n_fed + len(chunk) == len(r.prompt_ids)
+                chunk = prefill_chunk(r, budget, self.engine.small_rows)
+                last = r.refill is None and r.n_fed + len(chunk) == len(r.prompt_ids)   # a refill samples nothing
                 items.append(StepItem(r.seq, chunk, "all" if r.kind == "score" else "last" if last else "none"))
                 reqs.append(r)
                 budget -= len(chunk)
@@ -455,6 +470,11 @@ class Scheduler:
         `_sample` chose for it, or the error sampling raised."""
         if r.state == "prefill":
             r.n_fed += len(it.tokens)
+            if r.refill is not None:
+                self.metrics.recomputed_tokens += len(it.tokens)
+                if r.n_fed == len(r.refill):          # recomputed: decoding resumes at the pending token
+                    r.refill, r.state = None, "decode"
+                return
             self.metrics.prompt_tokens += len(it.tokens)
             if r.kind == "score":
                 r.score_rows.append(logits)
@@ -512,8 +532,8 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         if r.seq is not None:
-            if self._leader is not None and not r.seq.freed:
-                self._leader.ops.append(("free", r.seq.id))
+            if not r.seq.freed:
+                self._post(("free", r.seq.id))
             self.engine.free(r.seq)
 
     # ---------------------------------------------------------------- driver thread (server)

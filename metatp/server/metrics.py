@@ -23,6 +23,9 @@ def prometheus_text(srv: Frontend) -> str:
     metric("prompt_tokens_total", "counter", "Prompt tokens processed.", m.prompt_tokens)
     metric("generation_tokens_total", "counter", "Tokens generated.", m.generated_tokens)
     metric("steps_total", "counter", "Engine steps run.", m.steps)
+    metric("preemptions_total", "counter", "Running sequences preempted for KV cells (recomputed later).",
+           m.preemptions)
+    metric("recomputed_tokens_total", "counter", "Tokens prefilled again after a preemption.", m.recomputed_tokens)
     metric("step_sequences_max", "gauge", "Most sequences one step carried.", m.max_step_seqs)
     metric("kv_cells_used", "gauge", "KV cells owned by sequences.", cells.n_used)
     metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
