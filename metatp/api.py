@@ -18,6 +18,7 @@ from metatp import openai_api as oai
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
+from metatp.logprobs import prompt_logprob_dicts
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
@@ -430,24 +431,29 @@ class LLM:
         all_ids = [self.prompt_ids(p) for p in prompts]      # every prompt checked before any work
         t0 = time.perf_counter()
         groups: list[list[RequestHandle]] = []
+        scoring: list[RequestHandle | None] = []     # prompt_logprobs: a scoring pass beside the samples
         try:
             for ids, params in zip(all_ids, per_prompt):     # every sample queued before any step runs
+                scoring.append(None if params.prompt_logprobs is None else
+                               self.submit(ids, SamplingParams(max_tokens=0), kind="score"))
                 groups.append([])
                 for i in range(params.n):
                     groups[-1].append(self.submit(ids, params, i))
             outs = [[h.result() for h in group] for group in groups]
+            prompt_lps = [None if h is None else prompt_logprob_dicts(h.logits(), ids, params.prompt_logprobs)
+                          for h, ids, params in zip(scoring, all_ids, per_prompt)]
         finally:
-            for group in groups:
-                for h in group:
-                    if not h.done:
-                        h.cancel()
+            for h in [h for group in groups for h in group] + [h for h in scoring if h is not None]:
+                if not h.done:
+                    h.cancel()
         results = []
-        for p, ids, group, out in zip(prompts, all_ids, groups, outs):
+        for p, ids, group, out, plp in zip(prompts, all_ids, groups, outs, prompt_lps):
             first = min((h.request.t_first for h in group if h.request.t_first is not None), default=None)
             results.append(RequestOutput(
                 request_id=uuid.uuid4().hex[:12], prompt=p if isinstance(p, str) else None, prompt_token_ids=ids,
                 outputs=out, metrics={"seconds": time.perf_counter() - t0,
-                                      "time_to_first_token": None if first is None else first - group[0].request.t_submit}))
+                                      "time_to_first_token": None if first is None else first - group[0].request.t_submit},
+                prompt_logprobs=plp))
         return results
 
     @staticmethod

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-__all__ = ["token_logprob", "prompt_logprobs"]
+__all__ = ["token_logprob", "prompt_logprobs", "prompt_logprob_dicts"]
 
 
 def token_logprob(logits: np.ndarray, token: int, k: int) -> tuple[float, dict[int, float]]:
@@ -38,3 +38,9 @@ def prompt_logprobs(logits: np.ndarray, ids: list[int], k: int) -> list[tuple[fl
         lp, top = token_logprob(row, ids[i], k)
         out.append((lp, top, int((row > row[ids[i]]).sum()) + 1))
     return out
+
+
+def prompt_logprob_dicts(logits: np.ndarray, ids: list[int], k: int) -> list[dict[int, float] | None]:
+    """`prompt_logprobs` in the shape of `CompletionOutput.logprobs`: per prompt token (None for
+    the first) {its id: its logprob, and each of the top `k`: theirs} (vLLM's RequestOutput.prompt_logprobs)."""
+    return [None if e is None else {t: e[0], **e[1]} for t, e in zip(ids, prompt_logprobs(logits, ids, k))]

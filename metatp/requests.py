@@ -40,6 +40,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # with SamplingParams(prompt_logprobs=k)
 
 
 class RequestHandle:

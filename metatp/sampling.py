@@ -59,6 +59,8 @@ class SamplingParams:
     stream of it.
     `logprobs`: None, or report each token's log-probability (of the raw logits, as vLLM does)
     and that many of the most likely alternatives (0: only the token's own).
+    `prompt_logprobs` (vLLM's): the same for every prompt token (the first has none), in
+    `RequestOutput.prompt_logprobs`.
     `frequency_penalty`, `presence_penalty` (OpenAI's, -2..2, over the tokens generated so far),
     `logit_bias` ({token id: bias}, -100..100 added to the logits; -100 bans the token) and
     `min_tokens` (vLLM's: EOS, stop_token_ids and stop strings end nothing before that many
@@ -75,6 +77,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -88,6 +91,10 @@ class SamplingParams:
         if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ConfigError(f"prompt_logprobs must be None or an integer from 0 to 20, got {self.prompt_logprobs!r}")
+        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 0):
             raise ConfigError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
         if self.max_tokens is not None:

@@ -91,6 +91,7 @@ class Frontend:
                     kind: str = "generate") -> tuple[list[RequestHandle], asyncio.Queue]:
         """Queue n requests per prompt (kind "score": one per prompt, its logits at every
         position); their outputs arrive on one queue as (choice index, output)."""
+        self.check_vocabulary(params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
@@ -113,6 +114,15 @@ class Frontend:
             raise
         self.requests_total += kind == "generate"
         return handles, queue
+
+    def check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids a request names (logit_bias keys, stop_token_ids) lie in the vocabulary: a
+        400 naming the field otherwise (the fields' own checks cannot know the model)."""
+        n_vocab = self.llm.n_vocab
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < n_vocab]
+            if bad:
+                raise BadRequest(f"'{name}': token id {bad[0]} is outside the vocabulary of {n_vocab}", name)
 
     def cancel(self, handles: list[RequestHandle]) -> None:
         for h in handles:

@@ -245,11 +245,13 @@ def test_server_min_tokens_holds_eos_and_stop_ids_back(client, llm):
     ("logit_bias", [5, 1]), ("logit_bias", {"100000": 1}), ("logit_bias", {"9" * 5000: 1}),
     ("logit_bias", {"5": 10 ** 400}), ("frequency_penalty", 10 ** 400), ("temperature", 10 ** 400),
     ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", 20), ("stop_token_ids", ["a"]), ("stop_token_ids", 5),
+    ("stop_token_ids", [10 ** 6]),
 ])
 def test_server_bad_values_are_a_400_naming_the_field(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=client.model_id, prompt=PROMPT, max_tokens=10, extra_body={field: value})
     assert e.value.status_code == 400 and field in str(e.value)
+    assert e.value.body["param"] == field
 
 
 @serve

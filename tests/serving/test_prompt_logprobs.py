@@ -130,3 +130,25 @@ def test_a_bad_prompt_logprobs_is_a_400(server, bad):
     r = httpx.post(server.base + "/v1/completions", timeout=60,
                    json={"model": "m", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": bad})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_generate_reports_prompt_logprobs(path, want):
+    from metatp import SamplingParams
+    from metatp.ir.errors import ConfigError
+
+    llm = LLM(path, n_ctx=N_CTX, backend="numpy")
+    plain, out = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=3, temperature=0),
+                                                 SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2)])
+    assert plain.prompt_logprobs is None
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids      # the scoring pass changes nothing
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(PROMPT)
+    for i in range(1, len(PROMPT)):
+        assert plp[i][PROMPT[i]] == pytest.approx(want[i - 1, PROMPT[i]], rel=1e-6, abs=1e-7)
+        best = sorted(want[i - 1])[::-1][:2]
+        others = sorted(plp[i].values(), reverse=True)
+        assert others[:2] == pytest.approx(best, rel=1e-6, abs=1e-7)               # the top 2 are there
+    assert llm.engine.cells.n_used == 0
+    for bad in (-1, 21, 1.5, "2"):
+        with pytest.raises(ConfigError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
