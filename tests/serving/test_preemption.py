@@ -91,18 +91,17 @@ def test_streams_through_a_preemption_deliver_each_token_once_in_order(llm, solo
     params[3] = ref_sampled
     params[2] = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, stop=[stop])
     events: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
-    reqs = [llm.submit(p, sp, on_event=lambda r, out, i=i: events[i].append(out))
-            for i, (p, sp) in enumerate(zip(PROMPTS, params))]
-    index = {id(r): i for i, r in enumerate(reqs)}
     delivered_at_preemption: list[tuple[int, int]] = []
     preempt = sched.demand.preempt
+    index: dict[int, int] = {}
 
     def recording(r, waiting):
         delivered_at_preemption.append((index[id(r)], len(events[index[id(r)]])))
         preempt(r, waiting)
     monkeypatch.setattr(sched.demand, "preempt", recording)
-    for r in reqs:
-        sched.submit(r)
+    reqs = [llm.submit(p, sp, on_output=lambda out, i=i: events[i].append(out)).request
+            for i, (p, sp) in enumerate(zip(PROMPTS, params))]      # queued; no step runs before the loop
+    index.update({id(r): i for i, r in enumerate(reqs)})
     for _ in range(20_000):
         if not sched.step():
             break
@@ -146,13 +145,11 @@ def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatc
         seen.append((r.state, r.n_fed))
         preempt(r, waiting)
     monkeypatch.setattr(sched.demand, "preempt", recording)
-    a = llm.submit([5, 6, 7], grow)
-    sched.submit(a)
+    a = llm.submit([5, 6, 7], grow).request
     while a.seq is None or a.seq.n_past < 126:                  # a: one page, two cells short of its end
         sched.step()
-    c, b = llm.submit([8, 9], grow), llm.submit(long_prompt, short)
-    sched.submit(c)                                             # c: the third page; b: the last two
-    sched.submit(b)
+    c = llm.submit([8, 9], grow).request                        # c: the third page; b: the last two
+    b = llm.submit(long_prompt, short).request
     outs = [_tokens_and_logprobs(sched, r) for r in (a, c, b)]
     assert seen and seen[0][0] == "prefill" and 0 < seen[0][1] < 200, seen     # b, between two chunks
     for got, w in zip(outs, want):
