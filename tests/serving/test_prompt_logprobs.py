@@ -38,7 +38,7 @@ def want(path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
+def plp_server(path, tmp_path_factory):
     port = free_port()
     s = ServeProcess([sys.executable, "-m", "metatp", "serve", "-m", path, "--port", str(port), "--backend", "numpy",
                       "-c", str(N_CTX), "--parallel", "2", "-a", "m"],
@@ -67,8 +67,8 @@ def test_prompt_logprobs_are_the_log_softmax_of_the_logits_before_each_token():
 
 
 @requires("serve")
-def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(server, want):
-    c = server.client()
+def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(plp_server, want):
+    c = plp_server.client()
     r = c.completions.create(model="m", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
     ch = r.choices[0]
     lp = ch.logprobs
@@ -82,8 +82,8 @@ def test_echo_with_logprobs_and_no_tokens_scores_the_prompt(server, want):
 
 
 @requires("serve")
-def test_echo_with_logprobs_and_tokens_gives_the_prompt_then_the_generation(server, want):
-    c = server.client()
+def test_echo_with_logprobs_and_tokens_gives_the_prompt_then_the_generation(plp_server, want):
+    c = plp_server.client()
     plain = c.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1)
     r = c.completions.create(model="m", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True)
     ch = r.choices[0]
@@ -97,8 +97,8 @@ def test_echo_with_logprobs_and_tokens_gives_the_prompt_then_the_generation(serv
 
 
 @requires("serve")
-def test_a_streamed_echo_sends_the_prompt_first(server):
-    with httpx.stream("POST", server.base + "/v1/completions", timeout=60,
+def test_a_streamed_echo_sends_the_prompt_first(plp_server):
+    with httpx.stream("POST", plp_server.base + "/v1/completions", timeout=60,
                       json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True,
                             "logprobs": 1, "stream": True}) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
@@ -109,8 +109,8 @@ def test_a_streamed_echo_sends_the_prompt_first(server):
 
 
 @requires("serve")
-def test_vllm_prompt_logprobs_field(server, want):
-    r = httpx.post(server.base + "/v1/completions", timeout=60,
+def test_vllm_prompt_logprobs_field(plp_server, want):
+    r = httpx.post(plp_server.base + "/v1/completions", timeout=60,
                    json={"model": "m", "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
     plp = r["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(PROMPT)
@@ -126,8 +126,8 @@ def test_vllm_prompt_logprobs_field(server, want):
 
 @requires("serve")
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, "2"])
-def test_a_bad_prompt_logprobs_is_a_400(server, bad):
-    r = httpx.post(server.base + "/v1/completions", timeout=60,
+def test_a_bad_prompt_logprobs_is_a_400(plp_server, bad):
+    r = httpx.post(plp_server.base + "/v1/completions", timeout=60,
                    json={"model": "m", "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": bad})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
