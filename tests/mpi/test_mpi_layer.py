@@ -220,3 +220,28 @@ def test_a_backend_without_copies_across_processes_says_so(path):
     eng = Engine(load_model(path), 64, layout, NumpyBackend(layout, devices=[1], collective=Sums()))
     with pytest.raises(UnsupportedOpError, match="point-to-point copies; 'sums' has none"):
         eng.forward([1, 2, 3])
+
+
+# ---------------------------------------------------------------- bench
+@needs_mpi
+def test_bench_under_mpiexec_has_layer_rows_with_bill_and_copy_times(path):
+    """`mpiexec -n 2 metatp bench -sm layer`: rank 0 prints the in-process rows (the -sm none
+    baseline and the layer rows), each with the dump's bill and, for layer, its send / receive time."""
+    from metatp.tools.bench import COPY_COLUMNS, MPI_COLUMNS, BenchConfig, run_bench
+
+    r = cli("bench", "-m", path, "-p", "8", "-n", "4", "-r", "2", "--backend", "numpy", "-sm", "layer",
+            "-ts", "1/2", "-o", "json", n=2)
+    check_ok(r)
+    rows = json.loads(r.stdout)
+    want = run_bench(BenchConfig(model=path, n_prompt=[8], n_gen=[4], repetitions=1, backend="numpy",
+                                 n_devices=[2], split_mode=["layer"], tensor_split=[(1.0, 2.0)]))
+    key = ("n_devices", "split_mode", "tensor_split", "test", "comm_bytes_per_token", "comm_bytes_per_prompt")
+    assert [tuple(x[k] for k in key) for x in rows] == [tuple(w[k] for k in key) for w in want]
+    for x in rows:
+        layer = x["split_mode"] == "layer"
+        assert (x["copy_us_per_call"] is not None) == layer and x["allreduce_us_per_call"] is None, x
+        assert not layer or (x["copy_us_per_call"] > 0 and x["copy_ms_per_token"] > 0)
+    md = cli("bench", "-m", path, "-p", "8", "-n", "0", "-r", "1", "--backend", "numpy", "-sm", "layer", n=2)
+    check_ok(md)
+    head = next(line for line in md.stdout.splitlines() if line.startswith("| model |"))
+    assert all(c in head for c in COPY_COLUMNS) and not any(c in head for c in MPI_COLUMNS), head
