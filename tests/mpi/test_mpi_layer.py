@@ -133,6 +133,15 @@ def test_other_split_modes_and_counts_stay_refused(path):
         assert r.returncode == 1 and len(lines) == 1 and want in lines[0], (extra, r.stderr)
 
 
+@needs_mpi
+def test_dump_under_mpiexec_prints_once_what_one_process_prints(path):
+    one = cli("dump", "-m", path, "--devices", "2", "-sm", "layer", "-ts", "1,2")
+    check_ok(one)
+    two = cli("dump", "-m", path, "-sm", "layer", "-ts", "1,2", n=2)
+    check_ok(two)
+    assert two.stdout == one.stdout and "copy bill" in one.stdout and two.stderr == ""
+
+
 def test_layout_for_takes_layer():
     from metatp.backends.distributed import World
     from metatp.ir.errors import ConfigError
