@@ -73,8 +73,8 @@ def _check_holdings(facts: list[dict], ts: tuple[float, ...]) -> None:
 
 
 @needs_mpi
-@pytest.mark.parametrize("ts", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0, 1.0), (2.0, 1.0, 2.0)],
-                         ids=["2:1,1", "2:3,1", "3:1,3,1", "3:2,1,2"])
+@pytest.mark.parametrize("ts", [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0, 1.0), (2.0, 1.0, 2.0), (1.0, 0.0, 1.0)],
+                         ids=["2:1,1", "2:3,1", "3:1,3,1", "3:2,1,2", "3:1,0,1-idle-rank"])
 def test_layer_ranks_match_one_process(path, tmp_path, ts):
     res, facts = _ranks(tmp_path, path, ts)
     logits, tokens = _one_process(path)
