@@ -7,8 +7,9 @@ backend's `devices=[rank]`), walks only that device's part of every plan, and su
 partial results between subgraphs through MPI (`collectives.mpi.MpiCollective`; GPU ranks:
 NCCL, `cuda.nccl.NcclCollective`). Under -sm layer a rank holds its layers' weights and KV
 cache and computes only those; the hidden state goes from rank to rank by MPI send / receive
-(`collectives.p2p.MpiSendRecv`) and the last rank's logits are broadcast to all. The backend itself is made by its registry entry
-(`registry.BackendEntry.create`), as in one process, with the rank's device and collective.
+(`collectives.p2p.MpiSendRecv`) and the last rank's logits are broadcast to all. The backend
+itself is made by its registry entry (`registry.BackendEntry.create`), as in one process, with
+the rank's device and collective.
 
 Ranks run in lock step: every rank makes the same forward calls with the same inputs, or a
 collective waits forever. So, once at start, the ranks check that they agree on the world size

@@ -355,7 +355,8 @@ def _allreduce_fields(slot: _Slot, test: tuple[int, int, int], reps: int) -> dic
         return out
     kind = "copy" if slot.layout is not None and slot.layout[1] == "layer" else "allreduce"
     tokens = (test[0] or test[1]) * reps
-    return dict(out, **{f"{kind}_us_per_call": t.seconds / t.calls * 1e6, f"{kind}_ms_per_token": t.seconds / tokens * 1e3})
+    return dict(out, **{f"{kind}_us_per_call": t.seconds / t.calls * 1e6,
+                        f"{kind}_ms_per_token": t.seconds / tokens * 1e3})
 
 
 def run_bench(cfg: BenchConfig, progress=None, world=None) -> list[dict]:
