@@ -5,8 +5,11 @@
 of an N-device layout, stores only that device's weight slices and KV heads (the numpy
 backend's `devices=[rank]`), walks only that device's part of every plan, and sums the
 partial results between subgraphs through MPI (`collectives.mpi.MpiCollective`; GPU ranks:
-NCCL, `cuda.nccl.NcclCollective`). The backend itself is made by its registry entry
-(`registry.BackendEntry.create`), as in one process, with the rank's device and collective.
+NCCL, `cuda.nccl.NcclCollective`). Under -sm layer a rank holds its layers' weights and KV
+cache and computes only those; the hidden state goes from rank to rank by MPI send / receive
+(`collectives.p2p.MpiSendRecv`) and the last rank's logits are broadcast to all. The backend
+itself is made by its registry entry (`registry.BackendEntry.create`), as in one process, with
+the rank's device and collective.
 
 Ranks run in lock step: every rank makes the same forward calls with the same inputs, or a
 collective waits forever. So, once at start, the ranks check that they agree on the world size
@@ -141,7 +144,9 @@ class World:
     def layout_for(self, n_devices: int | None, split_mode: str | None,
                    tensor_split: Sequence[float] | None) -> tuple[int, str]:
         """(n_devices, split_mode) for this world: the device count is the world size; an
-        explicit count or -ts that disagrees is an error every rank raises."""
+        explicit count or -ts that disagrees is an error every rank raises. Several processes
+        split by tensor (the default) or by layer (-sm layer: each rank its layers, the hidden
+        state sent from rank to rank)."""
         n = self.size if n_devices is None else n_devices
         if tensor_split is not None and len(tensor_split) != self.size:
             raise every_rank(ConfigError(
@@ -151,15 +156,13 @@ class World:
             raise every_rank(ConfigError(
                 f"--devices {n} but mpiexec started {self.size} processes: the world size is the device "
                 f"count (one process per device); run mpiexec -n {n} or drop --devices"))
-        if self.size > 1 and split_mode == "layer":
-            raise every_rank(ConfigError(
-                f"mpiexec started {self.size} processes but split_mode 'layer' is not supported across "
-                "processes yet: run -sm layer in one process (--devices N, no mpiexec), or -sm tensor under mpiexec"))
-        if self.size > 1 and split_mode not in (None, "tensor"):
+        if self.size > 1 and split_mode not in (None, "tensor", "layer"):
             raise every_rank(ConfigError(
                 f"mpiexec started {self.size} processes but split_mode is {split_mode!r}: "
-                "several processes split the model with -sm tensor"))
-        return n, "tensor" if self.size > 1 else (split_mode or "none")
+                "several processes split the model with -sm tensor or -sm layer"))
+        if self.size > 1:
+            return n, split_mode or "tensor"
+        return n, split_mode or "none"
 
     def check_model(self, path: str | os.PathLike) -> str:
         """Every rank maps the same model file (compared by `model_digest`, paths may differ

@@ -7,7 +7,8 @@ are run (its runner: node-major closures and threads on the host; streams, event
 graphs on a GPU). `PlanExecutor.__init__` runs the one construction sequence (inputs, leaves,
 shared values, fusions, node buffers, the walk, one prepared all-reduce per reduction) and
 `read` gathers results. Under -sm layer a subgraph may end with copies of values another
-device reads (`transfer_step`, prepared once per `Transfer`). The walk below is the one place
+device reads (`transfer_step`, prepared once per `Transfer`; a send or receive when the
+other device belongs to another process, `transfer_across`). The walk below is the one place
 that decides which device runs which node:
 
 - a pure view runs nothing (its memory is its source's);
@@ -37,11 +38,14 @@ from metatp.backends.fusion import Fusion
 from metatp.backends.slicing import gather_array
 from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
-from metatp.ir.tensor import Flag, Tensor
+from metatp.ir.tensor import Flag, GGMLType, Tensor
 from metatp.passes.memory import assign_offsets
 from metatp.passes.plan import Local, Plan
 
 __all__ = ["NodeSteps", "PlanExecutor"]
+
+# what a process that holds none of a value allocates to receive it whole (`read_across`)
+_HOST_TYPES = {GGMLType.F32: np.dtype(np.float32), GGMLType.I32: np.dtype(np.int32), GGMLType.F16: np.dtype(np.float16)}
 
 
 @dataclass
@@ -265,16 +269,38 @@ class PlanExecutor(Executable):
         return out
 
     def prepare_transfers(self) -> list[list]:
-        """[subgraph] -> its copies between devices (`transfer_step`), in plan order."""
+        """[subgraph] -> its copies between devices, in plan order: a copy between two owned
+        devices is `transfer_step`; one whose other end another process owns is this side's
+        send or receive (`transfer_across`); one between two devices owned elsewhere is
+        nothing here."""
         out: list[list] = [[] for _ in self.plan.subgraphs]
         nodes = self.plan.graph.nodes
+        own = set(self.devices)
         for k, sub in enumerate(self.plan.subgraphs):
             for x in sub.transfers:
-                if len(self.devices) < self.plan.n_devices:
-                    raise UnsupportedOpError("split_mode='layer' is not supported across processes yet "
-                                             "(one process must own every device)")
-                out[k].append(self.transfer_step(nodes[x.node], x.src, x.dst))
+                node = nodes[x.node]
+                if x.src in own and x.dst in own:
+                    out[k].append(self.transfer_step(node, x.src, x.dst))
+                elif x.src in own or x.dst in own:
+                    out[k].append(self.transfer_across(node, x.src, x.dst))
         return out
+
+    def send_recv(self) -> Any:
+        """The point-to-point link between this process's devices and the others'
+        (`collectives.p2p.SendRecv`: the backend collective's `send_recv`), or None."""
+        return getattr(self.reduction_collective(), "send_recv", None)
+
+    def transfer_across(self, node: Tensor, src: int, dst: int) -> Any:
+        """This process's half of a copy between processes: the send where src is owned here,
+        else the receive into dst's buffer (its shape and dtype are the plan's)."""
+        link = self.send_recv()
+        if link is None:
+            raise UnsupportedOpError(f"{self.backend.name} backend: split_mode='layer' across processes needs "
+                                     f"a collective with point-to-point copies; {self.reduction_collective().name!r} "
+                                     "has none")
+        if src in self.devices:
+            return link.prepare_send(self.reduction_buffer(src, node), dst)
+        return link.prepare_recv(self.reduction_buffer(dst, node), src)
 
     # ---------------------------------------------------------------- results
     def read(self, t: Tensor) -> np.ndarray:
@@ -289,14 +315,32 @@ class PlanExecutor(Executable):
 
     def read_across(self, t: Tensor) -> np.ndarray:
         """The full value of `t` when this process owns only some devices: a value every device
-        holds whole (mirrored and computed everywhere) is read here; a split one (the
-        vocabulary-split logits) is gathered from every process (`collective.allgather`) and put
-        together, so every process gets the same bits."""
+        holds whole (mirrored and computed everywhere) is read here; one that a single device
+        computed whole (-sm layer: the logits, on the last layer's device) is broadcast from
+        there (`send_recv().broadcast`); a split one (the vocabulary-split logits) is gathered
+        from every process (`collective.allgather`) and put together. Every process gets the
+        same bits."""
         tp = self.plan.of(t)
         own = self.devices
         if tp.sync_state.is_mirrored and all(tp.compute[d] for d in own):
             return np.array(self.host_value(own[0], t), copy=True).reshape(np_shape(t.ne))
+        by = [d for d, on in enumerate(tp.compute) if on]
+        link = self.send_recv()
+        if len(by) == 1 and tuple(tp.local[by[0]].ne) == tuple(t.ne) and link is not None:
+            return self._broadcast(t, by[0], link)
         counts = [loc.nelements for loc in tp.local]
         flat = self.backend.collective.allgather([self.host_value(d, t) for d in own], counts)
         parts = [p.reshape(np_shape(loc.ne)) for p, loc in zip(flat, tp.local)]
         return gather_array(parts, t, tp)
+
+    def _broadcast(self, t: Tensor, root: int, link: Any) -> np.ndarray:
+        """Device root's whole value of `t` on every process (each allocates it from the plan)."""
+        if root in self.devices:
+            out = np.array(self.host_value(root, t), copy=True).reshape(np_shape(t.ne))
+        else:
+            dtype = _HOST_TYPES.get(t.type)
+            if dtype is None:
+                raise UnsupportedOpError(f"reading {t.name!r} ({t.type.name}) across processes is not supported")
+            out = np.empty(np_shape(t.ne), dtype)
+        link.broadcast(out, root)
+        return out

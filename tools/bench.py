@@ -7,14 +7,20 @@ the same test measured in the same invocation, as llama.cpp's PR tables do. With
 the same invocation, their repetitions interleaved with metatp's, and every row shows its ratio
 to llama.cpp's row of the same test.
 
-Under `mpiexec -n N metatp bench ... -sm tensor` (one process per device) the world size is the
-device count (`--devices` may be left out or must equal it). The tensor-parallel rows run on
-every rank in lock step; the single-device baseline (and `--compare llama-cpp`) run on rank 0
-alone while the other ranks sleep in a barrier, so the rows are the same as in one process.
-Rank 0 prints the table once, with two more columns: the mean wall time this rank spent inside
-`MPI_Allreduce` per call (us) and per token (ms) during the timed runs (it includes waiting for
+Every row also carries the communication its split implies, as `metatp dump` bills it, per
+token and per 512-token prompt (`bench_comm`: tensor, the all-reduce bytes of the busiest rank;
+layer, the hidden state's copies at the device boundaries), so the trade-off between the modes
+is beside the measured speed.
+
+Under `mpiexec -n N metatp bench ... -sm tensor` (or `-sm layer`; one process per device) the
+world size is the device count (`--devices` may be left out or must equal it). The split rows
+run on every rank in lock step; the single-device baseline (and `--compare llama-cpp`) run on
+rank 0 alone while the other ranks sleep in a barrier, so the rows are the same as in one
+process. Rank 0 prints the table once, with two more columns: the mean wall time this rank
+spent inside `MPI_Allreduce` (tensor rows) or its MPI sends / receives of the hidden state
+(layer rows) per call (us) and per token (ms) during the timed runs (it includes waiting for
 the slower rank and the zero-fill / staging copy of the buffer; not the logits' Allgatherv or
-the token broadcast). t/s and peak memory are rank 0's.
+broadcast, nor the token broadcast). t/s and peak memory are rank 0's.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from pathlib import Path
 import numpy as np
 
 from metatp.tools import llamacpp
+from metatp.tools.bench_comm import format_bytes, modelled_communication
 
-__all__ = ["BenchConfig", "run_bench", "check_world", "add_parser", "format_rows", "MPI_COLUMNS"]
+__all__ = ["BenchConfig", "run_bench", "check_world", "add_parser", "format_rows", "MPI_COLUMNS", "COPY_COLUMNS",
+           "COMM_COLUMNS"]
 
 
 @dataclass
@@ -186,6 +194,7 @@ def _setup(cfg: BenchConfig, n_dev: int, sm: str, ts, numerics: str = "exact", c
         "n_threads": os.environ.get("OPENBLAS_NUM_THREADS", ""), "cpu_kernels": kernels, "numerics": numerics,
         "type_k": tensors.kv_type.name.lower(), "type_v": tensors.kv_type_v.name.lower(),
         **_decode_allreduces(llm.engine, llm.backend),
+        **modelled_communication(llm),
     }
     return llm.engine, base
 
@@ -208,7 +217,8 @@ def _compare_setup(cfg: BenchConfig, model_path: str) -> tuple:
     base = {"model_filename": model_path, "model_type": "llama.cpp", "backend": "llama.cpp",
             "n_devices": 1, "split_mode": "none", "tensor_split": "", "n_threads": str(threads),
             "cpu_kernels": kernels, "numerics": "llama.cpp",
-            "type_k": "f16", "type_v": "f16", "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0}
+            "type_k": "f16", "type_v": "f16", "reductions_per_token": 0, "allreduce": "none", "allreduce_bytes_per_token": 0,
+            "comm_bytes_per_token": 0, "comm_bytes_per_prompt": 0, "comm_prompt_tokens": 512}
     return eng, base
 
 
@@ -278,7 +288,7 @@ def _on_root(world, build):
 
 def check_world(cfg: BenchConfig, world) -> None:
     """Under mpiexec the world size is the device count: every --devices and -ts must say so, and
-    -sm must include tensor (the -sm none baseline joins on rank 0). Errors every rank raises."""
+    -sm must include tensor or layer (the -sm none baseline joins on rank 0). Errors every rank raises."""
     from metatp.backends.distributed import every_rank
     from metatp.ir.errors import ConfigError
 
@@ -287,11 +297,11 @@ def check_world(cfg: BenchConfig, world) -> None:
     for ts in cfg.tensor_split:
         if ts is not None:
             world.layout_for(None, "tensor", ts)
-    if "tensor" not in cfg.split_mode:
+    if not {"tensor", "layer"} & set(cfg.split_mode):
         raise every_rank(ConfigError(
             f"mpiexec started {world.size} processes but -sm is {','.join(cfg.split_mode)}: under mpiexec "
-            "bench measures -sm tensor across the processes (the -sm none baseline runs on rank 0); "
-            "add -sm tensor, or run -sm none without mpiexec"))
+            "bench measures -sm tensor or -sm layer across the processes (the -sm none baseline runs on "
+            "rank 0); add -sm tensor or -sm layer, or run -sm none without mpiexec"))
 
 
 def _slot(cfg: BenchConfig, lay: tuple, world) -> _Slot:
@@ -302,6 +312,8 @@ def _slot(cfg: BenchConfig, lay: tuple, world) -> _Slot:
         return _Slot(*(built or (None, None)), lay, scope="root")
     eng, base = _setup(cfg, *lay, distributed="mpi")
     coll = eng.backend.collective if hasattr(eng, "backend") else None
+    if lay[1] == "layer":           # no all-reduce: time the sends / receives of the hidden state
+        coll = getattr(coll, "send_recv", None)
     timer = _AllreduceTimer(coll) if hasattr(coll, "seconds") else None
     return _Slot(eng, base, lay, timer=timer)
 
@@ -334,12 +346,17 @@ def _run_slot(slot: _Slot, test, depth_ids, rng, vocab: int, world) -> float | N
 
 
 def _allreduce_fields(slot: _Slot, test: tuple[int, int, int], reps: int) -> dict:
-    """Mean MPI_Allreduce wall time per call (us) and per token (ms) over the timed runs."""
+    """Mean MPI_Allreduce wall time per call (us) and per token (ms) over the timed runs; for a
+    -sm layer row the same of its sends / receives (copy_*)."""
     t = slot.timer
+    out = {"allreduce_us_per_call": None, "allreduce_ms_per_token": None, "copy_us_per_call": None,
+           "copy_ms_per_token": None}
     if t is None or t.calls == 0:
-        return {"allreduce_us_per_call": None, "allreduce_ms_per_token": None}
+        return out
+    kind = "copy" if slot.layout is not None and slot.layout[1] == "layer" else "allreduce"
     tokens = (test[0] or test[1]) * reps
-    return {"allreduce_us_per_call": t.seconds / t.calls * 1e6, "allreduce_ms_per_token": t.seconds / tokens * 1e3}
+    return dict(out, **{f"{kind}_us_per_call": t.seconds / t.calls * 1e6,
+                        f"{kind}_ms_per_token": t.seconds / tokens * 1e3})
 
 
 def run_bench(cfg: BenchConfig, progress=None, world=None) -> list[dict]:
@@ -354,7 +371,7 @@ def run_bench(cfg: BenchConfig, progress=None, world=None) -> list[dict]:
     `world` (a `backends.distributed.World`): this process is one rank of an mpiexec run; every
     rank must call this with the same config (rank 0's is used). The rows come back on rank 0
     (an empty list on the others); tensor-parallel rows carry allreduce_us_per_call /
-    allreduce_ms_per_token (None elsewhere)."""
+    allreduce_ms_per_token, layer rows copy_us_per_call / copy_ms_per_token (None elsewhere)."""
     from metatp.ir.errors import ConfigError
 
     if world is not None:
@@ -441,8 +458,12 @@ def _add_ratios(rows: list[dict]) -> None:
             r["vs_llama_cpp"] = r["avg_ts"] / c if c else None
 
 
-# Under mpiexec: rank 0's wall time inside MPI_Allreduce during the timed runs, per call and per token
+# Under mpiexec: rank 0's wall time inside MPI_Allreduce (-sm tensor rows) or inside its sends /
+# receives of the hidden state (-sm layer rows) during the timed runs, per call and per token
 MPI_COLUMNS = ("MPI_Allreduce µs/call", "MPI_Allreduce ms/tok")
+COPY_COLUMNS = ("MPI Send/Recv µs/call", "MPI Send/Recv ms/tok")
+# The communication the dump bills for the row's split (tools/bench_comm.py)
+COMM_COLUMNS = ("comm/tok", "comm/pp512")
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -461,22 +482,26 @@ def format_rows(rows: list[dict], fmt: str) -> str:
     # has a cache other than f32
     kv_cols = any((r.get("type_k"), r.get("type_v")) != ("f32", "f32") for r in rows if r["backend"] != "llama.cpp")
     mpi_cols = any(r.get("allreduce_us_per_call") is not None for r in rows)
+    copy_cols = any(r.get("copy_us_per_call") is not None for r in rows)
     head = ["model", "size", "backend", "numerics", "devices", "sm", "ts"] + (["type_k", "type_v"] if kv_cols else []) \
-        + ["test", "t/s", "vs -sm none", "reductions/tok"] + (["vs llama.cpp"] if compare else []) \
-        + (list(MPI_COLUMNS) if mpi_cols else [])
+        + ["test", "t/s", "vs -sm none", "reductions/tok"] + list(COMM_COLUMNS) \
+        + (["vs llama.cpp"] if compare else []) + (list(MPI_COLUMNS) if mpi_cols else []) \
+        + (list(COPY_COLUMNS) if copy_cols else [])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * len(head)) + " |"]
     for r in rows:
         size = Path(r["model_filename"]).stat().st_size / 2**20 if Path(r["model_filename"]).exists() else 0
         ratio = f"{r['vs_none']:.2f}x" if r["vs_none"] is not None else ""
         cells = [r["model_type"], f"{size:.1f} MiB", r["backend"], r["numerics"], str(r["n_devices"]), r["split_mode"],
                  r["tensor_split"]] + ([r.get("type_k", ""), r.get("type_v", "")] if kv_cols else []) \
-            + [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio, str(r["reductions_per_token"])]
+            + [r["test"], f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}", ratio, str(r["reductions_per_token"]),
+               format_bytes(r.get("comm_bytes_per_token")), format_bytes(r.get("comm_bytes_per_prompt"))]
         if compare:
             c = r.get("vs_llama_cpp")
             cells.append(f"{c:.2f}x" if c is not None else "")
-        if mpi_cols:
-            us, ms = r.get("allreduce_us_per_call"), r.get("allreduce_ms_per_token")
-            cells += [f"{us:.1f}" if us is not None else "", f"{ms:.3f}" if ms is not None else ""]
+        for shown, kind in ((mpi_cols, "allreduce"), (copy_cols, "copy")):
+            if shown:
+                us, ms = r.get(f"{kind}_us_per_call"), r.get(f"{kind}_ms_per_token")
+                cells += [f"{us:.1f}" if us is not None else "", f"{ms:.3f}" if ms is not None else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -492,7 +517,8 @@ def add_parser(sub) -> None:
     b.add_argument("--devices", default=None,
                    help="device counts, comma-separated (default 1; under mpiexec -n N: N, the only count allowed)")
     b.add_argument("-sm", "--split-mode", default=None,
-                   help="none,tensor (default none; under mpiexec: tensor, with the -sm none baseline on rank 0)")
+                   help="none,tensor,layer (default none; under mpiexec: tensor, with the -sm none baseline on "
+                        "rank 0)")
     b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     b.add_argument("--numerics", default="exact", help="exact,llamacpp (q8: the same as llamacpp), comma-separated")

@@ -6,6 +6,7 @@
 - `wire`: FP32 / BF16 on the wire (llama.cpp's thresholds);
 - `host`: the runner for devices simulated in one process (numpy, plus the C butterfly);
 - `mpi`: one process per device (CPU ranks): MPI_Allreduce in place, Allgatherv for split reads.
+- `p2p`: copies between processes (-sm layer under mpiexec): MPI send / receive, a broadcast of the logits.
 
 Device collectives live with their backend: `cuda.collective.DeviceCollective` (the GPUs of one
 process) and `cuda.nccl.NcclCollective` (GPU ranks: ncclAllReduce, its unique id broadcast over MPI).

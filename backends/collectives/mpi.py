@@ -9,6 +9,10 @@ MPI's own algorithm (recursive doubling / reduce-scatter + all-gather in MPICH a
 gives every rank the same bits, as the `Collective` contract asks; the order of the additions
 may differ from the in-process butterfly's, so results match the simulated run to float
 rounding, not bit for bit.
+
+Under -sm layer nothing is all-reduced: the copies between the ranks' devices are `send_recv`
+(`p2p.MpiSendRecv`, on its own duplicate of the communicator), made here so that every rank
+makes it at the same point.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from metatp.backends.collectives.base import Group, Step
+from metatp.backends.collectives.p2p import MpiSendRecv
 from metatp.ir.errors import ConfigError
 
 __all__ = ["MpiCollective"]
@@ -27,7 +32,8 @@ __all__ = ["MpiCollective"]
 class MpiCollective:
     """Allreduce / Allgatherv over an mpi4py communicator; this rank owns device `comm.rank`.
 
-    Implements `Collective` and `AllGather` for a group of one device per rank."""
+    Implements `Collective` and `AllGather` for a group of one device per rank; `send_recv` is
+    its `p2p.SendRecv` (the copies of a layer split)."""
 
     name = "mpi"
 
@@ -44,6 +50,7 @@ class MpiCollective:
         # under mpiexec reports seconds / calls); allgather is not counted
         self.calls = 0
         self.seconds = 0.0
+        self.send_recv = MpiSendRecv(comm)
 
     def _local_flag(self, active: Sequence[bool] | None) -> bool:
         if active is None:

@@ -189,10 +189,10 @@ def test_cli_flags_reach_the_layout(path, capsys):
     assert "tensor_split" in capsys.readouterr().err
 
 
-def test_mpi_refuses_layer_by_name():
+def test_mpi_takes_layer_by_name():
+    """Under mpiexec -sm layer is one process per device (tests/mpi/test_mpi_layer.py runs it)."""
     world = World(comm=None, rank=0, size=2)
-    with pytest.raises(ConfigError, match=r"split_mode 'layer' is not supported across processes"):
-        world.layout_for(None, "layer", None)
+    assert world.layout_for(None, "layer", None) == (2, "layer")
     assert world.layout_for(None, "tensor", None) == (2, "tensor")
 
 

@@ -5,10 +5,10 @@
 Every rank writes its pid to `$FAULT_DIR/pid<rank>` first (the test checks they all end). The
 fault, from the environment:
 - `FAULT=SIGNAL:RANK:CALL`: rank RANK sends itself SIGNAL (SIGKILL, SIGSTOP) at its CALL-th
-  all-reduce, inside a step (the other ranks are in, or on their way to, that collective); the
-  time goes to `$FAULT_DIR/fault` just before.
+  all-reduce (or send / receive between ranks under -sm layer), inside a step (the other ranks
+  are in, or on their way to, that collective); the time goes to `$FAULT_DIR/fault` just before.
 - `FAULT=slow:RANK:CALL:SECONDS`: a slow but healthy step instead: rank RANK spins in Python for
-  SECONDS at its CALL-th all-reduce (holding the GIL as a busy step would), then goes on.
+  SECONDS at its CALL-th all-reduce or copy (holding the GIL as a busy step would), then goes on.
 - `FAULT_VERSION=RANK:VERSION`: rank RANK reports another metatp version (a mixed install).
 - `FAULT_CWD=RANK:DIR`: rank RANK runs in DIR, so a relative `-m` names another file there (as
   the same path names different files on two machines).
@@ -28,9 +28,7 @@ def _inject(kind: str, at: int, seconds: float, out: str) -> None:
     prepare = MpiCollective.prepare_allreduce
     calls = [0]
 
-    def prepare_faulty(self, bufs, active=None, stream=None):
-        step = prepare(self, bufs, active, stream=stream)
-
+    def faulty_at(step):
         def faulty() -> None:
             calls[0] += 1
             if calls[0] == at:
@@ -44,7 +42,20 @@ def _inject(kind: str, at: int, seconds: float, out: str) -> None:
                     os.kill(os.getpid(), getattr(signal, kind))
             step()
         return faulty
+
+    def prepare_faulty(self, bufs, active=None, stream=None):
+        return faulty_at(prepare(self, bufs, active, stream=stream))
     MpiCollective.prepare_allreduce = prepare_faulty
+    _inject_copies(faulty_at)
+
+
+def _inject_copies(faulty_at) -> None:
+    """-sm layer: the same count runs over the sends and receives between ranks (no all-reduce there)."""
+    from metatp.backends.collectives.p2p import MpiSendRecv
+
+    send, recv = MpiSendRecv.prepare_send, MpiSendRecv.prepare_recv
+    MpiSendRecv.prepare_send = lambda self, buf, dst: faulty_at(send(self, buf, dst))
+    MpiSendRecv.prepare_recv = lambda self, buf, src: faulty_at(recv(self, buf, src))
 
 
 def main() -> int:

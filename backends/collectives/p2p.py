@@ -1,0 +1,106 @@
+"""Copies between processes: one process per device under -sm layer.
+
+A layer plan hands a value (the residual stream at a device boundary) from the device that
+computed it to the next one (`passes.plan.Transfer`). In one process that is a copy between two
+buffers (`PlanExecutor.transfer_step`); when the two devices belong to different processes it
+is a send on the source's process and a receive on the destination's (`SendRecv`), prepared
+once per plan like the all-reduce. The receiver knows shape and dtype from the plan: its own
+buffer of the value is the receive buffer.
+
+Every process walks the same plan in the same order, and each copy is a pair (one sender, one
+receiver) posted in that order on both sides, so blocking sends and receives cannot deadlock:
+the earliest copy not done yet has both its ends waiting on it. The copies travel on a
+duplicate of the world communicator, apart from the all-reduces and rank 0's posts.
+
+`broadcast` gives a value only one process holds (the logits, on the last layer's device) to
+every process, as `AllGather` does for a vocabulary-split one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from metatp.backends.collectives.base import Step
+
+__all__ = ["SendRecv", "MpiSendRecv"]
+
+
+@runtime_checkable
+class SendRecv(Protocol):
+    """Point-to-point copies between the devices of processes (device d is driven by process d)."""
+
+    def prepare_send(self, buf: Any, dst: int) -> Step:
+        """A step sending this device's `buf` to device `dst` (which runs the matching receive)."""
+        ...
+
+    def prepare_recv(self, buf: Any, src: int) -> Step:
+        """A step receiving device `src`'s value into `buf` (same shape and dtype as the sender's)."""
+        ...
+
+    def broadcast(self, buf: Any, root: int) -> None:
+        """Device `root`'s `buf` into every process's `buf` (same shape and dtype everywhere)."""
+        ...
+
+
+class MpiSendRecv:
+    """`SendRecv` over MPI: `Send` / `Recv` of host buffers on a duplicate of `comm` (rank = device).
+
+    `calls` / `seconds` / `bytes` count the copies run and the wall time spent in them on this
+    process (a receive includes waiting for the sender); `broadcast` is not counted."""
+
+    TAG = 0x6C70      # the tag of layer-split copies (on the duplicated communicator)
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()          # collective: every rank makes its collective at the same point
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.calls = 0
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def _peer(self, d: int, what: str) -> int:
+        if not 0 <= d < self.size or d == self.rank:
+            raise ValueError(f"{what}: device {d} is not another rank of a world of {self.size}")
+        return int(d)
+
+    def prepare_send(self, buf: np.ndarray, dst: int) -> Step:
+        """Send `buf` to rank `dst`; a strided buffer goes through a contiguous copy."""
+        peer, comm, clock = self._peer(dst, "send"), self.comm, time.perf_counter
+        tag, nbytes = self.TAG, buf.nbytes
+
+        def step() -> None:
+            t0 = clock()
+            comm.Send(np.ascontiguousarray(buf), dest=peer, tag=tag)
+            self.calls += 1
+            self.bytes += nbytes
+            self.seconds += clock() - t0
+        return step
+
+    def prepare_recv(self, buf: np.ndarray, src: int) -> Step:
+        """Receive rank `src`'s value into `buf` (a strided buffer: into a contiguous one, then copied)."""
+        peer, comm, clock = self._peer(src, "receive"), self.comm, time.perf_counter
+        tag, nbytes = self.TAG, buf.nbytes
+        staged = not buf.flags.c_contiguous
+        work = np.empty(buf.shape, buf.dtype) if staged else buf
+
+        def step() -> None:
+            t0 = clock()
+            comm.Recv(work, source=peer, tag=tag)
+            if staged:
+                np.copyto(buf, work)
+            self.calls += 1
+            self.bytes += nbytes
+            self.seconds += clock() - t0
+        return step
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Rank `root`'s `buf` on every rank, by one MPI_Bcast (in place where contiguous)."""
+        if not buf.flags.c_contiguous:
+            work = np.ascontiguousarray(buf)
+            self.comm.Bcast(work, root=int(root))
+            np.copyto(buf, work)
+            return
+        self.comm.Bcast(buf, root=int(root))
