@@ -313,6 +313,13 @@ class PlanExecutor(Executable):
             return np.array(self.host_value(self.devices[0], t), copy=True).reshape(np_shape(t.ne))
         return gather_array([self.host_value(d, t) for d in self.devices], t, self.plan.of(t))
 
+    def read_argmax(self, t: Tensor) -> tuple[list[int | None], int]:
+        """Each row's greedy token of the logits `t`, without gathering a vocabulary split
+        (`backends.logits_read`); None for a row with a non-finite logit. Also the bytes received."""
+        from metatp.backends.logits_read import read_argmax
+
+        return read_argmax(self, t)
+
     def read_across(self, t: Tensor) -> np.ndarray:
         """The full value of `t` when this process owns only some devices: a value every device
         holds whole (mirrored and computed everywhere) is read here; one that a single device

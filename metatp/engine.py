@@ -71,7 +71,9 @@ def bucket_rows(n: int, cap: int, small: int) -> int:
 @dataclass
 class StepItem:
     """One sequence's part of a step: `tokens` at its next positions; which logits it wants:
-    "last" (the row sampled next), "all" (scoring) or "none" (a prompt chunk that is not the end)."""
+    "last" (the row sampled next), "all" (scoring), "none" (a prompt chunk that is not the end)
+    or "argmax" (the last row's greedy token only: read from a vocabulary split without
+    gathering it, `backends.logits_read`; its logits come back only where one is not finite)."""
 
     seq: SeqCells
     tokens: list[int]
@@ -84,6 +86,7 @@ class _Row:
     pos: int            # position in its sequence
     token: int
     out: bool           # logits wanted here
+    greedy: bool = False    # ... and only their argmax
 
 
 class Engine:
@@ -113,6 +116,7 @@ class Engine:
         self.lock = threading.RLock()       # one step at a time (steps come from any thread)
         self._anon: SeqCells | None = None  # the sequence `forward` without `seq` continues
         self.passes = 0                     # forward passes run (statistics)
+        self.logits_bytes = 0               # logits bytes gathered to this process (statistics)
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
@@ -245,8 +249,8 @@ class Engine:
 
     def run(self, items: Sequence[StepItem]) -> list[np.ndarray | None]:
         """One engine step: every item's tokens at its sequence's next positions, each sequence at
-        most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all")
-        or None. Rows are split into passes (decode tokens and short chunks in passes of at most
+        most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all"),
+        the greedy token as an int ("argmax"; its logits where one is not finite) or None. Rows are split into passes (decode tokens and short chunks in passes of at most
         `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
         committed only when every pass succeeded. Under MPI every rank makes this call with the
         same items on the same cells (a server's followers replay rank 0's `StepBatch`es,
@@ -260,8 +264,8 @@ class Engine:
         for k, it in enumerate(items):
             if not it.tokens:
                 raise ConfigError("forward needs at least one token")
-            if it.logits not in ("last", "all", "none"):
-                raise ConfigError(f"logits must be 'last', 'all' or 'none', got {it.logits!r}")
+            if it.logits not in ("last", "all", "none", "argmax"):
+                raise ConfigError(f"logits must be 'last', 'all', 'none' or 'argmax', got {it.logits!r}")
             ids = np.asarray(it.tokens, dtype=np.int64)
             if ids.min() < 0 or ids.max() >= n_vocab:
                 bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
@@ -273,7 +277,8 @@ class Engine:
                 raise ConfigError(f"sequence {it.seq.id} has ended; start a new one")
             self.cells.grow(it.seq, end)
             n = len(it.tokens)
-            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (it.logits == "last" and i == n - 1))
+            last = it.logits in ("last", "argmax")
+            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax")
                     for i, t in enumerate(it.tokens)]
             (small if n <= self.small_rows else large).extend(rows)
         keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
@@ -329,7 +334,16 @@ class Engine:
         self.passes += 1
         if not n_out:
             return []
-        logits = ex.read(plan.graph.meta["logits"])
-        logits = logits.reshape(-1, logits.shape[-1])
+        t = plan.graph.meta["logits"]
         at = {row: k for k, row in reversed(list(enumerate(sel)))}
-        return [logits[at[i]].copy() for i in out_rows]
+        picks: list[int | None] = [None] * len(sel)
+        if any(rows[i].greedy for i in out_rows):
+            picks, received = ex.read_argmax(t)
+            self.logits_bytes += received
+        if all(rows[i].greedy and picks[at[i]] is not None for i in out_rows):
+            return [picks[at[i]] for i in out_rows]
+        logits = ex.read(t)                         # every process makes this read alike: the picks agree
+        self.logits_bytes += logits.nbytes if len(ex.devices) < plan.n_devices else 0
+        logits = logits.reshape(-1, logits.shape[-1])
+        return [picks[at[i]] if rows[i].greedy and picks[at[i]] is not None else logits[at[i]].copy()
+                for i in out_rows]

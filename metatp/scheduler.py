@@ -181,6 +181,16 @@ class Request:
     def done(self) -> bool:
         return self.state == "done"
 
+    @property
+    def wants(self) -> str:
+        """What this request reads of the row it samples from: "argmax" when its pick is the
+        greedy token of the raw logits and nothing else is reported (no penalty, bias,
+        constraint or logprobs) -- then a vocabulary split is never gathered for it -- else "last"."""
+        p = self.params
+        plain = (p.greedy and p.logprobs is None and not p.penalized and p.repetition_penalty == 1.0
+                 and getattr(self, "constraint", None) is None)
+        return "argmax" if plain else "last"
+
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits)."""
         check_logits(logits, f"after {len(self.history)} tokens")
@@ -411,6 +421,9 @@ class Scheduler:
             if not self._samples_now(r, it):
                 picks.append(None)
                 continue
+            if isinstance(logits, int):          # "argmax": the engine read the greedy token itself
+                picks.append(logits)
+                continue
             try:
                 picks.append(r.sample(logits))
             except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
@@ -451,7 +464,7 @@ class Scheduler:
             budget = self.n_batch
             for r in self.running:
                 if r.state == "decode":
-                    items.append(StepItem(r.seq, [r.pending], "last"))
+                    items.append(StepItem(r.seq, [r.pending], r.wants))
                     reqs.append(r)
                     budget -= 1
             for r in self.running:
@@ -459,7 +472,7 @@ class Scheduler:
                     continue
                 chunk = prefill_chunk(r, budget, self.engine.small_rows)
                 last = r.refill is None and r.n_fed + len(chunk) == len(r.prompt_ids)   # a refill samples nothing
-                items.append(StepItem(r.seq, chunk, "all" if r.kind == "score" else "last" if last else "none"))
+                items.append(StepItem(r.seq, chunk, "all" if r.kind == "score" else r.wants if last else "none"))
                 reqs.append(r)
                 budget -= len(chunk)
             return items, reqs

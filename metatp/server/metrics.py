@@ -26,6 +26,8 @@ def prometheus_text(srv: Frontend) -> str:
     metric("preemptions_total", "counter", "Running sequences preempted for KV cells (recomputed later).",
            m.preemptions)
     metric("recomputed_tokens_total", "counter", "Tokens prefilled again after a preemption.", m.recomputed_tokens)
+    metric("logits_bytes_total", "counter", "Logits bytes gathered from other processes for sampling "
+           "(greedy rows move only their max and index).", srv.llm.engine.logits_bytes)
     metric("step_sequences_max", "gauge", "Most sequences one step carried.", m.max_step_seqs)
     metric("kv_cells_used", "gauge", "KV cells owned by sequences.", cells.n_used)
     metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
