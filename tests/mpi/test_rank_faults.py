@@ -330,7 +330,7 @@ def test_one_rank_reports_a_peer_several_lost():
     assert beats[2]._lost(now + STAGGER_S) == 1
 
 
-def _sleeper() -> "subprocess.Popen":
+def _sleeper():
     import subprocess
     import sys
 
