@@ -161,8 +161,9 @@ class Guide:
     def consume(self, tok: int) -> bool:
         """Advance past the sampled token; True when the output is complete."""
         if not self.matcher.consume_token(int(tok)):
-            raise MetatpError(f"structured output: token {tok} does not fit the constraint "
-                              f"({self.matcher.get_error()})")
+            why = self.matcher.get_error().strip().splitlines()
+            raise MetatpError(f"structured output: token {tok} does not fit the constraint"
+                              + (f" ({why[-1][:200]})" if why else ""))
         return self.matcher.is_stopped()
 
 

@@ -40,8 +40,8 @@ SCHEMAS = [("Describe a person and where they live.", PERSON), ("List some color
            ("How do you feel today?", MOOD)]
 # prompts whose greedy JSON objects end within 64 tokens on the default model
 JSON_PROMPTS = ["What is the capital of France?", "Name a fruit.", "What is 2+2?", "Give me a city and its country.",
-                "What is the boiling point of water?", "Name a planet.", "What color is the sky?",
-                "Name an animal.", "What is the largest ocean?", "Who painted the Mona Lisa?"]
+                "What is the boiling point of water?", "Name a planet.", "What is the capital of Japan?",
+                "Name an animal.", "What language is spoken in Spain?", "Who painted the Mona Lisa?"]
 JSON_SYSTEM = "Answer in JSON with one short key."
 CHOICES = ["yes", "no", "maybe"]
 REGEX = r"[A-Z][a-z]{2,8} [0-9]{2}"
