@@ -152,8 +152,8 @@ class Server(ServeProcess):
 
 
 @pytest.fixture(scope="module")
-def client(default_model, tmp_path_factory):
-    requires_serve()
+def served(default_model, tmp_path_factory):
+    """An openai client of `metatp serve` on the default model (n_ctx 512, 4 slots)."""
     s = Server(str(default_model), tmp_path_factory.mktemp("structured-serve") / "server.log")
     c = s.client()
     c.model_id = Path(default_model).name
@@ -161,10 +161,7 @@ def client(default_model, tmp_path_factory):
     s.stop()
 
 
-def requires_serve() -> None:
-    from support.require import require
-
-    require("serve")
+serve = requires("serve")
 
 
 def chat(client, question: str, system: str | None = None, max_tokens: int = 64, **extra):
@@ -176,39 +173,42 @@ def chat(client, question: str, system: str | None = None, max_tokens: int = 64,
     return r.choices[0]
 
 
-def test_server_json_object_parses(client):
+@serve
+def test_server_json_object_parses(served):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(lambda q: chat(client, q, JSON_SYSTEM, response_format={"type": "json_object"}),
+        got = list(pool.map(lambda q: chat(served, q, JSON_SYSTEM, response_format={"type": "json_object"}),
                             JSON_PROMPTS))
     for q, c in zip(JSON_PROMPTS, got):
         assert c.finish_reason == "stop", (q, c.message.content)
         assert isinstance(json.loads(c.message.content), dict), q
-    plain = chat(client, JSON_PROMPTS[0], JSON_SYSTEM, response_format={"type": "text"})
+    plain = chat(served, JSON_PROMPTS[0], JSON_SYSTEM, response_format={"type": "text"})
     assert plain.message.content != got[0].message.content         # text: unconstrained (the model's own words)
 
 
-def test_server_json_schema_validates(client):
+@serve
+def test_server_json_schema_validates(served):
     jsonschema = pytest.importorskip("jsonschema")
     for question, schema in SCHEMAS:
         rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
-        c = chat(client, question, response_format=rf)
+        c = chat(served, question, response_format=rf)
         assert c.finish_reason == "stop", c.message.content
         jsonschema.validate(json.loads(c.message.content), schema)
     question, schema = SCHEMAS[2]         # vLLM's and llama-server's spellings, and the completions route
     for field in ("guided_json", "json_schema"):
-        jsonschema.validate(json.loads(chat(client, question, **{field: schema}).message.content), schema)
-    r = client.completions.create(model=client.model_id, prompt="My mood as JSON: ", max_tokens=32, temperature=0.0,
+        jsonschema.validate(json.loads(chat(served, question, **{field: schema}).message.content), schema)
+    r = served.completions.create(model=served.model_id, prompt="My mood as JSON: ", max_tokens=32, temperature=0.0,
                                   extra_body={"guided_json": schema})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), schema)
 
 
-def test_server_choice_regex_and_grammar(client):
-    c = chat(client, "Is the sky blue?", max_tokens=8, guided_choice=CHOICES)
+@serve
+def test_server_choice_regex_and_grammar(served):
+    c = chat(served, "Is the sky blue?", max_tokens=8, guided_choice=CHOICES)
     assert c.message.content in CHOICES and c.finish_reason == "stop"
-    c = chat(client, "A name and an age?", max_tokens=16, guided_regex=REGEX)
+    c = chat(served, "A name and an age?", max_tokens=16, guided_regex=REGEX)
     assert re.fullmatch(REGEX, c.message.content) and c.finish_reason == "stop", c.message.content
-    c = chat(client, "Is the sky blue?", max_tokens=8, grammar='root ::= "Yes" | "No"')      # llama-server: GBNF
+    c = chat(served, "Is the sky blue?", max_tokens=8, grammar='root ::= "Yes" | "No"')      # llama-server: GBNF
     assert c.message.content in ("Yes", "No")
 
 
@@ -221,8 +221,9 @@ def test_server_choice_regex_and_grammar(client):
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
 ])
-def test_server_bad_constraint_is_a_400_naming_the_field(client, extra, field):
+@serve
+def test_server_bad_constraint_is_a_400_naming_the_field(served, extra, field):
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, "hi", max_tokens=4, **extra)
+        chat(served, "hi", max_tokens=4, **extra)
     assert e.value.status_code == 400 and e.value.body["param"] == field, e.value.body
     assert field in e.value.body["message"]
