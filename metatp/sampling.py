@@ -244,8 +244,11 @@ def _masked(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     leaves nothing (the penalties' bans met the constraint's), the constraint wins: its tokens
     keep their logits, so the output still fits it."""
     n = min(x.shape[-1], allowed.shape[-1])
-    out = np.full_like(x, -np.inf)
-    out[:n] = np.where(allowed[:n], x[:n], -np.inf)
+    if n == x.shape[-1]:
+        out = np.where(allowed[:n], x, x.dtype.type(-np.inf))
+    else:                          # logits past the mask (a padded vocabulary): never allowed
+        out = np.full_like(x, -np.inf)
+        out[:n] = np.where(allowed[:n], x[:n], -np.inf)
     if not np.isfinite(out).any() and allowed[:n].any():
         out[:n] = np.where(allowed[:n], np.where(np.isfinite(x[:n]), x[:n], 0.0), -np.inf)
     return out

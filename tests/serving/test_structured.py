@@ -61,6 +61,10 @@ def test_sampler_never_picks_a_masked_token():
     hot = Sampler(SamplingParams(temperature=5.0, seed=1), rng)
     assert {hot(logits, allowed=allowed) for _ in range(200)} == {1, 3}
     assert Sampler(SamplingParams(), rng)(logits) == 0                                # no mask: untouched
+    padded = np.append(logits, np.float32(9.0))                                      # an id past the mask
+    assert Sampler(SamplingParams(), rng)(padded, allowed=allowed) == 3
+    bans = SamplingParams(logit_bias={1: -100, 3: -100})                             # bans meet the mask
+    assert Sampler(bans, rng)(logits, allowed=allowed) in (1, 3)
 
 
 def test_no_constraint_means_no_guide(llm):
