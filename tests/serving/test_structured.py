@@ -231,3 +231,26 @@ def test_server_bad_constraint_is_a_400_naming_the_field(served, extra, field):
         chat(served, "hi", max_tokens=4, **extra)
     assert e.value.status_code == 400 and e.value.body["param"] == field, e.value.body
     assert field in e.value.body["message"]
+
+
+def test_fields_map_to_one_constraint():
+    from metatp.server.fields import BadRequest, sampling_params
+
+    def params(**body):
+        return sampling_params(body, None, 16)
+
+    assert params().constraint is None and params(response_format={"type": "text"}).constraint is None
+    assert params(response_format={"type": "json_object"}).json_object is True
+    rf = {"type": "json_schema", "json_schema": {"name": "m", "schema": MOOD, "strict": True}}
+    assert params(response_format=rf).json_schema == MOOD == params(guided_json=MOOD).json_schema
+    assert params(json_schema=MOOD).json_schema == MOOD                                  # llama-server's
+    assert params(grammar='root ::= "a"').guided_grammar == 'root ::= "a"'
+    assert params(response_format={"type": "text"}, guided_regex="a+").guided_regex == "a+"
+    for body, field in [({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                        ({"guided_choice": "yes"}, "guided_choice"), ({"json_schema": {"type": "foo"}}, "json_schema"),
+                        ({"response_format": {"type": "json_schema"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"schema": MOOD, "strict": 1}}},
+                         "response_format")]:
+        with pytest.raises(BadRequest) as e:
+            params(**body)
+        assert e.value.param == field and e.value.status == 400, (body, e.value.message)
