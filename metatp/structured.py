@@ -120,12 +120,13 @@ class _Vocab:
         self.special_token_ids = [i for i in range(n) if tok.is_special(i)]
         special = set(self.special_token_ids)
         self.tokens = [(b"\xff" if i in special else b"") + tok.token_bytes(i) for i in range(n)]
-        self._tok = tok
+        self._tok = weakref.ref(tok)      # weak: the cache entry must not keep its own key alive
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_bos=False, special=False)
+        tok = self._tok()
+        return [] if tok is None else tok.encode(text, add_bos=False, special=False)
 
 
 def lltokenizer(tok: Any) -> Any:
