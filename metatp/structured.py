@@ -31,12 +31,12 @@ _cache: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
 
 
-def _llg():
+def _llg(field: str = "structured output"):
     try:
         import llguidance
     except ImportError:
-        raise ConfigError("structured output (json_object, json_schema, guided_*) needs the llguidance package: "
-                          "pip install 'metatp[structured]'") from None
+        raise ConfigError(f"{field}: structured output (json_object, json_schema, guided_*) needs the llguidance "
+                          "package: pip install 'metatp[structured]'") from None
     return llguidance
 
 
@@ -55,7 +55,7 @@ def _set(params: Any) -> list[str]:
 
 def _source(params: Any, name: str) -> tuple[str, str]:
     """(llguidance grammar text, nothing checked yet) for the one constraint field `name`."""
-    llg = _llg()
+    llg = _llg(name)
     v = getattr(params, name)
     if name == "json_object":
         if v is not True:
