@@ -163,7 +163,7 @@ class Request:
         self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
         self.stop_ids = set(params.stop_token_ids)
         self.sampler = Sampler(params, rng, end_ids=self.eog | self.stop_ids, n_vocab=tokenizer.n_vocab)
-        self.guide = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
+        self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
         self.n_logprobs = params.logprobs
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
@@ -186,7 +186,7 @@ class Request:
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits)."""
         check_logits(logits, f"after {len(self.history)} tokens")
-        allowed = self.guide.allowed() if self.guide is not None else None
+        allowed = self.constraint.allowed() if self.constraint is not None else None
         return self.sampler(logits, self.history, self.output_ids, allowed)
 
     def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
@@ -197,7 +197,7 @@ class Request:
         self.history.append(tok)
         self.output_ids.append(tok)
         n = len(self.output_ids)
-        complete = self.guide is not None and self.guide.consume(tok)     # the constrained output is whole
+        complete = self.constraint is not None and self.constraint.consume(tok)     # the constrained output is whole
         dec, stops = self.decoder, self.stops
         if tok in self.eog or tok in self.stop_ids:
             return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",

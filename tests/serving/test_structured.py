@@ -72,8 +72,8 @@ def test_no_constraint_means_no_guide(llm):
 
     assert SamplingParams().constraint is None
     rng = np.random.default_rng(0)
-    assert Request([1, 2], SamplingParams(), rng, llm.tokenizer, 512).guide is None
-    assert Request([1, 2], SamplingParams(guided_regex="a+"), rng, llm.tokenizer, 512).guide is not None
+    assert Request([1, 2], SamplingParams(), rng, llm.tokenizer, 512).constraint is None
+    assert Request([1, 2], SamplingParams(guided_regex="a+"), rng, llm.tokenizer, 512).constraint is not None
 
 
 def test_every_allowed_token_fits_and_banned_ones_do_not(llm):
