@@ -64,7 +64,12 @@ class SamplingParams:
     `frequency_penalty`, `presence_penalty` (OpenAI's, -2..2, over the tokens generated so far),
     `logit_bias` ({token id: bias}, -100..100 added to the logits; -100 bans the token) and
     `min_tokens` (vLLM's: EOS, stop_token_ids and stop strings end nothing before that many
-    tokens) are applied after repetition_penalty: see metatp.penalties."""
+    tokens) are applied after repetition_penalty: see metatp.penalties.
+    Structured output (metatp.structured, needs llguidance), at most one of: `json_object`
+    (True: any JSON object), `json_schema` (a dict or its JSON text), `guided_regex`,
+    `guided_choice` (a list of strings), `guided_grammar` (Lark or GBNF). Tokens that would leave
+    the constraint get -inf logits (greedy too); the request stops when the output is complete.
+    A bad constraint is a ConfigError naming its field."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -83,6 +88,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    json_object: bool = False
+    json_schema: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    constraint: str | None = field(default=None, init=False, repr=False, compare=False)   # llguidance's grammar
 
     def __post_init__(self) -> None:
         if not _integer(self.n) or not 1 <= self.n <= MAX_N:
@@ -125,6 +136,12 @@ class SamplingParams:
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.logit_bias = check_logit_bias(self.logit_bias) or None
         self.min_tokens = check_min_tokens(self.min_tokens, self.max_tokens)
+        if not _is_bool(self.json_object):
+            raise ConfigError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.json_object or self.json_schema is not None or self.guided_regex is not None \
+                or self.guided_choice is not None or self.guided_grammar is not None:
+            from metatp.structured import grammar_of
+            self.constraint = grammar_of(self)
 
     @property
     def penalized(self) -> bool:
@@ -162,15 +179,19 @@ class Sampler:
                             params.min_tokens, end_ids, n_vocab)
             self.penalties = pen if pen.active else None
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
+                 allowed: np.ndarray | None = None) -> int:
         """`history`: prompt and generated tokens (repetition_penalty's); `generated`: the
-        generated ones alone (frequency/presence penalties and min_tokens count these)."""
+        generated ones alone (frequency/presence penalties and min_tokens count these);
+        `allowed`: structured output's mask (bool per token id; ids past it are banned too)."""
         p = self.p
         x = np.asarray(logits, dtype=np.float32)
         if p.repetition_penalty != 1.0 and len(history):
             x = _penalize(x, np.unique(np.asarray(history, dtype=np.int64)), p.repetition_penalty)
         if self.penalties is not None:
             x = self.penalties(x, generated)
+        if allowed is not None:
+            x = _masked(x, allowed)
         if p.greedy:
             return int(np.argmax(x))
         with np.errstate(over="ignore"):     # an overflow below is a -inf logit: probability 0
@@ -216,6 +237,21 @@ def _penalize(x: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
         x = x.copy()
     x[ids] = out
     return x
+
+
+def _masked(x: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The logits with every token `allowed` does not allow at -inf (a copy). When the mask
+    leaves nothing (the penalties' bans met the constraint's), the constraint wins: its tokens
+    keep their logits, so the output still fits it."""
+    n = min(x.shape[-1], allowed.shape[-1])
+    if n == x.shape[-1]:
+        out = np.where(allowed[:n], x, x.dtype.type(-np.inf))
+    else:                          # logits past the mask (a padded vocabulary): never allowed
+        out = np.full_like(x, -np.inf)
+        out[:n] = np.where(allowed[:n], x[:n], -np.inf)
+    if not np.isfinite(out).any() and allowed[:n].any():
+        out[:n] = np.where(allowed[:n], np.where(np.isfinite(x[:n]), x[:n], 0.0), -np.inf)
+    return out
 
 
 def _scaled(x: np.ndarray, temperature: float) -> np.ndarray:

@@ -51,6 +51,7 @@ from metatp.lockstep import Leader
 from metatp.logprobs import token_logprob
 from metatp.sampling import Sampler, SamplingParams
 from metatp.penalties import release_unstopped
+from metatp.structured import make_guide
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -162,6 +163,7 @@ class Request:
         self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
         self.stop_ids = set(params.stop_token_ids)
         self.sampler = Sampler(params, rng, end_ids=self.eog | self.stop_ids, n_vocab=tokenizer.n_vocab)
+        self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
         self.n_logprobs = params.logprobs
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
@@ -194,7 +196,8 @@ class Request:
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits)."""
         check_logits(logits, f"after {len(self.history)} tokens")
-        return self.sampler(logits, self.history, self.output_ids)
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        return self.sampler(logits, self.history, self.output_ids, allowed)
 
     def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
         """Take the next token (sampled here unless given) and decide whether the request ends here."""
@@ -204,6 +207,7 @@ class Request:
         self.history.append(tok)
         self.output_ids.append(tok)
         n = len(self.output_ids)
+        complete = self.constraint is not None and self.constraint.consume(tok)     # the constrained output is whole
         dec, stops = self.decoder, self.stops
         if tok in self.eog or tok in self.stop_ids:
             return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",
@@ -211,10 +215,10 @@ class Request:
         text, hit = self._feed(dec.push(tok), n)
         if hit is not None:
             return StepOutput(tok, text, "stop", hit, lp, top)
-        if n >= self.max_new:
+        if n >= self.max_new or complete:
             tail, hit = self._feed(dec.flush(), n)
             return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
-                              "stop" if hit is not None else "length", hit, lp, top)
+                              "stop" if hit is not None or complete else "length", hit, lp, top)
         self.pending = tok
         return StepOutput(tok, text, None, None, lp, top)
 

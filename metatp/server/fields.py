@@ -101,6 +101,49 @@ def token_ids_field(body: dict, name: str) -> list[int]:
     return v
 
 
+# body field -> the SamplingParams constraint it sets (vLLM's guided_*, llama-server's json_schema / grammar)
+_CONSTRAINT_FIELDS = {"guided_json": "json_schema", "guided_regex": "guided_regex", "guided_choice": "guided_choice",
+                      "guided_grammar": "guided_grammar", "json_schema": "json_schema", "grammar": "guided_grammar"}
+
+
+def _response_format(v: Any) -> dict[str, Any]:
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("'response_format' must be an object with 'type' one of text, json_object, json_schema; "
+                         f"got {json.dumps(v)[:80]}", "response_format")
+    if v["type"] == "text":
+        return {}
+    if v["type"] == "json_object":
+        return {"json_object": True}
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise BadRequest("'response_format.json_schema' must be an object {name, schema, strict}, got "
+                         f"{json.dumps(spec)[:80]}", "response_format")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise BadRequest("'response_format.json_schema.name' must be a string", "response_format")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise BadRequest("'response_format.json_schema.strict' must be true or false", "response_format")
+    if spec.get("schema") is None:         # OpenAI's schema is optional: then any JSON object
+        return {"json_object": True}
+    return {"json_schema": spec["schema"]}    # strict or not, the schema is enforced
+
+
+def constraint_fields(body: dict) -> tuple[dict[str, Any], str | None]:
+    """The structured-output fields of a body as SamplingParams keywords, and the field that set
+    them (at most one may: a second one is a BadRequest naming it)."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    for k in ("response_format", *_CONSTRAINT_FIELDS):
+        if body.get(k) is None:
+            continue
+        kwargs = _response_format(body[k]) if k == "response_format" else {_CONSTRAINT_FIELDS[k]: body[k]}
+        if kwargs:                  # response_format text constrains nothing
+            given.append((k, kwargs))
+    if len(given) > 1:
+        raise BadRequest(f"'{given[1][0]}' cannot be combined with '{given[0][0]}': set one output constraint",
+                         given[1][0])
+    return (given[0][1], given[0][0]) if given else ({}, None)
+
+
 def _named(message: str, body: dict) -> str | None:
     """The field a SamplingParams error names (its messages start with it), if the body has it."""
     name = message.split(" ", 1)[0].rstrip(":")
@@ -109,11 +152,13 @@ def _named(message: str, body: dict) -> str | None:
 
 def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:
     """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos, min_tokens,
-    stop_token_ids) as SamplingParams."""
+    stop_token_ids; structured output: OpenAI's response_format, vLLM's guided_json / guided_regex /
+    guided_choice / guided_grammar, llama-server's json_schema / grammar) as SamplingParams."""
     max_tokens = int_field(body, "max_tokens", None, 0)
     if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
         max_tokens = int_field(body, "max_completion_tokens", None, 0)
     top_k = int_field(body, "top_k", -1, -1)
+    constraint, source = constraint_fields(body)
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max,
@@ -124,9 +169,13 @@ def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -
             ignore_eos=bool_field(body, "ignore_eos", False), logprobs=logprobs, n=int_field(body, "n", 1, 1, 16),
             frequency_penalty=num_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
             presence_penalty=num_field(body, "presence_penalty", 0.0, -2.0, 2.0), logit_bias=logit_bias_field(body),
-            min_tokens=int_field(body, "min_tokens", 0, 0), stop_token_ids=token_ids_field(body, "stop_token_ids"))
+            min_tokens=int_field(body, "min_tokens", 0, 0), stop_token_ids=token_ids_field(body, "stop_token_ids"),
+            **constraint)
     except ConfigError as e:
-        raise BadRequest(str(e), _named(str(e), body)) from None
+        msg = str(e)
+        if source is not None and msg.split(" ", 1)[0].rstrip(":") in constraint:   # the body's own name for it
+            raise BadRequest(f"'{source}': {msg}", source) from None
+        raise BadRequest(msg, _named(msg, body)) from None
 
 
 # ---------------------------------------------------------------- the app
