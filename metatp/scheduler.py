@@ -190,7 +190,7 @@ class Request:
         constraint or logprobs) -- then a vocabulary split is never gathered for it -- else "last"."""
         p = self.params
         plain = (p.greedy and p.logprobs is None and not p.penalized and p.repetition_penalty == 1.0
-                 and getattr(self, "constraint", None) is None)
+                 and self.constraint is None)
         return "argmax" if plain else "last"
 
     def sample(self, logits: np.ndarray) -> int:
