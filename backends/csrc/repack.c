@@ -171,9 +171,10 @@ static inline __attribute__((always_inline)) void q8x8_tile(
 }
 
 static inline __attribute__((always_inline)) void q8x8_group_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
+                                                                 int64_t t_begin, int64_t t_end,
                                                                  int bits, int dshift, int has_off, int half) {
-    for (int64_t t0 = 0; t0 < a->ntok;) {
-        const int64_t left = a->ntok - t0;
+    for (int64_t t0 = t_begin; t0 < t_end;) {
+        const int64_t left = t_end - t0;
         const int T = left >= 4 ? 4 : (int)left;
         if (T == 4) q8x8_tile(a, x, g, t0, 4, bits, dshift, has_off, half);
         else if (T == 3) q8x8_tile(a, x, g, t0, 3, bits, dshift, has_off, half);
@@ -183,18 +184,23 @@ static inline __attribute__((always_inline)) void q8x8_group_fmt(const Q8MatmulA
     }
 }
 
-static void q8x8_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t g) {
+/* Group g against tokens t0 .. t1-1 (each token's result is the same whatever the range). */
+static void q8x8_group_range(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
     const int dshift = a->kind == Q8_K ? 3 : 0;
     /* the formats the GGUF types give: Q8_0 (8-bit, half scales); Q4_0 / Q4_1 (nibbles, half
      * scales, with a bias or an offset); Q4_K (nibbles, float scales and offsets, Q8_K x) */
     if (a->bits == 8) {
-        if (a->half_scales && !a->offset && !dshift) q8x8_group_fmt(a, x, g, 8, 0, 0, 1);
-        else q8x8_group_fmt(a, x, g, 8, dshift, a->offset != NULL, (int)a->half_scales);
+        if (a->half_scales && !a->offset && !dshift) q8x8_group_fmt(a, x, g, t0, t1, 8, 0, 0, 1);
+        else q8x8_group_fmt(a, x, g, t0, t1, 8, dshift, a->offset != NULL, (int)a->half_scales);
     } else if (a->half_scales && !dshift) {
-        if (a->offset) q8x8_group_fmt(a, x, g, 4, 0, 1, 1); else q8x8_group_fmt(a, x, g, 4, 0, 0, 1);
+        if (a->offset) q8x8_group_fmt(a, x, g, t0, t1, 4, 0, 1, 1); else q8x8_group_fmt(a, x, g, t0, t1, 4, 0, 0, 1);
     } else if (dshift && a->offset && !a->half_scales) {
-        q8x8_group_fmt(a, x, g, 4, 3, 1, 0);
+        q8x8_group_fmt(a, x, g, t0, t1, 4, 3, 1, 0);
     } else {
-        q8x8_group_fmt(a, x, g, 4, dshift, a->offset != NULL, (int)a->half_scales);
+        q8x8_group_fmt(a, x, g, t0, t1, 4, dshift, a->offset != NULL, (int)a->half_scales);
     }
+}
+
+static void q8x8_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t g) {
+    q8x8_group_range(a, x, g, 0, a->ntok);
 }
