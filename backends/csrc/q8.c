@@ -76,6 +76,26 @@ static void q8_quantize_row(int64_t kind, int64_t k, const float *x, int8_t *q, 
             }
         }
     } else {
+#if defined(__AVX512F__)
+        /* the same rounding 16 lanes at a time (a prompt of many tokens quantizes K floats a
+         * token per product): max and integer sums are exact in any order, the product x * id
+         * is the scalar one, and cvtps rounds to nearest even as rintf does (the default mode) */
+        for (int64_t b = 0; b < k / 32; b++) {
+            const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float db = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+            const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+            const __m128i bl = _mm512_cvtepi32_epi8(ql), bh = _mm512_cvtepi32_epi8(qh);
+            _mm_storeu_si128((__m128i *)(q + b * 32), bl);
+            _mm_storeu_si128((__m128i *)(q + b * 32 + 16), bh);
+            isum[2 * b] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bl));       /* sums of the int8 codes */
+            isum[2 * b + 1] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bh));
+            d[b] = round_to_half(db);
+            if (kind == Q8_1) s[b] = round_to_half(db * (float)(isum[2 * b] + isum[2 * b + 1]));
+        }
+        return;
+#endif
         for (int64_t b = 0; b < k / 32; b++) {
             const float *xb = x + b * 32;
             int8_t *qb = q + b * 32;

@@ -216,14 +216,23 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
         if (q8_prepare_act(g, i, acts, &at)) owners[n_owners++] = i;
     const int nthreads = work < (int64_t)1 << 17 ? 1 : (int)g->nthreads;
     const int64_t total = first_chunk[n];
+    /* a step of many tokens quantizes them on every thread (one more barrier); a decode step
+     * before the parallel region, whose only barrier is then its end, as ever */
+    const int shared_quant = blocks > 1;
+    if (!shared_quant)
+        for (int64_t o = 0; o < n_owners; o++)
+            for (int64_t t = 0; t < g->items[owners[o]]->ntok; t++)
+                q8_quantize_token(g->items[owners[o]], &acts[owners[o]], t);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        for (int64_t o = 0; o < n_owners; o++) {
-            const Q8MatmulArgs *a = g->items[owners[o]];
+        if (shared_quant) {
+            for (int64_t o = 0; o < n_owners; o++) {
+                const Q8MatmulArgs *a = g->items[owners[o]];
 #pragma omp for schedule(static) nowait
-            for (int64_t t = 0; t < a->ntok; t++) q8_quantize_token(a, &acts[owners[o]], t);
-        }
+                for (int64_t t = 0; t < a->ntok; t++) q8_quantize_token(a, &acts[owners[o]], t);
+            }
 #pragma omp barrier
+        }
         for (int64_t tb = 0; tb < blocks; tb++) {
             /* static: a thread gets the same rows in every token block (its weights stay in its cache) */
 #pragma omp for schedule(static) nowait
