@@ -1,6 +1,6 @@
 /* Compiled kernels for the numpy backend's few-token steps (decode): matrix products over
- * int8-coded weights (float or Q8 activations), rope, KV writes, attention, gated activations,
- * norms and the simulated all-reduce.
+ * int8-coded weights (float or Q8 activations; the Q8 ones at any token count), rope, KV writes,
+ * attention, gated activations, norms and the simulated all-reduce.
  *
  * Every entry point takes one pointer to an argument struct (mirrored by ctypes.Structure in
  * backends/numpy/native/lib.py): Python builds it once per plan, so a call costs ~0.2 us instead
