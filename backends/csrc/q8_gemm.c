@@ -18,9 +18,6 @@
 #if Q8_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q8_GEMM512 1
 
-/* 4 activation codes read as one int32 (any alignment, any alias) */
-typedef int32_t gemm_i32 __attribute__((may_alias, aligned(1)));
-
 /* Tokens a tile (accumulators: 8 + 8 for the offset term, 8 unpacked words: 24 of 32 registers). */
 enum { GEMM_T = 8 };
 
@@ -76,7 +73,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
         const __m512 mv = has_off ? gemm_scales(ma + b * 8 * sb, mb + b * 8 * sb, half) : _mm512_setzero_ps();
         for (int t = 0; t < T; t++) {
             const int64_t tt = t0 + t;
-            const gemm_i32 *xw = (const gemm_i32 *)(x->q + tt * k + b * 32);
+            const q8_i32 *xw = (const q8_i32 *)(x->q + tt * k + b * 32);
             /* broadcasts straight from memory (a load each, folded into the multiply-add), two
              * chains of sums */
             __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(xw[0]));

@@ -12,6 +12,10 @@
  * integer sums land one row a lane, so the scales apply to 8 rows with one multiply, no
  * horizontal sums, and a group's bytes are one sequential stream (one prefetch stream, not 8).
  * llama.cpp repacks weights for the same reasons (its q4_0_8x8 layouts). */
+/* 4 activation codes read as one int32 (any alignment, any alias): a broadcast of it loads from
+ * memory (copied to an int32 array first, GCC moved each through a general register) */
+typedef int32_t q8_i32 __attribute__((may_alias, aligned(1)));
+
 #if Q8_SIMD
 /* A group's block as 8 words of unsigned bytes `u` (nibbles; |code| for 8-bit codes, whose
  * signs are in `w`) in the order q8x8_isum takes them. */
@@ -38,8 +42,7 @@ static inline __attribute__((always_inline)) void q8x8_unpack(const uint8_t *gb,
  * 8-bit codes (pairs up to 2 * 127 * 127) widen to 32 bits after each word. */
 static inline __attribute__((always_inline)) __m256i q8x8_isum(const __m256i u[8], const __m256i w[8], int bits,
                                                                const int8_t *xb, int32_t bias_xsum) {
-    int32_t xw[8];
-    memcpy(xw, xb, 32);
+    const q8_i32 *xw = (const q8_i32 *)xb;      /* broadcasts straight from memory, not through a GPR */
     __m256i iv = _mm256_setzero_si256();
     if (bits == 8) {
         for (int j = 0; j < 8; j++) {
