@@ -8,7 +8,8 @@ for every ISA build this CPU can run (the `lib` / `use` fixtures of test_q8_kern
 - batch invariance at every tile shape: a token's result is the same bits whatever the token
   count (tile remainders, the 8-token GEMM threshold, 64-token cache blocks), the thread count,
   or the other products sharing its call;
-- the backend sends q8 products of long prompts (more than MAX_ROWS tokens) to these kernels.
+- the backend sends q8 products of long prompts (more than MAX_ROWS tokens) to these kernels, and
+  a q8 decode step gives a sequence the same logits whatever its batch-mates.
 """
 
 from __future__ import annotations
@@ -146,3 +147,39 @@ def test_long_prompts_take_the_integer_kernels(synth_factory):
         rows.clear()
     scale = np.abs(out["emulated"]).max()
     assert np.abs(out["int"] - out["emulated"]).max() < 0.05 * scale
+
+
+def test_q8_decode_logits_do_not_depend_on_batch_mates(synth_factory):
+    """numerics="q8" at the engine level: a sequence's decode logits are the same bits alone (one
+    row: the decode tile), with 11 neighbours (12 rows: the GEMM, a remainder of 4) and with 20
+    (21 rows), its cells placed after other sequences' or not."""
+    from metatp import LLM
+    from metatp.engine import StepItem
+    from metatp.testing.synth import SynthSpec
+
+    spec = SynthSpec(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, n_vocab=300, seed=9,
+                     types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_0", "up": "Q4_1",
+                            "down": "Q8_0", "embd": "Q8_0"})
+    path, _ = synth_factory(spec)
+    llm = LLM(path, n_ctx=2048, backend="numpy", numerics="q8")
+    eng = llm.engine
+
+    def decode(k_before: int, k_with: int) -> list[np.ndarray]:
+        before = [eng.new_sequence() for _ in range(k_before)]
+        for i, s in enumerate(before):
+            eng.run([StepItem(s, [3 + i, 5, 8], "last")])
+        seq, others = eng.new_sequence(), [eng.new_sequence() for _ in range(k_with)]
+        eng.run([StepItem(seq, [1, 2, 3, 4, 5], "last")] + [StepItem(o, [6 + i % 9, 2], "last")
+                                                             for i, o in enumerate(others)])
+        got = []
+        for t in range(3):
+            out = eng.run([StepItem(seq, [20 + t], "last")] + [StepItem(o, [9 + t], "last") for o in others])
+            got.append(out[0])
+        for s in before + [seq] + others:
+            eng.free(s)
+        return got
+
+    want = decode(0, 0)
+    for k_before, k_with in ((0, 11), (3, 20)):
+        for g, w in zip(decode(k_before, k_with), want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (k_before, k_with)
