@@ -136,15 +136,19 @@ enum { GEMM_MIN_TOKENS = 8 };
  * stay there too. */
 enum { GEMM_TOKEN_BLOCK = 64 };
 
-/* Does item `a` take the GEMM? (row-group layout, enough tokens, a 512-bit build) */
+/* Row groups a chunk of the GEMM: a pair in a 512-bit build, else one (repack.c's tile, run one
+ * token block at a time all the same: the cache blocking serves every build). */
+enum { GEMM_GROUPS = Q8_GEMM512 ? 2 : 1 };
+
+/* Does item `a` take the GEMM's schedule? (row-group layout, enough tokens) */
 static int gemm_takes(const Q8MatmulArgs *a) {
-    return Q8_GEMM512 && a->group == 8 && a->ntok >= GEMM_MIN_TOKENS;
+    return a->group == 8 && a->ntok >= GEMM_MIN_TOKENS;
 }
 
-/* Rows (in groups of 8) of group-pair chunk c of a GEMM item against tokens t0 .. t1-1; a last
- * group without a partner takes repack.c's tile (the same results, see the top). */
+/* Rows (in groups of 8) of chunk c of a GEMM item against tokens t0 .. t1-1; a last group
+ * without a partner takes repack.c's tile (the same results, see the top). */
 static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t t0, int64_t t1) {
-    const int64_t g = 2 * c;
+    const int64_t g = GEMM_GROUPS * c;
 #if Q8_GEMM512
     if (g + 1 < a->rows / 8) {
         gemm_pair(a, x, g, t0, t1);

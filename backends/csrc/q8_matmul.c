@@ -168,9 +168,9 @@ static void q8_quantize_token(const Q8MatmulArgs *a, const Q8Act *x, int64_t t) 
     }
 }
 
-/* Chunks of work an item has: groups of 8 rows (two for the GEMM), or CHUNK_ROWS row-major rows. */
+/* Chunks of work an item has: groups of 8 rows (GEMM_GROUPS for the GEMM), or CHUNK_ROWS row-major rows. */
 static int64_t q8_chunks(const Q8MatmulArgs *a) {
-    if (a->group == 8) return gemm_takes(a) ? (a->rows / 8 + 1) / 2 : a->rows / 8;
+    if (a->group == 8) return gemm_takes(a) ? (a->rows / 8 + GEMM_GROUPS - 1) / GEMM_GROUPS : a->rows / 8;
     return (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
 }
 
