@@ -1,6 +1,6 @@
 /* Compiled kernels for the numpy backend's few-token steps (decode): matrix products over
- * int8-coded weights (float or Q8 activations), rope, KV writes, attention, gated activations,
- * norms and the simulated all-reduce.
+ * int8-coded weights (float or Q8 activations; the Q8 ones at any token count), rope, KV writes,
+ * attention, gated activations, norms and the simulated all-reduce.
  *
  * Every entry point takes one pointer to an argument struct (mirrored by ctypes.Structure in
  * backends/numpy/native/lib.py): Python builds it once per plan, so a call costs ~0.2 us instead
@@ -16,6 +16,7 @@
 #include "qmatmul.c"       /* metatp_qmatmul: float activations x int8/nibble/half codes */
 #include "q8.c"            /* metatp_q8_quantize, metatp_round_half, metatp_isa: Q8 rounding, block dot */
 #include "repack.c"        /* the row-group layout (8 rows a 32-bit lane) of the integer product */
+#include "q8_gemm.c"       /* the integer product for many tokens: 16 rows x 8 tokens a 512-bit tile */
 #include "q8_matmul.c"     /* metatp_q8_matmul, metatp_q8_isums: the integer matrix product */
 #include "rope.c"          /* metatp_rope */
 #include "kv.c"            /* metatp_kv_convert, metatp_set_rows: KV cache row types */

@@ -76,6 +76,58 @@ static void q8_quantize_row(int64_t kind, int64_t k, const float *x, int8_t *q, 
             }
         }
     } else {
+#if defined(__AVX512F__)
+        /* the same rounding 16 lanes at a time (a prompt of many tokens quantizes K floats a
+         * token per product): max and integer sums are exact in any order, the product x * id
+         * is the scalar one, and cvtps rounds to nearest even as rintf does (the default mode) */
+        for (int64_t b = 0; b < k / 32; b++) {
+            const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float db = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+            const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+            const __m128i bl = _mm512_cvtepi32_epi8(ql), bh = _mm512_cvtepi32_epi8(qh);
+            _mm_storeu_si128((__m128i *)(q + b * 32), bl);
+            _mm_storeu_si128((__m128i *)(q + b * 32 + 16), bh);
+            isum[2 * b] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bl));       /* sums of the int8 codes */
+            isum[2 * b + 1] = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(bh));
+            d[b] = round_to_half(db);
+            if (kind == Q8_1) s[b] = round_to_half(db * (float)(isum[2 * b] + isum[2 * b + 1]));
+        }
+        return;
+#elif defined(__AVX2__)
+        /* the same with 8 lanes: codes packed to bytes (in range, so the saturating packs are
+         * exact) and put back in order, the sums taken from the bytes */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones = _mm256_set1_epi16(1);
+        for (int64_t b = 0; b < k / 32; b++) {
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(x + b * 32 + 8 * j);
+            const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float db = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            __m256i qi[4];
+            for (int j = 0; j < 4; j++) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(id)));
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+            _mm256_storeu_si256((__m256i *)(q + b * 32), bytes);
+            for (int h = 0; h < 2; h++) {
+                const __m128i half = h ? _mm256_extracti128_si256(bytes, 1) : _mm256_castsi256_si128(bytes);
+                const __m256i s8 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(half), ones);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                isum[2 * b + h] = _mm_cvtsi128_si32(s4);
+            }
+            d[b] = round_to_half(db);
+            if (kind == Q8_1) s[b] = round_to_half(db * (float)(isum[2 * b] + isum[2 * b + 1]));
+        }
+        return;
+#endif
         for (int64_t b = 0; b < k / 32; b++) {
             const float *xb = x + b * 32;
             int8_t *qb = q + b * 32;

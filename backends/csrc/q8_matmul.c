@@ -122,80 +122,126 @@ static size_t q8_act_bytes(const Q8MatmulArgs *a) {
            + sizeof(int32_t) * (size_t)(n * (k / 16)) + 64;
 }
 
-/* Quantize item i's activations into the scratch at *at, or reuse those of an earlier item
- * that reads the same rows the same way (Q, K and V read one normed x). */
-static void q8_prepare_act(const Q8MatmulGroup *g, int64_t i, Q8Act *acts, char **at) {
+/* Lay out item i's quantized activations in the scratch at *at, or share those of an earlier
+ * item that reads the same rows the same way (Q, K and V read one normed x). Returns 1 when item
+ * i owns them (its rows are then quantized by `q8_quantize_token`). */
+static int q8_prepare_act(const Q8MatmulGroup *g, int64_t i, Q8Act *acts, char **at) {
     const Q8MatmulArgs *a = g->items[i];
     for (int64_t j = 0; j < i; j++) {
         const Q8MatmulArgs *b = g->items[j];
         if (b->x == a->x && b->ldx == a->ldx && b->ntok == a->ntok && b->k == a->k && b->kind == a->kind
             && b->block == a->block && (b->offset != NULL) == (a->offset != NULL)) {
             acts[i] = acts[j];
-            return;
+            return 0;
         }
     }
-    const int64_t k = a->k, n = a->ntok, nbw = k / a->block, nd = a->kind == Q8_K ? k / QK : k / 32;
+    const int64_t k = a->k, n = a->ntok, nbw = k / a->block;
     char *p = *at;
     Q8Act *x = &acts[i];
     x->d = (float *)p; p += sizeof(float) * (size_t)(n * (k / 32));
     x->s = (float *)p; p += sizeof(float) * (size_t)(n * (k / 32));
-    x->xs = (float *)p; p += sizeof(float) * (size_t)(n * nbw);
+    x->xs = a->offset ? (float *)p : NULL; p += sizeof(float) * (size_t)(n * nbw);
     x->isum = (int32_t *)p; p += sizeof(int32_t) * (size_t)(n * (k / 16));
     x->q = (int8_t *)p; p += (size_t)(n * k);
     *at = (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
-    for (int64_t t = 0; t < n; t++)
-        q8_quantize_row(a->kind, k, a->x + t * a->ldx, x->q + t * k, x->d + t * nd, x->s + t * (k / 32),
-                        x->isum + t * (k / 16));
-    if (!a->offset) {
-        x->xs = NULL;
+    return 1;
+}
+
+/* Token t of an item's activations: rounded to Q8 blocks, and (with an offset) the per-block
+ * multipliers of the offset term. Each token is independent of the others (the threads share
+ * them out). */
+static void q8_quantize_token(const Q8MatmulArgs *a, const Q8Act *x, int64_t t) {
+    const int64_t k = a->k, nbw = k / a->block, nd = a->kind == Q8_K ? k / QK : k / 32;
+    q8_quantize_row(a->kind, k, a->x + t * a->ldx, x->q + t * k, x->d + t * nd, x->s + t * (k / 32),
+                    x->isum + t * (k / 16));
+    if (!x->xs) return;
+    for (int64_t b = 0; b < nbw; b++) {
+        float v;
+        if (a->kind == Q8_1) {
+            v = x->s[t * (k / 32) + b];                              /* llama.cpp's f16 s */
+        } else {
+            const int32_t *is = x->isum + t * (k / 16);
+            const int32_t sum = a->block == 16 ? is[b] : is[2 * b] + is[2 * b + 1];
+            v = x->d[t * nd + b * a->block / QK] * (float)sum;
+        }
+        x->xs[t * nbw + b] = v;
+    }
+}
+
+/* Chunks of work an item has: groups of 8 rows (GEMM_GROUPS for the GEMM), or CHUNK_ROWS row-major rows. */
+static int64_t q8_chunks(const Q8MatmulArgs *a) {
+    if (a->group == 8) return gemm_takes(a) ? (a->rows / 8 + GEMM_GROUPS - 1) / GEMM_GROUPS : a->rows / 8;
+    return (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+}
+
+/* Chunk c of item a in token block tb: a GEMM item runs its tokens one block of GEMM_TOKEN_BLOCK
+ * at a time (block tb), any other item all its tokens at once (in block 0). */
+static void q8_run_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t tb) {
+    if (gemm_takes(a)) {
+        const int64_t t0 = tb * GEMM_TOKEN_BLOCK, t1 = t0 + GEMM_TOKEN_BLOCK;
+        if (t0 < a->ntok) gemm_chunk(a, x, c, t0, t1 < a->ntok ? t1 : a->ntok);
         return;
     }
-    for (int64_t t = 0; t < n; t++)
-        for (int64_t b = 0; b < nbw; b++) {
-            float v;
-            if (a->kind == Q8_1) {
-                v = x->s[t * (k / 32) + b];                              /* llama.cpp's f16 s */
-            } else {
-                const int32_t *is = x->isum + t * (k / 16);
-                const int32_t sum = a->block == 16 ? is[b] : is[2 * b] + is[2 * b + 1];
-                v = x->d[t * nd + b * a->block / QK] * (float)sum;
-            }
-            x->xs[t * nbw + b] = v;
-        }
+    if (tb) return;
+    if (a->group == 8) {
+        q8x8_group(a, x, c);
+        return;
+    }
+    const int64_t r0 = c * CHUNK_ROWS, left = a->rows - r0;
+    q8_chunk(a, x, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
 }
 
 int metatp_q8_matmul(const Q8MatmulGroup *g) {
     const int64_t n = g->n;
     if (n < 1 || n > MAX_ITEMS) return -4;
-    int64_t first_chunk[MAX_ITEMS + 1], work = 0;
+    int64_t first_chunk[MAX_ITEMS + 1], work = 0, blocks = 1;
     size_t bytes = 64;
     first_chunk[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const Q8MatmulArgs *a = g->items[i];
         const int rc = q8_check(a);
         if (rc) return rc;
-        first_chunk[i + 1] = first_chunk[i] + (a->group == 8 ? a->rows / 8 : (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS);
+        first_chunk[i + 1] = first_chunk[i] + q8_chunks(a);
         work += a->rows * a->k * a->ntok;
         bytes += q8_act_bytes(a);
+        if (gemm_takes(a) && (a->ntok + GEMM_TOKEN_BLOCK - 1) / GEMM_TOKEN_BLOCK > blocks)
+            blocks = (a->ntok + GEMM_TOKEN_BLOCK - 1) / GEMM_TOKEN_BLOCK;
     }
     char *scratch = (char *)malloc(bytes);
     if (!scratch) return -3;
     Q8Act acts[MAX_ITEMS];
+    int64_t owners[MAX_ITEMS], n_owners = 0;
     char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    for (int64_t i = 0; i < n; i++) q8_prepare_act(g, i, acts, &at);
+    for (int64_t i = 0; i < n; i++)
+        if (q8_prepare_act(g, i, acts, &at)) owners[n_owners++] = i;
     const int nthreads = work < (int64_t)1 << 17 ? 1 : (int)g->nthreads;
     const int64_t total = first_chunk[n];
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t c = 0; c < total; c++) {
-        int64_t i = 0;
-        while (c >= first_chunk[i + 1]) i++;
-        const Q8MatmulArgs *a = g->items[i];
-        if (a->group == 8) {
-            q8x8_group(a, &acts[i], c - first_chunk[i]);
-            continue;
+    /* a step of many tokens quantizes them on every thread (one more barrier); a decode step
+     * before the parallel region, whose only barrier is then its end, as ever */
+    const int shared_quant = blocks > 1;
+    if (!shared_quant)
+        for (int64_t o = 0; o < n_owners; o++)
+            for (int64_t t = 0; t < g->items[owners[o]]->ntok; t++)
+                q8_quantize_token(g->items[owners[o]], &acts[owners[o]], t);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        if (shared_quant) {
+            for (int64_t o = 0; o < n_owners; o++) {
+                const Q8MatmulArgs *a = g->items[owners[o]];
+#pragma omp for schedule(static) nowait
+                for (int64_t t = 0; t < a->ntok; t++) q8_quantize_token(a, &acts[owners[o]], t);
+            }
+#pragma omp barrier
         }
-        const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
-        q8_chunk(a, &acts[i], r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+        for (int64_t tb = 0; tb < blocks; tb++) {
+            /* static: a thread gets the same rows in every token block (its weights stay in its cache) */
+#pragma omp for schedule(static) nowait
+            for (int64_t c = 0; c < total; c++) {
+                int64_t i = 0;
+                while (c >= first_chunk[i + 1]) i++;
+                q8_run_chunk(g->items[i], &acts[i], c - first_chunk[i], tb);
+            }
+        }
     }
     free(scratch);
     return 0;

@@ -12,6 +12,10 @@
  * integer sums land one row a lane, so the scales apply to 8 rows with one multiply, no
  * horizontal sums, and a group's bytes are one sequential stream (one prefetch stream, not 8).
  * llama.cpp repacks weights for the same reasons (its q4_0_8x8 layouts). */
+/* 4 activation codes read as one int32 (any alignment, any alias): a broadcast of it loads from
+ * memory (copied to an int32 array first, GCC moved each through a general register) */
+typedef int32_t q8_i32 __attribute__((may_alias, aligned(1)));
+
 #if Q8_SIMD
 /* A group's block as 8 words of unsigned bytes `u` (nibbles; |code| for 8-bit codes, whose
  * signs are in `w`) in the order q8x8_isum takes them. */
@@ -38,8 +42,7 @@ static inline __attribute__((always_inline)) void q8x8_unpack(const uint8_t *gb,
  * 8-bit codes (pairs up to 2 * 127 * 127) widen to 32 bits after each word. */
 static inline __attribute__((always_inline)) __m256i q8x8_isum(const __m256i u[8], const __m256i w[8], int bits,
                                                                const int8_t *xb, int32_t bias_xsum) {
-    int32_t xw[8];
-    memcpy(xw, xb, 32);
+    const q8_i32 *xw = (const q8_i32 *)xb;      /* broadcasts straight from memory, not through a GPR */
     __m256i iv = _mm256_setzero_si256();
     if (bits == 8) {
         for (int j = 0; j < 8; j++) {
@@ -171,9 +174,10 @@ static inline __attribute__((always_inline)) void q8x8_tile(
 }
 
 static inline __attribute__((always_inline)) void q8x8_group_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
+                                                                 int64_t t_begin, int64_t t_end,
                                                                  int bits, int dshift, int has_off, int half) {
-    for (int64_t t0 = 0; t0 < a->ntok;) {
-        const int64_t left = a->ntok - t0;
+    for (int64_t t0 = t_begin; t0 < t_end;) {
+        const int64_t left = t_end - t0;
         const int T = left >= 4 ? 4 : (int)left;
         if (T == 4) q8x8_tile(a, x, g, t0, 4, bits, dshift, has_off, half);
         else if (T == 3) q8x8_tile(a, x, g, t0, 3, bits, dshift, has_off, half);
@@ -183,18 +187,23 @@ static inline __attribute__((always_inline)) void q8x8_group_fmt(const Q8MatmulA
     }
 }
 
-static void q8x8_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t g) {
+/* Group g against tokens t0 .. t1-1 (each token's result is the same whatever the range). */
+static void q8x8_group_range(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
     const int dshift = a->kind == Q8_K ? 3 : 0;
     /* the formats the GGUF types give: Q8_0 (8-bit, half scales); Q4_0 / Q4_1 (nibbles, half
      * scales, with a bias or an offset); Q4_K (nibbles, float scales and offsets, Q8_K x) */
     if (a->bits == 8) {
-        if (a->half_scales && !a->offset && !dshift) q8x8_group_fmt(a, x, g, 8, 0, 0, 1);
-        else q8x8_group_fmt(a, x, g, 8, dshift, a->offset != NULL, (int)a->half_scales);
+        if (a->half_scales && !a->offset && !dshift) q8x8_group_fmt(a, x, g, t0, t1, 8, 0, 0, 1);
+        else q8x8_group_fmt(a, x, g, t0, t1, 8, dshift, a->offset != NULL, (int)a->half_scales);
     } else if (a->half_scales && !dshift) {
-        if (a->offset) q8x8_group_fmt(a, x, g, 4, 0, 1, 1); else q8x8_group_fmt(a, x, g, 4, 0, 0, 1);
+        if (a->offset) q8x8_group_fmt(a, x, g, t0, t1, 4, 0, 1, 1); else q8x8_group_fmt(a, x, g, t0, t1, 4, 0, 0, 1);
     } else if (dshift && a->offset && !a->half_scales) {
-        q8x8_group_fmt(a, x, g, 4, 3, 1, 0);
+        q8x8_group_fmt(a, x, g, t0, t1, 4, 3, 1, 0);
     } else {
-        q8x8_group_fmt(a, x, g, 4, dshift, a->offset != NULL, (int)a->half_scales);
+        q8x8_group_fmt(a, x, g, t0, t1, 4, dshift, a->offset != NULL, (int)a->half_scales);
     }
+}
+
+static void q8x8_group(const Q8MatmulArgs *a, const Q8Act *x, int64_t g) {
+    q8x8_group_range(a, x, g, 0, a->ntok);
 }

@@ -18,5 +18,6 @@ F32 = np.float32
 # their per-row results do not depend on the other rows (batch invariance). Above it the float32
 # BLAS product runs (prompt chunks): compute-bound there, BLAS blocks for the cache better than
 # the kernel (measured crossover ~20 tokens on a 2-core AVX-512 VM), but its sums are not
-# batch-invariant.
+# batch-invariant. The integer (Q8) products of numerics="q8" are not bound by it: they run
+# compiled at any token count (kernels/matmul.py `_q8_mul_mat`, csrc/q8_gemm.c).
 PACKED_MAX_TOKENS = MAX_ROWS

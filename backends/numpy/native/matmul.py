@@ -1,7 +1,8 @@
 """Matrix products over int8-coded weights (`AffineWeight`): the float kernel (`prepare_qmatmul`,
 csrc/qmatmul.c), the integer kernel of numerics="llamacpp" (`prepare_q8_matmul`, csrc/q8.c,
-repack.c, q8_matmul.c), grouping several products into one call, and the long-prompt path that
-dequantizes slabs of rows for BLAS (csrc/dequant.c).
+repack.c, q8_gemm.c for steps of many tokens, q8_matmul.c; any token count), grouping several
+products into one call, and the long-prompt path of exact mode that dequantizes slabs of rows for
+BLAS (csrc/dequant.c).
 
 numpy has no BLAS for int8 or f16, so the only way it can read a weight in a decode step is as
 float32: 4 bytes a weight, which makes decode bound by memory bandwidth. These kernels read the

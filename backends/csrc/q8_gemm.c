@@ -1,0 +1,159 @@
+/* q8_gemm.c: the integer matrix product for steps of many tokens (prefill, large batches) on
+ * weights in the row-group layout, with 512-bit registers (part of the unity build cpu_kernels.c,
+ * after repack.c, whose layout and helpers it uses; q8_matmul.c dispatches to it).
+ *
+ * Why: repack.c's tile serves 8 rows (one group) and up to 4 tokens from 256-bit registers, which
+ * suits decode (bound by reading the weights) but leaves a step of hundreds of tokens bound by
+ * instructions. Here one 512-bit register holds the same word of two groups (16 rows), so one
+ * vpdpbusd does 64 multiply-adds, and a tile keeps 16 rows x 8 tokens of accumulators in
+ * registers: each weight block is unpacked once for 8 tokens, each token's codes are broadcast
+ * once for 16 rows. 8-bit codes are made unsigned by flipping their top bit (code + 128) and the
+ * 128 * sum(x) this adds is taken off afterwards (AVX-512 has no byte sign instruction).
+ *
+ * Exactness: the integer sums are exact whatever the instruction sequence, and every (row, token)
+ * result is formed by the same float operations as repack.c's tile, in the same block order
+ * (acc = fma(float(isum), scale * d, acc) per block; offsets in their own accumulator, added
+ * last), so results are bit-identical to it at every token count and tile remainder. */
+
+#if Q8_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q8_GEMM512 1
+
+/* Tokens a tile (accumulators: 8 + 8 for the offset term, 8 unpacked words: 24 of 32 registers). */
+enum { GEMM_T = 8 };
+
+/* Word j of block b of groups A (low half) and B (high half) as unsigned bytes: nibbles, or
+ * 8-bit codes + 128. u[j] for j < 4 (nibbles: the low ones) meets x codes 4j..4j+3, u[4 + j]
+ * the high nibbles (16 + 4j..); 8-bit codes: word j meets x codes 4j..4j+3. */
+static inline __attribute__((always_inline)) void gemm_unpack(const uint8_t *ga, const uint8_t *gb, int bits,
+                                                              __m512i u[8]) {
+    if (bits == 8) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int j = 0; j < 8; j++) {
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(ga + 32 * j))),
+                                                 _mm256_loadu_si256((const __m256i *)(gb + 32 * j)), 1);
+            u[j] = _mm512_xor_si512(v, flip);
+        }
+        return;
+    }
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(ga + 32 * j))),
+                                             _mm256_loadu_si256((const __m256i *)(gb + 32 * j)), 1);
+        u[j] = _mm512_and_si512(v, m);
+        u[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    }
+}
+
+/* 8 scales (or offsets) of group A's block and 8 of group B's, as 16 floats. */
+static inline __attribute__((always_inline)) __m512 gemm_scales(const uint8_t *pa, const uint8_t *pb, int half) {
+    if (half)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)pa)),
+                                                       _mm_loadu_si128((const __m128i *)pb), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps((const float *)pa))),
+                                               _mm256_castps_pd(_mm256_loadu_ps((const float *)pb)), 1));
+}
+
+/* Groups g, g+1 (rows 8g .. 8g+15) against tokens t0 .. t0+T-1. `corr` is what the unsigned
+ * bytes add to the exact sum per unit of sum(x): 128 for 8-bit codes, the nibble bias, or 0. */
+static inline __attribute__((always_inline)) void gemm_tile(
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int T, int bits, int dshift, int has_off,
+        int half, int corr) {
+    const int64_t k = a->k, nb = k / 32, nd = dshift ? k / QK : nb, gbytes = 32 * bits;
+    const uint8_t *qa = (const uint8_t *)a->q + g * nb * gbytes, *qb = qa + nb * gbytes;
+    const int64_t sb = half ? 2 : 4;
+    const uint8_t *sa = (const uint8_t *)a->scale + g * nb * 8 * sb, *sbb = sa + nb * 8 * sb;
+    const uint8_t *ma = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
+    const uint8_t *mb = has_off ? ma + nb * 8 * sb : NULL;
+    __m512 acc[GEMM_T], off[GEMM_T];
+    for (int t = 0; t < T; t++) acc[t] = off[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i u[8];
+        gemm_unpack(qa + b * gbytes, qb + b * gbytes, bits, u);
+        const __m512 sv = gemm_scales(sa + b * 8 * sb, sbb + b * 8 * sb, half);
+        const __m512 mv = has_off ? gemm_scales(ma + b * 8 * sb, mb + b * 8 * sb, half) : _mm512_setzero_ps();
+        for (int t = 0; t < T; t++) {
+            const int64_t tt = t0 + t;
+            const q8_i32 *xw = (const q8_i32 *)(x->q + tt * k + b * 32);
+            /* broadcasts straight from memory (a load each, folded into the multiply-add), two
+             * chains of sums */
+            __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(xw[0]));
+            __m512i iw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], _mm512_set1_epi32(xw[1]));
+            for (int j = 2; j < 8; j += 2) {
+                iv = _mm512_dpbusd_epi32(iv, u[j], _mm512_set1_epi32(xw[j]));
+                iw = _mm512_dpbusd_epi32(iw, u[j + 1], _mm512_set1_epi32(xw[j + 1]));
+            }
+            iv = _mm512_add_epi32(iv, iw);
+            if (corr) {
+                const int32_t *is = x->isum + tt * (k / 16) + 2 * b;
+                iv = _mm512_sub_epi32(iv, _mm512_set1_epi32(corr * (is[0] + is[1])));
+            }
+            const __m512 f = _mm512_mul_ps(sv, _mm512_set1_ps(x->d[tt * nd + (b >> dshift)]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), f, acc[t]);
+            if (has_off) off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x->xs[tt * nb + b]), off[t]);
+        }
+    }
+    for (int t = 0; t < T; t++)
+        _mm512_storeu_ps(a->y + (t0 + t) * a->ldy + g * 8, has_off ? _mm512_add_ps(acc[t], off[t]) : acc[t]);
+}
+
+/* Tokens t0 .. t1-1 of groups g, g+1: tiles of 8 tokens, the remainder as 4, 2, 1. */
+static inline __attribute__((always_inline)) void gemm_pair_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
+                                                                int64_t t0, int64_t t1, int bits, int dshift,
+                                                                int has_off, int half, int corr) {
+    int64_t t = t0;
+    for (; t + GEMM_T <= t1; t += GEMM_T) gemm_tile(a, x, g, t, GEMM_T, bits, dshift, has_off, half, corr);
+    if (t + 4 <= t1) { gemm_tile(a, x, g, t, 4, bits, dshift, has_off, half, corr); t += 4; }
+    if (t + 2 <= t1) { gemm_tile(a, x, g, t, 2, bits, dshift, has_off, half, corr); t += 2; }
+    if (t < t1) gemm_tile(a, x, g, t, 1, bits, dshift, has_off, half, corr);
+}
+
+/* Groups g, g+1 of an item against its tokens t0 .. t1-1, dispatched on the weight format (the
+ * combinations of the GGUF types as in q8x8_group, the rest through the general form). */
+static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
+    const int dshift = a->kind == Q8_K ? 3 : 0, has_off = a->offset != NULL, half = (int)a->half_scales;
+    if (a->bits == 8) {
+        if (half && !has_off && !dshift) gemm_pair_fmt(a, x, g, t0, t1, 8, 0, 0, 1, 128);         /* Q8_0 */
+        else gemm_pair_fmt(a, x, g, t0, t1, 8, dshift, has_off, half, 128);
+    } else if (half && !dshift) {
+        if (has_off) gemm_pair_fmt(a, x, g, t0, t1, 4, 0, 1, 1, 0);                               /* Q4_1 */
+        else gemm_pair_fmt(a, x, g, t0, t1, 4, 0, 0, 1, (int)a->bias);                            /* Q4_0 */
+    } else if (dshift && has_off && !half && !a->bias) {
+        gemm_pair_fmt(a, x, g, t0, t1, 4, 3, 1, 0, 0);                                            /* Q4_K */
+    } else {
+        gemm_pair_fmt(a, x, g, t0, t1, 4, dshift, has_off, half, (int)a->bias);
+    }
+}
+#else
+#define Q8_GEMM512 0
+#endif
+
+/* Steps of at least this many tokens take the GEMM (fewer: repack.c's decode tile, which reads
+ * one group at a time, as a step bound by reading the weights wants). */
+enum { GEMM_MIN_TOKENS = 8 };
+
+/* Tokens a cache block: each thread runs its rows over one block of tokens before the next, so
+ * its weights are read from L2 while the block's activations (at most GEMM_TOKEN_BLOCK * K bytes)
+ * stay there too. */
+enum { GEMM_TOKEN_BLOCK = 64 };
+
+/* Row groups a chunk of the GEMM: a pair in a 512-bit build, else one (repack.c's tile, run one
+ * token block at a time all the same: the cache blocking serves every build). */
+enum { GEMM_GROUPS = Q8_GEMM512 ? 2 : 1 };
+
+/* Does item `a` take the GEMM's schedule? (row-group layout, enough tokens) */
+static int gemm_takes(const Q8MatmulArgs *a) {
+    return a->group == 8 && a->ntok >= GEMM_MIN_TOKENS;
+}
+
+/* Rows (in groups of 8) of chunk c of a GEMM item against tokens t0 .. t1-1; a last group
+ * without a partner takes repack.c's tile (the same results, see the top). */
+static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t t0, int64_t t1) {
+    const int64_t g = GEMM_GROUPS * c;
+#if Q8_GEMM512
+    if (g + 1 < a->rows / 8) {
+        gemm_pair(a, x, g, t0, t1);
+        return;
+    }
+#endif
+    q8x8_group_range(a, x, g, t0, t1);
+}
