@@ -157,7 +157,7 @@ def _ref_attention(q, k, v, mask, scale, softcap, sinks):
 
 
 @settings(max_examples=40, deadline=None)
-@given(T=st.one_of(st.integers(1, 4), st.sampled_from([17, 64])), Hkv=st.integers(1, 3), g=st.integers(1, 3),
+@given(T=st.one_of(st.integers(1, 4), st.sampled_from([17, 64, 150])), Hkv=st.integers(1, 3), g=st.integers(1, 3),
        D=st.sampled_from([8, 16, 64]),
        n_max=st.integers(1, 40), data=st.data(), softcap=st.sampled_from([0.0, 30.0]), sinks=st.booleans(),
        seed=st.integers(0, 2**16))

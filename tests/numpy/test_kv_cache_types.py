@@ -99,7 +99,7 @@ LOOSE = {"f16": 3e-3, "bf16": 1.5e-2, "q8_0": 4e-2, "q5_0": 0.3, "q5_1": 0.3, "q
 
 @kernels
 @pytest.mark.parametrize("name", TYPED)
-@pytest.mark.parametrize("T,threads", [(1, 1), (3, 2), (16, 3), (64, 2)])
+@pytest.mark.parametrize("T,threads", [(1, 1), (3, 2), (16, 3), (64, 2), (150, 2), (300, 3)])   # long: q8 passes
 def test_attention_reads_typed_caches(name, T, threads):
     rng = np.random.default_rng(T * 7 + threads)
     Hkv, g, D, n_max = 2, 3, 64, 700

@@ -142,7 +142,10 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         cols = np.flatnonzero(np.isfinite(mask[: q.shape[1]]).any(axis=0))
         return int(cols[-1]) + 1 if cols.size else 1
 
-    if ctx.use_kernels and q.shape[1] <= PACKED_MAX_TOKENS:
+    # integer numerics: long passes too (their products already run compiled at any length, and a
+    # numpy attention between them would hand the cores to BLAS's threads and back every layer)
+    long_ok = ctx.backend.numerics in ("llamacpp", "q8")
+    if ctx.use_kernels and (q.shape[1] <= PACKED_MAX_TOKENS or long_ok):
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
