@@ -11,7 +11,6 @@ The synthetic model repeats one token greedily with a margin of ~20 logits, so p
 from __future__ import annotations
 
 import collections
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 from metatp.sampling import SamplingParams
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import ServeProcess, free_port, optional_import
+from support.serving import MetatpServe, optional_import
 
 openai = optional_import("openai")
 
@@ -163,13 +162,8 @@ def test_logit_bias_outside_the_vocabulary_is_refused(llm):
 
 
 # ---------------------------------------------------------------- metatp serve + openai
-class Server(ServeProcess):
-    def __init__(self, model: str, log: Path) -> None:
-        port = free_port()
-        super().__init__([sys.executable, "-m", "metatp", "serve", "-m", model, "--port", str(port),
-                          "--backend", "numpy", "-c", "1024", "--parallel", "4"], log=log, port=port,
-                         env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        self.wait_ready(120, 0.2)
+def Server(model: str, log: Path) -> MetatpServe:
+    return MetatpServe(model, "-c", "1024", "--parallel", "4", log=log, ready=120, alias=None)
 
 
 @pytest.fixture(scope="module")

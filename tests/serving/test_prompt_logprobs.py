@@ -7,7 +7,6 @@ log-softmax of `LLM.score`'s logits at that position."""
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from metatp import LLM
 from metatp.logprobs import prompt_logprobs
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import ServeProcess, free_port, optional_import
+from support.serving import MetatpServe, optional_import
 
 httpx = optional_import("httpx")
 
@@ -39,12 +38,7 @@ def want(path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def plp_server(path, tmp_path_factory):
-    port = free_port()
-    s = ServeProcess([sys.executable, "-m", "metatp", "serve", "-m", path, "--port", str(port), "--backend", "numpy",
-                      "-c", str(N_CTX), "--parallel", "2", "-a", "m"],
-                     log=tmp_path_factory.mktemp("plp") / "serve.log", port=port,
-                     env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    s.wait_ready(120, 0.2)
+    s = MetatpServe(path, "-c", str(N_CTX), "--parallel", "2", log=tmp_path_factory.mktemp("plp") / "serve.log")
     yield s
     s.stop()
 

@@ -7,10 +7,8 @@ Python, a 400 `context_length_exceeded` naming it from the server), never a hang
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -19,7 +17,7 @@ from metatp.cli import main
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import ServeProcess, free_port, optional_import
+from support.serving import MetatpServe, optional_import
 
 openai = optional_import("openai")
 httpx = optional_import("httpx")
@@ -78,14 +76,7 @@ def test_a_huge_request_does_not_hold_back_small_ones_at_admission(path):
 
 
 # ---------------------------------------------------------------- the server
-class Server(ServeProcess):
-    def __init__(self, model: str, *args: str, log: Path) -> None:
-        port = free_port()
-        super().__init__([sys.executable, "-m", "metatp", "serve", "-m", model, "--port", str(port),
-                          "--backend", "numpy", "-a", "m", *args], log=log, port=port,
-                         env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        self.wait_ready(120, 0.2)
-
+class Server(MetatpServe):
     def running(self) -> float:
         text = httpx.get(self.base + "/metrics", timeout=30).text
         line = next(ln for ln in text.splitlines() if ln.startswith("metatp_requests_running "))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from metatp.ir.errors import ConfigError
 from metatp.sampling import Sampler, SamplingParams
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import ServeProcess, free_port, optional_import
+from support.serving import MetatpServe, optional_import
 
 openai = optional_import("openai")
 pytestmark = requires("structured")
@@ -146,13 +145,8 @@ def test_python_api_bad_schema(default_llm):
 
 
 # ---------------------------------------------------------------- metatp serve + openai, default model
-class Server(ServeProcess):
-    def __init__(self, model: str, log: Path) -> None:
-        port = free_port()
-        super().__init__([sys.executable, "-m", "metatp", "serve", "-m", model, "--port", str(port),
-                          "--backend", "numpy", "-c", "512", "--parallel", "4"], log=log, port=port,
-                         env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        self.wait_ready(180, 0.2)
+def Server(model: str, log: Path) -> MetatpServe:
+    return MetatpServe(model, "-c", "512", "--parallel", "4", log=log, ready=180, alias=None)
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,17 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=20)
+
+
+class MetatpServe(ServeProcess):
+    """`metatp serve -m MODEL --backend numpy -a m ARGS` on a free port, one kernel thread, ready
+    once /health answers (within `ready` seconds)."""
+
+    def __init__(self, model: str, *args: str, log: Path, ready: float = 120, alias: str | None = "m") -> None:
+        import sys
+
+        port = free_port()
+        cmd = [sys.executable, "-m", "metatp", "serve", "-m", model, "--port", str(port), "--backend", "numpy",
+               *(["-a", alias] if alias else []), *args]
+        super().__init__(cmd, log=log, port=port, env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        self.wait_ready(ready, 0.2)
