@@ -23,7 +23,7 @@ openai = optional_import("openai")
 httpx = optional_import("httpx")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=24, default_type="Q8_0",
-                 n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
+                 n_ctx_train=32768)    # the `path` fixture (tests/conftest.py)
 HUGE = dict(max_tokens=100_000, temperature=0, ignore_eos=True)
 PROMPT = [5, 6, 7]                    # token ids: their count is the prompt's
 
@@ -85,7 +85,7 @@ class Server(MetatpServe):
 
 @pytest.fixture(scope="module")
 def cap_server(path, tmp_path_factory):
-    s = Server(path, "-c", "4096", "--parallel", "4", log=tmp_path_factory.mktemp("cap") / "serve.log")
+    s = Server(path, "-c", "32768", "--parallel", "4", log=tmp_path_factory.mktemp("cap") / "serve.log")
     yield s
     s.stop()
 
@@ -123,23 +123,25 @@ def test_small_requests_finish_in_their_own_time_beside_a_huge_one(cap_server):
         assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
         assert done[f"small{i}"] < done["huge"], done                # none waited for the huge one to end
     assert max(done[f"small{i}"] for i in range(3)) - sent < 10, done                        # their own time, not max_tokens' 100000
+    print(f"\n[cap] huge {done['huge'] - sent:.3f} s after the smalls were sent; smalls "
+          f"{[round(done[f'small{i}'] - sent, 3) for i in range(3)]}")
     r = huge["r"]
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 4096 // 4 - len(PROMPT)    # the cap (n_ctx / parallel) - prompt
+    assert r.usage.completion_tokens == 32768 // 4 - len(PROMPT)    # the cap (n_ctx / parallel) - prompt
 
 
 @requires("serve")
 def test_a_prompt_past_the_cap_is_a_400_naming_it(cap_server):
     c = cap_server.client()
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="m", prompt=[7] * 1025, max_tokens=2)
+        c.completions.create(model="m", prompt=[7] * 8193, max_tokens=2)
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
-    assert "1025 tokens" in err["message"] and "1024" in err["message"]
-    r = c.completions.create(model="m", prompt=[7] * 1024, max_tokens=2)     # exactly the cap: no room, "length"
+    assert "8193 tokens" in err["message"] and "8192" in err["message"]
+    r = c.completions.create(model="m", prompt=[7] * 8192, max_tokens=2)     # exactly the cap: no room, "length"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
     models = httpx.get(cap_server.base + "/v1/models", timeout=30).json()
-    assert models["data"][0]["max_model_len"] == 1024
+    assert models["data"][0]["max_model_len"] == 8192
 
 
 @requires("serve")
