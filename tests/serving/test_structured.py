@@ -22,6 +22,7 @@ from support.require import requires
 from support.serving import MetatpServe, optional_import
 
 openai = optional_import("openai")
+jsonschema = optional_import("jsonschema")     # the "structured" prerequisite (pytestmark) requires it
 pytestmark = requires("structured")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=5)     # the `path` fixture
@@ -123,7 +124,6 @@ def test_python_api_json_object(default_llm):
 
 
 def test_python_api_json_schema(default_llm):
-    jsonschema = pytest.importorskip("jsonschema")
     question, schema = SCHEMAS[0]
     out = default_llm.generate(_chat(default_llm, question), SamplingParams(max_tokens=64, json_schema=schema))[0]
     assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
@@ -185,7 +185,6 @@ def test_server_json_object_parses(served):
 
 @serve
 def test_server_json_schema_validates(served):
-    jsonschema = pytest.importorskip("jsonschema")
     for question, schema in SCHEMAS:
         rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
         c = chat(served, question, response_format=rf)
