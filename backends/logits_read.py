@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from metatp.ir.dtypes import np_shape
 from metatp.ir.tensor import Tensor
 
-__all__ = ["read_argmax", "combine", "logits_bytes"]
+__all__ = ["read_argmax", "combine"]
 
 
 def _device_best(local: np.ndarray, spans: list[tuple[int, int, int]]) -> np.ndarray:
@@ -79,7 +78,3 @@ def combine(every: list[np.ndarray]) -> list[int | None]:
     tied = np.where(vals == top, idxs, np.inf).min(axis=0)   # the lowest index holding the max
     return [int(i) if f else None for i, f in zip(tied, fin)]
 
-
-def logits_bytes(t: Tensor) -> int:
-    """Bytes of the whole float32 logits `t` (what gathering them to every process moves)."""
-    return 4 * int(np.prod(np_shape(t.ne)))

@@ -165,6 +165,12 @@ class Request:
         self.sampler = Sampler(params, rng, end_ids=self.eog | self.stop_ids, n_vocab=tokenizer.n_vocab)
         self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
         self.n_logprobs = params.logprobs
+        # what the row it samples from is read as: "argmax" when the pick is the greedy token of
+        # the raw logits and nothing else is reported (no penalty, bias, constraint or logprobs),
+        # so a vocabulary split is never gathered for it; else "last"
+        plain = (params.greedy and params.logprobs is None and not params.penalized
+                 and params.repetition_penalty == 1.0 and self.constraint is None)
+        self.wants = "argmax" if plain else "last"
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
@@ -182,16 +188,6 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state == "done"
-
-    @property
-    def wants(self) -> str:
-        """What this request reads of the row it samples from: "argmax" when its pick is the
-        greedy token of the raw logits and nothing else is reported (no penalty, bias,
-        constraint or logprobs) -- then a vocabulary split is never gathered for it -- else "last"."""
-        p = self.params
-        plain = (p.greedy and p.logprobs is None and not p.penalized and p.repetition_penalty == 1.0
-                 and self.constraint is None)
-        return "argmax" if plain else "last"
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits)."""
