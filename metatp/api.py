@@ -129,6 +129,9 @@ class LLM:
     spellings "none" / "internal" (the copy-and-add butterfly).
     `max_num_seqs`: sequences decoded together in one step (continuous batching; vLLM's name).
     `max_waiting`: requests that may wait for a slot (None: unbounded); one more is QueueFullError.
+    `enable_prefix_caching`: keep finished requests' KV blocks and reuse them for prompts that
+    start the same way (vLLM's name; `metatp.prefix_cache`); a reused prefix may differ from a
+    recomputed one in the last bits where its passes differed (README, "Prefix cache").
     `max_model_len`: the most tokens one request may hold, prompt + completion (vLLM's name): a
     longer prompt is a ContextOverflowError, a generation reaching it ends with "length", and
     admission reserves no more cells than it. None: the cache alone bounds a request (n_ctx
@@ -154,7 +157,7 @@ class LLM:
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
                  cache_type_v: str | None = None, max_model_len: int | None = None,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, enable_prefix_caching: bool = True) -> None:
         from metatp.backends import create_backend
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -183,6 +186,8 @@ class LLM:
                                           or max_model_len <= 0):
             raise ConfigError(f"max_model_len must be a positive integer or None, got {max_model_len!r}")
         max_model_len = None if max_model_len is None else int(max_model_len)
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise ConfigError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         cache_type(cache_type_k, "k")             # a bad name fails before the model is read
         if cache_type_v is not None:
             cache_type(cache_type_v, "v")
@@ -249,7 +254,8 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
         self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs,
-                                   max_waiting=None if max_waiting is None else int(max_waiting))
+                                   max_waiting=None if max_waiting is None else int(max_waiting),
+                                   prefix_caching=enable_prefix_caching)
         self.verbose = verbose
 
     @staticmethod

@@ -127,7 +127,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
-              verbose=True, **options)
+              enable_prefix_caching=args.prefix_caching, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
@@ -173,6 +173,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-model-len", type=int, default=None,
                     help="most tokens one request may hold, prompt + completion (default: n_ctx / parallel)")
     sv.add_argument("-b", "--batch-size", type=int, default=512, help="tokens per step, prompts chunked to fit (default 512)")
+    sv.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="do not keep finished requests' KV blocks for prompts that start the same way")
     sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")

@@ -19,18 +19,28 @@ in cell order and an FMA is not commutative), nor do positions off their phase (
 cell = p mod page, or one page of positions split over two). `paged` placements refuse those
 (the caller waits or preempts); otherwise, where no such room is free, any free cells are
 taken, those after the sequence's last first: still correct, no longer bit-identical.
+
+Cells may also be *cached* (`CACHED`): the prefix cache (`metatp.prefix_cache`) keeps the cells of
+finished sequences' whole blocks of positions, read-only, and later sequences begin with them
+(`try_reserve(prefix=...)`, `adopt`). A cached cell belongs to no sequence: freeing a sequence
+returns only the cells it owns, no padding row writes a cached cell, and placement takes one only
+after the prefix cache gave it back (`uncache`).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from typing import Callable
 
 import numpy as np
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 
-__all__ = ["KVCells", "SeqCells"]
+__all__ = ["KVCells", "SeqCells", "CACHED"]
+
+FREE = -1
+CACHED = -2      # owner of a cell the prefix cache holds (shared, read-only)
 
 
 class SeqCells:
@@ -74,16 +84,17 @@ class KVCells:
         self._lock = threading.Lock()
         self._made = threading.Lock()
         self.live: dict[int, SeqCells] = {}                     # id -> sequence, while it owns cells
+        self.reclaim: Callable[[], bool] | None = None          # evicts one cached block (metatp.prefix_cache)
 
     @property
     def owner(self) -> np.ndarray:
-        """Sequence id per cell, -1 = free. Allocated on first use, not in the constructor: an
+        """Sequence id per cell, FREE (-1) or CACHED (-2). Allocated on first use, not in the constructor: an
         engine is built (and its memory planned, `metatp.passes.memory`) before the budget
         check, which must be able to refuse an impossible n_ctx before this table exists."""
         if self._owner is None:
             with self._made:
                 if self._owner is None:
-                    self._owner = np.full(self.n_cells, -1, dtype=np.int64)
+                    self._owner = np.full(self.n_cells, FREE, dtype=np.int64)
         return self._owner
 
     @property
@@ -92,24 +103,47 @@ class KVCells:
         return 0 if self._owner is None else int(np.count_nonzero(self._owner >= 0))
 
     @property
+    def n_cached(self) -> int:
+        """Cells the prefix cache holds (given back to the pool when it evicts them)."""
+        return 0 if self._owner is None else int(np.count_nonzero(self._owner == CACHED))
+
+    @property
     def n_free(self) -> int:
-        return self.n_cells - self.n_used
+        return self.n_cells - self.n_used - self.n_cached
 
     def reserve(self, n: int) -> SeqCells:
-        """A new sequence owning `n` cells (placed as `try_reserve` places them);
-        ContextOverflowError if fewer are free."""
-        with self._lock:
-            seq = self._reserve(n, n)
-            if seq is None:
-                raise self._overflow(n)
-            return seq
+        """A new sequence owning `n` cells (placed as `try_reserve` places them), the prefix
+        cache's unused blocks given back as needed (`reclaim`); ContextOverflowError if fewer are free."""
+        seq = self.try_reserve(n)
+        while seq is None and self.reclaim is not None and self.reclaim():
+            seq = self.try_reserve(n)
+        if seq is None:
+            raise self._overflow(n)
+        return seq
 
-    def try_reserve(self, need: int, want: int | None = None, paged: bool = False) -> SeqCells | None:
+    def try_reserve(self, need: int, want: int | None = None, paged: bool = False,
+                    prefix: np.ndarray | None = None, at: int | None = None) -> SeqCells | None:
         """A new sequence owning `want` cells where that many are free, else `need`; None when
         fewer than `need` are free now (the caller waits), or, `paged`, when no placement keeps
-        the sequence's pages in order from a page boundary (see the module doc)."""
+        the sequence's pages in order from a page boundary (see the module doc). `prefix`:
+        cached cells (`CACHED`) the sequence begins with, its positions 0..len-1, shared.
+        `at`: the cell its own cells start at, where they are free there (see `room`)."""
         with self._lock:
-            return self._reserve(need, need if want is None else want, paged)
+            return self._reserve(need, need if want is None else want, paged, prefix, at)
+
+    def room(self, after: int, n_pages: int) -> int | None:
+        """The lowest page boundary past cell `after` from which `n_pages` whole pages are free
+        (else hold no sequence's cell, only cached ones): where a new sequence can grow in order,
+        once the prefix cache gives those pages back. None where there is no such run."""
+        with self._lock:
+            n = self.n_cells // self.page
+            first = -(-(after + 1) // self.page)
+            for taken in (self.owner != FREE, self.owner >= 0):
+                pages = taken[: n * self.page].reshape(n, self.page).any(axis=1)
+                for p in range(first, n - n_pages + 1):
+                    if not pages[p:p + n_pages].any():
+                        return p * self.page
+            return None
 
     def try_grow(self, seq: SeqCells, need: int, want: int | None = None, paged: bool = False) -> np.ndarray | None:
         """Room for `need` positions in all (`want` where that many cells are free): the cells
@@ -125,8 +159,12 @@ class KVCells:
             return pick
 
     def grow(self, seq: SeqCells, n: int) -> None:
-        """Give `seq` room for `n` positions in all (ContextOverflowError when the cache is full)."""
-        if self.try_grow(seq, n) is None:
+        """Give `seq` room for `n` positions in all, the prefix cache's unused blocks given back
+        as needed (ContextOverflowError when the cache is full)."""
+        got = self.try_grow(seq, n)
+        while got is None and self.reclaim is not None and self.reclaim():
+            got = self.try_grow(seq, n)
+        if got is None:
             raise self._overflow(n)
 
     def adopt(self, seq_id: int, cells: np.ndarray) -> SeqCells:
@@ -137,8 +175,8 @@ class KVCells:
         with self._lock:
             if seq_id in self.live:
                 raise ConfigError(f"sequence {seq_id} already owns cells")
-            self._check_free(seq_id, cells)
-            self.owner[cells] = seq_id
+            self._check_free(seq_id, cells, cached_ok=True)
+            self.owner[cells[self.owner[cells] == FREE]] = seq_id
             seq = SeqCells(seq_id, cells.copy())
             self.live[seq_id] = seq
             return seq
@@ -158,7 +196,7 @@ class KVCells:
         with self._lock:
             if seq.freed:
                 return
-            self.owner[seq.cells] = -1
+            self.owner[seq.cells[self.owner[seq.cells] == seq.id]] = FREE     # cached cells stay
             self.live.pop(seq.id, None)
             seq.freed = True
             seq.cells = seq.cells[:0]
@@ -169,20 +207,44 @@ class KVCells:
         live sequence reserved but has not reached (`keep[id]`: its first position still to be
         kept, default its n_past). Nobody reads such a cell before its owner writes it."""
         with self._lock:
-            picks = [np.flatnonzero(self.owner < 0)]
+            picks = [np.flatnonzero(self.owner == FREE)]
             for seq in self.live.values():
-                picks.append(seq.cells[keep.get(seq.id, seq.n_past):])
+                ahead = seq.cells[keep.get(seq.id, seq.n_past):]
+                picks.append(ahead[self.owner[ahead] == seq.id])       # never a cached (shared) cell
             cells = np.sort(np.concatenate(picks))
             return cells[:limit].astype(np.int32)
 
+    def cache(self, cells: np.ndarray) -> None:
+        """Hand `cells` (written positions of a live sequence, or cached already) to the prefix
+        cache: they outlive their sequence, read-only, until `uncache`."""
+        cells = np.asarray(cells, dtype=np.int32)
+        with self._lock:
+            if cells.size and (self.owner[cells] == FREE).any():
+                raise ConfigError("only cells a sequence holds can be cached")
+            self.owner[cells] = CACHED
+
+    def uncache(self, cells: np.ndarray) -> None:
+        """The prefix cache gives `cells` back to the pool (an eviction)."""
+        cells = np.asarray(cells, dtype=np.int32)
+        with self._lock:
+            if cells.size and (self.owner[cells] != CACHED).any():
+                raise ConfigError("cells given back by the prefix cache were not cached")
+            self.owner[cells] = FREE
+
     # ------------------------------------------------------------ placement (under the lock)
-    def _reserve(self, need: int, want: int, paged: bool = False) -> SeqCells | None:
+    def _reserve(self, need: int, want: int, paged: bool = False, prefix: np.ndarray | None = None,
+                 at: int | None = None) -> SeqCells | None:
         if need < 0:
             raise ConfigError(f"cannot reserve {need} KV cells")
-        pick = self._place(None, need, want, paged)
+        start = None
+        if prefix is not None and len(prefix):
+            start = SeqCells(-1, np.asarray(prefix, dtype=np.int32).copy())
+            if (self.owner[start.cells] != CACHED).any():
+                raise ConfigError("a sequence can begin only with cached cells")
+        pick = self._place(start, need, want, paged) if at is None else self._place_at(start, need, want, at)
         if pick is None:
             return None
-        seq = SeqCells(next(self._ids), pick)
+        seq = SeqCells(next(self._ids), pick if start is None else np.concatenate([start.cells, pick]))
         self.owner[pick] = seq.id
         self.live[seq.id] = seq
         return seq
@@ -192,11 +254,20 @@ class KVCells:
             f"{n} tokens do not fit in the KV cache: {self.n_free} of {self.n_cells} cells are free "
             f"(the context size n_ctx is shared by the running sequences)")
 
-    def _check_free(self, seq_id: int, cells: np.ndarray) -> None:
+    def _check_free(self, seq_id: int, cells: np.ndarray, cached_ok: bool = False) -> None:
         if cells.size and (int(cells.min()) < 0 or int(cells.max()) >= self.n_cells
-                           or (self.owner[cells] >= 0).any() or np.unique(cells).size != cells.size):
+                           or (self.owner[cells] >= 0).any() or np.unique(cells).size != cells.size
+                           or (not cached_ok and (self.owner[cells] == CACHED).any())):
             raise ConfigError(f"sequence {seq_id} cannot take its {cells.size} cells: some are out of range, "
                               "repeated or owned by another sequence")
+
+    def _place_at(self, seq: SeqCells | None, need: int, want: int, at: int) -> np.ndarray | None:
+        """Cells `at`.. for positions capacity.. of `seq`: `want` of them where free, else `need`."""
+        cap = 0 if seq is None else seq.capacity
+        for k in dict.fromkeys((max(want, need) - cap, need - cap)):
+            if at + k <= self.n_cells and (self.owner[at:at + k] == FREE).all():
+                return np.arange(at, at + k, dtype=np.int32)
+        return None
 
     def _place(self, seq: SeqCells | None, need: int, want: int, paged: bool = False) -> np.ndarray | None:
         """The cells for positions capacity.. of `seq` (a new sequence if None): `want` of them
@@ -208,7 +279,7 @@ class KVCells:
         k_need, k_want = need - cap, max(want, need) - cap
         if k_need <= 0:
             return np.zeros(0, np.int32)
-        free = self.owner < 0
+        free = self.owner == FREE
         last = int(seq.cells[-1]) if cap else -1
         at_page = cap % self.page == 0 and (not cap or int(seq.cells[0]) % self.page == 0)
         runs = np.zeros(self.n_cells + 1, np.int32)                      # runs[j]: free cells below j

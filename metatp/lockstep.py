@@ -35,8 +35,9 @@ class StepBatch:
     """One step as rank 0 posts it to the other ranks (`Scheduler.lead`, `follow`).
 
     `ops`: the KV cell operations since the previous step, in order: ("take", seq id, int32
-    cells) for an admitted sequence, ("grow", seq id, int32 cells) for cells a running one takes
-    on demand, ("free", seq id) for one that ended or was preempted. `items`: the step's
+    cells, positions it begins with) for an admitted sequence, ("grow", seq id, int32 cells) for cells a running one takes
+    on demand, ("free", seq id) for one that ended or was preempted, ("cache", cells) and
+    ("uncache", cells) for the prefix cache's blocks kept and evicted. `items`: the step's
     StepItems as (seq id, its n_past before the step, token ids, logits mode). Positions, pass
     rows, padding cells and masks all follow from these in `Engine.run`, the same on every rank;
     n_past travels only to catch ranks that drifted apart."""
@@ -103,10 +104,15 @@ def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: i
     for op in batch.ops:
         if op[0] == "take":
             seqs[op[1]] = engine.cells.adopt(op[1], op[2])
+            seqs[op[1]].n_past = op[3]          # positions it begins with (a prefix cache hit)
         elif op[0] == "grow" and op[1] in seqs:
             engine.cells.extend(seqs[op[1]], op[2])
         elif op[0] == "free" and op[1] in seqs:
             engine.free(seqs.pop(op[1]))
+        elif op[0] == "cache":              # the prefix cache keeps these cells (metatp.prefix_cache)
+            engine.cells.cache(op[1])
+        elif op[0] == "uncache":
+            engine.cells.uncache(op[1])
         else:
             raise LockStepError(f"rank {rank} cannot apply rank 0's cell operation {op[:2]!r}")
     items = []

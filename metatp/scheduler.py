@@ -6,7 +6,9 @@ FIFO queue; at each step boundary the scheduler admits the oldest ones while a s
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
 none, the most recently admitted running request is preempted (its cells freed, its tokens and
 sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
-one stream and the tokens of a run alone. A step that preempts admits nothing.
+one stream and the tokens of a run alone. A step that preempts admits nothing. With the prefix
+cache (`metatp.prefix_cache`, on by default) a request begins with the cached blocks its prompt
+starts with and prefills only the rest; an ending one leaves its blocks there.
 What one request may hold is bounded by one rule (`context_budget`): the cache's n_ctx, and a
 per-request cap `max_model_len` (a server's n_ctx / parallel by default, llama-server's slot).
 One step carries the next token of every decoding request plus
@@ -38,7 +40,7 @@ import collections
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
@@ -49,9 +51,10 @@ from metatp.kv_cells import SeqCells
 from metatp.kv_demand import CellDemand, prefill_chunk
 from metatp.lockstep import Leader
 from metatp.logprobs import token_logprob
+from metatp.metrics import Metrics
 from metatp.sampling import Sampler, SamplingParams
 from metatp.penalties import release_unstopped
-from metatp.structured import make_guide
+from metatp.structured import MaskPrefetch, make_guide
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -174,6 +177,7 @@ class Request:
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
+        self.n_reused = 0                      # ... of them found in the prefix cache (kv_demand)
         self.pending: int | None = None        # the sampled token the next step feeds
         self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (kv_demand)
         self.history = list(prompt_ids)
@@ -223,40 +227,11 @@ class Request:
         return self.stops.feed(piece) if n > self.params.min_tokens else (release_unstopped(self.stops, piece), None)
 
 
-@dataclass
-class Metrics:
-    """Counters for /metrics (Prometheus) and the batched bench."""
-
-    requests_accepted: int = 0       # submitted and not refused; each ends finished, cancelled or failed
-    requests_finished: int = 0
-    requests_failed: int = 0
-    requests_cancelled: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    max_step_seqs: int = 0
-    step_seqs_hist: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    ttft_buckets: dict[float, int] = field(default_factory=dict)
-    preemptions: int = 0             # running requests whose cells were taken back (recomputed later)
-    recomputed_tokens: int = 0       # tokens prefilled again after a preemption
-
-    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft_sum += seconds
-        self.ttft_count += 1
-        for b in self.TTFT_BOUNDS:
-            if seconds <= b:
-                self.ttft_buckets[b] = self.ttft_buckets.get(b, 0) + 1
-
-
 class Scheduler:
     """Admits, batches and steps requests over one engine (see the module doc)."""
 
     def __init__(self, engine: Engine, max_num_seqs: int = 16, max_waiting: int | None = None,
-                 n_batch: int | None = None) -> None:
+                 n_batch: int | None = None, prefix_caching: bool = True) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.engine = engine
@@ -276,7 +251,8 @@ class Scheduler:
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
         # KV cells on demand and recompute preemption (metatp.kv_demand)
-        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics)
+        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics, prefix_caching)
+        self.masks = MaskPrefetch()
 
     def lead(self, world: "World") -> None:
         """Drive every rank of `world` from here (rank 0 of a server): each step is posted to the
@@ -386,6 +362,8 @@ class Scheduler:
             items, reqs = self._compose()
             if not items:
                 return False
+            self.masks.start([r.constraint for r, it in zip(reqs, items)
+                              if r.constraint is not None and self._samples_now(r, it)])
             try:
                 outs = self.engine.run(items) if self._leader is None else self._leader.run(self.engine, items)
             except Exception as e:                  # the pass is lost: its requests fail, others go on
@@ -393,6 +371,8 @@ class Scheduler:
                     for r in reqs:
                         self._fail(r, e)
                 return True
+            finally:
+                self.masks.wait()                   # structured output's masks, computed during the pass
             picks = self._sample(reqs, items, outs)
             now = time.perf_counter()
             with self._state:
@@ -447,7 +427,7 @@ class Scheduler:
         with self._state:
             for r in [r for r in self.running if r.cancelled]:
                 self.running.remove(r)
-                self._release(r)
+                self._release(r, keep=True)
                 r.state, r.finish_reason = "done", "cancelled"
                 self.metrics.requests_cancelled += 1
             preempted = self.demand.make_room(self.running, self.waiting)
@@ -528,7 +508,7 @@ class Scheduler:
     def _finish(self, r: Request, out: StepOutput) -> None:
         if r in self.running:
             self.running.remove(r)
-        self._release(r)
+        self._release(r, keep=True)
         r.state, r.finish_reason = "done", out.finish_reason
         self.metrics.requests_finished += 1
         self._emit(r, out)
@@ -543,8 +523,10 @@ class Scheduler:
         self.metrics.requests_failed += 1
         self._emit(r, StepOutput(None, "", "error", error=e))
 
-    def _release(self, r: Request) -> None:
+    def _release(self, r: Request, keep: bool = False) -> None:
+        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
         if r.seq is not None:
+            self.demand.retire(r, keep)
             if not r.seq.freed:
                 self._post(("free", r.seq.id))
             self.engine.free(r.seq)

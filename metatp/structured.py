@@ -13,6 +13,7 @@ The mask is computed on the sampling path, after the forward pass: it is not ove
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 import weakref
@@ -22,7 +23,7 @@ import numpy as np
 
 from metatp.ir.errors import ConfigError, MetatpError
 
-__all__ = ["CONSTRAINT_FIELDS", "grammar_of", "make_guide", "Guide", "lltokenizer", "available"]
+__all__ = ["CONSTRAINT_FIELDS", "grammar_of", "make_guide", "Guide", "lltokenizer", "available", "MaskPrefetch"]
 
 # the SamplingParams fields that constrain the output; at most one may be set
 CONSTRAINT_FIELDS = ("json_object", "json_schema", "guided_regex", "guided_choice", "guided_grammar")
@@ -152,15 +153,23 @@ class Guide:
         if self.matcher.is_error():
             raise ConfigError(f"the output constraint is invalid: {self.matcher.get_error()}"[:1000])
         self._words = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
+        self._mask: np.ndarray | None = None      # this step's, once computed (`prefetch`)
+
+    def prefetch(self) -> None:
+        """Compute this step's mask now (a worker thread, while the forward pass runs)."""
+        if self._mask is None:
+            w = self._words
+            self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
+            self._mask = np.unpackbits(w.view(np.uint8), bitorder="little", count=self.n_vocab).view(np.bool_)
 
     def allowed(self) -> np.ndarray:
         """This step's mask: True where the token may come next."""
-        w = self._words
-        self.matcher.unsafe_compute_mask_ptr(w.ctypes.data, w.nbytes)
-        return np.unpackbits(w.view(np.uint8), bitorder="little", count=self.n_vocab).view(np.bool_)
+        self.prefetch()
+        return self._mask
 
     def consume(self, tok: int) -> bool:
         """Advance past the sampled token; True when the output is complete."""
+        self._mask = None
         if not self.matcher.consume_token(int(tok)):
             why = self.matcher.get_error().strip().splitlines()
             raise MetatpError(f"structured output: token {tok} does not fit the constraint"
@@ -172,3 +181,26 @@ def make_guide(params: Any, tok: Any) -> Guide | None:
     """The request's Guide, or None when its SamplingParams set no constraint (no work at all)."""
     grammar = getattr(params, "constraint", None)
     return None if grammar is None else Guide(grammar, tok)
+
+
+class MaskPrefetch:
+    """The masks of a step's constrained requests, computed in one worker thread while the step's
+    forward pass runs (the kernels and llguidance both release the GIL), so that sampling finds
+    them ready: `start(guides)` before the pass, `wait()` after it."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None
+
+    def start(self, guides: list[Guide]) -> None:
+        if not guides:
+            return
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metatp-masks")
+        self._pending = self._pool.submit(lambda: [g.prefetch() for g in guides])
+
+    def wait(self) -> None:
+        """Until the masks are computed; an error computing one shows again when it is sampled."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+            self._pending = None

@@ -29,7 +29,12 @@ def prometheus_text(srv: Frontend) -> str:
     metric("logits_bytes_total", "counter", "Logits bytes gathered from other processes for sampling "
            "(greedy rows move only their max and index).", srv.llm.engine.logits_bytes)
     metric("step_sequences_max", "gauge", "Most sequences one step carried.", m.max_step_seqs)
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           m.prefix_queried_tokens)
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not prefilled).",
+           m.prefix_hit_tokens)
     metric("kv_cells_used", "gauge", "KV cells owned by sequences.", cells.n_used)
+    metric("kv_cells_cached", "gauge", "KV cells the prefix cache holds (evicted when needed).", cells.n_cached)
     metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
     hist = dict(m.step_seqs_hist)
     lines += ["# HELP metatp_step_sequences Sequences per engine step.", "# TYPE metatp_step_sequences histogram"]

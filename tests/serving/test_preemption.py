@@ -28,6 +28,7 @@ from metatp.kv_cells import KVCells
 from metatp.lockstep import STOP, StepBatch, follow
 from metatp.testing.synth import SynthSpec
 from support.require import requires
+from support.serving import LoopbackPosts
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
@@ -131,7 +132,8 @@ def _tokens_and_logprobs(sched, req) -> tuple[list[int], list[float]]:
 def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatch):
     """A 200-token prompt fed in chunks of a small n_batch is preempted between two chunks (the
     oldest request needs a page): it is fed again from its start and gives its solo output."""
-    llm = LLM(path, n_ctx=512, backend="numpy", n_batch=64, max_num_seqs=4)
+    # the scenario places pages by hand: no prefix cache holding the solo runs' pages
+    llm = LLM(path, n_ctx=512, backend="numpy", n_batch=64, max_num_seqs=4, enable_prefix_caching=False)
     sched = llm.scheduler
     grow = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True, logprobs=0)
     short = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
@@ -273,19 +275,6 @@ def test_follower_growth_is_checked():
 
 
 # ---------------------------------------------------------------- under MPI
-class _Posts:
-    """Two ranks in one process: rank 0's posts kept for a follower to read back in order."""
-
-    def __init__(self, rank: int, posts: list) -> None:
-        self.rank, self.size, self.posts = rank, 2, posts
-
-    def post(self, message) -> None:
-        self.posts.append(message)
-
-    def next_post(self, on_wait=None):
-        return self.posts.pop(0)
-
-
 def test_a_follower_replays_growth_and_preemption(path):
     """A served rank 0 posts admissions, growth and the frees of preempted requests; a follower
     replaying them has the same owner in every cell before every step and the same logits."""
@@ -294,7 +283,7 @@ def test_a_follower_replays_growth_and_preemption(path):
                    max_num_seqs=4)
     lead, rest = make(), make()
     posts: list = []
-    lead.scheduler.lead(_Posts(0, posts))
+    lead.scheduler.lead(LoopbackPosts(0, posts))
     logs: tuple[list, list] = ([], [])
     for eng, log in ((lead.engine, logs[0]), (rest.engine, logs[1])):
         def recorded(items, run=eng.run, eng=eng, log=log):
@@ -309,7 +298,7 @@ def test_a_follower_replays_growth_and_preemption(path):
     assert all(isinstance(b, StepBatch) for b in posts)
     ops = [op[0] for b in posts for op in b.ops]
     assert "grow" in ops and ops.count("take") > 4
-    assert follow(rest.engine, _Posts(1, posts + [STOP])) == len(logs[0])
+    assert follow(rest.engine, LoopbackPosts(1, posts + [STOP])) == len(logs[0])
     for (own_a, outs_a), (own_b, outs_b) in zip(*logs):
         assert np.array_equal(own_a, own_b)
         assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(outs_a, outs_b))

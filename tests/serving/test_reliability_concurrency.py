@@ -111,9 +111,11 @@ def test_the_comparison_catches_a_shared_cache(llm, monkeypatch):
     eng = llm.engine
     want = solo_stream(llm, PROMPTS[1], "greedy", 12)
 
-    def same_cells(seq, need, want, paged=False):         # every sequence from cell 0, as it grows
+    def same_cells(seq, need, want, *where):              # every sequence from cell 0, as it grows
         return np.arange(0 if seq is None else seq.capacity, max(need, want), dtype=np.int32)
 
+    llm.scheduler.demand.prefix.clear()          # no cached block may see its cells handed out twice
+    monkeypatch.setattr(llm.scheduler.demand, "prefix", None)
     monkeypatch.setattr(eng.cells, "_place", same_cells)
     b = completion(llm, PROMPTS[1], "greedy", 12)
     head = next(b)["choices"][0]["text"]

@@ -92,3 +92,17 @@ class MetatpServe(ServeProcess):
                *(["-a", alias] if alias else []), *args]
         super().__init__(cmd, log=log, port=port, env={"METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         self.wait_ready(ready, 0.2)
+
+
+class LoopbackPosts:
+    """Two ranks in one process: rank 0's posts (`metatp.lockstep`) kept for a follower to read
+    back in order."""
+
+    def __init__(self, rank: int, posts: list) -> None:
+        self.rank, self.size, self.posts = rank, 2, posts
+
+    def post(self, message) -> None:
+        self.posts.append(message)
+
+    def next_post(self, on_wait=None):
+        return self.posts.pop(0)
