@@ -171,3 +171,23 @@ def test_nodes_of_a_stage_are_split_like_the_tensor_plan(synth_model):
         stage = s[0] // 2
         assert tp.local[2 * stage:2 * stage + 2] == inner.local, node.name
         assert tp.compute[2 * stage:2 * stage + 2] == inner.compute, node.name
+
+
+def test_dump_shows_stages_groups_copies_and_the_bill(path):
+    """Two stages of two: stage 0 runs layers 0-2 (6 all-reduces of one hidden vector, which a
+    2-device butterfly sends whole) and sends the residual once per device."""
+    import json
+
+    from metatp.tools.dump import DumpRequest, dump_model
+
+    req = DumpRequest(model=path, n_devices=4, split_mode="layer,tensor", tensor_split=(1.0, 1.0))
+    text = dump_model(req)
+    assert "stage 0 [dev0,dev1]: 3 layer(s) 0-2 + input layer; 6 all-reduce(s)" in text
+    assert "stage 1 [dev2,dev3]: 2 layer(s) 3-4 + output layer; 4 all-reduce(s)" in text
+    assert "all-reduce #0 within [dev0,dev1]" in text and "dev1 -> dev3" in text
+    bill = json.loads(dump_model(DumpRequest(**{**req.__dict__, "fmt": "json"})))["summary"]["stages"]
+    hidden = SPEC.n_embd * 4
+    assert [s["allreduce_bytes_per_rank_per_step"] for s in bill["stages"]] == [6 * hidden, 4 * hidden]
+    assert [(m["src"], m["dst"]) for m in bill["copies"]["transfers"]] == [(0, 2), (1, 3)]
+    assert bill["busiest_rank_bytes_per_token"] == 7 * hidden
+    assert bill["busiest_rank_bytes_per_prompt"] == 7 * hidden * 512

@@ -83,3 +83,23 @@ def test_layout_for_takes_layer_tensor():
     assert world.layout_for(None, "layer,tensor", (1.0, 1.0)) == (4, "layer,tensor")
     with pytest.raises(ConfigError, match="--pp x --tp must be the number of processes"):
         world.layout_for(None, "layer,tensor", (1.0, 1.0, 1.0))
+
+
+@needs_mpi
+def test_bench_under_mpiexec_has_layer_tensor_rows_with_the_bill(path):
+    """`mpiexec -n 4 metatp bench -sm layer,tensor --pp 2 --tp 2`: the -sm none baseline and the
+    layer,tensor rows, each with the bill one process computes, and the group all-reduce times."""
+    import json
+
+    from metatp.tools.bench import BenchConfig, run_bench
+
+    r = cli("bench", "-m", path, "-p", "8", "-n", "4", "-r", "1", "--backend", "numpy", "-sm", "layer,tensor",
+            "--pp", "2", "--tp", "2", "-o", "json", n=4, timeout=240)
+    check_ok(r)
+    rows = json.loads(r.stdout)
+    want = run_bench(BenchConfig(model=path, n_prompt=[8], n_gen=[4], repetitions=1, backend="numpy",
+                                 split_mode=["layer,tensor"], pp=2, tp=2))
+    key = ("n_devices", "split_mode", "tensor_split", "test", "comm_bytes_per_token", "comm_bytes_per_prompt")
+    assert [tuple(x[k] for k in key) for x in rows] == [tuple(w[k] for k in key) for w in want]
+    staged = [x for x in rows if x["split_mode"] == "layer,tensor"]
+    assert len(staged) == 2 and all(x["comm_bytes_per_token"] > 0 and x["allreduce_us_per_call"] > 0 for x in staged)
