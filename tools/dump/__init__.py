@@ -55,8 +55,7 @@ def _info(plan: Plan, layer: int | None, model: dict | None, batch: dict | None)
         "model": model,
         "batch": batch,
         "layout": {"n_devices": lay.n_devices, "split_mode": lay.split_mode,
-                   "tensor_split": list(lay.tensor_split) if lay.tensor_split is not None else None,
-                   **({"pp": lay.pp, "tp": lay.tp} if lay.split_mode == "layer,tensor" else {})},
+                   "tensor_split": list(lay.tensor_split) if lay.tensor_split is not None else None},
     }
 
 
