@@ -103,3 +103,12 @@ def test_bench_under_mpiexec_has_layer_tensor_rows_with_the_bill(path):
     assert [tuple(x[k] for k in key) for x in rows] == [tuple(w[k] for k in key) for w in want]
     staged = [x for x in rows if x["split_mode"] == "layer,tensor"]
     assert len(staged) == 2 and all(x["comm_bytes_per_token"] > 0 and x["allreduce_us_per_call"] > 0 for x in staged)
+
+
+@needs_mpi
+def test_dump_under_mpiexec_prints_once_what_one_process_prints(path):
+    one = cli("dump", "-m", path, "-sm", "layer,tensor", "--pp", "2", "--tp", "2")
+    check_ok(one)
+    four = cli("dump", "-m", path, "-sm", "layer,tensor", "--tp", "2", n=4)
+    check_ok(four)
+    assert four.stdout == one.stdout and "stage 1 [dev2,dev3]" in one.stdout and four.stderr == ""
