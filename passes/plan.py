@@ -64,8 +64,8 @@ class DeviceLayout:
     def _check_stages(self) -> None:
         tp = self.tp if self.tp is not None else (len(self.tensor_split) if self.tensor_split is not None else None)
         if tp is None:
-            raise ConfigError("split_mode='layer,tensor' needs the tensor-parallel size: --tp T (tp=T), or -ts "
-                              "with T shares")
+            raise ConfigError("split_mode='layer,tensor' needs the tensor-parallel size T: --tp T, or "
+                              "tensor_split (-ts) with T shares, one per device of a tensor group")
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"--tp (tp) must be an integer >= 1, got {tp!r}")
         if self.n_devices % tp:
@@ -148,7 +148,8 @@ class Reduction:
 @dataclass
 class Transfer:
     """split_mode="layer": a point-to-point copy of one node's whole buffer from the device that
-    computed it to a device that reads it (the hidden state at a layer boundary)."""
+    computed it to a device that reads it (the hidden state at a layer boundary); under
+    "layer,tensor" device t of a stage's group copies its buffer to device t of the next group."""
 
     node: int                    # index of the node whose buffer is copied
     src: int                     # the device that computed it
@@ -161,7 +162,7 @@ class Subgraph:
     start: int                   # first node index
     end: int                     # last node index (inclusive)
     reduction: Reduction | None  # all-reduce after the subgraph (None: nothing pending)
-    # copies after the subgraph (and after its all-reduce), in order; empty but under -sm layer
+    # copies after the subgraph (and after its all-reduce), in order; empty but under -sm layer(,tensor)
     transfers: list[Transfer] = field(default_factory=list)
 
 

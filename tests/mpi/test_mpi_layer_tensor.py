@@ -13,7 +13,7 @@ import pytest
 from support.helpers import assert_close
 from support.mpi import check_ok, cli, error_lines
 from support.require import requires
-from test_mpi_layer import PROMPT, SPEC, _one_process, _ranks, check_rank_lost, check_serve  # noqa: F401 (SPEC: `path`)
+from test_mpi_layer import SPEC, _one_process, _ranks, check_rank_lost, check_serve  # noqa: F401 (SPEC: `path`)
 
 needs_mpi = requires("mpi")
 LAYOUT = {"n_devices": 4, "split_mode": "layer,tensor", "tensor_split": [1.0, 1.0]}
