@@ -148,7 +148,12 @@ class World:
         split by tensor (the default) or by layer (-sm layer: each rank its layers, the hidden
         state sent from rank to rank)."""
         n = self.size if n_devices is None else n_devices
-        if tensor_split is not None and len(tensor_split) != self.size:
+        if split_mode == "layer,tensor":          # -ts has one share per device of a tensor group
+            if tensor_split is not None and (not tensor_split or self.size % len(tensor_split)):
+                raise every_rank(ConfigError(
+                    f"-ts has {len(tensor_split)} shares (--tp) but mpiexec started {self.size} processes: "
+                    "--pp x --tp must be the number of processes"))
+        elif tensor_split is not None and len(tensor_split) != self.size:
             raise every_rank(ConfigError(
                 f"-ts has {len(tensor_split)} shares but mpiexec started {self.size} processes "
                 f"(one per device): give {self.size} shares or run mpiexec -n {len(tensor_split)}"))
@@ -156,10 +161,10 @@ class World:
             raise every_rank(ConfigError(
                 f"--devices {n} but mpiexec started {self.size} processes: the world size is the device "
                 f"count (one process per device); run mpiexec -n {n} or drop --devices"))
-        if self.size > 1 and split_mode not in (None, "tensor", "layer"):
+        if self.size > 1 and split_mode not in (None, "tensor", "layer", "layer,tensor"):
             raise every_rank(ConfigError(
                 f"mpiexec started {self.size} processes but split_mode is {split_mode!r}: "
-                "several processes split the model with -sm tensor or -sm layer"))
+                "several processes split the model with -sm tensor or -sm layer (or -sm layer,tensor)"))
         if self.size > 1:
             return n, split_mode or "tensor"
         return n, split_mode or "none"
@@ -243,7 +248,10 @@ class World:
             checked = entry.check(options)
         except MetatpError as e:
             raise every_rank(e) from None
-        return entry.create(layout, checked, devices=self.devices, collective=self.collective())
+        collective = self.collective()
+        if layout.split_mode == "layer,tensor":  # each stage's all-reduces on the group's own communicator
+            collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
+        return entry.create(layout, checked, devices=self.devices, collective=collective)
 
     def _cupy_backend(self, entry, layout, options: dict):
         """The cupy backend of a GPU rank: one device, this rank's local GPU, NCCL between ranks."""

@@ -153,8 +153,8 @@ class PlanExecutor(Executable):
 
     def transfer_step(self, node: Tensor, src: int, dst: int) -> Any:
         """A step copying device src's buffer of `node` into device dst's (-sm layer)."""
-        raise UnsupportedOpError(f"{self.backend.name} backend: split_mode='layer' (copies between devices) "
-                                 "is not implemented on this backend yet")
+        raise UnsupportedOpError(f"{self.backend.name} backend: split_mode={self.plan.layout.split_mode!r} (copies "
+                                 "between devices) is not implemented on this backend yet")
 
     def reduction_stream(self) -> Any:
         """The stream the prepared all-reduces run on (None: the collective's own choice)."""
@@ -263,10 +263,26 @@ class PlanExecutor(Executable):
             if sub.reduction is None:
                 continue
             node = self.plan.graph.nodes[sub.reduction.node]
-            bufs = [self.reduction_buffer(d, node) for d in self.devices]
-            active = list(self.plan.of(node).compute)
-            out[k] = collective.prepare_allreduce(bufs, active, stream=stream)
+            group, coll = sub.reduction.devices, collective
+            if group is not None:          # layer,tensor: one stage's tensor group
+                coll = self.group_collective(collective, tuple(group))
+                if not set(group) & set(self.devices):
+                    continue
+            span = self.devices if group is None else [d for d in self.devices if d in group]
+            bufs = [self.reduction_buffer(d, node) for d in span]
+            flags = list(self.plan.of(node).compute)
+            active = flags if group is None else [flags[d] for d in group]
+            out[k] = coll.prepare_allreduce(bufs, active, stream=stream)
         return out
+
+    def group_collective(self, collective: Any, group: tuple[int, ...]) -> Any:
+        """The collective summing over `group` only (`for_devices`; layer,tensor's stage groups)."""
+        make = getattr(collective, "for_devices", None)
+        if make is None:
+            raise UnsupportedOpError(f"{self.backend.name} backend: split_mode='layer,tensor' (all-reduces within "
+                                     f"a stage's tensor group) is not implemented on collective "
+                                     f"{getattr(collective, 'name', collective)!r}")
+        return make(group)
 
     def prepare_transfers(self) -> list[list]:
         """[subgraph] -> its copies between devices, in plan order: a copy between two owned

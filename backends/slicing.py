@@ -39,10 +39,11 @@ def split_array(full: np.ndarray, tensor: Tensor, tplan: TensorPlan, n_devices: 
     st = tplan.state
     f4 = _as4d(np.asarray(full), tensor.ne)
     if st.is_mirrored:
-        return [np.array(f4, copy=True) for _ in range(n_devices)]
+        return [np.array(f4, copy=True) if _holds(tplan, j) else _empty(tplan, j, f4) for j in range(n_devices)]
     if st.is_partial:
         owner = tplan.owner if tplan.owner is not None else 0
-        return [np.array(f4, copy=True) if j == owner else np.zeros_like(f4) for j in range(n_devices)]
+        return [(np.array(f4, copy=True) if j == owner else np.zeros_like(f4)) if _holds(tplan, j)
+                else _empty(tplan, j, f4) for j in range(n_devices)]
     ax = 3 - st.axis
     parts = []
     for j in range(n_devices):
@@ -51,6 +52,16 @@ def split_array(full: np.ndarray, tensor: Tensor, tplan: TensorPlan, n_devices: 
     for j, g, loc, length in st.chunks():
         _copy_chunk(parts[j], loc, f4, g, length, ax)
     return parts
+
+
+def _holds(tplan: TensorPlan, j: int) -> bool:
+    """Does device j hold a copy of a mirrored / partial leaf? Not where its Local is empty
+    (-sm layer,tensor: another stage's weights); a plan before lowering: every device."""
+    return not tplan.local or bool(tplan.local[j].nelements) or tplan.tensor.nelements == 0
+
+
+def _empty(tplan: TensorPlan, j: int, full: np.ndarray) -> np.ndarray:
+    return np.empty(np_shape(tplan.local[j].ne), full.dtype)
 
 
 def _copy_chunk(dst: np.ndarray, at: int, src: np.ndarray, start: int, length: int, axis: int) -> None:
@@ -111,10 +122,11 @@ def split_raw(raw: np.ndarray, tensor: Tensor, ggml_type: GGMLType, tplan: Tenso
     full = np.ascontiguousarray(raw).view(np.uint8).reshape(local_raw_shape(ggml_type, tensor.ne))
     st = tplan.state
     if st.is_mirrored or n_devices == 1:
-        return [full] * n_devices
+        return [full if _holds(tplan, j) else full[..., :0] for j in range(n_devices)]
     if st.is_partial:
         owner = tplan.owner if tplan.owner is not None else 0
-        return [full if j == owner else np.zeros_like(full) for j in range(n_devices)]
+        return [(full if j == owner else np.zeros_like(full)) if _holds(tplan, j) else full[..., :0]
+                for j in range(n_devices)]
     parts = [np.empty(local_raw_shape(ggml_type, tplan.local[j].ne), dtype=np.uint8)
              for j in range(n_devices)]
     ax = 3 - st.axis

@@ -15,7 +15,7 @@ from metatp.backends.registry import ALLREDUCE_CHOICES
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.errors import ConfigError, MetatpError
 
-__all__ = ["main", "add_model_args", "add_layout_args", "layout_kwargs"]
+__all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,9 +50,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
                    help="KV cache type for V (default: as -ctk)")
     p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    p.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor", "layer"],
-                   help="none | tensor | layer (whole layers per device, -ts their shares)")
-    p.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
+    add_split_args(p)
     p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
     p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")
     p.add_argument("--allreduce", default=os.environ.get("GGML_CUDA_ALLREDUCE", "auto"), metavar="MODE",
@@ -62,19 +60,76 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
 
 
+SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    """-sm, -ts, and -sm layer,tensor's --pp / --tp (vLLM's spellings)."""
+    p.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_CHOICES,
+                   help="none | tensor | layer (whole layers per device, -ts their shares) | layer,tensor "
+                        "(--pp stages, each a tensor group of --tp devices)")
+    p.add_argument("-ts", "--tensor-split", default=None,
+                   help="share per device, e.g. 3,1 (-sm layer,tensor: per device of a tensor group)")
+    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
+                   help="-sm layer,tensor: pipeline stages (layers split between them as -sm layer does)")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                   help="-sm layer,tensor: devices per stage, splitting its layers as -sm tensor does")
+
+
+def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, pp: int | None,
+                 tp: int | None) -> tuple[int | None, str | None, tuple[float, ...] | None]:
+    """(n_devices, split_mode, tensor_split) with -sm layer,tensor's --pp / --tp applied: P x T
+    devices, -ts one share per device of a tensor group (equal shares by default: its length is
+    how `DeviceLayout` knows T). `n`: --devices or the world size, if given. Errors name the flag."""
+    if pp is None and tp is None:
+        if mode == "layer,tensor" and ts is None:
+            raise ConfigError("-sm layer,tensor needs --tp T (devices per stage) and --pp P (stages), or "
+                              "--tp with --devices / mpiexec -n P*T")
+        return n, mode, ts
+    if mode != "layer,tensor":
+        raise ConfigError(f"--pp / --tp need -sm layer,tensor (got -sm {mode or 'none'})")
+    for flag, v in (("--pp", pp), ("--tp", tp)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
+    if tp is None:
+        tp = len(ts) if ts else None
+        if tp is None and n is not None and n % pp == 0:
+            tp = n // pp
+        if tp is None:
+            raise ConfigError(f"--pp {pp}: give --tp T too (devices per stage)")
+    if ts is not None and len(ts) != tp:
+        raise ConfigError(f"-ts has {len(ts)} shares but --tp is {tp}: under -sm layer,tensor -ts gives each "
+                          "device of a tensor group its share")
+    if pp is None:
+        if n is None or n % tp:
+            raise ConfigError(f"--tp {tp}: give --pp P too (stages)" if n is None else
+                              f"--tp {tp} does not divide the {n} devices into stages; give --pp P")
+        pp = n // tp
+    if n is not None and n != pp * tp:
+        raise ConfigError(f"--pp {pp} x --tp {tp} is {pp * tp} devices, but --devices / mpiexec -n gives {n}")
+    return pp * tp, mode, ts if ts is not None else (1.0,) * tp
+
+
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
     under `mpiexec -n N` without either, the world size does), and the backend options the
     flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads)."""
-    from metatp.backends.distributed import launched_world_size
+    from metatp.backends.distributed import every_rank, launched_world_size
     from metatp.passes.plan import DeviceLayout
 
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
-    n = args.devices if args.devices is not None else (len(ts) if ts else None)
+    staged = args.split_mode == "layer,tensor"
+    n = args.devices if args.devices is not None else (len(ts) if ts and not staged else None)
+    world = launched_world_size()
+    if n is None and world is not None and world > 1:
+        n = world
+    try:
+        n, mode, ts = stage_layout(n, args.split_mode, ts, getattr(args, "pp", None), getattr(args, "tp", None))
+    except ConfigError as e:
+        raise every_rank(e) from None     # every rank parses the same flags: rank 0 says it
     if n is None:
-        world = launched_world_size()
-        n = world if world is not None and world > 1 else 1
-    mode = args.split_mode or ("tensor" if n > 1 or ts else "none")
+        n = len(ts) if staged and ts else 1     # -sm layer,tensor -ts alone: one stage
+    mode = mode or ("tensor" if n > 1 or ts else "none")
     options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
     if getattr(args, "threads", None):
         options["kernel_threads"] = args.threads

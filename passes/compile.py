@@ -8,7 +8,9 @@ Stages, each available as a Plan snapshot for the dump tool (`stop_after=`):
 - "lowered":     the final plan with per-device shapes, strides and offsets (the default).
 
 split_mode "layer" has none of these passes: `passes.layer_plan` places whole layers on devices
-and copies the hidden state between them, so only "built" and "lowered" exist for it.
+and copies the hidden state between them, so only "built" and "lowered" exist for it; nor has
+"layer,tensor" (`passes.stage_plan`: the layer placement over stages, each stage the tensor
+plan of its group).
 
 `coalesce=False` gives the final plan of the "partitioned" stage, lowered (tests compare the
 two). `overrides` pins leaf states (tests of the rules; the split table decides otherwise).
@@ -36,6 +38,7 @@ from metatp.passes.partition import (Chain, choose_owners, make_subgraphs, mark_
 from metatp.passes.plan import DeviceLayout, Plan, TensorPlan, single_device_plan
 from metatp.passes.propagate import States, propagate
 from metatp.passes.split_table import ModelDims, SplitTable
+from metatp.passes.stage_plan import compile_stage_plan
 from metatp.passes.state import SplitState
 
 __all__ = ["compile_plan", "compile_stages", "STAGES", "make_table"]
@@ -108,6 +111,12 @@ def _stats(graph: Graph, st_before: States, chains: list[Chain], mirrored: list[
     }
 
 
+def _pipeline_plan(graph: Graph, layout: DeviceLayout, hparams) -> Plan:
+    if layout.split_mode == "layer":
+        return compile_layer_plan(graph, layout, hparams)
+    return compile_stage_plan(graph, layout, hparams)
+
+
 def compile_stages(graph: Graph, layout: DeviceLayout, hparams=None, *, coalesce: bool = True,
                    overrides: Mapping[Tensor, SplitState] | None = None, stop_after: str = "lowered",
                    keep_all: bool = True) -> dict[str, Plan]:
@@ -126,11 +135,11 @@ def compile_stages(graph: Graph, layout: DeviceLayout, hparams=None, *, coalesce
         out["built"] = Plan(graph, layout, {}, [], {"stage": "built", "n_subgraphs": 0})
     if last == 0:
         return out
-    if layout.split_mode == "layer":
+    if layout.split_mode in ("layer", "layer,tensor"):
         if stop_after != "lowered":
-            raise ConfigError(f"stage {stop_after!r} belongs to -sm tensor's passes; -sm layer has the stages "
-                              "built and lowered only")
-        out["lowered"] = compile_layer_plan(graph, layout, hparams)
+            raise ConfigError(f"stage {stop_after!r} belongs to -sm tensor's passes; -sm {layout.split_mode} has the "
+                              "stages built and lowered only")
+        out["lowered"] = _pipeline_plan(graph, layout, hparams)
         return out
     graph.check()
     table = make_table(graph, layout, hparams)
@@ -166,8 +175,8 @@ def compile_plan(graph: Graph, layout: DeviceLayout, hparams=None, *, stop_after
     snapshot instead (see STAGES). coalesce=False: one reduction per PARTIAL node."""
     if layout.split_mode == "none":
         return single_device_plan(graph)
-    if layout.split_mode == "layer" and stop_after == "lowered":
-        return compile_layer_plan(graph, layout, hparams)
+    if layout.split_mode in ("layer", "layer,tensor") and stop_after == "lowered":
+        return _pipeline_plan(graph, layout, hparams)
     stages = compile_stages(graph, layout, hparams, coalesce=coalesce, overrides=overrides,
                             stop_after=stop_after, keep_all=False)
     return stages[stop_after]

@@ -20,16 +20,21 @@ if TYPE_CHECKING:
 
 __all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Transfer", "Subgraph", "Plan", "single_device_plan"]
 
-SPLIT_MODES = ("none", "tensor", "layer")
+SPLIT_MODES = ("none", "tensor", "layer", "layer,tensor")
 
 
 @dataclass(frozen=True)
 class DeviceLayout:
-    """How many devices, and how work is shared between them (llama.cpp's -sm / -ts)."""
+    """How many devices, and how work is shared between them (llama.cpp's -sm / -ts).
+
+    split_mode "layer,tensor" (vLLM's --pp P --tp T): P pipeline stages, each a tensor-parallel
+    group of T devices, device d = stage * T + t. `tp` is T; without it T is the number of
+    -ts shares (which then apply inside each group); P is n_devices / T."""
 
     n_devices: int = 1
     split_mode: str = "none"
     tensor_split: tuple[float, ...] | None = None
+    tp: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_devices, int) or isinstance(self.n_devices, bool) or self.n_devices < 1:
@@ -41,15 +46,49 @@ class DeviceLayout:
         if self.split_mode == "none" and self.n_devices != 1:
             raise ConfigError(f"n_devices={self.n_devices} needs split_mode='tensor' or 'layer' "
                               "(split_mode='none' runs on one device)")
+        if self.split_mode == "layer,tensor":
+            self._check_stages()
+        elif self.tp is not None:
+            raise ConfigError(f"tp={self.tp!r} (--tp) needs split_mode='layer,tensor', got {self.split_mode!r}")
         if self.tensor_split is not None:
             ts = self.tensor_split
-            if len(ts) != self.n_devices:
-                raise ConfigError(f"tensor_split has {len(ts)} entries for {self.n_devices} devices")
+            if len(ts) != self.group_size:
+                raise ConfigError(f"tensor_split has {len(ts)} entries for {self.group_size} devices"
+                                  + (" of a tensor group (--tp)" if self.split_mode == "layer,tensor" else ""))
             for x in ts:
                 if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
                     raise ConfigError(f"tensor_split entries must be finite numbers >= 0, got {list(ts)}")
             if sum(ts) <= 0:
                 raise ConfigError(f"tensor_split must have a positive entry, got {list(ts)}")
+
+    def _check_stages(self) -> None:
+        tp = self.tp if self.tp is not None else (len(self.tensor_split) if self.tensor_split is not None else None)
+        if tp is None:
+            raise ConfigError("split_mode='layer,tensor' needs the tensor-parallel size T: --tp T, or "
+                              "tensor_split (-ts) with T shares, one per device of a tensor group")
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"--tp (tp) must be an integer >= 1, got {tp!r}")
+        if self.n_devices % tp:
+            raise ConfigError(f"--pp x --tp must be the device count: {self.n_devices} devices are not "
+                              f"stages of --tp {tp} devices")
+        object.__setattr__(self, "tp", tp)
+
+    @property
+    def group_size(self) -> int:
+        """Devices that share work by -ts: all of them, or one tensor group under layer,tensor."""
+        return self.tp if self.split_mode == "layer,tensor" else self.n_devices
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages: n_devices / tp under layer,tensor, else 1 (tensor) or n_devices (layer)."""
+        if self.split_mode == "layer,tensor":
+            return self.n_devices // self.tp
+        return self.n_devices if self.split_mode == "layer" else 1
+
+    def stage_devices(self, stage: int) -> tuple[int, ...]:
+        """The tensor group of one pipeline stage (layer,tensor): devices stage*T .. stage*T+T-1."""
+        t = self.group_size
+        return tuple(range(stage * t, stage * t + t))
 
     @staticmethod
     def parse_split(text: str) -> tuple[float, ...]:
@@ -60,7 +99,7 @@ class DeviceLayout:
             raise ConfigError(f"tensor_split {text!r}: expected numbers separated by commas, e.g. 3,1") from None
 
     def ratios(self) -> tuple[float, ...]:
-        return self.tensor_split if self.tensor_split is not None else (1.0,) * self.n_devices
+        return self.tensor_split if self.tensor_split is not None else (1.0,) * self.group_size
 
 
 @dataclass(frozen=True)
@@ -100,6 +139,8 @@ class Reduction:
     node: int                    # index of the node whose value is all-reduced in place
     covers: list[int]            # the PARTIAL nodes this one reduction stands for
     nbytes: int                  # bytes of the reduced tensor (full size, per device)
+    # the devices the all-reduce spans (layer,tensor: one stage's tensor group); None: all
+    devices: tuple[int, ...] | None = None
     # Which devices contribute is the reduced node's TensorPlan.compute (False: its slice was
     # empty, the all-reduce counts it as zeros): executors and the dump read it there.
 
@@ -107,7 +148,8 @@ class Reduction:
 @dataclass
 class Transfer:
     """split_mode="layer": a point-to-point copy of one node's whole buffer from the device that
-    computed it to a device that reads it (the hidden state at a layer boundary)."""
+    computed it to a device that reads it (the hidden state at a layer boundary); under
+    "layer,tensor" device t of a stage's group copies its buffer to device t of the next group."""
 
     node: int                    # index of the node whose buffer is copied
     src: int                     # the device that computed it
@@ -120,7 +162,7 @@ class Subgraph:
     start: int                   # first node index
     end: int                     # last node index (inclusive)
     reduction: Reduction | None  # all-reduce after the subgraph (None: nothing pending)
-    # copies after the subgraph (and after its all-reduce), in order; empty but under -sm layer
+    # copies after the subgraph (and after its all-reduce), in order; empty but under -sm layer(,tensor)
     transfers: list[Transfer] = field(default_factory=list)
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from metatp.tools import llamacpp
-from metatp.tools.bench_comm import format_bytes, modelled_communication
+from metatp.tools.bench_comm import add_stage_args, format_bytes, modelled_communication, parse_modes, stage_layouts
 
 __all__ = ["BenchConfig", "run_bench", "check_world", "add_parser", "format_rows", "MPI_COLUMNS", "COPY_COLUMNS",
            "COMM_COLUMNS"]
@@ -58,6 +58,8 @@ class BenchConfig:
     n_devices: list[int] = field(default_factory=lambda: [1])
     split_mode: list[str] = field(default_factory=lambda: ["none"])
     tensor_split: list[tuple[float, ...] | None] = field(default_factory=lambda: [None])
+    pp: int | None = None         # -sm layer,tensor rows: stages x devices per stage (bench_comm)
+    tp: int | None = None
     seed: int = 0
     interleave: bool = False      # build every layout first, alternate repetitions between them
     numerics: list[str] = field(default_factory=lambda: ["exact"])
@@ -93,7 +95,7 @@ def _layouts(cfg: BenchConfig) -> list[tuple[int, str, tuple[float, ...] | None]
             out.append(key)
     if any(sm != "none" for _, sm, _ in out) and (1, "none", None) not in out:
         out.insert(0, (1, "none", None))
-    return out
+    return stage_layouts(out, cfg.pp, cfg.tp)
 
 
 class _AllreduceTimer:
@@ -164,7 +166,7 @@ def _decode_allreduces(eng, backend) -> dict:
     billed = "butterfly" if strategy == "mpi" else strategy
     per_rank = 0
     if strategy != "none":
-        per_rank = sum(allreduce_bytes(billed, plan.n_devices, r.nbytes // 4, wire, thresholds)[0]
+        per_rank = sum(allreduce_bytes(billed, len(r.devices or range(plan.n_devices)), r.nbytes // 4, wire, thresholds)[0]
                        for r in plan.reductions)
     return {"reductions_per_token": int(plan.stats.get("reductions_per_step", 0)),
             "allreduce": strategy, "allreduce_bytes_per_token": per_rank}
@@ -297,7 +299,7 @@ def check_world(cfg: BenchConfig, world) -> None:
     for ts in cfg.tensor_split:
         if ts is not None:
             world.layout_for(None, "tensor", ts)
-    if not {"tensor", "layer"} & set(cfg.split_mode):
+    if not {"tensor", "layer", "layer,tensor"} & set(cfg.split_mode):
         raise every_rank(ConfigError(
             f"mpiexec started {world.size} processes but -sm is {','.join(cfg.split_mode)}: under mpiexec "
             "bench measures -sm tensor or -sm layer across the processes (the -sm none baseline runs on "
@@ -517,9 +519,10 @@ def add_parser(sub) -> None:
     b.add_argument("--devices", default=None,
                    help="device counts, comma-separated (default 1; under mpiexec -n N: N, the only count allowed)")
     b.add_argument("-sm", "--split-mode", default=None,
-                   help="none,tensor,layer (default none; under mpiexec: tensor, with the -sm none baseline on "
+                   help="none,tensor,layer,layer+tensor (default none; under mpiexec: tensor, with the -sm none baseline on "
                         "rank 0)")
     b.add_argument("-ts", "--tensor-split", default=None, help="e.g. 3/1 or 3/1,1/1 (lists separated by commas)")
+    add_stage_args(b)
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     b.add_argument("--numerics", default="exact", help="exact,llamacpp (q8: the same as llamacpp), comma-separated")
     b.add_argument("-ctk", "--cache-type-k", default=None,
@@ -555,16 +558,13 @@ def _config(args: argparse.Namespace, world) -> BenchConfig:
     if args.repetitions < 1:
         raise ConfigError("-r must be >= 1")
     split_mode = args.split_mode or ("tensor" if world is not None else "none")
-    modes = [m.strip() for m in split_mode.split(",") if m.strip()]
-    for m in modes:
-        if m not in ("none", "tensor", "layer"):
-            raise ConfigError(f"-sm: unknown split mode {m!r} (none, tensor, layer)")
+    modes = parse_modes(split_mode, args.pp, args.tp)
     ts = [DeviceLayout.parse_split(t) for t in args.tensor_split.split(",")] if args.tensor_split else [None]
     default_devices = [world.size] if world is not None else [1]
     return BenchConfig(model=args.model, n_prompt=_int_list(args.n_prompt), n_gen=_int_list(args.n_gen),
                        n_depth=_int_list(args.n_depth), repetitions=args.repetitions, backend=args.backend,
                        n_devices=_int_list(args.devices) if args.devices is not None else default_devices,
-                       split_mode=modes, tensor_split=ts,
+                       split_mode=modes, tensor_split=ts, pp=args.pp, tp=args.tp,
                        interleave=args.interleave, compare=args.compare,
                        numerics=[m.strip() for m in args.numerics.split(",") if m.strip()] or ["exact"],
                        cache_type_k=_names(args.cache_type_k), cache_type_v=_names(args.cache_type_v))

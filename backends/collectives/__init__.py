@@ -5,7 +5,8 @@
   `ALLREDUCE_MODES` and the byte counts `metatp dump` / `metatp bench` report;
 - `wire`: FP32 / BF16 on the wire (llama.cpp's thresholds);
 - `host`: the runner for devices simulated in one process (numpy, plus the C butterfly);
-- `mpi`: one process per device (CPU ranks): MPI_Allreduce in place, Allgatherv for split reads.
+- `mpi`: one process per device (CPU ranks): MPI_Allreduce in place, Allgatherv for split reads;
+  under -sm layer,tensor each stage's group all-reduces on its own communicator (`split_groups`).
 - `p2p`: copies between processes (-sm layer under mpiexec): MPI send / receive, a broadcast of the logits.
 
 Device collectives live with their backend: `cuda.collective.DeviceCollective` (the GPUs of one

@@ -154,6 +154,10 @@ class HostCollective:
     def allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None) -> None:
         self.prepare_allreduce(bufs, active)()
 
+    def for_devices(self, devices: Sequence[int]) -> HostCollective:
+        """The same mode over a subset of the devices (-sm layer,tensor: one stage's tensor group)."""
+        return HostCollective(self.mode.name, use_kernels=self.use_kernels, group=Group(tuple(devices)))
+
 
 def allreduce(bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None, mode: str = "auto") -> None:
     """Sum `bufs` in place with `mode` on the host (numpy only, no compiled path)."""

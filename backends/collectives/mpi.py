@@ -12,7 +12,9 @@ rounding, not bit for bit.
 
 Under -sm layer nothing is all-reduced: the copies between the ranks' devices are `send_recv`
 (`p2p.MpiSendRecv`, on its own duplicate of the communicator), made here so that every rank
-makes it at the same point.
+makes it at the same point. Under -sm layer,tensor each stage's tensor group all-reduces on a
+communicator of its own (`split_groups`: one MPI_Comm_split, every rank at the same point; a
+group's collective is `for_devices`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class MpiCollective:
         self.calls = 0
         self.seconds = 0.0
         self.send_recv = MpiSendRecv(comm)
+        self.groups: dict[tuple[int, ...], MpiCollective] = {}
 
     def _local_flag(self, active: Sequence[bool] | None) -> bool:
         if active is None:
@@ -94,6 +97,28 @@ class MpiCollective:
     def allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None) -> None:
         self.prepare_allreduce(bufs, active)()
 
+    def split_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """A communicator per group of ranks (disjoint; ranks in group order), by one
+        Comm.Split that every rank calls at the same point. Its collective: `for_devices`."""
+        key = tuple(tuple(int(r) for r in g) for g in groups)
+        if all(g in self.groups for g in key):
+            return
+        mine = [i for i, g in enumerate(key) if self.rank in g]
+        color = mine[0] if mine else self._mpi.UNDEFINED
+        sub = self.comm.Split(color, key=key[mine[0]].index(self.rank) if mine else 0)
+        for i, g in enumerate(key):
+            self.groups[g] = _GroupCollective(sub, self) if i in mine else _Elsewhere(g)
+
+    def for_devices(self, devices: Sequence[int]) -> Any:
+        """The collective of one group made by `split_groups` (a ConfigError for any other set)."""
+        group = tuple(int(d) for d in devices)
+        if group == tuple(range(self.size)):
+            return self
+        if group not in self.groups:
+            raise ConfigError(f"no communicator for ranks {list(group)}: split_groups makes them at start "
+                              f"(made: {[list(g) for g in self.groups]})")
+        return self.groups[group]
+
     def allgather(self, local: Sequence[np.ndarray], counts: Sequence[int]) -> list[np.ndarray]:
         """Every rank's slice (flat, rank order) on every rank, by one Allgatherv."""
         if len(local) != 1 or len(counts) != self.size:
@@ -107,3 +132,35 @@ class MpiCollective:
         mpi_type = self._mpi._typedict[mine.dtype.char]
         self.comm.Allgatherv(mine, [out, counts, displs, mpi_type])
         return [out[d:d + c] for d, c in zip(displs, counts)]
+
+
+class _GroupCollective(MpiCollective):
+    """One tensor group's all-reduce on its own communicator; its calls and seconds also count
+    on the world's collective (what `metatp bench` reports under mpiexec)."""
+
+    def __init__(self, comm: Any, world: MpiCollective) -> None:
+        super().__init__(comm)
+        self.world = world
+
+    def prepare_allreduce(self, bufs: Sequence[np.ndarray], active: Sequence[bool] | None = None,
+                          stream: Any = None) -> Step:
+        step, world = super().prepare_allreduce(bufs, active, stream), self.world
+
+        def counted() -> None:
+            calls, seconds = self.calls, self.seconds
+            step()
+            world.calls += self.calls - calls
+            world.seconds += self.seconds - seconds
+        return counted
+
+
+class _Elsewhere:
+    """A group this rank is not in: it never prepares that group's all-reduce."""
+
+    name = "mpi"
+
+    def __init__(self, group: tuple[int, ...]) -> None:
+        self.group = group
+
+    def prepare_allreduce(self, bufs, active=None, stream=None) -> Step:
+        raise ValueError(f"this rank is not in the group of ranks {list(self.group)}")

@@ -1,4 +1,5 @@
-"""One rank of `mpiexec -n N python tests/mpi/layer_rank.py ...` (tests/mpi/test_mpi_layer.py): -sm layer.
+"""One rank of `mpiexec -n N python tests/mpi/layer_rank.py ...` (tests/mpi/test_mpi_layer.py): -sm layer
+(or -sm layer,tensor, tests/mpi/test_mpi_layer_tensor.py).
 
 `LLM(..., backend="numpy", split_mode="layer", distributed="mpi")` on every rank: rank r owns
 device r, holds its layers' weights and KV cache only and sends the hidden state to the next
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-gen", type=int, default=16)
     ap.add_argument("--cache-type", default="f32")
     ap.add_argument("--out", required=True)
+    ap.add_argument("-sm", "--split-mode", default="layer", help="layer | layer,tensor (-ts: a tensor group's shares)")
     args = ap.parse_args(argv)
 
     from metatp.api import LLM
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     from metatp.testing.mpi_rank import run_prompt, write_result
 
     try:
-        llm = LLM(args.model, n_ctx=args.n_ctx, backend="numpy", split_mode="layer", tensor_split=args.tensor_split,
+        llm = LLM(args.model, n_ctx=args.n_ctx, backend="numpy", split_mode=args.split_mode, tensor_split=args.tensor_split,
                   distributed="mpi", cache_type_k=args.cache_type, cache_type_v=args.cache_type)
         logits, tokens = run_prompt(llm, [int(x) for x in args.prompt.split(",")], args.n_gen)
     except MetatpError as e:

@@ -32,15 +32,19 @@ N_GEN = 16
 
 
 def _ranks(tmp_path: Path, path: str, ts: tuple[float, ...], cache: str = "f32",
-           prompt: list[int] = PROMPT) -> tuple[dict, list[dict]]:
-    out = tmp_path / f"out-{cache}-{'-'.join(f'{x:g}' for x in ts)}"
+           prompt: list[int] = PROMPT, stages: int | None = None) -> tuple[dict, list[dict]]:
+    """Rank 0's result and every rank's facts; `stages`: -sm layer,tensor with that many stages
+    of len(ts) ranks (tests/mpi/test_mpi_layer_tensor.py)."""
+    n = len(ts) * (stages or 1)
+    out = tmp_path / f"out-{cache}-{'-'.join(f'{x:g}' for x in ts)}-{stages}"
     out.mkdir()
-    r = mpiexec(len(ts), [sys.executable, str(WORKER), "--model", path, "-ts", ",".join(f"{x:g}" for x in ts),
-                          "--out", str(out), "--n-gen", str(N_GEN), "--cache-type", cache,
-                          "--prompt", ",".join(map(str, prompt))], timeout=180)
+    mode = ["-sm", "layer,tensor"] if stages else []
+    r = mpiexec(n, [sys.executable, str(WORKER), "--model", path, "-ts", ",".join(f"{x:g}" for x in ts),
+                    "--out", str(out), "--n-gen", str(N_GEN), "--cache-type", cache, *mode,
+                    "--prompt", ",".join(map(str, prompt))], timeout=180 if n < 4 else 300)
     check_ok(r)
     res = np.load(out / "result.npz")
-    return {k: res[k] for k in res.files}, [json.loads((out / f"rank{k}.json").read_text()) for k in range(len(ts))]
+    return {k: res[k] for k in res.files}, [json.loads((out / f"rank{k}.json").read_text()) for k in range(n)]
 
 
 def _one_process(path: str, cache: str = "f32", prompt: list[int] = PROMPT, **layout):
@@ -159,6 +163,12 @@ def test_layout_for_takes_layer():
 def test_serve_under_mpiexec_answers_the_openai_client(path, tmp_path):
     """`mpiexec -n 2 metatp serve -sm layer -ts 2,3`: concurrent and streamed completions from
     the official client, each text the one-process text."""
+    check_serve(path, tmp_path, 2, "-sm", "layer", "-ts", "2,3")
+
+
+def check_serve(path: str, tmp_path: Path, n: int, *flags: str) -> None:
+    """`mpiexec -n n metatp serve FLAGS` answers concurrent and streamed completions of the
+    official client with the one-process text (also tests/mpi/test_mpi_layer_tensor.py)."""
     require("serve")
     from test_mpi_serving import N_CTX, PROMPTS, MpiServer
 
@@ -169,9 +179,9 @@ def test_serve_under_mpiexec_answers_the_openai_client(path, tmp_path):
     want = [o.outputs[0].text for o in one.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0,
                                                                             ignore_eos=True))]
     assert len(set(want)) > 1
-    server = MpiServer(path, "-sm", "layer", "-ts", "2,3", "--parallel", "4", log=tmp_path / "server.log")
+    server = MpiServer(path, *flags, "--parallel", "4", log=tmp_path / "server.log", n=n)
     try:
-        assert len(server.ranks()) == 2, server.text()
+        assert len(server.ranks()) == n, server.text()
         c = server.client()
         got: dict[int, str] = {}
 
@@ -199,13 +209,18 @@ def test_serve_under_mpiexec_answers_the_openai_client(path, tmp_path):
 def test_a_rank_lost_mid_copy_ends_every_rank(path, tmp_path, sig, rank, line):
     """The fault lands at the rank's 40th send / receive (inside a decode step): every rank ends
     within the bound, with one line saying why."""
+    check_rank_lost(path, tmp_path, sig, rank, line, 2, "-sm", "layer", "-ts", "2,3")
+
+
+def check_rank_lost(path: str, tmp_path: Path, sig: str, rank: int, line: str, n: int, *flags: str) -> None:
+    """`mpiexec -n n metatp generate FLAGS` with rank `rank` sent `sig` at its 40th all-reduce or
+    copy: every rank ends within the bound, one line saying why (also test_mpi_layer_tensor.py)."""
     from test_rank_faults import FAST, GENERATE, _ended, _one_line
 
-    job = FaultJob([*GENERATE, "-sm", "layer", "-ts", "2,3", "-m", path], tmp_path,
-                   env={**FAST, "FAULT": f"{sig}:{rank}:40"})
+    job = FaultJob([*GENERATE, *flags, "-m", path], tmp_path, n=n, env={**FAST, "FAULT": f"{sig}:{rank}:40"})
     try:
         t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"generate -sm layer, {sig} on rank {rank}"), line)
+        _one_line(_ended(job, t, f"generate {' '.join(flags)}, {sig} on rank {rank}"), line)
     finally:
         job.kill()
 

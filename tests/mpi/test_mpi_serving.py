@@ -78,17 +78,17 @@ def _alive(pid: int) -> bool:
 
 
 class MpiServer(ServeProcess):
-    """`mpiexec -n 2 metatp serve ...` on a free port of 127.0.0.1, in a session of its own."""
+    """`mpiexec -n 2 metatp serve ...` (or -n `n`) on a free port of 127.0.0.1, in a session of its own."""
 
     name = "mpiexec metatp serve"
 
     def __init__(self, model: str, *args: str, log: Path, command: list[str] | None = None,
-                 port: int | None = None, wait: bool = True) -> None:
+                 port: int | None = None, wait: bool = True, n: int = 2) -> None:
         port = port or free_port()
         env = {"OPENBLAS_NUM_THREADS": "1", "METATP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                # oversubscribed ranks yield the CPU while they wait inside a step's collective
                "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", "OMPI_MCA_mpi_yield_when_idle": "1"}
-        cmd = ["mpiexec", "-n", "2", *(command or _metatp()), "serve", "-m", model, "--port", str(port),
+        cmd = ["mpiexec", "-n", str(n), *(command or _metatp()), "serve", "-m", model, "--port", str(port),
                "--backend", "numpy", "-sm", "tensor", "-c", N_CTX, "-a", "m", *args]
         super().__init__(cmd, log=log, port=port, env=env, new_session=True)
         if wait:

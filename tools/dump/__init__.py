@@ -36,6 +36,7 @@ from metatp.tools.dump.view import (DEFAULT_N_CTX, DEFAULT_PREFILL_TOKENS, FORMA
 from metatp.tools.dump.text import format_text
 from metatp.tools.dump.json_format import format_json
 from metatp.tools.dump.layer_bill import transfer_bill
+from metatp.tools.dump.stage_bill import stage_bill
 from metatp.tools.dump.dot import format_dot, render_svg
 
 __all__ = ["dump", "dump_model", "DumpRequest", "mpi_layout", "Link", "LINKS", "FORMATS", "PHASES",
@@ -103,6 +104,10 @@ def dump(plan: Plan, fmt: str = "text", *, layer: int | None = None, link: Link 
     if plan.layout.split_mode == "layer" and plan.tensors:
         summary["communication"] = None          # nothing is all-reduced: the copies are the bill
         summary["transfers"] = transfer_bill(plan, as_link(link), n_tokens)
+    summary["stages"] = None
+    if plan.layout.split_mode == "layer,tensor" and plan.tensors:
+        summary["communication"] = None          # all-reduces within each group, and copies: the stage bill
+        summary["stages"] = stage_bill(plan, as_link(link), n_tokens, allreduce, wire)
     if fmt == "json":
         return format_json(view, info, summary, hparams)
     return format_text(view, info, summary, hparams)
@@ -115,7 +120,7 @@ class DumpRequest:
     model: str | None = None
     n_devices: int | None = None
     split_mode: str | None = None
-    tensor_split: tuple[float, ...] | None = None
+    tensor_split: tuple[float, ...] | None = None       # -sm layer,tensor: a tensor group's shares (--tp of them)
     phase: str = "decode"
     n_tokens: int | None = None
     n_ctx: int | None = None
@@ -133,9 +138,10 @@ def _layout(req: DumpRequest):
     from metatp.passes.plan import DeviceLayout
 
     ts = req.tensor_split
+    staged = req.split_mode == "layer,tensor"
     n = req.n_devices if req.n_devices is not None else (len(ts) if ts else 1)
     mode = req.split_mode or ("tensor" if n > 1 or ts else "none")
-    return DeviceLayout(n, mode, tuple(ts) if ts else None)
+    return DeviceLayout(n, mode, tuple(ts) if ts else None, tp=len(ts) if staged and ts else None)
 
 
 def _batch_spec(req: DumpRequest, n_ctx: int):
@@ -169,9 +175,9 @@ def _compile(graph: Graph, layout, hparams, stage: str) -> tuple[Plan, Plan]:
     if layout.split_mode == "none":
         plan = single_device_plan(graph)
         return plan, plan
-    if layout.split_mode == "layer" and stage not in ("built", "lowered"):
-        raise ConfigError(f"--stage {stage}: -sm layer has the stages built and lowered only (the others are "
-                          "-sm tensor's passes)")
+    if layout.split_mode in ("layer", "layer,tensor") and stage not in ("built", "lowered"):
+        raise ConfigError(f"--stage {stage}: -sm {layout.split_mode} has the stages built and lowered only (the "
+                          "others are -sm tensor's passes)")
     stages = compile_stages(graph, layout, hparams, keep_all=stage != "lowered")
     return stages[stage], stages["lowered"]
 
@@ -218,9 +224,9 @@ def add_parser(sub) -> None:
                                    "state of every tensor, subgraphs, all-reduces, memory and the communication bill.")
     d.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
     d.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    d.add_argument("-sm", "--split-mode", default=None, choices=["none", "tensor", "layer"],
-                   help="none | tensor | layer (whole layers per device, -ts their shares)")
-    d.add_argument("-ts", "--tensor-split", default=None, help="share per device, e.g. 3,1")
+    from metatp.cli import add_split_args
+
+    add_split_args(d)
     d.add_argument("--phase", default="decode", choices=PHASES, help="decode (1 token, full cache) | prefill")
     d.add_argument("--n-tokens", type=int, default=None, help=f"prefill batch size (default {DEFAULT_PREFILL_TOKENS})")
     d.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
@@ -273,8 +279,11 @@ def _request(args: argparse.Namespace) -> tuple[DumpRequest, bool]:
     """(the request the flags make, print on this process?)."""
     from metatp.passes.plan import DeviceLayout
 
+    from metatp.cli import stage_layout
+
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
     n_devices, split_mode, prints = mpi_layout(args.devices, args.split_mode, ts)
+    n_devices, split_mode, ts = stage_layout(n_devices, split_mode, ts, args.pp, args.tp)
     req = DumpRequest(model=args.model, n_devices=n_devices, split_mode=split_mode, tensor_split=ts,
                       phase=args.phase, n_tokens=args.n_tokens, n_ctx=args.n_ctx, stage=args.stage,
                       layer=args.layer, fmt=args.fmt, link=_link_from_args(args), allreduce=args.allreduce,

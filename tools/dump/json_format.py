@@ -55,9 +55,9 @@ def _active(view: PlanView, node: int) -> list[bool] | None:
 
 
 def _reductions_data(view: PlanView) -> list[dict]:
-    p = view.plan.n_devices
     out = []
     for node, (rid, k, r) in sorted(view.reduction_of.items(), key=lambda kv: kv[1][0]):
+        p = view.plan.n_devices if r.devices is None else len(r.devices)     # layer,tensor: one group
         out.append({
             "id": rid, "subgraph": k, "node": r.node, "node_id": f"n{r.node}",
             "node_label": view.label(view.graph.nodes[r.node]),
@@ -65,6 +65,7 @@ def _reductions_data(view: PlanView) -> list[dict]:
             "nbytes": r.nbytes, "ring_bytes_per_rank": round(2 * (p - 1) / p * r.nbytes) if p > 1 else 0,
             "bytes_per_rank": reduction_bytes(p, r.nbytes, view.allreduce, view.wire)[0],
             "active": _active(view, r.node),
+            "devices": list(r.devices) if r.devices is not None else None,
         })
     return out
 

@@ -63,12 +63,13 @@ def _node_line(view: PlanView, i: int) -> str:
 
 def _reduction_line(view: PlanView, i: int) -> str:
     rid, k, r = view.reduction_of[i]
-    p = view.plan.n_devices
+    p = view.plan.n_devices if r.devices is None else len(r.devices)
     covers = ", ".join(f"{c} {view.label(view.graph.nodes[c])}" for c in r.covers)
     per_rank, _ = reduction_bytes(p, r.nbytes, view.allreduce, view.wire)
+    group = f" within [{','.join(f'dev{d}' for d in r.devices)}]" if r.devices is not None else ""
     tp = view.plan.tensors.get(view.graph.nodes[r.node])
     active = f" active={flags_text(tp.compute)}" if tp is not None else ""
-    return (f"{'':5}  ==== all-reduce #{rid} of node {r.node} (end of subgraph {k}): {_bytes_exact(r.nbytes)},"
+    return (f"{'':5}  ==== all-reduce #{rid}{group} of node {r.node} (end of subgraph {k}): {_bytes_exact(r.nbytes)},"
             f" {resolve_mode(view.allreduce).name} {format_bytes(per_rank)}/rank{active}; covers PARTIAL {covers}")
 
 
@@ -106,13 +107,18 @@ def _summary_text(s: dict) -> list[str]:
         per_token = ", ".join(f"dev{j} {b} B" for j, b in enumerate(mem["kv_per_token"]))
         out.append(f"  KV cache per context token: {per_token}  (n_ctx {mem['n_ctx']}: {_per_device(mem['kv'])})")
         out.append(f"  compute buffers: {_per_device(mem['compute'])}")
-    out.append(f"  mirrored weights: {format_bytes(s['mirrored_weight_bytes'])} held in full by every device"
+    every = "every device of its stage's group" if s.get("stages") else "every device"
+    out.append(f"  mirrored weights: {format_bytes(s['mirrored_weight_bytes'])} held in full by {every}"
                f" (overhead {format_bytes(s['mirrored_overhead_bytes'])} over one copy)")
     c = s["communication"]
     if c is not None:
         out += _bill_text(c)
     if s.get("transfers"):
         out += _transfer_text(s["transfers"])
+    if s.get("stages"):
+        from metatp.tools.dump.stage_bill import stage_text
+
+        out += stage_text(s["stages"])
     return out
 
 

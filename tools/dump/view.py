@@ -239,6 +239,20 @@ def _mirrored_weight_bytes(plan: Plan) -> int:
     return total
 
 
+def _mirrored_overhead(plan: Plan, mirrored: int) -> int:
+    """What mirroring costs over one copy: (holders - 1) x each mirrored weight's bytes; the
+    holders are every device but under -sm layer,tensor (a stage's group: its Locals say)."""
+    if plan.layout.split_mode != "layer,tensor" or not plan.tensors:
+        return mirrored * (plan.n_devices - 1)
+    total = 0
+    for t in plan.graph.leaves:
+        tp = plan.tensors.get(t)
+        if t.flags & Flag.WEIGHT and tp is not None and tp.state.is_mirrored:
+            held = sum(1 for loc in tp.local if loc.nelements) if tp.local else plan.n_devices
+            total += raw_weight_bytes(t, t.ne) * max(held - 1, 0)
+    return total
+
+
 def _n_layer(graph: Graph, hparams) -> int:
     if hparams is not None:
         return int(hparams.n_layer)
@@ -348,7 +362,7 @@ def plan_summary(view: PlanView, lowered: Plan | None, link: Link, n_tokens: int
         "bytes_reduced_per_step": stats.get("bytes_reduced_per_step") if compiled else None,
         "weight_bytes": weights_total,
         "mirrored_weight_bytes": mirrored,
-        "mirrored_overhead_bytes": mirrored * (plan.n_devices - 1),
+        "mirrored_overhead_bytes": _mirrored_overhead(plan if plan.tensors else (lowered or plan), mirrored),
         "memory": mem.as_dict() if mem is not None else None,
         "communication": communication_bill(plan, link, n_tokens=n_tokens, hparams=hparams,
                                             allreduce=view.allreduce, wire=view.wire) if compiled else None,
