@@ -14,7 +14,9 @@ per-request cap `max_model_len` (a server's n_ctx / parallel by default, llama-s
 One step carries the next token of every decoding request plus
 chunks of admitted prompts, up to `n_batch` tokens (chunked prefill); each request samples
 from its own logits with its own random generator, stop strings and limits, so its tokens do
-not depend on who shares its steps.
+not depend on who shares its steps. The scheduler works on token ids: each sampled token's text,
+stop strings and logprobs come from the request's `OutputProcessor` (`metatp.output_processor`),
+run by the stepping thread outside the state lock that other threads wait on.
 
 Steps are driven cooperatively: a caller waiting for its request's next output runs a step
 itself (one thread at a time; the others wait for the step lock, then find their outputs
@@ -40,8 +42,7 @@ import collections
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -50,10 +51,9 @@ from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, Num
 from metatp.kv_cells import SeqCells
 from metatp.kv_demand import CellDemand, prefill_chunk
 from metatp.lockstep import Leader
-from metatp.logprobs import token_logprob
 from metatp.metrics import Metrics
+from metatp.output_processor import OutputProcessor, StepOutput, StopMatcher
 from metatp.sampling import Sampler, SamplingParams
-from metatp.penalties import release_unstopped
 from metatp.structured import MaskPrefetch, make_guide
 
 if TYPE_CHECKING:
@@ -94,63 +94,12 @@ def check_logits(logits: np.ndarray, what: str) -> None:
                              "(NaN/inf weights or hyper-parameters that overflow)")
 
 
-class StopMatcher:
-    """Finds stop strings in generated text, holding back any tail that could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""          # text seen but not yet released
-
-    def feed(self, piece: str) -> tuple[str, str | None]:
-        """Returns (text safe to emit, the stop string hit or None)."""
-        self.text += piece
-        if self.stops:
-            hits = [(self.text.find(s), s) for s in self.stops if s in self.text]
-            if hits:
-                pos, s = min(hits)
-                out, self.text = self.text[:pos], ""
-                return out, s
-        if self.hold <= 0:
-            out, self.text = self.text, ""
-            return out, None
-        cut = len(self.text)
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                cut = len(self.text) - k
-                break
-        out, self.text = self.text[:cut], self.text[cut:]
-        return out, None
-
-    def flush(self) -> str:
-        out, self.text = self.text, ""
-        return out
-
-
-@dataclass
-class StepOutput:
-    """What one request got from one step: a token and its text, or the end (finish_reason),
-    or an error; `logprob`/`top_logprobs` when asked for; `logits` for a scored prompt."""
-
-    token: int | None
-    text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-    logits: np.ndarray | None = None
-    error: BaseException | None = None
-
-
 class Request:
     """One sample of one prompt (or one prompt to score) and everything it carries between steps."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, tokenizer,
                  n_ctx: int, kind: str = "generate", index: int = 0, max_model_len: int | None = None,
                  on_event: Callable[["Request", StepOutput], None] | None = None) -> None:
-        from metatp.ir.tokenizer import StreamDecoder
-
         budget = context_budget(len(prompt_ids), n_ctx, max_model_len)
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -161,13 +110,9 @@ class Request:
         if kind == "score":
             self.max_new = 0
         self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
-        self.stops = StopMatcher(params.stop or [])
-        self.decoder = StreamDecoder(tokenizer, skip_special=True)
-        self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
-        self.stop_ids = set(params.stop_token_ids)
-        self.sampler = Sampler(params, rng, end_ids=self.eog | self.stop_ids, n_vocab=tokenizer.n_vocab)
+        self.output = OutputProcessor(params, tokenizer, self.max_new)     # token ids -> text, stops, logprobs
+        self.sampler = Sampler(params, rng, end_ids=self.output.end_ids, n_vocab=tokenizer.n_vocab)
         self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
-        self.n_logprobs = params.logprobs
         # what the row it samples from is read as: "argmax" when the pick is the greedy token of
         # the raw logits and nothing else is reported (no penalty, bias, constraint or logprobs),
         # so a vocabulary split is never gathered for it; else "last"
@@ -200,31 +145,29 @@ class Request:
         return self.sampler(logits, self.history, self.output_ids, allowed)
 
     def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
-        """Take the next token (sampled here unless given) and decide whether the request ends here."""
+        """Take the next token (sampled here unless given): its output, and whether the request
+        ends here. Runs on the stepping thread outside the scheduler's state lock."""
         if tok is None:
             tok = self.sample(logits)
-        lp, top = token_logprob(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
         self.history.append(tok)
         self.output_ids.append(tok)
-        n = len(self.output_ids)
         complete = self.constraint is not None and self.constraint.consume(tok)     # the constrained output is whole
-        dec, stops = self.decoder, self.stops
-        if tok in self.eog or tok in self.stop_ids:
-            return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",
-                              tok if tok in self.stop_ids else None, lp, top)
-        text, hit = self._feed(dec.push(tok), n)
-        if hit is not None:
-            return StepOutput(tok, text, "stop", hit, lp, top)
-        if n >= self.max_new or complete:
-            tail, hit = self._feed(dec.flush(), n)
-            return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
-                              "stop" if hit is not None or complete else "length", hit, lp, top)
-        self.pending = tok
-        return StepOutput(tok, text, None, None, lp, top)
+        out = self.output.process(tok, logits, len(self.output_ids), complete)
+        if out.finish_reason is None:
+            self.pending = tok
+        return out
 
-    def _feed(self, piece: str, n: int) -> tuple[str, str | None]:
-        """The stop matcher's answer for the text of token n; none stops before min_tokens (vLLM)."""
-        return self.stops.feed(piece) if n > self.params.min_tokens else (release_unstopped(self.stops, piece), None)
+
+def _output(r: Request, logits: np.ndarray | int | None,
+            pick: int | BaseException | None) -> StepOutput | BaseException | None:
+    """The output of the token `pick` gives `r` this step (`Request.accept`: text, stop strings,
+    logprobs), run outside the scheduler's state lock; the error instead; None: no token."""
+    if pick is None or isinstance(pick, BaseException):
+        return pick
+    try:
+        return r.accept(logits, pick)
+    except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
+        return e
 
 
 class Scheduler:
@@ -374,14 +317,15 @@ class Scheduler:
             finally:
                 self.masks.wait()                   # structured output's masks, computed during the pass
             picks = self._sample(reqs, items, outs)
+            results = [_output(r, logits, pick) for r, logits, pick in zip(reqs, outs, picks)]   # outside the lock
             now = time.perf_counter()
             with self._state:
                 m = self.metrics
                 m.steps += 1
                 m.max_step_seqs = max(m.max_step_seqs, len(reqs))
                 m.step_seqs_hist[len(reqs)] += 1
-                for r, it, logits, pick in zip(reqs, items, outs, picks):
-                    self._advance(r, it, logits, pick, now)
+                for r, it, logits, res in zip(reqs, items, outs, results):
+                    self._advance(r, it, logits, res, now)
                 self._changed.notify_all()
             return True
 
@@ -457,10 +401,10 @@ class Scheduler:
                 budget -= len(chunk)
             return items, reqs
 
-    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, pick: int | BaseException | None,
+    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, out: StepOutput | BaseException | None,
                  now: float) -> None:
-        """Deliver one step's result to its request (under the state lock); `pick`: the token
-        `_sample` chose for it, or the error sampling raised."""
+        """Deliver one step's result to its request (under the state lock); `out`: the output of
+        the token it got (`_output`), the error sampling or processing raised, or None."""
         if r.state == "prefill":
             r.n_fed += len(it.tokens)
             if r.refill is not None:
@@ -483,13 +427,8 @@ class Scheduler:
             if r.n_fed < len(r.prompt_ids):
                 return
             r.state = "decode"
-        if isinstance(pick, BaseException):
-            self._fail(r, pick)
-            return
-        try:
-            out = r.accept(logits, pick)
-        except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
-            self._fail(r, e)
+        if isinstance(out, BaseException) or out is None:
+            self._fail(r, out or UnsupportedOpError("a request due a token got none this step"))
             return
         self.metrics.generated_tokens += 1
         if r.t_first is None:
