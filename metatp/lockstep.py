@@ -109,12 +109,20 @@ class Follower:
     stream left open across calls keeps its cells."""
 
     def __init__(self, engine: Engine, world: "World") -> None:
-        self.engine = engine
+        self._engine = weakref.ref(engine)       # weak: `follower_for`'s table must not keep engines alive
         self.world = world
         self.seqs: dict[int, SeqCells] = {}
         self.inbox: dict[int, collections.deque[CallPost]] = {}
         self.dropped: set[int] = set()           # calls whose caller stopped listening before their end
+        self.serving = False                     # in `serve`: no caller here waits for a call's posts
         self.steps = 0
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        if engine is None:
+            raise LockStepError(f"rank {self.world.rank}: the engine this rank followed with is gone")
+        return engine
 
     def next_for(self, call: int, on_wait: Callable[[float], None] | None = None) -> CallPost:
         """The next `CallPost` of `call`, running every step rank 0 posts until it comes."""
@@ -135,7 +143,7 @@ class Follower:
 
     def serve(self, on_wait: Callable[[float], None] | None = None) -> int:
         """Run rank 0's steps until it posts STOP (a server); every sequence is freed then."""
-        start = self.steps
+        start, self.serving = self.steps, True
         try:
             while True:
                 msg = self.world.next_post(on_wait)
@@ -143,6 +151,7 @@ class Follower:
                     return self.steps - start
                 self._take(msg)
         finally:
+            self.serving = False
             for seq in self.seqs.values():
                 self.engine.free(seq)
             self.seqs.clear()
@@ -160,6 +169,8 @@ class Follower:
                 _apply_ops(self.engine, self.seqs, msg.ops, self.world.rank)
             except Exception as e:  # noqa: BLE001 -- the ranks have drifted apart: every rank ends
                 _end_every_rank(e, f"between steps, on rank {self.world.rank}")
+            if self.serving:
+                return                      # (a call rank 0's server made for itself: its ops only)
             if msg.call in self.dropped:
                 if msg.kind in ("end", "error"):
                     self.dropped.discard(msg.call)

@@ -30,7 +30,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from metatp.ir.errors import MetatpError
-from metatp.lockstep import CallPost, follower_for
+from metatp.lockstep import CallPost, LockStepError, follower_for
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -98,6 +98,10 @@ class MpiCalls:
         except Exception as e:
             post(call, "error", _portable(e))
             raise
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:           # its requests are cancelled now, not at garbage collection
+                close()
         post(call, "end")
 
     def _follow(self, call: int) -> Any:
@@ -107,7 +111,7 @@ class MpiCalls:
         if msg.kind == "stream":
             return self._follow_stream(call)
         if msg.kind != "end":
-            raise MetatpError(f"rank {self.world.rank}: call {call} got a {msg.kind!r} post where its result was due")
+            raise LockStepError(f"rank {self.world.rank}: call {call} got a {msg.kind!r} post where its result was due")
         return msg.value
 
     def _follow_stream(self, call: int) -> Iterator:
