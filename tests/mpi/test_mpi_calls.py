@@ -91,8 +91,9 @@ class _FakeWorld:
 
 
 def _script(llm, rank: int) -> dict:
-    """What both 'ranks' run alike: streams read in turn and left early, a refused call, a generate."""
-    from metatp.ir.errors import ConfigError
+    """What both 'ranks' run alike: streams read in turn and left early, a refused call, a stream
+    that fails, a generate."""
+    from metatp.ir.errors import ConfigError, MetatpError
     from metatp.sampling import SamplingParams
 
     from calls_rank import texts
@@ -109,15 +110,21 @@ def _script(llm, rank: int) -> dict:
         refused = None
     except ConfigError as e:
         refused = str(e)
+    too_long = llm.create_completion([5] * 300 if rank == 0 else [5], max_tokens=4, stream=True)
+    try:
+        next(too_long)                                    # the stream fails as it starts, on every rank
+        broken = None
+    except MetatpError as e:
+        broken = (type(e).__name__, str(e))
     out = llm.generate([[1, 2, 3]] if rank == 0 else [[9]], SamplingParams(max_tokens=5, temperature=0.7, seed=4))
-    return {"pairs": pairs, "early": early, "rest": rest, "refused": refused,
+    return {"pairs": pairs, "early": early, "rest": rest, "refused": refused, "broken": broken,
             "out": out[0].outputs[0].token_ids, "id": out[0].request_id}
 
 
 def test_followers_get_rank_0s_calls_without_mpi(path):
     """No MPI needed: rank 0's posts replayed by a follower LLM give it rank 0's results (two
-    streams in turn, one left early, an error, a sampled generate), it steps no scheduler, and
-    both caches end empty."""
+    streams in turn, one left early, a refused call, a stream that fails, a sampled generate),
+    it steps no scheduler, and both caches end empty."""
     sys.path.insert(0, str(DRIVER.parent))
     from metatp.api import LLM
     from metatp.ir.errors import ConfigError
@@ -137,6 +144,7 @@ def test_followers_get_rank_0s_calls_without_mpi(path):
     finally:
         sys.path.pop(0)
     assert got1 == got0 and "out of range" in got0["refused"] and not posts
+    assert got0["broken"][0] == "ContextOverflowError"
     assert rest.scheduler.metrics.steps == 0 and lead.scheduler.metrics.steps > 0
     assert lead.engine.passes == rest.engine.passes
     assert lead.engine.cells.n_used == 0 and rest.engine.cells.n_used == 0
