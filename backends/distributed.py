@@ -13,10 +13,11 @@ the rank's device and collective.
 
 Ranks run in lock step: every rank makes the same forward calls with the same inputs, or a
 collective waits forever. So, once at start, the ranks check that they agree on the world size
-vs `--devices` and on the model file (size + sha256 of its head and tail); and on every step
-rank 0's inputs and sampled token win (`agree_tokens`, `agree_token`): rank 0 tokenizes and
-samples, the others follow, so a seed of None, a prompt read on rank 0 only or a different
-numpy on another machine cannot make the ranks drift apart.
+vs `--devices` and on the model file (size + sha256 of its head and tail); and while running,
+rank 0 alone tokenizes, schedules and samples and posts every step to the others (`post`,
+`next_post`; `metatp.lockstep`, `metatp.mpi_calls`), which replay it: a seed of None, a prompt
+read on rank 0 only or a different numpy on another machine cannot make the ranks drift apart,
+and no step needs an agreement of its own.
 
 An error that only one rank hits ends every rank (`abort`, `MPI_Abort`) instead of leaving
 the others waiting inside a collective; an error every rank finds (a bad flag, the model check)
@@ -183,24 +184,11 @@ class World:
         return mine
 
     def agree_seed(self, seed: int | None) -> int | None:
-        """Rank 0's seed on every rank (None on rank 0: one it draws), so that sampling state is
-        the same everywhere even before `agree_token`."""
+        """Rank 0's seed on every rank (None on rank 0: one it draws), so that every rank's LLM
+        starts from the same random state (only rank 0 samples; this keeps the ranks alike)."""
         if self.rank == 0 and seed is None:
             seed = int(np.random.SeedSequence().entropy % (1 << 63))
         return self.comm.bcast(seed, root=0)
-
-    # ---------------------------------------------------------------- every step
-    def agree_tokens(self, tokens: Sequence[int]) -> list[int]:
-        """Rank 0's tokens for this forward call, on every rank (the step's inputs)."""
-        if self.size == 1:
-            return list(tokens)
-        return self.comm.bcast([int(t) for t in tokens], root=0)
-
-    def agree_token(self, token: int) -> int:
-        """Rank 0's sampled token on every rank: all ranks then stop, or go on, together."""
-        if self.size == 1:
-            return int(token)
-        return int(self.comm.bcast(int(token), root=0))
 
     # ---------------------------------------------------------------- parts
     def collective(self, kind: str = "mpi", **options):
@@ -291,7 +279,7 @@ class World:
 
             warnings.simplefilter("ignore")
 
-    # ---------------------------------------------------------------- serving: rank 0 posts, the others follow
+    # ---------------------------------------------------------------- rank 0 posts, the others follow
     POST_TAG = 0x6D74          # the MPI tag of rank 0's posts (apart from every collective's traffic)
 
     def post(self, message: Any) -> None:

@@ -19,6 +19,7 @@ from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
 from metatp.logprobs import prompt_logprob_dicts
+from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
 
@@ -146,8 +147,10 @@ class LLM:
     count, default $METATP_NUM_THREADS).
     `distributed`: "auto" (one process per device when started by `mpiexec -n N`, N > 1), "mpi"
     (even for one process) or "none". Under MPI the world size is the device count (`n_devices`
-    None means it), every rank holds only its device's slices, and rank 0's prompt and sampled
-    tokens drive every rank (`metatp.backends.distributed`): every rank must make the same calls.
+    None means it) and every rank holds only its device's slices; every rank makes the same
+    calls, in the same order: rank 0 runs them (schedules, samples, posts each step) and the
+    other ranks follow its steps and return its results (`metatp.mpi_calls`), so rank 0's
+    prompts and seeds drive every rank. Only rank 0 may `submit` (a server).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
@@ -256,6 +259,8 @@ class LLM:
         self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs,
                                    max_waiting=None if max_waiting is None else int(max_waiting),
                                    prefix_caching=enable_prefix_caching)
+        # several ranks: rank 0 leads every call, the others follow it (None in one process)
+        self._mpi_calls = MpiCalls(self, self.world) if self.world is not None and self.world.size > 1 else None
         self.verbose = verbose
 
     @staticmethod
@@ -346,6 +351,7 @@ class LLM:
                                      skip_special=_check_bool("skip_special", skip_special))
 
     # ---------------------------------------------------------------- scoring
+    @mirrored
     def score(self, ids: Sequence[int]) -> np.ndarray:
         """float32 logits [len(ids), n_vocab] at every position of a fresh sequence."""
         ids = self._check_ids(ids, "ids")
@@ -377,7 +383,7 @@ class LLM:
 
     # ---------------------------------------------------------------- generation core
     def submit(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-               max_model_len: int | None = None, on_output=None, agree: bool = True) -> RequestHandle:
+               max_model_len: int | None = None, on_output=None) -> RequestHandle:
         """Queue one sample (`index` of params.n) of a prompt: the public request entry point that
         `generate`, `score`, streaming and the server share. Returns its `RequestHandle`: iterate
         it, wait for its `result()`, or `cancel()` it; with `on_output`, each output goes to that
@@ -385,11 +391,13 @@ class LLM:
 
         Each request has its own random generator: a seeded one draws from its seed (sample
         i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's generator now,
-        so its tokens never depend on who shares its steps. Under MPI the prompt is rank 0's on
-        every rank, unless `agree` is False (a server's rank 0 alone submits; the others follow
-        its steps). `max_model_len`: this request's cap (the server's), else the LLM's."""
-        if self.world is not None and agree:
-            prompt_ids = self.world.agree_tokens(prompt_ids)
+        so its tokens never depend on who shares its steps. Under MPI only rank 0 submits (its
+        steps are posted to the other ranks, which follow them: inside a call every rank makes,
+        or `serve`). `max_model_len`: this request's cap (the server's), else the LLM's."""
+        if self._mpi_calls is not None and self._mpi_calls.leader is None:
+            raise ConfigError(f"rank {self._mpi_calls.world.rank} cannot submit: under MPI rank 0 schedules "
+                              "every request and the other ranks follow its steps (call generate / score / the "
+                              "completions on every rank, or serve)")
         if params.seed is not None:
             rng = np.random.default_rng(params.seed if index == 0 else [params.seed, index])
             if index:
@@ -414,6 +422,7 @@ class LLM:
         return out.token_ids, out.text, out.finish_reason, out.stop_reason
 
     # ---------------------------------------------------------------- vLLM-style
+    @mirrored
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); vLLM-shaped results.
@@ -483,6 +492,7 @@ class LLM:
         return list(prompts)
 
     # ---------------------------------------------------------------- llama-cpp-python-style
+    @mirrored
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, stop: str | list[str] | None = None,
                           stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
@@ -511,6 +521,7 @@ class LLM:
 
     __call__ = create_completion
 
+    @mirrored
     def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.2,
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,

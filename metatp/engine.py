@@ -99,8 +99,8 @@ class Engine:
         self.layout = layout
         self.backend = backend
         self.n_batch = n_batch
-        # one process per device (metatp.backends.distributed): rank 0's tokens drive every rank.
-        # `forward` agrees on its tokens here; the scheduler agrees on prompts and sampled tokens.
+        # one process per device (metatp.backends.distributed): every rank runs the same steps
+        # (rank 0 leads them, metatp.lockstep); nothing here exchanges tokens between ranks
         self.world = world
         kt = cache_type(cache_type_k, "k")
         vt = kt if cache_type_v is None else cache_type(cache_type_v, "v")
@@ -234,10 +234,10 @@ class Engine:
         """Feed `tokens` after the cached ones of one sequence; logits for the last token (or every token).
 
         Without `seq`, continues the anonymous sequence (tools and tests drive the cache directly).
-        Under MPI (`world`) every rank feeds rank 0's tokens."""
+        Under MPI every rank must make the same call with the same tokens (`metatp bench` draws
+        them from one seed and feeds the argmax of logits every rank reads alike); nothing is
+        exchanged here. `LLM`'s calls never come here: rank 0 leads their steps (metatp.lockstep)."""
         tokens = [int(t) for t in tokens]
-        if self.world is not None:
-            tokens = self.world.agree_tokens(tokens)
         if not tokens:
             raise ConfigError("forward needs at least one token")
         with self.lock:

@@ -1,13 +1,20 @@
-"""Lock step under MPI for a served model: rank 0 posts every step, the other ranks replay it.
+"""Lock step under MPI: rank 0 schedules, samples and posts every step, the other ranks replay it.
 
-A server only hears requests on rank 0, so its scheduler *leads* (`Leader`): before each step it
+One mechanism for every entry point. Rank 0's scheduler *leads* (`Leader`): before each step it
 posts the step to the other ranks as a `StepBatch` -- the KV cell operations since the last step
-and the step's items -- and those ranks, which have no scheduler, run exactly the same
-`Engine.run` (`follow`) until rank 0 posts `STOP`. Tokens are sampled on rank 0 only.
+and the step's items -- and those ranks, which never run a scheduler, run exactly the same
+`Engine.run` (`Follower`). Tokens are sampled on rank 0 only, so no step needs an agreement of
+its own. Between the steps rank 0 posts what a call every rank makes returned (`CallPost`:
+`metatp.mpi_calls` for `LLM.generate`, `score`, the completions and their streams): a follower
+waiting for its call's output runs every step that comes before it. A server's followers run
+steps until rank 0 posts `STOP` (`follow`).
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -20,7 +27,7 @@ from metatp.kv_cells import SeqCells
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["StepBatch", "STOP", "Leader", "LockStepError", "follow"]
+__all__ = ["StepBatch", "CallPost", "STOP", "Leader", "Follower", "LockStepError", "follow", "follower_for"]
 
 
 class LockStepError(MetatpError):
@@ -46,8 +53,21 @@ class StepBatch:
     items: tuple[tuple[int, int, tuple[int, ...], str], ...]
 
 
+@dataclass(frozen=True)
+class CallPost:
+    """What rank 0 posts about call number `call` of the calls every rank makes (`mpi_calls`):
+    kind "stream" (it returned a stream; its items follow), "item" (the stream's next item),
+    "end" (it returned `value`; a stream: it ended) or "error" (it raised `value`). `ops`: the
+    cell operations since the last step, so that the caches agree at every call boundary."""
+
+    call: int
+    kind: str
+    value: Any = None
+    ops: tuple[tuple[Any, ...], ...] = ()
+
+
 class Leader:
-    """Rank 0's side of a served model under MPI: records cell operations, posts each step."""
+    """Rank 0's side under MPI: records cell operations, posts each step and each call's outputs."""
 
     def __init__(self, world: "World") -> None:
         self.world = world
@@ -62,15 +82,20 @@ class Leader:
         self.ops.clear()
         try:
             if self.closed:
-                raise LockStepError("the other ranks have stopped following (the server is stopping)")
+                raise LockStepError("the other ranks have stopped following (a server stopped leading them)")
             self.world.post(batch)
             return engine.run(items)
         except Exception as e:  # noqa: BLE001 -- reported once, then every rank ends
-            from metatp.backends.distributed import finish_error
-
-            what = f"error: {e}" if isinstance(e, MetatpError) else f"internal error: {type(e).__name__}: {e}"
-            finish_error(e, f"metatp: {what} (in a served step on rank 0; ending every rank)", 1)
+            _end_every_rank(e, "in a step on rank 0")
             raise                           # not reached: finish_error aborts the MPI job
+
+    def post_call(self, call: int, kind: str, value: Any = None) -> None:
+        """Post a `CallPost` (with the cell operations recorded since the last step)."""
+        if self.closed:
+            raise LockStepError("the other ranks have stopped following (a server stopped leading them)")
+        msg = CallPost(call, kind, value, tuple(self.ops))
+        self.ops.clear()
+        self.world.post(msg)
 
     def stop(self) -> None:
         """Post STOP once: the followers free their cells and return."""
@@ -79,29 +104,117 @@ class Leader:
             self.world.post(STOP)
 
 
+class Follower:
+    """A rank > 0: this rank's copies of rank 0's sequences, and the call outputs that came
+    while it waited for another call's (`next_for`). One per engine (`follower_for`), so that a
+    stream left open across calls keeps its cells."""
+
+    def __init__(self, engine: Engine, world: "World") -> None:
+        self._engine = weakref.ref(engine)       # weak: `follower_for`'s table must not keep engines alive
+        self.world = world
+        self.seqs: dict[int, SeqCells] = {}
+        self.inbox: dict[int, collections.deque[CallPost]] = {}
+        self.dropped: set[int] = set()           # calls whose caller stopped listening before their end
+        self.serving = False                     # in `serve`: no caller here waits for a call's posts
+        self.steps = 0
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine()
+        if engine is None:
+            raise LockStepError(f"rank {self.world.rank}: the engine this rank followed with is gone")
+        return engine
+
+    def next_for(self, call: int, on_wait: Callable[[float], None] | None = None) -> CallPost:
+        """The next `CallPost` of `call`, running every step rank 0 posts until it comes."""
+        while True:
+            box = self.inbox.get(call)
+            if box:
+                return box.popleft()
+            msg = self.world.next_post(on_wait)
+            if isinstance(msg, str) and msg == STOP:
+                raise LockStepError(f"rank {self.world.rank} waits for call {call} but rank 0 stopped leading")
+            self._take(msg)
+
+    def drop(self, call: int, ended: bool) -> None:
+        """The caller of `call` stopped listening: its outputs still to come are discarded."""
+        box = self.inbox.pop(call, ())
+        if not ended and not any(m.kind in ("end", "error") for m in box):
+            self.dropped.add(call)
+
+    def serve(self, on_wait: Callable[[float], None] | None = None) -> int:
+        """Run rank 0's steps until it posts STOP (a server); every sequence is freed then."""
+        start, self.serving = self.steps, True
+        try:
+            while True:
+                msg = self.world.next_post(on_wait)
+                if isinstance(msg, str) and msg == STOP:
+                    return self.steps - start
+                self._take(msg)
+        finally:
+            self.serving = False
+            for seq in self.seqs.values():
+                self.engine.free(seq)
+            self.seqs.clear()
+
+    def _take(self, msg: Any) -> None:
+        """Run a posted step, or file a call's post for its caller."""
+        if isinstance(msg, StepBatch):
+            try:                    # rank 0 may be inside this step's collectives already
+                self.engine.run(_replay(self.engine, self.seqs, msg, self.world.rank))
+            except Exception as e:  # noqa: BLE001 -- reported once, then every rank ends
+                _end_every_rank(e, f"in a step rank 0 posted, on rank {self.world.rank}")
+            self.steps += 1
+        elif isinstance(msg, CallPost):
+            try:
+                _apply_ops(self.engine, self.seqs, msg.ops, self.world.rank)
+            except Exception as e:  # noqa: BLE001 -- the ranks have drifted apart: every rank ends
+                _end_every_rank(e, f"between steps, on rank {self.world.rank}")
+            if self.serving:
+                return                      # (a call rank 0's server made for itself: its ops only)
+            if msg.call in self.dropped:
+                if msg.kind in ("end", "error"):
+                    self.dropped.discard(msg.call)
+            else:
+                self.inbox.setdefault(msg.call, collections.deque()).append(msg)
+        else:
+            raise LockStepError(f"rank {self.world.rank} got a {type(msg).__name__} from rank 0 where a step was due")
+
+
+_FOLLOWERS: "weakref.WeakKeyDictionary[Engine, Follower]" = weakref.WeakKeyDictionary()
+
+
+def follower_for(engine: Engine, world: "World") -> Follower:
+    """This rank's one `Follower` of `engine` (made on first use)."""
+    f = _FOLLOWERS.get(engine)
+    if f is None or f.world is not world:
+        f = _FOLLOWERS[engine] = Follower(engine, world)
+    return f
+
+
 def follow(engine: Engine, world: "World", on_wait: Callable[[float], None] | None = None) -> int:
     """A rank > 0 of a served model: run every step rank 0 posts (`StepBatch`) with the same
     Engine.run calls, until rank 0 posts STOP. Waits without spinning (`World.next_post`;
     `on_wait` is called while it waits and may raise to give up). Returns the steps run."""
-    seqs: dict[int, SeqCells] = {}
-    steps = 0
-    try:
-        while True:
-            msg = world.next_post(on_wait)
-            if isinstance(msg, str) and msg == STOP:
-                return steps
-            if not isinstance(msg, StepBatch):
-                raise LockStepError(f"rank {world.rank} got a {type(msg).__name__} from rank 0 where a step was due")
-            engine.run(_replay(engine, seqs, msg, world.rank))
-            steps += 1
-    finally:
-        for seq in seqs.values():
-            engine.free(seq)
+    return follower_for(engine, world).serve(on_wait)
 
 
-def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: int) -> list[StepItem]:
-    """Apply a StepBatch's cell operations to this rank's cache; its items as this rank's StepItems."""
-    for op in batch.ops:
+def _end_every_rank(e: BaseException, where: str) -> None:
+    """A step failed on one rank: the others may be inside its collectives, so every rank ends
+    (the error printed once, by this rank). In one process (tests) the error is raised."""
+    from metatp.backends.distributed import current_world, finish_error
+
+    what = f"error: {e}" if isinstance(e, MetatpError) else f"internal error: {type(e).__name__}: {e}"
+    finish_error(e, f"metatp: {what} ({where}; ending every rank)", 1)     # MPI_Abort of every rank
+    world = current_world()
+    if world is not None and world.size > 1:
+        os._exit(1)                     # MPICH's MPI_Abort returns: no traceback after the line
+    raise e
+
+
+def _apply_ops(engine: Engine, seqs: dict[int, SeqCells], ops: tuple, rank: int) -> None:
+    """Rank 0's cell operations on this rank's cache, in order."""
+    for op in ops:
         if op[0] == "take":
             seqs[op[1]] = engine.cells.adopt(op[1], op[2])
             seqs[op[1]].n_past = op[3]          # positions it begins with (a prefix cache hit)
@@ -115,6 +228,11 @@ def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: i
             engine.cells.uncache(op[1])
         else:
             raise LockStepError(f"rank {rank} cannot apply rank 0's cell operation {op[:2]!r}")
+
+
+def _replay(engine: Engine, seqs: dict[int, SeqCells], batch: StepBatch, rank: int) -> list[StepItem]:
+    """Apply a StepBatch's cell operations to this rank's cache; its items as this rank's StepItems."""
+    _apply_ops(engine, seqs, batch.ops, rank)
     items = []
     for seq_id, n_past, tokens, logits in batch.items:
         seq = seqs.get(seq_id)

@@ -25,15 +25,13 @@ delivered), so the library needs no thread of its own. A server starts one drive
 Cancelled requests (a closed stream, a client gone) are dropped, and their cells freed, at the
 next step boundary.
 
-Under MPI there are two ways to keep the ranks in lock step. A program every rank runs alike
-(`LLM.generate` under `mpiexec`) has one scheduler per rank making the same decisions, with rank
-0's prompts and sampled tokens agreed on every step. A server only hears requests on rank 0, so
-there the scheduler *leads* (`Scheduler.lead`): before each step it posts the step to the other
-ranks as a `StepBatch` -- the KV cell operations since the last step and the step's items -- and
-those ranks, which have no scheduler, run exactly the same `Engine.run` (`follow`) until rank 0
-posts `STOP` (`metatp.lockstep`; cells taken, grown and freed travel in the batch). Tokens are
-sampled on rank 0 only; the other ranks' logits are not read. Preemption depends only on the
-requests and the cells, so every rank of a `generate` preempts alike.
+Under MPI one mechanism keeps the ranks in lock step, for a server and for a program every rank
+runs alike (`LLM.generate` under `mpiexec`): only rank 0 has a working scheduler, and it *leads*
+(`Scheduler.lead`): before each step it posts the step to the other ranks as a `StepBatch` --
+the KV cell operations since the last step and the step's items -- and those ranks, which never
+step a scheduler, run exactly the same `Engine.run` (`metatp.lockstep`; cells taken, grown and
+freed travel in the batch). Tokens are sampled on rank 0 only and nothing is agreed per step;
+what a call returns reaches the other ranks through `metatp.mpi_calls`.
 """
 
 from __future__ import annotations
@@ -178,9 +176,6 @@ class Scheduler:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.engine = engine
-        # under MPI (one process per device) rank 0's sampled tokens are every rank's, so that
-        # every rank's scheduler makes the same decisions and runs the same passes
-        self.world = getattr(engine, "world", None)
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.n_batch = n_batch or engine.n_batch
@@ -197,14 +192,15 @@ class Scheduler:
         self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics, prefix_caching)
         self.masks = MaskPrefetch()
 
-    def lead(self, world: "World") -> None:
-        """Drive every rank of `world` from here (rank 0 of a server): each step is posted to the
-        other ranks (`follow`) before it runs, and tokens are sampled here only, so the steps
-        need no agreement of their own. Call before the first step."""
+    def lead(self, world: "World") -> Leader:
+        """Drive every rank of `world` from here (rank 0; `LLM` calls it): each step is posted to
+        the other ranks (`metatp.lockstep.Follower`) before it runs, and tokens are sampled here
+        only. Call before the first step; again with the same world: the same Leader."""
         if world.rank != 0:
             raise ConfigError(f"only rank 0 leads the steps; rank {world.rank} follows (metatp.lockstep.follow)")
-        self.world = None
-        self._leader = Leader(world)
+        if self._leader is None or self._leader.world is not world:
+            self._leader = Leader(world)
+        return self._leader
 
     def _post(self, op: tuple) -> None:
         if self._leader is not None:
@@ -339,7 +335,7 @@ class Scheduler:
     def _sample(self, reqs: list[Request], items: list[StepItem],
                 outs: list[np.ndarray | None]) -> list[int | BaseException | None]:
         """Per request, the token this step gives it, the error sampling raised, or None (no token
-        this step). Under MPI the step's tokens are rank 0's, agreed in one broadcast."""
+        this step). Under MPI this runs on rank 0 only (it leads), so nothing is agreed."""
         picks: list[int | BaseException | None] = []
         for r, it, logits in zip(reqs, items, outs):
             if not self._samples_now(r, it):
@@ -352,19 +348,7 @@ class Scheduler:
                 picks.append(r.sample(logits))
             except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
                 picks.append(e)
-        if self.world is None or all(p is None for p in picks):   # the same on every rank: no broadcast
-            return picks
-        mine = [p if isinstance(p, int) else -1 for p in picks]   # -1: no token (none due, or an error)
-        agreed = self.world.agree_tokens(mine)
-        out: list[int | BaseException | None] = []
-        for p, tok in zip(picks, agreed):
-            if tok >= 0:
-                out.append(tok)
-            elif p is None or isinstance(p, BaseException):
-                out.append(p)
-            else:   # logits are the same on every rank, so this is not expected; rank 0 decides
-                out.append(NumericalError("rank 0 could not sample this request's next token"))
-        return out
+        return picks
 
     def _compose(self) -> tuple[list[StepItem], list[Request]]:
         """Admit what fits, then the step's items: decode tokens first, then prompt chunks (FIFO)."""

@@ -46,11 +46,10 @@ class Frontend:
 
     def request(self, ids: list[int], params: SamplingParams, index: int, on_output,
                 kind: str = "generate") -> RequestHandle:
-        """Queue a request (its outputs go to `on_output`). Under MPI rank 0 makes it alone
-        (`agree=False`): the other ranks are in `follow` and never join a prompt broadcast; the
-        tokens reach them in the step batches."""
+        """Queue a request (its outputs go to `on_output`). Under MPI rank 0 makes it alone: the
+        other ranks are in `follow`; the tokens reach them in the step batches."""
         return self.llm.submit(ids, params, index, kind=kind, max_model_len=self.max_model_len,
-                               on_output=on_output, agree=self.world is None)
+                               on_output=on_output)
 
     def check_model(self, body: dict) -> str:
         m = body.get("model", self.model_name)

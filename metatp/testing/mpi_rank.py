@@ -8,7 +8,8 @@ Started by `tests/mpi/test_mpi_gpu.py` (emulated: `EmuRuntime` on every rank, it
 `mpi_nccl` summing over MPI) and by `tools/gpu_check`'s MPI+NCCL step (a real GPU and NCCL).
 The API does the wiring (the world, the layout and the model check, the local GPU, the NCCL
 unique id over MPI); this module adds what the checks read: `run_prompt` scores the prompt at
-every position, then generates greedy tokens (rank 0's on every rank). Rank 0 writes
+every position, then generates greedy tokens (rank 0 leads both calls, every rank returns its
+results: `metatp.mpi_calls`). Rank 0 writes
 `result.npz` (logits, tokens); every rank writes `rank{r}.json` (its GPU, what the communicator
 was handed, the graph mode). `--smoke` (one rank) also runs the single-process cupy backend on
 the same prompt and the collective's step eagerly and inside a CUDA graph, and writes
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
 
 def run_prompt(llm, prompt: list[int], n_gen: int) -> tuple[np.ndarray, list[int]]:
     """What every rank runs: the prompt scored (logits at every position), then `n_gen` greedy
-    tokens generated from it (rank 0's prompt and tokens on every rank, as `LLM` agrees them)."""
+    tokens generated from it (rank 0 runs both calls, the other ranks follow its steps and get
+    its logits and tokens back, `metatp.mpi_calls`)."""
     from metatp.sampling import SamplingParams
 
     logits = llm.score(prompt)
