@@ -14,7 +14,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from metatp import openai_api as oai
+from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
@@ -416,11 +416,6 @@ class LLM:
         The stream is a sequence of its own in the shared batch (closing it frees its cells)."""
         yield from self.submit(prompt_ids, params)
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str, str, Any]:
-        """One whole generation, batched with whatever else runs on this LLM."""
-        out = self.submit(prompt_ids, params).result()
-        return out.token_ids, out.text, out.finish_reason, out.stop_reason
-
     # ---------------------------------------------------------------- vLLM-style
     @mirrored
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
@@ -501,23 +496,9 @@ class LLM:
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         ids = self.prompt_ids(prompt)
-        cid, created = oai.response_id("cmpl")
-        model_name = str(self.model_path)
-        prefix = (prompt if isinstance(prompt, str) else self.detokenize(ids)) if echo else ""
-
-        def chunk(text: str, finish: str | None, use: dict | None = None) -> dict:
-            return oai.text_completion(cid, created, model_name, [oai.text_choice(0, text, finish)], use)
-
-        if stream:
-            def gen() -> Iterator[dict]:
-                if prefix:
-                    yield chunk(prefix, None)
-                for step in self._stream(ids, params):
-                    if step.text or step.finish_reason:
-                        yield chunk(step.text, step.finish_reason)
-            return gen()
-        out_ids, text, finish, _ = self._run(ids, params)
-        return chunk(prefix + text, finish, oai.usage(len(ids), len(out_ids)))
+        answer = TextAnswer(str(self.model_path), [ids], 1, self._piece, self.detokenize, echo=echo,
+                            echo_text=[prompt] if isinstance(prompt, str) else None)
+        return self._answer(answer, ids, params, stream)
 
     __call__ = create_completion
 
@@ -535,19 +516,24 @@ class LLM:
         ids = self.tokenize(prompt, special=True)
         if not ids:
             raise ConfigError("the chat template rendered these messages as an empty prompt")
-        cid, created = oai.response_id("chatcmpl")
-        model_name = str(self.model_path)
-        if stream:
-            def gen() -> Iterator[dict]:
-                yield oai.chat_chunk(cid, created, model_name, [oai.chat_delta(0, None, None, role=True)])
-                for step in self._stream(ids, params):
-                    if step.text or step.finish_reason:
-                        yield oai.chat_chunk(cid, created, model_name,
-                                             [oai.chat_delta(0, step.text, step.finish_reason)])
-            return gen()
-        out_ids, text, finish, _ = self._run(ids, params)
-        return oai.chat_completion(cid, created, model_name, [oai.chat_choice(0, text, finish)],
-                                   oai.usage(len(ids), len(out_ids)))
+        return self._answer(ChatAnswer(str(self.model_path), ids, 1, self._piece), ids, params, stream)
+
+    def _piece(self, tok: int) -> str:
+        return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+
+    def _answer(self, answer: Any, ids: list[int], params: SamplingParams, stream: bool) -> dict | Iterator[dict]:
+        """One request's OpenAI answer (`metatp.openai_answers`): whole, or its stream chunks."""
+        if not stream:
+            return answer.whole([list(self._stream(ids, params))])
+
+        def gen() -> Iterator[dict]:
+            yield from answer.head()
+            for step in self._stream(ids, params):
+                c = answer.chunk(0, step)
+                if c is not None:
+                    yield c
+            yield from answer.tail()
+        return gen()
 
 
 def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:

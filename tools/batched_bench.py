@@ -240,7 +240,8 @@ def _cmd(args: argparse.Namespace) -> int:
     pps, tgs, npls = _int_list(args.npp, "-npp"), _int_list(args.ntg, "-ntg"), _int_list(args.npl, "-npl")
     need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
     llm = LLM(args.model, n_ctx=args.n_ctx or max(need, 512), backend=args.backend, n_batch=args.batch_size,
-              max_num_seqs=max(npls), numerics=args.numerics, **layout_kwargs(args))
+              max_num_seqs=max(npls), numerics=args.numerics, enable_prefix_caching=False,   # every prefill timed
+              **layout_kwargs(args))
     threads = _threads(llm)
     rows = []
     if args.output == "md":

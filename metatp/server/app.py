@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, AsyncIterator
 
-from metatp import openai_api as oai
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
 from metatp.sampling import SamplingParams
-from metatp.scheduler import StepOutput
+from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.server.body import parse_object, read_body
 from metatp.server.fields import BadRequest, bool_field, int_field, is_int, sampling_params
 from metatp.server.frontend import Frontend
@@ -154,55 +153,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         if (echo and lp is not None) or n_prompt_lp is not None:
             scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0))
         reqs, queue = await srv.start(ids_list, params)
-        cid, created = oai.response_id("cmpl")
-        prefixes = [llm.detokenize(ids) if echo else "" for ids in ids_list]
-
-        def choice_lp(outs: list[StepOutput]) -> dict | None:
-            return None if lp is None else oai.completion_logprobs(outs, srv.piece)
-
-        def echoed(choice: int) -> tuple[str, dict | None]:
-            """The prompt's text and logprobs at the head of this choice (echo)."""
-            p = choice // params.n
-            if not echo:
-                return "", None
-            if lp is None:
-                return prefixes[p], None
-            return prefixes[p], oai.echo_logprobs(ids_list[p], [_top_k(e, lp) for e in scored[p]], srv.piece)
-
-        def with_prompt_lp(c: dict, choice: int) -> dict:
-            if n_prompt_lp is not None:
-                p = choice // params.n
-                c["prompt_logprobs"] = oai.vllm_prompt_logprobs(
-                    ids_list[p], [e if e is None else (*_top_k(e, n_prompt_lp), e[2]) for e in scored[p]], srv.piece)
-            return c
-
-        if stream:
-            @sse_errors
-            async def events() -> AsyncIterator[str]:
-                if echo or n_prompt_lp is not None:      # the prompt first, once per choice
-                    for choice in range(len(reqs)):
-                        text, plp = echoed(choice)
-                        c = with_prompt_lp(oai.text_choice(choice, text, None, plp), choice)
-                        yield sse(oai.text_completion(cid, created, model, [c], stream_usage=usage_in_stream))
-                n_gen = 0
-                async for choice, out in outputs(request, srv, reqs, queue):
-                    n_gen += out.token is not None
-                    if out.text or out.finish_reason:
-                        c = oai.text_choice(choice, out.text, out.finish_reason, choice_lp([out]))
-                        yield sse(oai.text_completion(cid, created, model, [c], stream_usage=usage_in_stream))
-                if usage_in_stream:
-                    yield sse(oai.text_completion(cid, created, model, [], srv.usage(ids_list, params.n, n_gen)))
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        per = await collect(request, srv, reqs, queue)
-        choices = []
-        for choice, outs in enumerate(per):
-            text, plp = echoed(choice)
-            logprobs = oai.join_logprobs(plp, choice_lp(outs), len(text)) if lp is not None else None
-            choices.append(with_prompt_lp(oai.text_choice(choice, text + "".join(o.text for o in outs),
-                                                          outs[-1].finish_reason, logprobs), choice))
-        n_gen = sum(o.token is not None for outs in per for o in outs)
-        return oai.text_completion(cid, created, model, choices, srv.usage(ids_list, params.n, n_gen))
+        answer = TextAnswer(model, ids_list, params.n, srv.piece, llm.detokenize, usage_in_stream, echo, lp,
+                            n_prompt_lp, scored)
+        return await respond(request, answer, reqs, queue, stream)
 
     async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int) -> list[list]:
         """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each."""
@@ -229,39 +182,25 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         if not ids:
             raise BadRequest("the chat template rendered these messages as an empty prompt", "messages")
         reqs, queue = await srv.start([ids], params)
-        cid, created = oai.response_id("chatcmpl")
+        return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
+                             reqs, queue, stream)
 
-        def choice_lp(outs: list[StepOutput]) -> dict | None:
-            return oai.chat_logprobs(outs, srv.piece) if want_lp else None
+    async def respond(request: HttpRequest, answer, reqs, queue, stream: bool):
+        """The answer as server-sent events, or whole once every choice has finished."""
+        if not stream:
+            return answer.whole(await collect(request, srv, reqs, queue))
 
-        if stream:
-            @sse_errors
-            async def events() -> AsyncIterator[str]:
-                for i in range(len(reqs)):
-                    yield sse(oai.chat_chunk(cid, created, model, [oai.chat_delta(i, None, None, role=True)],
-                                             stream_usage=usage_in_stream))
-                n_gen = 0
-                async for choice, out in outputs(request, srv, reqs, queue):
-                    n_gen += out.token is not None
-                    if out.text or out.finish_reason:
-                        c = oai.chat_delta(choice, out.text, out.finish_reason, choice_lp([out]))
-                        yield sse(oai.chat_chunk(cid, created, model, [c], stream_usage=usage_in_stream))
-                if usage_in_stream:
-                    yield sse(oai.chat_chunk(cid, created, model, [], srv.usage([ids], params.n, n_gen)))
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-        per = await collect(request, srv, reqs, queue)
-        choices = [oai.chat_choice(i, "".join(o.text for o in outs), outs[-1].finish_reason, choice_lp(outs))
-                   for i, outs in enumerate(per)]
-        n_gen = sum(o.token is not None for outs in per for o in outs)
-        return oai.chat_completion(cid, created, model, choices, srv.usage([ids], params.n, n_gen))
+        @sse_errors
+        async def events() -> AsyncIterator[str]:
+            for c in answer.head():
+                yield sse(c)
+            async for choice, out in outputs(request, srv, reqs, queue):
+                c = answer.chunk(choice, out)
+                if c is not None:
+                    yield sse(c)
+            for c in answer.tail():
+                yield sse(c)
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-def _top_k(entry: tuple | None, k: int) -> tuple | None:
-    """(logprob, the k likeliest of its alternatives) from a prompt entry computed for more."""
-    if entry is None:
-        return None
-    lp, top = entry[0], entry[1]
-    return lp, dict(sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))[:k])
