@@ -21,6 +21,7 @@ import pytest
 from support.helpers import assert_close
 from support.mpi import check_ok, mpiexec
 from support.require import requires
+from support.serving import LoopbackPosts
 from metatp.testing.synth import SynthSpec
 
 DRIVER = Path(__file__).with_name("calls_rank.py")
@@ -73,23 +74,6 @@ def test_every_rank_returns_rank_0s_results(path, tmp_path, n):
     assert lead["early"] == texts(one.create_completion(TEXT, max_tokens=40, temperature=0, stream=True))[:2]
 
 
-class _FakeWorld:
-    """Ranks of one process: rank 0's posts are kept for a follower to read back in order."""
-
-    def __init__(self, rank: int, posts: list) -> None:
-        self.rank, self.size, self.posts = rank, 2, posts
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-    def post(self, message) -> None:
-        self.posts.append(message)
-
-    def next_post(self, on_wait=None):
-        return self.posts.pop(0)
-
-
 def _script(llm, rank: int) -> dict:
     """What both 'ranks' run alike: streams read in turn and left early, a refused call, a stream
     that fails, a generate."""
@@ -133,7 +117,7 @@ def test_followers_get_rank_0s_calls_without_mpi(path):
     def make(rank: int, posts: list) -> LLM:
         llm = LLM(path, n_ctx=256, backend="numpy", n_devices=2, split_mode="tensor", distributed="none",
                   max_num_seqs=3)
-        llm._mpi_calls = MpiCalls(llm, _FakeWorld(rank, posts))
+        llm._mpi_calls = MpiCalls(llm, LoopbackPosts(rank, posts))
         return llm
     try:
         posts: list = []

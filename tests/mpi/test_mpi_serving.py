@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from support.require import requires
-from support.serving import ServeProcess, free_port
+from support.serving import LoopbackPosts, ServeProcess, free_port
 from metatp.testing.synth import SynthSpec
 
 needs_mpi = requires("mpi", "serve")
@@ -309,23 +309,6 @@ def _reference_llm(llm, prompt: str, n: int) -> str:
     return llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].outputs[0].text
 
 
-class _FakeWorld:
-    """Two ranks in one process: rank 0's posts are kept for a follower to read back in order."""
-
-    def __init__(self, rank: int, posts: list) -> None:
-        self.rank, self.size, self.posts = rank, 2, posts
-
-    @property
-    def is_root(self) -> bool:
-        return self.rank == 0
-
-    def post(self, message) -> None:
-        self.posts.append(message)
-
-    def next_post(self, on_wait=None):
-        return self.posts.pop(0)
-
-
 def _recording(engine, log: list) -> None:
     """Record, per step, the cache's owners before the step and the logits it returned."""
     run = engine.run
@@ -352,7 +335,7 @@ def test_step_batches_replay_the_same_steps(path):
                    distributed="none", max_num_seqs=3)
     lead, rest = make(), make()
     posts: list = []
-    lead.scheduler.lead(_FakeWorld(0, posts))
+    lead.scheduler.lead(LoopbackPosts(0, posts))
     led: list = []
     _recording(lead.engine, led)
     stream = lead.create_completion(PROMPTS[0], max_tokens=50, temperature=0, stream=True)
@@ -364,7 +347,7 @@ def test_step_batches_replay_the_same_steps(path):
     assert any(op[0] == "free" for p in posts for op in p.ops)
     followed: list = []
     _recording(rest.engine, followed)
-    assert follow(rest.engine, _FakeWorld(1, posts + [STOP])) == len(led)
+    assert follow(rest.engine, LoopbackPosts(1, posts + [STOP])) == len(led)
     for (own_a, outs_a), (own_b, outs_b) in zip(led, followed):
         assert np.array_equal(own_a, own_b)
         assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(outs_a, outs_b))

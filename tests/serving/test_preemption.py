@@ -28,7 +28,7 @@ from metatp.kv_cells import KVCells
 from metatp.lockstep import STOP, StepBatch, follow
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import LoopbackPosts
+from support.serving import LoopbackPosts, record_steps
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
@@ -284,14 +284,7 @@ def test_a_follower_replays_growth_and_preemption(path):
     lead, rest = make(), make()
     posts: list = []
     lead.scheduler.lead(LoopbackPosts(0, posts))
-    logs: tuple[list, list] = ([], [])
-    for eng, log in ((lead.engine, logs[0]), (rest.engine, logs[1])):
-        def recorded(items, run=eng.run, eng=eng, log=log):
-            owners = eng.cells.owner.copy()
-            outs = run(items)
-            log.append((owners, outs))
-            return outs
-        eng.run = recorded
+    logs = record_steps(lead.engine, rest.engine)
     p = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
     outs = lead.generate(PROMPTS[:4], p)
     assert lead.scheduler.metrics.preemptions > 0

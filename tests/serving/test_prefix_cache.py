@@ -24,7 +24,7 @@ from metatp.lockstep import STOP, follow
 from metatp.prefix_cache import PrefixCache
 from metatp.testing.synth import SynthSpec
 from support.require import requires
-from support.serving import LoopbackPosts, MetatpServe, optional_import
+from support.serving import LoopbackPosts, MetatpServe, optional_import, record_steps
 
 openai = optional_import("openai")
 
@@ -112,14 +112,7 @@ def test_a_follower_mirrors_cached_and_evicted_cells(path):
     lead, rest = make(), make()
     posts: list = []
     lead.scheduler.lead(LoopbackPosts(0, posts))
-    logs: tuple[list, list] = ([], [])
-    for eng, log in ((lead.engine, logs[0]), (rest.engine, logs[1])):
-        def recorded(items, run=eng.run, eng=eng, log=log):
-            owners = eng.cells.owner.copy()
-            outs = run(items)
-            log.append((owners, outs))
-            return outs
-        eng.run = recorded
+    logs = record_steps(lead.engine, rest.engine)
     p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for tail in ([1], [2], [3, 4], [5]):
         lead.generate([SHARED[:100] + tail, SHARED[:40] + tail], p)

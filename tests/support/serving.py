@@ -101,8 +101,25 @@ class LoopbackPosts:
     def __init__(self, rank: int, posts: list) -> None:
         self.rank, self.size, self.posts = rank, 2, posts
 
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
     def post(self, message) -> None:
         self.posts.append(message)
 
     def next_post(self, on_wait=None):
         return self.posts.pop(0)
+
+
+def record_steps(*engines) -> tuple[list, ...]:
+    """Per engine, a log of its `run` calls: (the cell owner table before the step, the outputs)."""
+    logs: tuple[list, ...] = tuple([] for _ in engines)
+    for eng, log in zip(engines, logs):
+        def recorded(items, run=eng.run, eng=eng, log=log):
+            owners = eng.cells.owner.copy()
+            outs = run(items)
+            log.append((owners, outs))
+            return outs
+        eng.run = recorded
+    return logs
