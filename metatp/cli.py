@@ -58,6 +58,9 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
+    p.add_argument("--micro-batches", default=None, metavar="M",
+                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
+                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
 
 
 SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
@@ -256,6 +259,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from metatp.tools import batched_bench as _batched_bench
 
     _batched_bench.add_parser(sub)
+    from metatp.tools import pipeline_bench as _pipeline_bench
+
+    _pipeline_bench.add_parser(sub)
     return ap
 
 
@@ -265,7 +271,12 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 
 def _check_args(args: argparse.Namespace) -> None:
     """What argparse's types cannot say: bench's device counts (a list) are >= 1; generate's single
-    count is checked by the layout (n_devices)."""
+    count is checked by the layout (n_devices); --micro-batches is 1..64 or auto (then applied)."""
+    from metatp import pipeline
+
+    micro = getattr(args, "micro_batches", None)
+    if micro is not None:          # every engine of this process reads it (metatp.pipeline)
+        os.environ[pipeline.ENV] = str(pipeline.parse_micro_batches(micro, "--micro-batches") or "auto")
     devices = getattr(args, "devices", None)
     if isinstance(devices, str):
         for part in devices.split(","):
