@@ -14,6 +14,7 @@ from typing import Sequence
 from metatp.backends.registry import ALLREDUCE_CHOICES
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.errors import ConfigError, MetatpError
+from metatp import pipeline
 
 __all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
 
@@ -58,9 +59,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
-    p.add_argument("--micro-batches", default=None, metavar="M",
-                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
-                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
+    pipeline.add_flag(p)
 
 
 SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
@@ -262,6 +261,8 @@ def _build_parser() -> argparse.ArgumentParser:
     from metatp.tools import pipeline_bench as _pipeline_bench
 
     _pipeline_bench.add_parser(sub)
+    if "bench" in sub.choices:          # tools/bench.py's parser (-p longer than -b pipelines)
+        pipeline.add_flag(sub.choices["bench"])
     return ap
 
 
@@ -272,8 +273,6 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 def _check_args(args: argparse.Namespace) -> None:
     """What argparse's types cannot say: bench's device counts (a list) are >= 1; generate's single
     count is checked by the layout (n_devices); --micro-batches is 1..64 or auto (then applied)."""
-    from metatp import pipeline
-
     micro = getattr(args, "micro_batches", None)
     if micro is not None:          # every engine of this process reads it (metatp.pipeline)
         os.environ[pipeline.ENV] = str(pipeline.parse_micro_batches(micro, "--micro-batches") or "auto")

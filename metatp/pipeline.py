@@ -22,13 +22,20 @@ Deadlock: every rank posts the same sends, receives and reads in the same order,
 blocks, and a receive or read waits only for work that comes earlier in that order.
 
 What holds (tests/numpy/test_pipeline.py, tests/mpi/test_mpi_pipeline.py): long chunks run the
-same passes as without pipelining, so their logits are bit-identical; splitting the few-token
-rows into smaller passes changes the pass sizes, but on that path a row's sums do not depend on
-the other rows of its pass (`Backend.step_rows`, batch invariance), so those logits are
-bit-identical too, and so are the greedy tokens. A pass longer than `step_rows` is never split.
+same passes as without pipelining, so their logits are bit-identical. Splitting the few-token
+rows into smaller passes changes the pass sizes: where those passes take the compiled kernels
+(numpy backend, quantized weights) a row's sums do not depend on the other rows of its pass
+(`Backend.step_rows`, batch invariance), so those logits are bit-identical too, as are the
+greedy tokens; unquantized F32 weights go through BLAS, whose sums depend on the pass size, so
+there the logits agree to float rounding only (as batching itself does). A pass longer than
+`step_rows` is never split; a sequence's rows are never split between micro-batches.
 
 The setting: `Engine.micro_batches` (the CLI's `--micro-batches M`, or $METATP_MICRO_BATCHES);
-None picks the default (`micro_batches`); 1 runs one pass after another as before.
+None picks the default (`micro_batches`); 1 runs one pass after another as before. The split
+is part of what every rank computes alike, so every rank must have the same setting (the
+CLI's flag and the environment give every rank of an mpiexec job the same). Each pass in
+flight beyond the first of its shape has an executable of its own: up to M-1 more activation
+buffers per shape, which the memory plan (`--fit`) does not count.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ if TYPE_CHECKING:
     from metatp.engine import Engine
 
 __all__ = ["ENV", "env_micro_batches", "parse_micro_batches", "micro_batches", "split_small", "run_passes",
-           "plan_in_flight"]
+           "plan_in_flight", "add_flag"]
 
 ENV = "METATP_MICRO_BATCHES"
 MAX_MICRO_BATCHES = 64
@@ -71,13 +78,14 @@ def env_micro_batches() -> int | None:
 
 def micro_batches(engine: Engine, n_seqs: int) -> int:
     """Passes in flight at once for a step of `n_seqs` sequences: the engine's setting, else P
-    (the layout's pipeline stages) where the stages are processes of their own and the step
-    carries at least P sequences, else 1 (in one process the devices take turns anyway)."""
+    (the layout's pipeline stages) where the stages are processes linked by MPI send / receive
+    (CPU ranks) and the step carries at least P sequences, else 1 (in one process the devices
+    take turns anyway)."""
     m = engine.micro_batches
     if m is not None:
         return parse_micro_batches(m, "Engine.micro_batches")
     stages = engine.layout.pp
-    return stages if stages > 1 and engine.world is not None and n_seqs >= stages else 1
+    return stages if stages > 1 and engine.world is not None and n_seqs >= stages and _links(engine) else 1
 
 
 def split_small(engine: Engine, small: list, cap: int) -> list[list]:
@@ -123,6 +131,13 @@ def _links(engine: Engine) -> list:
     """The point-to-point links whose sends can be deferred (`MpiSendRecv`), if any."""
     link = getattr(getattr(engine.backend, "collective", None), "send_recv", None)
     return [link] if hasattr(link, "deferred_sends") else []
+
+
+def add_flag(p: Any) -> None:
+    """`--micro-batches M` on a command's parser (the CLI sets $METATP_MICRO_BATCHES from it)."""
+    p.add_argument("--micro-batches", default=None, metavar="M",
+                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
+                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
 
 
 def run_passes(engine: Engine, items: Sequence, passes: list[list], keep: dict[int, int]) -> list[list]:

@@ -151,3 +151,25 @@ def test_default_is_off_in_one_process_and_the_setting_is_checked(synth_model, m
     eng.micro_batches = 0
     with pytest.raises(ConfigError, match="Engine.micro_batches"):
         pipeline.micro_batches(eng, 8)
+
+
+def test_the_cli_flag_reaches_every_engine(synth_model, monkeypatch):
+    """`--micro-batches M` (generate, serve, bench, batched-bench) sets $METATP_MICRO_BATCHES,
+    which every Engine of the process reads; a bad count is a ConfigError naming the flag."""
+    import os
+
+    from metatp import cli
+    from metatp.backends.numpy.backend import NumpyBackend
+    from metatp.passes.plan import DeviceLayout
+
+    monkeypatch.setenv(pipeline.ENV, "auto")          # restored after the test
+    for cmd in (["generate", "-p", "x"], ["serve"], ["bench"], ["batched-bench"]):
+        args = cli._build_parser().parse_args([*cmd, "--micro-batches", "3"])
+        cli._check_args(args)
+        assert os.environ[pipeline.ENV] == "3"
+        monkeypatch.setenv(pipeline.ENV, "auto")
+    cli._check_args(cli._build_parser().parse_args(["serve", "--micro-batches", "2"]))
+    layout = DeviceLayout(2, "layer")
+    assert Engine(synth_model, 128, layout, NumpyBackend(layout)).micro_batches == 2
+    with pytest.raises(ConfigError, match="--micro-batches must be"):
+        cli._check_args(cli._build_parser().parse_args(["serve", "--micro-batches", "many"]))
