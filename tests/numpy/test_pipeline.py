@@ -173,3 +173,64 @@ def test_the_cli_flag_reaches_every_engine(synth_model, monkeypatch):
     assert Engine(synth_model, 128, layout, NumpyBackend(layout)).micro_batches == 2
     with pytest.raises(ConfigError, match="--micro-batches must be"):
         cli._check_args(cli._build_parser().parse_args(["serve", "--micro-batches", "many"]))
+
+
+class _Request:
+    waited: list = []
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    @classmethod
+    def Waitall(cls, reqs) -> None:
+        cls.waited.extend(reqs)
+
+
+class _Comm:
+    """The calls MpiSendRecv makes, recorded (rank 0 of 2)."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def Dup(self):
+        return self
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 2
+
+    def Send(self, data, dest, tag) -> None:
+        self.log.append(("Send", data.copy()))
+
+    def Isend(self, data, dest, tag):
+        self.log.append(("Isend", data))
+        return _Request(data)
+
+
+def test_deferred_sends_are_isends_completed_at_the_end_of_the_block():
+    """Inside `deferred_sends` a send does not wait for its receiver; every request is waited
+    for when the block ends, also when it raises, and a strided buffer's copy lives until then."""
+    from metatp.backends.collectives.p2p import MpiSendRecv
+
+    comm = _Comm()
+    link = MpiSendRecv(comm)
+    buf = np.arange(12, dtype=np.float32).reshape(3, 4)
+    send, strided = link.prepare_send(buf, 1), link.prepare_send(buf[:, ::2], 1)
+    send()
+    assert [k for k, _ in comm.log] == ["Send"] and not link._pending
+    _Request.waited = []
+    with link.deferred_sends():
+        send()
+        strided()
+        assert [k for k, _ in comm.log[1:]] == ["Isend", "Isend"] and len(link._pending) == 2
+        assert comm.log[2][1].flags.c_contiguous and not np.shares_memory(comm.log[2][1], buf)
+    assert len(_Request.waited) == 2 and not link._pending and not link.deferred
+    with pytest.raises(RuntimeError):
+        with link.deferred_sends():
+            send()
+            raise RuntimeError("a pass failed")
+    assert len(_Request.waited) == 3 and not link._pending
+    send()
+    assert comm.log[-1][0] == "Send" and link.calls == 5
