@@ -14,6 +14,7 @@ from typing import Sequence
 from metatp.backends.registry import ALLREDUCE_CHOICES
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.ir.errors import ConfigError, MetatpError
+from metatp import pipeline
 
 __all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
 
@@ -58,6 +59,7 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
+    pipeline.add_flag(p)
 
 
 SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
@@ -256,6 +258,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from metatp.tools import batched_bench as _batched_bench
 
     _batched_bench.add_parser(sub)
+    from metatp.tools import pipeline_bench as _pipeline_bench
+
+    _pipeline_bench.add_parser(sub)
+    if "bench" in sub.choices:          # tools/bench.py's parser (-p longer than -b pipelines)
+        pipeline.add_flag(sub.choices["bench"])
     return ap
 
 
@@ -265,7 +272,10 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 
 def _check_args(args: argparse.Namespace) -> None:
     """What argparse's types cannot say: bench's device counts (a list) are >= 1; generate's single
-    count is checked by the layout (n_devices)."""
+    count is checked by the layout (n_devices); --micro-batches is 1..64 or auto (then applied)."""
+    micro = getattr(args, "micro_batches", None)
+    if micro is not None:          # every engine of this process reads it (metatp.pipeline)
+        os.environ[pipeline.ENV] = str(pipeline.parse_micro_batches(micro, "--micro-batches") or "auto")
     devices = getattr(args, "devices", None)
     if isinstance(devices, str):
         for part in devices.split(","):

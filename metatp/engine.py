@@ -39,6 +39,7 @@ from metatp.ir.models.common import KV_PAD, cache_type
 from metatp.ir.models.inputs import graph_inputs, make_feed, step_values
 from metatp.ir.tensor import Flag
 from metatp.kv_cells import KVCells, SeqCells
+from metatp import pipeline
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
@@ -116,13 +117,17 @@ class Engine:
         self.lock = threading.RLock()       # one step at a time (steps come from any thread)
         self._anon: SeqCells | None = None  # the sequence `forward` without `seq` continues
         self.passes = 0                     # forward passes run (statistics)
+        # passes of a step in flight at once under -sm layer across processes (metatp.pipeline);
+        # None: the default there, 1: one pass after another
+        self.micro_batches: int | None = pipeline.env_micro_batches()
         self.logits_bytes = 0               # logits bytes gathered to this process (statistics)
 
     # ---------------------------------------------------------------- compilation
-    def plan_for(self, spec: BatchSpec) -> tuple[Plan, object]:
+    def plan_for(self, spec: BatchSpec, slot: int = 0) -> tuple[Plan, object]:
         """The compiled plan and prepared executable for a batch shape (LRU-cached: prompts of
-        many lengths must not grow memory without bound)."""
-        key = spec.key()
+        many lengths must not grow memory without bound); `slot` > 0: another executable of the
+        same shape, with buffers of its own (passes in flight together, `metatp.pipeline`)."""
+        key = spec.key() if not slot else (*spec.key(), slot)
         hit = self._plans.get(key)
         if hit is not None:
             self._plans.move_to_end(key)
@@ -285,10 +290,10 @@ class Engine:
         got: dict[int, list[np.ndarray]] = {}
         with self.lock:
             step_small = min(self.small_rows, self.n_batch)
-            passes = [small[i:i + step_small] for i in range(0, len(small), step_small)]
+            passes = pipeline.split_small(self, small, step_small)
             passes += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
-            for rows in passes:
-                for row, logits in zip([r for r in rows if r.out], self._run_pass(items, rows, keep)):
+            for rows, outs in zip(passes, pipeline.run_passes(self, items, passes, keep)):
+                for row, logits in zip([r for r in rows if r.out], outs):
                     got.setdefault(row.item, []).append(logits)
             for it in items:          # every pass succeeded: the rows are the sequences' own now
                 it.seq.n_past += len(it.tokens)
@@ -302,6 +307,12 @@ class Engine:
         """One forward pass over `rows` (padded to a bucket); the logits of the rows that want them.
 
         The one place that feeds the executable: a process-per-device runner hooks in here."""
+        return self._read_pass(*self._issue_pass(items, rows, keep))
+
+    def _issue_pass(self, items: list[StepItem], rows: list[_Row], keep: dict[int, int],
+                    slots: dict | None = None) -> tuple:
+        """`_run_pass` up to running the executable (`slots`: the shapes already in flight in
+        this step, `metatp.pipeline`); what `_read_pass` needs to read its logits later."""
         T = len(rows)
         cap = min(self.small_rows, self.n_batch) if T <= self.small_rows else self.n_batch
         T_pad = bucket_rows(T, max(cap, T), self.small_rows)
@@ -321,7 +332,7 @@ class Engine:
         hi = max(int(cells.max()), max((int(items[r.item].seq.cells[: r.pos + 1].max()) for r in rows), default=0))
         n_kv = padded_kv(hi + 1, self.n_ctx)
         spec = BatchSpec(T_pad, n_kv, n_out_pad)
-        plan, ex = self.plan_for(spec)
+        plan, ex = self.plan_for(spec) if slots is None else pipeline.plan_in_flight(self, spec, slots)
         inp = graph_inputs(plan.graph)
         seen = [items[r.item].seq.cells[: r.pos + 1] for r in rows]
         seen += [cells[i:i + 1] for i in range(T, T_pad)]    # a padding row sees only its own scratch cell
@@ -332,6 +343,11 @@ class Engine:
         values = step_values(inp, ids, pos, cells, seen, self.model.hparams.sliding_window, sel)
         ex.run(make_feed(inp, values))
         self.passes += 1
+        return rows, plan, ex, sel, out_rows, n_out
+
+    def _read_pass(self, rows: list[_Row], plan: Plan, ex, sel: list[int], out_rows: list[int],
+                   n_out: int) -> list[np.ndarray]:
+        """The logits of an issued pass's rows that want them (every process reads alike)."""
         if not n_out:
             return []
         t = plan.graph.meta["logits"]

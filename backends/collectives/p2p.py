@@ -14,12 +14,18 @@ duplicate of the world communicator, apart from the all-reduces and rank 0's pos
 
 `broadcast` gives a value only one process holds (the logits, on the last layer's device) to
 every process, as `AllGather` does for a vocabulary-split one.
+
+Pipelined steps (`metatp.pipeline`) run several passes back to back; there a send must not hold
+its rank until the next stage takes it, so inside `deferred_sends` a send is an `Isend` whose
+request (and staging copy) is kept until `complete_sends`, which the pipeline calls before any
+sent buffer can be written again. The order of posts is unchanged, so the pairing above holds.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, runtime_checkable
+from contextlib import contextmanager
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -49,7 +55,9 @@ class MpiSendRecv:
     """`SendRecv` over MPI: `Send` / `Recv` of host buffers on a duplicate of `comm` (rank = device).
 
     `calls` / `seconds` / `bytes` count the copies run and the wall time spent in them on this
-    process (a receive includes waiting for the sender); `broadcast` is not counted."""
+    process (a receive includes waiting for the sender); `recv_seconds` is the part spent in
+    receives and `bcast_seconds` the time in `broadcast` (both mostly waiting for the stage
+    before: the pipeline bubble, `metatp.tools.pipeline_bench`)."""
 
     TAG = 0x6C70      # the tag of layer-split copies (on the duplicated communicator)
 
@@ -60,6 +68,10 @@ class MpiSendRecv:
         self.calls = 0
         self.seconds = 0.0
         self.bytes = 0
+        self.recv_seconds = 0.0
+        self.bcast_seconds = 0.0
+        self.deferred = False               # sends are Isends until complete_sends (deferred_sends)
+        self._pending: list[tuple[Any, np.ndarray]] = []
 
     def _peer(self, d: int, what: str) -> int:
         if not 0 <= d < self.size or d == self.rank:
@@ -73,7 +85,11 @@ class MpiSendRecv:
 
         def step() -> None:
             t0 = clock()
-            comm.Send(np.ascontiguousarray(buf), dest=peer, tag=tag)
+            if self.deferred:       # the data (or its contiguous copy) must live until the Isend completes
+                data = np.ascontiguousarray(buf)
+                self._pending.append((comm.Isend(data, dest=peer, tag=tag), data))
+            else:
+                comm.Send(np.ascontiguousarray(buf), dest=peer, tag=tag)
             self.calls += 1
             self.bytes += nbytes
             self.seconds += clock() - t0
@@ -93,14 +109,37 @@ class MpiSendRecv:
                 np.copyto(buf, work)
             self.calls += 1
             self.bytes += nbytes
-            self.seconds += clock() - t0
+            took = clock() - t0
+            self.seconds += took
+            self.recv_seconds += took
         return step
+
+    @contextmanager
+    def deferred_sends(self) -> Iterator[None]:
+        """Sends posted inside are non-blocking; every one is complete when the block ends
+        (also when it raises: a buffer is never rewritten under a pending send)."""
+        self.deferred = True
+        try:
+            yield
+        finally:
+            self.deferred = False
+            self.complete_sends()
+
+    def complete_sends(self) -> None:
+        """Wait for every pending Isend (each completes once its receiver has posted the receive)."""
+        pending, self._pending = self._pending, []
+        if pending:
+            t0 = time.perf_counter()
+            type(pending[0][0]).Waitall([req for req, _ in pending])
+            self.seconds += time.perf_counter() - t0
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         """Rank `root`'s `buf` on every rank, by one MPI_Bcast (in place where contiguous)."""
+        t0 = time.perf_counter()
         if not buf.flags.c_contiguous:
             work = np.ascontiguousarray(buf)
             self.comm.Bcast(work, root=int(root))
             np.copyto(buf, work)
-            return
-        self.comm.Bcast(buf, root=int(root))
+        else:
+            self.comm.Bcast(buf, root=int(root))
+        self.bcast_seconds += time.perf_counter() - t0
