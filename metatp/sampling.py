@@ -10,12 +10,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from metatp.backends.candidates import RowCandidates
 from metatp.ir.errors import ConfigError
 from metatp.penalties import Penalties, check_logit_bias, check_min_tokens
 
-__all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N"]
+__all__ = ["SamplingParams", "Sampler", "CandidateSpec", "check_seed", "MAX_N"]
 
 MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
+K_MAX = 256      # top_k up to this is sampled from each device's top_k candidates (beyond: the gathered row)
+K_MIN_P = 64     # candidates per device for min_p (its kept tokens are usually far fewer)
 _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
@@ -164,8 +167,48 @@ class SamplingParams:
         return dataclasses.replace(self, **given) if given else self
 
 
+@dataclass(frozen=True)
+class CandidateSpec:
+    """A StepItem's logits mode for a row sampled from vocabulary-split logits without gathering
+    them (`metatp.backends.candidates`): `k` candidates per device, and what decides, from the
+    candidates alone and alike on every process (under MPI it travels with the step), whether
+    they cover this request's pick (`covers`); where not, the row is gathered.
+
+    Covered: greedy (with logprobs) when the largest candidate exceeds every other logit's bound;
+    a sample when its kept tokens are provably candidates -- top_k <= k with the k-th value
+    above the bound, or min_p whose threshold lies above it (top_p then works within those).
+    Plain temperature sampling, or top_p alone, may pick any token of the vocabulary: it never
+    comes here (`Sampler.candidate_spec`). Logprobs: the top `logprobs` must lie above the bound."""
+
+    k: int
+    temperature: float
+    top_k: int
+    min_p: float
+    logprobs: int = -1          # -1: none asked
+
+    def covers(self, rc: RowCandidates) -> bool:
+        if not rc.finite:                   # the caller reads the row and reports the NaN/inf
+            return False
+        rc = rc.narrowed(self.k)
+        ids, vals = rc.merged()
+        rest = rc.bound()
+        if not vals.size or not vals.max() > rest:
+            return False
+        if self.logprobs > 0:
+            if vals.size < self.logprobs or not np.sort(vals)[-self.logprobs] > rest:
+                return False
+        return self.temperature == 0.0 or _support(vals, self, rc.n_vocab, ids, rest) is not None
+
+
 class Sampler:
-    """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax)."""
+    """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax).
+
+    The draw is made over the kept tokens only, in ascending id order (`_support`, `_draw`), so
+    the same arithmetic runs whether the row was gathered or only its candidates were read
+    (`from_candidates`): the two give the same token from the same seed. (Before, the draw ran
+    over the whole vocabulary, and min_p compared normalised probabilities; a seeded sample may
+    differ from then's in rare last-bit cases. Same seed, same output still holds, whatever the
+    batch-mates and the number of devices.)"""
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator, end_ids: Sequence[int] = (),
                  n_vocab: int | None = None) -> None:
@@ -178,6 +221,28 @@ class Sampler:
             pen = Penalties(params.frequency_penalty, params.presence_penalty, params.logit_bias or {},
                             params.min_tokens, end_ids, n_vocab)
             self.penalties = pen if pen.active else None
+
+    def candidate_spec(self, n_vocab: int) -> CandidateSpec | None:
+        """The logits mode that reads this sampler's row as candidates (`CandidateSpec`), or None
+        where it needs the whole row every step: penalties, repetition_penalty or logit_bias
+        (applied to the gathered row), or a pick that may be any token (plain temperature, top_p
+        alone, a top_k past K_MAX without min_p). Structured output is the caller's to exclude."""
+        p = self.p
+        if self.penalties is not None or p.repetition_penalty != 1.0:
+            return None
+        n_lp = -1 if p.logprobs is None else p.logprobs
+        # one candidate more than needed: the needed ones then lie strictly above each
+        # device's last (the bound on the rest) unless they tie with it
+        if p.greedy:
+            return CandidateSpec(max(1, n_lp) + 1, 0.0, -1, 0.0, n_lp) if n_lp >= 0 else None
+        top_k = p.top_k if 0 < p.top_k < n_vocab else -1
+        if 0 < top_k <= K_MAX:
+            k = top_k
+        elif p.min_p > 0:
+            k = K_MIN_P
+        else:
+            return None
+        return CandidateSpec(max(k, n_lp, 1) + 1, p.temperature, top_k, p.min_p, n_lp)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
                  allowed: np.ndarray | None = None) -> int:
@@ -194,25 +259,63 @@ class Sampler:
             x = _masked(x, allowed)
         if p.greedy:
             return int(np.argmax(x))
-        with np.errstate(over="ignore"):     # an overflow below is a -inf logit: probability 0
-            x = _scaled(x.astype(np.float64), p.temperature)
-            if 0 < p.top_k < x.size:
-                kth = np.partition(x, -p.top_k)[-p.top_k]
-                x = np.where(x < kth, -np.inf, x)
-            x -= x.max()
-            probs = np.exp(x)
-            probs /= probs.sum()
-            if p.min_p > 0:
-                probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
-            if p.top_p < 1.0:
-                order = np.argsort(-probs, kind="stable")
-                cum = np.cumsum(probs[order])
-                cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
-                keep = np.zeros_like(probs)
-                keep[order[:cut]] = probs[order[:cut]]
-                probs = keep
-            probs /= probs.sum()
-            return int(self.rng.choice(probs.size, p=probs))
+        support = _support(x, p, x.size)
+        return self._draw(*support)
+
+    def from_candidates(self, rc: RowCandidates) -> int:
+        """The token `__call__` would draw from the whole row, drawn from a row's candidates
+        (`metatp.backends.candidates`), which `CandidateSpec.covers` has found to hold everything
+        this sampler may pick; the same random draw. ValueError where they do not cover it."""
+        ids, vals = rc.merged()
+        rest = rc.bound()
+        if self.p.greedy:
+            if not vals.size or not vals.max() > rest:
+                raise ValueError("the candidates do not hold the row's largest logit")
+            return int(ids[int(np.argmax(vals))])
+        support = _support(vals, self.p, rc.n_vocab, ids, rest)
+        if support is None:
+            raise ValueError("the candidates do not cover what this sampler may pick")
+        return self._draw(*support)
+
+    def _draw(self, ids: np.ndarray, w: np.ndarray) -> int:
+        """top-p over the kept tokens (`ids` ascending, weights `w` > 0), then one draw: the
+        same arithmetic on the same arrays whether they came from the whole row or from its
+        candidates, so the two draw the same token from the same random state."""
+        if self.p.top_p < 1.0:
+            order = np.argsort(-w, kind="stable")
+            cum = np.cumsum(w[order])
+            cut = int(np.searchsorted(cum, self.p.top_p * cum[-1])) + 1
+            sel = np.sort(order[:cut])
+            ids, w = ids[sel], w[sel]
+        return int(ids[int(self.rng.choice(w.size, p=w / w.sum()))])
+
+
+def _support(x: np.ndarray, p: SamplingParams, n_vocab: int, ids: np.ndarray | None = None,
+             rest: float = -math.inf) -> tuple[np.ndarray, np.ndarray] | None:
+    """The tokens temperature, top-k and min-p keep, as (ids ascending, weights exp(z - max z) > 0)
+    with z the scaled logits. `x`: the whole row (`ids` None), or some of its tokens `ids`
+    (ascending) with every other logit at most `rest`: then None unless the kept tokens are
+    provably among them (top-k's k-th value or min-p's threshold above what `rest` scales to)."""
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is a -inf logit: weight 0
+        z = _scaled(np.append(x.astype(np.float64), rest), p.temperature)   # rest <= max: the same scaling
+        z, z_rest = z[:-1], z[-1]
+        covered = rest == -math.inf
+        keep = np.ones(z.size, dtype=bool)
+        if 0 < p.top_k < n_vocab:
+            if z.size < p.top_k:
+                return None
+            kth = np.partition(z, -p.top_k)[-p.top_k]
+            keep &= z >= kth
+            covered = covered or bool(z_rest < kth)
+        w = np.exp(z - z.max())
+        if p.min_p > 0:
+            keep &= w >= p.min_p
+            covered = covered or bool(np.exp(z_rest - z.max()) < p.min_p)
+        keep &= w > 0
+    if not covered:
+        return None
+    at = np.flatnonzero(keep)
+    return (at if ids is None else ids[at]), w[at]
 
 
 _F32 = np.finfo(np.float32)
