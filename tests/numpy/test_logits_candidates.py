@@ -134,3 +134,17 @@ def test_a_request_samples_the_same_alone_and_among_others(path):
     among = llm.generate(PROMPTS, [PARAMS[3], p, PARAMS[1]])[1].outputs[0]
     assert among.token_ids == alone.token_ids and among.logprobs == alone.logprobs
 
+
+
+def test_the_dump_bills_the_bytes_each_logits_read_moves_per_row(path):
+    from metatp.ir.models import BatchSpec
+    from metatp.tools.logits_bill import bill_lines, logits_bill
+
+    llm = LLM(path, n_ctx=256, backend="numpy", n_devices=2, split_mode="tensor")
+    plan, _ = llm.engine.plan_for(BatchSpec(1, 32, 1))
+    bill = logits_bill(plan, ks=(41, 300))
+    assert bill == {"n_vocab": 2048, "n_devices": 2, "gathered": 4 * 1024, "argmax": 24,
+                    "candidates": {41: 8 * 85, 300: None}}          # 300 per device would outweigh the row
+    assert "greedy: 24 B" in "\n".join(bill_lines(bill))
+    one = LLM(path, n_ctx=256, backend="numpy")
+    assert logits_bill(one.engine.plan_for(BatchSpec(1, 32, 1))[0]) is None
