@@ -3,10 +3,12 @@
 A sampled row needs the whole vocabulary only where the sampler may pick from all of it. Where
 the output layer is split along the vocabulary, each device reduces its slice, per row, to its
 K largest logits (values and global ids, sorted by value then id), its largest value and the sum
-of exp(logit - that value): 2K + 3 numbers instead of its slice, in one all-gather. Every process
-then holds the same `RowCandidates` per row: the merged candidates, an upper bound on every
-logit not among them (the K-th value of each device that holds more than K; `bound`) and the
-log-sum-exp of the whole row (`lse`, the softmax's exact normaliser up to float rounding). The
+of exp(logit - that value), at temperature 1 and at the row's sampling temperature: 2K + 4
+numbers instead of its slice, in one all-gather. Every process then holds the same
+`RowCandidates` per row: the merged candidates, an upper bound on every logit not among them
+(the K-th value of each device that holds more than K; `bound`), the log-sum-exp of the whole
+row (`lse`, the softmax's normaliser up to float rounding) and the mass of the whole row at the
+temperature (`mass`, what top-p's nucleus is a share of). The
 sampler (`metatp.sampling.CandidateSpec.covers`) decides from these alone, alike on every
 process, whether they cover everything it may pick; where not, the caller reads the whole row.
 """
@@ -31,7 +33,8 @@ class RowCandidates:
     `values` [devices, K] (float32 logits) and `ids` [devices, K] (global token ids): each
     device's K largest, by value then id, padded with -inf / -1 where it holds fewer; `sizes`:
     how many vocabulary entries each device holds; `maxes`, `sums`: each device's largest logit
-    and sum of exp(logit - largest) (float64); `finite`: every logit of the row is finite."""
+    and sum of exp(logit - largest) (float64); `tsums`: the same sum of exp((logit - largest) /
+    temperature) at `temperature`; `finite`: every logit of the row is finite."""
 
     values: np.ndarray
     ids: np.ndarray
@@ -40,6 +43,8 @@ class RowCandidates:
     sums: np.ndarray
     finite: bool
     n_vocab: int
+    tsums: np.ndarray
+    temperature: float = 1.0
 
     @property
     def k(self) -> int:
@@ -50,7 +55,7 @@ class RowCandidates:
         if k >= self.k:
             return self
         return RowCandidates(self.values[:, :k], self.ids[:, :k], self.sizes, self.maxes, self.sums,
-                             self.finite, self.n_vocab)
+                             self.finite, self.n_vocab, self.tsums, self.temperature)
 
     def merged(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids ascending, their float32 logits) of every device's candidates."""
@@ -71,6 +76,12 @@ class RowCandidates:
         m = float(self.maxes.max())
         return m + math.log(float((self.sums * np.exp(self.maxes - m)).sum()))
 
+    def mass(self) -> float:
+        """sum(exp((logit - max) / temperature)) over the whole row, from each device's."""
+        m = self.maxes.max()
+        with np.errstate(over="ignore", under="ignore"):
+            return float((self.tsums * np.exp((self.maxes - m) / self.temperature)).sum())
+
 
 def _columns(spans: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """(local columns, their global token ids) of a device's chunks (global start, local start, length)."""
@@ -80,15 +91,17 @@ def _columns(spans: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]
     return (np.concatenate(cols) if cols else empty), (np.concatenate(gids) if gids else empty)
 
 
-def device_candidates(local: np.ndarray, spans: list[tuple[int, int, int]], k: int) -> np.ndarray:
-    """[rows, 2k + 3] float64 for one device's slice `local` [rows, n_local]: its k largest
+def device_candidates(local: np.ndarray, spans: list[tuple[int, int, int]], k: int,
+                      temps: list[float] | None = None) -> np.ndarray:
+    """[rows, 2k + 4] float64 for one device's slice `local` [rows, n_local]: its k largest
     logits (by value, then lower id), their global ids (-inf / -1 padding where it holds fewer), its max,
-    its sum of exp(x - max) and whether all its logits are finite. Row by row, so that a row's
-    numbers do not depend on the rows beside it."""
+    its sum of exp(x - max), whether all its logits are finite and its sum of exp((x - max) / T)
+    at the row's temperature T (`temps`, default 1). Row by row, so that a row's numbers do not
+    depend on the rows beside it."""
     rows = local.shape[0]
     cols, gid = _columns(spans)
     n_local = cols.size
-    out = np.empty((rows, 2 * k + 3))
+    out = np.empty((rows, 2 * k + 4))
     out[:, :k], out[:, k:2 * k] = -np.inf, -1
     kk = min(k, n_local)
     for r in range(rows):
@@ -103,18 +116,23 @@ def device_candidates(local: np.ndarray, spans: list[tuple[int, int, int]], k: i
         out[r, 2 * k] = m
         out[r, 2 * k + 1] = float(np.exp(x64 - m).sum()) if finite and n_local else 0.0
         out[r, 2 * k + 2] = 1.0 if finite else 0.0
+        temp = 1.0 if temps is None or not temps[r] > 0 else temps[r]
+        with np.errstate(over="ignore", under="ignore"):
+            out[r, 2 * k + 3] = float(np.exp((x64 - m) / temp).sum()) if finite and n_local else 0.0
     return out
 
 
-def merge_rows(every: list[np.ndarray], sizes: list[int], k: int, n_vocab: int) -> list[RowCandidates]:
+def merge_rows(every: list[np.ndarray], sizes: list[int], k: int, n_vocab: int,
+               temps: list[float] | None = None) -> list[RowCandidates]:
     """Every device's `device_candidates` -> one RowCandidates per row."""
-    stacked = np.stack(every)                       # [devices, rows, 2k + 3]
+    stacked = np.stack(every)                       # [devices, rows, 2k + 4]
     out = []
     for r in range(stacked.shape[1]):
         part = stacked[:, r]
         out.append(RowCandidates(part[:, :k].astype(np.float32), part[:, k:2 * k].astype(np.int64),
                                  tuple(sizes), part[:, 2 * k].copy(), part[:, 2 * k + 1].copy(),
-                                 bool(part[:, 2 * k + 2].min() > 0), n_vocab))
+                                 bool(part[:, 2 * k + 2].min() > 0), n_vocab, part[:, 2 * k + 3].copy(),
+                                 1.0 if temps is None else temps[r]))
     return out
 
 
@@ -127,15 +145,16 @@ def candidates_pay(ex: Any, t: Tensor, k: int) -> bool:
     """Are `k` candidates per device fewer bytes than the row (a small vocabulary over many
     devices is cheaper gathered)? Only where `t` is split along the vocabulary. A row's own k
     decides, not its batch-mates', so its path does not depend on them."""
-    return _split(ex, t) and 8 * (2 * k + 3) * ex.plan.n_devices < ex.itemsize(t) * int(t.ne[0])
+    return _split(ex, t) and 8 * (2 * k + 4) * ex.plan.n_devices < ex.itemsize(t) * int(t.ne[0])
 
 
-def read_candidates(ex: Any, t: Tensor, k: int) -> tuple[list[RowCandidates] | None, int]:
+def read_candidates(ex: Any, t: Tensor, k: int, temps: list[float] | None = None
+                    ) -> tuple[list[RowCandidates] | None, int]:
     """Per row of the logits `t` ([n_vocab, rows] in ggml order) on the plan executor `ex`, its
-    `RowCandidates` with `k` per device; None where `t` is not split along the vocabulary (the
-    caller reads the row: nothing to save). Also the bytes this process received for it (one
-    all-gather of 2k + 3 float64 per row and device; 0 in one process). Every process of the
-    plan makes this call alike."""
+    `RowCandidates` with `k` per device (and its mass at `temps[row]`, default 1); None where
+    `t` is not split along the vocabulary (the caller reads the row: nothing to save). Also the
+    bytes this process received for it (one all-gather of 2k + 4 float64 per row and device; 0
+    in one process). Every process of the plan makes this call alike."""
     if not _split(ex, t):
         return None, 0
     st = ex.plan.of(t).sync_state
@@ -148,8 +167,8 @@ def read_candidates(ex: Any, t: Tensor, k: int) -> tuple[list[RowCandidates] | N
     mine = []
     for d in ex.devices:
         local = np.asarray(ex.host_value(d, t)).reshape(rows, -1)
-        mine.append(device_candidates(local, spans.get(d, []), k))
-    width = 2 * k + 3
+        mine.append(device_candidates(local, spans.get(d, []), k, temps))
+    width = 2 * k + 4
     received = 0
     if len(ex.devices) < ex.plan.n_devices:
         counts = [width * rows] * ex.plan.n_devices
@@ -158,4 +177,4 @@ def read_candidates(ex: Any, t: Tensor, k: int) -> tuple[list[RowCandidates] | N
         received = 8 * width * rows * (ex.plan.n_devices - len(ex.devices))
     else:
         every = mine
-    return merge_rows(every, sizes, k, int(t.ne[0])), received
+    return merge_rows(every, sizes, k, int(t.ne[0]), temps), received

@@ -336,12 +336,13 @@ class PlanExecutor(Executable):
 
         return read_argmax(self, t)
 
-    def read_candidates(self, t: Tensor, k: int) -> tuple[list[Any] | None, int]:
-        """Each row's sampling candidates (`k` per device) of the logits `t` without gathering a
-        vocabulary split (`backends.candidates`); None where `t` is not split. Also the bytes received."""
+    def read_candidates(self, t: Tensor, k: int, temps: list[float] | None = None) -> tuple[list[Any] | None, int]:
+        """Each row's sampling candidates (`k` per device; its mass at `temps[row]`) of the logits
+        `t` without gathering a vocabulary split (`backends.candidates`); None where `t` is not
+        split. Also the bytes received."""
         from metatp.backends.candidates import read_candidates
 
-        return read_candidates(self, t, k)
+        return read_candidates(self, t, k, temps)
 
     def read_across(self, t: Tensor) -> np.ndarray:
         """The full value of `t` when this process owns only some devices: a value every device

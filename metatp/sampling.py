@@ -18,7 +18,7 @@ __all__ = ["SamplingParams", "Sampler", "CandidateSpec", "check_seed", "MAX_N"]
 
 MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
 K_MAX = 256      # top_k up to this is sampled from each device's top_k candidates (beyond: the gathered row)
-K_MIN_P = 64     # candidates per device for min_p (its kept tokens are usually far fewer)
+K_MIN_P = 64     # candidates per device for min_p or top_p alone (their kept tokens are usually far fewer)
 _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
@@ -176,15 +176,18 @@ class CandidateSpec:
 
     Covered: greedy (with logprobs) when the largest candidate exceeds every other logit's bound;
     a sample when its kept tokens are provably candidates -- top_k <= k with the k-th value
-    above the bound, or min_p whose threshold lies above it (top_p then works within those).
-    Plain temperature sampling, or top_p alone, may pick any token of the vocabulary: it never
-    comes here (`Sampler.candidate_spec`). Logprobs: the top `logprobs` must lie above the bound."""
+    above the bound, or min_p whose threshold lies above it (top_p then works within those) --
+    or, for top_p alone, when its nucleus is reached by candidates above the bound for any
+    whole-row mass within a margin of the devices' (`_nucleus`). Plain temperature sampling
+    may pick any token of the vocabulary: it never comes here (`Sampler.candidate_spec`).
+    Logprobs: the top `logprobs` must lie above the bound."""
 
     k: int
     temperature: float
     top_k: int
     min_p: float
     logprobs: int = -1          # -1: none asked
+    top_p: float = 1.0
 
     def covers(self, rc: RowCandidates) -> bool:
         if not rc.finite:                   # the caller reads the row and reports the NaN/inf
@@ -197,7 +200,7 @@ class CandidateSpec:
         if self.logprobs > 0:
             if vals.size < self.logprobs or not np.sort(vals)[-self.logprobs] > rest:
                 return False
-        return self.temperature == 0.0 or _support(vals, self, rc.n_vocab, ids, rest) is not None
+        return self.temperature == 0.0 or _support(vals, self, rc.n_vocab, ids, rest, rc.mass()) is not None
 
 
 class Sampler:
@@ -225,8 +228,8 @@ class Sampler:
     def candidate_spec(self, n_vocab: int) -> CandidateSpec | None:
         """The logits mode that reads this sampler's row as candidates (`CandidateSpec`), or None
         where it needs the whole row every step: penalties, repetition_penalty or logit_bias
-        (applied to the gathered row), or a pick that may be any token (plain temperature, top_p
-        alone, a top_k past K_MAX without min_p). Structured output is the caller's to exclude."""
+        (applied to the gathered row), or a pick that may be any token (plain temperature, a
+        top_k past K_MAX without min_p). Structured output is the caller's to exclude."""
         p = self.p
         if self.penalties is not None or p.repetition_penalty != 1.0:
             return None
@@ -238,11 +241,11 @@ class Sampler:
         top_k = p.top_k if 0 < p.top_k < n_vocab else -1
         if 0 < top_k <= K_MAX:
             k = top_k
-        elif p.min_p > 0:
+        elif p.min_p > 0 or (top_k < 0 and p.top_p < 1.0):
             k = K_MIN_P
         else:
             return None
-        return CandidateSpec(max(k, n_lp, 1) + 1, p.temperature, top_k, p.min_p, n_lp)
+        return CandidateSpec(max(k, n_lp, 1) + 1, p.temperature, top_k, p.min_p, n_lp, p.top_p)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
                  allowed: np.ndarray | None = None) -> int:
@@ -259,8 +262,7 @@ class Sampler:
             x = _masked(x, allowed)
         if p.greedy:
             return int(np.argmax(x))
-        support = _support(x, p, x.size)
-        return self._draw(*support)
+        return self._draw(*_support(x, p, x.size))
 
     def from_candidates(self, rc: RowCandidates) -> int:
         """The token `__call__` would draw from the whole row, drawn from a row's candidates
@@ -272,16 +274,17 @@ class Sampler:
             if not vals.size or not vals.max() > rest:
                 raise ValueError("the candidates do not hold the row's largest logit")
             return int(ids[int(np.argmax(vals))])
-        support = _support(vals, self.p, rc.n_vocab, ids, rest)
+        support = _support(vals, self.p, rc.n_vocab, ids, rest, rc.mass())
         if support is None:
             raise ValueError("the candidates do not cover what this sampler may pick")
         return self._draw(*support)
 
-    def _draw(self, ids: np.ndarray, w: np.ndarray) -> int:
-        """top-p over the kept tokens (`ids` ascending, weights `w` > 0), then one draw: the
-        same arithmetic on the same arrays whether they came from the whole row or from its
-        candidates, so the two draw the same token from the same random state."""
-        if self.p.top_p < 1.0:
+    def _draw(self, ids: np.ndarray, w: np.ndarray, nucleus: bool = False) -> int:
+        """top-p over the kept tokens (`ids` ascending, weights `w` > 0; `nucleus`: top-p's
+        cut is made already), then one draw: the same arithmetic on the same arrays whether they
+        came from the whole row or from its candidates, so the two draw the same token from the
+        same random state."""
+        if self.p.top_p < 1.0 and not nucleus:
             order = np.argsort(-w, kind="stable")
             cum = np.cumsum(w[order])
             cut = int(np.searchsorted(cum, self.p.top_p * cum[-1])) + 1
@@ -291,11 +294,12 @@ class Sampler:
 
 
 def _support(x: np.ndarray, p: SamplingParams, n_vocab: int, ids: np.ndarray | None = None,
-             rest: float = -math.inf) -> tuple[np.ndarray, np.ndarray] | None:
-    """The tokens temperature, top-k and min-p keep, as (ids ascending, weights exp(z - max z) > 0)
-    with z the scaled logits. `x`: the whole row (`ids` None), or some of its tokens `ids`
+             rest: float = -math.inf, mass: float | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """The tokens temperature, top-k and min-p keep, as (ids ascending, weights exp(z - max z) > 0,
+    False) with z the scaled logits. `x`: the whole row (`ids` None), or some of its tokens `ids`
     (ascending) with every other logit at most `rest`: then None unless the kept tokens are
-    provably among them (top-k's k-th value or min-p's threshold above what `rest` scales to)."""
+    provably among them (top-k's k-th value or min-p's threshold above what `rest` scales to),
+    or, for top-p alone, its nucleus is (`_nucleus`, from the whole row's `mass`; True last)."""
     with np.errstate(over="ignore", invalid="ignore"):   # an overflow is a -inf logit: weight 0
         z = _scaled(np.append(x.astype(np.float64), rest), p.temperature)   # rest <= max: the same scaling
         z, z_rest = z[:-1], z[-1]
@@ -312,10 +316,33 @@ def _support(x: np.ndarray, p: SamplingParams, n_vocab: int, ids: np.ndarray | N
             keep &= w >= p.min_p
             covered = covered or bool(np.exp(z_rest - z.max()) < p.min_p)
         keep &= w > 0
+        w_rest = float(np.exp(z_rest - z.max()))
     if not covered:
-        return None
+        if mass is None or p.top_p >= 1.0 or p.min_p > 0 or 0 < p.top_k < n_vocab:
+            return None
+        return _nucleus(ids[keep], w[keep], w_rest, p.top_p, mass, float(z.max()))
     at = np.flatnonzero(keep)
-    return (at if ids is None else ids[at]), w[at]
+    return (at if ids is None else ids[at]), w[at], False
+
+
+def _nucleus(ids: np.ndarray, w: np.ndarray, w_rest: float, top_p: float, mass: float,
+             z_max: float) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """top-p's nucleus of a row known only by some tokens (`ids` ascending, weights `w`), the
+    others weighing at most `w_rest`, and the whole row's weight `mass` (from each device's
+    sum, so within float rounding of the sum the gathered row makes). The tokens above `w_rest`
+    are a prefix of the whole row's descending order; where the cut falls inside that prefix at
+    the same place for any total within a margin of `mass` -- far wider than the two sums'
+    rounding -- it is the gathered row's cut. Else None."""
+    order = np.argsort(-w, kind="stable")
+    sure = int((w[order] > w_rest).sum())
+    cum = np.cumsum(w[order][:sure])
+    margin = 1e-8 + 1e-14 * abs(z_max)          # the exponents' rounding grows with |z|
+    lo = int(np.searchsorted(cum, top_p * mass * (1 - margin)))
+    hi = int(np.searchsorted(cum, top_p * mass * (1 + margin)))
+    if lo != hi or hi >= sure:
+        return None
+    sel = np.sort(order[:hi + 1])
+    return ids[sel], w[sel], True
 
 
 _F32 = np.finfo(np.float32)

@@ -7,6 +7,8 @@ a min-p threshold below it, NaN), `covers` says so and the row is gathered."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -22,31 +24,35 @@ SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=
 LP_TOL = 1e-9         # logprobs: the log-sum-exp adds per device, then across devices
 
 
-def _candidates(row: np.ndarray, cuts: list[int], k: int):
+def _candidates(row: np.ndarray, cuts: list[int], k: int, temperature: float = 1.0):
     """The row's RowCandidates over devices holding consecutive slices of `cuts` entries."""
     every, g = [], 0
+    temps = [temperature if temperature > 0 else 1.0]
     for c in cuts:
-        every.append(device_candidates(row[None, g:g + c], [(g, 0, c)], k))
+        every.append(device_candidates(row[None, g:g + c], [(g, 0, c)], k, temps))
         g += c
-    return merge_rows(every, cuts, k, row.size)[0]
+    return merge_rows(every, cuts, k, row.size, temps)[0]
 
 
 @settings(max_examples=300, deadline=None)
 @given(cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4), seed=st.integers(0, 2**31 - 1),
        levels=st.sampled_from([3, 20, 10**6]), top_k=st.sampled_from([-1, 1, 2, 5, 17]),
        min_p=st.sampled_from([0.0, 0.05, 0.5]), top_p=st.sampled_from([1.0, 0.9, 0.3]),
-       temperature=st.sampled_from([0.0, 1e-300, 0.5, 1.0, 3.0]), logprobs=st.sampled_from([None, 0, 1, 4]))
+       temperature=st.sampled_from([0.0, 1e-300, 0.5, 1.0, 3.0]), logprobs=st.sampled_from([None, 0, 1, 4]),
+       k_cap=st.sampled_from([2, 3, 6, 1000]), peak=st.sampled_from([8.0, 40.0]))
 def test_covered_candidates_draw_what_the_gathered_row_draws(cuts, seed, levels, top_k, min_p, top_p, temperature,
-                                                            logprobs):
+                                                            logprobs, k_cap, peak):
     rng = np.random.default_rng(seed)
     n = sum(cuts)
-    row = (rng.integers(0, levels, size=n) / levels * 8).astype(np.float32)     # few levels: many ties
+    row = (rng.integers(0, levels, size=n) / levels * peak).astype(np.float32)     # few levels: many ties
     p = SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p, seed=seed, logprobs=logprobs)
     spec = Sampler(p, rng).candidate_spec(n)
-    if spec is None:            # greedy alone: the argmax read; plain temperature / top-p alone: the row
-        assert (temperature == 0 and logprobs is None) or (temperature > 0 and min_p == 0 and not 0 < top_k < n)
+    if spec is None:            # greedy alone: the argmax read; plain temperature: the row
+        assert (temperature == 0 and logprobs is None) or \
+            (temperature > 0 and min_p == 0 and not 0 < top_k < n and top_p == 1.0)
         return
-    rc = _candidates(row, cuts, spec.k)
+    spec = dataclasses.replace(spec, k=min(spec.k, k_cap))     # fewer candidates than devices hold: bounds matter
+    rc = _candidates(row, cuts, spec.k, temperature)
     if not spec.covers(rc):
         return
     want = Sampler(p, np.random.default_rng(0))(row)
@@ -75,6 +81,17 @@ def test_a_min_p_threshold_below_the_bound_is_not_covered():
     assert CandidateSpec(k=2, temperature=1.0, top_k=-1, min_p=0.6).covers(_candidates(row, [4, 4], 2))
 
 
+def test_a_top_p_nucleus_inside_the_candidates_is_covered_and_a_wider_one_is_not():
+    row = np.array([9, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0], dtype=np.float32)
+    rc = _candidates(row, [6, 6], 2)
+    assert CandidateSpec(k=2, temperature=1.0, top_k=-1, min_p=0.0, top_p=0.5).covers(rc)
+    p = SamplingParams(temperature=1.0, top_p=0.5, seed=1)
+    assert Sampler(p, np.random.default_rng(0)).from_candidates(rc) == 0 == Sampler(p, np.random.default_rng(0))(row)
+    assert not CandidateSpec(k=2, temperature=1.0, top_k=-1, min_p=0.0, top_p=0.999).covers(rc)
+    hot = _candidates(row, [6, 6], 2, temperature=5.0)       # flatter: the nucleus reaches the untold zeros
+    assert not CandidateSpec(k=2, temperature=5.0, top_k=-1, min_p=0.0, top_p=0.9).covers(hot)
+
+
 def test_a_non_finite_logit_is_never_covered():
     row = np.array([5, 1, 2, np.nan, 4, 1], dtype=np.float32)
     assert not CandidateSpec(k=2, temperature=0.0, top_k=-1, min_p=0.0, logprobs=1).covers(_candidates(row, [3, 3], 2))
@@ -84,8 +101,8 @@ def test_what_is_read_as_candidates():
     rng = np.random.default_rng(0)
     spec = Sampler(SamplingParams(temperature=0.8, top_k=40, logprobs=5), rng).candidate_spec(1000)
     assert spec is not None and spec.k == 41 and spec.top_k == 40
-    for p in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9),
-              SamplingParams(temperature=0.8, top_k=300), SamplingParams(temperature=0.8, top_k=40, presence_penalty=1),
+    assert Sampler(SamplingParams(temperature=0.8, top_p=0.9), rng).candidate_spec(1000).k == 65
+    for p in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=300), SamplingParams(temperature=0.8, top_k=40, presence_penalty=1),
               SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1), SamplingParams(temperature=0)):
         assert Sampler(p, rng).candidate_spec(1000) is None, p
     assert Sampler(SamplingParams(temperature=0.8, top_k=300, min_p=0.1), rng).candidate_spec(1000).k == 65
@@ -93,9 +110,10 @@ def test_what_is_read_as_candidates():
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 PARAMS = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=3, ignore_eos=True, logprobs=3),
-          SamplingParams(max_tokens=10, temperature=1.3, min_p=0.5, top_p=0.9, seed=4, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.6, min_p=0.5, top_p=0.9, seed=4, ignore_eos=True),
           SamplingParams(max_tokens=10, temperature=0.7, min_p=0.2, seed=5, ignore_eos=True, logprobs=1),
-          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)]
+          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2),
+          SamplingParams(max_tokens=10, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True)]
 
 
 def _outputs(llm: LLM) -> list:
@@ -144,7 +162,7 @@ def test_the_dump_bills_the_bytes_each_logits_read_moves_per_row(path):
     plan, _ = llm.engine.plan_for(BatchSpec(1, 32, 1))
     bill = logits_bill(plan, ks=(41, 300))
     assert bill == {"n_vocab": 2048, "n_devices": 2, "gathered": 4 * 1024, "argmax": 24,
-                    "candidates": {41: 8 * 85, 300: None}}          # 300 per device would outweigh the row
+                    "candidates": {41: 8 * 86, 300: None}}          # 300 per device would outweigh the row
     assert "greedy: 24 B" in "\n".join(bill_lines(bill))
     one = LLM(path, n_ctx=256, backend="numpy")
     assert logits_bill(one.engine.plan_for(BatchSpec(1, 32, 1))[0]) is None
