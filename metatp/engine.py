@@ -352,9 +352,10 @@ class Engine:
             got.update((i, picks[at[i]]) for i in out_rows if rows[i].greedy and picks[at[i]] is not None)
         specs = [i for i in out_rows if rows[i].spec is not None and candidates_pay(ex, t, rows[i].spec.k)]
         if specs:                                   # every process decides `covers` alike on the same numbers
-            temps = [r.spec.temperature if r.spec is not None and r.spec.temperature > 0 else 1.0
-                     for r in (rows[j] if j < len(rows) else rows[-1] for j in sel)]    # per logits row
-            cands, received = ex.read_candidates(t, max(rows[i].spec.k for i in specs), temps)
+            by = [rows[j].spec if j < len(rows) else None for j in sel]       # per logits row
+            temps = [s.temperature if s is not None and s.temperature > 0 else 1.0 for s in by]
+            adjs = [s.adjust if s is not None else None for s in by]
+            cands, received = ex.read_candidates(t, max(rows[i].spec.k for i in specs), temps, adjs)
             self.logits_bytes += received
             for i in specs if cands is not None else ():
                 rc = cands[at[i]].narrowed(rows[i].spec.k)     # what this row alone would read

@@ -12,7 +12,7 @@ import numpy as np
 
 from metatp.backends.candidates import RowCandidates
 from metatp.ir.errors import ConfigError
-from metatp.penalties import Penalties, check_logit_bias, check_min_tokens
+from metatp.penalties import Adjustment, Penalties, check_logit_bias, check_min_tokens
 
 __all__ = ["SamplingParams", "Sampler", "CandidateSpec", "check_seed", "MAX_N"]
 
@@ -180,7 +180,9 @@ class CandidateSpec:
     or, for top_p alone, when its nucleus is reached by candidates above the bound for any
     whole-row mass within a margin of the devices' (`_nucleus`). Plain temperature sampling
     may pick any token of the vocabulary: it never comes here (`Sampler.candidate_spec`).
-    Logprobs: the top `logprobs` must lie above the bound."""
+    Logprobs: the top `logprobs` must lie above the bound. `adjust`: the request's penalties and
+    logit_bias this step, which each device applies to its own slice before choosing candidates
+    (with logprobs, which are of the raw logits, such a request reads the whole row)."""
 
     k: int
     temperature: float
@@ -188,6 +190,7 @@ class CandidateSpec:
     min_p: float
     logprobs: int = -1          # -1: none asked
     top_p: float = 1.0
+    adjust: Adjustment | None = field(default=None, compare=False)   # this step's penalties, per device
 
     def covers(self, rc: RowCandidates) -> bool:
         if not rc.finite:                   # the caller reads the row and reports the NaN/inf
@@ -226,18 +229,21 @@ class Sampler:
             self.penalties = pen if pen.active else None
 
     def candidate_spec(self, n_vocab: int) -> CandidateSpec | None:
-        """The logits mode that reads this sampler's row as candidates (`CandidateSpec`), or None
-        where it needs the whole row every step: penalties, repetition_penalty or logit_bias
-        (applied to the gathered row), or a pick that may be any token (plain temperature, a
-        top_k past K_MAX without min_p). Structured output is the caller's to exclude."""
+        """The logits mode that reads this sampler's row as candidates (`CandidateSpec`; with
+        penalties, `step_spec` adds each step's adjustment), or None where it needs the whole row
+        every step: repetition_penalty (its float32 overflow rule looks at the whole history's
+        logits), penalties with logprobs (those are of the raw logits), or a pick that may be
+        any token (plain temperature, a top_k past K_MAX without min_p). Structured output is
+        the caller's to exclude."""
         p = self.p
-        if self.penalties is not None or p.repetition_penalty != 1.0:
-            return None
         n_lp = -1 if p.logprobs is None else p.logprobs
+        if p.repetition_penalty != 1.0 or (self.penalties is not None and n_lp >= 0):
+            return None
         # one candidate more than needed: the needed ones then lie strictly above each
         # device's last (the bound on the rest) unless they tie with it
         if p.greedy:
-            return CandidateSpec(max(1, n_lp) + 1, 0.0, -1, 0.0, n_lp) if n_lp >= 0 else None
+            wanted = n_lp >= 0 or self.penalties is not None     # else the argmax read
+            return CandidateSpec(max(1, n_lp) + 1, 0.0, -1, 0.0, n_lp) if wanted else None
         top_k = p.top_k if 0 < p.top_k < n_vocab else -1
         if 0 < top_k <= K_MAX:
             k = top_k
@@ -246,6 +252,13 @@ class Sampler:
         else:
             return None
         return CandidateSpec(max(k, n_lp, 1) + 1, p.temperature, top_k, p.min_p, n_lp, p.top_p)
+
+    def step_spec(self, spec: CandidateSpec, generated: Sequence[int]) -> CandidateSpec:
+        """`spec` with this step's adjustment (penalties, logit_bias, min_tokens' bans) from the
+        tokens generated so far -- what the sampler would apply to the gathered row."""
+        if self.penalties is None:
+            return spec
+        return dataclasses.replace(spec, adjust=self.penalties.step(generated))
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
                  allowed: np.ndarray | None = None) -> int:
@@ -266,8 +279,9 @@ class Sampler:
 
     def from_candidates(self, rc: RowCandidates) -> int:
         """The token `__call__` would draw from the whole row, drawn from a row's candidates
-        (`metatp.backends.candidates`), which `CandidateSpec.covers` has found to hold everything
-        this sampler may pick; the same random draw. ValueError where they do not cover it."""
+        (`metatp.backends.candidates`, penalties applied by the devices), which
+        `CandidateSpec.covers` has found to hold everything this sampler may pick; the same
+        random draw. ValueError where they do not cover it."""
         ids, vals = rc.merged()
         rest = rc.bound()
         if self.p.greedy:

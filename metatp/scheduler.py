@@ -52,7 +52,7 @@ from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import OutputProcessor, StepOutput, StopMatcher
 from metatp.backends.candidates import RowCandidates
-from metatp.sampling import Sampler, SamplingParams
+from metatp.sampling import CandidateSpec, Sampler, SamplingParams
 from metatp.structured import MaskPrefetch, make_guide
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class Request:
         plain = (params.greedy and params.logprobs is None and not params.penalized
                  and params.repetition_penalty == 1.0 and self.constraint is None)
         spec = self.sampler.candidate_spec(tokenizer.n_vocab) if self.constraint is None else None
-        self.wants = "argmax" if plain else spec or "last"
+        self._wants = "argmax" if plain else spec or "last"
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
@@ -138,6 +138,12 @@ class Request:
     @property
     def done(self) -> bool:
         return self.state == "done"
+
+    @property
+    def wants(self) -> str | CandidateSpec:
+        """This step's logits mode (a CandidateSpec carries this step's penalties)."""
+        w = self._wants
+        return w if isinstance(w, str) else self.sampler.step_spec(w, self.output_ids)
 
     def sample(self, logits: np.ndarray) -> int:
         """The next token from this request's logits (NumericalError for NaN/inf logits), or from

@@ -3,7 +3,7 @@
 Under a vocabulary split (-sm tensor, one process per device) rank 0 samples, and what it
 samples from crosses between processes (backends/logits_read.py, backends/candidates.py): the
 whole row (an Allgatherv of every device's slice) for full logits and the requests sampled
-from the whole vocabulary; 3 float64 per device for a greedy token; 2k + 4 float64 per device
+from the whole vocabulary; 3 float64 per device for a greedy token; 2k + 5 float64 per device
 for top-k / min-p sampling and logprobs from k candidates (only where that is fewer bytes than
 the row, `candidates_pay`). Bytes one process receives per row, from the plan's split.
 """
@@ -35,7 +35,7 @@ def logits_bill(plan: Plan, ks: tuple[int, ...] = CANDIDATE_KS) -> dict | None:
         sizes[j] += length
     cand = {}
     for k in ks:
-        width = 8 * (2 * k + 4)
+        width = 8 * (2 * k + 5)
         cand[k] = width * (n - 1) if width * n < _LOGITS_ITEMSIZE * n_vocab else None
     return {"n_vocab": n_vocab, "n_devices": n, "gathered": _LOGITS_ITEMSIZE * (n_vocab - min(sizes)),
             "argmax": 24 * (n - 1), "candidates": cand}

@@ -25,7 +25,10 @@ prompts = [[5, 6, 7], [8, 9]]
 params = [SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=3, ignore_eos=True, logprobs=3),
           SamplingParams(max_tokens=8, temperature=0.7, min_p=0.2, top_p=0.9, seed=4, ignore_eos=True),
           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2),
-          SamplingParams(max_tokens=8, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True)]
+          SamplingParams(max_tokens=8, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True),
+          SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=7, presence_penalty=1.0, logit_bias={5: 5.0, 9: -100},
+                         min_tokens=3, stop_token_ids=[12], ignore_eos=True),
+          SamplingParams(max_tokens=8, temperature=0, frequency_penalty=0.5, ignore_eos=True)]
 llm = LLM(sys.argv[1], n_ctx=256, backend="numpy")
 runs = {}
 for mode in ("candidates", "gathered"):
@@ -54,7 +57,7 @@ def test_seeded_samples_under_mpiexec_equal_the_gathered_path_with_fewer_bytes(p
             for da, db in zip(la, lb):
                 assert da.keys() == db.keys()
                 assert all(abs(da[k] - db[k]) <= 1e-9 for k in da)
-    rows = 4 * 2 * 8                                  # four params, two prompts, eight sampled rows
+    rows = 6 * 2 * 8                                  # six params, two prompts, eight sampled rows
     assert full["candidate_rows"] == 0 and full["bytes"] >= 4 * got["n_vocab"] * rows // 2
     assert cand["candidate_rows"] > rows // 3         # most rows never gathered
     assert cand["bytes"] < full["bytes"]

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from metatp import LLM, SamplingParams
 from metatp.backends.candidates import device_candidates, merge_rows
@@ -24,12 +24,12 @@ SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=
 LP_TOL = 1e-9         # logprobs: the log-sum-exp adds per device, then across devices
 
 
-def _candidates(row: np.ndarray, cuts: list[int], k: int, temperature: float = 1.0):
+def _candidates(row: np.ndarray, cuts: list[int], k: int, temperature: float = 1.0, adj=None):
     """The row's RowCandidates over devices holding consecutive slices of `cuts` entries."""
     every, g = [], 0
     temps = [temperature if temperature > 0 else 1.0]
     for c in cuts:
-        every.append(device_candidates(row[None, g:g + c], [(g, 0, c)], k, temps))
+        every.append(device_candidates(row[None, g:g + c], [(g, 0, c)], k, temps, [adj]))
         g += c
     return merge_rows(every, cuts, k, row.size, temps)[0]
 
@@ -39,24 +39,33 @@ def _candidates(row: np.ndarray, cuts: list[int], k: int, temperature: float = 1
        levels=st.sampled_from([3, 20, 10**6]), top_k=st.sampled_from([-1, 1, 2, 5, 17]),
        min_p=st.sampled_from([0.0, 0.05, 0.5]), top_p=st.sampled_from([1.0, 0.9, 0.3]),
        temperature=st.sampled_from([0.0, 1e-300, 0.5, 1.0, 3.0]), logprobs=st.sampled_from([None, 0, 1, 4]),
-       k_cap=st.sampled_from([2, 3, 6, 1000]), peak=st.sampled_from([8.0, 40.0]))
+       k_cap=st.sampled_from([2, 3, 6, 1000]), peak=st.sampled_from([8.0, 40.0]),
+       penalties=st.sampled_from([None, "presence", "bias", "min_tokens"]))
 def test_covered_candidates_draw_what_the_gathered_row_draws(cuts, seed, levels, top_k, min_p, top_p, temperature,
-                                                            logprobs, k_cap, peak):
+                                                            logprobs, k_cap, peak, penalties):
     rng = np.random.default_rng(seed)
     n = sum(cuts)
     row = (rng.integers(0, levels, size=n) / levels * peak).astype(np.float32)     # few levels: many ties
-    p = SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p, seed=seed, logprobs=logprobs)
-    spec = Sampler(p, rng).candidate_spec(n)
-    if spec is None:            # greedy alone: the argmax read; plain temperature: the row
-        assert (temperature == 0 and logprobs is None) or \
-            (temperature > 0 and min_p == 0 and not 0 < top_k < n and top_p == 1.0)
+    assume(n >= 3 or penalties is None)          # a ban of the whole vocabulary is refused
+    generated = [int(t) for t in rng.integers(0, n, size=5)]
+    extra = {None: {}, "presence": {"presence_penalty": 1.5, "frequency_penalty": -0.5},
+             "bias": {"logit_bias": {int(rng.integers(n)): 30.0, int(rng.integers(n)): -100}},
+             "min_tokens": {"min_tokens": 9, "stop_token_ids": [int(rng.integers(n))]}}[penalties]
+    p = SamplingParams(temperature=temperature, top_k=top_k, min_p=min_p, top_p=top_p, seed=seed, logprobs=logprobs,
+                       **extra)
+    sampler = Sampler(p, rng, end_ids=p.stop_token_ids, n_vocab=n)
+    spec = sampler.candidate_spec(n)
+    if spec is None:            # greedy alone: the argmax read; plain temperature: the row; penalties + logprobs
+        assert (temperature == 0 and logprobs is None and sampler.penalties is None) or \
+            (temperature > 0 and min_p == 0 and not 0 < top_k < n and top_p == 1.0) or \
+            (sampler.penalties is not None and logprobs is not None)
         return
-    spec = dataclasses.replace(spec, k=min(spec.k, k_cap))     # fewer candidates than devices hold: bounds matter
-    rc = _candidates(row, cuts, spec.k, temperature)
+    spec = sampler.step_spec(dataclasses.replace(spec, k=min(spec.k, k_cap)), generated)   # bounds matter
+    rc = _candidates(row, cuts, spec.k, temperature, spec.adjust)
     if not spec.covers(rc):
         return
-    want = Sampler(p, np.random.default_rng(0))(row)
-    got = Sampler(p, np.random.default_rng(0)).from_candidates(rc)
+    want = Sampler(p, np.random.default_rng(0), end_ids=p.stop_token_ids, n_vocab=n)(row, generated=generated)
+    got = Sampler(p, np.random.default_rng(0), end_ids=p.stop_token_ids, n_vocab=n).from_candidates(rc)
     assert got == want
     if logprobs is not None:
         lp_full, top_full = token_logprob(row, want, logprobs)
@@ -102,7 +111,8 @@ def test_what_is_read_as_candidates():
     spec = Sampler(SamplingParams(temperature=0.8, top_k=40, logprobs=5), rng).candidate_spec(1000)
     assert spec is not None and spec.k == 41 and spec.top_k == 40
     assert Sampler(SamplingParams(temperature=0.8, top_p=0.9), rng).candidate_spec(1000).k == 65
-    for p in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=300), SamplingParams(temperature=0.8, top_k=40, presence_penalty=1),
+    for p in (SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=300),
+              SamplingParams(temperature=0.8, top_k=40, presence_penalty=1, logprobs=1),
               SamplingParams(temperature=0.8, top_k=40, repetition_penalty=1.1), SamplingParams(temperature=0)):
         assert Sampler(p, rng).candidate_spec(1000) is None, p
     assert Sampler(SamplingParams(temperature=0.8, top_k=300, min_p=0.1), rng).candidate_spec(1000).k == 65
@@ -113,7 +123,10 @@ PARAMS = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=3, ignor
           SamplingParams(max_tokens=10, temperature=0.6, min_p=0.5, top_p=0.9, seed=4, ignore_eos=True),
           SamplingParams(max_tokens=10, temperature=0.7, min_p=0.2, seed=5, ignore_eos=True, logprobs=1),
           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2),
-          SamplingParams(max_tokens=10, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True)]
+          SamplingParams(max_tokens=10, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7, presence_penalty=1.0, logit_bias={5: 5.0, 9: -100},
+                         min_tokens=3, stop_token_ids=[12], ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0, frequency_penalty=0.5, ignore_eos=True)]
 
 
 def _outputs(llm: LLM) -> list:
@@ -162,7 +175,7 @@ def test_the_dump_bills_the_bytes_each_logits_read_moves_per_row(path):
     plan, _ = llm.engine.plan_for(BatchSpec(1, 32, 1))
     bill = logits_bill(plan, ks=(41, 300))
     assert bill == {"n_vocab": 2048, "n_devices": 2, "gathered": 4 * 1024, "argmax": 24,
-                    "candidates": {41: 8 * 86, 300: None}}          # 300 per device would outweigh the row
+                    "candidates": {41: 8 * 87, 300: None}}          # 300 per device would outweigh the row
     assert "greedy: 24 B" in "\n".join(bill_lines(bill))
     one = LLM(path, n_ctx=256, backend="numpy")
     assert logits_bill(one.engine.plan_for(BatchSpec(1, 32, 1))[0]) is None
