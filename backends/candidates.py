@@ -7,13 +7,16 @@ of exp(logit - that value), at temperature 1 and at the row's sampling temperatu
 numbers instead of its slice, in one all-gather. A request's penalties and logit_bias (its
 step's `metatp.penalties.Adjustment`) are applied by each device to its own slice first
 (`adjust(shard, adj, lo)`: the same float64 sums as on the whole row), so the candidates, the
-bound and the mass are of the adjusted logits; the max, sum and finiteness stay the raw ones'. Every process then holds the same
-`RowCandidates` per row: the merged candidates, an upper bound on every logit not among them
-(the K-th value of each device that holds more than K; `bound`), the log-sum-exp of the whole
-row (`lse`, the softmax's normaliser up to float rounding) and the mass of the whole row at the
-temperature (`mass`, what top-p's nucleus is a share of). The
-sampler (`metatp.sampling.CandidateSpec.covers`) decides from these alone, alike on every
-process, whether they cover everything it may pick; where not, the caller reads the whole row.
+bound and the mass are of the adjusted logits; the max, sum and finiteness stay the raw ones'.
+
+Every process then holds the same `RowCandidates` per row: the merged candidates, an upper
+bound on every logit not among them (the K-th value of each device that holds more than K;
+`bound`), the log-sum-exp of the whole row (`lse`, the softmax's normaliser up to float
+rounding) and the mass of the whole row at the temperature (`mass`, what top-p's nucleus is a
+share of). The sampler (`metatp.sampling.CandidateSpec.covers`) decides from these alone, alike
+on every process, whether they cover everything it may pick; where not, the caller reads the
+whole row. In one process with simulated devices nothing crosses, and the row is not put
+together; on CuPy each device's slice is copied to the host and reduced there (`host_value`).
 """
 
 from __future__ import annotations

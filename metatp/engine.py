@@ -258,8 +258,9 @@ class Engine:
         """One engine step: every item's tokens at its sequence's next positions, each sequence at
         most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all"),
         the greedy token as an int ("argmax"; its logits where one is not finite), `RowCandidates`
-        (a CandidateSpec that covers; else its row) or None. Rows are split into passes (decode tokens and short chunks in passes of at most
-        `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
+        (a CandidateSpec that covers; else its row) or None. Rows are split into passes (decode
+        tokens and short chunks in passes of at most `small_rows` rows, longer chunks in passes of
+        up to n_batch rows); positions are
         committed only when every pass succeeded. Under MPI every rank makes this call with the
         same items on the same cells (a server's followers replay rank 0's `StepBatch`es,
         `metatp.lockstep.follow`): passes, padding and masks depend on nothing else."""

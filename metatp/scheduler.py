@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from metatp.backends.candidates import RowCandidates
 from metatp.engine import Engine, StepItem
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
 from metatp.kv_cells import SeqCells
@@ -51,7 +52,6 @@ from metatp.kv_demand import CellDemand, prefill_chunk
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import OutputProcessor, StepOutput, StopMatcher
-from metatp.backends.candidates import RowCandidates
 from metatp.sampling import CandidateSpec, Sampler, SamplingParams
 from metatp.structured import MaskPrefetch, make_guide
 

@@ -124,8 +124,8 @@ PARAMS = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=3, ignor
           SamplingParams(max_tokens=10, temperature=0.7, min_p=0.2, seed=5, ignore_eos=True, logprobs=1),
           SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2),
           SamplingParams(max_tokens=10, temperature=0.05, top_p=0.6, seed=6, ignore_eos=True),
-          SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7, presence_penalty=1.0, logit_bias={5: 5.0, 9: -100},
-                         min_tokens=3, stop_token_ids=[12], ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7, presence_penalty=1.0,
+                         logit_bias={5: 5.0, 9: -100}, min_tokens=3, stop_token_ids=[12], ignore_eos=True),
           SamplingParams(max_tokens=10, temperature=0, frequency_penalty=0.5, ignore_eos=True)]
 
 
