@@ -336,6 +336,15 @@ class PlanExecutor(Executable):
 
         return read_argmax(self, t)
 
+    def read_candidates(self, t: Tensor, k: int, temps: list[float] | None = None,
+                        adjs: list[Any] | None = None) -> tuple[list[Any] | None, int]:
+        """Each row's sampling candidates (`k` per device, after the penalties `adjs[row]`; its
+        mass at `temps[row]`) of the logits `t` without gathering a vocabulary split
+        (`backends.candidates`); None where `t` is not split. Also the bytes received."""
+        from metatp.backends.candidates import read_candidates
+
+        return read_candidates(self, t, k, temps, adjs)
+
     def read_across(self, t: Tensor) -> np.ndarray:
         """The full value of `t` when this process owns only some devices: a value every device
         holds whole (mirrored and computed everywhere) is read here; one that a single device

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from metatp.backends.base import Backend, WeightSource
+from metatp.backends.candidates import candidates_pay
 from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
@@ -43,6 +44,7 @@ from metatp import pipeline
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
+from metatp.sampling import CandidateSpec
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -74,11 +76,14 @@ class StepItem:
     """One sequence's part of a step: `tokens` at its next positions; which logits it wants:
     "last" (the row sampled next), "all" (scoring), "none" (a prompt chunk that is not the end)
     or "argmax" (the last row's greedy token only: read from a vocabulary split without
-    gathering it, `backends.logits_read`; its logits come back only where one is not finite)."""
+    gathering it, `backends.logits_read`; its logits come back only where one is not finite),
+    or a `CandidateSpec` (the last row sampled from its candidates: a vocabulary split comes
+    back as `RowCandidates` where they cover the request's pick, `backends.candidates`; else,
+    and without a split, as the row)."""
 
     seq: SeqCells
     tokens: list[int]
-    logits: str = "last"
+    logits: str | CandidateSpec = "last"
 
 
 @dataclass
@@ -88,6 +93,7 @@ class _Row:
     token: int
     out: bool           # logits wanted here
     greedy: bool = False    # ... and only their argmax
+    spec: CandidateSpec | None = None    # ... or the candidates this spec samples from
 
 
 class Engine:
@@ -121,6 +127,7 @@ class Engine:
         # None: the default there, 1: one pass after another
         self.micro_batches: int | None = pipeline.env_micro_batches()
         self.logits_bytes = 0               # logits bytes gathered to this process (statistics)
+        self.candidate_rows = 0             # rows sampled from their candidates, not gathered (statistics)
 
     # ---------------------------------------------------------------- compilation
     def plan_for(self, spec: BatchSpec, slot: int = 0) -> tuple[Plan, object]:
@@ -255,8 +262,10 @@ class Engine:
     def run(self, items: Sequence[StepItem]) -> list[np.ndarray | None]:
         """One engine step: every item's tokens at its sequence's next positions, each sequence at
         most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all"),
-        the greedy token as an int ("argmax"; its logits where one is not finite) or None. Rows are split into passes (decode tokens and short chunks in passes of at most
-        `small_rows` rows, longer chunks in passes of up to n_batch rows); positions are
+        the greedy token as an int ("argmax"; its logits where one is not finite), `RowCandidates`
+        (a CandidateSpec that covers; else its row) or None. Rows are split into passes (decode
+        tokens and short chunks in passes of at most `small_rows` rows, longer chunks in passes of
+        up to n_batch rows); positions are
         committed only when every pass succeeded. Under MPI every rank makes this call with the
         same items on the same cells (a server's followers replay rank 0's `StepBatch`es,
         `metatp.lockstep.follow`): passes, padding and masks depend on nothing else."""
@@ -269,7 +278,8 @@ class Engine:
         for k, it in enumerate(items):
             if not it.tokens:
                 raise ConfigError("forward needs at least one token")
-            if it.logits not in ("last", "all", "none", "argmax"):
+            spec = it.logits if isinstance(it.logits, CandidateSpec) else None
+            if spec is None and it.logits not in ("last", "all", "none", "argmax"):
                 raise ConfigError(f"logits must be 'last', 'all', 'none' or 'argmax', got {it.logits!r}")
             ids = np.asarray(it.tokens, dtype=np.int64)
             if ids.min() < 0 or ids.max() >= n_vocab:
@@ -282,9 +292,9 @@ class Engine:
                 raise ConfigError(f"sequence {it.seq.id} has ended; start a new one")
             self.cells.grow(it.seq, end)
             n = len(it.tokens)
-            last = it.logits in ("last", "argmax")
-            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax")
-                    for i, t in enumerate(it.tokens)]
+            last = spec is not None or it.logits in ("last", "argmax")
+            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax",
+                         spec) for i, t in enumerate(it.tokens)]
             (small if n <= self.small_rows else large).extend(rows)
         keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
         got: dict[int, list[np.ndarray]] = {}
@@ -352,14 +362,26 @@ class Engine:
             return []
         t = plan.graph.meta["logits"]
         at = {row: k for k, row in reversed(list(enumerate(sel)))}
-        picks: list[int | None] = [None] * len(sel)
+        got: dict[int, object] = {}                 # out row -> its greedy token or RowCandidates
         if any(rows[i].greedy for i in out_rows):
             picks, received = ex.read_argmax(t)
             self.logits_bytes += received
-        if all(rows[i].greedy and picks[at[i]] is not None for i in out_rows):
-            return [picks[at[i]] for i in out_rows]
+            got.update((i, picks[at[i]]) for i in out_rows if rows[i].greedy and picks[at[i]] is not None)
+        specs = [i for i in out_rows if rows[i].spec is not None and candidates_pay(ex, t, rows[i].spec.k)]
+        if specs:                                   # every process decides `covers` alike on the same numbers
+            by = [rows[j].spec if j < len(rows) else None for j in sel]       # per logits row
+            temps = [s.temperature if s is not None and s.temperature > 0 else 1.0 for s in by]
+            adjs = [s.adjust if s is not None else None for s in by]
+            cands, received = ex.read_candidates(t, max(rows[i].spec.k for i in specs), temps, adjs)
+            self.logits_bytes += received
+            for i in specs if cands is not None else ():
+                rc = cands[at[i]].narrowed(rows[i].spec.k)     # what this row alone would read
+                if rows[i].spec.covers(rc):
+                    got[i] = rc
+                    self.candidate_rows += 1
+        if len(got) == n_out:
+            return [got[i] for i in out_rows]
         logits = ex.read(t)                         # every process makes this read alike: the picks agree
         self.logits_bytes += logits.nbytes if len(ex.devices) < plan.n_devices else 0
         logits = logits.reshape(-1, logits.shape[-1])
-        return [picks[at[i]] if rows[i].greedy and picks[at[i]] is not None else logits[at[i]].copy()
-                for i in out_rows]
+        return [got[i] if i in got else logits[at[i]].copy() for i in out_rows]

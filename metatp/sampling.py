@@ -10,12 +10,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from metatp.backends.candidates import RowCandidates
 from metatp.ir.errors import ConfigError
-from metatp.penalties import Penalties, check_logit_bias, check_min_tokens
+from metatp.penalties import Adjustment, Penalties, check_logit_bias, check_min_tokens
 
-__all__ = ["SamplingParams", "Sampler", "check_seed", "MAX_N"]
+__all__ = ["SamplingParams", "Sampler", "CandidateSpec", "check_seed", "MAX_N"]
 
 MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
+K_MAX = 256      # top_k up to this is sampled from each device's top_k candidates (beyond: the gathered row)
+K_MIN_P = 64     # candidates per device for min_p or top_p alone (their kept tokens are usually far fewer)
 _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
 
 
@@ -164,8 +167,54 @@ class SamplingParams:
         return dataclasses.replace(self, **given) if given else self
 
 
+@dataclass(frozen=True)
+class CandidateSpec:
+    """A StepItem's logits mode for a row sampled from vocabulary-split logits without gathering
+    them (`metatp.backends.candidates`): `k` candidates per device, and what decides, from the
+    candidates alone and alike on every process (under MPI it travels with the step), whether
+    they cover this request's pick (`covers`); where not, the row is gathered.
+
+    Covered: greedy (with logprobs) when the largest candidate exceeds every other logit's bound;
+    a sample when its kept tokens are provably candidates -- top_k <= k with the k-th value
+    above the bound, or min_p whose threshold lies above it (top_p then works within those) --
+    or, for top_p alone, when its nucleus is reached by candidates above the bound for any
+    whole-row mass within a margin of the devices' (`_nucleus`). Plain temperature sampling
+    may pick any token of the vocabulary: it never comes here (`Sampler.candidate_spec`).
+    Logprobs: the top `logprobs` must lie above the bound. `adjust`: the request's penalties and
+    logit_bias this step, which each device applies to its own slice before choosing candidates
+    (with logprobs, which are of the raw logits, such a request reads the whole row)."""
+
+    k: int
+    temperature: float
+    top_k: int
+    min_p: float
+    logprobs: int = -1          # -1: none asked
+    top_p: float = 1.0
+    adjust: Adjustment | None = field(default=None, compare=False)   # this step's penalties, per device
+
+    def covers(self, rc: RowCandidates) -> bool:
+        if not rc.finite:                   # the caller reads the row and reports the NaN/inf
+            return False
+        rc = rc.narrowed(self.k)
+        ids, vals = rc.merged()
+        rest = rc.bound()
+        if not vals.size or not vals.max() > rest:
+            return False
+        if self.logprobs > 0:
+            if vals.size < self.logprobs or not np.sort(vals)[-self.logprobs] > rest:
+                return False
+        return self.temperature == 0.0 or _support(vals, self, rc.n_vocab, ids, rest, rc.mass()) is not None
+
+
 class Sampler:
-    """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax)."""
+    """Applies penalties, temperature, top-k, top-p and min-p, then draws (or takes argmax).
+
+    The draw is made over the kept tokens only, in ascending id order (`_support`, `_draw`), so
+    the same arithmetic runs whether the row was gathered or only its candidates were read
+    (`from_candidates`): the two give the same token from the same seed. (Before, the draw ran
+    over the whole vocabulary, and min_p compared normalised probabilities; a seeded sample may
+    differ from then's in rare last-bit cases. Same seed, same output still holds, whatever the
+    batch-mates and the number of devices.)"""
 
     def __init__(self, params: SamplingParams, rng: np.random.Generator, end_ids: Sequence[int] = (),
                  n_vocab: int | None = None) -> None:
@@ -178,6 +227,38 @@ class Sampler:
             pen = Penalties(params.frequency_penalty, params.presence_penalty, params.logit_bias or {},
                             params.min_tokens, end_ids, n_vocab)
             self.penalties = pen if pen.active else None
+
+    def candidate_spec(self, n_vocab: int) -> CandidateSpec | None:
+        """The logits mode that reads this sampler's row as candidates (`CandidateSpec`; with
+        penalties, `step_spec` adds each step's adjustment), or None where it needs the whole row
+        every step: repetition_penalty (its float32 overflow rule looks at the whole history's
+        logits), penalties with logprobs (those are of the raw logits), or a pick that may be
+        any token (plain temperature, a top_k past K_MAX without min_p). Structured output is
+        the caller's to exclude."""
+        p = self.p
+        n_lp = -1 if p.logprobs is None else p.logprobs
+        if p.repetition_penalty != 1.0 or (self.penalties is not None and n_lp >= 0):
+            return None
+        # one candidate more than needed: the needed ones then lie strictly above each
+        # device's last (the bound on the rest) unless they tie with it
+        if p.greedy:
+            wanted = n_lp >= 0 or self.penalties is not None     # else the argmax read
+            return CandidateSpec(max(1, n_lp) + 1, 0.0, -1, 0.0, n_lp) if wanted else None
+        top_k = p.top_k if 0 < p.top_k < n_vocab else -1
+        if 0 < top_k <= K_MAX:
+            k = top_k
+        elif p.min_p > 0 or (top_k < 0 and p.top_p < 1.0):
+            k = K_MIN_P
+        else:
+            return None
+        return CandidateSpec(max(k, n_lp, 1) + 1, p.temperature, top_k, p.min_p, n_lp, p.top_p)
+
+    def step_spec(self, spec: CandidateSpec, generated: Sequence[int]) -> CandidateSpec:
+        """`spec` with this step's adjustment (penalties, logit_bias, min_tokens' bans) from the
+        tokens generated so far -- what the sampler would apply to the gathered row."""
+        if self.penalties is None:
+            return spec
+        return dataclasses.replace(spec, adjust=self.penalties.step(generated))
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
                  allowed: np.ndarray | None = None) -> int:
@@ -194,25 +275,88 @@ class Sampler:
             x = _masked(x, allowed)
         if p.greedy:
             return int(np.argmax(x))
-        with np.errstate(over="ignore"):     # an overflow below is a -inf logit: probability 0
-            x = _scaled(x.astype(np.float64), p.temperature)
-            if 0 < p.top_k < x.size:
-                kth = np.partition(x, -p.top_k)[-p.top_k]
-                x = np.where(x < kth, -np.inf, x)
-            x -= x.max()
-            probs = np.exp(x)
-            probs /= probs.sum()
-            if p.min_p > 0:
-                probs = np.where(probs < p.min_p * probs.max(), 0.0, probs)
-            if p.top_p < 1.0:
-                order = np.argsort(-probs, kind="stable")
-                cum = np.cumsum(probs[order])
-                cut = int(np.searchsorted(cum, p.top_p * cum[-1])) + 1
-                keep = np.zeros_like(probs)
-                keep[order[:cut]] = probs[order[:cut]]
-                probs = keep
-            probs /= probs.sum()
-            return int(self.rng.choice(probs.size, p=probs))
+        return self._draw(*_support(x, p, x.size))
+
+    def from_candidates(self, rc: RowCandidates) -> int:
+        """The token `__call__` would draw from the whole row, drawn from a row's candidates
+        (`metatp.backends.candidates`, penalties applied by the devices), which
+        `CandidateSpec.covers` has found to hold everything this sampler may pick; the same
+        random draw. ValueError where they do not cover it."""
+        ids, vals = rc.merged()
+        rest = rc.bound()
+        if self.p.greedy:
+            if not vals.size or not vals.max() > rest:
+                raise ValueError("the candidates do not hold the row's largest logit")
+            return int(ids[int(np.argmax(vals))])
+        support = _support(vals, self.p, rc.n_vocab, ids, rest, rc.mass())
+        if support is None:
+            raise ValueError("the candidates do not cover what this sampler may pick")
+        return self._draw(*support)
+
+    def _draw(self, ids: np.ndarray, w: np.ndarray, nucleus: bool = False) -> int:
+        """top-p over the kept tokens (`ids` ascending, weights `w` > 0; `nucleus`: top-p's
+        cut is made already), then one draw: the same arithmetic on the same arrays whether they
+        came from the whole row or from its candidates, so the two draw the same token from the
+        same random state."""
+        if self.p.top_p < 1.0 and not nucleus:
+            order = np.argsort(-w, kind="stable")
+            cum = np.cumsum(w[order])
+            cut = int(np.searchsorted(cum, self.p.top_p * cum[-1])) + 1
+            sel = np.sort(order[:cut])
+            ids, w = ids[sel], w[sel]
+        return int(ids[int(self.rng.choice(w.size, p=w / w.sum()))])
+
+
+def _support(x: np.ndarray, p: SamplingParams, n_vocab: int, ids: np.ndarray | None = None,
+             rest: float = -math.inf, mass: float | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """The tokens temperature, top-k and min-p keep, as (ids ascending, weights exp(z - max z) > 0,
+    False) with z the scaled logits. `x`: the whole row (`ids` None), or some of its tokens `ids`
+    (ascending) with every other logit at most `rest`: then None unless the kept tokens are
+    provably among them (top-k's k-th value or min-p's threshold above what `rest` scales to),
+    or, for top-p alone, its nucleus is (`_nucleus`, from the whole row's `mass`; True last)."""
+    with np.errstate(over="ignore", invalid="ignore"):   # an overflow is a -inf logit: weight 0
+        z = _scaled(np.append(x.astype(np.float64), rest), p.temperature)   # rest <= max: the same scaling
+        z, z_rest = z[:-1], z[-1]
+        covered = rest == -math.inf
+        keep = np.ones(z.size, dtype=bool)
+        if 0 < p.top_k < n_vocab:
+            if z.size < p.top_k:
+                return None
+            kth = np.partition(z, -p.top_k)[-p.top_k]
+            keep &= z >= kth
+            covered = covered or bool(z_rest < kth)
+        w = np.exp(z - z.max())
+        if p.min_p > 0:
+            keep &= w >= p.min_p
+            covered = covered or bool(np.exp(z_rest - z.max()) < p.min_p)
+        keep &= w > 0
+        w_rest = float(np.exp(z_rest - z.max()))
+    if not covered:
+        if mass is None or p.top_p >= 1.0 or p.min_p > 0 or 0 < p.top_k < n_vocab:
+            return None
+        return _nucleus(ids[keep], w[keep], w_rest, p.top_p, mass, float(z.max()))
+    at = np.flatnonzero(keep)
+    return (at if ids is None else ids[at]), w[at], False
+
+
+def _nucleus(ids: np.ndarray, w: np.ndarray, w_rest: float, top_p: float, mass: float,
+             z_max: float) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """top-p's nucleus of a row known only by some tokens (`ids` ascending, weights `w`), the
+    others weighing at most `w_rest`, and the whole row's weight `mass` (from each device's
+    sum, so within float rounding of the sum the gathered row makes). The tokens above `w_rest`
+    are a prefix of the whole row's descending order; where the cut falls inside that prefix at
+    the same place for any total within a margin of `mass` -- far wider than the two sums'
+    rounding -- it is the gathered row's cut. Else None."""
+    order = np.argsort(-w, kind="stable")
+    sure = int((w[order] > w_rest).sum())
+    cum = np.cumsum(w[order][:sure])
+    margin = 1e-8 + 1e-14 * abs(z_max)          # the exponents' rounding grows with |z|
+    lo = int(np.searchsorted(cum, top_p * mass * (1 - margin)))
+    hi = int(np.searchsorted(cum, top_p * mass * (1 + margin)))
+    if lo != hi or hi >= sure:
+        return None
+    sel = np.sort(order[:hi + 1])
+    return ids[sel], w[sel], True
 
 
 _F32 = np.finfo(np.float32)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from metatp.backends.candidates import RowCandidates
 from metatp.engine import Engine, StepItem
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
 from metatp.kv_cells import SeqCells
@@ -51,7 +52,7 @@ from metatp.kv_demand import CellDemand, prefill_chunk
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import OutputProcessor, StepOutput, StopMatcher
-from metatp.sampling import Sampler, SamplingParams
+from metatp.sampling import CandidateSpec, Sampler, SamplingParams
 from metatp.structured import MaskPrefetch, make_guide
 
 if TYPE_CHECKING:
@@ -113,10 +114,12 @@ class Request:
         self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
         # what the row it samples from is read as: "argmax" when the pick is the greedy token of
         # the raw logits and nothing else is reported (no penalty, bias, constraint or logprobs),
-        # so a vocabulary split is never gathered for it; else "last"
+        # so a vocabulary split is never gathered for it; a CandidateSpec where each device's
+        # top candidates can cover the pick (metatp.sampling); else "last"
         plain = (params.greedy and params.logprobs is None and not params.penalized
                  and params.repetition_penalty == 1.0 and self.constraint is None)
-        self.wants = "argmax" if plain else "last"
+        spec = self.sampler.candidate_spec(tokenizer.n_vocab) if self.constraint is None else None
+        self._wants = "argmax" if plain else spec or "last"
         self.state = "waiting"                # waiting | prefill | decode | done
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
@@ -136,8 +139,17 @@ class Request:
     def done(self) -> bool:
         return self.state == "done"
 
+    @property
+    def wants(self) -> str | CandidateSpec:
+        """This step's logits mode (a CandidateSpec carries this step's penalties)."""
+        w = self._wants
+        return w if isinstance(w, str) else self.sampler.step_spec(w, self.output_ids)
+
     def sample(self, logits: np.ndarray) -> int:
-        """The next token from this request's logits (NumericalError for NaN/inf logits)."""
+        """The next token from this request's logits (NumericalError for NaN/inf logits), or from
+        the candidates the engine read for it (`RowCandidates`: they cover the pick, all finite)."""
+        if isinstance(logits, RowCandidates):
+            return self.sampler.from_candidates(logits)
         check_logits(logits, f"after {len(self.history)} tokens")
         allowed = self.constraint.allowed() if self.constraint is not None else None
         return self.sampler(logits, self.history, self.output_ids, allowed)

@@ -24,7 +24,7 @@ prompts = [[5, 6, 7], [8, 9]]
 greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
                                                                              ignore_eos=True))]
 after_greedy = llm.engine.logits_bytes
-llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0))
+llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.8, seed=0, ignore_eos=True))   # plain temperature: whole rows
 if llm.world.rank == 0:
     print(json.dumps({"greedy": greedy, "greedy_bytes": after_greedy,
                       "gathered_bytes": llm.engine.logits_bytes - after_greedy, "n_vocab": llm.n_vocab}))

@@ -113,6 +113,9 @@ def _summary_text(s: dict) -> list[str]:
     c = s["communication"]
     if c is not None:
         out += _bill_text(c)
+    if s.get("logits_read"):
+        from metatp.tools.logits_bill import bill_lines
+        out += bill_lines(s["logits_read"])
     if s.get("transfers"):
         out += _transfer_text(s["transfers"])
     if s.get("stages"):

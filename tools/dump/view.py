@@ -16,6 +16,7 @@ from metatp.ir.tensor import Flag, Tensor, block_size, type_size
 from metatp.passes.memory import MemoryPlan, plan_memory
 from metatp.passes.plan import Plan, Reduction
 from metatp.passes.state import SplitState
+from metatp.tools.logits_bill import logits_bill
 
 
 FORMATS = ("text", "json", "dot", "svg")
@@ -366,4 +367,5 @@ def plan_summary(view: PlanView, lowered: Plan | None, link: Link, n_tokens: int
         "memory": mem.as_dict() if mem is not None else None,
         "communication": communication_bill(plan, link, n_tokens=n_tokens, hparams=hparams,
                                             allreduce=view.allreduce, wire=view.wire) if compiled else None,
+        "logits_read": logits_bill(plan) if compiled else None,
     }
