@@ -28,6 +28,8 @@ def prometheus_text(srv: Frontend) -> str:
     metric("recomputed_tokens_total", "counter", "Tokens prefilled again after a preemption.", m.recomputed_tokens)
     metric("logits_bytes_total", "counter", "Logits bytes gathered from other processes for sampling "
            "(greedy rows move only their max and index).", srv.llm.engine.logits_bytes)
+    metric("logits_candidate_rows_total", "counter", "Sampled rows read as each device's top candidates "
+           "instead of the whole vocabulary.", srv.llm.engine.candidate_rows)
     metric("step_sequences_max", "gauge", "Most sequences one step carried.", m.max_step_seqs)
     metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
            m.prefix_queried_tokens)
