@@ -82,6 +82,7 @@ class Runner:
         for k in range(len(self.ex.plan.subgraphs)):
             self.run_subgraph(k)
             self.ex.allreduce(k)
+            self.ex.run_transfers(k)
         self.join()
 
     def run(self) -> None:
@@ -191,4 +192,5 @@ class Runner:
                     with dev.ctx:
                         rt.launch_graph(g, dev.stream)
             self.ex.allreduce(k)
+            self.ex.run_transfers(k)
         self.join()

@@ -248,6 +248,27 @@ class EmuRuntime:
         self.emu.dispatch(run)
 
 
+    def _p2p(self, kind: str, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        """ncclSend / ncclRecv as CuPy makes them (`comm.send(ptr, count, dtype, peer, stream.ptr)`),
+        on a communicator spanning processes only (the stand-in sends over MPI), in issue order
+        (recorded while a graph is captured, run again on every replay)."""
+        if self.emu.capture is not None and not self._nccl_capture:
+            raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
+        from metatp.testing.mpi_nccl import MpiNcclComm
+
+        if not isinstance(comm, MpiNcclComm):
+            raise RuntimeError(f"NCCL {kind}: the emulator sends between MPI ranks only, got {type(comm).__name__}")
+        self.nccl_calls += 1
+        call = comm.send if kind == "send" else comm.recv
+        handle = stream.ptr
+        self.emu.dispatch(lambda: call(ptr, count, dtype, peer, handle))
+
+    def nccl_send(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        self._p2p("send", comm, ptr, count, dtype, peer, stream)
+
+    def nccl_recv(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        self._p2p("recv", comm, ptr, count, dtype, peer, stream)
+
     def _rank_allreduce(self, calls) -> None:
         """Communicators spanning processes (`mpi_nccl.MpiNcclComm`): each call as CuPy makes it,
         `comm.allReduce(ptr, ptr, count, dtype code, NCCL_SUM, stream.ptr)`, run in issue order
