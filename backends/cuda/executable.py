@@ -12,7 +12,10 @@ devices); this module supplies what is CUDA's:
   that refuses a layout falls back to its nodes one by one);
 - the all-reduce between subgraphs (`collective.DeviceCollective`; a process owning one device
   of several: the backend's collective spanning the processes, `nccl.NcclCollective`, on the
-  device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`).
+  device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`);
+- -sm layer's copies between devices (`p2p.DeviceCopy`: a peer or device copy ordered by
+  events; between GPU ranks `p2p.NcclSendRecv` on the device stream) and layer,tensor's
+  per-group all-reduces (`DeviceCollective.for_devices`; the ranks' `NcclCollective.for_devices`).
 
 Mirrored values identical on every device (`PlanFacts.shared_mirrored`) are computed once,
 by the first device, when all devices share one GPU: the others read its buffer. They wait

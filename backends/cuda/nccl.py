@@ -15,6 +15,9 @@
   (`collective.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
   at a cost in exactness; decode vectors stay FP32. Split values (the vocabulary-split logits)
   are read on the host, so `allgather` goes over MPI (`MpiCollective`) rather than NCCL.
+  Under -sm layer the hidden state goes from rank to rank by ncclSend / ncclRecv on the device
+  stream (`send_recv`, `p2p.NcclSendRecv`); under -sm layer,tensor each stage's tensor group
+  all-reduces on an NCCL communicator of its own (`split_groups`, `for_devices`).
 
 Every device call goes through a runtime (`runtime.CupyRuntime` by default): tests hand in
 `testing.EmuRuntime`, whose communicator stand-in (`testing.mpi_nccl`) sums over MPI, so the

@@ -74,7 +74,8 @@ class DeviceCopy:
 class NcclSendRecv:
     """`collectives.p2p.SendRecv` between GPU ranks: ncclSend / ncclRecv on the device stream
     (rank = device), over the world's NCCL communicator of `coll` (`nccl.NcclCollective`).
-    `calls` / `bytes` count the copies this rank issued."""
+    `calls` / `bytes` count the copies this rank issued (eagerly or into a capture; a replayed
+    graph runs its copies again without passing here)."""
 
     def __init__(self, coll: Any) -> None:
         self.coll = coll

@@ -82,10 +82,12 @@ def test_layer_split_matches_one_device(synth_model, n, ts, n_gpus):
                          for k, sub in enumerate(ex.plan.subgraphs))
 
 
-def test_layer_split_eager_matches_one_device(synth_model):
-    """The same copies without CUDA graphs (every step eager)."""
-    be = _check("llama", synth_model, DeviceLayout(2, "layer", (3, 1)), 2, cuda_graphs=False)
-    assert {ex.graph_mode for ex in be._executables.values()} == {None}
+@pytest.mark.parametrize("kw, modes", [({"cuda_graphs": False}, {None}),
+                                      ({"multi_gpu_graphs": "segments"}, {None, "segments"})], ids=["eager", "segments"])
+def test_layer_split_eager_and_segments_match_one_device(synth_model, kw, modes):
+    """The same copies without CUDA graphs, and run eagerly between per-subgraph graph segments."""
+    be = _check("llama", synth_model, DeviceLayout(2, "layer", (3, 1)), 2, **kw)
+    assert {ex.graph_mode for ex in be._executables.values()} == modes
 
 
 def test_gemma3_sliding_window_layer_split(synth_factory):
@@ -127,3 +129,69 @@ def test_gpu_check_layer_section_on_the_emulator(tmp_path):
     row = rep.rows[-1]
     assert row["check"].startswith("-sm layer N=2") and row["status"] == "pass", row
     assert "virtual devices on one GPU" in row["result"] and "whole" in row["result"]
+
+
+class _FakeComm:
+    """Two ranks' worth of MPI for the NCCL stand-in, in one process: what rank 0 sends is queued."""
+
+    def __init__(self, rank: int, queue: list) -> None:
+        self.rank, self.queue = rank, queue
+
+    def allgather(self, item):
+        uid, n, rank = item
+        return [(uid, n, r) for r in range(n)]
+
+    def send(self, obj, dest, tag):
+        self.queue.append(obj)
+
+    def Send(self, buf, dest, tag):  # noqa: N802 - mpi4py's name
+        self.queue.append(np.array(buf, copy=True))
+
+    def recv(self, source, tag):
+        return self.queue.pop(0)
+
+    def Recv(self, buf, source, tag):  # noqa: N802
+        buf[...] = self.queue.pop(0)
+
+
+def test_nccl_stand_in_send_recv_is_strict():
+    """The stand-in's ncclSend / ncclRecv move the bytes, and refuse what NCCL would hang or
+    corrupt on: a mismatched count or type, a peer outside the group or itself, a stream object."""
+    from metatp.testing.mpi_nccl import NCCL_FLOAT32, MpiNcclComm, fake_unique_id
+
+    queue: list = []
+    uid = fake_unique_id()
+    a, b = MpiNcclComm(2, uid, 0, _FakeComm(0, queue)), MpiNcclComm(2, uid, 1, _FakeComm(1, queue))
+    x, y = np.arange(6, dtype=np.float32), np.zeros(6, np.float32)
+    a.send(x.ctypes.data, 6, NCCL_FLOAT32, 1, 0x1000)
+    b.recv(y.ctypes.data, 6, NCCL_FLOAT32, 0, 0x1000)
+    assert np.array_equal(x, y) and a.p2p == [("send", 1, 6, NCCL_FLOAT32, 0x1000)]
+    a.send(x.ctypes.data, 6, NCCL_FLOAT32, 1, 0x1000)
+    with pytest.raises(RuntimeError, match="mismatched send/recv"):
+        b.recv(y.ctypes.data, 5, NCCL_FLOAT32, 0, 0x1000)
+    for peer in (0, 2):
+        with pytest.raises(ValueError, match="not another rank"):
+            a.send(x.ctypes.data, 6, NCCL_FLOAT32, peer, 0x1000)
+    with pytest.raises(TypeError, match="raw stream handle"):
+        a.send(x.ctypes.data, 6, NCCL_FLOAT32, 1, object())
+    with pytest.raises(ValueError, match="datatype"):
+        a.send(x.ctypes.data, 6, 3, 1, 0x1000)
+
+
+def test_emulated_events_are_checked_as_cuda_does():
+    """An event recorded on another GPU's stream, and a wait inside a capture on an event
+    recorded outside it, are errors (the copies of a layer plan must not rely on either)."""
+    rt = EmuRuntime(n_gpus=2)
+    s0, s1, e0 = rt.new_stream(0), rt.new_stream(1), rt.new_event(0)
+    rt.record(s0, e0)
+    rt.wait(s1, e0)                       # another GPU's event: a stream may wait for it
+    with pytest.raises(RuntimeError, match="InvalidResourceHandle"):
+        rt.record(s1, e0)
+    rt.begin_capture(s0)
+    try:
+        with pytest.raises(RuntimeError, match="CaptureIsolation"):
+            rt.wait(s1, e0)
+        rt.record(s0, e0)
+        rt.wait(s1, e0)
+    finally:
+        rt.end_capture(s0)
