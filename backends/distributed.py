@@ -257,6 +257,8 @@ class World:
         except MetatpError as e:
             raise every_rank(e) from None
         collective = self.collective("nccl", runtime=runtime, wire=checked.get("wire", "auto"))
+        if layout.split_mode == "layer,tensor":  # each stage's all-reduces on the group's own NCCL communicator
+            collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
         return entry.create(layout, checked, runtime=runtime, gpus=[collective.gpu], devices=self.devices,
                             collective=collective)
 

@@ -61,6 +61,8 @@ class Device:
         self.shared_ready = rt.new_event(gpu)  # a GPU's lead computed the values it shares
         self.step_fork = rt.new_event(gpu)  # several GPUs, one graph: the first GPU's lead starts the others
         self.step_done = rt.new_event(gpu)  # ... and waits for them (recorded by each GPU's lead)
+        self.sent = rt.new_event(gpu)       # -sm layer: "the value I hand on is computed" (source)
+        self.received = rt.new_event(gpu)   # -sm layer: "I finished copying it" (destination)
 
 
 class CupyBackend(Backend):
@@ -125,6 +127,7 @@ class CupyBackend(Backend):
         self.virtual = not self.distinct_gpus
         self.allreduce = allreduce
         self.nccl: NcclGroup | None = None
+        self.group_nccl: dict[tuple[int, ...], NcclGroup | None] = {}   # layer,tensor: per stage group's GPUs
         if requested.device_only and self.n > 1 and self.collective is None:
             self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
         used = sorted({dev.gpu for dev in self.local_devices})

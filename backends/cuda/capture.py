@@ -2,7 +2,15 @@
 
 A step is: the per-step inputs copied to each GPU (one copy per GPU, on its lead device's
 stream), the other devices of a GPU forked from that copy, every subgraph's steps on every
-device followed by the all-reduce, and the devices joined back into their GPU's lead stream.
+device followed by the all-reduce and (-sm layer) its copies between devices, and the devices
+joined back into their GPU's lead stream.
+
+The copies of a layer plan are captured with the rest: in one process a copy is a record, a
+wait and a cudaMemcpyAsync on the two devices' streams (`p2p.DeviceCopy`), all capturable, so
+the whole step stays one graph; between GPU ranks it is ncclSend / ncclRecv on the device
+stream, captured like the rank's all-reduces (where NCCL cannot be captured the capture fails
+and the step runs eagerly, as below). In "segments" mode the copies run eagerly between the
+segments, like the collectives.
 
 From its second run on, a plan whose steps are all kernel launches (no `HostStep`) is captured
 as one graph on the first GPU's lead stream, every device of every GPU joining it through
@@ -82,6 +90,7 @@ class Runner:
         for k in range(len(self.ex.plan.subgraphs)):
             self.run_subgraph(k)
             self.ex.allreduce(k)
+            self.ex.run_transfers(k)
         self.join()
 
     def run(self) -> None:
@@ -191,4 +200,5 @@ class Runner:
                     with dev.ctx:
                         rt.launch_graph(g, dev.stream)
             self.ex.allreduce(k)
+            self.ex.run_transfers(k)
         self.join()

@@ -12,7 +12,10 @@ devices); this module supplies what is CUDA's:
   that refuses a layout falls back to its nodes one by one);
 - the all-reduce between subgraphs (`collective.DeviceCollective`; a process owning one device
   of several: the backend's collective spanning the processes, `nccl.NcclCollective`, on the
-  device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`).
+  device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`);
+- -sm layer's copies between devices (`p2p.DeviceCopy`: a peer or device copy ordered by
+  events; between GPU ranks `p2p.NcclSendRecv` on the device stream) and layer,tensor's
+  per-group all-reduces (`DeviceCollective.for_devices`; the ranks' `NcclCollective.for_devices`).
 
 Mirrored values identical on every device (`PlanFacts.shared_mirrored`) are computed once,
 by the first device, when all devices share one GPU: the others read its buffer. They wait
@@ -35,6 +38,7 @@ from metatp.backends.cuda.collective import DeviceCollective
 from metatp.backends.cuda.device_ops import HostStep, Memset, Record, Wait
 from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
+from metatp.backends.cuda.p2p import DeviceCopy
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, attended_length, contig_strides, graph_itemsize,
                                           input_layout, is_quant_cache, to_float)
 from metatp.backends.executor import NodeSteps, PlanExecutor
@@ -321,6 +325,28 @@ class CupyExecutable(PlanExecutor):
     def reduction_stream(self):
         """A process owning one device sums on that device's stream (inside its captured graph)."""
         return self.devs[self.devices[0]].stream if self.backend.collective is not None else None
+
+    # ---------------------------------------------------------------- -sm layer: copies between devices
+    def transfer_step(self, node: Tensor, src: int, dst: int) -> DeviceCopy:
+        """A peer copy between two GPUs, a device copy between virtual devices on one GPU,
+        ordered by events on both streams (`p2p.DeviceCopy`)."""
+        return DeviceCopy(self, node, src, dst)
+
+    def transfer_across(self, node: Tensor, src: int, dst: int):
+        """This rank's half of a copy between GPU ranks: an NCCL send or receive on the device
+        stream (`p2p.NcclSendRecv`), so it is ordered with the kernels and captured with them."""
+        link = self.send_recv()
+        if link is None:
+            return super().transfer_across(node, src, dst)       # the typed refusal
+        stream = self.devs[self.devices[0]].stream
+        if src in self.devices:
+            return link.prepare_send(self.arrays[src][node], dst, stream=stream)
+        return link.prepare_recv(self.arrays[dst][node], src, stream=stream)
+
+    def run_transfers(self, k: int) -> None:
+        """Subgraph k's copies between devices (after its all-reduce), in plan order."""
+        for step in self.transfers[k]:
+            step()
 
     def run_steps(self, d: int, steps: list) -> None:
         """Issue `steps` on device d's stream."""

@@ -15,6 +15,9 @@
   (`collective.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
   at a cost in exactness; decode vectors stay FP32. Split values (the vocabulary-split logits)
   are read on the host, so `allgather` goes over MPI (`MpiCollective`) rather than NCCL.
+  Under -sm layer the hidden state goes from rank to rank by ncclSend / ncclRecv on the device
+  stream (`send_recv`, `p2p.NcclSendRecv`); under -sm layer,tensor each stage's tensor group
+  all-reduces on an NCCL communicator of its own (`split_groups`, `for_devices`).
 
 Every device call goes through a runtime (`runtime.CupyRuntime` by default): tests hand in
 `testing.EmuRuntime`, whose communicator stand-in (`testing.mpi_nccl`) sums over MPI, so the
@@ -33,6 +36,7 @@ from metatp.backends.collectives.base import Group, Step
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda.collective import wire_steps
 from metatp.backends.cuda.launch import device_ptr
+from metatp.backends.cuda.p2p import NcclSendRecv
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["NcclGroup", "NcclCollective", "nccl_unique_id", "local_gpu", "cupy_runtime"]
@@ -180,6 +184,44 @@ class NcclCollective:
         self._wire_bufs: dict[int, Any] = {}
         self._stream = None
         self._host = None
+        self.send_recv = NcclSendRecv(self)          # -sm layer: ncclSend / ncclRecv between the ranks
+        self.groups: dict[tuple[int, ...], Any] = {}
+
+    def split_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """-sm layer,tensor: an NCCL communicator per group of ranks (each stage's tensor group),
+        made by every rank at the same point: one MPI Comm_split, then the group's own unique id
+        (drawn by its first rank, broadcast on the split communicator) and ncclCommInitRank.
+        The groups must cover every rank once (NCCL's set-up waits for all of a group)."""
+        key = tuple(tuple(int(r) for r in g) for g in groups)
+        if all(g in self.groups for g in key):
+            return
+        flat = sorted(r for g in key for r in g)
+        if flat != list(range(self.size)):
+            raise ConfigError(f"NCCL groups {[list(g) for g in key]} must cover ranks 0..{self.size - 1} once")
+        mine = next(i for i, g in enumerate(key) if self.rank in g)
+        sub = self.comm.Split(mine, key=key[mine].index(self.rank))
+        made = NcclCollective(sub, self.wire, self.thresholds, gpu=self.gpu, runtime=self.rt)
+        for i, g in enumerate(key):
+            self.groups[g] = made if i == mine else _Elsewhere(g)
+
+    def for_devices(self, devices: Sequence[int]) -> Any:
+        """The collective of one group made by `split_groups` (a ConfigError for any other set)."""
+        group = tuple(int(d) for d in devices)
+        if group == tuple(range(self.size)):
+            return self
+        if group not in self.groups:
+            raise ConfigError(f"no NCCL communicator for ranks {list(group)}: split_groups makes them at start "
+                              f"(made: {[list(g) for g in self.groups]})")
+        return self.groups[group]
+
+    def host(self) -> Any:
+        """The MPI collective over the same ranks, for values read on the host (made at the
+        first collective call that needs it: every rank reaches it at the same point)."""
+        if self._host is None:
+            from metatp.backends.collectives.mpi import MpiCollective
+
+            self._host = MpiCollective(self.comm)
+        return self._host
 
     def _wire_buffer(self, n: int):
         """The BF16 wire buffer for n elements (one per size: reductions on one stream run in order)."""
@@ -235,14 +277,26 @@ class NcclCollective:
 
     def allgather(self, local: Sequence[np.ndarray], counts: Sequence[int]) -> list[np.ndarray]:
         """Host slices from every rank (logits are read on the host): over MPI."""
-        if self._host is None:
-            from metatp.backends.collectives.mpi import MpiCollective
-
-            self._host = MpiCollective(self.comm)
-        return self._host.allgather(local, counts)
+        return self.host().allgather(local, counts)
 
     def close(self) -> None:
-        """Free the NCCL communicator (before MPI_Finalize)."""
+        """Free the NCCL communicators, the groups' too (before MPI_Finalize)."""
+        for g in self.groups.values():
+            if isinstance(g, NcclCollective) and g is not self:
+                g.close()
+        self.groups = {}
         if self.nccl is not None:
             self.nccl.destroy()
             self.nccl = None
+
+
+class _Elsewhere:
+    """A group this rank is not in: it never prepares that group's all-reduce."""
+
+    name = "nccl"
+
+    def __init__(self, group: tuple[int, ...]) -> None:
+        self.group = group
+
+    def prepare_allreduce(self, bufs, active=None, stream=None) -> Step:
+        raise ValueError(f"this rank is not in the group of ranks {list(self.group)}")

@@ -275,6 +275,16 @@ class CupyRuntime:
         finally:
             nccl.groupEnd()
 
+    @staticmethod
+    def nccl_send(comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        """ncclSend of `count` elements of NCCL type code `dtype` at `ptr` to rank `peer` (NCCL >= 2.7)."""
+        comm.send(ptr, count, dtype, peer, stream.ptr)
+
+    @staticmethod
+    def nccl_recv(comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        """ncclRecv of `count` elements of NCCL type code `dtype` from rank `peer` into `ptr`."""
+        comm.recv(ptr, count, dtype, peer, stream.ptr)
+
 
 # =============================================================== the GPU probe
 #: A kernel that needs NVRTC, the CUDA headers CuPy adds to every compile, the driver and a

@@ -40,6 +40,17 @@ class _EmuStream:
         return False
 
 
+class _EmuEvent:
+    """An event of one GPU. As in CUDA, it may only be recorded on a stream of its own GPU
+    (cudaEventRecord: invalid resource handle otherwise), and inside a graph capture a stream
+    may only wait for an event recorded in that capture (a wait on one recorded outside it
+    breaks the capture: cudaErrorStreamCaptureIsolation)."""
+
+    def __init__(self, gpu: int) -> None:
+        self.gpu = gpu
+        self.capture: int | None = None        # the capture it was last recorded in (None: outside one)
+
+
 class _EmuDevice:
     def __init__(self, emu: Emulator, gpu: int) -> None:
         self.emu = emu
@@ -87,6 +98,7 @@ class EmuRuntime:
         self.graph_launches = 0
         self.nccl_calls = 0
         self.peer_access: list[list[int]] = []
+        self._capture_id = 0           # which capture events were recorded in (`_EmuEvent`)
 
     def n_gpus(self) -> int:
         return self._n_gpus
@@ -98,7 +110,7 @@ class EmuRuntime:
         return _EmuStream(gpu)
 
     def new_event(self, gpu: int):
-        return object()
+        return _EmuEvent(gpu)
 
     def context(self, gpu: int, stream) -> DeviceContext:
         return DeviceContext(_EmuDevice(self.emu, gpu), stream)
@@ -107,13 +119,17 @@ class EmuRuntime:
         """Launch every kernel inside the block on this runtime's emulator."""
         return using(self.emu)
 
-    @staticmethod
-    def record(stream, event) -> None:
-        pass
+    def record(self, stream, event) -> None:
+        if isinstance(event, _EmuEvent) and isinstance(stream, _EmuStream):
+            if event.gpu != stream.gpu:
+                raise RuntimeError(f"cudaEventRecord: an event of GPU {event.gpu} on a stream of GPU {stream.gpu} "
+                                   "(cudaErrorInvalidResourceHandle)")
+            event.capture = self._capture_id if self.emu.capture is not None else None
 
-    @staticmethod
-    def wait(stream, event) -> None:
-        pass
+    def wait(self, stream, event) -> None:
+        if self.emu.capture is not None and isinstance(event, _EmuEvent) and event.capture != self._capture_id:
+            raise RuntimeError("cudaStreamWaitEvent inside a capture on an event not recorded in it "
+                               "(cudaErrorStreamCaptureIsolation)")
 
     @staticmethod
     def synchronize(stream) -> None:
@@ -174,6 +190,7 @@ class EmuRuntime:
     def begin_capture(self, stream) -> None:
         if self.emu.capture is not None:
             raise RuntimeError("a capture is already active")
+        self._capture_id += 1
         self.emu.capture = []
 
     def end_capture(self, stream):
@@ -247,6 +264,27 @@ class EmuRuntime:
                 v[...] = out
         self.emu.dispatch(run)
 
+
+    def _p2p(self, kind: str, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        """ncclSend / ncclRecv as CuPy makes them (`comm.send(ptr, count, dtype, peer, stream.ptr)`),
+        on a communicator spanning processes only (the stand-in sends over MPI), in issue order
+        (recorded while a graph is captured, run again on every replay)."""
+        if self.emu.capture is not None and not self._nccl_capture:
+            raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
+        from metatp.testing.mpi_nccl import MpiNcclComm
+
+        if not isinstance(comm, MpiNcclComm):
+            raise RuntimeError(f"NCCL {kind}: the emulator sends between MPI ranks only, got {type(comm).__name__}")
+        self.nccl_calls += 1
+        call = comm.send if kind == "send" else comm.recv
+        handle = stream.ptr
+        self.emu.dispatch(lambda: call(ptr, count, dtype, peer, handle))
+
+    def nccl_send(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        self._p2p("send", comm, ptr, count, dtype, peer, stream)
+
+    def nccl_recv(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+        self._p2p("recv", comm, ptr, count, dtype, peer, stream)
 
     def _rank_allreduce(self, calls) -> None:
         """Communicators spanning processes (`mpi_nccl.MpiNcclComm`): each call as CuPy makes it,

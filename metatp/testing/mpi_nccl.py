@@ -26,6 +26,8 @@ __all__ = ["MpiNcclComm", "NCCL_FLOAT32", "NCCL_BFLOAT16", "NCCL_SUM", "fake_uni
 
 # cupy.cuda.nccl's constants (nccl.h: ncclFloat32 = 7, ncclBfloat16 = 9, ncclSum = 0)
 NCCL_FLOAT32, NCCL_BFLOAT16, NCCL_SUM = 7, 9, 0
+NCCL_FLOAT16 = 6
+_ITEMSIZE = {NCCL_FLOAT16: 2, NCCL_FLOAT32: 4, NCCL_BFLOAT16: 2}
 
 
 def fake_unique_id() -> bytes:
@@ -36,24 +38,27 @@ def fake_unique_id() -> bytes:
 
 
 class MpiNcclComm:
-    """One rank of an n-rank "NCCL" communicator over MPI.COMM_WORLD, met by unique id."""
+    """One rank of an n-rank "NCCL" communicator over MPI, met by unique id: the ranks holding
+    one id form it (a split of MPI.COMM_WORLD by the id, so every rank of the world must make
+    its communicator at the same point, as -sm layer,tensor's groups do; ranks in id order)."""
 
     def __init__(self, n_ranks: int, uid: Any, rank: int, comm: Any = None) -> None:
-        if comm is None:
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-        self.comm = comm
         self.n_ranks, self.rank = int(n_ranks), int(rank)
         uid = bytes(uid)
         if len(uid) != 128:
             raise ValueError(f"NCCL unique id of {len(uid)} bytes (want 128)")
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD.Split(int.from_bytes(uid[:3], "little"), key=self.rank)
+        self.comm = comm
         seen = comm.allgather((uid, self.n_ranks, self.rank))
         if any(u != uid for u, _, _ in seen):
             raise RuntimeError("ranks hold different NCCL unique ids (the broadcast over MPI did not happen)")
         if sorted(r for _, _, r in seen) != list(range(self.n_ranks)) or any(n != self.n_ranks for _, n, _ in seen):
             raise RuntimeError(f"NCCL ranks {[r for _, _, r in seen]} / sizes do not form a group of {self.n_ranks}")
         self.calls: list[tuple[int, int, int, int, int, int]] = []
+        self.p2p: list[tuple[str, int, int, int, int]] = []    # (send|recv, peer, count, type, stream)
         self.streams: set[int] = set()
         self.destroyed = False
 
@@ -77,6 +82,42 @@ class MpiNcclComm:
         self.comm.Allreduce(vals, total, op=MPI.SUM)
         dst = _host_view(recvbuf, count, np.uint16 if bf16 else np.float32)
         dst[...] = f32_to_bf16_bits(total) if bf16 else total
+
+    P2P_TAG = 0x6E63      # the stand-in's point-to-point messages
+
+    def _p2p_check(self, what: str, count: int, datatype: int, peer: int, stream: int) -> int:
+        if self.destroyed:
+            raise RuntimeError(f"{what} on a destroyed communicator")
+        if datatype not in _ITEMSIZE:
+            raise ValueError(f"stand-in NCCL {what}: datatype {datatype} (float16 / bfloat16 / float32 only)")
+        if not isinstance(stream, int) or isinstance(stream, bool):
+            raise TypeError(f"stream must be a raw stream handle (int), got {type(stream).__name__}")
+        if not 0 <= int(peer) < self.n_ranks or int(peer) == self.rank:
+            raise ValueError(f"NCCL {what}: peer {peer} is not another rank of {self.n_ranks} (ncclInvalidArgument)")
+        self.streams.add(stream)
+        return int(count) * _ITEMSIZE[datatype]
+
+    def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        """ncclSend: `count` elements at `sendbuf` to rank `peer` (with their count and type, so
+        the receiver can refuse a mismatch NCCL would hang or corrupt on)."""
+        nbytes = self._p2p_check("send", count, datatype, peer, stream)
+        self.p2p.append(("send", int(peer), int(count), int(datatype), int(stream)))
+        data = np.array(_host_view(sendbuf, nbytes, np.uint8), copy=True)
+        self.comm.send((int(count), int(datatype)), dest=int(peer), tag=self.P2P_TAG)
+        self.comm.Send(data, dest=int(peer), tag=self.P2P_TAG)
+
+    def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
+        """ncclRecv: rank `peer`'s `count` elements into `recvbuf` (the same count and type as
+        its send, else an error)."""
+        nbytes = self._p2p_check("recv", count, datatype, peer, stream)
+        self.p2p.append(("recv", int(peer), int(count), int(datatype), int(stream)))
+        sent = self.comm.recv(source=int(peer), tag=self.P2P_TAG)
+        if sent != (int(count), int(datatype)):
+            raise RuntimeError(f"NCCL recv of {count} elements of type {datatype} from rank {peer}, which sent "
+                               f"{sent[0]} of type {sent[1]} (a mismatched send/recv pair)")
+        data = np.empty(nbytes, np.uint8)
+        self.comm.Recv(data, source=int(peer), tag=self.P2P_TAG)
+        _host_view(recvbuf, nbytes, np.uint8)[...] = data
 
     def destroy(self) -> None:
         self.destroyed = True

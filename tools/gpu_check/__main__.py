@@ -85,6 +85,7 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
             rep, cfg, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-"))))
     if loaded is not None and "model" not in skip:
         step("model", "model checks", model.section_model, rep, cfg, loaded, budget)
+        step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
     if loaded is not None and "speed" not in skip:
         step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
     if have_gpu and "nccl" not in skip and not cfg.emulate:

@@ -64,19 +64,21 @@ class Budget:
         return self.end - time.perf_counter()
 
 
-def layout(n: int, ts=None):
+def layout(n: int, ts=None, split_mode: str = "tensor"):
     from metatp.passes.plan import DeviceLayout
 
-    return DeviceLayout(n, "tensor" if n > 1 else "none", ts)
+    return DeviceLayout(n, split_mode if n > 1 else "none", ts)
 
 
-def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str = "f32", **kw):
-    """A cupy engine on `n` (virtual) devices; `cache`: the KV cache type of K and V ("q8_0", ...;
-    default the F32 graph cache, stored as the backend's kv_dtype); `kw` go to CupyBackend."""
+def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str = "f32", split_mode: str = "tensor",
+                **kw):
+    """A cupy engine on `n` (virtual) devices split by `split_mode` ("tensor" / "layer"); `cache`:
+    the KV cache type of K and V ("q8_0", ...; default the F32 graph cache, stored as the backend's
+    kv_dtype); `kw` go to CupyBackend."""
     from metatp.backends.registry import backend_entry
     from metatp.engine import Engine
 
-    lay = layout(n, ts)
+    lay = layout(n, ts, split_mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Engine(model, n_ctx, lay, backend_entry("cupy").create(lay, kw, runtime=cfg.runtime()),

@@ -1,6 +1,7 @@
 """Step 3: a synthetic GGUF with the default model's shapes, and the cupy backend's logits
 against the numpy backend's (N=1, N=3 virtual devices, uneven splits, a q8_0 KV cache), greedy
-tokens compared."""
+tokens compared; and -sm layer over 2 devices (a peer copy between two GPUs where there are two,
+else a device copy between virtual devices) against one cupy device, exact storage, 1e-5."""
 
 from __future__ import annotations
 
@@ -66,3 +67,29 @@ def section_model(rep: Report, cfg: Config, model, budget: Budget) -> None:
             del eng
         except Exception as e:  # noqa: BLE001
             rep.fail("model", label, e)
+
+
+def section_layer(rep: Report, cfg: Config, model, budget: Budget) -> None:
+    """-sm layer, N=2, -ts 1,2, exact (f32 KV, f32 GEMM) against one exact cupy device on the same
+    teacher-forced path: the copies between devices (captured into the decode graph) must not
+    change the logits beyond 1e-5 relative, nor any greedy token."""
+    label = "-sm layer N=2 (ts 1,2) vs one device, exact"
+    if budget.left() < 120:
+        rep.add("model", label, "skipped (time budget)", None)
+        return
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(300, cfg.vocab, cfg.prompt_len)]
+    exact = {"kv_dtype": "f32", "matmul_dtype": "f32"}
+    try:
+        one = cupy_engine(cfg, model, 512, 1, **exact)
+        two = cupy_engine(cfg, model, 512, 2, (1.0, 2.0), split_mode="layer", **exact)
+        got, want = teacher_forced(two, one, prompt, cfg.greedy_steps)
+        worst = max(rel_err(a, b) for a, b in zip(got, want))
+        same = sum(int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(got, want))
+        gpus = sorted({dev.gpu for dev in two.backend.local_devices})
+        how = "peer copies between GPUs" if len(gpus) > 1 else "virtual devices on one GPU"
+        modes = sorted({str(ex.graph_mode) for ex in two.backend._executables.values()})
+        rep.add("model", label, f"{same}/{len(got)} same greedy token, max rel err {worst:.1e} ({how}, graphs "
+                f"{modes})", worst <= 1e-5 and same == len(got))
+    except Exception as e:  # noqa: BLE001
+        rep.fail("model", label, e)
