@@ -351,7 +351,7 @@ class Engine:
         else:
             sel = list(range(T_pad))
         values = step_values(inp, ids, pos, cells, seen, self.model.hparams.sliding_window, sel)
-        ex.run(make_feed(inp, values))
+        ex.run(make_feed(inp, values, plan.graph))
         self.passes += 1
         return rows, plan, ex, sel, out_rows, n_out
 

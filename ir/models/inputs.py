@@ -120,16 +120,19 @@ def _dims(shape) -> tuple[int, ...]:
     return tuple(n for n in shape if n != 1)
 
 
-def make_feed(leaves: StepInputs[Tensor], values: StepInputs[np.ndarray]) -> dict[Tensor, np.ndarray]:
+def make_feed(leaves: StepInputs[Tensor], values: StepInputs[np.ndarray], graph: Graph | None = None
+              ) -> dict[Tensor, np.ndarray]:
     """The executable's feed: each declared leaf with its array (same fields present in both,
-    types as declared, shapes checked)."""
+    types as declared, shapes checked). With `graph`, a declared leaf that none of its nodes
+    reads is left out (the full mask of a model whose every layer slides: no plan holds it)."""
     feed: dict[Tensor, np.ndarray] = {}
+    read = None if graph is None else set(graph.leaves)
     for f in fields(StepInputs):
         leaf, value = getattr(leaves, f.name), getattr(values, f.name)
         if (leaf is None) != (value is None):
             raise ValueError(f"step input {f.name!r}: the graph {'lacks' if leaf is None else 'declares'} it "
                              f"but a value is {'given' if leaf is None else 'missing'}")
-        if leaf is None:
+        if leaf is None or (read is not None and leaf not in read):
             continue
         arr = np.asarray(value, dtype=_NP[leaf.type])
         if _dims(arr.shape) != _dims(reversed(leaf.ne)):

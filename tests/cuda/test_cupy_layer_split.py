@@ -11,6 +11,7 @@ one reference per model.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import numpy as np
@@ -195,3 +196,14 @@ def test_emulated_events_are_checked_as_cuda_does():
         rt.wait(s1, e0)
     finally:
         rt.end_capture(s0)
+
+
+def test_an_all_sliding_window_model_runs_without_its_full_mask(synth_factory):
+    """Under six gemma3 layers every layer is a sliding-window one: the graph declares the full
+    mask but no node reads it, and the CuPy executable takes (and drops) its value."""
+    model = load_model(str(synth_factory(dataclasses.replace(GEMMA3, n_layer=2))[0]))
+    got, tokens, _ = _run(model, DeviceLayout(), 1)
+    from metatp.backends import create_backend
+
+    ref = Engine(model, 64, DeviceLayout(), create_backend("numpy", DeviceLayout())).forward(PROMPT, all_logits=True)
+    assert _rel(got[: len(PROMPT)], ref) < 1e-4
