@@ -162,16 +162,14 @@ static inline float block_max8(const float *sr, int64_t n8) {
 #endif
 }
 
-/* sr[j] = exp(sr[j] - m) for j < n8 (a multiple of 8: the padding past a block's cells holds
- * -inf), and their sum: eight lanes, lane e summing the cells at positions e mod 8 of the block in
- * cell order, then a fixed tree. Scores of -inf (masked cells) give exact zeros, and exact zeros
- * between a lane's terms change nothing: a sequence's sum depends only on its cells and their
- * positions mod 8 — fixed by its positions mod ATTN_CHUNK (blocks sit at multiples of KV_BLOCK),
- * whatever else the block holds (batch invariance). Why vectorized: the scalar expf here was
- * ~3 ms of a decode step at depth 1536 (one call a score), and a sum in cell order is a chain of
- * dependent adds as long as the block. */
-static float softmax8(float *sr, int64_t n8, float m) {
-    v8f acc = {0};
+/* sr[j] = exp(sr[j] - m) for j < n8 (a multiple of 8: the padding past a block's n cells holds
+ * -inf), and the sum of the first n in cell order. Scores of -inf (masked cells) give exact
+ * zeros, and a sum in cell order does not change when exact zeros come between its terms: a
+ * sequence's cells give the same bits wherever they sit in a block, and whatever else the block
+ * holds (batch invariance; a sum in 8 lanes would depend on each cell's position mod 8, and a
+ * decode step's cells land wherever cells are free). Why vectorized: the scalar expf here was
+ * ~3 ms of a decode step at depth 1536 (one call a score). */
+static float softmax8(float *sr, int64_t n, int64_t n8, float m) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
     for (int64_t j = 0; j < n8; j += 8) {
@@ -179,18 +177,16 @@ static float softmax8(float *sr, int64_t n8, float m) {
         /* below lo (and -inf): 0; NaN stays NaN (x - x), as expf would keep it */
         const __m256 e = _mm256_and_ps(_mm256_add_ps(exp8(x), _mm256_sub_ps(x, x)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
         _mm256_storeu_ps(sr + j, e);
-        acc += (v8f)e;
     }
 #else
-    for (int64_t j = 0; j < n8; j += 8) {
-        for (int e = 0; e < 8; e++) {
-            const float x = sr[j + e] - m;
-            sr[j + e] = x < -87.3f ? 0.0f : expf(x);
-            acc[e] += sr[j + e];
-        }
+    for (int64_t j = 0; j < n8; j++) {
+        const float x = sr[j] - m;
+        sr[j] = x < -87.3f ? 0.0f : expf(x);
     }
 #endif
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; j++) l += sr[j];
+    return l;
 }
 
 /* 16 values of a cache row from element d (a multiple of 16) as floats, in registers: float32,
@@ -374,7 +370,7 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
                 for (int64_t d = 0; d < Dv; d++) pr[2 + d] *= alpha;
                 pr[0] = m_new;
             }
-            pr[1] += softmax8(sr, nb8, m_new);
+            pr[1] += softmax8(sr, nb, nb8, m_new);
         }
         /* weighted V: the block's V rows read (dequantized) once for all the unit's query rows
            (skipped when no row gives them weight: another sequence's cells cost no V reads); each

@@ -198,3 +198,28 @@ def test_a_sequence_ignores_the_rest_of_the_cache(build, kt, vt, q8):
         both = attend(q2, bk, bv, mask, off + n, kt, vt, D, threads=threads, q8=q8)
         assert np.array_equal(both[0], alone[0])
         assert np.isfinite(both).all()
+
+
+@pytest.mark.parametrize("kt,vt,q8", [("f32", "f32", False), ("f16", "f16", False), ("q8_0", "q8_0", True),
+                                      ("bf16", "q8_0", False)])
+def test_a_sequence_ignores_where_its_cells_sit_in_a_chunk(build, kt, vt, q8):
+    """A decode step's cells land wherever cells are free: a sequence's 40 cells spread over the
+    first 64-cell block among another sequence's (masked, V holding infinities) give the bits of
+    the same cells side by side."""
+    rng = np.random.default_rng(5)
+    H, D, L, n = 9, 64, 40, 64
+    mine = np.concatenate([[0], np.sort(rng.choice(np.arange(1, n), L - 1, replace=False))])
+    xk, xv = rng.standard_normal((n, 3, D)).astype(F32), rng.standard_normal((n, 3, D)).astype(F32)
+    if vt == "f32":
+        others = np.setdiff1d(np.arange(n), mine)
+        xv[others[:4]] = np.inf
+    q = rng.standard_normal((H, 1, D)).astype(F32)
+    sk, _ = _cache(xk[mine], kt)
+    sv, _ = _cache(xv[mine], vt)
+    side_by_side = attend(q, sk, sv, np.zeros((1, L), F32), L, kt, vt, D, q8=q8)
+    sk, _ = _cache(xk, kt)
+    sv, _ = _cache(xv, vt)
+    mask = np.full((1, n), -np.inf, F32)
+    mask[0, mine] = 0.0
+    spread = attend(q, sk, sv, mask, int(mine[-1]) + 1, kt, vt, D, q8=q8)
+    assert np.array_equal(side_by_side.view(np.uint32), spread.view(np.uint32))
