@@ -291,6 +291,16 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         free(vblock);
         return;
     }
+    /* the V passes take the rows token-major (rows[] is head-major: ia = i * nt_seen + k for the
+       k-th token seen): the heads of one token see the same cells, so a pass over V rows serves
+       them together, where head-major passes of a step of many sequences would each find one
+       row in four with weight (which rows share a pass never changes a row's arithmetic) */
+    int64_t vord[G];
+    {
+        const int64_t nt_seen = na / gsize;
+        for (int64_t k = 0, n = 0; k < nt_seen; k++)
+            for (int64_t i = 0; i < gsize; i++) vord[n++] = i * nt_seen + k;
+    }
     for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
         const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK, nb8 = (nb + 7) & ~(int64_t)7;
         /* scores of the block, eight K rows at a time (each read once for all the unit's query
@@ -381,8 +391,9 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
                 const float *sr[V_ROWS];
                 float *acc[V_ROWS];
                 for (int r = 0; r < nt; r++) {
-                    sr[r] = sbuf + (i0 + r) * KV_BLOCK;
-                    acc[r] = part + rows[i0 + r] * P + 2;
+                    const int64_t ia = vord[i0 + r];
+                    sr[r] = sbuf + ia * KV_BLOCK;
+                    acc[r] = part + rows[ia] * P + 2;
                 }
                 for (int64_t d0 = 0; d0 < Dv; d0 += 64) v_block(a->v_type, nt, vh, a->v_sj, b0, nb, sr, acc, d0);
             }
