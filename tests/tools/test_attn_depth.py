@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from metatp.tools.attn_depth import attention_rows, attention_table
+from support.require import requires
 
 
 def _row(backend: str, depth: int, ts: float, group: int = 0, type_k: str = "f16", n_prompt: int = 0) -> dict:
@@ -29,3 +30,15 @@ def test_attention_is_the_difference_of_per_token_times_and_compares_within_a_gr
 def test_no_table_without_tg_at_two_depths():
     assert attention_table([_row("numpy", 1536, 50.0)]) == ""
     assert attention_rows([]) == []
+
+
+@requires("cpu_kernels")
+def test_attn_bench_times_the_kernel_per_layer(capsys):
+    from metatp.tools import attn_bench
+
+    wall, cpu = attn_bench.time_attention(130, 1, "q8_0", q8=True, layers=2, reps=1)
+    assert 0 < wall < 5 and 0 <= cpu < 5
+    assert attn_bench.main(["--depth", "70", "--threads", "1", "--types", "f16", "--layers", "1", "--reps", "1"]) == 0
+    assert "| f16 | no | 70 | 1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        attn_bench.main(["--types", "f7"])
