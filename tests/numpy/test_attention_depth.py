@@ -223,3 +223,43 @@ def test_a_sequence_ignores_where_its_cells_sit_in_a_chunk(build, kt, vt, q8):
     mask[0, mine] = 0.0
     spread = attend(q, sk, sv, mask, int(mine[-1]) + 1, kt, vt, D, q8=q8)
     assert np.array_equal(side_by_side.view(np.uint32), spread.view(np.uint32))
+
+
+@pytest.mark.parametrize("numerics,ctk", [("q8", "q8_0"), ("exact", "f16"), ("q8", "f16"), ("exact", "f32"), ("exact", "q8_0")])
+def test_engine_decode_at_depth_does_not_depend_on_batch_mates(synth_factory, numerics, ctk):
+    """End to end with a typed cache: a sequence 300 tokens deep (past two chunks) decodes the
+    same logits alone and beside 5 others, its cells placed after theirs or not (the engine puts
+    each sequence at a chunk multiple). Prompts go in passes of at most 64 tokens: exact mode's
+    longer passes take numpy/BLAS attention, whose sums depend on the batch shape."""
+    from metatp import LLM
+    from metatp.engine import StepItem
+    from metatp.testing.synth import SynthSpec
+
+    spec = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=256, n_vocab=300, seed=4,
+                     types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_0", "up": "Q4_1",
+                            "down": "Q8_0", "embd": "Q8_0"})       # products kept as codes (no BLAS)
+    path, _ = synth_factory(spec)
+    eng = LLM(path, n_ctx=4096, backend="numpy", numerics=numerics, cache_type_k=ctk, cache_type_v=ctk).engine
+    prompt = [int(x) for x in np.random.default_rng(1).integers(0, 300, 300)]
+
+    def decode(k_before: int, k_with: int) -> list[np.ndarray]:
+        before = [eng.new_sequence() for _ in range(k_before)]
+        for i, s in enumerate(before):
+            for _ in range(3):
+                eng.run([StepItem(s, [3 + i, 5, 8] * 20, "last")])
+        seq, others = eng.new_sequence(), [eng.new_sequence() for _ in range(k_with)]
+        for i in range(0, len(prompt), 60):       # passes of <= 64 tokens: the compiled kernels in both numerics
+            eng.run([StepItem(seq, prompt[i:i + 60], "last")])
+        for i, o in enumerate(others):
+            for j in range(1 + i):
+                eng.run([StepItem(o, [6 + i, 2] * 30, "last")])
+        got = [eng.run([StepItem(seq, [20 + t], "last")] + [StepItem(o, [9 + t], "last") for o in others])[0]
+               for t in range(3)]
+        for s in before + [seq] + others:
+            eng.free(s)
+        return got
+
+    want = decode(0, 0)
+    for k_before, k_with in ((0, 5), (2, 5)):
+        for g, w in zip(decode(k_before, k_with), want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (k_before, k_with)
