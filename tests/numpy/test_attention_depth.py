@@ -235,7 +235,7 @@ def test_engine_decode_at_depth_does_not_depend_on_batch_mates(synth_factory, nu
     from metatp.engine import StepItem
     from metatp.testing.synth import SynthSpec
 
-    spec = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=256, n_vocab=300, seed=4,
+    spec = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=256, n_vocab=300, seed=4, n_ctx_train=4096,
                      types={"q": "Q4_1", "k": "Q8_0", "v": "Q4_0", "o": "Q4_1", "gate": "Q4_0", "up": "Q4_1",
                             "down": "Q8_0", "embd": "Q8_0"})       # products kept as codes (no BLAS)
     path, _ = synth_factory(spec)
