@@ -41,7 +41,7 @@ def attention_table(rows: list[dict]) -> str:
     if not att:
         return ""
     lines = ["", "attention per token (tg at depth minus tg at depth 0):", "",
-             "| backend | numerics | type_k | type_v | devices | sm | depth | attention ms/token | vs llama.cpp |",
+             "| backend | numerics | type_k | type_v | devices | sm | depth | attention ms/token | over llama.cpp's (below 1: faster) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for a in att:
         ratio = f"{a['vs_llama_cpp']:.2f}x" if a["vs_llama_cpp"] is not None else ""
