@@ -589,4 +589,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                    f"{r['avg_ts']:.2f} t/s", file=sys.stderr), world=world)
     if world is None or world.is_root:
         print(format_rows(rows, args.output))
+        if args.output == "md":             # tg at depth minus tg at depth 0, when both were run
+            from metatp.tools.attn_depth import attention_table
+            print(attention_table(rows))
     return 0

@@ -10,8 +10,16 @@
  *  - the cache is streamed in blocks of KV_BLOCK rows with an online softmax (running max m,
  *    running sum l, output rescaled when m grows), so nothing of length n_kv is kept;
  *  - the KV length is cut into chunks of ATTN_CHUNK rows at absolute multiples of ATTN_CHUNK;
- *    the OpenMP threads share the (KV head, chunk) units; each unit leaves (m, l, unnormalized
- *    output) per query row, merged afterwards in chunk order with a log-sum-exp.
+ *    the OpenMP threads share the (KV head, chunk) units, chunk-major (a thread sweeps a range of
+ *    cells, all KV heads of a cell side by side in the cache, its first unit of a chunk
+ *    prefetching every head's rows); each unit leaves (m, l, unnormalized output) per query row,
+ *    merged afterwards in chunk order with a log-sum-exp;
+ *  - V rows of f32/f16/bf16/q8_0 are read in registers (no dequantized copy) by passes serving
+ *    V_ROWS query rows at once (v_pass); with numerics "q8" a q8_0 K cache is scored in integers
+ *    against Q8_0-rounded queries (dot8_rows_q8), as llama.cpp's CPU flash attention does.
+ * Why (issue 25, depth 1536, one thread, this kernel alone over 30 layers): f16 ~290 -> ~180 us a
+ * layer, q8_0 ~220 -> ~130, f32 ~430 -> ~310 (memory bound: 2.4 MB a layer); the float paths give
+ * the same bits as before.
  * Batch invariance: chunks and blocks sit at fixed cache positions (not derived from n_kv, T or
  * the thread count), a query row whose mask hides a whole chunk is skipped there, a hidden block
  * leaves a row's state exactly as it was, and every row's arithmetic is its own; so a row's output
@@ -22,7 +30,8 @@
  * mask[t*m_st + j]; sinks (H) or NULL; out (T, H, Dv): out[t*o_st + h*o_sh + d]. Query head h
  * reads kv head h / (H/Hkv). softcap > 0: s = softcap*tanh(s/softcap) before the mask.
  * scratch: Hkv * max_chunks * (H/Hkv) * T * (Dv + 2) + nthreads * (H/Hkv) * T * KV_BLOCK floats,
- * max_chunks >= ceil(n_kv / ATTN_CHUNK). */
+ * max_chunks >= ceil(n_kv / ATTN_CHUNK), and with q8 (K type q8_0) H*T*(ceil(D/4) + D/32) + D/16
+ * more for the rounded queries. */
 
 enum { KV_BLOCK = 64, ATTN_CHUNK = 128, KV_PREFETCH = 16 };
 
@@ -71,18 +80,15 @@ typedef struct {
     int64_t o_st, o_sh;
     float *scratch;
     int64_t max_chunks, nthreads;
+    int64_t q8;                       /* 1: integer Q.K with Q8_0 queries for a q8_0 K cache (numerics "q8") */
+    /* set by metatp_attention: the queries as Q8_0 codes and scales (NULL: float Q.K) */
+    const int8_t *qq;
+    const float *qd;
 } AttentionArgs;
 
-/* out[e] = q . k_e over the first D8 (a multiple of 8) elements, for eight rows k_e: one
- * accumulator per row, then one transpose-and-add (each row's lanes are summed among themselves
- * in a fixed tree, whatever the other rows hold). */
-static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8, float out[8]) {
-    v8f acc[8];
-    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
-    for (int64_t d = 0; d < D8; d += 8) {
-        const v8f qv = *(const v8f_a *)(q + d);
-        for (int e = 0; e < 8; e++) acc[e] += qv * kv_load8(k[e], d);
-    }
+/* out[e] = the sum of acc[e]'s lanes for eight accumulators: one transpose-and-add (each row's
+ * lanes are summed among themselves in a fixed tree, whatever the other rows hold). */
+static inline void hsum8x8(const v8f acc[8], float out[8]) {
 #if defined(__AVX2__) || defined(__AVX__)
     const __m256 t0 = _mm256_hadd_ps((__m256)acc[0], (__m256)acc[1]), t1 = _mm256_hadd_ps((__m256)acc[2], (__m256)acc[3]);
     const __m256 t2 = _mm256_hadd_ps((__m256)acc[4], (__m256)acc[5]), t3 = _mm256_hadd_ps((__m256)acc[6], (__m256)acc[7]);
@@ -97,12 +103,81 @@ static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8
 #endif
 }
 
+/* out[e] = q . k_e over the first D8 (a multiple of 8) elements, for eight rows k_e: one
+ * accumulator per row (eight hide the FMA latency), then hsum8x8. */
+static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8, float out[8]) {
+    v8f acc[8];
+    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
+    for (int64_t d = 0; d < D8; d += 8) {
+        const v8f qv = *(const v8f_a *)(q + d);
+        for (int e = 0; e < 8; e++) acc[e] += qv * kv_load8(k[e], d);
+    }
+    hsum8x8(acc, out);
+}
+
+/* The integer Q.K of a q8_0 cache (numerics "q8", as llama.cpp's CPU flash attention takes it):
+ * out[e] = sum over blocks b of (d_k[e][b] * d_q[b]) * isum_b, isum_b the exact int32 dot product
+ * of the query's Q8_0 codes (q8_quantize_row's rounding) with K row e's codes, the products
+ * accumulated per row in eight float lanes (one fused multiply-add a block) and summed by
+ * hsum8x8; no K row is converted to floats. */
+static inline void dot8_rows_q8(const int8_t *qq, const float *qd, const uint8_t *const k[8], int64_t nblk,
+                                float out[8]) {
+    v8f acc[8];
+    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
+    for (int64_t b = 0; b < nblk; b++) {
+#if Q8_SIMD
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(qq + 32 * b));
+        for (int e = 0; e < 8; e++) {
+            const uint8_t *blk = k[e] + 34 * b;
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256 is = _mm256_cvtepi32_ps(q8_dot32(_mm256_sign_epi8(w, w), w, x, 1));
+#if defined(__F16C__)
+            const float f = _cvtsh_ss(rd16(blk)) * qd[b];
+#else
+            const float f = half_to_float(rd16(blk)) * qd[b];
+#endif
+            acc[e] = (v8f)_mm256_fmadd_ps(is, _mm256_set1_ps(f), (__m256)acc[e]);
+        }
+#else
+        for (int e = 0; e < 8; e++) {
+            const uint8_t *blk = k[e] + 34 * b;
+            const int8_t *w = (const int8_t *)blk + 2;
+            const float f = half_to_float(rd16(blk)) * qd[b];
+            for (int l = 0; l < 8; l++) {      /* the SIMD lanes: four codes each */
+                int32_t is = 0;
+                for (int j = 0; j < 4; j++) is += (int32_t)w[4 * l + j] * qq[32 * b + 4 * l + j];
+                acc[e][l] += (float)is * f;
+            }
+        }
+#endif
+    }
+    hsum8x8(acc, out);
+}
+
+/* The largest of sr[0 .. n8) (n8 a multiple of 8; -inf padding): any order gives the same max,
+ * and a NaN score is passed over as the scalar `s > m ? s : m` passes it. */
+static inline float block_max8(const float *sr, int64_t n8) {
+#if defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n8; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(sr + j), m);   /* NaN lane: m kept */
+    float l[8], r = -INFINITY;
+    _mm256_storeu_ps(l, m);
+    for (int e = 0; e < 8; e++) r = l[e] > r ? l[e] : r;
+    return r;
+#else
+    float r = -INFINITY;
+    for (int64_t j = 0; j < n8; j++) r = sr[j] > r ? sr[j] : r;
+    return r;
+#endif
+}
+
 /* sr[j] = exp(sr[j] - m) for j < n8 (a multiple of 8: the padding past a block's n cells holds
  * -inf), and the sum of the first n in cell order. Scores of -inf (masked cells) give exact
  * zeros, and a sum in cell order does not change when exact zeros come between its terms: a
  * sequence's cells give the same bits wherever they sit in a block, and whatever else the block
- * holds (batch invariance; a sum in 8 lanes would depend on each cell's position mod 8). Why
- * vectorized: the scalar expf here was ~3 ms of a decode step at depth 1536 (one call a score). */
+ * holds (batch invariance; a sum in 8 lanes would depend on each cell's position mod 8, and a
+ * decode step's cells land wherever cells are free). Why vectorized: the scalar expf here was
+ * ~3 ms of a decode step at depth 1536 (one call a score). */
 static float softmax8(float *sr, int64_t n, int64_t n8, float m) {
 #if defined(__AVX2__) && defined(__FMA__)
     const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
@@ -123,16 +198,89 @@ static float softmax8(float *sr, int64_t n, int64_t n8, float m) {
     return l;
 }
 
+/* 16 values of a cache row from element d (a multiple of 16) as floats, in registers: float32,
+ * IEEE half or bfloat16 (exact), or q8_0 codes times their block's scale (one rounded product a
+ * value: gguf's dequantization, the value kv_dequant_row writes). */
+static inline __attribute__((always_inline)) v16f kv_load16(int64_t type, const uint8_t *row, int64_t d) {
+    if (type == T_F32) return load_f32((const float *)row + d);
+    if (type == T_F16 || type == T_BF16) return load_halves((const uint16_t *)row + d, type == T_BF16);
+    const uint8_t *blk = row + 34 * (d / 32);
+#if defined(__F16C__) && (defined(__AVX2__) || defined(__AVX512F__))
+    const float s = _cvtsh_ss(rd16(blk));
+#else
+    const float s = half_to_float(rd16(blk));
+#endif
+    return load_codes((const int8_t *)blk + 2 + d % 32) * s;
+}
+
+/* Cache types whose rows kv_load16 reads (the others are dequantized into a buffer first). */
+static inline int kv_direct(int64_t type) {
+    return type == T_F32 || type == T_F16 || type == T_BF16 || type == T_Q8_0;
+}
+
+enum { V_ROWS = 4 };    /* query rows a pass over a block's V rows serves (4 x 64 values in registers) */
+
+/* acc_r[d0 .. d0+64) += sum over the block's rows jj (in row order) of p_r[jj] * v[jj][d0 ..],
+ * for NT query rows at once: each V row is loaded (and converted) once for all of them while their
+ * accumulators stay in registers. A row whose weight is 0 is skipped (exactly as if absent: another
+ * sequence's cells, whatever they hold, change nothing); each product is one fused multiply-add
+ * into the row's own accumulator, so a row's bits do not depend on the rows it shares a pass with. */
+static inline __attribute__((always_inline)) void v_pass(int64_t type, int NT, const uint8_t *vh, int64_t v_sj,
+                                                         int64_t b0, int64_t nb, const float *const *sr,
+                                                         float *const *acc, int64_t d0) {
+    v16f A[V_ROWS][4];
+    for (int r = 0; r < NT; r++)
+        for (int k = 0; k < 4; k++) A[r][k] = load_f32(acc[r] + d0 + 16 * k);
+    for (int64_t jj = 0; jj < nb; jj++) {
+        float p[V_ROWS];
+        int any = 0;
+        for (int r = 0; r < NT; r++) {
+            p[r] = sr[r][jj];
+            any |= p[r] != 0.0f;
+        }
+        if (!any) continue;
+        const uint8_t *row = vh + (b0 + jj) * v_sj;
+        v16f v[4];
+        for (int k = 0; k < 4; k++) v[k] = kv_load16(type, row, d0 + 16 * k);
+        for (int r = 0; r < NT; r++) {
+            if (p[r] == 0.0f) continue;
+            for (int k = 0; k < 4; k++) A[r][k] += p[r] * v[k];
+        }
+    }
+    for (int r = 0; r < NT; r++)
+        for (int k = 0; k < 4; k++) memcpy(acc[r] + d0 + 16 * k, &A[r][k], sizeof(v16f));
+}
+
+/* v_pass with the type and the row count as constants (each pairing compiled on its own). */
+#define V_PASS_NT(TYPE)                                                             \
+    switch (nt) {                                                                   \
+        case 1: v_pass(TYPE, 1, vh, v_sj, b0, nb, sr, acc, d0); break;              \
+        case 2: v_pass(TYPE, 2, vh, v_sj, b0, nb, sr, acc, d0); break;              \
+        case 3: v_pass(TYPE, 3, vh, v_sj, b0, nb, sr, acc, d0); break;              \
+        default: v_pass(TYPE, 4, vh, v_sj, b0, nb, sr, acc, d0); break;             \
+    }
+static void v_block(int64_t type, int nt, const uint8_t *vh, int64_t v_sj, int64_t b0, int64_t nb,
+                    const float *const *sr, float *const *acc, int64_t d0) {
+    switch (type) {
+        case T_F32: V_PASS_NT(T_F32) break;
+        case T_F16: V_PASS_NT(T_F16) break;
+        case T_BF16: V_PASS_NT(T_BF16) break;
+        default: V_PASS_NT(T_Q8_0) break;
+    }
+}
+
 /* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
  * that see any of those rows. part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
-static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf) {
+static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf,
+                      int64_t pf_heads) {
     const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
     const uint8_t *kh = (const uint8_t *)a->k + g * a->k_sh, *vh = (const uint8_t *)a->v + g * a->v_sh;
     const float scale = a->scale, softcap = a->softcap;
     const int64_t D8 = D - D % 8, Dv8 = Dv - Dv % 8, Dv32 = Dv - Dv % 32, vst = Dv + 16, kst = D + 16;
     const int64_t krow_bytes = kv_row_bytes(a->k_type, D), vrow_bytes = kv_row_bytes(a->v_type, Dv);
     float kbuf[8 * kst];              /* dequantized K rows of a group of eight */
-    float *vblock = (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));     /* dequantized V rows */
+    const int v_direct = kv_direct(a->v_type) && Dv % 64 == 0, kq8 = a->qq != NULL;
+    float *vblock = v_direct ? NULL : (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));   /* dequantized V rows */
     const float *vrows[KV_BLOCK];
     int64_t rows[G], na = 0;
     unsigned char seen[T];
@@ -148,9 +296,19 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         rows[na++] = r;
         for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
     }
-    if (na == 0 || !vblock) {
+    if (na == 0 || (!vblock && !v_direct)) {
         free(vblock);
         return;
+    }
+    /* the V passes take the rows token-major (rows[] is head-major: ia = i * nt_seen + k for the
+       k-th token seen): the heads of one token see the same cells, so a pass over V rows serves
+       them together, where head-major passes of a step of many sequences would each find one
+       row in four with weight (which rows share a pass never changes a row's arithmetic) */
+    int64_t vord[G];
+    {
+        const int64_t nt_seen = na / gsize;
+        for (int64_t k = 0, n = 0; k < nt_seen; k++)
+            for (int64_t i = 0; i < gsize; i++) vord[n++] = i * nt_seen + k;
     }
     for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
         const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK, nb8 = (nb + 7) & ~(int64_t)7;
@@ -161,23 +319,30 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         for (int64_t j8 = 0; j8 < nb; j8 += 8) {
             const float *kr[8];
             /* one head's rows are strided by the other heads' rows: streams too short and sparse
-               for the hardware prefetcher (in a decode step attention ran at ~3 GB/s) */
-            for (int64_t e = 0; e < 8; e++) {
+               for the hardware prefetcher (in a decode step attention ran at ~3 GB/s). The first
+               unit of a chunk a thread runs prefetches the rows of the chunk's later heads too
+               (pf_heads): their units follow on this thread and find them in L2, and the cache is
+               swept cell by cell instead of in one sparse stream per head */
+            for (int64_t e = 0; e < 8 && pf_heads > 0; e++) {
                 const int64_t jp = b0 + j8 + KV_PREFETCH + e;
-                if (jp < j1 + KV_PREFETCH) {
-                    prefetch_span(kh + jp * a->k_sj, krow_bytes);
-                    prefetch_span(vh + jp * a->v_sj, vrow_bytes);
+                if (jp >= j1 + KV_PREFETCH) break;
+                for (int64_t gg = 0; gg < pf_heads; gg++) {
+                    prefetch_span(kh + gg * a->k_sh + jp * a->k_sj, krow_bytes);
+                    prefetch_span(vh + gg * a->v_sh + jp * a->v_sj, vrow_bytes);
                 }
             }
+            const uint8_t *kp[8];
             for (int e = 0; e < 8; e++) {
                 const int64_t jj = j8 + e < nb ? j8 + e : j8;
-                kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
+                kp[e] = kh + (b0 + jj) * a->k_sj;
+                if (!kq8) kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
             }
             for (int64_t ia = 0; ia < na; ia++) {
                 const int64_t r = rows[ia], i = r / T, t = r % T, h = g * gsize + i;
                 const float *qr = a->q + h * a->q_sh + t * a->q_st;
                 float sc8[8];
-                dot8_rows(qr, kr, D8, sc8);
+                if (kq8) dot8_rows_q8(a->qq + (h * T + t) * D, a->qd + (h * T + t) * (D / 32), kp, D / 32, sc8);
+                else dot8_rows(qr, kr, D8, sc8);
 #if defined(__AVX2__)
                 if (D8 == D && softcap <= 0.0f) {
                     /* scale and mask 8 scores at once; the last group of a block takes its mask
@@ -185,9 +350,13 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
                     __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(sc8), _mm256_set1_ps(scale));
                     if (a->mask) {
                         const float *mrow = a->mask + t * a->m_st + b0 + j8;
-                        float m8[8] = {0};
-                        memcpy(m8, mrow, sizeof(float) * (size_t)(nb - j8 < 8 ? nb - j8 : 8));
-                        sv = _mm256_add_ps(sv, _mm256_loadu_ps(m8));
+                        if (nb - j8 >= 8) {
+                            sv = _mm256_add_ps(sv, _mm256_loadu_ps(mrow));
+                        } else {
+                            float m8[8] = {0};
+                            memcpy(m8, mrow, sizeof(float) * (size_t)(nb - j8));
+                            sv = _mm256_add_ps(sv, _mm256_loadu_ps(m8));
+                        }
                     }
                     _mm256_storeu_ps(sbuf + ia * KV_BLOCK + j8, sv);      /* lanes past nb: padding */
                     continue;
@@ -208,8 +377,7 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         for (int64_t ia = 0; ia < na; ia++) {
             float *pr = part + rows[ia] * P, *sr = sbuf + ia * KV_BLOCK;
             for (int64_t jj = nb; jj < nb8; jj++) sr[jj] = -INFINITY;      /* whole vectors: see softmax8 */
-            float bm = -INFINITY;
-            for (int64_t jj = 0; jj < nb; jj++) bm = sr[jj] > bm ? sr[jj] : bm;
+            const float bm = block_max8(sr, nb8);
             const float m_new = bm > pr[0] ? bm : pr[0];
             if (m_new == -INFINITY) {                       /* nothing visible yet */
                 for (int64_t jj = 0; jj < nb; jj++) sr[jj] = 0.0f;
@@ -226,6 +394,20 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
         /* weighted V: the block's V rows read (dequantized) once for all the unit's query rows
            (skipped when no row gives them weight: another sequence's cells cost no V reads); each
            query row then sums them in row order with its accumulator in registers */
+        if (v_direct) {         /* V rows read in registers, V_ROWS query rows a pass */
+            for (int64_t i0 = 0; i0 < na; i0 += V_ROWS) {
+                const int nt = na - i0 < V_ROWS ? (int)(na - i0) : V_ROWS;
+                const float *sr[V_ROWS];
+                float *acc[V_ROWS];
+                for (int r = 0; r < nt; r++) {
+                    const int64_t ia = vord[i0 + r];
+                    sr[r] = sbuf + ia * KV_BLOCK;
+                    acc[r] = part + rows[ia] * P + 2;
+                }
+                for (int64_t d0 = 0; d0 < Dv; d0 += 64) v_block(a->v_type, nt, vh, a->v_sj, b0, nb, sr, acc, d0);
+            }
+            continue;
+        }
         for (int64_t jj = 0; jj < nb; jj++) {
             int any = 0;
             for (int64_t ia = 0; ia < na && !any; ia++) any = sbuf[ia * KV_BLOCK + jj] != 0.0f;
@@ -290,14 +472,35 @@ int metatp_attention(const AttentionArgs *a) {
     /* threads change who computes a unit, never what it computes */
     const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 && units > 1 ? (int)a->nthreads : 1;
     float *parts = a->scratch, *sbufs = a->scratch + Hkv * a->max_chunks * G * P;
+    AttentionArgs args = *a;
+    args.qq = NULL;
+    args.qd = NULL;
+    if (a->q8 && a->k_type == T_Q8_0) {
+        /* the queries rounded once a call (llama.cpp's Q8_0 activation rounding), after the
+           scores' scratch: H*T rows of D codes, D/32 scales and D/16 integer sums (unused) */
+        const int64_t D = a->D, nrow = H * T;
+        int8_t *qq = (int8_t *)(sbufs + a->nthreads * G * KV_BLOCK);
+        float *qd = (float *)(qq + (nrow * D + 3) / 4 * 4);
+        int32_t *isum = (int32_t *)(qd + nrow * (D / 32));
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < T; t++)
+                q8_quantize_row(Q8_0, D, a->q + h * a->q_sh + t * a->q_st, qq + (h * T + t) * D,
+                                qd + (h * T + t) * (D / 32), NULL, isum);
+        args.qq = qq;
+        args.qd = qd;
+    }
+    a = &args;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float *sbuf = sbufs + (int64_t)THREAD_NUM() * G * KV_BLOCK;
+        int64_t last_c = -1;      /* the chunk of this thread's previous unit */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            const int64_t g = u / nch, c = u % nch, j0 = c * ATTN_CHUNK;
+            /* chunk-major: a thread streams consecutive cells (all KV heads of a cell side by side) */
+            const int64_t c = u / Hkv, g = u % Hkv, j0 = c * ATTN_CHUNK;
             const int64_t j1 = j0 + ATTN_CHUNK < n_kv ? j0 + ATTN_CHUNK : n_kv;
-            attn_unit(a, g, j0, j1, parts + u * G * P, sbuf);
+            attn_unit(a, g, j0, j1, parts + (g * nch + c) * G * P, sbuf, c != last_c ? Hkv - g : 0);
+            last_c = c;
         }
         /* merge the chunks of each query row in chunk order (log-sum-exp), add the sink, normalize */
 #pragma omp for schedule(static)

@@ -149,7 +149,7 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
-                                       int(v_type))
+                                       int(v_type), q8=long_ok)       # integer Q.K for a q8_0 K cache
             # one setter for every attention of the plan reading this mask (a batch runs it once a
             # step): the visible length computed once, set on each kernel
             setter = ctx.persistent(("visible-setter", id(src_mask), q.shape[1]), lambda: _VisibleSetter(

@@ -47,11 +47,13 @@ _ATTN_KV_BLOCK = 64     # KV_BLOCK in attention.c
 
 def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
                       softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None,
-                      k_type: int = 0, v_type: int = 0) -> Callable[[int], None]:
+                      k_type: int = 0, v_type: int = 0, q8: bool = False) -> Callable[[int], None]:
     """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
     as `metatp.testing.oracles.ref_attention` computes it on the dequantized cache (the tests hold it
     to that) up to float rounding: K/V read once per KV head, online softmax, threads sharing (KV
-    head, chunk of ATTN_CHUNK cells) units. k/v are cache views of types k_type/v_type."""
+    head, chunk of ATTN_CHUNK cells) units. k/v are cache views of types k_type/v_type. q8 (numerics
+    "q8") with a q8_0 K cache: the queries are rounded to Q8_0 once a call and Q.K taken in integers,
+    as llama.cpp's CPU flash attention does (the oracle then sees the rounded queries)."""
     if not attention_usable(q, k, v, out3, k_type, v_type):
         raise ValueError("attention kernel: unsupported views")
     H, T, D = q.shape
@@ -64,7 +66,9 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     # per (KV head, chunk): (m, l, output) for each of its query rows; per thread a block of scores
     max_chunks = max(1, -(-n_max // ATTN_CHUNK))
     G = (H // Hkv) * T
-    scratch = np.empty(Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK, dtype=np.float32)
+    # and with q8: the queries' Q8_0 codes (H*T*D bytes), scales (D/32 a row) and one row's sums
+    q8_size = H * T * (-(-D // 4) + D // 32) + D // 16 + 1 if q8 else 0
+    scratch = np.empty(Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK + q8_size, dtype=np.float32)
     call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
                  n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
                  k_sh=k.strides[0], k_sj=k.strides[1], k_type=int(k_type), v=v.ctypes.data, v_sh=v.strides[0],
@@ -72,7 +76,7 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
                  m_st=0 if mask is None else _elems(mask, 0), scale=float(scale), softcap=float(softcap or 0.0),
                  sinks=None if sinks_c is None else sinks_c.ctypes.data, out=out3.ctypes.data,
                  o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data, max_chunks=max_chunks,
-                 nthreads=threads)
+                 nthreads=threads, q8=int(bool(q8)), qq=None, qd=None)
     args = call.args
 
     def run(n_kv: int) -> None:
