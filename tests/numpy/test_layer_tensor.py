@@ -12,7 +12,6 @@ import pytest
 
 from metatp import LLM, SamplingParams
 from metatp.testing.synth import SynthSpec
-from support.require import requires
 
 SPEC = SynthSpec(n_layer=5, n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=128, n_vocab=300, tied=False, seed=3,
                  n_ctx_train=4096, types={"gate": "Q4_0", "up": "Q4_0", "down": "Q8_0"})   # the `path` fixture
@@ -85,8 +84,8 @@ def test_default_model_two_stages_of_two(default_llm):
 
 
 def test_a_collective_without_groups_refuses_the_mode_by_name(synth_model):
-    """A process whose collective cannot all-reduce over a stage's group only (a GPU rank's NCCL
-    collective, CuPy's device collective today) refuses the layer,tensor plan, naming it."""
+    """A process whose collective cannot all-reduce over a stage's group only (one without
+    `for_devices`) refuses the layer,tensor plan, naming it."""
     from metatp.backends.numpy.backend import NumpyBackend
     from metatp.engine import Engine
     from metatp.ir.errors import UnsupportedOpError
@@ -101,22 +100,4 @@ def test_a_collective_without_groups_refuses_the_mode_by_name(synth_model):
     layout = DeviceLayout(4, "layer,tensor", tp=2)
     eng = Engine(synth_model, 64, layout, NumpyBackend(layout, collective=Sums()))
     with pytest.raises(UnsupportedOpError, match="split_mode='layer,tensor'.*'sums'"):
-        eng.forward([1, 2, 3])
-
-
-@requires("emulator")
-def test_cupy_refuses_the_mode_by_name(synth_model):
-    import warnings
-
-    from metatp.backends.cuda.backend import CupyBackend
-    from metatp.engine import Engine
-    from metatp.ir.errors import UnsupportedOpError
-    from metatp.passes.plan import DeviceLayout
-    from metatp.testing import EmuRuntime
-
-    layout = DeviceLayout(4, "layer,tensor", tp=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        eng = Engine(synth_model, 64, layout, CupyBackend(layout, runtime=EmuRuntime(n_gpus=4)))
-    with pytest.raises(UnsupportedOpError, match="layer,tensor"):
         eng.forward([1, 2, 3])
