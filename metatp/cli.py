@@ -65,6 +65,12 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
 SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
 
 
+def add_numerics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numerics", default="exact", choices=["exact", "q8", "llamacpp"],
+                   help="numpy backend: exact (float32) | q8 (llama.cpp's int8 activations and rounding; "
+                        "also spelt llamacpp); default exact")
+
+
 def add_split_args(p: argparse.ArgumentParser) -> None:
     """-sm, -ts, and -sm layer,tensor's --pp / --tp (vLLM's spellings)."""
     p.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_CHOICES,
@@ -145,7 +151,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from metatp.api import LLM
 
     seed = None if args.seed == -1 else args.seed          # llama.cpp: -s -1 is a random seed
-    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=seed, verbose=True, **layout_kwargs(args))
+    llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=seed, verbose=True, numerics=args.numerics,
+              **layout_kwargs(args))
     if args.prompt is None:
         raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
     if llm.world is not None and not llm.world.is_root:
@@ -184,7 +191,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
-              enable_prefix_caching=args.prefix_caching, verbose=True, **options)
+              enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
@@ -208,6 +215,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text (streams to stdout)")
     add_model_args(g)
     add_layout_args(g)
+    add_numerics_arg(g)
     g.add_argument("-p", "--prompt", default=None)
     g.add_argument("-f", "--file", default=None, help="read the prompt from a file")
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate (-1: until the context is full)")
@@ -224,6 +232,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     add_model_args(sv)
     add_layout_args(sv)
+    add_numerics_arg(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     sv.add_argument("-np", "--parallel", type=int, default=4, help="sequences decoded together (slots; default 4)")
