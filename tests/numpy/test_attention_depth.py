@@ -23,6 +23,7 @@ from metatp.backends.numpy import native
 from metatp.backends.numpy.kernels import kv_load_rows, kv_store_rows
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.testing.oracles import ref_attention, ref_q8_quantize
+from support.cpu import cpu_flags
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
@@ -41,17 +42,6 @@ TYPES = list(KV_CACHE_TYPES)          # f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @pytest.fixture(scope="module", params=list(BUILDS))
 def build(request):
     """Each ISA build, in use for the module's kernel calls; skipped where this CPU cannot run it
@@ -61,7 +51,7 @@ def build(request):
     if flags and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 flags")
     lib = native.build_library(_BASE + flags)
-    if not set(needs) <= _cpu_flags():
+    if not set(needs) <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {isa} build (built only)")
     assert native.library_isa(lib) == isa
     with pytest.MonkeyPatch.context() as mp:

@@ -20,6 +20,7 @@ from metatp.backends.numpy.codes import (GROUP, AffineWeight, affine_blocks, gro
                                           row_major)
 from metatp.ir.tensor import GGMLType
 from metatp.testing.oracles import make_weight, ref_q8_quantize
+from support.cpu import cpu_flags
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
@@ -50,17 +51,6 @@ FORMATS = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @pytest.fixture(scope="module", params=list(BUILDS))
 def lib(request):
     """Each ISA build of the kernels, loaded: skipped where this CPU cannot run it (it is still
@@ -70,7 +60,7 @@ def lib(request):
     if flags and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 flags")
     built = native.build_library(_BASE + flags)
-    if not set(needs) <= _cpu_flags():
+    if not set(needs) <= cpu_flags():
         pytest.skip(f"this CPU cannot run the {isa} build (built only)")
     assert native.library_isa(built) == isa
     return built
