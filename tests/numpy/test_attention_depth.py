@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import platform
 
 import numpy as np
 import pytest
@@ -23,21 +22,12 @@ from metatp.backends.numpy import native
 from metatp.backends.numpy.kernels import kv_load_rows, kv_store_rows
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.testing.oracles import ref_attention, ref_q8_quantize
-from support.cpu import cpu_flags
+from support.cpu import BUILDS, isa_library
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
 
 F32 = np.float32
-_BASE = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
-# isa -> (compiler flags, the /proc/cpuinfo flags it needs to run)
-BUILDS = {
-    "avx512-vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
-                    ("avx512_vnni", "avx512vl", "avx512bw")),
-    "avx-vnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx_vnni",)),
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma")),
-    "portable": ((), ()),
-}
 TYPES = list(KV_CACHE_TYPES)          # f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -47,13 +37,7 @@ def build(request):
     """Each ISA build, in use for the module's kernel calls; skipped where this CPU cannot run it
     (it is still compiled, so another machine's path must at least build)."""
     isa = request.param
-    flags, needs = BUILDS[isa]
-    if flags and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 flags")
-    lib = native.build_library(_BASE + flags)
-    if not set(needs) <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {isa} build (built only)")
-    assert native.library_isa(lib) == isa
+    lib = isa_library(isa)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native.lib, "_library", lambda: (lib, native.library_isa(lib)))
         yield isa

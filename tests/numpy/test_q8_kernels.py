@@ -7,7 +7,6 @@ of the dot product this machine can run (VNNI, AVX2, portable; each built explic
 
 from __future__ import annotations
 
-import platform
 from dataclasses import replace
 
 import numpy as np
@@ -20,21 +19,12 @@ from metatp.backends.numpy.codes import (GROUP, AffineWeight, affine_blocks, gro
                                           row_major)
 from metatp.ir.tensor import GGMLType
 from metatp.testing.oracles import make_weight, ref_q8_quantize
-from support.cpu import cpu_flags
+from support.cpu import BUILDS, isa_library
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
 
 F32 = np.float32
-_BASE = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
-# isa -> (compiler flags, the /proc/cpuinfo flags it needs to run)
-BUILDS = {
-    "avx512-vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
-                    ("avx512_vnni", "avx512vl", "avx512bw")),
-    "avx-vnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx_vnni",)),
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma")),
-    "portable": ((), ()),
-}
 
 # (weight type, activation kind, block, offset, bits, bias, code range): every affine type kept as codes
 FORMATS = {
@@ -55,15 +45,7 @@ FORMATS = {
 def lib(request):
     """Each ISA build of the kernels, loaded: skipped where this CPU cannot run it (it is still
     compiled, so a syntax error in another machine's path fails here)."""
-    isa = request.param
-    flags, needs = BUILDS[isa]
-    if flags and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 flags")
-    built = native.build_library(_BASE + flags)
-    if not set(needs) <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {isa} build (built only)")
-    assert native.library_isa(built) == isa
-    return built
+    return isa_library(request.param)
 
 
 @pytest.fixture(scope="module")
