@@ -110,15 +110,22 @@ def _subgraphs(graph: Graph, dev: dict[Tensor, int], moves: dict[Tensor, set[int
         cur = dev[node]
     if graph.nodes:
         subs.append(Subgraph(start, len(graph.nodes) - 1, None))
+    for root, i, sub in copied_roots(graph, subs, moves):
+        for d in sorted(moves[root]):
+            sub.transfers.append(Transfer(i, dev[root], d, root.nbytes))
+    return subs
+
+
+def copied_roots(graph: Graph, subs: list[Subgraph], moves: dict[Tensor, set[int]]):
+    """Each value another device reads (`moves`' keys), in graph order, with its node index and
+    the subgraph that computes it (whose end its copies follow)."""
     index = graph.index
     k = 0
     for root in sorted(moves, key=index.__getitem__):
         i = index[root]
         while subs[k].end < i:
             k += 1
-        for d in sorted(moves[root]):
-            subs[k].transfers.append(Transfer(i, dev[root], d, root.nbytes))
-    return subs
+        yield root, i, subs[k]
 
 
 def _tensor_plan(t: Tensor, home: int | None, here: set[int], n: int) -> TensorPlan:

@@ -29,7 +29,7 @@ from metatp.ir.errors import SplitError
 from metatp.ir.graph import Graph
 from metatp.ir.ops import OPS, Op
 from metatp.ir.tensor import Tensor
-from metatp.passes.layer_plan import _Holders
+from metatp.passes.layer_plan import _Holders, copied_roots
 from metatp.passes.layer_split import graph_n_layer, layer_devices, place_nodes
 from metatp.passes.plan import (DeviceLayout, Local, Plan, Reduction, Subgraph, TensorPlan, Transfer,
                                 single_device_plan)
@@ -148,12 +148,7 @@ def _subgraphs(graph: Graph, inner: Plan, stage: dict[Tensor, int], moves: dict[
             red = Reduction(red.node, list(red.covers), red.nbytes, group)
         subs.append(Subgraph(start, sub.end, red))
         home.append(last)
-    index = graph.index
-    k = 0
-    for root in sorted(moves, key=index.__getitem__):
-        i = index[root]
-        while subs[k].end < i:
-            k += 1
+    for root, i, sub in copied_roots(graph, subs, moves):
         ip = inner.of(root)
         if ip.sync_state.is_partial:
             raise SplitError(f"layer,tensor: {root.name!r} crosses a stage boundary as an un-reduced partial sum")
@@ -163,7 +158,7 @@ def _subgraphs(graph: Graph, inner: Plan, stage: dict[Tensor, int], moves: dict[
                 loc = ip.local[j]
                 if loc.nelements:
                     nbytes = root.nbytes * loc.nelements // max(root.nelements, 1)
-                    subs[k].transfers.append(Transfer(i, src * t + j, e * t + j, nbytes))
+                    sub.transfers.append(Transfer(i, src * t + j, e * t + j, nbytes))
     return subs
 
 
