@@ -46,7 +46,6 @@ class Block:
     parent: "Block | None"
     refs: int = 0                  # running sequences that begin with it
     kids: list["Block"] = field(default_factory=list)     # cached blocks that continue it
-    hits: int = 0                  # times it was reused (statistics)
 
 
 class PrefixCache:
@@ -91,8 +90,6 @@ class PrefixCache:
 
     def attach(self, seq: SeqCells, chain: list[Block]) -> None:
         """`seq` began with `chain` (pinned): it stays pinned until the sequence is released."""
-        for blk in chain:
-            blk.hits += 1
         self.held[seq.id] = chain
 
     def keep(self, seq: SeqCells, ids: Sequence[int]) -> int:

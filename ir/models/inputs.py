@@ -126,7 +126,7 @@ def make_feed(leaves: StepInputs[Tensor], values: StepInputs[np.ndarray], graph:
     types as declared, shapes checked). With `graph`, a declared leaf that none of its nodes
     reads is left out (the full mask of a model whose every layer slides: no plan holds it)."""
     feed: dict[Tensor, np.ndarray] = {}
-    read = None if graph is None else set(graph.leaves)
+    read = None if graph is None else _read_leaves(graph)
     for f in fields(StepInputs):
         leaf, value = getattr(leaves, f.name), getattr(values, f.name)
         if (leaf is None) != (value is None):
@@ -139,3 +139,11 @@ def make_feed(leaves: StepInputs[Tensor], values: StepInputs[np.ndarray], graph:
             raise ValueError(f"step input {f.name!r}: shape {arr.shape} does not fit the leaf {leaf.name} {leaf.ne}")
         feed[leaf] = arr
     return feed
+
+
+def _read_leaves(graph: Graph) -> frozenset:
+    """The graph's leaves as a set, made once per graph (a built graph does not change)."""
+    read = graph.meta.get("leaf_set")
+    if read is None:
+        read = graph.meta["leaf_set"] = frozenset(graph.leaves)
+    return read
