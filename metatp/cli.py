@@ -59,10 +59,17 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
-    pipeline.add_flag(p)
+    add_micro_batches_arg(p)
 
 
 SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
+
+
+def add_micro_batches_arg(p: argparse.ArgumentParser) -> None:
+    """`--micro-batches M` (`main` sets $METATP_MICRO_BATCHES from it, `metatp.pipeline`)."""
+    p.add_argument("--micro-batches", default=None, metavar="M",
+                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
+                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
 
 
 def add_numerics_arg(p: argparse.ArgumentParser) -> None:
@@ -271,7 +278,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     _pipeline_bench.add_parser(sub)
     if "bench" in sub.choices:          # tools/bench.py's parser (-p longer than -b pipelines)
-        pipeline.add_flag(sub.choices["bench"])
+        add_micro_batches_arg(sub.choices["bench"])
     return ap
 
 

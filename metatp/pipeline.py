@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from metatp.engine import Engine
 
 __all__ = ["ENV", "env_micro_batches", "parse_micro_batches", "micro_batches", "split_small", "run_passes",
-           "plan_in_flight", "add_flag"]
+           "plan_in_flight"]
 
 ENV = "METATP_MICRO_BATCHES"
 MAX_MICRO_BATCHES = 64
@@ -131,13 +131,6 @@ def _links(engine: Engine) -> list:
     """The point-to-point links whose sends can be deferred (`MpiSendRecv`), if any."""
     link = getattr(getattr(engine.backend, "collective", None), "send_recv", None)
     return [link] if hasattr(link, "deferred_sends") else []
-
-
-def add_flag(p: Any) -> None:
-    """`--micro-batches M` on a command's parser (the CLI sets $METATP_MICRO_BATCHES from it)."""
-    p.add_argument("--micro-batches", default=None, metavar="M",
-                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
-                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
 
 
 def run_passes(engine: Engine, items: Sequence, passes: list[list], keep: dict[int, int]) -> list[list]:
