@@ -251,6 +251,60 @@ static inline __attribute__((always_inline)) void v_pass(int64_t type, int NT, c
         for (int k = 0; k < 4; k++) memcpy(acc[r] + d0 + 16 * k, &A[r][k], sizeof(v16f));
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__) && defined(__FMA__) && defined(__F16C__)
+/* 8 values of a cache row from element d (a multiple of 8), as kv_load16 gives them. */
+static inline __attribute__((always_inline)) __m256 kv_load8v(int64_t type, const uint8_t *row, int64_t d) {
+    if (type == T_F32) return _mm256_loadu_ps((const float *)row + d);
+    if (type == T_F16 || type == T_BF16) {
+        __m256 v;
+        halves8_to_f32((const uint16_t *)row + d, type == T_BF16, &v);
+        return v;
+    }
+    const uint8_t *blk = row + 34 * (d / 32);
+    const __m128i c = _mm_loadl_epi64((const __m128i *)(blk + 2 + d % 32));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_set1_ps(_cvtsh_ss(rd16(blk))));
+}
+
+/* v_pass for 256-bit registers (16 of them): the 64 values go as four slices of 16, each a pass
+ * over the block's rows with NT x 2 accumulators in registers (a 16-float vector type spilled
+ * to the stack here: attention at depth 1536 ran ~3x slower than the 512-bit build). Every
+ * (row, value) takes the same fused multiply-adds in the same row order as v_pass's, and the
+ * same rows are skipped. */
+static inline __attribute__((always_inline)) void v_pass_avx2(int64_t type, int NT, const uint8_t *vh, int64_t v_sj,
+                                                              int64_t b0, int64_t nb, const float *const *sr,
+                                                              float *const *acc, int64_t d0) {
+    for (int64_t ds = d0; ds < d0 + 64; ds += 16) {
+        __m256 A[V_ROWS][2];
+        for (int r = 0; r < NT; r++) {
+            A[r][0] = _mm256_loadu_ps(acc[r] + ds);
+            A[r][1] = _mm256_loadu_ps(acc[r] + ds + 8);
+        }
+        for (int64_t jj = 0; jj < nb; jj++) {
+            float p[V_ROWS];
+            int any = 0;
+            for (int r = 0; r < NT; r++) {
+                p[r] = sr[r][jj];
+                any |= p[r] != 0.0f;
+            }
+            if (!any) continue;
+            const uint8_t *row = vh + (b0 + jj) * v_sj;
+            const __m256 v0 = kv_load8v(type, row, ds), v1 = kv_load8v(type, row, ds + 8);
+            for (int r = 0; r < NT; r++) {
+                if (p[r] == 0.0f) continue;
+                const __m256 pr = _mm256_set1_ps(p[r]);
+                A[r][0] = _mm256_fmadd_ps(pr, v0, A[r][0]);
+                A[r][1] = _mm256_fmadd_ps(pr, v1, A[r][1]);
+            }
+        }
+        for (int r = 0; r < NT; r++) {
+            _mm256_storeu_ps(acc[r] + ds, A[r][0]);
+            _mm256_storeu_ps(acc[r] + ds + 8, A[r][1]);
+        }
+    }
+}
+#define v_pass v_pass_avx2
+#endif
+
 /* v_pass with the type and the row count as constants (each pairing compiled on its own). */
 #define V_PASS_NT(TYPE)                                                             \
     switch (nt) {                                                                   \
@@ -269,10 +323,40 @@ static void v_block(int64_t type, int nt, const uint8_t *vh, int64_t v_sj, int64
     }
 }
 
+/* The first and last cells in [j0, j1) that mask row m shows (not -inf), into *first / *last;
+ * *first > *last when it shows none. Eight mask values a compare. */
+static void visible_span(const float *m, int64_t j0, int64_t j1, int64_t *first, int64_t *last) {
+    int64_t f = j0, l = j1 - 1;
+#if defined(__AVX2__)
+    const __m256 hidden = _mm256_set1_ps(-INFINITY);
+    while (f + 8 <= j1) {
+        const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(m + f), hidden, _CMP_NEQ_UQ));
+        if (bits) break;
+        f += 8;
+    }
+#endif
+    while (f < j1 && m[f] == -INFINITY) f++;
+    if (f == j1) {
+        *first = j1;
+        *last = j1 - 1;
+        return;
+    }
+#if defined(__AVX2__)
+    while (l - 7 > f) {
+        const int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(m + l - 7), hidden, _CMP_NEQ_UQ));
+        if (bits) break;
+        l -= 8;
+    }
+#endif
+    while (m[l] == -INFINITY) l--;
+    *first = f;
+    *last = l;
+}
+
 /* One unit: KV head g, cache rows [j0, j1) (one chunk), the G = gsize*T query rows of that head
  * that see any of those rows. part: G rows of (m, l, acc[Dv]); sbuf: G * KV_BLOCK scores. */
 static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1, float *part, float *sbuf,
-                      int64_t pf_heads) {
+                      int64_t pf_heads, unsigned char *seen) {
     const int64_t T = a->T, D = a->D, Dv = a->Dv, gsize = a->H / a->Hkv, G = gsize * T, P = Dv + 2;
     const uint8_t *kh = (const uint8_t *)a->k + g * a->k_sh, *vh = (const uint8_t *)a->v + g * a->v_sh;
     const float scale = a->scale, softcap = a->softcap;
@@ -282,17 +366,18 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
     const int v_direct = kv_direct(a->v_type) && Dv % 64 == 0, kq8 = a->qq != NULL;
     float *vblock = v_direct ? NULL : (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));   /* dequantized V rows */
     const float *vrows[KV_BLOCK];
-    int64_t rows[G], na = 0;
-    unsigned char seen[T];
-    for (int64_t t = 0; t < T; t++) {           /* does query t see anything in this chunk? */
-        seen[t] = a->mask == NULL;
-        for (int64_t j = j0; j < j1 && !seen[t]; j++) seen[t] = a->mask[t * a->m_st + j] != -INFINITY;
+    int64_t rows[G], na = 0, first[T], last[T];
+    for (int64_t t = 0; t < T; t++) {           /* which cells of this chunk does query t see? */
+        first[t] = j0;
+        last[t] = j1 - 1;
+        if (a->mask) visible_span(a->mask + t * a->m_st, j0, j1, &first[t], &last[t]);
+        seen[t] = first[t] <= last[t];
     }
     for (int64_t r = 0; r < G; r++) {
+        if (!seen[r % T]) continue;            /* an unseen chunk: the merge skips it (seen) */
         float *pr = part + r * P;
-        pr[0] = -INFINITY;                      /* an unseen chunk: skipped by the merge */
+        pr[0] = -INFINITY;
         pr[1] = 0.0f;
-        if (!seen[r % T]) continue;
         rows[na++] = r;
         for (int64_t d = 0; d < Dv; d++) pr[2 + d] = 0.0f;
     }
@@ -312,6 +397,11 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
     }
     for (int64_t b0 = j0; b0 < j1; b0 += KV_BLOCK) {
         const int64_t nb = j1 - b0 < KV_BLOCK ? j1 - b0 : KV_BLOCK, nb8 = (nb + 7) & ~(int64_t)7;
+        /* a block no query row of the unit sees would leave every row's state as it is: skipped
+           (in a step of many sequences, most blocks of a sequence's chunk are another's or empty) */
+        int used = 0;
+        for (int64_t t = 0; t < T && !used; t++) used = seen[t] && first[t] < b0 + nb && last[t] >= b0;
+        if (!used) continue;
         /* scores of the block, eight K rows at a time (each read once for all the unit's query
            rows; eight accumulators hide the FMA latency and are summed by one transpose). A
            missing row of the last group repeats the first and its lanes are dropped, so every
@@ -490,6 +580,10 @@ int metatp_attention(const AttentionArgs *a) {
         args.qd = qd;
     }
     a = &args;
+    /* which (KV head, chunk, query token) units left a part: the merge reads only those (in a
+       step of many sequences, each row has one chunk of many, and the parts lie 264 bytes apart) */
+    unsigned char *seen_tab = (unsigned char *)malloc((size_t)(Hkv * nch * T));
+    if (!seen_tab) return -3;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float *sbuf = sbufs + (int64_t)THREAD_NUM() * G * KV_BLOCK;
@@ -499,7 +593,8 @@ int metatp_attention(const AttentionArgs *a) {
             /* chunk-major: a thread streams consecutive cells (all KV heads of a cell side by side) */
             const int64_t c = u / Hkv, g = u % Hkv, j0 = c * ATTN_CHUNK;
             const int64_t j1 = j0 + ATTN_CHUNK < n_kv ? j0 + ATTN_CHUNK : n_kv;
-            attn_unit(a, g, j0, j1, parts + (g * nch + c) * G * P, sbuf, c != last_c ? Hkv - g : 0);
+            attn_unit(a, g, j0, j1, parts + (g * nch + c) * G * P, sbuf, c != last_c ? Hkv - g : 0,
+                      seen_tab + (g * nch + c) * T);
             last_c = c;
         }
         /* merge the chunks of each query row in chunk order (log-sum-exp), add the sink, normalize */
@@ -507,7 +602,9 @@ int metatp_attention(const AttentionArgs *a) {
         for (int64_t gr = 0; gr < Hkv * G; gr++) {
             const int64_t g = gr / G, r = gr % G, i = r / T, t = r % T, h = g * gsize + i;
             float m = a->sinks ? a->sinks[h] : -INFINITY;
+            const unsigned char *seen = seen_tab + g * nch * T + t;    /* seen[c * T]: chunk c has a part */
             for (int64_t c = 0; c < nch; c++) {
+                if (!seen[c * T]) continue;
                 const float mc = parts[((g * nch + c) * G + r) * P];
                 m = mc > m ? mc : m;
             }
@@ -516,6 +613,7 @@ int metatp_attention(const AttentionArgs *a) {
             if (m == -INFINITY) continue;
             float l = a->sinks ? expf(a->sinks[h] - m) : 0.0f;
             for (int64_t c = 0; c < nch; c++) {
+                if (!seen[c * T]) continue;
                 const float *pc = parts + ((g * nch + c) * G + r) * P;
                 if (pc[0] == -INFINITY) continue;
                 const float w = expf(pc[0] - m);
@@ -526,5 +624,6 @@ int metatp_attention(const AttentionArgs *a) {
             for (int64_t d = 0; d < Dv; d++) orow[d] *= inv;
         }
     }
+    free(seen_tab);
     return 0;
 }

@@ -237,3 +237,33 @@ def test_engine_decode_at_depth_does_not_depend_on_batch_mates(synth_factory, nu
     for k_before, k_with in ((0, 5), (2, 5)):
         for g, w in zip(decode(k_before, k_with), want):
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (k_before, k_with)
+
+
+@pytest.mark.parametrize("kt,vt,q8", [("f32", "f32", False), ("f16", "f16", False), ("q8_0", "q8_0", True),
+                                      ("q4_1", "q5_0", False)])
+def test_a_step_of_many_sequences_matches_the_oracle_and_each_alone(build, kt, vt, q8):
+    """A decode step of 10 sequences, each from its own chunk multiple, with lengths on both sides
+    of the 64-cell blocks (and one over two chunks): most blocks of the call are hidden from every
+    row of a unit, and most chunks from every row. The rows equal the oracle, and each row's bits
+    are its bits alone (the skipped blocks and chunks change nothing)."""
+    rng = np.random.default_rng(3)
+    H, D = 9, 64
+    lengths = [1, 40, 63, 64, 65, 100, 127, 128, 200, 7]
+    starts = np.cumsum([0] + [-(-n // 128) * 128 for n in lengths[:-1]])
+    n = int(starts[-1] + lengths[-1])
+    T = len(lengths)
+    q = rng.standard_normal((H, T, D)).astype(F32)
+    sk, vk = _cache((rng.standard_normal((n, 3, D)) * 2).astype(F32), kt)
+    sv, vv = _cache(rng.standard_normal((n, 3, D)).astype(F32), vt)
+    mask = np.full((T, n), -np.inf, F32)
+    for t, (s, ln) in enumerate(zip(starts, lengths)):
+        mask[t, s:s + ln] = 0.0
+    for threads in (1, 2):
+        out = attend(q, sk, sv, mask, n, kt, vt, D, threads=threads, q8=q8)
+        qref = _q8_rounded(q) if q8 and kt == "q8_0" else q.astype(np.float64)
+        ref = ref_attention(qref.transpose(1, 0, 2), vk, vv, 0.125, mask=mask.astype(np.float64), causal=False)
+        assert np.allclose(out, ref, **TOL), np.abs(out - ref).max()
+        for t, (s, ln) in enumerate(zip(starts, lengths)):
+            alone = attend(q[:, t:t + 1], sk[:, s:s + ln], sv[:, s:s + ln], np.zeros((1, ln), F32), ln, kt, vt, D,
+                           threads=threads, q8=q8)
+            assert np.array_equal(out[t].view(np.uint32), alone[0].view(np.uint32)), (t, ln)
