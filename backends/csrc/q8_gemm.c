@@ -127,6 +127,113 @@ static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t 
 #define Q8_GEMM512 0
 #endif
 
+#if !Q8_GEMM512 && Q8_SIMD && !defined(DPBUSD) && defined(__AVX2__) && defined(__FMA__)
+/* ---- the same product for 256-bit registers without a byte dot product (AVX2), nibble codes
+ * Why: repack.c's tile broadcasts each token's activation word for one group of 8 rows, and a
+ * broadcast costs about a cycle here (2-vCPU AMD EPYC, AVX2: ~2 G broadcasts/s a core, while the
+ * byte multiplies could run 5 G/s), so a step of many tokens ran at ~13 multiply-adds a cycle.
+ * This tile serves two groups (16 rows) per broadcast, words outermost: a word of both groups
+ * is unpacked, then each of 4 tokens' matching words is broadcast once and meets both. The 16
+ * registers hold the 16-bit sums (2 x 4 tokens) and the words; the float accumulators live in a
+ * small buffer in L1. Exactness: the integer sums are exact in any order, and each (row, token)
+ * result takes repack.c's float operations in block order (acc = fma(float(isum), scale * d,
+ * acc), the offset term summed apart and added last), so it is bit-identical to that tile. */
+#define Q8_GEMM256 1
+enum { GEMM256_T = 4 };
+
+static inline __attribute__((always_inline)) void gemm256_tile(
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int T, int dshift, int has_off, int half,
+        int bias) {
+    const int64_t k = a->k, nb = k / 32, nd = dshift ? k / QK : nb, gbytes = 128, sb = half ? 2 : 4;
+    const uint8_t *qa = (const uint8_t *)a->q + g * nb * gbytes, *qb = qa + nb * gbytes;
+    const uint8_t *sa = (const uint8_t *)a->scale + g * nb * 8 * sb, *sbb = sa + nb * 8 * sb;
+    const int8_t *xq = x->q + t0 * k;
+    const float *xd = x->d + t0 * nd;
+    const int32_t *xi = x->isum + t0 * (k / 16);
+    const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    float acc[GEMM256_T][2][8];
+    for (int t = 0; t < T; t++) {
+        _mm256_storeu_ps(acc[t][0], _mm256_setzero_ps());
+        _mm256_storeu_ps(acc[t][1], _mm256_setzero_ps());
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *ga = qa + b * gbytes, *gb = qb + b * gbytes;
+        __builtin_prefetch(ga + 8 * gbytes);
+        __builtin_prefetch(ga + 8 * gbytes + 64);
+        __builtin_prefetch(gb + 8 * gbytes);
+        __builtin_prefetch(gb + 8 * gbytes + 64);
+        __m256i pa[GEMM256_T], pb[GEMM256_T];
+        for (int t = 0; t < T; t++) pa[t] = pb[t] = _mm256_setzero_si256();
+        /* one word at a time (not unrolled: GCC then hoisted every product of the block ahead of
+           its sums and spilled them) */
+#pragma GCC unroll 1
+        for (int j = 0; j < 4; j++) {
+            for (int high = 0; high < 2; high++) {     /* low nibbles meet word j, high ones word 4 + j */
+                const __m256i va = _mm256_loadu_si256((const __m256i *)(ga + 32 * j));
+                const __m256i vb = _mm256_loadu_si256((const __m256i *)(gb + 32 * j));
+                const __m256i ua = _mm256_and_si256(high ? _mm256_srli_epi16(va, 4) : va, m);
+                const __m256i ub = _mm256_and_si256(high ? _mm256_srli_epi16(vb, 4) : vb, m);
+                for (int t = 0; t < T; t++) {
+                    const q8_i32 *xw = (const q8_i32 *)(xq + t * k + b * 32);
+                    const __m256i xv = _mm256_set1_epi32(xw[4 * high + j]);
+                    pa[t] = _mm256_add_epi16(pa[t], _mm256_maddubs_epi16(ua, xv));
+                    pb[t] = _mm256_add_epi16(pb[t], _mm256_maddubs_epi16(ub, xv));
+                }
+            }
+        }
+        const __m256 sva = q8x8_scales(sa + b * 8 * sb, half), svb = q8x8_scales(sbb + b * 8 * sb, half);
+        for (int t = 0; t < T; t++) {
+            __m256i ia = _mm256_madd_epi16(pa[t], ones), ib = _mm256_madd_epi16(pb[t], ones);
+            if (bias) {
+                const int32_t *is = xi + t * (k / 16) + 2 * b;
+                const __m256i c = _mm256_set1_epi32(bias * (is[0] + is[1]));
+                ia = _mm256_sub_epi32(ia, c);
+                ib = _mm256_sub_epi32(ib, c);
+            }
+            const __m256 d = _mm256_set1_ps(xd[t * nd + (b >> dshift)]);
+            _mm256_storeu_ps(acc[t][0], _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(sva, d),
+                                                         _mm256_loadu_ps(acc[t][0])));
+            _mm256_storeu_ps(acc[t][1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(svb, d),
+                                                         _mm256_loadu_ps(acc[t][1])));
+        }
+    }
+    const uint8_t *ma = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) {
+            __m256 r = _mm256_loadu_ps(acc[t][h]);
+            if (has_off) {
+                const uint8_t *mo = ma + h * nb * 8 * sb;
+                const float *xs = x->xs + (t0 + t) * nb;
+                __m256 o = _mm256_setzero_ps();
+                for (int64_t b = 0; b < nb; b++)
+                    o = _mm256_fmadd_ps(q8x8_scales(mo + b * 8 * sb, half), _mm256_set1_ps(xs[b]), o);
+                r = _mm256_add_ps(r, o);
+            }
+            _mm256_storeu_ps(a->y + (t0 + t) * a->ldy + (g + h) * 8, r);
+        }
+}
+
+static inline __attribute__((always_inline)) void gemm256_pair_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
+                                                                   int64_t t0, int64_t t1, int dshift, int has_off,
+                                                                   int half, int bias) {
+    int64_t t = t0;
+    for (; t + GEMM256_T <= t1; t += GEMM256_T) gemm256_tile(a, x, g, t, GEMM256_T, dshift, has_off, half, bias);
+    if (t + 2 <= t1) { gemm256_tile(a, x, g, t, 2, dshift, has_off, half, bias); t += 2; }
+    if (t < t1) gemm256_tile(a, x, g, t, 1, dshift, has_off, half, bias);
+}
+
+/* Groups g, g+1 of a nibble-coded item (Q4_0, Q4_1, Q4_K, and the general form). */
+static void gemm256_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
+    const int dshift = a->kind == Q8_K ? 3 : 0, has_off = a->offset != NULL, half = (int)a->half_scales;
+    if (half && !dshift && has_off && !a->bias) gemm256_pair_fmt(a, x, g, t0, t1, 0, 1, 1, 0);            /* Q4_1 */
+    else if (half && !dshift && !has_off) gemm256_pair_fmt(a, x, g, t0, t1, 0, 0, 1, (int)a->bias);      /* Q4_0 */
+    else if (dshift && has_off && !half && !a->bias) gemm256_pair_fmt(a, x, g, t0, t1, 3, 1, 0, 0);      /* Q4_K */
+    else gemm256_pair_fmt(a, x, g, t0, t1, dshift, has_off, half, (int)a->bias);
+}
+#else
+#define Q8_GEMM256 0
+#endif
+
 /* Steps of at least this many tokens take the GEMM (fewer: repack.c's decode tile, which reads
  * one group at a time, as a step bound by reading the weights wants). */
 enum { GEMM_MIN_TOKENS = 8 };
@@ -136,9 +243,9 @@ enum { GEMM_MIN_TOKENS = 8 };
  * stay there too. */
 enum { GEMM_TOKEN_BLOCK = 64 };
 
-/* Row groups a chunk of the GEMM: a pair in a 512-bit build, else one (repack.c's tile, run one
+/* Row groups a chunk of the GEMM: a pair in a 512-bit or an AVX2 build, else one (repack.c's tile, run one
  * token block at a time all the same: the cache blocking serves every build). */
-enum { GEMM_GROUPS = Q8_GEMM512 ? 2 : 1 };
+enum { GEMM_GROUPS = Q8_GEMM512 || Q8_GEMM256 ? 2 : 1 };
 
 /* Does item `a` take the GEMM's schedule? (row-group layout, enough tokens) */
 static int gemm_takes(const Q8MatmulArgs *a) {
@@ -152,6 +259,16 @@ static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t
 #if Q8_GEMM512
     if (g + 1 < a->rows / 8) {
         gemm_pair(a, x, g, t0, t1);
+        return;
+    }
+#elif Q8_GEMM256
+    if (g + 1 < a->rows / 8) {
+        if (a->bits == 4) {
+            gemm256_pair(a, x, g, t0, t1);
+        } else {            /* 8-bit codes: repack.c's tile, a group at a time */
+            q8x8_group_range(a, x, g, t0, t1);
+            q8x8_group_range(a, x, g + 1, t0, t1);
+        }
         return;
     }
 #endif
