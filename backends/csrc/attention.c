@@ -115,6 +115,25 @@ static inline void dot8_rows(const float *q, const float *const k[8], int64_t D8
     hsum8x8(acc, out);
 }
 
+#if defined(__F16C__) && defined(__AVX2__)
+#define KV_F16_DIRECT 1
+/* dot8_rows over eight f16 cache rows, converted in registers: the same floats (a half converts
+ * exactly) in the same fused multiply-adds as dot8_rows over the rows dequantized to a buffer,
+ * so the same bits, without writing and re-reading the buffer. */
+static inline void dot8_rows_f16(const float *q, const uint8_t *const k[8], int64_t D8, float out[8]) {
+    v8f acc[8];
+    for (int e = 0; e < 8; e++) acc[e] = (v8f){0};
+    for (int64_t d = 0; d < D8; d += 8) {
+        const v8f qv = *(const v8f_a *)(q + d);
+        for (int e = 0; e < 8; e++)
+            acc[e] += qv * (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)k[e] + d)));
+    }
+    hsum8x8(acc, out);
+}
+#else
+#define KV_F16_DIRECT 0
+#endif
+
 /* The integer Q.K of a q8_0 cache (numerics "q8", as llama.cpp's CPU flash attention takes it):
  * out[e] = sum over blocks b of (d_k[e][b] * d_q[b]) * isum_b, isum_b the exact int32 dot product
  * of the query's Q8_0 codes (q8_quantize_row's rounding) with K row e's codes, the products
@@ -364,6 +383,7 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
     const int64_t krow_bytes = kv_row_bytes(a->k_type, D), vrow_bytes = kv_row_bytes(a->v_type, Dv);
     float kbuf[8 * kst];              /* dequantized K rows of a group of eight */
     const int v_direct = kv_direct(a->v_type) && Dv % 64 == 0, kq8 = a->qq != NULL;
+    const int k_f16 = KV_F16_DIRECT && a->k_type == T_F16 && D8 == D && !kq8;     /* K rows read in registers */
     float *vblock = v_direct ? NULL : (float *)malloc(sizeof(float) * (size_t)(KV_BLOCK * vst));   /* dequantized V rows */
     const float *vrows[KV_BLOCK];
     int64_t rows[G], na = 0, first[T], last[T];
@@ -425,13 +445,16 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
             for (int e = 0; e < 8; e++) {
                 const int64_t jj = j8 + e < nb ? j8 + e : j8;
                 kp[e] = kh + (b0 + jj) * a->k_sj;
-                if (!kq8) kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
+                if (!kq8 && !k_f16) kr[e] = j8 + e < nb || e == 0 ? kv_row(a->k_type, kh, b0 + jj, a->k_sj, D, kbuf + e * kst) : kr[0];
             }
             for (int64_t ia = 0; ia < na; ia++) {
                 const int64_t r = rows[ia], i = r / T, t = r % T, h = g * gsize + i;
                 const float *qr = a->q + h * a->q_sh + t * a->q_st;
                 float sc8[8];
                 if (kq8) dot8_rows_q8(a->qq + (h * T + t) * D, a->qd + (h * T + t) * (D / 32), kp, D / 32, sc8);
+#if KV_F16_DIRECT
+                else if (k_f16) dot8_rows_f16(qr, kp, D8, sc8);
+#endif
                 else dot8_rows(qr, kr, D8, sc8);
 #if defined(__AVX2__)
                 if (D8 == D && softcap <= 0.0f) {
