@@ -239,6 +239,16 @@ static inline int kv_direct(int64_t type) {
 
 enum { V_ROWS = 4 };    /* query rows a pass over a block's V rows serves (4 x 64 values in registers) */
 
+/* The NT query rows' weights of cell jj into p; 0 when none of them weighs it (the cell is skipped). */
+static inline __attribute__((always_inline)) int row_weights(int NT, const float *const *sr, int64_t jj, float *p) {
+    int any = 0;
+    for (int r = 0; r < NT; r++) {
+        p[r] = sr[r][jj];
+        any |= p[r] != 0.0f;
+    }
+    return any;
+}
+
 /* acc_r[d0 .. d0+64) += sum over the block's rows jj (in row order) of p_r[jj] * v[jj][d0 ..],
  * for NT query rows at once: each V row is loaded (and converted) once for all of them while their
  * accumulators stay in registers. A row whose weight is 0 is skipped (exactly as if absent: another
@@ -252,12 +262,7 @@ static inline __attribute__((always_inline)) void v_pass(int64_t type, int NT, c
         for (int k = 0; k < 4; k++) A[r][k] = load_f32(acc[r] + d0 + 16 * k);
     for (int64_t jj = 0; jj < nb; jj++) {
         float p[V_ROWS];
-        int any = 0;
-        for (int r = 0; r < NT; r++) {
-            p[r] = sr[r][jj];
-            any |= p[r] != 0.0f;
-        }
-        if (!any) continue;
+        if (!row_weights(NT, sr, jj, p)) continue;
         const uint8_t *row = vh + (b0 + jj) * v_sj;
         v16f v[4];
         for (int k = 0; k < 4; k++) v[k] = kv_load16(type, row, d0 + 16 * k);
@@ -285,8 +290,8 @@ static inline __attribute__((always_inline)) __m256 kv_load8v(int64_t type, cons
 }
 
 /* v_pass for 256-bit registers (16 of them): the 64 values go as four slices of 16, each a pass
- * over the block's rows with NT x 2 accumulators in registers (a 16-float vector type spilled
- * to the stack here: attention at depth 1536 ran ~3x slower than the 512-bit build). Every
+ * over the block's rows with NT x 2 accumulators in registers (GCC lowers the 16-float vector
+ * type through the stack on this ISA: the kernel at depth 1536 took 1.7x the time). Every
  * (row, value) takes the same fused multiply-adds in the same row order as v_pass's, and the
  * same rows are skipped. */
 static inline __attribute__((always_inline)) void v_pass_avx2(int64_t type, int NT, const uint8_t *vh, int64_t v_sj,
@@ -300,12 +305,7 @@ static inline __attribute__((always_inline)) void v_pass_avx2(int64_t type, int 
         }
         for (int64_t jj = 0; jj < nb; jj++) {
             float p[V_ROWS];
-            int any = 0;
-            for (int r = 0; r < NT; r++) {
-                p[r] = sr[r][jj];
-                any |= p[r] != 0.0f;
-            }
-            if (!any) continue;
+            if (!row_weights(NT, sr, jj, p)) continue;
             const uint8_t *row = vh + (b0 + jj) * v_sj;
             const __m256 v0 = kv_load8v(type, row, ds), v1 = kv_load8v(type, row, ds + 8);
             for (int r = 0; r < NT; r++) {
