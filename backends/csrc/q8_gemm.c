@@ -129,10 +129,10 @@ static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t 
 
 #if !Q8_GEMM512 && Q8_SIMD && !defined(DPBUSD) && defined(__AVX2__) && defined(__FMA__)
 /* ---- the same product for 256-bit registers without a byte dot product (AVX2), nibble codes
- * Why: repack.c's tile broadcasts each token's activation word for one group of 8 rows, and a
- * broadcast costs about a cycle here (2-vCPU AMD EPYC, AVX2: ~2 G broadcasts/s a core, while the
- * byte multiplies could run 5 G/s), so a step of many tokens ran at ~13 multiply-adds a cycle.
- * This tile serves two groups (16 rows) per broadcast, words outermost: a word of both groups
+ * Why: repack.c's tile broadcasts each token's activation word for one group of 8 rows; a step of
+ * many tokens ran at ~13 multiply-adds a cycle (2-vCPU AMD EPYC, AVX2). This tile (1.1-1.2x) serves
+ * two groups (16 rows) per broadcast; a build without the broadcasts ran no faster, so what limits
+ * it is still open (docs/performance.md), words outermost: a word of both groups
  * is unpacked, then each of 4 tokens' matching words is broadcast once and meets both. The 16
  * registers hold the 16-bit sums (2 x 4 tokens) and the words; the float accumulators live in a
  * small buffer in L1. Exactness: the integer sums are exact in any order, and each (row, token)
