@@ -14,6 +14,7 @@
 #include "simd.h"          /* vector types, ISA loaders, exact conversions, fixed-order sums, tiling */
 
 #include "qmatmul.c"       /* metatp_qmatmul: float activations x int8/nibble/half codes */
+#include "qmatmul_groups.c" /* its 512-bit GEMM on the row-group layout (exact numerics) */
 #include "q8.c"            /* metatp_q8_quantize, metatp_round_half, metatp_isa: Q8 rounding, block dot */
 #include "repack.c"        /* the row-group layout (8 rows a 32-bit lane) of the integer product */
 #include "q8_gemm.c"       /* the integer product for many tokens: 16 rows x 8 tokens a 512-bit tile */

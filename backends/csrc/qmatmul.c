@@ -16,6 +16,13 @@
  * for T tokens and a token's x is read once for R rows, with software prefetch a few rows ahead.
  */
 
+enum { QMM_TOKEN_BLOCK = 64 };   /* tokens of a pass the group kernel runs at a time */
+#if defined(__AVX512F__)
+#define QMM_GROUPS 1      /* qmatmul_groups.c: the float GEMM on the row-group layout */
+#else
+#define QMM_GROUPS 0
+#endif
+
 typedef struct {
     /* bits 8: int8 codes; 4: nibbles, code = nibble - bias; 16: halves, bias 1 = bfloat16 */
     int64_t rows, k, block, bits, bias;
@@ -25,6 +32,9 @@ typedef struct {
     int64_t ldx, ntok;
     float *y;
     int64_t ldy;
+    /* 1: row-major codes; 8: the row-group layout of repack.c (4- or 8-bit codes, blocks of 32),
+     * read by the 512-bit float GEMM below; half_scales: its scales/offsets are IEEE halves */
+    int64_t group, half_scales;
 } QMatmulArgs;
 
 /* Several independent products in one parallel region (e.g. one node's slices on every
@@ -36,6 +46,8 @@ typedef struct {
 } QMatmulGroup;
 
 static int qmm_check(const QMatmulArgs *a) {
+    if (a->group != 1 && !(QMM_GROUPS && a->group == 8 && a->block == 32 && (a->bits == 4 || a->bits == 8)
+                           && a->rows % 8 == 0)) return -6;
     if (a->block != 16 && a->block != 32) return -1;
     if (a->k <= 0 || a->k % a->block != 0 || a->rows < 0 || a->ntok < 1) return -2;
     if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0 && a->bias >= 0 && a->bias <= 15)
@@ -193,6 +205,7 @@ static inline __attribute__((always_inline)) void qmm_tile(
 #endif
 
 static int needs_xsum(const QMatmulArgs *a) {
+    if (a->group != 1) return 0;      /* the group kernel folds offsets and biases into its weights */
     return a->offset != NULL || (a->bits == 4 && a->bias != 0);
 }
 
@@ -245,6 +258,18 @@ static void qmm_chunk(const QMatmulArgs *a, const float *xsum, int64_t r0, int64
 #undef QMM_FMT
 }
 
+#if QMM_GROUPS
+static void qmg_chunk(const QMatmulArgs *a, int64_t g, int64_t t0, int64_t t1);    /* qmatmul_groups.c */
+#endif
+
+/* Scheduling chunks of an item: CHUNK_ROWS rows, or one group of 8 in the row-group layout. */
+static int64_t qmm_chunks(const QMatmulArgs *a) {
+    return a->group != 1 ? a->rows / 8 : (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+}
+
+/* 1 when this build reads the row-group layout (codes.group_rows) in the float product. */
+int metatp_qmatmul_groups(void) { return QMM_GROUPS; }
+
 /* Returns 0, or a negative code for arguments the kernel does not take. */
 int metatp_qmatmul(const QMatmulGroup *g) {
     const int64_t n = g->n;
@@ -255,7 +280,7 @@ int metatp_qmatmul(const QMatmulGroup *g) {
         const QMatmulArgs *a = g->items[i];
         const int rc = qmm_check(a);
         if (rc) return rc;
-        first_chunk[i + 1] = first_chunk[i] + (a->rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        first_chunk[i + 1] = first_chunk[i] + qmm_chunks(a);
         xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * a->ntok : 0);
         work += a->rows * a->k * a->ntok;
     }
@@ -268,14 +293,30 @@ int metatp_qmatmul(const QMatmulGroup *g) {
     }
     const int nthreads = work < (int64_t)1 << 16 ? 1 : (int)g->nthreads;   /* small: not worth waking threads */
     const int64_t total = first_chunk[n];
+    int64_t blocks = 1;     /* token blocks: a long prompt's activations stay in L2 */
+    for (int64_t i = 0; i < n; i++)
+        if (g->items[i]->group != 1 && (g->items[i]->ntok + QMM_TOKEN_BLOCK - 1) / QMM_TOKEN_BLOCK > blocks)
+            blocks = (g->items[i]->ntok + QMM_TOKEN_BLOCK - 1) / QMM_TOKEN_BLOCK;
 
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t c = 0; c < total; c++) {
-        int64_t i = 0;
-        while (c >= first_chunk[i + 1]) i++;
-        const QMatmulArgs *a = g->items[i];
-        const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
-        qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    for (int64_t tb = 0; tb < blocks; tb++) {
+        /* static: a thread gets the same rows in every token block (its weights stay in its cache) */
+#pragma omp for schedule(static) nowait
+        for (int64_t c = 0; c < total; c++) {
+            int64_t i = 0;
+            while (c >= first_chunk[i + 1]) i++;
+            const QMatmulArgs *a = g->items[i];
+#if QMM_GROUPS
+            if (a->group != 1) {
+                const int64_t t0 = tb * QMM_TOKEN_BLOCK, t1 = t0 + QMM_TOKEN_BLOCK;
+                if (t0 < a->ntok) qmg_chunk(a, c - first_chunk[i], t0, t1 < a->ntok ? t1 : a->ntok);
+                continue;
+            }
+#endif
+            if (tb) continue;       /* row-major items: all their tokens in the first block */
+            const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
+            qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+        }
     }
     free(xsum);
     return 0;

@@ -17,7 +17,7 @@ import numpy as np
 
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable,
-                                          group_rows, groupable)
+                                          grouped_affine_blocks)
 from metatp.backends.base import Backend, BackendInfo, WeightSource
 from metatp.backends.collectives.host import HostCollective
 from metatp.backends.collectives.wire import WireThresholds
@@ -154,7 +154,7 @@ class NumpyBackend(Backend):
                 continue
             aw = made.get(id(part))
             if aw is None:
-                aw = made[id(part)] = self._kernel_layout(affine_blocks(part.reshape(ne[1], -1), ggml_type, ne[0]))
+                aw = made[id(part)] = self._kernel_layout(part.reshape(ne[1], -1), ggml_type, ne[0])
             self._packed[d][t] = aw
             self.slab(d)        # made now, as the plan counts it (its pages are touched only by long prompts)
         if whole and made:
@@ -162,14 +162,19 @@ class NumpyBackend(Backend):
         self._encoded_only.add(t)
         return True
 
-    def _groups_rows(self) -> bool:
+    def groups_rows(self) -> bool:
         """With llama.cpp numerics every few-token product is the integer kernel's, which reads
         4- and 8-bit codes fastest in groups of 8 rows (`group_rows`: 1.19x -> 1.5x llama.cpp's
-        decode, measured on the default model); the float kernel of exact mode reads them row-major."""
-        return self.numerics in ("llamacpp", "q8")
+        decode, measured on the default model). The float kernel of exact mode reads that layout
+        in 512-bit builds (a step of 16 tokens ~2.5x faster than row-major: docs/performance.md);
+        other builds' float kernel reads row-major codes."""
+        return self.numerics in ("llamacpp", "q8") or (self.use_kernels and native.float_row_groups())
 
-    def _kernel_layout(self, aw: AffineWeight) -> AffineWeight:
-        return group_rows(aw) if self._groups_rows() and groupable(aw) else aw
+    def _kernel_layout(self, raw: np.ndarray, ggml_type: GGMLType, k: int) -> AffineWeight:
+        """The weight's codes in the layout this backend's kernels read."""
+        if self.groups_rows():
+            return grouped_affine_blocks(raw, ggml_type, k)
+        return affine_blocks(raw, ggml_type, k)
 
     def store_weight(self, t: Tensor, source: WeightSource, plan: Plan) -> None:
         """Int8 codes when the kernels read this weight so (`upload_encoded`), else float32."""
@@ -222,7 +227,7 @@ class NumpyBackend(Backend):
         if not (t.flags & Flag.WEIGHT):
             return n
         if self.keeps_encoded(t, t.type, plan):
-            return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0], grouped=self._groups_rows()) if n else 0
+            return affine_bytes(t.type, int(np.prod(local_ne[1:])), local_ne[0], grouped=self.groups_rows()) if n else 0
         if self._only_matmul_weight(t, plan):
             return n
         mm = any(node.op is Op.MUL_MAT and node.src[0] is t for node in plan.facts.readers_with_views.get(t, []))

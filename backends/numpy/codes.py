@@ -37,7 +37,7 @@ from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 
 __all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "FLOAT_CODES", "AffineWeight", "encodable", "affine_blocks",
-           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "HALF_SCALE_TYPES", "groupable", "group_rows",
+           "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "HALF_SCALE_TYPES", "groupable", "group_rows", "grouped_affine_blocks",
            "row_major"]
 
 
@@ -339,7 +339,35 @@ def _words(aw: AffineWeight) -> int:
     return 4 if aw.bits == 4 else 8
 
 
-def group_rows(aw: AffineWeight) -> AffineWeight:
+def grouped_affine_blocks(raw: np.ndarray, ggml_type, k: int, chunk_rows: int = 1024) -> AffineWeight:
+    """`affine_blocks` then `group_rows` where the weight is groupable, a chunk of rows at a time:
+    loading then holds one chunk's row-major codes beside the result instead of a second copy of
+    the whole weight (the largest weight's copy stayed in the process's heap after loading). Scales
+    are halves for HALF_SCALE_TYPES, as `affine_bytes(grouped=True)` plans."""
+    raw = np.asarray(raw)
+    rows = raw.shape[0] if raw.ndim == 2 else 0
+    chunk_rows = max(GROUP, chunk_rows // GROUP * GROUP)
+    half = GGMLType(ggml_type) in HALF_SCALE_TYPES
+    first = affine_blocks(raw[:min(rows, chunk_rows)], ggml_type, k)
+    if rows <= chunk_rows or not groupable(first) or rows % GROUP:
+        whole = first if rows <= chunk_rows else affine_blocks(raw, ggml_type, k)
+        return group_rows(whole, half=half) if groupable(whole) else whole
+    scale_type = np.float16 if half else np.float32
+    q = np.empty((rows,) + first.q.shape[1:], first.q.dtype)
+    scale = np.empty((rows, first.scale.shape[1]), scale_type)
+    offset = None if first.offset is None else np.empty_like(scale)
+    for r0 in range(0, rows, chunk_rows):
+        part = first if r0 == 0 else affine_blocks(raw[r0:r0 + chunk_rows], ggml_type, k)
+        g = group_rows(part, half=half)
+        r1 = r0 + part.rows
+        q[r0:r1], scale[r0:r1] = g.q, g.scale
+        if offset is not None:
+            offset[r0:r1] = g.offset
+    return AffineWeight(q=q, scale=scale, offset=offset, block=first.block, bits=first.bits, bias=first.bias,
+                        bf16=first.bf16, ggml_type=first.ggml_type, group=GROUP)
+
+
+def group_rows(aw: AffineWeight, half: bool | None = None) -> AffineWeight:
     """The same weight in the row-group layout the integer kernel reads fastest (see
     cpu_kernels.c): rows in groups of 8; a group's block b is 128 bytes, word j (32 bytes) holding
     nibble bytes 4j..4j+3 of each of the 8 rows in turn; scales and offsets 8 a (group, block).
@@ -351,8 +379,13 @@ def group_rows(aw: AffineWeight) -> AffineWeight:
     g, nb = aw.rows // GROUP, aw.k // 32
     q = aw.q.reshape(g, GROUP, nb, _words(aw), 4).transpose(0, 2, 3, 1, 4)
     # scales that are halves in the GGUF file (Q4_0, Q4_1, Q8_0) stay halves: the same values, and a
-    # decode step, bound by memory bandwidth, reads 20 bytes a block instead of 24
-    half = _exact_in_half(aw.scale) and (aw.offset is None or _exact_in_half(aw.offset))
+    # decode step, bound by memory bandwidth, reads 20 bytes a block instead of 24 (`half`: decided
+    # by the caller, who must pass exact halves; None: wherever every value is one)
+    exact = _exact_in_half(aw.scale) and (aw.offset is None or _exact_in_half(aw.offset))
+    if half is None:
+        half = exact
+    elif half and not exact:
+        raise ValueError("group_rows: half scales asked for, but these scales or offsets are not exact in f16")
     return AffineWeight(q=np.ascontiguousarray(q).reshape(aw.q.shape), scale=_group_blocks(aw.scale, half),
                         offset=None if aw.offset is None else _group_blocks(aw.offset, half), block=aw.block,
                         bits=aw.bits, bias=aw.bias, bf16=aw.bf16, ggml_type=aw.ggml_type, group=GROUP)

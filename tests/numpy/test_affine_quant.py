@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from metatp.backends.numpy.codes import (AFFINE_TYPES, GROUP, HALF_SCALE_TYPES, NIBBLE_BIAS, AffineWeight,
                                           affine_blocks, affine_bytes, dequantize_affine, encodable, group_rows,
-                                          groupable, pack_nibbles, unpack_nibbles)
+                                          groupable, grouped_affine_blocks, pack_nibbles, unpack_nibbles)
 from metatp.ir.errors import ConfigError, UnsupportedOpError
 from metatp.ir.tensor import GGMLType, block_size, type_size
 from support.require import requires
@@ -218,3 +218,24 @@ def test_row_group_layout_keeps_values_and_planned_bytes(t):
     assert np.array_equal(dequantize_affine(g).view(np.uint32), dequantize_affine(aw).view(np.uint32))
     assert g.nbytes == affine_bytes(t, rows, k, grouped=True)
     assert affine_bytes(t, rows + 1, k, grouped=True) == affine_bytes(t, rows + 1, k)     # no whole groups: as is
+
+
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [40, 16, 12])
+def test_grouped_blocks_made_a_chunk_at_a_time_equal_grouping_the_whole(t, rows):
+    """The loader's chunked `grouped_affine_blocks` (chunks of 16 rows here) gives the arrays of
+    group_rows(affine_blocks(...)) with the planned scale type; weights it cannot group (rows not
+    whole groups, blocks of 16) come back row-major, as affine_blocks makes them."""
+    k = 256
+    raw = random_raw(t, rows, k, 7)
+    whole = affine_blocks(raw, t, k)
+    got = grouped_affine_blocks(raw, t, k, chunk_rows=16)
+    if not groupable(whole):
+        assert got.group == 1 and np.array_equal(got.q, whole.q) and np.array_equal(got.scale, whole.scale)
+        return
+    want = group_rows(whole, half=t in HALF_SCALE_TYPES)
+    assert got.group == GROUP and got.nbytes == affine_bytes(t, rows, k, grouped=True)
+    for a, b in [(got.q, want.q), (got.scale, want.scale), (got.offset, want.offset)]:
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))

@@ -144,12 +144,13 @@ def _flash_attn(node, out, src, ctx) -> Closure:
 
     # integer numerics: long passes too (their products already run compiled at any length, and a
     # numpy attention between them would hand the cores to BLAS's threads and back every layer)
-    long_ok = ctx.backend.numerics in ("llamacpp", "q8")
+    integer = ctx.backend.numerics in ("llamacpp", "q8")
+    long_ok = integer or ctx.backend.groups_rows()     # exact numerics' products compiled at any length too
     if ctx.use_kernels and (q.shape[1] <= PACKED_MAX_TOKENS or long_ok):
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
-                                       int(v_type), q8=long_ok)       # integer Q.K for a q8_0 K cache
+                                       int(v_type), q8=integer)       # integer Q.K for a q8_0 K cache
             # one setter for every attention of the plan reading this mask (a batch runs it once a
             # step): the visible length computed once, set on each kernel
             setter = ctx.persistent(("visible-setter", id(src_mask), q.shape[1]), lambda: _VisibleSetter(

@@ -86,9 +86,11 @@ def _mul_mat(node, out, src, ctx) -> Closure:
             inner()
         return run_rounded
     aw = ctx.packed(w) if a.shape[0] == 1 and a.shape[1] == 1 else None
-    if (aw is not None and b.shape[0] == 1 and b.shape[1] == 1 and b.shape[2] <= PACKED_MAX_TOKENS
+    if (aw is not None and b.shape[0] == 1 and b.shape[1] == 1 and (b.shape[2] <= PACKED_MAX_TOKENS or aw.group != 1)
             and b.strides[3] == 4 and out.strides[3] == 4):
-        # few tokens (decode): read the int8-coded weight, ~3x fewer bytes than float32
+        # few tokens (decode): read the int8-coded weight, ~3x fewer bytes than float32; in the
+        # row-group layout (512-bit builds) any number: its GEMM matched or beat dequantization +
+        # BLAS at every pass length measured (32-512 tokens; docs/performance.md)
         return prepare_qmatmul(aw, b[0, 0], out[0, 0], ctx.kernel_threads)
     if aw is not None and ctx.encoded_only(w):
         # more tokens (prefill) and no float32 copy kept: BLAS on slabs dequantized from the codes

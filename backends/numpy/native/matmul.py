@@ -17,14 +17,15 @@ from typing import Callable
 import numpy as np
 
 from metatp.backends.numpy.codes import AffineWeight
+from metatp.backends.numpy.native import lib as _lib
 from metatp.backends.numpy.native.lib import _Call, _struct, default_threads
 
-__all__ = ["prepare_qmatmul", "qmatmul", "is_qmatmul", "group_qmatmul", "Q8_0", "Q8_1", "Q8_K", "q8_kind",
+__all__ = ["prepare_qmatmul", "qmatmul", "float_row_groups", "is_qmatmul", "group_qmatmul", "Q8_0", "Q8_1", "Q8_K", "q8_kind",
            "prepare_q8_matmul", "q8_matmul", "q8_quantize", "round_half", "q8_isums", "DEQUANT_CHUNK",
            "prepare_dequant_matmul", "dequantize"]
 
 _QMatmulArgs = _struct("QMatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
-                                      "ldy:i")
+                                      "ldy:i group:i half_scales:i")
 _Q8MatmulArgs = _struct("Q8MatmulArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p x:p ldx:i ntok:i y:p "
                                         "ldy:i kind:i group:i half_scales:i")
 
@@ -56,17 +57,26 @@ def prepare_qmatmul(aw: AffineWeight, x2: np.ndarray, y2: np.ndarray, nthreads: 
     """A closure computing y2 = x2 @ dequantize(aw).T in place, for these fixed arrays (their
     addresses are taken once, so a call costs one ctypes call). x2: (n, K), y2: (n, rows)."""
     _check(aw, x2, y2)
-    if aw.group != 1:
-        raise ValueError("qmatmul: the float kernel reads row-major codes; this weight is in the row-group layout "
-                         "(only the integer kernel, prepare_q8_matmul, reads that)")
+    if aw.group != 1 and not float_row_groups():
+        raise ValueError("qmatmul: this build's float kernel reads row-major codes; this weight is in the row-group "
+                         "layout (read by the integer kernel, prepare_q8_matmul, and by 512-bit builds' float one)")
     if x2.shape[0] == 0 or aw.rows == 0:
         return lambda: None
     rows, k = aw.rows, aw.k
     item = _QMatmulArgs(rows=rows, k=k, block=aw.block, **_code_format(aw), q=aw.q.ctypes.data,
                         scale=aw.scale.ctypes.data,
                         offset=None if aw.offset is None else aw.offset.ctypes.data, x=x2.ctypes.data,
-                        ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data, ldy=y2.strides[0] // 4)
+                        ldx=x2.strides[0] // 4, ntok=x2.shape[0], y=y2.ctypes.data, ldy=y2.strides[0] // 4,
+                        group=aw.group, half_scales=_half_scales(aw))
     return _qmatmul_group([(item, (aw, x2, y2))], nthreads or default_threads())
+
+
+def float_row_groups() -> bool:
+    """Does the build in use read the row-group layout (`codes.group_rows`) in the float product?
+    Its 512-bit builds do (csrc/qmatmul_groups.c: each weight block is dequantized once for up to
+    8 tokens), and exact numerics then keeps 4- and 8-bit codes in that layout too."""
+    lib = _lib._library()[0]
+    return lib is not None and bool(lib.metatp_qmatmul_groups())
 
 
 def _qmatmul_group(items: list, nthreads: int) -> "_Call":
