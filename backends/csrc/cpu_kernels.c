@@ -21,6 +21,7 @@
 #include "q8_matmul.c"     /* metatp_q8_matmul, metatp_q8_isums: the integer matrix product */
 #include "rope.c"          /* metatp_rope */
 #include "kv.c"            /* metatp_kv_convert, metatp_set_rows: KV cache row types */
+#include "attn_rows.c"     /* the attention's row pieces: K dot products, softmax weights, V passes */
 #include "attention.c"     /* metatp_attention, metatp_attn_chunk */
 #include "elementwise.c"   /* metatp_glu, metatp_rms_norm, metatp_add */
 #include "allreduce.c"     /* metatp_allreduce */
