@@ -343,11 +343,23 @@ def grouped_affine_blocks(raw: np.ndarray, ggml_type, k: int, chunk_rows: int = 
     """`affine_blocks` then `group_rows` where the weight is groupable, a chunk of rows at a time:
     loading then holds one chunk's row-major codes beside the result instead of a second copy of
     the whole weight (the largest weight's copy stayed in the process's heap after loading). Scales
-    are halves for HALF_SCALE_TYPES, as `affine_bytes(grouped=True)` plans."""
+    are halves for HALF_SCALE_TYPES, as `affine_bytes(grouped=True)` plans (float32 where a file's
+    halves are not finite: infinities and NaNs are kept as they are, in float32)."""
     raw = np.asarray(raw)
+    half = GGMLType(ggml_type) in HALF_SCALE_TYPES
+    try:
+        return _grouped_blocks(raw, ggml_type, k, chunk_rows, half)
+    except _NotHalf:
+        return _grouped_blocks(raw, ggml_type, k, chunk_rows, False)
+
+
+class _NotHalf(ValueError):
+    """A chunk's scales or offsets are not exact in f16 (non-finite values in the file)."""
+
+
+def _grouped_blocks(raw: np.ndarray, ggml_type, k: int, chunk_rows: int, half: bool) -> AffineWeight:
     rows = raw.shape[0] if raw.ndim == 2 else 0
     chunk_rows = max(GROUP, chunk_rows // GROUP * GROUP)
-    half = GGMLType(ggml_type) in HALF_SCALE_TYPES
     first = affine_blocks(raw[:min(rows, chunk_rows)], ggml_type, k)
     if rows <= chunk_rows or not groupable(first) or rows % GROUP:
         whole = first if rows <= chunk_rows else affine_blocks(raw, ggml_type, k)
@@ -385,7 +397,7 @@ def group_rows(aw: AffineWeight, half: bool | None = None) -> AffineWeight:
     if half is None:
         half = exact
     elif half and not exact:
-        raise ValueError("group_rows: half scales asked for, but these scales or offsets are not exact in f16")
+        raise _NotHalf("group_rows: half scales asked for, but these scales or offsets are not exact in f16")
     return AffineWeight(q=np.ascontiguousarray(q).reshape(aw.q.shape), scale=_group_blocks(aw.scale, half),
                         offset=None if aw.offset is None else _group_blocks(aw.offset, half), block=aw.block,
                         bits=aw.bits, bias=aw.bias, bf16=aw.bf16, ggml_type=aw.ggml_type, group=GROUP)

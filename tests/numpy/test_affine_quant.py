@@ -239,3 +239,15 @@ def test_grouped_blocks_made_a_chunk_at_a_time_equal_grouping_the_whole(t, rows)
         assert (a is None) == (b is None)
         if a is not None:
             assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_grouped_blocks_keep_non_finite_file_scales_in_float32(t):
+    """Arbitrary bytes (infinite and NaN f16 scales): the chunked grouping falls back to float32
+    scales for the whole weight and keeps every decoded value, bit for bit."""
+    raw = random_raw(t, 40, 256, 5, moderate=False)
+    got = grouped_affine_blocks(raw, t, 256, chunk_rows=16)
+    assert got.group == GROUP and got.scale.dtype == np.float32
+    with np.errstate(invalid="ignore"):
+        assert np.array_equal(dequantize_affine(got).view(np.uint32),
+                              dequantize_affine(affine_blocks(raw, t, 256)).view(np.uint32))
