@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from support.mpi import FaultJob, fault_lines
+from support.mpi import FaultJob, alive, fault_lines
 from support.require import require, requires
 from metatp.testing.synth import SynthSpec
 
@@ -210,7 +210,10 @@ def test_a_hostfile_naming_an_unreachable_host(path, tmp_path, command):
     try:
         text = _ended(job, job.started, f"{command}, unreachable host in the hostfile")
         _one_line(text, f"Could not resolve hostname {UNREACHABLE}")
-        assert not job.pids(), "a rank started although the job could not be launched"
+        # hydra starts the local proxy while ssh fails for the other host, so the local rank may
+        # or may not have started (seen both ways on one machine); what must hold is that none
+        # is left running once mpiexec has reported the failure
+        assert not [p for p in job.pids() if alive(p)], f"a rank outlived the failed launch: {job.states()}"
     finally:
         job.kill()
 
