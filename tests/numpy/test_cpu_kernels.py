@@ -16,6 +16,7 @@ from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import AffineWeight, dequantize_affine, pack_nibbles
 from metatp.backends.collectives import HostCollective
 from metatp.testing.oracles import gelu, ref_attention, ref_rope, silu
+from support.cpu import isa_library
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
@@ -90,27 +91,11 @@ def test_dequant_matmul_in_slabs_matches_blas(slab_rows, bits):
     assert np.allclose(y, x @ dequantize_affine(aw).T, rtol=1e-5, atol=1e-5)
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
-@pytest.mark.parametrize("isa,flags", [
-    ("avx2", ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")),
-    ("generic", ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")),
-])
-def test_other_isa_builds_agree(monkeypatch, isa, flags):
-    """The AVX2 and plain-C code paths (other machines' builds) give the same products."""
-    if isa == "avx2" and not _cpu_has("avx2"):
-        pytest.skip("this CPU has no AVX2")
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86-64 flags")
-    lib = native.build_library(flags)
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_other_isa_builds_agree(monkeypatch, isa):
+    """The AVX2 and plain-C code paths (other machines' builds) give the same products (each
+    built here, and run where this CPU can: support.cpu.isa_library)."""
+    lib = isa_library(isa)
     monkeypatch.setattr(native.lib, "_library", lambda: (lib, isa))
     rng = np.random.default_rng(5)
     for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, True), (4, 0, 16, False), (8, 0, 16, False),

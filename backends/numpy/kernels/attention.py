@@ -142,10 +142,11 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         cols = np.flatnonzero(np.isfinite(mask[: q.shape[1]]).any(axis=0))
         return int(cols[-1]) + 1 if cols.size else 1
 
-    # integer numerics: long passes too (their products already run compiled at any length, and a
-    # numpy attention between them would hand the cores to BLAS's threads and back every layer)
+    # long passes too where the products run compiled at any length (weights in the row-group
+    # layout: integer numerics, and exact numerics on 512-bit builds): a numpy attention between
+    # them would hand the cores to BLAS's threads and back every layer
     integer = ctx.backend.numerics in ("llamacpp", "q8")
-    long_ok = integer or ctx.backend.groups_rows()     # exact numerics' products compiled at any length too
+    long_ok = ctx.backend.groups_rows()
     if ctx.use_kernels and (q.shape[1] <= PACKED_MAX_TOKENS or long_ok):
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):

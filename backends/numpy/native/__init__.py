@@ -20,8 +20,7 @@ from metatp.backends.numpy.native.kv import KV_TYPES, kv_dequantize, kv_quantize
 from metatp.backends.numpy.native.lib import (ATTN_CHUNK, MAX_ROWS, available, batch, batchable, build_library,
                                               default_threads, isa, kernel_info, library_isa)
 from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K, dequantize, float_row_groups,
-                                                 group_qmatmul,
-                                                 is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
+                                                 group_qmatmul, is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
                                                  prepare_qmatmul, q8_isums, q8_kind, q8_matmul, q8_quantize, qmatmul,
                                                  round_half)
 
