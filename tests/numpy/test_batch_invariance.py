@@ -103,6 +103,45 @@ def test_attention_row_is_the_same_with_other_cells_between_its_own(kind, seed):
     assert np.array_equal(side_by_side.view(np.uint32), spread.view(np.uint32)), np.abs(side_by_side - spread).max()
 
 
+@pytest.mark.parametrize("kind", KV_TYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_hidden_cells_change_nothing_whatever_they_hold(kind, threads, T):
+    """Cells a row's mask hides (a finished sequence's stale rows next to a new one's, the rest of a
+    page) leave its output bit for bit as it is when they hold anything else, NaN and inf among it:
+    the kernel neither lets their scores through nor reads them past the cells any row sees."""
+    rng = np.random.default_rng(hash((kind, threads, T)) % 2**32)
+    Hkv, g, D, page = 3, 3, 64, native.ATTN_CHUNK
+    H, n_tot = Hkv * g, T * page
+    ck, cv = _cache(rng, kind, Hkv, n_tot, D), _cache(rng, kind, Hkv, n_tot, D)
+    q = rng.standard_normal((H, T, D)).astype(F32)
+    mask = np.full((T, n_tot), -np.inf, F32)
+    hidden = np.ones(n_tot, bool)
+    for t in range(T):                   # each row its own page, its cells from a random start
+        a = t * page + int(rng.integers(0, 9))
+        b = a + int(rng.integers(1, page - 9))
+        mask[t, a:b] = 0.0
+        hidden[a:b] = False
+    n_kv = int(np.flatnonzero(np.isfinite(mask).any(axis=0))[-1]) + 1
+    clean = _attend(q, ck, cv, mask, kind, n_kv, threads, D)
+    for fill in (np.nan, np.inf):
+        dk, dv = ck.copy(), cv.copy()
+        if dk.dtype in (np.float32, np.float16):
+            dk[hidden], dv[hidden] = fill, fill
+        else:                            # quantized rows: their block scales (a half) made NaN or inf
+            bad = np.array([fill], np.float16).view(np.uint8)
+            blk = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}.get(kind)
+            if blk is None:          # BF16: the top half of a float32 NaN / inf
+                dk[hidden], dv[hidden] = 0xFF, 0x7F
+            else:
+                for o in range(0, dk.shape[2], blk):
+                    dk[hidden, :, o:o + 2] = bad
+                    dv[hidden, :, o:o + 2] = bad
+        dirty = _attend(q, dk, dv, mask, kind, n_kv, threads, D)
+        assert np.isfinite(clean).all()
+        assert np.array_equal(clean.view(np.uint32), dirty.view(np.uint32)), (fill, np.abs(clean - dirty).max())
+
+
 def _weight(rng, fmt: str, rows: int, k: int) -> AffineWeight:
     """Random codes in the layouts affine_blocks makes (8-bit, nibbles with a bias, offsets,
     blocks of 16 or 32, half floats)."""

@@ -110,6 +110,16 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarra
     return o.reshape(H, T, Dv).transpose(1, 0, 2)
 
 
+def _shared_scratch(ctx, n: int) -> np.ndarray:
+    """One scratch buffer of at least n floats for every attention kernel of the plan: they run one
+    after another, and a buffer per layer (a megabyte each at 16 tokens) left the parts the
+    kernel writes cold in every layer (a decode step of 16 sequences: ~0.5 ms of its attention)."""
+    buf = ctx.persistent("attention-scratch", lambda: [np.empty(0, np.float32)])
+    if buf[0].size < n:
+        buf[0] = np.empty(n, np.float32)
+    return buf[0]
+
+
 class _VisibleSetter:
     """Sets the visible cache length of several attention kernels from one computation."""
 
@@ -151,7 +161,8 @@ def _flash_attn(node, out, src, ctx) -> Closure:
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):
             kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
-                                       int(v_type), q8=integer)       # integer Q.K for a q8_0 K cache
+                                       int(v_type), q8=integer,      # integer Q.K for a q8_0 K cache
+                                       scratch=lambda n: _shared_scratch(ctx, n))
             # one setter for every attention of the plan reading this mask (a batch runs it once a
             # step): the visible length computed once, set on each kernel
             setter = ctx.persistent(("visible-setter", id(src_mask), q.shape[1]), lambda: _VisibleSetter(

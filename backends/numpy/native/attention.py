@@ -47,13 +47,16 @@ _ATTN_KV_BLOCK = 64     # KV_BLOCK in attention.c
 
 def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
                       softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None,
-                      k_type: int = 0, v_type: int = 0, q8: bool = False) -> Callable[[int], None]:
+                      k_type: int = 0, v_type: int = 0, q8: bool = False,
+                      scratch: Callable[[int], np.ndarray] | None = None) -> Callable[[int], None]:
     """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
     as `metatp.testing.oracles.ref_attention` computes it on the dequantized cache (the tests hold it
     to that) up to float rounding: K/V read once per KV head, online softmax, threads sharing (KV
     head, chunk of ATTN_CHUNK cells) units. k/v are cache views of types k_type/v_type. q8 (numerics
     "q8") with a q8_0 K cache: the queries are rounded to Q8_0 once a call and Q.K taken in integers,
-    as llama.cpp's CPU flash attention does (the oracle then sees the rounded queries)."""
+    as llama.cpp's CPU flash attention does (the oracle then sees the rounded queries). scratch(n),
+    when given, returns the float32 work buffer of at least n values (kernels run one after another
+    may share one); else the closure owns its own."""
     if not attention_usable(q, k, v, out3, k_type, v_type):
         raise ValueError("attention kernel: unsupported views")
     H, T, D = q.shape
@@ -68,7 +71,8 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     G = (H // Hkv) * T
     # and with q8: the queries' Q8_0 codes (H*T*D bytes), scales (D/32 a row) and one row's sums
     q8_size = H * T * (-(-D // 4) + D // 32) + D // 16 + 1 if q8 else 0
-    scratch = np.empty(Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK + q8_size, dtype=np.float32)
+    size = Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK + q8_size
+    scratch = np.empty(size, dtype=np.float32) if scratch is None else scratch(size)
     call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
                  n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
                  k_sh=k.strides[0], k_sj=k.strides[1], k_type=int(k_type), v=v.ctypes.data, v_sh=v.strides[0],
