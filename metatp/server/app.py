@@ -152,14 +152,14 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         scored = None                           # per prompt: its tokens' logprobs (echo + logprobs)
         if (echo and lp is not None) or n_prompt_lp is not None:
             scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0))
-        reqs, queue = await srv.start(ids_list, params)
+        reqs, queue = await srv.start(ids_list, params, streamed=stream)
         answer = TextAnswer(model, ids_list, params.n, srv.piece, llm.detokenize, usage_in_stream, echo, lp,
                             n_prompt_lp, scored)
         return await respond(request, answer, reqs, queue, stream)
 
     async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int) -> list[list]:
         """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each."""
-        handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0), kind="score")
+        handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0), kind="score", streamed=False)
         per = await collect(request, srv, handles, queue)
         return [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)]
 
@@ -181,7 +181,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         ids = llm.tokenize(text, special=True)
         if not ids:
             raise BadRequest("the chat template rendered these messages as an empty prompt", "messages")
-        reqs, queue = await srv.start([ids], params)
+        reqs, queue = await srv.start([ids], params, streamed=stream)
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
                              reqs, queue, stream)
 

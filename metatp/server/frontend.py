@@ -86,17 +86,33 @@ class Frontend:
     def piece(self, tok: int) -> str:
         return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
-    async def start(self, ids_list: list[list[int]], params: SamplingParams,
-                    kind: str = "generate") -> tuple[list[RequestHandle], asyncio.Queue]:
+    async def start(self, ids_list: list[list[int]], params: SamplingParams, kind: str = "generate",
+                    streamed: bool = True) -> tuple[list[RequestHandle], asyncio.Queue]:
         """Queue n requests per prompt (kind "score": one per prompt, its logits at every
-        position); their outputs arrive on one queue as (choice index, output)."""
+        position); their outputs arrive on one queue as (choice index, output). streamed=False (an
+        answer sent whole): a request's outputs are held on the scheduler's side and queued
+        together when it finishes, one wake of the event loop a request instead of one a token
+        (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
+        kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API)."""
         self.check_vocabulary(params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         handles: list[RequestHandle] = []
+        held: dict[int, list] = {}          # streamed=False: each unfinished choice's outputs so far
+
+        def put_all(items: list) -> None:
+            for item in items:
+                queue.put_nowait(item)
 
         def on_output(out: StepOutput, choice: int) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
+            if streamed:
+                loop.call_soon_threadsafe(queue.put_nowait, (choice, out))
+                return
+            items = held.setdefault(choice, [])
+            items.append((choice, out))
+            if out.finish_reason is not None or out.error is not None:
+                del held[choice]
+                loop.call_soon_threadsafe(put_all, items)
         try:
             for p, ids in enumerate(ids_list):
                 for i in range(params.n):     # a prompt past the cap: ContextOverflowError (context_budget)
