@@ -111,10 +111,11 @@ def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarra
 
 
 def _shared_scratch(ctx, n: int) -> np.ndarray:
-    """One scratch buffer of at least n floats for every attention kernel of the plan: they run one
-    after another, and a buffer per layer (a megabyte each at 16 tokens) left the parts the
-    kernel writes cold in every layer (a decode step of 16 sequences: ~0.5 ms of its attention)."""
-    buf = ctx.persistent("attention-scratch", lambda: [np.empty(0, np.float32)])
+    """One scratch buffer of at least n floats for every attention kernel of the plan on this
+    device: they run one after another there, and a buffer per layer (a megabyte each at 16 tokens)
+    left the parts the kernel writes cold in every layer (a decode step of 16 sequences: ~0.5 ms of
+    its attention). One per device: with parallel devices their kernels run at the same time."""
+    buf = ctx.persistent(("attention-scratch", ctx.d), lambda: [np.empty(0, np.float32)])
     if buf[0].size < n:
         buf[0] = np.empty(n, np.float32)
     return buf[0]
