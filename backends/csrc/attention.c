@@ -62,6 +62,9 @@ typedef struct {
     /* set by metatp_attention: the queries as Q8_0 codes and scales (NULL: float Q.K) */
     const int8_t *qq;
     const float *qd;
+    /* NULL, or the visible length that every attention of a plan reading one mask shares (written
+       once a step instead of into each call's n_kv, which is then its upper bound) */
+    const int64_t *n_kv_at;
 } AttentionArgs;
 
 
@@ -327,78 +330,158 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
 #define THREAD_NUM() 0
 #endif
 
-int metatp_attention(const AttentionArgs *a) {
+/* One call's shape and its private state: the copy of its arguments the units read (with the
+ * visible length and the rounded queries), where its parts go and which units left one. */
+typedef struct {
+    AttentionArgs args;
+    int64_t G, P, nch, units;
+    float *parts, *sbufs;
+    unsigned char *seen_tab;    /* which (KV head, chunk, query token) units left a part: the merge
+                                   reads only those (in a step of many sequences, each row has one
+                                   chunk of many, and the parts lie 264 bytes apart) */
+} AttnCall;
+
+/* Checks one call and prepares it: 0, or the error code of metatp_attention. */
+static int attn_setup(const AttentionArgs *in, AttnCall *c) {
+    c->args = *in;
+    AttentionArgs *a = &c->args;
+    if (a->n_kv_at && *a->n_kv_at < a->n_kv) a->n_kv = *a->n_kv_at;
     const int64_t T = a->T, H = a->H, Hkv = a->Hkv, Dv = a->Dv, n_kv = a->n_kv;
+    c->seen_tab = NULL;
     if (Hkv <= 0 || H % Hkv || n_kv <= 0 || T <= 0 || a->nthreads < 1) return -1;
     if (kv_row_bytes(a->k_type, a->D) < 0 || kv_row_bytes(a->v_type, Dv) < 0) return -5;
-    const int64_t gsize = H / Hkv, G = gsize * T, P = Dv + 2;
-    const int64_t nch = (n_kv + ATTN_CHUNK - 1) / ATTN_CHUNK, units = Hkv * nch;
-    if (nch > a->max_chunks) return -2;
-    /* threads change who computes a unit, never what it computes */
-    const int nthreads = a->nthreads > 1 && n_kv * Hkv * G >= 4096 && units > 1 ? (int)a->nthreads : 1;
-    float *parts = a->scratch, *sbufs = a->scratch + Hkv * a->max_chunks * G * P;
-    AttentionArgs args = *a;
-    args.qq = NULL;
-    args.qd = NULL;
+    c->G = H / Hkv * T;
+    c->P = Dv + 2;
+    c->nch = (n_kv + ATTN_CHUNK - 1) / ATTN_CHUNK;
+    c->units = Hkv * c->nch;
+    if (c->nch > a->max_chunks) return -2;
+    c->parts = a->scratch;
+    c->sbufs = a->scratch + Hkv * a->max_chunks * c->G * c->P;
+    a->qq = NULL;
+    a->qd = NULL;
     if (a->q8 && a->k_type == T_Q8_0) {
         /* the queries rounded once a call (llama.cpp's Q8_0 activation rounding), after the
            scores' scratch: H*T rows of D codes, D/32 scales and D/16 integer sums (unused) */
         const int64_t D = a->D, nrow = H * T;
-        int8_t *qq = (int8_t *)(sbufs + a->nthreads * G * KV_BLOCK);
+        int8_t *qq = (int8_t *)(c->sbufs + a->nthreads * c->G * KV_BLOCK);
         float *qd = (float *)(qq + (nrow * D + 3) / 4 * 4);
         int32_t *isum = (int32_t *)(qd + nrow * (D / 32));
         for (int64_t h = 0; h < H; h++)
             for (int64_t t = 0; t < T; t++)
                 q8_quantize_row(Q8_0, D, a->q + h * a->q_sh + t * a->q_st, qq + (h * T + t) * D,
                                 qd + (h * T + t) * (D / 32), NULL, isum);
-        args.qq = qq;
-        args.qd = qd;
+        a->qq = qq;
+        a->qd = qd;
     }
-    a = &args;
-    /* which (KV head, chunk, query token) units left a part: the merge reads only those (in a
-       step of many sequences, each row has one chunk of many, and the parts lie 264 bytes apart) */
-    unsigned char *seen_tab = (unsigned char *)malloc((size_t)(Hkv * nch * T));
-    if (!seen_tab) return -3;
+    c->seen_tab = (unsigned char *)malloc((size_t)(Hkv * c->nch * T));
+    return c->seen_tab ? 0 : -3;
+}
+
+/* Unit u of a call: chunk-major (a thread streams consecutive cells, all KV heads of a cell side
+ * by side in the cache); prefetch: whether this is the thread's first unit of the chunk. */
+static void attn_run_unit(const AttnCall *c, int64_t u, float *sbuf, int first_of_chunk) {
+    const AttentionArgs *a = &c->args;
+    const int64_t Hkv = a->Hkv, cc = u / Hkv, g = u % Hkv, j0 = cc * ATTN_CHUNK;
+    const int64_t j1 = j0 + ATTN_CHUNK < a->n_kv ? j0 + ATTN_CHUNK : a->n_kv;
+    attn_unit(a, g, j0, j1, c->parts + (g * c->nch + cc) * c->G * c->P, sbuf, first_of_chunk ? Hkv - g : 0,
+              c->seen_tab + (g * c->nch + cc) * a->T);
+}
+
+/* Merged row gr (KV head g, its query row r) of a call: its chunks in chunk order (log-sum-exp),
+ * the sink added, normalized. */
+static void attn_merge_row(const AttnCall *c, int64_t gr) {
+    const AttentionArgs *a = &c->args;
+    const int64_t T = a->T, G = c->G, P = c->P, nch = c->nch, Dv = a->Dv, gsize = a->H / a->Hkv;
+    const int64_t g = gr / G, r = gr - g * G, i = r / T, t = r - i * T, h = g * gsize + i;
+    const float *parts = c->parts;
+    float m = a->sinks ? a->sinks[h] : -INFINITY;
+    const unsigned char *seen = c->seen_tab + g * nch * T + t;    /* seen[c * T]: chunk c has a part */
+    for (int64_t k = 0; k < nch; k++) {
+        if (!seen[k * T]) continue;
+        const float mc = parts[((g * nch + k) * G + r) * P];
+        m = mc > m ? mc : m;
+    }
+    float *orow = a->out + t * a->o_st + h * a->o_sh;
+    for (int64_t d = 0; d < Dv; d++) orow[d] = 0.0f;
+    if (m == -INFINITY) return;
+    float l = a->sinks ? expf(a->sinks[h] - m) : 0.0f;
+    for (int64_t k = 0; k < nch; k++) {
+        if (!seen[k * T]) continue;
+        const float *pc = parts + ((g * nch + k) * G + r) * P;
+        if (pc[0] == -INFINITY) continue;
+        const float w = expf(pc[0] - m);
+        l += w * pc[1];
+        for (int64_t d = 0; d < Dv; d++) orow[d] += w * pc[2 + d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < Dv; d++) orow[d] *= inv;
+}
+
+/* Several independent attentions in one parallel region: under -sm tensor one layer's attention
+ * on every simulated device (each its own heads, cache and scratch). The threads share the units
+ * of all of them, then the merged rows of all of them; the thread count is chosen from the work
+ * of all together (a device's share alone stayed on one thread at depths where the whole layer
+ * used two). Threads change who computes a unit or a row, never what it computes, so the bits
+ * are those of separate calls. */
+typedef struct {
+    int64_t n;
+    const AttentionArgs *const *items;
+    int64_t nthreads;
+} AttentionGroup;
+
+int metatp_attention_group(const AttentionGroup *grp) {
+    const int64_t n = grp->n;
+    if (n < 1 || n > MAX_ITEMS) return -4;
+    AttnCall *calls = (AttnCall *)malloc(sizeof(AttnCall) * (size_t)n);
+    if (!calls) return -3;
+    int64_t first_unit[MAX_ITEMS + 1], first_row[MAX_ITEMS + 1], work = 0;
+    int rc = 0;
+    first_unit[0] = first_row[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        calls[i].seen_tab = NULL;
+        if (!rc) rc = attn_setup(grp->items[i], &calls[i]);
+        if (rc) continue;
+        const AttnCall *c = &calls[i];
+        first_unit[i + 1] = first_unit[i] + c->units;
+        first_row[i + 1] = first_row[i] + c->args.Hkv * c->G;
+        work += c->args.n_kv * c->args.Hkv * c->G;
+        /* every item's scratch must hold a block of scores for each of the group's threads */
+        if (c->args.nthreads < grp->nthreads) rc = -1;
+    }
+    if (rc) {
+        for (int64_t i = 0; i < n; i++) free(calls[i].seen_tab);
+        free(calls);
+        return rc;
+    }
+    const int64_t units = first_unit[n], rows = first_row[n];
+    const int nthreads = grp->nthreads > 1 && work >= 4096 && units > 1 ? (int)grp->nthreads : 1;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        float *sbuf = sbufs + (int64_t)THREAD_NUM() * G * KV_BLOCK;
-        int64_t last_c = -1;      /* the chunk of this thread's previous unit */
+        const int th = THREAD_NUM();
+        int64_t last_i = -1, last_c = -1;      /* the call and chunk of this thread's previous unit */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
-            /* chunk-major: a thread streams consecutive cells (all KV heads of a cell side by side) */
-            const int64_t c = u / Hkv, g = u % Hkv, j0 = c * ATTN_CHUNK;
-            const int64_t j1 = j0 + ATTN_CHUNK < n_kv ? j0 + ATTN_CHUNK : n_kv;
-            attn_unit(a, g, j0, j1, parts + (g * nch + c) * G * P, sbuf, c != last_c ? Hkv - g : 0,
-                      seen_tab + (g * nch + c) * T);
-            last_c = c;
+            int64_t i = 0;
+            while (u >= first_unit[i + 1]) i++;
+            const AttnCall *c = &calls[i];
+            const int64_t uu = u - first_unit[i], cc = uu / c->args.Hkv;
+            attn_run_unit(c, uu, c->sbufs + (int64_t)th * c->G * KV_BLOCK, i != last_i || cc != last_c);
+            last_i = i;
+            last_c = cc;
         }
-        /* merge the chunks of each query row in chunk order (log-sum-exp), add the sink, normalize */
 #pragma omp for schedule(static)
-        for (int64_t gr = 0; gr < Hkv * G; gr++) {
-            const int64_t g = gr / G, r = gr - g * G, i = r / T, t = r - i * T, h = g * gsize + i;
-            float m = a->sinks ? a->sinks[h] : -INFINITY;
-            const unsigned char *seen = seen_tab + g * nch * T + t;    /* seen[c * T]: chunk c has a part */
-            for (int64_t c = 0; c < nch; c++) {
-                if (!seen[c * T]) continue;
-                const float mc = parts[((g * nch + c) * G + r) * P];
-                m = mc > m ? mc : m;
-            }
-            float *orow = a->out + t * a->o_st + h * a->o_sh;
-            for (int64_t d = 0; d < Dv; d++) orow[d] = 0.0f;
-            if (m == -INFINITY) continue;
-            float l = a->sinks ? expf(a->sinks[h] - m) : 0.0f;
-            for (int64_t c = 0; c < nch; c++) {
-                if (!seen[c * T]) continue;
-                const float *pc = parts + ((g * nch + c) * G + r) * P;
-                if (pc[0] == -INFINITY) continue;
-                const float w = expf(pc[0] - m);
-                l += w * pc[1];
-                for (int64_t d = 0; d < Dv; d++) orow[d] += w * pc[2 + d];
-            }
-            const float inv = 1.0f / l;
-            for (int64_t d = 0; d < Dv; d++) orow[d] *= inv;
+        for (int64_t gr = 0; gr < rows; gr++) {
+            int64_t i = 0;
+            while (gr >= first_row[i + 1]) i++;
+            attn_merge_row(&calls[i], gr - first_row[i]);
         }
     }
-    free(seen_tab);
+    for (int64_t i = 0; i < n; i++) free(calls[i].seen_tab);
+    free(calls);
     return 0;
+}
+
+int metatp_attention(const AttentionArgs *a) {
+    const AttentionGroup one = {1, &a, a->nthreads};
+    return metatp_attention_group(&one);
 }

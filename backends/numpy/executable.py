@@ -211,13 +211,16 @@ class NumpyExecutable(PlanExecutor):
     @staticmethod
     def _node_major(items) -> list[Closure]:
         """One subgraph's closures node by node across devices; one node's int8 matmuls on every
-        device become one compiled call with one parallel region (under -sm tensor these fixed
-        per-call costs are what grew with N)."""
+        device become one compiled call with one parallel region, and so do its attentions (under
+        -sm tensor these fixed per-call costs are what grew with N, and a device's share of a
+        layer's attention alone stayed on one thread at depths where the layer used two)."""
         order: list[Closure] = []
         for item in items:
             at_node = [f for d in sorted(item.per_device) for f in item.per_device[d]]
             if len(at_node) > 1 and all(native.is_qmatmul(f) for f in at_node):
                 at_node = [native.group_qmatmul(at_node)]
+            elif len(at_node) > 1:
+                at_node = _grouped_attention(at_node) or at_node
             order.extend(at_node)
         return order
 
@@ -269,6 +272,24 @@ class NumpyExecutable(PlanExecutor):
             if reduce is not None:
                 reduce()
             _run_all(moves)
+
+
+def _grouped_attention(at_node: list[Closure]) -> list[Closure] | None:
+    """One node's attention kernels on every device as one closure (one compiled call with the
+    same per-step preparation, the shared visible length), or None if they are not all such."""
+    kernels = [getattr(f, "kernel", None) for f in at_node]
+    prepares = {getattr(f, "prepare", None) for f in at_node}
+    if not all(native.is_attention(k) for k in kernels) or len(prepares) != 1 or len(at_node) > 64:
+        return None
+    group = native.group_attention(kernels)
+    prepare = prepares.pop()
+
+    def run() -> None:
+        if prepare is not None:
+            prepare()
+        group()
+    run.kernel, run.prepare = group, prepare     # for cpu_kernels.batch
+    return [run]
 
 
 def _norm_fusion(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:

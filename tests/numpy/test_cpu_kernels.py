@@ -191,6 +191,54 @@ def test_attention_split_kv_matches_reference(T, Hkv, g, D, n_vis, hidden, threa
     assert np.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n_items=st.integers(1, 4), T=st.integers(1, 3), Hkv=st.integers(1, 3), g=st.integers(1, 3),
+       n_vis=st.integers(1, 700), q8_0=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_grouped_attentions_give_the_bits_of_separate_calls(n_items, T, Hkv, g, n_vis, q8_0, threads, seed):
+    """Under -sm tensor one layer's attention on every device is one grouped call: the units and
+    rows of all of them shared by one parallel region, the thread count from their total work
+    (so a group may use two threads where each alone used one). Each output has the bits of its
+    call alone, the shared visible length (n_kv_at) bounds every item."""
+    rng = np.random.default_rng(seed)
+    H, D, n_max = Hkv * g, 64, 760
+    ty = 8 if q8_0 else 0                                         # a q8_0 cache: integer Q.K (numerics q8)
+    mask = np.zeros((T, n_max), F32)
+    for t in range(T):
+        mask[t, n_vis - T + t + 1 if n_vis > T else t + 1:] = -np.inf
+    cell = np.full(1, n_vis, np.int64)
+    grouped, alone = [], []
+    for _ in range(n_items):
+        q = rng.standard_normal((H, T, D)).astype(F32)
+        xk = rng.standard_normal((n_max, Hkv, D)).astype(F32)
+        xv = rng.standard_normal((n_max, Hkv, D)).astype(F32)
+        if q8_0:
+            xk = native.kv_quantize(xk.reshape(-1, D), ty).reshape(n_max, Hkv, -1)
+            xv = native.kv_quantize(xv.reshape(-1, D), ty).reshape(n_max, Hkv, -1)
+        k, v = xk.transpose(1, 0, 2), xv.transpose(1, 0, 2)
+        out_g, out_a = (np.full((T, H, D), np.nan, F32) for _ in range(2))
+        grouped.append((native.prepare_attention(q, k, v, mask, 0.125, 0.0, None, out_g, threads, ty, ty, q8=q8_0,
+                                                 n_kv_at=cell), out_g))
+        alone.append((native.prepare_attention(q, k, v, mask, 0.125, 0.0, None, out_a, 1, ty, ty, q8=q8_0), out_a))
+    native.group_attention([run.call for run, _ in grouped])()
+    for (_, out_g), (run, out_a) in zip(grouped, alone):
+        run(n_vis)
+        assert np.isfinite(out_a).all()
+        assert np.array_equal(out_g, out_a)
+
+
+def test_a_group_refuses_items_whose_scratch_is_too_small_for_its_threads():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 16)).astype(F32)
+    k = rng.standard_normal((1, 8, 16)).astype(F32)
+    out = np.empty((1, 2, 16), F32)
+    one = native.prepare_attention(q, k, k, None, 0.125, 0.0, None, out, 1)
+    two = native.prepare_attention(q, k, k, None, 0.125, 0.0, None, out, 2)
+    group = native.group_attention([one.call, two.call])        # runs on the fewer threads: fine
+    group()
+    with pytest.raises(ValueError, match="prepared attention"):
+        native.group_attention([])
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_glu_matches_the_oracle(act):
     rng = np.random.default_rng(3)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from metatp import LLM, SamplingParams
-from metatp.backends.logits_read import _device_best, combine
+from metatp.backends.logits_read import _device_best, _one_row, combine
 from metatp.testing.synth import SynthSpec
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=24, default_type="Q8_0")
@@ -28,16 +28,19 @@ def test_the_pick_is_the_argmax_of_the_gathered_row(rows, cuts, seed, levels):
         full[0, rng.integers(n)] = np.nan
     if seed % 7 == 0:
         full[-1, rng.integers(n)] = -np.inf
-    every, g = [], 0
+    every, slices, spans, g = [], [], [], 0
     for c in cuts:                                # one chunk per device, in vocabulary order
         every.append(_device_best(full[:, g:g + c], [(g, 0, c)]))
+        slices.append(full[:, g:g + c])
+        spans.append([(g, 0, c)])
         g += c
     got = combine(every)
     for r in range(rows):
+        one = _one_row([s[r:r + 1] for s in slices], spans)    # the one-row path of a decode step
         if not np.isfinite(full[r]).all():
-            assert got[r] is None
+            assert got[r] is None and one is None
         else:
-            assert got[r] == int(np.argmax(full[r]))
+            assert got[r] == one == int(np.argmax(full[r]))
 
 
 def test_several_chunks_on_one_device_keep_the_first_maximum():
@@ -45,6 +48,9 @@ def test_several_chunks_on_one_device_keep_the_first_maximum():
     dev0 = _device_best(full[:, [0, 1, 4, 5]], [(0, 0, 2), (4, 2, 2)])   # device 0 holds [0:2] and [4:6]
     dev1 = _device_best(full[:, [2, 3]], [(2, 0, 2)])
     assert combine([dev0, dev1]) == [1] and combine([dev1, dev0]) == [1]
+    held = [full[:, [0, 1, 4, 5]], full[:, [2, 3]]]
+    chunks = [[(0, 0, 2), (4, 2, 2)], [(2, 0, 2)]]
+    assert _one_row(held, chunks) == 1 and _one_row(held[::-1], chunks[::-1]) == 1
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -122,16 +122,16 @@ def _shared_scratch(ctx, n: int) -> np.ndarray:
 
 
 class _VisibleSetter:
-    """Sets the visible cache length of several attention kernels from one computation."""
+    """The visible cache length of every attention kernel reading one mask: computed once a step
+    and written into the one int64 cell they all read (`prepare_attention(n_kv_at=...)`), so a
+    step's cost here does not grow with the kernels (under -sm tensor: every device's)."""
 
     def __init__(self, visible: Callable[[], int]) -> None:
         self.visible = visible
-        self.kernels: list = []
+        self.cell = np.full(1, np.iinfo(np.int64).max, dtype=np.int64)     # unset: each kernel's whole cache
 
     def run(self) -> None:
-        n = self.visible()
-        for kernel in self.kernels:
-            kernel.set_n_kv(n)
+        self.cell[0] = self.visible()
 
 
 def _flash_attn(node, out, src, ctx) -> Closure:
@@ -161,14 +161,13 @@ def _flash_attn(node, out, src, ctx) -> Closure:
     if ctx.use_kernels and (q.shape[1] <= PACKED_MAX_TOKENS or long_ok):
         if (attention_usable(q, k, v, o3, int(k_type), int(v_type)) and mask.dtype == np.float32
                 and mask.strides[1] == 4):
-            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
-                                       int(v_type), q8=integer,      # integer Q.K for a q8_0 K cache
-                                       scratch=lambda n: _shared_scratch(ctx, n))
             # one setter for every attention of the plan reading this mask (a batch runs it once a
-            # step): the visible length computed once, set on each kernel
+            # step): the visible length computed once, read by each kernel from the setter's cell
             setter = ctx.persistent(("visible-setter", id(src_mask), q.shape[1]), lambda: _VisibleSetter(
                 lambda: ctx.per_step(("visible", id(src_mask)), visible)))
-            setter.kernels.append(kernel)
+            kernel = prepare_attention(q, k, v, mask, scale, softcap, sinks, o3, ctx.kernel_threads, int(k_type),
+                                       int(v_type), q8=integer,      # integer Q.K for a q8_0 K cache
+                                       scratch=lambda n: _shared_scratch(ctx, n), n_kv_at=setter.cell)
             set_visible = setter.run
 
             def run_kernel() -> None:

@@ -13,7 +13,8 @@ Where the library cannot be built (no compiler, METATP_CPU_KERNELS=0) `available
 the backend keeps its numpy path. Callers use the names re-exported here (`native.qmatmul(...)`).
 """
 
-from metatp.backends.numpy.native.attention import attention_usable, prepare_attention, prepare_rope, rope_usable
+from metatp.backends.numpy.native.attention import (attention_usable, group_attention, is_attention,
+                                                   prepare_attention, prepare_rope, rope_usable)
 from metatp.backends.numpy.native.elementwise import (GLU_ACTS, prepare_add, prepare_allreduce, prepare_glu,
                                                       prepare_rms_norm)
 from metatp.backends.numpy.native.kv import KV_TYPES, kv_dequantize, kv_quantize, kv_row_bytes, prepare_set_rows
@@ -26,7 +27,8 @@ from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K
 
 __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmul", "qmatmul", "prepare_rope",
            "q8_kind", "prepare_q8_matmul", "q8_matmul", "q8_quantize", "q8_isums", "Q8_0", "Q8_1", "Q8_K",
-           "prepare_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul", "group_qmatmul",
+           "prepare_attention", "is_attention", "group_attention", "prepare_glu", "prepare_allreduce", "is_qmatmul",
+           "group_qmatmul",
            "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch", "ATTN_CHUNK",
            "MAX_ROWS", "KV_TYPES", "kv_quantize", "kv_dequantize", "library_isa", "build_library", "round_half",
            "dequantize", "rope_usable", "attention_usable", "kv_row_bytes", "prepare_rms_norm", "prepare_add",

@@ -3,6 +3,7 @@ dozen small numpy calls (their fixed cost, not their arithmetic, is what a one-t
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import numpy as np
@@ -10,7 +11,8 @@ import numpy as np
 from metatp.backends.numpy.native.kv import _kv_view_ok
 from metatp.backends.numpy.native.lib import ATTN_CHUNK, _Call, _elems, available, default_threads
 
-__all__ = ["rope_usable", "prepare_rope", "attention_usable", "prepare_attention"]
+__all__ = ["rope_usable", "prepare_rope", "attention_usable", "prepare_attention", "is_attention",
+           "group_attention"]
 
 
 def rope_usable(x3: np.ndarray, o3: np.ndarray) -> bool:
@@ -48,7 +50,8 @@ _ATTN_KV_BLOCK = 64     # KV_BLOCK in attention.c
 def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, scale: float,
                       softcap: float, sinks: np.ndarray | None, out3: np.ndarray, nthreads: int | None = None,
                       k_type: int = 0, v_type: int = 0, q8: bool = False,
-                      scratch: Callable[[int], np.ndarray] | None = None) -> Callable[[int], None]:
+                      scratch: Callable[[int], np.ndarray] | None = None,
+                      n_kv_at: np.ndarray | None = None) -> Callable[[int], None]:
     """A closure `run(n_kv)`: out3 = softmax(q k[:, :n_kv]^T * scale (+ softcap, mask, sinks)) v[:, :n_kv],
     as `metatp.testing.oracles.ref_attention` computes it on the dequantized cache (the tests hold it
     to that) up to float rounding: K/V read once per KV head, online softmax, threads sharing (KV
@@ -56,7 +59,9 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     "q8") with a q8_0 K cache: the queries are rounded to Q8_0 once a call and Q.K taken in integers,
     as llama.cpp's CPU flash attention does (the oracle then sees the rounded queries). scratch(n),
     when given, returns the float32 work buffer of at least n values (kernels run one after another
-    may share one); else the closure owns its own."""
+    may share one); else the closure owns its own. n_kv_at, when given, is a one-element int64
+    array that the calls of a plan reading one mask share: the visible length written there once a
+    step bounds every one of them (`run.call` then needs no `set_n_kv`)."""
     if not attention_usable(q, k, v, out3, k_type, v_type):
         raise ValueError("attention kernel: unsupported views")
     H, T, D = q.shape
@@ -73,14 +78,17 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     q8_size = H * T * (-(-D // 4) + D // 32) + D // 16 + 1 if q8 else 0
     size = Hkv * max_chunks * G * (Dv + 2) + threads * G * _ATTN_KV_BLOCK + q8_size
     scratch = np.empty(size, dtype=np.float32) if scratch is None else scratch(size)
-    call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
+    if n_kv_at is not None and (n_kv_at.dtype != np.int64 or n_kv_at.size != 1):
+        raise ValueError("attention kernel: n_kv_at must be one int64")
+    call = _Call("metatp_attention", (q, k, v, mask, sinks_c, out3, scratch, n_kv_at), T=T, H=H, Hkv=Hkv, D=D, Dv=Dv,
                  n_kv=n_max, q=q.ctypes.data, q_sh=_elems(q, 0), q_st=_elems(q, 1), k=k.ctypes.data,
                  k_sh=k.strides[0], k_sj=k.strides[1], k_type=int(k_type), v=v.ctypes.data, v_sh=v.strides[0],
                  v_sj=v.strides[1], v_type=int(v_type), mask=None if mask is None else mask.ctypes.data,
                  m_st=0 if mask is None else _elems(mask, 0), scale=float(scale), softcap=float(softcap or 0.0),
                  sinks=None if sinks_c is None else sinks_c.ctypes.data, out=out3.ctypes.data,
                  o_st=_elems(out3, 0), o_sh=_elems(out3, 1), scratch=scratch.ctypes.data, max_chunks=max_chunks,
-                 nthreads=threads, q8=int(bool(q8)), qq=None, qd=None)
+                 nthreads=threads, q8=int(bool(q8)), qq=None, qd=None,
+                 n_kv_at=None if n_kv_at is None else n_kv_at.ctypes.data)
     args = call.args
 
     def run(n_kv: int) -> None:
@@ -92,3 +100,24 @@ def prepare_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndar
     run.keep = run.call = call
     run.set_n_kv = set_n_kv
     return run
+
+
+def is_attention(f) -> bool:
+    """Is `f` the prepared call of a `prepare_attention` closure (`run.call`), so that
+    `group_attention` can merge it?"""
+    return isinstance(f, _Call) and f.name == "metatp_attention"
+
+
+_MAX_GROUP_ITEMS = 64      # MAX_ITEMS in simd.h
+
+
+def group_attention(calls: list[_Call]) -> _Call:
+    """One call doing the work of several prepared attentions (`run.call`; independent: their own
+    outputs and scratch), their units and merged rows shared by one parallel region, with the
+    thread count of them all together. Bit-identical to calling them in turn."""
+    if not calls or len(calls) > _MAX_GROUP_ITEMS or not all(is_attention(c) for c in calls):
+        raise ValueError("group_attention: 1 to 64 prepared attention calls")
+    nthreads = min(int(c.args.nthreads) for c in calls)
+    ptrs = (ctypes.c_void_p * len(calls))(*[ctypes.addressof(c.args) for c in calls])
+    return _Call("metatp_attention_group", (calls, ptrs), n=len(calls), items=ctypes.addressof(ptrs),
+                 nthreads=nthreads)
