@@ -123,6 +123,13 @@ class Backend(LeafStore, ABC):
         tiles the cache at absolute positions then meets the sequence as it does alone."""
         return 1
 
+    def kv_span_floor(self, n_rows: int) -> int:
+        """The fewest cache cells a pass of `n_rows` rows attends over (the engine pads the span
+        in use up to it, capped at n_ctx). A plan is compiled per span, so a backend whose
+        attention reads only the cells a row sees gains by a floor that covers the cache: then a
+        growing cache does not compile new plans. Default 0: the span in use, rounded up to KV_PAD."""
+        return 0
+
     # ---- plans
     def prepare(self, plan: Plan) -> Executable:
         """The plan bound to buffers, made once per plan (preparing twice returns the same one)."""

@@ -152,6 +152,27 @@ class Engine:
             self.backend.release(old_plan)
         return plan, ex
 
+    def kv_span(self, n_used: int, n_rows: int) -> int:
+        """Cache cells a pass of `n_rows` rows attends over when its rows see cells below
+        `n_used`: n_used rounded up to KV_PAD, at least the backend's floor (`kv_span_floor`),
+        at most n_ctx. One plan per span."""
+        return max(padded_kv(n_used, self.n_ctx), min(self.backend.kv_span_floor(n_rows), self.n_ctx))
+
+    def warm_up(self, max_rows: int) -> int:
+        """Compile now the plans of decode steps of 1..max_rows sequences (one per row bucket, at
+        the span a step starts with), as llama-server's warm-up and vLLM's start-up capture do:
+        a server's first burst of requests then compiles none of them (each ~50-170 ms on the
+        CPU). Where the backend's span floor covers the cache (`kv_span_floor`) these are the
+        plans of every depth. Returns the number of plans compiled."""
+        cap = min(self.small_rows, self.n_batch)
+        made = 0
+        for T in sorted({bucket_rows(n, cap, self.small_rows) for n in range(1, min(max_rows, cap) + 1)}):
+            spec = BatchSpec(T, self.kv_span(1, T), T)
+            if spec.key() not in self._plans:
+                self.plan_for(spec)
+                made += 1
+        return made
+
     def compile(self, graph) -> Plan:
         return compile_plan(graph, self.layout, self.model.hparams)
 
@@ -340,8 +361,7 @@ class Engine:
             pos[i], ids[i] = r.pos, r.token
         cells[T:] = scratch
         hi = max(int(cells.max()), max((int(items[r.item].seq.cells[: r.pos + 1].max()) for r in rows), default=0))
-        n_kv = padded_kv(hi + 1, self.n_ctx)
-        spec = BatchSpec(T_pad, n_kv, n_out_pad)
+        spec = BatchSpec(T_pad, self.kv_span(hi + 1, T_pad), n_out_pad)
         plan, ex = self.plan_for(spec) if slots is None else pipeline.plan_in_flight(self, spec, slots)
         inp = graph_inputs(plan.graph)
         seen = [items[r.item].seq.cells[: r.pos + 1] for r in rows]

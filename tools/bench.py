@@ -156,10 +156,9 @@ def _decode_allreduces(eng, backend) -> dict:
     """Row fields for one decode step's all-reduces: how many, the algorithm the backend runs and
     the bytes its schedule moves on the busiest rank (collectives.allreduce_bytes)."""
     from metatp.backends.collectives import allreduce_bytes
-    from metatp.engine import padded_kv
     from metatp.ir.models import BatchSpec
 
-    plan, _ = eng.plan_for(BatchSpec(1, padded_kv(1, eng.n_ctx), 1))
+    plan, _ = eng.plan_for(BatchSpec(1, eng.kv_span(1, 1), 1))     # the plan decode runs
     info = backend.describe()
     strategy, wire, thresholds = info.allreduce, info.wire, info.wire_thresholds
     # MPI ranks: MPICH / Open MPI run recursive doubling for short vectors, billed as the butterfly

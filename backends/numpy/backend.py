@@ -29,7 +29,12 @@ from metatp.ir.tensor import Flag, GGMLType, Tensor, type_size
 from metatp.passes.plan import DeviceLayout, Plan
 from metatp.backends.slicing import device_slices, split_raw
 
-__all__ = ["NumpyBackend", "NumpyExecutable"]
+__all__ = ["NumpyBackend", "NumpyExecutable", "KV_SPAN_FLOOR"]
+
+# cache cells a few-token pass attends over at least (`NumpyBackend.kv_span_floor`): past it the
+# span grows by KV_PAD again (a mask of 64 rows x 4096 cells is 1 MB; the attention's scratch
+# per plan grows with the span too)
+KV_SPAN_FLOOR = 4096
 
 
 class NumpyBackend(Backend):
@@ -254,6 +259,14 @@ class NumpyBackend(Backend):
 
     def kv_page(self) -> int:
         return native.ATTN_CHUNK
+
+    def kv_span_floor(self, n_rows: int) -> int:
+        """A few-token pass attends over the first KV_SPAN_FLOOR cells at least: its compiled
+        attention reads only the cells its rows see (the visible length), so a longer span costs
+        only the mask (~10 us a step of 16 rows at 4096 cells), and the plans of a decode no
+        longer change with its depth (a server taking 16 requests compiled one each time the
+        cells in use crossed another 256, ~50-170 ms each). Longer passes keep the span in use."""
+        return KV_SPAN_FLOOR if self.use_kernels and n_rows <= self.step_rows() else 0
 
     def kv_itemsize(self, t: Tensor) -> int:
         """Bytes per element of a float KV cache as stored (f32 4, f16/bf16 2); for a quantized
