@@ -201,7 +201,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options)
     key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if args.warmup and llm.world is None:
-        # the decode plans of 1..parallel sequences now, not in the first burst of requests
+        # the plans of decode steps and of prompts arriving together, now, not in the first burst
         llm.engine.warm_up(args.parallel)
     if llm.world is None or llm.world.is_root:        # under mpiexec only rank 0 listens
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
@@ -252,7 +252,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
                     help="do not keep finished requests' KV blocks for prompts that start the same way")
     sv.add_argument("--no-warmup", dest="warmup", action="store_false",
-                    help="do not compile the decode plans of 1..parallel sequences before listening")
+                    help="do not compile the plans of decode steps of 1..parallel sequences (and of full "
+                         "few-token passes) before listening")
     sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
     sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")

@@ -158,16 +158,20 @@ class Engine:
         at most n_ctx. One plan per span."""
         return max(padded_kv(n_used, self.n_ctx), min(self.backend.kv_span_floor(n_rows), self.n_ctx))
 
-    def warm_up(self, max_rows: int) -> int:
-        """Compile now the plans of decode steps of 1..max_rows sequences (one per row bucket, at
-        the span a step starts with), as llama-server's warm-up and vLLM's start-up capture do:
-        a server's first burst of requests then compiles none of them (each ~50-170 ms on the
-        CPU). Where the backend's span floor covers the cache (`kv_span_floor`) these are the
-        plans of every depth. Returns the number of plans compiled."""
+    def warm_up(self, max_seqs: int) -> int:
+        """Compile now the plans a server of `max_seqs` parallel sequences meets first, as
+        llama-server's warm-up and vLLM's start-up capture do: decode steps of 1..max_seqs
+        sequences, and full few-token passes (prompts of several requests arriving together
+        fill passes of `small_rows` rows) with the logits of 1..max_seqs of their rows. A burst
+        of requests then compiles few plans (each ~50-170 ms on the CPU; 16 requests arriving
+        at once met eight). Where the backend's span floor covers the cache (`kv_span_floor`)
+        these are the plans of every depth. Returns the number of plans compiled."""
         cap = min(self.small_rows, self.n_batch)
+        buckets = sorted({bucket_rows(n, cap, self.small_rows) for n in range(1, min(max_seqs, cap) + 1)})
+        shapes = [(T, T) for T in buckets] + [(cap, n) for n in buckets if n < cap]
         made = 0
-        for T in sorted({bucket_rows(n, cap, self.small_rows) for n in range(1, min(max_rows, cap) + 1)}):
-            spec = BatchSpec(T, self.kv_span(1, T), T)
+        for T, n_out in shapes:
+            spec = BatchSpec(T, self.kv_span(1, T), n_out)
             if spec.key() not in self._plans:
                 self.plan_for(spec)
                 made += 1

@@ -49,11 +49,14 @@ def test_the_span_changes_no_token_and_no_logit(path, monkeypatch):
         assert a.outputs[0].logprobs == b.outputs[0].logprobs        # the same floats, not close ones
 
 
-def test_warm_up_compiles_each_decode_bucket_once(path):
+def test_warm_up_compiles_each_decode_and_arrival_bucket_once(path):
     llm = LLM(path, n_ctx=8192, backend="numpy", max_num_seqs=16)
     eng = llm.engine
-    assert eng.warm_up(16) == 6
-    assert sorted(eng._plans) == [(t, KV_SPAN_FLOOR, t) for t in (1, 2, 4, 8, 12, 16)]   # at 8192: the floor
+    assert eng.warm_up(16) == 12
+    buckets = (1, 2, 4, 8, 12, 16)
+    decode = [(t, KV_SPAN_FLOOR, t) for t in buckets]                 # at 8192 cells: the floor
+    arriving = [(eng.small_rows, KV_SPAN_FLOOR, n) for n in buckets]   # full passes of several prompts
+    assert sorted(eng._plans) == sorted(decode + arriving)
     assert eng.warm_up(16) == 0                       # compiled already
     before = set(eng._plans)
     llm.generate([[1, 2, 3, 4]] * 5, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
