@@ -200,6 +200,18 @@ def _start_args(command: str, path: str) -> list[str]:
 UNREACHABLE = "nohost-" + "x" * 64 + ".invalid"
 
 
+def _launch_refused(text: str, want: str) -> None:
+    """ssh's own line names the host; it reaches the log through hydra, which can exit on the
+    failed proxy before it has copied ssh's stderr (CI saw it lost once, and about one run in 15
+    under CPU load here), leaving hydra's "Launch proxy failed". Either way no line of ours."""
+    lines = fault_lines(text)
+    if not lines:
+        assert "Launch proxy failed" in text, f"expected ssh's {want!r} or hydra's refusal:\n{text[-3000:]}"
+        assert "Traceback" not in text, text[-3000:]
+        return
+    _one_line(text, want)
+
+
 @needs_mpi
 @requires("ssh")
 @pytest.mark.parametrize("command", ["generate", "bench", "serve"])
@@ -209,7 +221,7 @@ def test_a_hostfile_naming_an_unreachable_host(path, tmp_path, command):
     job = FaultJob(_start_args(command, path), tmp_path / "job", mpiexec_args=("-f", str(hosts), "-launcher", "ssh"))
     try:
         text = _ended(job, job.started, f"{command}, unreachable host in the hostfile")
-        _one_line(text, f"Could not resolve hostname {UNREACHABLE}")
+        _launch_refused(text, f"Could not resolve hostname {UNREACHABLE}")
         # hydra starts the local proxy while ssh fails for the other host, so the local rank may
         # or may not have started (seen both ways on one machine); what must hold is that none
         # is left running once mpiexec has reported the failure
