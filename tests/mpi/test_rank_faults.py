@@ -287,13 +287,15 @@ def test_a_slow_healthy_step_is_not_a_fault(path, tmp_path):
 @needs_mpi
 def test_the_whole_job_stopped_and_resumed_is_not_a_fault(path, tmp_path):
     """Ctrl-Z on the job (every rank stopped longer than the timeout), then fg: it goes on."""
-    job = FaultJob([*GENERATE[:4], "400", *GENERATE[5:], "-m", path], tmp_path, env=FAST)
+    job = FaultJob([*GENERATE, "-m", path], tmp_path, env=FAST)
     try:
+        # into the token loop: both ranks up and the first tokens printed (3000 tokens take ~5 s
+        # here; a fixed sleep after start once landed after a shorter run had ended)
         deadline = time.monotonic() + 120
-        while len(job.pids()) < 2 and time.monotonic() < deadline:
+        while (len(job.pids()) < 2 or job.log.stat().st_size == 0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)                       # into the token loop
         pids = job.pids()
+        assert len(pids) == 2 and all(alive(p) for p in pids), f"not decoding: {job.states()}\n{job.text()[-3000:]}"
         for p in pids:
             os.kill(p, signal.SIGSTOP)
         time.sleep(2 * float(TIMEOUT))
