@@ -17,7 +17,7 @@ import numpy as np
 
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import (AFFINE_TYPES, AffineWeight, affine_blocks, affine_bytes, encodable,
-                                          grouped_affine_blocks)
+                                          adjacent, grouped_affine_blocks)
 from metatp.backends.base import Backend, BackendInfo, WeightSource
 from metatp.backends.collectives.host import HostCollective
 from metatp.backends.collectives.wire import WireThresholds
@@ -164,8 +164,19 @@ class NumpyBackend(Backend):
             self.slab(d)        # made now, as the plan counts it (its pages are touched only by long prompts)
         if whole and made:
             self._whole_codes[key] = next(iter(made.values()))
+        elif len(made) > 1:
+            self._place_adjacent(t)
         self._encoded_only.add(t)
         return True
+
+    def _place_adjacent(self, t: Tensor) -> None:
+        """This process's device slices of a split weight end to end in memory, in device order,
+        the order in which the node's grouped product reads them (`codes.adjacent`)."""
+        slices = {id(self._packed[d][t]): self._packed[d][t] for d in self.owned if t in self._packed[d]}
+        moved = dict(zip(slices, adjacent(list(slices.values()))))
+        for d in self.owned:
+            if t in self._packed[d]:
+                self._packed[d][t] = moved[id(self._packed[d][t])]
 
     def groups_rows(self) -> bool:
         """With llama.cpp numerics every few-token product is the integer kernel's, which reads

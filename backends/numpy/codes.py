@@ -28,7 +28,7 @@ scales side by side (kept as halves when the file's are). `row_major` reads any 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from metatp.ir.tensor import GGMLType, block_size, type_size
 
 __all__ = ["AFFINE_TYPES", "NIBBLE_BIAS", "FLOAT_CODES", "AffineWeight", "encodable", "affine_blocks",
            "affine_bytes", "dequantize_affine", "pack_nibbles", "unpack_nibbles", "GROUP", "HALF_SCALE_TYPES", "groupable", "group_rows", "grouped_affine_blocks",
-           "row_major"]
+           "row_major", "adjacent"]
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields make field-wise ==/hash meaningless
@@ -426,3 +426,29 @@ def row_major(aw: AffineWeight, rows=slice(None)) -> tuple[np.ndarray, np.ndarra
     def blocks(a: np.ndarray) -> np.ndarray:
         return a.reshape(-1, nb, GROUP)[g, :, lane].astype(np.float32)
     return q, blocks(aw.scale), None if aw.offset is None else blocks(aw.offset)
+
+
+def adjacent(weights: list[AffineWeight], align: int = 64) -> list[AffineWeight]:
+    """The same weights, each field's arrays end to end in one buffer (list order, each start on
+    `align` bytes): one process's device slices of a weight, which a grouped kernel reads in
+    turn, then stream through memory as the whole weight's would."""
+    with_offset = {w.offset is not None for w in weights}
+    if len(weights) < 2 or len(with_offset) > 1:
+        return list(weights)
+    fields = ("q", "scale", "offset") if with_offset == {True} else ("q", "scale")
+    placed = {name: _end_to_end([getattr(w, name) for w in weights], align) for name in fields}
+    return [replace(w, **{name: placed[name][i] for name in fields}) for i, w in enumerate(weights)]
+
+
+def _end_to_end(parts: list[np.ndarray], align: int) -> list[np.ndarray]:
+    """Copies of `parts` in one buffer, in order, each starting on `align` bytes."""
+    sizes = [-(-p.nbytes // align) * align for p in parts]
+    buf = np.empty(sum(sizes) + align, np.uint8)
+    at = -buf.ctypes.data % align
+    out = []
+    for p, size in zip(parts, sizes):
+        v = buf[at:at + p.nbytes].view(p.dtype).reshape(p.shape)
+        v[...] = p
+        out.append(v)
+        at += size
+    return out
