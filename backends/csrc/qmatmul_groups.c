@@ -20,6 +20,14 @@
 
 enum { QMG_T = 8 };    /* tokens a tile: 16 accumulators + 4 weight vectors + 2 activations + 4 scales */
 
+/* Blocks ahead that the first tile of a group prefetches: every line of a block's codes (an 8-bit
+ * block is four lines, a 4-bit one two) and its scales and offsets; past the group's end the next
+ * group's, which the same thread runs next. Measured on the default model's weights (2 threads,
+ * Zen 4 machine, one process): 4 blocks and only the first two lines of a block before; 16 and
+ * every line took the 8-bit lm head at 16 tokens 8.6 -> 5.7 ms and the layer weights at one token
+ * 3.3 -> 2.8-2.9 ms. */
+enum { QMG_PREFETCH = 16 };
+
 /* 8 scales (or offsets) of a group's block as 8 floats. */
 static inline __attribute__((always_inline)) __m256 qmg_load8(const uint8_t *p, int half) {
     return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
@@ -65,7 +73,7 @@ static inline __attribute__((always_inline)) __m256 qmg_rows(__m512 a, __m512 b)
 
 /* Group g (rows 8g .. 8g+7) against tokens t0 .. t0+T-1. */
 static inline __attribute__((always_inline)) void qmg_tile(const QMatmulArgs *a, int64_t g, int64_t t0, int T,
-                                                           int bits, int bias, int has_off, int half) {
+                                                           int bits, int bias, int has_off, int half, int first) {
     const int64_t k = a->k, nb = k / 32, gbytes = 32 * bits, sb = half ? 2 : 4, ldx = a->ldx;
     const uint8_t *q = (const uint8_t *)a->q + g * nb * gbytes;
     const uint8_t *sp = (const uint8_t *)a->scale + g * nb * 8 * sb;
@@ -75,8 +83,11 @@ static inline __attribute__((always_inline)) void qmg_tile(const QMatmulArgs *a,
     for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *qb = q + b * gbytes;
-        __builtin_prefetch(qb + 4 * gbytes);
-        __builtin_prefetch(qb + 4 * gbytes + 64);
+        if (first) {        /* later tiles of the group find its codes in cache */
+            for (int64_t line = 0; line < gbytes; line += 64) __builtin_prefetch(qb + QMG_PREFETCH * gbytes + line);
+            __builtin_prefetch(sp + (b + QMG_PREFETCH) * 8 * sb);
+            if (has_off) __builtin_prefetch(op + (b + QMG_PREFETCH) * 8 * sb);
+        }
         const __m256 s8 = qmg_load8(sp + b * 8 * sb, half);
         const __m256 o8 = has_off ? qmg_load8(op + b * 8 * sb, half) : _mm256_setzero_ps();
         const __m512 sc0 = qmg_spread(s8, 0), sc1 = qmg_spread(s8, 1);
@@ -105,10 +116,10 @@ static inline __attribute__((always_inline)) void qmg_tile(const QMatmulArgs *a,
 static inline __attribute__((always_inline)) void qmg_chunk_fmt(const QMatmulArgs *a, int64_t g, int64_t t0, int64_t t1,
                                                                 int bits, int bias, int has_off, int half) {
     int64_t t = t0;
-    for (; t + QMG_T <= t1; t += QMG_T) qmg_tile(a, g, t, QMG_T, bits, bias, has_off, half);
-    if (t + 4 <= t1) { qmg_tile(a, g, t, 4, bits, bias, has_off, half); t += 4; }
-    if (t + 2 <= t1) { qmg_tile(a, g, t, 2, bits, bias, has_off, half); t += 2; }
-    if (t < t1) qmg_tile(a, g, t, 1, bits, bias, has_off, half);
+    for (; t + QMG_T <= t1; t += QMG_T) qmg_tile(a, g, t, QMG_T, bits, bias, has_off, half, t == t0);
+    if (t + 4 <= t1) { qmg_tile(a, g, t, 4, bits, bias, has_off, half, t == t0); t += 4; }
+    if (t + 2 <= t1) { qmg_tile(a, g, t, 2, bits, bias, has_off, half, t == t0); t += 2; }
+    if (t < t1) qmg_tile(a, g, t, 1, bits, bias, has_off, half, t == t0);
 }
 
 /* Group g of an item against its tokens t0 .. t1-1, dispatched on the weight format: the GGUF types'
