@@ -165,18 +165,13 @@ class NumpyBackend(Backend):
         if whole and made:
             self._whole_codes[key] = next(iter(made.values()))
         elif len(made) > 1:
-            self._place_adjacent(t)
+            # this process's device slices end to end, in the order the node's grouped product reads them
+            moved = dict(zip(made, adjacent(list(made.values()))))
+            for d in self.owned:
+                if t in self._packed[d]:
+                    self._packed[d][t] = moved[id(parts[d])]
         self._encoded_only.add(t)
         return True
-
-    def _place_adjacent(self, t: Tensor) -> None:
-        """This process's device slices of a split weight end to end in memory, in device order,
-        the order in which the node's grouped product reads them (`codes.adjacent`)."""
-        slices = {id(self._packed[d][t]): self._packed[d][t] for d in self.owned if t in self._packed[d]}
-        moved = dict(zip(slices, adjacent(list(slices.values()))))
-        for d in self.owned:
-            if t in self._packed[d]:
-                self._packed[d][t] = moved[id(self._packed[d][t])]
 
     def groups_rows(self) -> bool:
         """With llama.cpp numerics every few-token product is the integer kernel's, which reads
