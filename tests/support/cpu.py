@@ -3,33 +3,14 @@ tests that run every build the CPU supports (and compile the others)."""
 
 from __future__ import annotations
 
-import functools
 import platform
 
 import pytest
 
-BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
-# isa -> (compiler flags, the /proc/cpuinfo flags it needs to run)
-BUILDS = {
-    "avx512-vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
-                    ("avx512_vnni", "avx512vl", "avx512bw")),
-    "avx-vnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx_vnni",)),
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma")),
-    "portable": ((), ()),
-}
+from metatp.backends.numpy.native.lib import BASE_FLAGS, ISA_BUILDS, cpu_flags
 
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """/proc/cpuinfo's flags (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+# isa -> (compiler flags, the /proc/cpuinfo flags it needs to run): the library's own table
+BUILDS = ISA_BUILDS
 
 
 def isa_library(isa: str):

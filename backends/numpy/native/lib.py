@@ -2,7 +2,8 @@
 call (`_Call`), batches of calls and the kernel thread count.
 
 The library is built on first use with the machine's C compiler (-O3 -march=native, OpenMP when
-available) and cached; where that is impossible (no compiler, METATP_CPU_KERNELS=0)
+available; METATP_KERNEL_ISA=avx512-vnni|avx-vnni|avx2|portable builds that path instead) and
+cached; where that is impossible (no compiler, METATP_CPU_KERNELS=0)
 `available()` is False and the backend keeps its numpy path.
 """
 
@@ -20,6 +21,7 @@ from typing import Callable
 import numpy as np
 
 from metatp.backends.host_build import build_shared_library, host_cache_dir
+from metatp.ir.errors import ConfigError
 
 __all__ = ["available", "kernel_info", "isa", "library_isa", "build_library", "default_threads", "batchable",
            "batch", "ATTN_CHUNK", "MAX_ROWS"]
@@ -34,6 +36,19 @@ ATTN_CHUNK = 128
 # decode tokens; longer prompt chunks go to float32 BLAS (faster there, but its sums depend on the
 # batch shape). numpy/kernels dispatches on it.
 MAX_ROWS = 64
+
+# The ISA builds of the kernels besides -march=native: their compiler flags and the /proc/cpuinfo
+# flags a CPU needs to run them. METATP_KERNEL_ISA picks one (e.g. the AVX2 path on a CPU that also
+# has AVX-512, to measure what an AVX2-only machine runs); the tests build and run each one the CPU
+# can run (tests/support/cpu.py).
+BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
+ISA_BUILDS = {
+    "avx512-vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+                    ("avx512_vnni", "avx512vl", "avx512bw")),
+    "avx-vnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx_vnni",)),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma")),
+    "portable": ((), ()),
+}
 
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
@@ -96,6 +111,37 @@ class _Call:
             raise RuntimeError(f"{self.name} rejected its arguments (code {rc})")
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's flags (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _chosen_flag_sets() -> tuple[tuple[str, ...], ...]:
+    """The flag sets to try in order: -march=native and its fallbacks, or the one ISA build that
+    METATP_KERNEL_ISA names (refused by name when unknown, not x86-64 or beyond this CPU, where
+    running it would die of an illegal instruction)."""
+    want = os.environ.get("METATP_KERNEL_ISA", "").strip().lower()
+    if want in ("", "native"):
+        return _FLAG_SETS
+    if want not in ISA_BUILDS:
+        raise ConfigError(f"METATP_KERNEL_ISA={want!r}: choose native or one of {', '.join(ISA_BUILDS)}")
+    flags, needs = ISA_BUILDS[want]
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        raise ConfigError(f"METATP_KERNEL_ISA={want!r} is an x86-64 build; this machine is {platform.machine()}")
+    missing = sorted(set(needs) - cpu_flags())
+    if missing:
+        raise ConfigError(f"METATP_KERNEL_ISA={want!r}: this CPU lacks {', '.join(missing)}")
+    return (BASE_FLAGS + flags,)
+
+
 def _cpu_signature() -> str:
     """Part of the cache key: a library built with -march=native runs only on a like CPU."""
     sig = platform.machine()
@@ -151,13 +197,15 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if shutil.which(cc) is None:
         return None, f"off (no C compiler {cc!r} on PATH)"
     errors = []
-    for flags in _FLAG_SETS:
+    for flags in _chosen_flag_sets():
         try:
             lib = build_library(flags, cc)
         except (RuntimeError, OSError) as e:
             errors.append(str(e).splitlines()[0])
             continue
         shown = " ".join(f for f in flags if f.startswith(("-march", "-fopenmp")))
+        if "-march=native" not in flags:
+            shown += f" METATP_KERNEL_ISA={library_isa(lib)}"
         info = f"cpu_kernels ({cc} {shown}; q8 {library_isa(lib)})".replace(" ;", ";")
         return lib, info + ("" if "-fopenmp" in flags else ", single-threaded")
     warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "

@@ -1,0 +1,63 @@
+"""METATP_KERNEL_ISA: the kernels built for one named ISA path instead of -march=native (to run
+what an AVX2-only machine runs on a CPU that has more), refused by name where the value is unknown
+or the CPU cannot run that build (rather than dying of an illegal instruction)."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+from metatp.backends.numpy.native import lib
+from metatp.ir.errors import ConfigError
+from support.require import requires
+
+pytestmark = requires("cpu_kernels")
+
+
+@pytest.fixture
+def fresh_library(monkeypatch):
+    """The library chosen anew under this test's environment, and the usual one again after it."""
+    lib._library.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    lib._library.cache_clear()
+
+
+def test_an_unknown_isa_is_refused_by_name(fresh_library):
+    fresh_library.setenv("METATP_KERNEL_ISA", "avx3")
+    with pytest.raises(ConfigError, match=r"METATP_KERNEL_ISA='avx3'.*avx2"):
+        lib.available()
+
+
+def test_an_isa_this_cpu_lacks_is_refused_by_name(fresh_library):
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 builds")
+    fresh_library.setenv("METATP_KERNEL_ISA", "avx512-vnni")
+    fresh_library.setattr(lib, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(ConfigError, match="lacks avx512_vnni"):
+        lib.available()
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_named_build_is_the_one_in_use(fresh_library, isa):
+    flags, needs = lib.ISA_BUILDS[isa]
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 builds")
+    if not set(needs) <= lib.cpu_flags():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    fresh_library.setenv("METATP_KERNEL_ISA", isa)
+    assert lib.isa() == isa
+    assert f"METATP_KERNEL_ISA={isa}" in lib.kernel_info()
+    from metatp.backends.numpy import native
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal(64).astype(np.float32)
+    out = np.empty_like(x)
+    native.prepare_rms_norm(x, w, out, 1e-6)()           # the build in use computes
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    assert np.allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+def test_native_is_the_default(fresh_library):
+    fresh_library.delenv("METATP_KERNEL_ISA", raising=False)
+    assert "-march=native" in lib.kernel_info() or "off" in lib.kernel_info()
