@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from metatp.backends.numpy.native import row_best
 from metatp.ir.tensor import Tensor
 
 __all__ = ["read_argmax", "combine"]
@@ -26,17 +27,25 @@ def _device_best(local: np.ndarray, spans: list[tuple[int, int, int]]) -> np.nda
     """[3, rows]: (largest value, its global index, all finite) over this device's chunks
     (global start, local start, length), ties to the lower global index. A row is all finite
     exactly when its largest and smallest values are (argmax picks a NaN, min passes one on), so
-    a chunk is read by two reductions and nothing its size is made."""
+    a chunk is read by two reductions and nothing its size is made; with the compiled kernels, by
+    one pass on the kernel threads (`native.row_best`: a row's value and index are unspecified
+    once it is not finite, so `finite` gates them)."""
     rows = local.shape[0]
     best = np.full(rows, -np.inf)
     idx = np.zeros(rows)
     finite = np.ones(rows, dtype=bool)
     for g, loc, length in spans:
         part = local[:, loc:loc + length]
-        at = part.argmax(axis=1)
-        val = np.take_along_axis(part, at[:, None], axis=1)[:, 0].astype(np.float64)
-        finite &= np.isfinite(val) & np.isfinite(part.min(axis=1))
-        better = val > best                      # strictly: an equal value later keeps the earlier index
+        picked = row_best(part)                  # one compiled pass on the kernel threads
+        if picked is not None:
+            val, at, fin = picked
+            val = val.astype(np.float64)
+            finite &= fin
+        else:
+            at = part.argmax(axis=1)
+            val = np.take_along_axis(part, at[:, None], axis=1)[:, 0].astype(np.float64)
+            finite &= np.isfinite(val) & np.isfinite(part.min(axis=1))
+        better = finite & (val > best)           # strictly: an equal value later keeps the earlier index
         best = np.where(better, val, best)
         idx = np.where(better, g + at, idx)
     return np.stack([best, idx, finite.astype(np.float64)])

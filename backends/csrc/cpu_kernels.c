@@ -26,4 +26,5 @@
 #include "elementwise.c"   /* metatp_glu, metatp_rms_norm, metatp_add */
 #include "allreduce.c"     /* metatp_allreduce */
 #include "dequant.c"       /* metatp_dequant */
+#include "row_best.c"      /* metatp_row_best: a row's largest value, its first index, all finite */
 #include "batch.c"         /* metatp_batch */

@@ -7,7 +7,8 @@ few-token steps (decode), through ctypes, one module per kernel family in step w
   q8_matmul.c), grouped products, the long-prompt dequantize-and-BLAS path (dequant.c);
 - `attention`: rope (rope.c) and decode attention (attention.c);
 - `kv`: the KV cache's row types and the KV write (kv.c);
-- `elementwise`: gated activations, RMS norm, add (elementwise.c), the all-reduce (allreduce.c).
+- `elementwise`: gated activations, RMS norm, add (elementwise.c), the all-reduce (allreduce.c);
+- `row_best`: the greedy pick of logits rows with their finiteness check (row_best.c).
 
 Where the library cannot be built (no compiler, METATP_CPU_KERNELS=0) `available()` is False and
 the backend keeps its numpy path. Callers use the names re-exported here (`native.qmatmul(...)`).
@@ -24,6 +25,7 @@ from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K
                                                  group_qmatmul, is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
                                                  prepare_qmatmul, q8_isums, q8_kind, q8_matmul, q8_quantize, qmatmul,
                                                  round_half)
+from metatp.backends.numpy.native.row_best import row_best
 
 __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmul", "qmatmul", "prepare_rope",
            "q8_kind", "prepare_q8_matmul", "q8_matmul", "q8_quantize", "q8_isums", "Q8_0", "Q8_1", "Q8_K",
@@ -32,4 +34,4 @@ __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmu
            "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch", "ATTN_CHUNK",
            "MAX_ROWS", "KV_TYPES", "kv_quantize", "kv_dequantize", "library_isa", "build_library", "round_half",
            "dequantize", "rope_usable", "attention_usable", "kv_row_bytes", "prepare_rms_norm", "prepare_add",
-           "GLU_ACTS", "float_row_groups"]
+           "GLU_ACTS", "float_row_groups", "row_best"]

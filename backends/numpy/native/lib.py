@@ -86,6 +86,7 @@ _ARGS = {
     "metatp_q8_isums": _struct("Q8IsumArgs", "w:p xq:p out:p"),
     "metatp_round_half": _struct("HalfArgs", "n:i x:p out:p"),
     "metatp_batch": _struct("BatchArgs", "n:i fns:p args:p failed:i"),
+    "metatp_row_best": _struct("RowBestArgs", "rows:i n:i ld:i x:p val:p idx:p finite:p nthreads:i"),
     "metatp_dequant": _struct("DequantArgs", "rows:i k:i block:i bits:i bias:i q:p scale:p offset:p out:p ldo:i "
                                              "nthreads:i group:i half_scales:i"),
 }
