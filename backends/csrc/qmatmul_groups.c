@@ -73,14 +73,15 @@ static inline __attribute__((always_inline)) __m256 qmg_rows(__m512 a, __m512 b)
 
 /* What a tile does with the group's dequantized weights: work them out from the codes (a pass of
  * one tile), work them out and keep them in `wk` (the first tile of several), or read them back
- * from `wk` (the later tiles). Kept weights take the multiply by the scale, which shares its pipes
- * with the fused multiply-adds (~11% of them at 8 tokens a tile), and the conversions off the
- * later tiles; the weights are the same numbers either way, so results are bit-identical. */
+ * from `wk` (the later tiles). Kept weights take the conversions and the multiply by the scale off
+ * the later tiles, for one store and a load per register; the weights are the same numbers either
+ * way, so results are bit-identical. */
 enum { QMG_MAKE = 0, QMG_KEEP = 1, QMG_REUSE = 2 };
 
-/* Tokens from which the weights are kept: measured on the default model's weights (2 threads, Zen 4
- * machine, one process, against working them out in every tile), 16 tokens took the layers 11.3 ->
- * 11.7 ms (the stores cost what the second tile saves) and 64 tokens 43.6 -> 40.3 ms. */
+/* Tokens from which the weights are kept: measured on the default model's weights (exact numerics,
+ * 2 threads, Zen 5 machine, both builds in one process), keeping them at 16 tokens took the layers
+ * 11.3 -> 11.7 ms (the stores cost what the second tile saves), at 24 tokens 16.1 -> 15.5 ms, 32:
+ * 22.9 -> 21.4, 64: 43.6 -> 40.3, 512: 337 -> 302. */
 enum { QMG_KEEP_FROM = 3 * QMG_T };
 
 /* Floats of kept weights per block of a group: 8 or 4 word steps x 2 registers x 2 (nibble halves). */
@@ -162,8 +163,6 @@ static inline __attribute__((always_inline)) void qmg_chunk_fmt(const QMatmulArg
     if (t < t1) qmg_tile(a, g, t, 1, bits, bias, has_off, half, t == t0, QMG_MAKE, wk);
 }
 
-/* Group g of an item against its tokens t0 .. t1-1, dispatched on the weight format: the GGUF types'
- * combinations constant (Q4_1, Q4_0, Q8_0, Q4_K), the rest through the general form. */
 /* This thread's room for one group's kept weights (32 bytes a column, grown as needed and kept
  * for the thread's life): NULL when there is none, and then every tile works them out. */
 static float *qmg_room(int64_t k) {
@@ -178,6 +177,8 @@ static float *qmg_room(int64_t k) {
     return room;
 }
 
+/* Group g of an item against its tokens t0 .. t1-1, dispatched on the weight format: the GGUF types'
+ * combinations constant (Q4_1, Q4_0, Q8_0, Q4_K), the rest through the general form. */
 static void qmg_chunk(const QMatmulArgs *a, int64_t g, int64_t t0, int64_t t1) {
     const int has_off = a->offset != NULL, half = (int)a->half_scales, bias = (int)a->bias;
     float *const wk = t1 - t0 >= QMG_KEEP_FROM ? qmg_room(a->k) : NULL;

@@ -22,7 +22,6 @@ from metatp.backends.numpy import native
 from metatp.backends.numpy.kernels import kv_load_rows, kv_store_rows
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.testing.oracles import ref_attention, ref_q8_quantize
-from support.cpu import BUILDS, isa_library
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
@@ -30,17 +29,6 @@ pytestmark = requires("cpu_kernels")
 F32 = np.float32
 TYPES = list(KV_CACHE_TYPES)          # f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def build(request):
-    """Each ISA build, in use for the module's kernel calls; skipped where this CPU cannot run it
-    (it is still compiled, so another machine's path must at least build)."""
-    isa = request.param
-    lib = isa_library(isa)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native.lib, "_library", lambda: (lib, native.library_isa(lib)))
-        yield isa
 
 
 def _cache(x: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -11,18 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 from metatp.backends.logits_read import _device_best
 from metatp.backends.numpy import native
-from support.cpu import BUILDS, isa_library
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def build(request):
-    lib = isa_library(request.param)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native.lib, "_library", lambda: (lib, request.param))
-        yield request.param
 
 
 @settings(max_examples=80, deadline=None)
