@@ -250,7 +250,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"model {llm.model_path}, backend {info.name}, numerics {numerics}, split {llm.layout.split_mode} x "
               f"{llm.layout.n_devices}, n_ctx {llm.n_ctx}, n_batch {llm.engine.n_batch}, kernel threads "
               f"{info.kernel_threads if info.kernel_threads is not None else '-'}, "
-              f"load {os.getloadavg()[0]:.2f}", flush=True)
+              f"kernels {info.kernels}, load {os.getloadavg()[0]:.2f}", flush=True)
     side = _LlamaCppSide(str(llm.model_path), threads, llm.engine.n_batch) if args.compare else None
     if args.output == "md":
         if side is not None and side.child is not None:
