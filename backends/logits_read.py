@@ -23,20 +23,20 @@ from metatp.ir.tensor import Tensor
 __all__ = ["read_argmax", "combine"]
 
 
-def _device_best(local: np.ndarray, spans: list[tuple[int, int, int]]) -> np.ndarray:
+def _device_best(local: np.ndarray, spans: list[tuple[int, int, int]], threads: int | None = None) -> np.ndarray:
     """[3, rows]: (largest value, its global index, all finite) over this device's chunks
     (global start, local start, length), ties to the lower global index. A row is all finite
     exactly when its largest and smallest values are (argmax picks a NaN, min passes one on), so
     a chunk is read by two reductions and nothing its size is made; with the compiled kernels, by
     one pass on the kernel threads (`native.row_best`: a row's value and index are unspecified
-    once it is not finite, so `finite` gates them)."""
+    once it is not finite, so `finite` gates them; `threads`: the backend's kernel threads)."""
     rows = local.shape[0]
     best = np.full(rows, -np.inf)
     idx = np.zeros(rows)
     finite = np.ones(rows, dtype=bool)
     for g, loc, length in spans:
         part = local[:, loc:loc + length]
-        picked = row_best(part)                  # one compiled pass on the kernel threads
+        picked = row_best(part, threads)         # one compiled pass on the kernel threads
         if picked is not None:
             val, at, fin = picked
             val = val.astype(np.float64)
@@ -99,7 +99,8 @@ def read_argmax(ex: Any, t: Tensor) -> tuple[list[int | None], int]:
     whole = len(ex.devices) == ex.plan.n_devices
     if whole and rows == 1:
         return [_one_row(locals_, [spans.get(d, []) for d in ex.devices])], 0
-    mine = [_device_best(local, spans.get(d, [])) for d, local in zip(ex.devices, locals_)]
+    threads = ex.backend.describe().kernel_threads       # the user's kernel threads (None: the default)
+    mine = [_device_best(local, spans.get(d, []), threads) for d, local in zip(ex.devices, locals_)]
     if whole:
         return combine(mine), 0
     counts = [3 * rows] * ex.plan.n_devices

@@ -9,6 +9,7 @@ import platform
 import numpy as np
 import pytest
 
+from metatp.backends.numpy import native
 from metatp.backends.numpy.native import lib
 from metatp.ir.errors import ConfigError
 from support.require import requires
@@ -50,7 +51,6 @@ def test_the_named_build_is_the_one_in_use(fresh_library, isa):
     fresh_library.setenv("METATP_KERNEL_ISA", isa)
     assert lib.isa() == isa
     assert f"METATP_KERNEL_ISA={isa}" in lib.kernel_info()
-    from metatp.backends.numpy import native
     x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
     w = np.random.default_rng(1).standard_normal(64).astype(np.float32)
     out = np.empty_like(x)

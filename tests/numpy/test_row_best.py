@@ -11,9 +11,12 @@ from hypothesis import given, settings, strategies as st
 
 from metatp.backends.logits_read import _device_best
 from metatp.backends.numpy import native
+from metatp.testing.synth import SynthSpec
 from support.require import requires
 
 pytestmark = requires("cpu_kernels")
+
+SPEC = SynthSpec(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=31, default_type="Q8_0")
 
 
 @settings(max_examples=80, deadline=None)
@@ -74,3 +77,16 @@ def test_the_device_pick_is_the_same_with_and_without_the_kernel(rows, cuts, see
     fin = plain[2] > 0
     assert (compiled[2] == plain[2]).all()
     assert (compiled[:2, fin] == plain[:2, fin]).all()
+
+
+def test_the_pick_runs_on_the_backends_kernel_threads(monkeypatch, path):
+    """A greedy step of several sequences picks on the threads the user gave the backend."""
+    import metatp.backends.logits_read as logits_read
+    from metatp import LLM, SamplingParams
+
+    seen = []
+    real = logits_read.row_best
+    monkeypatch.setattr(logits_read, "row_best", lambda x2, threads=None: seen.append(threads) or real(x2, threads))
+    llm = LLM(path, n_ctx=256, backend="numpy", backend_options={"kernel_threads": 1})
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen and set(seen) == {1}
