@@ -125,22 +125,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def isa_unrunnable(isa: str) -> str | None:
+    """Why this machine cannot run the ISA build `isa` (of ISA_BUILDS), or None when it can."""
+    flags, needs = ISA_BUILDS[isa]
+    if flags and platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is an x86-64 build; this machine is {platform.machine()}"
+    missing = sorted(set(needs) - cpu_flags())
+    return f"this CPU lacks {', '.join(missing)}" if missing else None
+
+
 def _chosen_flag_sets() -> tuple[tuple[str, ...], ...]:
     """The flag sets to try in order: -march=native and its fallbacks, or the one ISA build that
-    METATP_KERNEL_ISA names (refused by name when unknown, not x86-64 or beyond this CPU, where
-    running it would die of an illegal instruction)."""
+    METATP_KERNEL_ISA names (refused by name when unknown or not runnable here, where running it
+    would die of an illegal instruction)."""
     want = os.environ.get("METATP_KERNEL_ISA", "").strip().lower()
     if want in ("", "native"):
         return _FLAG_SETS
     if want not in ISA_BUILDS:
         raise ConfigError(f"METATP_KERNEL_ISA={want!r}: choose native or one of {', '.join(ISA_BUILDS)}")
-    flags, needs = ISA_BUILDS[want]
-    if flags and platform.machine() not in ("x86_64", "AMD64"):
-        raise ConfigError(f"METATP_KERNEL_ISA={want!r} is an x86-64 build; this machine is {platform.machine()}")
-    missing = sorted(set(needs) - cpu_flags())
-    if missing:
-        raise ConfigError(f"METATP_KERNEL_ISA={want!r}: this CPU lacks {', '.join(missing)}")
-    return (BASE_FLAGS + flags,)
+    why = isa_unrunnable(want)
+    if why:
+        raise ConfigError(f"METATP_KERNEL_ISA={want!r}: {why}")
+    return (BASE_FLAGS + ISA_BUILDS[want][0],)
 
 
 def _cpu_signature() -> str:
