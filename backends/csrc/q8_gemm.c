@@ -170,6 +170,62 @@ static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t 
  * acc), the offset term summed apart and added last), so it is bit-identical to that tile. */
 #define Q8_GEMM256 1
 enum { GEMM256_T = 4 };
+#ifndef GEMM256_PF
+#define GEMM256_PF 48
+#endif
+
+/* The 16-bit sums of one block of groups A and B (words at ga, gb) against 4 tokens (codes at x,
+ * x + k, x + 2k, x + 3k): pa[t], pb[t] += the byte products of the low nibbles of word j with
+ * codes 4j..4j+3 and of its high nibbles with 16+4j..16+4j+3, for j = 0..3.
+ * Why in assembly: written with intrinsics, GCC kept 5 of the 8 accumulators in memory (a store
+ * and a load on every multiply-add); here they and the 4 unpacked words, the mask, a broadcast
+ * and two products fill the 16 registers exactly. The integer sums are exact in any order, so
+ * the results are the intrinsics' bit for bit. */
+static inline __attribute__((always_inline)) void gemm256_block4(const uint8_t *ga, const uint8_t *gb,
+                                                                 const int8_t *x, int64_t k, __m256i m,
+                                                                 __m256i pa[4], __m256i pb[4]) {
+    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
+    const int8_t *x2 = x + 2 * k;
+    __m256i lo_a, hi_a, lo_b, hi_b, xv, p, q;
+/* token t's codes XLO (low nibbles' partners) and XHI (the high ones') into ACCA, ACCB */
+#define GEMM256_TOKEN(XLO, XHI, ACCA, ACCB) \
+    "vpbroadcastd " XLO ", %[xv]\n\t" \
+    "vpmaddubsw %[xv], %[lo_a], %[p]\n\t" \
+    "vpmaddubsw %[xv], %[lo_b], %[q]\n\t" \
+    "vpaddw %[p], " ACCA ", " ACCA "\n\t" \
+    "vpaddw %[q], " ACCB ", " ACCB "\n\t" \
+    "vpbroadcastd " XHI ", %[xv]\n\t" \
+    "vpmaddubsw %[xv], %[hi_a], %[p]\n\t" \
+    "vpmaddubsw %[xv], %[hi_b], %[q]\n\t" \
+    "vpaddw %[p], " ACCA ", " ACCA "\n\t" \
+    "vpaddw %[q], " ACCB ", " ACCB "\n\t"
+/* word j (byte offset W = 32j) of both groups unpacked, then the 4 tokens' codes 4j (XLO) and 16 + 4j (XHI) */
+#define GEMM256_WORD(W, XLO, XHI) \
+    "vmovdqu " W "(%[ga]), %[lo_a]\n\t" \
+    "vpsrlw $4, %[lo_a], %[hi_a]\n\t" \
+    "vpand %[m], %[lo_a], %[lo_a]\n\t" \
+    "vpand %[m], %[hi_a], %[hi_a]\n\t" \
+    "vmovdqu " W "(%[gb]), %[lo_b]\n\t" \
+    "vpsrlw $4, %[lo_b], %[hi_b]\n\t" \
+    "vpand %[m], %[lo_b], %[lo_b]\n\t" \
+    "vpand %[m], %[hi_b], %[hi_b]\n\t" \
+    GEMM256_TOKEN(XLO "(%[x])", XHI "(%[x])", "%[a0]", "%[b0]") \
+    GEMM256_TOKEN(XLO "(%[x],%[k])", XHI "(%[x],%[k])", "%[a1]", "%[b1]") \
+    GEMM256_TOKEN(XLO "(%[x2])", XHI "(%[x2])", "%[a2]", "%[b2]") \
+    GEMM256_TOKEN(XLO "(%[x2],%[k])", XHI "(%[x2],%[k])", "%[a3]", "%[b3]")
+    __asm__(GEMM256_WORD("0", "0", "16") GEMM256_WORD("32", "4", "20") GEMM256_WORD("64", "8", "24")
+            GEMM256_WORD("96", "12", "28")
+            : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3),
+              [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3),
+              [lo_a] "=&x"(lo_a), [hi_a] "=&x"(hi_a), [lo_b] "=&x"(lo_b), [hi_b] "=&x"(hi_b), [xv] "=&x"(xv),
+              [p] "=&x"(p), [q] "=&x"(q)
+            : [ga] "r"(ga), [gb] "r"(gb), [x] "r"(x), [x2] "r"(x2), [k] "r"(k), [m] "x"(m)
+            : "memory");
+#undef GEMM256_WORD
+#undef GEMM256_TOKEN
+    pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3;
+    pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3;
+}
 
 static inline __attribute__((always_inline)) void gemm256_tile(
         const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int T, int dshift, int has_off, int half,
@@ -188,12 +244,27 @@ static inline __attribute__((always_inline)) void gemm256_tile(
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ga = qa + b * gbytes, *gb = qb + b * gbytes;
-        __builtin_prefetch(ga + 8 * gbytes);
-        __builtin_prefetch(ga + 8 * gbytes + 64);
-        __builtin_prefetch(gb + 8 * gbytes);
-        __builtin_prefetch(gb + 8 * gbytes + 64);
+        if (t0 % GEMM_TOKEN_BLOCK == 0) {
+            const int64_t bp = GEMM256_PF;
+            __builtin_prefetch(ga + bp * gbytes);
+            __builtin_prefetch(ga + bp * gbytes + 64);
+            __builtin_prefetch(gb + bp * gbytes);
+            __builtin_prefetch(gb + bp * gbytes + 64);
+            if ((b & (sb == 2 ? 3 : 1)) == 0) {
+                __builtin_prefetch(sa + (b + bp) * 8 * sb);
+                __builtin_prefetch(sbb + (b + bp) * 8 * sb);
+                if (has_off) {
+                    const uint8_t *pm = (const uint8_t *)a->offset + g * nb * 8 * sb + (b + bp) * 8 * sb;
+                    __builtin_prefetch(pm);
+                    __builtin_prefetch(pm + nb * 8 * sb);
+                }
+            }
+        }
         __m256i pa[GEMM256_T], pb[GEMM256_T];
         for (int t = 0; t < T; t++) pa[t] = pb[t] = _mm256_setzero_si256();
+        if (T == GEMM256_T) {
+            gemm256_block4(ga, gb, xq + b * 32, k, m, pa, pb);
+        } else {
         /* one word at a time (not unrolled: GCC then hoisted every product of the block ahead of
            its sums and spilled them) */
 #pragma GCC unroll 1
@@ -210,6 +281,7 @@ static inline __attribute__((always_inline)) void gemm256_tile(
                     pb[t] = _mm256_add_epi16(pb[t], _mm256_maddubs_epi16(ub, xv));
                 }
             }
+        }
         }
         const __m256 sva = q8x8_scales(sa + b * 8 * sb, half), svb = q8x8_scales(sbb + b * 8 * sb, half);
         for (int t = 0; t < T; t++) {
