@@ -158,37 +158,37 @@ static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t 
 #endif
 
 #if !Q8_GEMM512 && Q8_SIMD && !defined(DPBUSD) && defined(__AVX2__) && defined(__FMA__)
-/* ---- the same product for 256-bit registers without a byte dot product (AVX2), nibble codes
- * Why: repack.c's tile broadcasts each token's activation word for one group of 8 rows; a step of
- * many tokens ran at ~13 multiply-adds a cycle (2-vCPU AMD EPYC, AVX2). This tile (1.1-1.2x) serves
- * two groups (16 rows) per broadcast; a build without the broadcasts ran no faster, so what limits
- * it is still open (docs/performance.md), words outermost: a word of both groups
- * is unpacked, then each of 4 tokens' matching words is broadcast once and meets both. The 16
- * registers hold the 16-bit sums (2 x 4 tokens) and the words; the float accumulators live in a
- * small buffer in L1. Exactness: the integer sums are exact in any order, and each (row, token)
- * result takes repack.c's float operations in block order (acc = fma(float(isum), scale * d,
- * acc), the offset term summed apart and added last), so it is bit-identical to that tile. */
+/* ---- the same product for 256-bit registers without a byte dot product (AVX2)
+ * Why: repack.c's tile broadcasts each token's activation word for one group of 8 rows and, on
+ * AVX2, its accumulators did not fit the 16 registers. This tile serves two groups (16 rows) and
+ * 4 tokens, words outermost: a word of both groups is unpacked once, then each token's matching
+ * codes are broadcast once and meet both groups. Its integer core is assembly (gemm256_block4_*):
+ * written with intrinsics, GCC kept 5 of the 8 accumulators in memory, a store and a load on
+ * every multiply-add; there the 8 accumulators, the unpacked words, a broadcast and two products
+ * fill the 16 registers exactly. Measured on the default model's layer weights (Q4_1, 2 threads,
+ * Zen 5 machine, METATP_KERNEL_ISA=avx2, one process): 16 tokens 16.2 ms with the intrinsics and
+ * the old 8-block prefetch, 14.4 with a 48-block one, 12.8 with the assembly; 64 tokens 51.6 ->
+ * 49.7 -> 43.0.
+ * Nibble codes add up in 16 bits over a block (8 products of <= 15 * 127 a lane, no saturation)
+ * and widen once; 8-bit codes take the sign trick (|w| times x with w's sign, pairs of at most
+ * 2 * 128 * 127) and widen after each word.
+ * Exactness: the integer sums are exact in any order, and each (row, token) result takes
+ * repack.c's float operations in block order (acc = fma(float(isum), scale * d, acc), the offset
+ * term summed apart and added last), so it is bit-identical to that tile, which takes the
+ * remainders of fewer than 4 tokens. */
 #define Q8_GEMM256 1
 enum { GEMM256_T = 4 };
+
+/* Blocks ahead that the first tile of a token block prefetches its rows' codes, scales and
+ * offsets (the hardware prefetcher left the tiles waiting; 8 blocks ahead before: see above;
+ * 24 and 96 did no better than 48). */
 #ifndef GEMM256_PF
 #define GEMM256_PF 48
 #endif
 
-/* The 16-bit sums of one block of groups A and B (words at ga, gb) against 4 tokens (codes at x,
- * x + k, x + 2k, x + 3k): pa[t], pb[t] += the byte products of the low nibbles of word j with
- * codes 4j..4j+3 and of its high nibbles with 16+4j..16+4j+3, for j = 0..3.
- * Why in assembly: written with intrinsics, GCC kept 5 of the 8 accumulators in memory (a store
- * and a load on every multiply-add); here they and the 4 unpacked words, the mask, a broadcast
- * and two products fill the 16 registers exactly. The integer sums are exact in any order, so
- * the results are the intrinsics' bit for bit. */
-static inline __attribute__((always_inline)) void gemm256_block4(const uint8_t *ga, const uint8_t *gb,
-                                                                 const int8_t *x, int64_t k, __m256i m,
-                                                                 __m256i pa[4], __m256i pb[4]) {
-    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
-    const int8_t *x2 = x + 2 * k;
-    __m256i lo_a, hi_a, lo_b, hi_b, xv, p, q;
-/* token t's codes XLO (low nibbles' partners) and XHI (the high ones') into ACCA, ACCB */
-#define GEMM256_TOKEN(XLO, XHI, ACCA, ACCB) \
+/* Token t's codes at XLO (partners of the low nibbles) and XHI (of the high ones) into the 16-bit
+ * sums ACCA, ACCB of groups A and B. */
+#define GEMM256_NIBBLE_TOKEN(XLO, XHI, ACCA, ACCB) \
     "vpbroadcastd " XLO ", %[xv]\n\t" \
     "vpmaddubsw %[xv], %[lo_a], %[p]\n\t" \
     "vpmaddubsw %[xv], %[lo_b], %[q]\n\t" \
@@ -199,8 +199,9 @@ static inline __attribute__((always_inline)) void gemm256_block4(const uint8_t *
     "vpmaddubsw %[xv], %[hi_b], %[q]\n\t" \
     "vpaddw %[p], " ACCA ", " ACCA "\n\t" \
     "vpaddw %[q], " ACCB ", " ACCB "\n\t"
-/* word j (byte offset W = 32j) of both groups unpacked, then the 4 tokens' codes 4j (XLO) and 16 + 4j (XHI) */
-#define GEMM256_WORD(W, XLO, XHI) \
+/* Nibble word at byte W of both groups unpacked, then the 4 tokens' codes XLO (4j) and XHI (16 + 4j);
+ * tokens 0..3 at x, x + k, x2 = x + 2k, x2 + k. */
+#define GEMM256_NIBBLE_WORD(W, XLO, XHI) \
     "vmovdqu " W "(%[ga]), %[lo_a]\n\t" \
     "vpsrlw $4, %[lo_a], %[hi_a]\n\t" \
     "vpand %[m], %[lo_a], %[lo_a]\n\t" \
@@ -209,83 +210,131 @@ static inline __attribute__((always_inline)) void gemm256_block4(const uint8_t *
     "vpsrlw $4, %[lo_b], %[hi_b]\n\t" \
     "vpand %[m], %[lo_b], %[lo_b]\n\t" \
     "vpand %[m], %[hi_b], %[hi_b]\n\t" \
-    GEMM256_TOKEN(XLO "(%[x])", XHI "(%[x])", "%[a0]", "%[b0]") \
-    GEMM256_TOKEN(XLO "(%[x],%[k])", XHI "(%[x],%[k])", "%[a1]", "%[b1]") \
-    GEMM256_TOKEN(XLO "(%[x2])", XHI "(%[x2])", "%[a2]", "%[b2]") \
-    GEMM256_TOKEN(XLO "(%[x2],%[k])", XHI "(%[x2],%[k])", "%[a3]", "%[b3]")
-    __asm__(GEMM256_WORD("0", "0", "16") GEMM256_WORD("32", "4", "20") GEMM256_WORD("64", "8", "24")
-            GEMM256_WORD("96", "12", "28")
+    GEMM256_NIBBLE_TOKEN(XLO "(%[x])", XHI "(%[x])", "%[a0]", "%[b0]") \
+    GEMM256_NIBBLE_TOKEN(XLO "(%[x],%[k])", XHI "(%[x],%[k])", "%[a1]", "%[b1]") \
+    GEMM256_NIBBLE_TOKEN(XLO "(%[x2])", XHI "(%[x2])", "%[a2]", "%[b2]") \
+    GEMM256_NIBBLE_TOKEN(XLO "(%[x2],%[k])", XHI "(%[x2],%[k])", "%[a3]", "%[b3]")
+
+/* One nibble block of groups A and B (words at ga, gb) against 4 tokens (codes at x + t * k):
+ * pa[t], pb[t] += the byte products of word j's low nibbles with codes 4j..4j+3 and of its high
+ * nibbles with 16+4j..16+4j+3, j = 0..3, as 16-bit sums. */
+static inline __attribute__((always_inline)) void gemm256_block4_nibbles(const uint8_t *ga, const uint8_t *gb,
+                                                                         const int8_t *x, int64_t k, __m256i pa[4],
+                                                                         __m256i pb[4]) {
+    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
+    __m256i lo_a, hi_a, lo_b, hi_b, xv, p, q;
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const int8_t *x2 = x + 2 * k;
+    __asm__(GEMM256_NIBBLE_WORD("0", "0", "16") GEMM256_NIBBLE_WORD("32", "4", "20")
+            GEMM256_NIBBLE_WORD("64", "8", "24") GEMM256_NIBBLE_WORD("96", "12", "28")
             : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3),
               [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3),
               [lo_a] "=&x"(lo_a), [hi_a] "=&x"(hi_a), [lo_b] "=&x"(lo_b), [hi_b] "=&x"(hi_b), [xv] "=&x"(xv),
               [p] "=&x"(p), [q] "=&x"(q)
             : [ga] "r"(ga), [gb] "r"(gb), [x] "r"(x), [x2] "r"(x2), [k] "r"(k), [m] "x"(m)
             : "memory");
-#undef GEMM256_WORD
-#undef GEMM256_TOKEN
     pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3;
     pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3;
 }
 
+/* Token t's 4 codes at X against word w (|w| in u) of groups A and B, widened into the 32-bit
+ * sums ACCA, ACCB. */
+#define GEMM256_BYTE_TOKEN(X, ACCA, ACCB) \
+    "vpbroadcastd " X ", %[xv]\n\t" \
+    "vpsignb %[w_a], %[xv], %[p]\n\t" \
+    "vpmaddubsw %[p], %[u_a], %[p]\n\t" \
+    "vpmaddwd %[ones], %[p], %[p]\n\t" \
+    "vpaddd %[p], " ACCA ", " ACCA "\n\t" \
+    "vpsignb %[w_b], %[xv], %[q]\n\t" \
+    "vpmaddubsw %[q], %[u_b], %[q]\n\t" \
+    "vpmaddwd %[ones], %[q], %[q]\n\t" \
+    "vpaddd %[q], " ACCB ", " ACCB "\n\t"
+/* 8-bit word at byte W (32j) of both groups, then the 4 tokens' codes X (4j). */
+#define GEMM256_BYTE_WORD(W, X) \
+    "vmovdqu " W "(%[ga]), %[w_a]\n\t" \
+    "vpabsb %[w_a], %[u_a]\n\t" \
+    "vmovdqu " W "(%[gb]), %[w_b]\n\t" \
+    "vpabsb %[w_b], %[u_b]\n\t" \
+    GEMM256_BYTE_TOKEN(X "(%[x])", "%[a0]", "%[b0]") \
+    GEMM256_BYTE_TOKEN(X "(%[x],%[k])", "%[a1]", "%[b1]") \
+    GEMM256_BYTE_TOKEN(X "(%[x2])", "%[a2]", "%[b2]") \
+    GEMM256_BYTE_TOKEN(X "(%[x2],%[k])", "%[a3]", "%[b3]")
+
+/* One 8-bit block of groups A and B against 4 tokens: pa[t], pb[t] += sum_j word j . codes 4j..4j+3
+ * of token t, j = 0..7, as 32-bit sums (words 0..3, then 4..7: one asm statement each, as the
+ * operand count allows). */
+static inline __attribute__((always_inline)) void gemm256_block4_bytes(const uint8_t *ga, const uint8_t *gb,
+                                                                       const int8_t *x, int64_t k, __m256i pa[4],
+                                                                       __m256i pb[4]) {
+    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
+    __m256i w_a, u_a, w_b, u_b, xv, p, q;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *ha = ga + 128 * half, *hb = gb + 128 * half;
+        const int8_t *hx = x + 16 * half, *hx2 = hx + 2 * k;
+        __asm__(GEMM256_BYTE_WORD("0", "0") GEMM256_BYTE_WORD("32", "4") GEMM256_BYTE_WORD("64", "8")
+                GEMM256_BYTE_WORD("96", "12")
+                : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3),
+                  [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3),
+                  [w_a] "=&x"(w_a), [u_a] "=&x"(u_a), [w_b] "=&x"(w_b), [u_b] "=&x"(u_b), [xv] "=&x"(xv),
+                  [p] "=&x"(p), [q] "=&x"(q)
+                : [ga] "r"(ha), [gb] "r"(hb), [x] "r"(hx), [x2] "r"(hx2), [k] "r"(k), [ones] "x"(ones)
+                : "memory");
+    }
+    pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3;
+    pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3;
+}
+#undef GEMM256_NIBBLE_TOKEN
+#undef GEMM256_NIBBLE_WORD
+#undef GEMM256_BYTE_TOKEN
+#undef GEMM256_BYTE_WORD
+
+/* Groups g, g+1 (rows 8g .. 8g+15) against tokens t0 .. t0+3. */
 static inline __attribute__((always_inline)) void gemm256_tile(
-        const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int T, int dshift, int has_off, int half,
+        const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int bits, int dshift, int has_off, int half,
         int bias) {
-    const int64_t k = a->k, nb = k / 32, nd = dshift ? k / QK : nb, gbytes = 128, sb = half ? 2 : 4;
+    enum { T = GEMM256_T };
+    const int64_t k = a->k, nb = k / 32, nd = dshift ? k / QK : nb, gbytes = 32 * bits, sb = half ? 2 : 4;
     const uint8_t *qa = (const uint8_t *)a->q + g * nb * gbytes, *qb = qa + nb * gbytes;
     const uint8_t *sa = (const uint8_t *)a->scale + g * nb * 8 * sb, *sbb = sa + nb * 8 * sb;
+    const uint8_t *ma = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
     const int8_t *xq = x->q + t0 * k;
     const float *xd = x->d + t0 * nd;
     const int32_t *xi = x->isum + t0 * (k / 16);
-    const __m256i m = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    float acc[GEMM256_T][2][8];
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[T][2][8];
     for (int t = 0; t < T; t++) {
         _mm256_storeu_ps(acc[t][0], _mm256_setzero_ps());
         _mm256_storeu_ps(acc[t][1], _mm256_setzero_ps());
     }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *ga = qa + b * gbytes, *gb = qb + b * gbytes;
-        if (t0 % GEMM_TOKEN_BLOCK == 0) {
-            const int64_t bp = GEMM256_PF;
-            __builtin_prefetch(ga + bp * gbytes);
-            __builtin_prefetch(ga + bp * gbytes + 64);
-            __builtin_prefetch(gb + bp * gbytes);
-            __builtin_prefetch(gb + bp * gbytes + 64);
-            if ((b & (sb == 2 ? 3 : 1)) == 0) {
-                __builtin_prefetch(sa + (b + bp) * 8 * sb);
-                __builtin_prefetch(sbb + (b + bp) * 8 * sb);
+        if (t0 % GEMM_TOKEN_BLOCK == 0) {      /* the first tile of a token block meets the rows first */
+            for (int64_t line = 0; line < gbytes; line += 64) {
+                __builtin_prefetch(ga + GEMM256_PF * gbytes + line);
+                __builtin_prefetch(gb + GEMM256_PF * gbytes + line);
+            }
+            if ((b & (sb == 2 ? 3 : 1)) == 0) {     /* 8 scales of 2 or 4 bytes a block: a line per 4 (or 2) */
+                const int64_t at = (b + GEMM256_PF) * 8 * sb;
+                __builtin_prefetch(sa + at);
+                __builtin_prefetch(sbb + at);
                 if (has_off) {
-                    const uint8_t *pm = (const uint8_t *)a->offset + g * nb * 8 * sb + (b + bp) * 8 * sb;
-                    __builtin_prefetch(pm);
-                    __builtin_prefetch(pm + nb * 8 * sb);
+                    __builtin_prefetch(ma + at);
+                    __builtin_prefetch(ma + nb * 8 * sb + at);
                 }
             }
         }
-        __m256i pa[GEMM256_T], pb[GEMM256_T];
+        __m256i pa[T], pb[T];
         for (int t = 0; t < T; t++) pa[t] = pb[t] = _mm256_setzero_si256();
-        if (T == GEMM256_T) {
-            gemm256_block4(ga, gb, xq + b * 32, k, m, pa, pb);
-        } else {
-        /* one word at a time (not unrolled: GCC then hoisted every product of the block ahead of
-           its sums and spilled them) */
-#pragma GCC unroll 1
-        for (int j = 0; j < 4; j++) {
-            for (int high = 0; high < 2; high++) {     /* low nibbles meet word j, high ones word 4 + j */
-                const __m256i va = _mm256_loadu_si256((const __m256i *)(ga + 32 * j));
-                const __m256i vb = _mm256_loadu_si256((const __m256i *)(gb + 32 * j));
-                const __m256i ua = _mm256_and_si256(high ? _mm256_srli_epi16(va, 4) : va, m);
-                const __m256i ub = _mm256_and_si256(high ? _mm256_srli_epi16(vb, 4) : vb, m);
-                for (int t = 0; t < T; t++) {
-                    const q8_i32 *xw = (const q8_i32 *)(xq + t * k + b * 32);
-                    const __m256i xv = _mm256_set1_epi32(xw[4 * high + j]);
-                    pa[t] = _mm256_add_epi16(pa[t], _mm256_maddubs_epi16(ua, xv));
-                    pb[t] = _mm256_add_epi16(pb[t], _mm256_maddubs_epi16(ub, xv));
-                }
-            }
-        }
-        }
+        if (bits == 8) gemm256_block4_bytes(ga, gb, xq + b * 32, k, pa, pb);
+        else gemm256_block4_nibbles(ga, gb, xq + b * 32, k, pa, pb);
         const __m256 sva = q8x8_scales(sa + b * 8 * sb, half), svb = q8x8_scales(sbb + b * 8 * sb, half);
         for (int t = 0; t < T; t++) {
-            __m256i ia = _mm256_madd_epi16(pa[t], ones), ib = _mm256_madd_epi16(pb[t], ones);
+            __m256i ia = pa[t], ib = pb[t];
+            if (bits == 4) {
+                ia = _mm256_madd_epi16(ia, ones);
+                ib = _mm256_madd_epi16(ib, ones);
+            }
             if (bias) {
                 const int32_t *is = xi + t * (k / 16) + 2 * b;
                 const __m256i c = _mm256_set1_epi32(bias * (is[0] + is[1]));
@@ -299,7 +348,6 @@ static inline __attribute__((always_inline)) void gemm256_tile(
                                                          _mm256_loadu_ps(acc[t][1])));
         }
     }
-    const uint8_t *ma = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
     for (int t = 0; t < T; t++)
         for (int h = 0; h < 2; h++) {
             __m256 r = _mm256_loadu_ps(acc[t][h]);
@@ -315,22 +363,36 @@ static inline __attribute__((always_inline)) void gemm256_tile(
         }
 }
 
+/* Tokens t0 .. t1-1 of groups g, g+1: tiles of 4 tokens; the remainder through repack.c's tile, a
+ * group at a time (the same bits, see the top). */
 static inline __attribute__((always_inline)) void gemm256_pair_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
-                                                                   int64_t t0, int64_t t1, int dshift, int has_off,
-                                                                   int half, int bias) {
+                                                                   int64_t t0, int64_t t1, int bits, int dshift,
+                                                                   int has_off, int half, int bias) {
     int64_t t = t0;
-    for (; t + GEMM256_T <= t1; t += GEMM256_T) gemm256_tile(a, x, g, t, GEMM256_T, dshift, has_off, half, bias);
-    if (t + 2 <= t1) { gemm256_tile(a, x, g, t, 2, dshift, has_off, half, bias); t += 2; }
-    if (t < t1) gemm256_tile(a, x, g, t, 1, dshift, has_off, half, bias);
+    for (; t + GEMM256_T <= t1; t += GEMM256_T) gemm256_tile(a, x, g, t, bits, dshift, has_off, half, bias);
+    if (t < t1) {
+        q8x8_group_range(a, x, g, t, t1);
+        q8x8_group_range(a, x, g + 1, t, t1);
+    }
 }
 
-/* Groups g, g+1 of a nibble-coded item (Q4_0, Q4_1, Q4_K, and the general form). */
+/* Groups g, g+1 of an item, dispatched on the weight format (the GGUF types' combinations as in
+ * q8x8_group_range, the rest through the general form). */
 static void gemm256_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
     const int dshift = a->kind == Q8_K ? 3 : 0, has_off = a->offset != NULL, half = (int)a->half_scales;
-    if (half && !dshift && has_off && !a->bias) gemm256_pair_fmt(a, x, g, t0, t1, 0, 1, 1, 0);            /* Q4_1 */
-    else if (half && !dshift && !has_off) gemm256_pair_fmt(a, x, g, t0, t1, 0, 0, 1, (int)a->bias);      /* Q4_0 */
-    else if (dshift && has_off && !half && !a->bias) gemm256_pair_fmt(a, x, g, t0, t1, 3, 1, 0, 0);      /* Q4_K */
-    else gemm256_pair_fmt(a, x, g, t0, t1, dshift, has_off, half, (int)a->bias);
+    const int bias = (int)a->bias;
+    if (a->bits == 8) {
+        if (half && !has_off && !dshift) gemm256_pair_fmt(a, x, g, t0, t1, 8, 0, 0, 1, 0);                /* Q8_0 */
+        else gemm256_pair_fmt(a, x, g, t0, t1, 8, dshift, has_off, half, 0);
+    } else if (half && !dshift && has_off && !bias) {
+        gemm256_pair_fmt(a, x, g, t0, t1, 4, 0, 1, 1, 0);                                                 /* Q4_1 */
+    } else if (half && !dshift && !has_off) {
+        gemm256_pair_fmt(a, x, g, t0, t1, 4, 0, 0, 1, bias);                                              /* Q4_0 */
+    } else if (dshift && has_off && !half && !bias) {
+        gemm256_pair_fmt(a, x, g, t0, t1, 4, 3, 1, 0, 0);                                                 /* Q4_K */
+    } else {
+        gemm256_pair_fmt(a, x, g, t0, t1, 4, dshift, has_off, half, bias);
+    }
 }
 #else
 #define Q8_GEMM256 0
@@ -361,12 +423,7 @@ static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t
     }
 #elif Q8_GEMM256
     if (g + 1 < a->rows / 8) {
-        if (a->bits == 4) {
-            gemm256_pair(a, x, g, t0, t1);
-        } else {            /* 8-bit codes: repack.c's tile, a group at a time */
-            q8x8_group_range(a, x, g, t0, t1);
-            q8x8_group_range(a, x, g + 1, t0, t1);
-        }
+        gemm256_pair(a, x, g, t0, t1);
         return;
     }
 #endif

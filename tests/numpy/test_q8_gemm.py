@@ -1,5 +1,5 @@
 """The integer kernels of numerics="q8" at many tokens a step (csrc/q8_gemm.c's 16-row x 8-token
-tiles with token cache blocks, and the decode tiles of repack.c / q8_matmul.c below 8 tokens),
+tiles with 512-bit registers, 16 x 4 with AVX2 for nibble and 8-bit codes, token cache blocks, and the decode tiles of repack.c / q8_matmul.c below 8 tokens),
 for every ISA build this CPU can run (the `lib` / `use` fixtures of test_q8_kernels build each):
 
 - integer block sums bit-exact and float results within float32 rounding of a float64 reference
