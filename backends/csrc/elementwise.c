@@ -12,6 +12,7 @@ typedef struct {
     int64_t b_st;
     float *out;
     int64_t o_st;
+    int64_t nthreads;
 } GluArgs;
 
 static void silu_mul_row(const float *a, const float *b, float *o, int64_t n) {
@@ -29,6 +30,8 @@ static void silu_mul_row(const float *a, const float *b, float *o, int64_t n) {
 
 int metatp_glu(const GluArgs *g) {
     if (g->act != 0 && g->act != 1) return -1;
+    const int nt = row_threads(g->T, g->n, g->nthreads);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t t = 0; t < g->T; t++) {
         const float *a = g->a + t * g->a_st, *b = g->b + t * g->b_st;
         float *o = g->out + t * g->o_st;
@@ -60,10 +63,13 @@ typedef struct {
     float *out;
     int64_t o_st;
     float eps;
+    int64_t nthreads;
 } RmsNormArgs;
 
 int metatp_rms_norm(const RmsNormArgs *a) {
     if (a->n <= 0 || a->T < 0) return -2;
+    const int nt = row_threads(a->T, a->n, a->nthreads);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t t = 0; t < a->T; t++) {
         const float *x = a->x + t * a->x_st;
         float *o = a->out + t * a->o_st;
@@ -100,9 +106,12 @@ typedef struct {
     int64_t b_st;
     float *out;
     int64_t o_st;
+    int64_t nthreads;
 } AddArgs;
 
 int metatp_add(const AddArgs *g) {
+    const int nt = row_threads(g->T, g->n, g->nthreads);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t t = 0; t < g->T; t++) {
         const float *a = g->a + t * g->a_st, *b = g->b + t * g->b_st;
         float *o = g->out + t * g->o_st;

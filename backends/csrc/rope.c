@@ -11,6 +11,7 @@ typedef struct {
     float *out;
     int64_t o_st, o_sh;
     const float *cs;
+    int64_t nthreads;      /* rows shared among threads (simd.h: row_threads) */
 } RopeArgs;
 
 int metatp_rope(const RopeArgs *a) {
@@ -22,6 +23,8 @@ int metatp_rope(const RopeArgs *a) {
     if (n_dims <= 0 || n_dims % 2 || n_dims > D) return -1;
     const int64_t half = n_dims / 2;
     const float *cos_t = cs, *sin_t = cs + T * half;
+    const int nt = row_threads(T, H * D, a->nthreads);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_t + t * half, *s = sin_t + t * half;
         for (int64_t h = 0; h < H; h++) {

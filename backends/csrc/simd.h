@@ -327,4 +327,13 @@ enum { MAX_ITEMS = 64 };
         } \
     } while (0)
 
+/* Threads for T rows of n floats: the caller's count for a pass of many tokens (a prompt), one for
+ * a few-token step, where waking the threads costs more than the rows (row kernels: rope.c,
+ * elementwise.c; rows are independent, so the bits do not depend on it). */
+enum { ROW_THREADS_FROM = 1 << 15 };    /* floats */
+
+static int row_threads(int64_t T, int64_t n, int64_t nthreads) {
+    return T * n >= ROW_THREADS_FROM && T > 1 && nthreads > 1 ? (int)nthreads : 1;
+}
+
 #endif /* METATP_SIMD_H */

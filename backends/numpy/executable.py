@@ -193,7 +193,8 @@ class NumpyExecutable(PlanExecutor):
     def fused_steps(self, d: int, fusion: Fusion) -> list:
         a = self.arrays[d]
         node, rms = fusion.at, fusion.absorbed[0]
-        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels)]
+        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels,
+                             self.backend.kernel_threads)]
 
     def node_steps(self, d: int, node: Tensor) -> list:
         a = self.arrays[d]

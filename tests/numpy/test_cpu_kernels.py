@@ -280,6 +280,41 @@ def test_add_matches_numpy():
     assert native.prepare_add(a, b[:, :299], out) is None        # shapes that differ: numpy keeps it
 
 
+def test_row_kernels_share_a_prompts_rows_among_threads_with_the_bits_of_one():
+    """A prompt-sized pass (300 rows of 600: past the size from which the row kernels share their
+    rows among threads): glu, rms_norm, add and rope on 2 threads give the bits of 1 thread, and
+    each agrees with its numpy reference."""
+    from metatp.backends.numpy.kernels import rms_norm_mul, rope_cos_sin
+
+    rng = np.random.default_rng(11)
+    T, n = 300, 600
+    x = (rng.standard_normal((T, 2 * n)) * 3).astype(F32)
+    a, b = x[:, :n], x[:, n:]
+    w = rng.standard_normal(n).astype(F32)
+    pos = np.arange(T, dtype=np.int32)
+    cs = np.empty((2, T, 32), F32)
+    cs[0], cs[1] = rope_cos_sin(pos, 64, 10000.0, 1.0)
+    x3 = a[:, :576].reshape(T, 9, 64)
+    runs = {}
+    for threads in (1, 2):
+        outs = [np.full((T, n), np.nan, F32) for _ in range(3)] + [np.full((T, 9, 64), np.nan, F32)]
+        native.prepare_glu(a, b, outs[0], "silu", threads)()
+        native.prepare_rms_norm(a, w, outs[1], 1e-5, threads)()
+        native.prepare_add(a, b, outs[2], threads)()
+        native.prepare_rope(x3, outs[3], 64, True, cs, threads)()
+        runs[threads] = outs
+    for one, two in zip(runs[1], runs[2]):
+        assert np.array_equal(one.view(np.uint32), two.view(np.uint32))
+    glu, rms, add, rope = runs[2]
+    ref = silu(a.astype(np.float64)) * b
+    assert np.allclose(glu, ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+    ref_rms = np.empty((T, n), F32)
+    rms_norm_mul(a, w, 1e-5, ref_rms)()
+    assert np.allclose(rms, ref_rms, rtol=3e-7, atol=0)
+    assert np.array_equal(add, a + b)
+    assert np.allclose(rope, ref_rope(x3, pos, 64, 10000.0, 1.0, True), rtol=1e-5, atol=1e-5)
+
+
 def _literal_butterfly(bufs, active):
     """llama.cpp's exchange as written: every device adds a copy of its partner's value."""
     n = len(bufs)

@@ -45,7 +45,7 @@ def _rope(node, out, src, ctx) -> Closure:
         cos, sin = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
         return cos[:, None, :], sin[:, None, :]
 
-    if ctx.use_kernels and x3.shape[0] <= PACKED_MAX_TOKENS:
+    if ctx.use_kernels:
         if rope_usable(x3, o3):
             # one compiled call instead of six numpy ones; the tables live in one buffer per plan
             cs = ctx.persistent(key + ("rope-buf",), lambda: np.empty((2, x3.shape[0], h), F32))
@@ -53,7 +53,7 @@ def _rope(node, out, src, ctx) -> Closure:
             def fill() -> np.ndarray:
                 cs[0], cs[1] = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
                 return cs
-            kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs)
+            kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs, ctx.kernel_threads)
 
             def make_fill_once() -> Callable[[], None]:
                 def fill_once() -> None:

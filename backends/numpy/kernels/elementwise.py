@@ -1,5 +1,5 @@
 """Elementwise and row-wise op builders: binary ops, GET_ROWS, the norms, SCALE, ADD_ID, SOFT_MAX,
-GLU, the unary activations, top-k and SUM_ROWS (compiled calls for few-token ADD, RMS_NORM and GLU)."""
+GLU, the unary activations, top-k and SUM_ROWS (compiled calls for ADD, RMS_NORM and GLU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from metatp.backends.numpy.codes import row_major
-from metatp.backends.numpy.kernels.common import F32, PACKED_MAX_TOKENS, Closure
+from metatp.backends.numpy.kernels.common import F32, Closure
 from metatp.backends.numpy.native import prepare_add, prepare_glu, prepare_rms_norm
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, UnaryOp
@@ -38,10 +38,10 @@ _numpy_add = _binary(np.add)
 
 
 def _add(node, out, src, ctx) -> Closure:
-    """A residual add of a few-token step as a compiled call (it joins the step's batch), else numpy."""
+    """A residual add as a compiled call (a few-token step's joins its batch), else numpy."""
     if ctx.use_kernels and src[0].shape == src[1].shape == out.shape:
         a2, b2, o2 = _rows(src[0]), _rows(src[1]), _rows(out)
-        kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2)
+        kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2, ctx.kernel_threads)
         if kernel is not None:
             return kernel
     return _numpy_add(node, out, src, ctx)
@@ -87,24 +87,25 @@ def rms_scale(x: np.ndarray, eps: np.float32) -> np.ndarray:
 
 
 def _rows(a: np.ndarray | None) -> np.ndarray | None:
-    """The (T, n) row view of a (1, 1, T, n) array of a few-token step, else None."""
-    if a is None or a.ndim != 4 or a.shape[:2] != (1, 1) or a.shape[2] > PACKED_MAX_TOKENS:
+    """The (T, n) row view of a (1, 1, T, n) array, else None."""
+    if a is None or a.ndim != 4 or a.shape[:2] != (1, 1):
         return None
     return a[0, 0]
 
 
 def _rms_norm(node, out, src, ctx) -> Closure:
-    return rms_norm_mul(src[0], None, node.params["eps"], out, ctx.use_kernels)
+    return rms_norm_mul(src[0], None, node.params["eps"], out, ctx.use_kernels, ctx.kernel_threads)
 
 
-def rms_norm_mul(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray, use_kernels: bool = False
-                 ) -> Closure:
+def rms_norm_mul(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray, use_kernels: bool = False,
+                 threads: int = 1) -> Closure:
     """RMS_NORM followed by MUL with a weight (or no weight), in one closure (same rounding as
-    the two ops); a compiled call for few-token steps when `use_kernels`."""
+    the two ops); a compiled call when `use_kernels` (a prompt's rows shared by `threads`: numpy
+    ran them on one thread while the others waited, ~5% of a 512-token prompt)."""
     eps32 = F32(eps)
     x2, o2 = _rows(x), _rows(out)
     if use_kernels and x2 is not None and o2 is not None:
-        kernel = prepare_rms_norm(x2, None if w is None else w.reshape(-1), o2, eps)
+        kernel = prepare_rms_norm(x2, None if w is None else w.reshape(-1), o2, eps, threads)
         if kernel is not None:
             return kernel
     if w is None:
@@ -186,8 +187,8 @@ def _glu(node, out, src, ctx) -> Closure:
         n = out.shape[-1]
         a, b = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
     kind = {_silu: "silu", _gelu_tanh: "gelu_tanh"}.get(act)
-    if ctx.use_kernels and kind and a.ndim == 4 and a.shape[:2] == (1, 1) and a.shape[2] <= PACKED_MAX_TOKENS:
-        kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind)
+    if ctx.use_kernels and kind and a.ndim == 4 and a.shape[:2] == (1, 1):
+        kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind, ctx.kernel_threads)
         if kernel is not None:
             return kernel
     if act is _silu:

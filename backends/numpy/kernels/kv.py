@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metatp.backends.numpy.kernels.common import F32, PACKED_MAX_TOKENS, Closure
+from metatp.backends.numpy.kernels.common import F32, Closure
 from metatp.backends.numpy.native import prepare_set_rows
 from metatp.ir.tensor import GGMLType
 
@@ -48,7 +48,7 @@ def _set_rows(node, out, src, ctx) -> Closure:
     ty = node.type               # the cache's type: rows are rounded to it as they are stored
     if out.shape[:2] == (1, 1) and rows.shape[:2] == (1, 1):
         o2, r2, i1 = out[0, 0], rows[0, 0], ids[0, 0, 0]
-        if ctx.use_kernels and r2.shape[0] <= PACKED_MAX_TOKENS:
+        if ctx.use_kernels:
             kernel = prepare_set_rows(r2, i1, o2, int(ty))
             if kernel is not None:
                 return kernel

@@ -21,15 +21,17 @@ def rope_usable(x3: np.ndarray, o3: np.ndarray) -> bool:
             and x3.shape == o3.shape and x3.strides[2] == 4 and o3.strides[2] == 4)
 
 
-def prepare_rope(x3: np.ndarray, o3: np.ndarray, n_dims: int, neox: bool, cos_sin: np.ndarray) -> Callable[[], None]:
+def prepare_rope(x3: np.ndarray, o3: np.ndarray, n_dims: int, neox: bool, cos_sin: np.ndarray,
+                 nthreads: int = 1) -> Callable[[], None]:
     """out = rope(x) for (T, H, D) views; cos_sin (2, T, n_dims/2) float32 holds the step's
-    tables (refilled in place each step, so its address stays valid)."""
+    tables (refilled in place each step, so its address stays valid); the rows of a pass of many
+    tokens are shared by `nthreads`."""
     T, H, D = x3.shape
     if not rope_usable(x3, o3) or cos_sin.shape != (2, T, n_dims // 2) or not cos_sin.flags.c_contiguous:
         raise ValueError(f"rope kernel: unsupported views x {x3.shape} {x3.strides}, tables {cos_sin.shape}")
     return _Call("metatp_rope", (x3, o3, cos_sin), T=T, H=H, D=D, n_dims=n_dims, neox=int(bool(neox)),
                  x=x3.ctypes.data, x_st=_elems(x3, 0), x_sh=_elems(x3, 1), out=o3.ctypes.data,
-                 o_st=_elems(o3, 0), o_sh=_elems(o3, 1), cs=cos_sin.ctypes.data)
+                 o_st=_elems(o3, 0), o_sh=_elems(o3, 1), cs=cos_sin.ctypes.data, nthreads=nthreads)
 
 
 def attention_usable(q: np.ndarray, k: np.ndarray, v: np.ndarray, out3: np.ndarray, k_type: int = 0,

@@ -22,16 +22,19 @@ def _row_views_ok(*arrs: np.ndarray) -> bool:
                for x in arrs)
 
 
-def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str) -> Callable[[], None] | None:
-    """out = act(a) * b over (T, n) row views with contiguous rows; None when the views or the
-    activation are not ones the kernel takes (the caller keeps numpy)."""
+def prepare_glu(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, act: str, nthreads: int = 1
+                ) -> Callable[[], None] | None:
+    """out = act(a) * b over (T, n) row views with contiguous rows (rows shared by `nthreads` in a
+    pass of many tokens); None when the views or the activation are not ones the kernel takes
+    (the caller keeps numpy)."""
     if not available() or act not in GLU_ACTS or not _row_views_ok(a2, b2, o2):
         return None
     return _Call("metatp_glu", (a2, b2, o2), T=a2.shape[0], n=a2.shape[1], act=GLU_ACTS[act], a=a2.ctypes.data,
-                 a_st=_elems(a2, 0), b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
+                 a_st=_elems(a2, 0), b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0), nthreads=nthreads)
 
 
-def prepare_rms_norm(x2: np.ndarray, w: np.ndarray | None, o2: np.ndarray, eps: float) -> Callable[[], None] | None:
+def prepare_rms_norm(x2: np.ndarray, w: np.ndarray | None, o2: np.ndarray, eps: float, nthreads: int = 1
+                     ) -> Callable[[], None] | None:
     """out = rms_norm(x) [* w] over (T, n) row views with contiguous rows, rounded as
     `kernels.rms_norm_mul`; None when the views are not ones the kernel takes."""
     if not available() or not _row_views_ok(x2, o2) or x2.shape[1] == 0:
@@ -39,15 +42,16 @@ def prepare_rms_norm(x2: np.ndarray, w: np.ndarray | None, o2: np.ndarray, eps: 
     if w is not None and (w.dtype != np.float32 or w.size != x2.shape[1] or not w.flags.c_contiguous):
         return None
     return _Call("metatp_rms_norm", (x2, w, o2), T=x2.shape[0], n=x2.shape[1], x=x2.ctypes.data, x_st=_elems(x2, 0),
-                 w=None if w is None else w.ctypes.data, out=o2.ctypes.data, o_st=_elems(o2, 0), eps=eps)
+                 w=None if w is None else w.ctypes.data, out=o2.ctypes.data, o_st=_elems(o2, 0), eps=eps,
+                 nthreads=nthreads)
 
 
-def prepare_add(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray) -> Callable[[], None] | None:
+def prepare_add(a2: np.ndarray, b2: np.ndarray, o2: np.ndarray, nthreads: int = 1) -> Callable[[], None] | None:
     """out = a + b over (T, n) row views with contiguous rows; None when the kernel does not take them."""
     if not available() or not _row_views_ok(a2, b2, o2):
         return None
     return _Call("metatp_add", (a2, b2, o2), T=a2.shape[0], n=a2.shape[1], a=a2.ctypes.data, a_st=_elems(a2, 0),
-                 b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0))
+                 b=b2.ctypes.data, b_st=_elems(b2, 0), out=o2.ctypes.data, o_st=_elems(o2, 0), nthreads=nthreads)
 
 
 def prepare_allreduce(bufs: list[np.ndarray], active: list[bool]) -> Callable[[], None] | None:

@@ -69,15 +69,15 @@ def _struct(name: str, fields: str) -> type[ctypes.Structure]:
 # Every entry point of the library and the struct its one pointer argument points to.
 _ARGS = {
     "metatp_qmatmul": _struct("QMatmulGroup", "n:i items:p nthreads:i"),
-    "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p"),
+    "metatp_rope": _struct("RopeArgs", "T:i H:i D:i n_dims:i neox:i x:p x_st:i x_sh:i out:p o_st:i o_sh:i cs:p nthreads:i"),
     "metatp_attention": _struct("AttentionArgs", "T:i H:i Hkv:i D:i Dv:i n_kv:i q:p q_sh:i q_st:i k:p k_sh:i "
                                                  "k_sj:i k_type:i v:p v_sh:i v_sj:i v_type:i mask:p m_st:i scale:f "
                                                  "softcap:f sinks:p out:p o_st:i o_sh:i scratch:p max_chunks:i "
                                                  "nthreads:i q8:i qq:p qd:p n_kv_at:p"),
     "metatp_attention_group": _struct("AttentionGroup", "n:i items:p nthreads:i"),
-    "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i"),
-    "metatp_rms_norm": _struct("RmsNormArgs", "T:i n:i x:p x_st:i w:p out:p o_st:i eps:f"),
-    "metatp_add": _struct("AddArgs", "T:i n:i a:p a_st:i b:p b_st:i out:p o_st:i"),
+    "metatp_glu": _struct("GluArgs", "T:i n:i act:i a:p a_st:i b:p b_st:i out:p o_st:i nthreads:i"),
+    "metatp_rms_norm": _struct("RmsNormArgs", "T:i n:i x:p x_st:i w:p out:p o_st:i eps:f nthreads:i"),
+    "metatp_add": _struct("AddArgs", "T:i n:i a:p a_st:i b:p b_st:i out:p o_st:i nthreads:i"),
     "metatp_allreduce": _struct("AllreduceArgs", "n:i count:i bufs:p active:p"),
     "metatp_set_rows": _struct("SetRowsArgs", "T:i n:i src:p src_st:i dst:p dst_st:i dst_rows:i ids:p type:i"),
     "metatp_kv_convert": _struct("KvConvertArgs", "type:i rows:i n:i x:p q:p out:p"),
