@@ -181,6 +181,16 @@ class NumpyBackend(Backend):
         other builds' float kernel reads row-major codes."""
         return self.numerics in ("llamacpp", "q8") or (self.use_kernels and native.float_row_groups())
 
+    def row_threads(self, n_rows: int) -> int:
+        """Threads for a row kernel (norm, activation, add, rope) over a pass of `n_rows` tokens:
+        the kernel threads, except in a pass whose products go through dequantization + BLAS
+        (exact numerics on row-major codes, past MAX_ROWS tokens), where OpenBLAS's threads, still
+        spinning after each product, took the cores: pp512 exact on the AVX2 build fell from ~560
+        to ~210 t/s with the rows shared."""
+        if self.groups_rows() or n_rows <= native.MAX_ROWS:
+            return self.kernel_threads
+        return 1
+
     def _kernel_layout(self, raw: np.ndarray, ggml_type: GGMLType, k: int) -> AffineWeight:
         """The weight's codes in the layout this backend's kernels read."""
         if self.groups_rows():

@@ -113,6 +113,9 @@ class _DeviceContext:
     def kernel_threads(self) -> int:
         return self.backend.kernel_threads
 
+    def row_threads(self, n_rows: int) -> int:
+        return self.backend.row_threads(n_rows)
+
     def activation_rounding(self, w: Tensor):
         """None in exact mode; else how llama.cpp's CPU backend rounds the other matmul operand."""
         if self.backend.numerics not in ("llamacpp", "q8") or not self.is_weight(w) or w.type == GGMLType.F32:
@@ -193,8 +196,9 @@ class NumpyExecutable(PlanExecutor):
     def fused_steps(self, d: int, fusion: Fusion) -> list:
         a = self.arrays[d]
         node, rms = fusion.at, fusion.absorbed[0]
-        return [rms_norm_mul(a[rms.src[0]], a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels,
-                             self.backend.kernel_threads)]
+        x = a[rms.src[0]]
+        return [rms_norm_mul(x, a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels,
+                             self.backend.row_threads(x.shape[-2] if x.ndim >= 2 else 1))]
 
     def node_steps(self, d: int, node: Tensor) -> list:
         a = self.arrays[d]

@@ -53,7 +53,7 @@ def _rope(node, out, src, ctx) -> Closure:
             def fill() -> np.ndarray:
                 cs[0], cs[1] = rope_cos_sin(pos1, n_dims, p["freq_base"], p["freq_scale"], ff)
                 return cs
-            kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs, ctx.kernel_threads)
+            kernel = prepare_rope(x3, o3, n_dims, mode == RopeMode.NEOX, cs, ctx.row_threads(x3.shape[0]))
 
             def make_fill_once() -> Callable[[], None]:
                 def fill_once() -> None:

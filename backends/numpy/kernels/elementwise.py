@@ -41,7 +41,8 @@ def _add(node, out, src, ctx) -> Closure:
     """A residual add as a compiled call (a few-token step's joins its batch), else numpy."""
     if ctx.use_kernels and src[0].shape == src[1].shape == out.shape:
         a2, b2, o2 = _rows(src[0]), _rows(src[1]), _rows(out)
-        kernel = None if a2 is None or b2 is None or o2 is None else prepare_add(a2, b2, o2, ctx.kernel_threads)
+        ok = a2 is not None and b2 is not None and o2 is not None
+        kernel = prepare_add(a2, b2, o2, ctx.row_threads(a2.shape[0])) if ok else None
         if kernel is not None:
             return kernel
     return _numpy_add(node, out, src, ctx)
@@ -94,14 +95,17 @@ def _rows(a: np.ndarray | None) -> np.ndarray | None:
 
 
 def _rms_norm(node, out, src, ctx) -> Closure:
-    return rms_norm_mul(src[0], None, node.params["eps"], out, ctx.use_kernels, ctx.kernel_threads)
+    x = src[0]
+    threads = ctx.row_threads(x.shape[-2] if x.ndim >= 2 else 1)
+    return rms_norm_mul(x, None, node.params["eps"], out, ctx.use_kernels, threads)
 
 
 def rms_norm_mul(x: np.ndarray, w: np.ndarray | None, eps: float, out: np.ndarray, use_kernels: bool = False,
                  threads: int = 1) -> Closure:
     """RMS_NORM followed by MUL with a weight (or no weight), in one closure (same rounding as
-    the two ops); a compiled call when `use_kernels` (a prompt's rows shared by `threads`: numpy
-    ran them on one thread while the others waited, ~5% of a 512-token prompt)."""
+    the two ops); a compiled call when `use_kernels` (a prompt's rows shared by `threads`, the
+    backend's `row_threads`: numpy ran them on one thread while the others waited, ~5% of a
+    512-token prompt)."""
     eps32 = F32(eps)
     x2, o2 = _rows(x), _rows(out)
     if use_kernels and x2 is not None and o2 is not None:
@@ -188,7 +192,7 @@ def _glu(node, out, src, ctx) -> Closure:
         a, b = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
     kind = {_silu: "silu", _gelu_tanh: "gelu_tanh"}.get(act)
     if ctx.use_kernels and kind and a.ndim == 4 and a.shape[:2] == (1, 1):
-        kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind, ctx.kernel_threads)
+        kernel = prepare_glu(a[0, 0], b[0, 0], out[0, 0], kind, ctx.row_threads(a.shape[2]))
         if kernel is not None:
             return kernel
     if act is _silu:
