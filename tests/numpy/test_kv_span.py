@@ -52,11 +52,13 @@ def test_the_span_changes_no_token_and_no_logit(path, monkeypatch):
 def test_warm_up_compiles_each_decode_and_arrival_bucket_once(path):
     llm = LLM(path, n_ctx=8192, backend="numpy", max_num_seqs=16)
     eng = llm.engine
-    assert eng.warm_up(16) == 12
+    assert eng.warm_up(16) == 29
     buckets = (1, 2, 4, 8, 12, 16)
     decode = [(t, KV_SPAN_FLOOR, t) for t in buckets]                 # at 8192 cells: the floor
-    arriving = [(eng.small_rows, KV_SPAN_FLOOR, n) for n in buckets]   # full passes of several prompts
+    # passes of 16..small_rows rows (prompts of one or several requests) with 1..16 logits rows
+    arriving = [(T, KV_SPAN_FLOOR, n) for T in (16, 32, 48, eng.small_rows) for n in buckets if n < T]
     assert sorted(eng._plans) == sorted(decode + arriving)
+    assert len(eng._plans) <= eng.max_plans                             # none evicted by the warm-up
     assert eng.warm_up(16) == 0                       # compiled already
     before = set(eng._plans)
     llm.generate([[1, 2, 3, 4]] * 5, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
