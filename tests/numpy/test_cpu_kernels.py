@@ -192,13 +192,15 @@ def test_attention_split_kv_matches_reference(T, Hkv, g, D, n_vis, hidden, threa
 
 
 @settings(max_examples=25, deadline=None)
-@given(n_items=st.integers(1, 4), T=st.integers(1, 3), Hkv=st.integers(1, 3), g=st.integers(1, 3),
+@given(n_items=st.integers(1, 4), T=st.one_of(st.integers(1, 3), st.sampled_from([64, 100])), Hkv=st.integers(1, 3),
+       g=st.integers(1, 3),
        n_vis=st.integers(1, 700), q8_0=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_grouped_attentions_give_the_bits_of_separate_calls(n_items, T, Hkv, g, n_vis, q8_0, threads, seed):
     """Under -sm tensor one layer's attention on every device is one grouped call: the units and
     rows of all of them shared by one parallel region, the thread count from their total work
     (so a group may use two threads where each alone used one). Each output has the bits of its
-    call alone, the shared visible length (n_kv_at) bounds every item."""
+    call alone, the shared visible length (n_kv_at) bounds every item. Passes of 64 and 100 query
+    tokens (a prompt) hand their units to the threads as they finish instead of in static shares."""
     rng = np.random.default_rng(seed)
     H, D, n_max = Hkv * g, 64, 760
     ty = 8 if q8_0 else 0                                         # a q8_0 cache: integer Q.K (numerics q8)
