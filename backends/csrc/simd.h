@@ -327,10 +327,13 @@ enum { MAX_ITEMS = 64 };
         } \
     } while (0)
 
-/* Threads for T rows of n floats: the caller's count for a pass of many tokens (a prompt), one for
- * a few-token step, where waking the threads costs more than the rows (row kernels: rope.c,
- * elementwise.c; rows are independent, so the bits do not depend on it). */
-enum { ROW_THREADS_FROM = 1 << 15 };    /* floats */
+/* Threads for T rows of n floats (row kernels: rope.c, elementwise.c; rows are independent, so the
+ * bits do not depend on it): the caller's count from 8 K floats, one below (a decode step of a few
+ * sequences, where waking the threads costs more than the rows). Why 8 K: a decode step of 16
+ * sequences (16 x 576 norms and adds, 16 x 1536 activations) took its row kernels ~0.95 -> ~0.5 ms
+ * with them shared (their inputs lie half in each core's cache after a shared product); one
+ * token's rows stay on one thread. */
+enum { ROW_THREADS_FROM = 1 << 13 };    /* floats */
 
 static int row_threads(int64_t T, int64_t n, int64_t nthreads) {
     return T * n >= ROW_THREADS_FROM && T > 1 && nthreads > 1 ? (int)nthreads : 1;
