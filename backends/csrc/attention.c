@@ -430,6 +430,19 @@ typedef struct {
     int64_t nthreads;
 } AttentionGroup;
 
+/* Unit u of a group's units (first_unit[i]: call i's first) on thread th; *last_i, *last_c: the
+ * call and chunk of this thread's previous unit (its first unit of a chunk prefetches). */
+static inline void attn_group_unit(const AttnCall *calls, const int64_t *first_unit, int64_t u, int th,
+                                   int64_t *last_i, int64_t *last_c) {
+    int64_t i = 0;
+    while (u >= first_unit[i + 1]) i++;
+    const AttnCall *c = &calls[i];
+    const int64_t uu = u - first_unit[i], cc = uu / c->args.Hkv;
+    attn_run_unit(c, uu, c->sbufs + (int64_t)th * c->G * KV_BLOCK, i != *last_i || cc != *last_c);
+    *last_i = i;
+    *last_c = cc;
+}
+
 int metatp_attention_group(const AttentionGroup *grp) {
     const int64_t n = grp->n;
     if (n < 1 || n > MAX_ITEMS) return -4;
@@ -469,23 +482,13 @@ int metatp_attention_group(const AttentionGroup *grp) {
     {
         const int th = THREAD_NUM();
         int64_t last_i = -1, last_c = -1;      /* the call and chunk of this thread's previous unit */
-#define ATTN_GROUP_UNIT(u) do { \
-            int64_t i = 0; \
-            while ((u) >= first_unit[i + 1]) i++; \
-            const AttnCall *c = &calls[i]; \
-            const int64_t uu = (u) - first_unit[i], cc = uu / c->args.Hkv; \
-            attn_run_unit(c, uu, c->sbufs + (int64_t)th * c->G * KV_BLOCK, i != last_i || cc != last_c); \
-            last_i = i; \
-            last_c = cc; \
-        } while (0)
         if (balance) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < units; u++) ATTN_GROUP_UNIT(u);
+            for (int64_t u = 0; u < units; u++) attn_group_unit(calls, first_unit, u, th, &last_i, &last_c);
         } else {
 #pragma omp for schedule(static)
-            for (int64_t u = 0; u < units; u++) ATTN_GROUP_UNIT(u);
+            for (int64_t u = 0; u < units; u++) attn_group_unit(calls, first_unit, u, th, &last_i, &last_c);
         }
-#undef ATTN_GROUP_UNIT
 #pragma omp for schedule(static)
         for (int64_t gr = 0; gr < rows; gr++) {
             int64_t i = 0;

@@ -186,6 +186,17 @@ enum { GEMM256_T = 4 };
 #define GEMM256_PF 48
 #endif
 
+/* The two assembly cores' shared operands: the 8 accumulators a0..a3 (group A, tokens 0..3) and
+ * b0..b3 (group B), read and written; loaded from pa / pb before and stored back after. */
+#define GEMM256_ACCUMULATORS [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3), \
+    [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3)
+#define GEMM256_LOAD_ACCUMULATORS \
+    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3]
+#define GEMM256_STORE_ACCUMULATORS do { \
+        pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3; \
+        pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3; \
+    } while (0)
+
 /* Token t's codes at XLO (partners of the low nibbles) and XHI (of the high ones) into the 16-bit
  * sums ACCA, ACCB of groups A and B. */
 #define GEMM256_NIBBLE_TOKEN(XLO, XHI, ACCA, ACCB) \
@@ -221,20 +232,18 @@ enum { GEMM256_T = 4 };
 static inline __attribute__((always_inline)) void gemm256_block4_nibbles(const uint8_t *ga, const uint8_t *gb,
                                                                          const int8_t *x, int64_t k, __m256i pa[4],
                                                                          __m256i pb[4]) {
-    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
+    GEMM256_LOAD_ACCUMULATORS;
     __m256i lo_a, hi_a, lo_b, hi_b, xv, p, q;
     const __m256i m = _mm256_set1_epi8(0x0F);
     const int8_t *x2 = x + 2 * k;
     __asm__(GEMM256_NIBBLE_WORD("0", "0", "16") GEMM256_NIBBLE_WORD("32", "4", "20")
             GEMM256_NIBBLE_WORD("64", "8", "24") GEMM256_NIBBLE_WORD("96", "12", "28")
-            : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3),
-              [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3),
+            : GEMM256_ACCUMULATORS,
               [lo_a] "=&x"(lo_a), [hi_a] "=&x"(hi_a), [lo_b] "=&x"(lo_b), [hi_b] "=&x"(hi_b), [xv] "=&x"(xv),
               [p] "=&x"(p), [q] "=&x"(q)
             : [ga] "r"(ga), [gb] "r"(gb), [x] "r"(x), [x2] "r"(x2), [k] "r"(k), [m] "x"(m)
             : "memory");
-    pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3;
-    pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3;
+    GEMM256_STORE_ACCUMULATORS;
 }
 
 /* Token t's 4 codes at X against word w (|w| in u) of groups A and B, widened into the 32-bit
@@ -266,7 +275,7 @@ static inline __attribute__((always_inline)) void gemm256_block4_nibbles(const u
 static inline __attribute__((always_inline)) void gemm256_block4_bytes(const uint8_t *ga, const uint8_t *gb,
                                                                        const int8_t *x, int64_t k, __m256i pa[4],
                                                                        __m256i pb[4]) {
-    __m256i a0 = pa[0], a1 = pa[1], a2 = pa[2], a3 = pa[3], b0 = pb[0], b1 = pb[1], b2 = pb[2], b3 = pb[3];
+    GEMM256_LOAD_ACCUMULATORS;
     __m256i w_a, u_a, w_b, u_b, xv, p, q;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int half = 0; half < 2; half++) {
@@ -274,16 +283,17 @@ static inline __attribute__((always_inline)) void gemm256_block4_bytes(const uin
         const int8_t *hx = x + 16 * half, *hx2 = hx + 2 * k;
         __asm__(GEMM256_BYTE_WORD("0", "0") GEMM256_BYTE_WORD("32", "4") GEMM256_BYTE_WORD("64", "8")
                 GEMM256_BYTE_WORD("96", "12")
-                : [a0] "+x"(a0), [a1] "+x"(a1), [a2] "+x"(a2), [a3] "+x"(a3),
-                  [b0] "+x"(b0), [b1] "+x"(b1), [b2] "+x"(b2), [b3] "+x"(b3),
+                : GEMM256_ACCUMULATORS,
                   [w_a] "=&x"(w_a), [u_a] "=&x"(u_a), [w_b] "=&x"(w_b), [u_b] "=&x"(u_b), [xv] "=&x"(xv),
                   [p] "=&x"(p), [q] "=&x"(q)
                 : [ga] "r"(ha), [gb] "r"(hb), [x] "r"(hx), [x2] "r"(hx2), [k] "r"(k), [ones] "x"(ones)
                 : "memory");
     }
-    pa[0] = a0; pa[1] = a1; pa[2] = a2; pa[3] = a3;
-    pb[0] = b0; pb[1] = b1; pb[2] = b2; pb[3] = b3;
+    GEMM256_STORE_ACCUMULATORS;
 }
+#undef GEMM256_ACCUMULATORS
+#undef GEMM256_LOAD_ACCUMULATORS
+#undef GEMM256_STORE_ACCUMULATORS
 #undef GEMM256_NIBBLE_TOKEN
 #undef GEMM256_NIBBLE_WORD
 #undef GEMM256_BYTE_TOKEN
