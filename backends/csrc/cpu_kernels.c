@@ -18,6 +18,7 @@
 #include "q8.c"            /* metatp_q8_quantize, metatp_round_half, metatp_isa: Q8 rounding, block dot */
 #include "repack.c"        /* the row-group layout (8 rows a 32-bit lane) of the integer product */
 #include "q8_gemm.c"       /* the integer product for many tokens: 16 rows x 8 tokens a 512-bit tile */
+#include "q8_amx.c"        /* the same on AMX tiles: 16 rows x 16 tokens a tile product, metatp_amx */
 #include "q8_matmul.c"     /* metatp_q8_matmul, metatp_q8_isums: the integer matrix product */
 #include "rope.c"          /* metatp_rope */
 #include "kv.c"            /* metatp_kv_convert, metatp_set_rows: KV cache row types */

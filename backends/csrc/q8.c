@@ -167,7 +167,11 @@ int metatp_q8_quantize(const Q8QuantArgs *a) {
 #define Q8_ISA "avx-vnni"
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #undef Q8_ISA
+#if defined(METATP_AMX) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#define Q8_ISA "avx512-amx"       /* q8_amx.c's tiles for steps of many tokens */
+#else
 #define Q8_ISA "avx512-vnni"
+#endif
 #define DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #else
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))

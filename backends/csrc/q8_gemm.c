@@ -436,35 +436,3 @@ static void gemm256_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64
 #else
 #define Q8_GEMM256 0
 #endif
-
-/* Steps of at least this many tokens take the GEMM (fewer: repack.c's decode tile, which reads
- * one group at a time, as a step bound by reading the weights wants). */
-enum { GEMM_MIN_TOKENS = 8 };
-
-
-/* Row groups a chunk of the GEMM: a pair in a 512-bit or an AVX2 build, else one (repack.c's tile, run one
- * token block at a time all the same: the cache blocking serves every build). */
-enum { GEMM_GROUPS = Q8_GEMM512 || Q8_GEMM256 ? 2 : 1 };
-
-/* Does item `a` take the GEMM's schedule? (row-group layout, enough tokens) */
-static int gemm_takes(const Q8MatmulArgs *a) {
-    return a->group == 8 && a->ntok >= GEMM_MIN_TOKENS;
-}
-
-/* Rows (in groups of 8) of chunk c of a GEMM item against tokens t0 .. t1-1; a last group
- * without a partner takes repack.c's tile (the same results, see the top). */
-static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t t0, int64_t t1) {
-    const int64_t g = GEMM_GROUPS * c;
-#if Q8_GEMM512
-    if (g + 1 < a->rows / 8) {
-        gemm_pair(a, x, g, t0, t1);
-        return;
-    }
-#elif Q8_GEMM256
-    if (g + 1 < a->rows / 8) {
-        gemm256_pair(a, x, g, t0, t1);
-        return;
-    }
-#endif
-    q8x8_group_range(a, x, g, t0, t1);
-}

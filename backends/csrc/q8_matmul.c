@@ -3,6 +3,47 @@
  * row-major weights in register tiles (here) or row-group weights a group at a time (repack.c),
  * the threads sharing out chunks of rows of every item of a group. */
 
+/* Steps of at least this many tokens take the GEMM (fewer: repack.c's decode tile, which reads
+ * one group at a time, as a step bound by reading the weights wants). */
+enum { GEMM_MIN_TOKENS = 8 };
+
+
+/* Row groups a chunk of the GEMM: a pair in a 512-bit or an AVX2 build, else one (repack.c's tile, run one
+ * token block at a time all the same: the cache blocking serves every build). */
+enum { GEMM_GROUPS = Q8_GEMM512 || Q8_GEMM256 ? 2 : 1 };
+
+/* Does item `a` take the GEMM's schedule? (row-group layout, enough tokens) */
+static int gemm_takes(const Q8MatmulArgs *a) {
+    return a->group == 8 && a->ntok >= GEMM_MIN_TOKENS;
+}
+
+/* Rows (in groups of 8) of chunk c of a GEMM item against tokens t0 .. t1-1; a last group
+ * without a partner takes repack.c's tile (the same results: see q8_gemm.c). `amx`: this
+ * thread has loaded q8_amx.c's tile shapes. */
+static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t t0, int64_t t1, int amx) {
+    const int64_t g = GEMM_GROUPS * c;
+#if Q8_GEMM_AMX
+    if (amx && g + 1 < a->rows / 8) {
+        amx_pair(a, x, g, t0, t1);
+        return;
+    }
+#else
+    (void)amx;
+#endif
+#if Q8_GEMM512
+    if (g + 1 < a->rows / 8) {
+        gemm_pair(a, x, g, t0, t1);
+        return;
+    }
+#elif Q8_GEMM256
+    if (g + 1 < a->rows / 8) {
+        gemm256_pair(a, x, g, t0, t1);
+        return;
+    }
+#endif
+    q8x8_group_range(a, x, g, t0, t1);
+}
+
 #if Q8_SIMD
 /* R rows (from r0) x T tokens (from t0) of one item for one weight format; every argument but
  * the pointers is a constant at each call site, so the loops unroll and the accumulators stay in
@@ -175,11 +216,11 @@ static int64_t q8_chunks(const Q8MatmulArgs *a) {
 }
 
 /* Chunk c of item a in token block tb: a GEMM item runs its tokens one block of GEMM_TOKEN_BLOCK
- * at a time (block tb), any other item all its tokens at once (in block 0). */
-static void q8_run_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t tb) {
+ * at a time (block tb), any other item all its tokens at once (in block 0). `amx`: as gemm_chunk. */
+static void q8_run_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t tb, int amx) {
     if (gemm_takes(a)) {
         const int64_t t0 = tb * GEMM_TOKEN_BLOCK, t1 = t0 + GEMM_TOKEN_BLOCK;
-        if (t0 < a->ntok) gemm_chunk(a, x, c, t0, t1 < a->ntok ? t1 : a->ntok);
+        if (t0 < a->ntok) gemm_chunk(a, x, c, t0, t1 < a->ntok ? t1 : a->ntok, amx);
         return;
     }
     if (tb) return;
@@ -218,13 +259,14 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
     const int64_t total = first_chunk[n];
     /* a step of many tokens quantizes them on every thread (one more barrier); a decode step
      * before the parallel region, whose only barrier is then its end, as ever */
-    const int shared_quant = blocks > 1;
+    const int shared_quant = blocks > 1, amx = amx_wanted(g);
     if (!shared_quant)
         for (int64_t o = 0; o < n_owners; o++)
             for (int64_t t = 0; t < g->items[owners[o]]->ntok; t++)
                 q8_quantize_token(g->items[owners[o]], &acts[owners[o]], t);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
+        amx_begin(amx);
         if (shared_quant) {
             for (int64_t o = 0; o < n_owners; o++) {
                 const Q8MatmulArgs *a = g->items[owners[o]];
@@ -239,9 +281,10 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
             for (int64_t c = 0; c < total; c++) {
                 int64_t i = 0;
                 while (c >= first_chunk[i + 1]) i++;
-                q8_run_chunk(g->items[i], &acts[i], c - first_chunk[i], tb);
+                q8_run_chunk(g->items[i], &acts[i], c - first_chunk[i], tb, amx);
             }
         }
+        amx_end(amx);
     }
     free(scratch);
     return 0;

@@ -184,3 +184,27 @@ def test_q8_decode_logits_do_not_depend_on_batch_mates(synth_factory):
     for k_before, k_with in ((0, 11), (3, 20)):
         for g, w in zip(decode(k_before, k_with), want):
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (k_before, k_with)
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt=st.sampled_from(sorted(FORMATS)), groups=st.integers(2, 5), blocks=st.integers(1, 3),
+       n=st.sampled_from([16, 17, 31, 32, 40, 64, 65, 100]), seed=st.integers(0, 2**16))
+def test_amx_tiles_give_the_bits_of_the_avx512_tiles(fmt, groups, blocks, n, seed):
+    """csrc/q8_amx.c (METATP_KERNEL_ISA=avx512-amx) forms each result by the float operations of
+    q8_gemm.c's 512-bit tile in the same block order: the same bits, 16-token tiles and remainders
+    alike (where the OS refuses the tile state, that build runs the 512-bit tile itself)."""
+    from support.cpu import isa_library
+
+    amx, vnni = isa_library("avx512-amx"), isa_library("avx512-vnni")
+    rng = np.random.default_rng(seed)
+    k = blocks * 256
+    aw, _ = _weight(rng, fmt, groups * GROUP, k)
+    if groupable(aw):
+        aw = group_rows(aw)
+    x = _activations(rng, n, k)
+    outs = []
+    for lib in (amx, vnni):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(native.lib, "_library", lambda lib=lib: (lib, native.library_isa(lib)))
+            outs.append(native.q8_matmul(x, aw, nthreads=2))
+    assert np.array_equal(_bits(outs[0]), _bits(outs[1]))

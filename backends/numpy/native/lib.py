@@ -2,7 +2,7 @@
 call (`_Call`), batches of calls and the kernel thread count.
 
 The library is built on first use with the machine's C compiler (-O3 -march=native, OpenMP when
-available; METATP_KERNEL_ISA=avx512-vnni|avx-vnni|avx2|portable builds that path instead) and
+available; METATP_KERNEL_ISA=avx512-amx|avx512-vnni|avx-vnni|avx2|portable builds that path instead) and
 cached; where that is impossible (no compiler, METATP_CPU_KERNELS=0)
 `available()` is False and the backend keeps its numpy path.
 """
@@ -40,9 +40,14 @@ MAX_ROWS = 64
 # The ISA builds of the kernels besides -march=native: their compiler flags and the /proc/cpuinfo
 # flags a CPU needs to run them. METATP_KERNEL_ISA picks one (e.g. the AVX2 path on a CPU that also
 # has AVX-512, to measure what an AVX2-only machine runs); the tests build and run each one the CPU
-# can run (tests/support/cpu.py).
+# can run (tests/support/cpu.py). avx512-amx (csrc/q8_amx.c: q8 products of 16+ tokens on AMX
+# tiles) is only ever a named build: -march=native leaves it out, since it measured slower with two
+# threads on the machine it was written on (docs/performance.md).
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
 ISA_BUILDS = {
+    "avx512-amx": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
+                    "-mamx-tile", "-mamx-int8", "-DMETATP_AMX"),
+                   ("avx512_vnni", "avx512vl", "avx512bw", "amx_tile", "amx_int8")),
     "avx512-vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
                     ("avx512_vnni", "avx512vl", "avx512bw")),
     "avx-vnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx_vnni",)),
@@ -183,6 +188,8 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
     lib.metatp_qmatmul_groups.argtypes = []
     lib.metatp_isa.restype = ctypes.c_char_p
     lib.metatp_isa.argtypes = []
+    lib.metatp_amx.restype = ctypes.c_int
+    lib.metatp_amx.argtypes = []
     lib.metatp_attn_chunk.restype = ctypes.c_int
     lib.metatp_attn_chunk.argtypes = []
     if lib.metatp_attn_chunk() != ATTN_CHUNK:
@@ -191,8 +198,15 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
 
 
 def library_isa(lib: ctypes.CDLL) -> str:
-    """Which integer dot-product path a build compiled: avx512-vnni, avx-vnni, avx2 or portable."""
+    """Which integer dot-product path a build compiled: avx512-amx, avx512-vnni, avx-vnni, avx2 or
+    portable."""
     return lib.metatp_isa().decode()
+
+
+def amx_refused(lib: ctypes.CDLL) -> bool:
+    """True when the build has AMX tiles but the OS refused this process the tile state (its
+    products of many tokens then run the avx512-vnni tiles, with the same bits)."""
+    return lib.metatp_amx() < 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -214,6 +228,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         if "-march=native" not in flags:
             shown += f" METATP_KERNEL_ISA={library_isa(lib)}"
         info = f"cpu_kernels ({cc} {shown}; q8 {library_isa(lib)})".replace(" ;", ";")
+        if amx_refused(lib):
+            info += ", AMX tile state refused by the OS: avx512-vnni tiles"
         return lib, info + ("" if "-fopenmp" in flags else ", single-threaded")
     warnings.warn("metatp: the CPU kernels could not be built; decode uses numpy and float32 BLAS "
                   f"(slower): {errors[-1] if errors else 'unknown error'}", RuntimeWarning, stacklevel=2)
