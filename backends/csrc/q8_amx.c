@@ -121,6 +121,8 @@ static inline __attribute__((always_inline)) void amx_tile(const Q8MatmulArgs *a
     const int64_t k = a->k, nb = k / 32, gbytes = 32 * bits, sb = half ? 2 : 4;
     const uint8_t *qa = (const uint8_t *)a->q + g * nb * gbytes, *qb = qa + nb * gbytes;
     const uint8_t *sa = (const uint8_t *)a->scale + g * nb * 8 * sb, *sbb = sa + nb * 8 * sb;
+    const uint8_t *ma = has_off ? (const uint8_t *)a->offset + g * nb * 8 * sb : NULL;
+    const uint8_t *mb = has_off ? ma + nb * 8 * sb : NULL;
     const int8_t *xq = x->q + t0 * k;
     int8_t wt[3][512] __attribute__((aligned(64)));
     int32_t ct[2][AMX_T * 16] __attribute__((aligned(64)));
@@ -141,8 +143,8 @@ static inline __attribute__((always_inline)) void amx_tile(const Q8MatmulArgs *a
                 __builtin_prefetch(sa + bp * 8 * sb);
                 __builtin_prefetch(sbb + bp * 8 * sb);
                 if (has_off) {
-                    __builtin_prefetch((const uint8_t *)a->offset + (g * nb + bp) * 8 * sb);
-                    __builtin_prefetch((const uint8_t *)a->offset + ((g + 1) * nb + bp) * 8 * sb);
+                    __builtin_prefetch(ma + bp * 8 * sb);
+                    __builtin_prefetch(mb + bp * 8 * sb);
                 }
             }
         }
@@ -154,7 +156,6 @@ static inline __attribute__((always_inline)) void amx_tile(const Q8MatmulArgs *a
         amx_accumulate(a, x, ct[b & 1], t0, b, dshift, corr, gemm_scales(sa + b * 8 * sb, sbb + b * 8 * sb, half), acc);
     }
     if (has_off) {      /* the offset term from zero in block order, added last (as q8_gemm.c's tile) */
-        const uint8_t *ma = (const uint8_t *)a->offset + g * nb * 8 * sb, *mb = ma + nb * 8 * sb;
         __m512 off[AMX_T];
         for (int t = 0; t < AMX_T; t++) off[t] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
@@ -167,32 +168,20 @@ static inline __attribute__((always_inline)) void amx_tile(const Q8MatmulArgs *a
     for (int t = 0; t < AMX_T; t++) _mm512_storeu_ps(a->y + (t0 + t) * a->ldy + g * 8, acc[t]);
 }
 
-/* Tokens t0 .. t1-1 of groups g, g+1: tiles of 16 tokens, the rest through q8_gemm.c's tile
- * (whose unsigned 8-bit codes take a correction of 128; the nibble bias is both tiles'). */
+/* Tokens t0 .. t1-1 of groups g, g+1: tiles of 16 tokens, the rest through q8_gemm.c's tile.
+ * `corr` is that tile's (GEMM_PAIR_FORMATS); signed 8-bit codes need none here, a nibble bias the
+ * same. */
 static inline __attribute__((always_inline)) void amx_pair_fmt(const Q8MatmulArgs *a, const Q8Act *x, int64_t g,
                                                                int64_t t0, int64_t t1, int bits, int dshift,
-                                                               int has_off, int half, int bias) {
+                                                               int has_off, int half, int corr) {
     int64_t t = t0;
-    for (; t + AMX_T <= t1; t += AMX_T) amx_tile(a, x, g, t, bits, dshift, has_off, half, bits == 8 ? 0 : bias);
-    if (t < t1) gemm_pair_fmt(a, x, g, t, t1, bits, dshift, has_off, half, bits == 8 ? 128 : bias);
+    for (; t + AMX_T <= t1; t += AMX_T) amx_tile(a, x, g, t, bits, dshift, has_off, half, bits == 8 ? 0 : corr);
+    if (t < t1) gemm_pair_fmt(a, x, g, t, t1, bits, dshift, has_off, half, corr);
 }
 
-/* Groups g, g+1 of an item against its tokens t0 .. t1-1, dispatched on the weight format (the
- * combinations of the GGUF types as in gemm_pair). */
+/* Groups g, g+1 of an item against its tokens t0 .. t1-1, dispatched on the weight format. */
 static void amx_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
-    const int dshift = a->kind == Q8_K ? 3 : 0, has_off = a->offset != NULL, half = (int)a->half_scales;
-    const int bias = (int)a->bias;
-    if (a->bits == 8) {
-        if (half && !has_off && !dshift) amx_pair_fmt(a, x, g, t0, t1, 8, 0, 0, 1, 0);         /* Q8_0 */
-        else amx_pair_fmt(a, x, g, t0, t1, 8, dshift, has_off, half, 0);
-    } else if (half && !dshift) {
-        if (has_off) amx_pair_fmt(a, x, g, t0, t1, 4, 0, 1, 1, 0);                             /* Q4_1 */
-        else amx_pair_fmt(a, x, g, t0, t1, 4, 0, 0, 1, bias);                                  /* Q4_0 */
-    } else if (dshift && has_off && !half && !bias) {
-        amx_pair_fmt(a, x, g, t0, t1, 4, 3, 1, 0, 0);                                          /* Q4_K */
-    } else {
-        amx_pair_fmt(a, x, g, t0, t1, 4, dshift, has_off, half, bias);
-    }
+    GEMM_PAIR_FORMATS(amx_pair_fmt, a, x, g, t0, t1);
 }
 #else
 #define Q8_GEMM_AMX 0

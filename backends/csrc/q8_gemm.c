@@ -137,21 +137,29 @@ static inline __attribute__((always_inline)) void gemm_pair_fmt(const Q8MatmulAr
     if (t < t1) gemm_tile(a, x, g, t, 1, bits, dshift, has_off, half, corr);
 }
 
-/* Groups g, g+1 of an item against its tokens t0 .. t1-1, dispatched on the weight format (the
- * combinations of the GGUF types as in q8x8_group, the rest through the general form). */
+/* Groups g, g+1 of an item against its tokens t0 .. t1-1 through FN(a, x, g, t0, t1, bits, dshift,
+ * has_off, half, corr), dispatched on the weight format so that each combination of the GGUF
+ * types (as in q8x8_group) gets its own constants, the rest the general form. `corr`: what this
+ * file's unsigned bytes add per unit of sum(x) (128 for 8-bit codes, else the nibble bias). Used
+ * by gemm_pair here and amx_pair in q8_amx.c. */
+#define GEMM_PAIR_FORMATS(FN, a, x, g, t0, t1) do { \
+        const int dshift_ = (a)->kind == Q8_K ? 3 : 0, has_off_ = (a)->offset != NULL; \
+        const int half_ = (int)(a)->half_scales, bias_ = (int)(a)->bias; \
+        if ((a)->bits == 8) { \
+            if (half_ && !has_off_ && !dshift_) FN(a, x, g, t0, t1, 8, 0, 0, 1, 128);                /* Q8_0 */ \
+            else FN(a, x, g, t0, t1, 8, dshift_, has_off_, half_, 128); \
+        } else if (half_ && !dshift_) { \
+            if (has_off_) FN(a, x, g, t0, t1, 4, 0, 1, 1, 0);                                        /* Q4_1 */ \
+            else FN(a, x, g, t0, t1, 4, 0, 0, 1, bias_);                                             /* Q4_0 */ \
+        } else if (dshift_ && has_off_ && !half_ && !bias_) { \
+            FN(a, x, g, t0, t1, 4, 3, 1, 0, 0);                                                      /* Q4_K */ \
+        } else { \
+            FN(a, x, g, t0, t1, 4, dshift_, has_off_, half_, bias_); \
+        } \
+    } while (0)
+
 static void gemm_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t0, int64_t t1) {
-    const int dshift = a->kind == Q8_K ? 3 : 0, has_off = a->offset != NULL, half = (int)a->half_scales;
-    if (a->bits == 8) {
-        if (half && !has_off && !dshift) gemm_pair_fmt(a, x, g, t0, t1, 8, 0, 0, 1, 128);         /* Q8_0 */
-        else gemm_pair_fmt(a, x, g, t0, t1, 8, dshift, has_off, half, 128);
-    } else if (half && !dshift) {
-        if (has_off) gemm_pair_fmt(a, x, g, t0, t1, 4, 0, 1, 1, 0);                               /* Q4_1 */
-        else gemm_pair_fmt(a, x, g, t0, t1, 4, 0, 0, 1, (int)a->bias);                            /* Q4_0 */
-    } else if (dshift && has_off && !half && !a->bias) {
-        gemm_pair_fmt(a, x, g, t0, t1, 4, 3, 1, 0, 0);                                            /* Q4_K */
-    } else {
-        gemm_pair_fmt(a, x, g, t0, t1, 4, dshift, has_off, half, (int)a->bias);
-    }
+    GEMM_PAIR_FORMATS(gemm_pair_fmt, a, x, g, t0, t1);
 }
 #else
 #define Q8_GEMM512 0
