@@ -18,7 +18,8 @@ from metatp.backends.analysis import PlanFacts
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, Tensor
 
-__all__ = ["FusionKind", "Fusion", "Finder", "select", "norm_times_weight", "norm_weight_fusion"]
+__all__ = ["FusionKind", "Fusion", "Finder", "select", "norm_times_weight", "norm_weight_fusion", "matmuls_of_x",
+           "matmul_group_fusion"]
 
 
 class FusionKind(str, enum.Enum):
@@ -28,6 +29,7 @@ class FusionKind(str, enum.Enum):
     MATVEC_ADD = "matvec_add"           # ADD(matvec, residual or bias): the add in the epilogue
     MATVEC_GLU = "matvec_glu"           # GLU(gate matvec, up matvec) (+ the folded RMS norm)
     MATVEC_MULTI = "matvec_multi"       # up to three matvecs of one x (q, k, v) (+ the folded RMS norm)
+    MATMUL_GROUP = "matmul_group"       # the MUL_MATs of one x (q, k, v; gate, up) at any token count
     ROPE_PAIR = "rope_pair"             # ROPE of Q and K with the same positions
     SET_ROWS_PAIR = "set_rows_pair"     # SET_ROWS of K and V with the same rows
 
@@ -94,3 +96,28 @@ def norm_weight_fusion(ex: Any, node: Tensor, norms: tuple[Op, ...],
     if keep is None:
         return []
     return [Fusion(FusionKind.NORM, node, (norm,), keep=keep, parts={"norm": norm})]
+
+
+def matmuls_of_x(facts: PlanFacts, x: Tensor, taken: set, accept: Callable[[Tensor], bool]) -> list[Tensor]:
+    """The MUL_MATs that multiply x (as src1) and `accept` takes, in graph order, keeping after
+    the first only those that may run in a launch at its position (`PlanFacts.fusable`)."""
+    idx = facts.graph.index
+    mms = sorted((r for r in facts.readers.get(x, []) if r.op is Op.MUL_MAT and r.src[1] is x
+                  and r not in taken and accept(r)), key=lambda r: idx[r])
+    return mms[:1] + [r for r in mms[1:] if facts.fusable(r, mms[0])]
+
+
+def matmul_group_fusion(facts: PlanFacts, x: Tensor, taken: set, accept: Callable[[Tensor], bool],
+                        most: int) -> list[Fusion]:
+    """The MUL_MATs of one x (`matmuls_of_x`) in groups of up to `most`, each run as one launch
+    at its first member's position; the later members' outputs are written early, so they get
+    memory of their own (`detach`)."""
+    mms = matmuls_of_x(facts, x, taken, accept)
+    idx = facts.graph.index
+    out = []
+    for i in range(0, len(mms), most):
+        g = mms[i:i + most]
+        if len(g) > 1 and all(facts.uses_after(m, idx[g[0]]) for m in g[1:]):
+            out.append(Fusion(FusionKind.MATMUL_GROUP, g[0], tuple(g[1:]), detach=tuple(g[1:]),
+                              parts={"members": tuple(g)}))
+    return out

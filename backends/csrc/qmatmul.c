@@ -270,6 +270,24 @@ static int64_t qmm_chunks(const QMatmulArgs *a) {
 /* 1 when this build reads the row-group layout (codes.group_rows) in the float product. */
 int metatp_qmatmul_groups(void) { return QMM_GROUPS; }
 
+/* Chunk c of the call's chunks (numbered across its items by first_chunk) in token block tb. */
+static void qmm_run_chunk(const QMatmulGroup *g, const int64_t *first_chunk, const float *xsum,
+                          const int64_t *xsum_at, int64_t c, int64_t tb) {
+    int64_t i = 0;
+    while (c >= first_chunk[i + 1]) i++;
+    const QMatmulArgs *a = g->items[i];
+#if QMM_GROUPS
+    if (a->group != 1) {
+        const int64_t t0 = tb * QMM_TOKEN_BLOCK, t1 = t0 + QMM_TOKEN_BLOCK;
+        if (t0 < a->ntok) qmg_chunk(a, c - first_chunk[i], t0, t1 < a->ntok ? t1 : a->ntok);
+        return;
+    }
+#endif
+    if (tb) return;       /* row-major items: all their tokens in the first block */
+    const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
+    qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+}
+
 /* Returns 0, or a negative code for arguments the kernel does not take. */
 int metatp_qmatmul(const QMatmulGroup *g) {
     const int64_t n = g->n;
@@ -299,24 +317,18 @@ int metatp_qmatmul(const QMatmulGroup *g) {
             blocks = (g->items[i]->ntok + QMM_TOKEN_BLOCK - 1) / QMM_TOKEN_BLOCK;
 
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    for (int64_t tb = 0; tb < blocks; tb++) {
-        /* static: a thread gets the same rows in every token block (its weights stay in its cache) */
-#pragma omp for schedule(static) nowait
-        for (int64_t c = 0; c < total; c++) {
-            int64_t i = 0;
-            while (c >= first_chunk[i + 1]) i++;
-            const QMatmulArgs *a = g->items[i];
-#if QMM_GROUPS
-            if (a->group != 1) {
-                const int64_t t0 = tb * QMM_TOKEN_BLOCK, t1 = t0 + QMM_TOKEN_BLOCK;
-                if (t0 < a->ntok) qmg_chunk(a, c - first_chunk[i], t0, t1 < a->ntok ? t1 : a->ntok);
-                continue;
-            }
-#endif
-            if (tb) continue;       /* row-major items: all their tokens in the first block */
-            const int64_t r0 = (c - first_chunk[i]) * CHUNK_ROWS, left = a->rows - r0;
-            qmm_chunk(a, xsum && needs_xsum(a) ? xsum + xsum_at[i] : NULL, r0, left < CHUNK_ROWS ? left : CHUNK_ROWS);
+    {
+        if (blocks == 1) {
+            /* one token block: chunks go to whichever thread is free (as q8_matmul.c) */
+#pragma omp for schedule(guided) nowait
+            for (int64_t c = 0; c < total; c++) qmm_run_chunk(g, first_chunk, xsum, xsum_at, c, 0);
         }
+        else
+            for (int64_t tb = 0; tb < blocks; tb++) {
+                /* static: a thread gets the same rows in every token block (its weights stay in its cache) */
+#pragma omp for schedule(static) nowait
+                for (int64_t c = 0; c < total; c++) qmm_run_chunk(g, first_chunk, xsum, xsum_at, c, tb);
+            }
     }
     free(xsum);
     return 0;

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 from metatp.backends.cuda import kernels as ck
 from metatp.backends.cuda.ops import weight_operand
 from metatp.backends.cuda.storage import RawWeight, matmul_tokens
-from metatp.backends.fusion import Fusion, FusionKind, norm_weight_fusion, select
+from metatp.backends.fusion import Fusion, FusionKind, matmuls_of_x, norm_weight_fusion, select
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 
@@ -113,12 +113,9 @@ def _multi_fusions(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     the first one's position (later ones' outputs detached); x's RMS norm folded in when
     only they read it. A lone matvec is fused only to fold a norm in (the lm head)."""
     idx = ex.plan.graph.index
-    readers = sorted((r for r in ex.facts.readers.get(node, []) if r.op is Op.MUL_MAT and r.src[1] is node
-                      and r not in taken and _is_matvec(ex, r) and matmul_tokens(r) == 1),
-                     key=lambda r: idx[r])
+    readers = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
     if not readers:
         return []
-    readers = readers[:1] + [r for r in readers[1:] if ex.facts.fusable(r, readers[0])]
     if not _same_weight_layout(ex, [r.src[0] for r in readers]):
         return []
     norm = _norm_of(ex, node, set(readers)) if len(readers) <= 3 else None

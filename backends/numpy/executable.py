@@ -22,7 +22,7 @@ import numpy as np
 from metatp.backends.numpy import native
 from metatp.backends.numpy.codes import AffineWeight
 from metatp.backends.executor import PlanExecutor
-from metatp.backends.fusion import Fusion, norm_weight_fusion, select
+from metatp.backends.fusion import Fusion, FusionKind, matmul_group_fusion, norm_weight_fusion, select
 from metatp.ir.dtypes import np_shape
 from metatp.backends.numpy.kernels import Closure, kernel_for, quantize_q8_blocks, rms_norm_mul, round_f16
 from metatp.ir.errors import UnsupportedOpError
@@ -190,15 +190,27 @@ class NumpyExecutable(PlanExecutor):
     # ---------------------------------------------------------------- work
     def find_fusions(self) -> list[Fusion]:
         """RMS_NORM(x) * w (w a weight row) -> one closure at the MUL; the norm's buffer is
-        never written. x must still be live at the MUL (the closure reads it there)."""
-        return select(self, [_norm_fusion])
+        never written. x must still be live at the MUL (the closure reads it there). The weight
+        products of one x (q, k, v; gate, up) -> one compiled call at the first."""
+        return select(self, [_norm_fusion, _matmul_group])
 
     def fused_steps(self, d: int, fusion: Fusion) -> list:
+        if fusion.kind is FusionKind.MATMUL_GROUP:
+            return self._group_steps(d, fusion)
         a = self.arrays[d]
         node, rms = fusion.at, fusion.absorbed[0]
         x = a[rms.src[0]]
         return [rms_norm_mul(x, a[node.src[1]], rms.params["eps"], a[node], self.backend.use_kernels,
                              self.backend.row_threads(x.shape[-2] if x.ndim >= 2 else 1))]
+
+    def _group_steps(self, d: int, fusion: Fusion) -> list:
+        """The products of one x as one compiled call (one parallel region, its rows shared out
+        over every product; a q8 call rounds x to Q8 blocks once for all): each product's
+        results are the bits it gives alone. Products some other way (BLAS) run in turn."""
+        steps = [f for m in fusion.parts["members"] for f in self.node_steps(d, m)]
+        if len(steps) > 1 and all(native.is_qmatmul(f) for f in steps):
+            return [native.group_qmatmul(steps)]
+        return steps
 
     def node_steps(self, d: int, node: Tensor) -> list:
         a = self.arrays[d]
@@ -295,6 +307,15 @@ def _grouped_attention(at_node: list[Closure]) -> list[Closure] | None:
         group()
     run.kernel, run.prepare = group, prepare     # for cpu_kernels.batch
     return [run]
+
+
+def _matmul_group(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """The weight products of x = `node` (q, k and v; gate and up) run at the first one: a step
+    of 16 tokens made 7 compiled matmul calls a layer, each with its own parallel region and its
+    own rounding of x. Values device 0 computes for all (`shared`) are left alone."""
+    def accept(mm: Tensor) -> bool:
+        return bool(mm.src[0].flags & Flag.WEIGHT) and mm not in ex.shared
+    return matmul_group_fusion(ex.facts, node, taken, accept, native.MAX_GROUP_ITEMS)
 
 
 def _norm_fusion(ex: NumpyExecutable, node: Tensor, taken) -> list[Fusion]:

@@ -88,9 +88,58 @@ def test_numpy_norm_fusions_are_the_hand_written_ones(synth_factory, layout, T):
     eng, backend = _engine(synth_factory, layout)
     plan = _plan(eng, T)
     ex = backend.prepare(plan)
-    got = [(f.at, f.absorbed[0]) for f in ex.fusions.values()]
+    norms = [f for f in ex.fusions.values() if f.kind is FusionKind.NORM]
+    got = [(f.at, f.absorbed[0]) for f in norms]
     assert got == _old_numpy_norm_fusions(plan, plan.facts) and got
-    assert all(f.kind is FusionKind.NORM and f.kind == "norm" for f in ex.fusions.values())
+    assert all(f.kind == "norm" for f in norms)
+    assert {f.kind for f in ex.fusions.values()} == {FusionKind.NORM, FusionKind.MATMUL_GROUP}
+
+
+@pytest.mark.parametrize("layout", [DeviceLayout(), DeviceLayout(2, "tensor"), DeviceLayout(3, "tensor", (1, 0, 2))])
+@pytest.mark.parametrize("T", [1, 16, 100])
+def test_numpy_groups_the_weight_products_of_one_x(synth_factory, layout, T):
+    """q, k and v (and gate and up) of every layer run as one group at the first of them; the
+    later ones are written early, into memory of their own; nothing else is grouped."""
+    eng, backend = _engine(synth_factory, layout)
+    plan = _plan(eng, T)
+    ex = backend.prepare(plan)
+    groups = [f for f in ex.fusions.values() if f.kind is FusionKind.MATMUL_GROUP]
+    idx = plan.graph.index
+    n_layer = eng.model.hparams.n_layer
+    assert sorted(len(f.members) for f in groups) == [2] * n_layer + [3] * n_layer
+    for f in groups:
+        x = f.at.src[1]
+        assert all(m.op is Op.MUL_MAT and m.src[1] is x and m.src[0].flags & Flag.WEIGHT for m in f.members)
+        assert f.at is min(f.members, key=lambda m: idx[m]) and set(f.detach) == set(f.absorbed)
+        names = sorted(m.src[0].name.split(".")[-2] for m in f.members)
+        assert names in (["attn_k", "attn_q", "attn_v"], ["ffn_gate", "ffn_up"])
+        for d in ex.devices:            # a detached output is not in the arena another node reuses
+            arena = ex.arrays[d][f.at].base
+            assert all(ex.arrays[d][m].base is not arena for m in f.absorbed)
+
+
+@pytest.mark.parametrize("numerics", ["exact", "q8"])
+@pytest.mark.parametrize("layout", [DeviceLayout(), DeviceLayout(2, "tensor")])
+def test_grouped_products_give_the_bits_of_separate_calls(synth_factory, monkeypatch, numerics, layout):
+    """The logits of prompts of 1, 16 and 100 tokens (the few-token kernels, the GEMM, BLAS)
+    and of the decode steps after them are the same bits with and without the groups."""
+    from metatp.backends.numpy.executable import NumpyExecutable, _norm_fusion
+
+    path, _ = synth_factory(SynthSpec(seed=11))
+
+    def run() -> list[np.ndarray]:
+        eng = Engine(load_model(path), 256, layout, NumpyBackend(layout, numerics=numerics))
+        out = []
+        for n in (1, 16, 100):
+            eng.reset()
+            out.append(eng.forward(list(range(1, n + 1)), all_logits=True))
+            out.append(eng.forward([5]))
+        return out
+    grouped = run()
+    monkeypatch.setattr(NumpyExecutable, "find_fusions", lambda ex: select(ex, [_norm_fusion]))
+    separate = run()
+    for a, b in zip(grouped, separate):
+        assert np.array_equal(a, b)
 
 
 def test_select_first_finder_wins_and_overlap_is_refused(synth_factory):

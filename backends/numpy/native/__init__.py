@@ -19,7 +19,7 @@ from metatp.backends.numpy.native.attention import (attention_usable, group_atte
 from metatp.backends.numpy.native.elementwise import (GLU_ACTS, prepare_add, prepare_allreduce, prepare_glu,
                                                       prepare_rms_norm)
 from metatp.backends.numpy.native.kv import KV_TYPES, kv_dequantize, kv_quantize, kv_row_bytes, prepare_set_rows
-from metatp.backends.numpy.native.lib import (ATTN_CHUNK, MAX_ROWS, available, batch, batchable, build_library,
+from metatp.backends.numpy.native.lib import (ATTN_CHUNK, MAX_GROUP_ITEMS, MAX_ROWS, available, batch, batchable, build_library,
                                               default_threads, isa, kernel_info, library_isa)
 from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K, dequantize, float_row_groups,
                                                  group_qmatmul, is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
@@ -34,4 +34,4 @@ __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmu
            "prepare_dequant_matmul", "prepare_set_rows", "DEQUANT_CHUNK", "batchable", "batch", "ATTN_CHUNK",
            "MAX_ROWS", "KV_TYPES", "kv_quantize", "kv_dequantize", "library_isa", "build_library", "round_half",
            "dequantize", "rope_usable", "attention_usable", "kv_row_bytes", "prepare_rms_norm", "prepare_add",
-           "GLU_ACTS", "float_row_groups", "row_best"]
+           "GLU_ACTS", "float_row_groups", "row_best", "MAX_GROUP_ITEMS"]

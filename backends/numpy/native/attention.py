@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from metatp.backends.numpy.native.kv import _kv_view_ok
-from metatp.backends.numpy.native.lib import ATTN_CHUNK, _Call, _elems, available, default_threads
+from metatp.backends.numpy.native.lib import ATTN_CHUNK, MAX_GROUP_ITEMS, _Call, _elems, available, default_threads
 
 __all__ = ["rope_usable", "prepare_rope", "attention_usable", "prepare_attention", "is_attention",
            "group_attention"]
@@ -110,14 +110,13 @@ def is_attention(f) -> bool:
     return isinstance(f, _Call) and f.name == "metatp_attention"
 
 
-_MAX_GROUP_ITEMS = 64      # MAX_ITEMS in simd.h
 
 
 def group_attention(calls: list[_Call]) -> _Call:
     """One call doing the work of several prepared attentions (`run.call`; independent: their own
     outputs and scratch), their units and merged rows shared by one parallel region, with the
     thread count of them all together. Bit-identical to calling them in turn."""
-    if not calls or len(calls) > _MAX_GROUP_ITEMS or not all(is_attention(c) for c in calls):
+    if not calls or len(calls) > MAX_GROUP_ITEMS or not all(is_attention(c) for c in calls):
         raise ValueError("group_attention: 1 to 64 prepared attention calls")
     nthreads = min(int(c.args.nthreads) for c in calls)
     ptrs = (ctypes.c_void_p * len(calls))(*[ctypes.addressof(c.args) for c in calls])

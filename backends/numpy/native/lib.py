@@ -24,7 +24,7 @@ from metatp.backends.host_build import build_shared_library, host_cache_dir
 from metatp.ir.errors import ConfigError
 
 __all__ = ["available", "kernel_info", "isa", "library_isa", "build_library", "default_threads", "batchable",
-           "batch", "ATTN_CHUNK", "MAX_ROWS"]
+           "batch", "ATTN_CHUNK", "MAX_ROWS", "MAX_GROUP_ITEMS"]
 
 # The decode attention cuts the KV length into chunks at absolute multiples of ATTN_CHUNK cells
 # (ATTN_CHUNK in attention.c): a query row's result depends only on its visible cells and their
@@ -36,6 +36,9 @@ ATTN_CHUNK = 128
 # decode tokens; longer prompt chunks go to float32 BLAS (faster there, but its sums depend on the
 # batch shape). numpy/kernels dispatches on it.
 MAX_ROWS = 64
+
+# Products (or attentions) one grouped call takes at most (MAX_ITEMS in simd.h).
+MAX_GROUP_ITEMS = 64
 
 # The ISA builds of the kernels besides -march=native: their compiler flags and the /proc/cpuinfo
 # flags a CPU needs to run them. METATP_KERNEL_ISA picks one (e.g. the AVX2 path on a CPU that also

@@ -18,7 +18,7 @@ import numpy as np
 
 from metatp.backends.numpy.codes import AffineWeight
 from metatp.backends.numpy.native import lib as _lib
-from metatp.backends.numpy.native.lib import _Call, _struct, default_threads
+from metatp.backends.numpy.native.lib import MAX_GROUP_ITEMS, _Call, _struct, default_threads
 
 __all__ = ["prepare_qmatmul", "qmatmul", "float_row_groups", "is_qmatmul", "group_qmatmul", "Q8_0", "Q8_1", "Q8_K", "q8_kind",
            "prepare_q8_matmul", "q8_matmul", "q8_quantize", "round_half", "q8_isums", "DEQUANT_CHUNK",
@@ -100,14 +100,13 @@ def group_qmatmul(calls: list) -> Callable[[], None]:
     closures (independent products): one parallel region instead of one each. Results are
     bit-identical to calling them in turn."""
     items = [it for c in calls for it in c.items]
-    if len(calls) == 1 or len(items) > _MAX_GROUP_ITEMS or len({c.name for c in calls}) > 1:
+    if len(calls) == 1 or len(items) > MAX_GROUP_ITEMS or len({c.name for c in calls}) > 1:
         return calls[0] if len(calls) == 1 else _run_in_turn(calls)
     if calls[0].name == "metatp_q8_matmul":
         return _q8_group(items, int(calls[0].args.nthreads))
     return _qmatmul_group(items, int(calls[0].args.nthreads))
 
 
-_MAX_GROUP_ITEMS = 64      # MAX_ITEMS in simd.h
 
 
 def _run_in_turn(calls: list) -> Callable[[], None]:
