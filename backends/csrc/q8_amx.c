@@ -21,12 +21,13 @@
  * a sequence's logits do not depend on how many tokens share its step. Tokens past the last
  * whole 16 take q8_gemm.c's tile.
  *
- * Opt-in (METATP_KERNEL_ISA=avx512-amx defines METATP_AMX; -march=native does not): on the 2-vCPU
- * VM where it was written (Intel, AMX granted) its tile beat q8_gemm.c's by 1.3-1.6x on one thread
- * (281-327 against 177-219 G multiply-adds a second, 1024 rows x 64 tokens, K 576), but with both
- * threads the default model's layer weights took 31.1 ms at 64 tokens against 27.5 and 249 at 512
- * against 187 (the lm head: 1.45 against 1.94 ms at 16 tokens). The tile loads and the stored sums
- * cost as much as the products they replace; see docs/performance.md.
+ * Where (METATP_AMX: -march=native on a CPU reporting amx_tile and amx_int8, and the named build
+ * METATP_KERNEL_ISA=avx512-amx): products of 16 to AMX_MAX_TOKENS tokens (a decode step of 16-32
+ * sequences, short prompts). On the 2-vCPU Intel VM it was written on (AMX granted, both threads)
+ * a 16-sequence decode step took 10.0-10.1 ms against 11.0-11.3 and prompts of 16 and 32 tokens
+ * ran 1.02-1.18x faster; from 64 tokens it lost (128: 0.88-0.91x, 512: 0.93-0.97x), the stored
+ * sums and tile loads costing as much as the products they replace, so longer items keep
+ * q8_gemm.c's tiles. See docs/performance.md.
  *
  * Linux hands a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM); where it
  * is refused (an older kernel, a hypervisor hiding it) the product runs q8_gemm.c's tile instead of
@@ -38,6 +39,19 @@
 #include <unistd.h>
 
 enum { AMX_T = 16 };        /* tokens a tile: the rows of A and C */
+
+/* The most tokens an item runs on AMX tiles; longer ones take q8_gemm.c's tiles. On the machine
+ * it was measured on (docs/performance.md) the tiles won at 16-32 tokens a product and lost from
+ * 128 (prompts of 128 tokens 0.88-0.91x, 512 0.93-0.97x), where a thread's rows and token blocks
+ * keep q8_gemm.c's tiles fed from L2. */
+#ifndef AMX_MAX_TOKENS
+#define AMX_MAX_TOKENS 32
+#endif
+
+/* Does item `a` run on AMX tiles (row-group layout, a whole tile of tokens, not too many)? */
+static int amx_takes(const Q8MatmulArgs *a) {
+    return a->group == 8 && a->ntok >= AMX_T && a->ntok <= AMX_MAX_TOKENS;
+}
 
 /* ldtilecfg's 64-byte operand (palette 1) */
 typedef struct {
@@ -193,7 +207,7 @@ static void amx_pair(const Q8MatmulArgs *a, const Q8Act *x, int64_t g, int64_t t
 static int amx_wanted(const Q8MatmulGroup *g) {
 #if Q8_GEMM_AMX
     for (int64_t i = 0; i < g->n; i++)
-        if (g->items[i]->group == 8 && g->items[i]->ntok >= AMX_T) return amx_granted();
+        if (amx_takes(g->items[i])) return amx_granted();
 #else
     (void)g;
 #endif

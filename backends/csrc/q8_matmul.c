@@ -23,7 +23,7 @@ static int gemm_takes(const Q8MatmulArgs *a) {
 static void gemm_chunk(const Q8MatmulArgs *a, const Q8Act *x, int64_t c, int64_t t0, int64_t t1, int amx) {
     const int64_t g = GEMM_GROUPS * c;
 #if Q8_GEMM_AMX
-    if (amx && g + 1 < a->rows / 8) {
+    if (amx && amx_takes(a) && g + 1 < a->rows / 8) {
         amx_pair(a, x, g, t0, t1);
         return;
     }

@@ -59,3 +59,31 @@ def test_the_named_build_is_the_one_in_use(fresh_library, isa):
 def test_native_is_the_default(fresh_library):
     fresh_library.delenv("METATP_KERNEL_ISA", raising=False)
     assert "METATP_KERNEL_ISA" not in lib.kernel_info()     # -march=native or its fallbacks
+
+
+AMX_CPU = frozenset({"avx2", "fma", "avx512_vnni", "avx512vl", "avx512bw", "amx_tile", "amx_int8"})
+
+
+@pytest.mark.parametrize("flags, amx", [(AMX_CPU, True), (AMX_CPU - {"amx_int8"}, False),
+                                        (frozenset({"avx2", "fma"}), False)])
+def test_native_takes_the_amx_tiles_where_the_cpu_has_them(fresh_library, flags, amx):
+    """-march=native builds q8_amx.c's tiles first where the CPU reports amx_tile and amx_int8,
+    with the plain native sets after it (a compiler without AMX falls back to them)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 builds")
+    fresh_library.delenv("METATP_KERNEL_ISA", raising=False)
+    fresh_library.setattr(lib, "cpu_flags", lambda: flags)
+    sets = lib._chosen_flag_sets()
+    assert ("-DMETATP_AMX" in sets[0]) is amx and "-march=native" in sets[0]
+    assert sets[-len(lib._FLAG_SETS):] == lib._FLAG_SETS
+
+
+def test_the_native_build_here_says_whether_it_runs_amx_tiles(fresh_library):
+    """On this machine: an AMX CPU gets the avx512-amx path (or the OS's refusal is reported),
+    any other CPU the path its flags give."""
+    fresh_library.delenv("METATP_KERNEL_ISA", raising=False)
+    if lib.isa_unrunnable("avx512-amx") is None:
+        assert lib.isa() == "avx512-amx"
+        assert lib.amx_refused(lib._library()[0]) == ("refused by the OS" in lib.kernel_info())
+    else:
+        assert lib.isa() != "avx512-amx"

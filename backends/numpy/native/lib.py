@@ -43,9 +43,9 @@ MAX_GROUP_ITEMS = 64
 # The ISA builds of the kernels besides -march=native: their compiler flags and the /proc/cpuinfo
 # flags a CPU needs to run them. METATP_KERNEL_ISA picks one (e.g. the AVX2 path on a CPU that also
 # has AVX-512, to measure what an AVX2-only machine runs); the tests build and run each one the CPU
-# can run (tests/support/cpu.py). avx512-amx (csrc/q8_amx.c: q8 products of 16+ tokens on AMX
-# tiles) is only ever a named build: -march=native leaves it out, since it measured slower with two
-# threads on the machine it was written on (docs/performance.md).
+# can run (tests/support/cpu.py). avx512-amx (csrc/q8_amx.c: q8 products of 16-32 tokens on AMX
+# tiles) is what -march=native builds too where the CPU reports the tiles (`_AMX_NATIVE`); where
+# the OS then refuses the tile state, those products take the avx512-vnni tiles (same bits).
 BASE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w")
 ISA_BUILDS = {
     "avx512-amx": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
@@ -58,6 +58,9 @@ ISA_BUILDS = {
     "portable": ((), ()),
 }
 
+# added to the first -march=native set on a CPU with AMX tiles (a compiler without them falls back
+# to the plain native set)
+_AMX_NATIVE = ("-mamx-tile", "-mamx-int8", "-DMETATP_AMX")
 _FLAG_SETS = (
     ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-w"),
     ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=gnu11", "-w"),   # no OpenMP runtime
@@ -148,6 +151,8 @@ def _chosen_flag_sets() -> tuple[tuple[str, ...], ...]:
     would die of an illegal instruction)."""
     want = os.environ.get("METATP_KERNEL_ISA", "").strip().lower()
     if want in ("", "native"):
+        if isa_unrunnable("avx512-amx") is None:
+            return (_FLAG_SETS[0] + _AMX_NATIVE, *_FLAG_SETS)
         return _FLAG_SETS
     if want not in ISA_BUILDS:
         raise ConfigError(f"METATP_KERNEL_ISA={want!r}: choose native or one of {', '.join(ISA_BUILDS)}")
