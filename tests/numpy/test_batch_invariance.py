@@ -84,6 +84,31 @@ def test_attention_row_is_the_same_alone_and_batched(kind, threads, T):
 
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sequences_on_their_own_chunks_with_empty_chunks_between(kind, threads, seed):
+    """A decode step of many sequences, each on chunks of its own, with chunks no row sees between
+    and after them (a cache larger than the step uses): only the seen chunks make units, and each
+    row gets the bits it gets alone."""
+    rng = np.random.default_rng(seed)
+    Hkv, g, D, C = 3, 3, 64, native.ATTN_CHUNK
+    H, T = Hkv * g, 7
+    chunks = np.sort(rng.choice(np.arange(3 * T), T, replace=False))     # each sequence's first chunk
+    lens = rng.integers(1, 2 * C, T)                                         # some run into a second
+    n_tot = int(max(c * C + n for c, n in zip(chunks, lens))) + 2 * C
+    ck, cv = _cache(rng, kind, Hkv, n_tot, D), _cache(rng, kind, Hkv, n_tot, D)
+    q = rng.standard_normal((H, T, D)).astype(F32)
+    mask = np.full((T, n_tot), -np.inf, F32)
+    for t, (c, n) in enumerate(zip(chunks, lens)):
+        mask[t, c * C:c * C + n] = 0.0
+    batched = _attend(q, ck, cv, mask, kind, n_tot, threads, D)
+    for t, (c, n) in enumerate(zip(chunks, lens)):
+        s = slice(c * C, c * C + n)
+        alone = _attend(q[:, t:t + 1].copy(), ck[s].copy(), cv[s].copy(), np.zeros((1, n), F32), kind, n, 1, D)[0]
+        assert np.array_equal(alone.view(np.uint32), batched[t].view(np.uint32)), (t, np.abs(alone - batched[t]).max())
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q8_0"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_attention_row_is_the_same_with_other_cells_between_its_own(kind, seed):
     """A decode step's cells land wherever cells are free, so other sequences' (masked) cells may
