@@ -78,11 +78,16 @@ static inline __attribute__((always_inline)) __m256 qmg_rows(__m512 a, __m512 b)
  * way, so results are bit-identical. */
 enum { QMG_MAKE = 0, QMG_KEEP = 1, QMG_REUSE = 2 };
 
-/* Tokens from which the weights are kept: measured on the default model's weights (exact numerics,
- * 2 threads, Zen 5 machine, both builds in one process), keeping them at 16 tokens took the layers
- * 11.3 -> 11.7 ms (the stores cost what the second tile saves), at 24 tokens 16.1 -> 15.5 ms, 32:
- * 22.9 -> 21.4, 64: 43.6 -> 40.3, 512: 337 -> 302. */
-enum { QMG_KEEP_FROM = 3 * QMG_T };
+/* Tokens from which the weights are kept. Measured on the default model's weights (exact numerics,
+ * 2 threads, Zen 5 machine, both builds in one process): keeping them at 16 tokens took the layers
+ * 11.3 -> 11.7 ms, at 24 tokens 16.1 -> 15.5 ms, 32: 22.9 -> 21.4, 64: 43.6 -> 40.3, 512: 337 -> 302;
+ * so it was 3 tiles. On the Intel machine, builds in separate processes run in turn, keeping from 16
+ * took a 16-sequence decode step 19.3 -> 17.8 ms (S_TG 789-795 -> 856-862 t/s), pp16 1046 -> 1135-1157
+ * and pp20 1023-1033 -> 1186-1197 t/s: 2 tiles (the Zen 5 figure, from one process, is the doubtful
+ * one; docs/performance.md). */
+#ifndef QMG_KEEP_FROM
+#define QMG_KEEP_FROM (2 * QMG_T)
+#endif
 
 /* Floats of kept weights per block of a group: 8 or 4 word steps x 2 registers x 2 (nibble halves). */
 enum { QMG_KEPT_PER_BLOCK = 8 * 2 * 16 };
