@@ -182,12 +182,14 @@ class PlanExecutor(Executable):
             raise ValueError("fusions overlap: a node may belong to one fusion only (use fusion.select)")
 
     def bind_nodes(self, d: int, live_until: dict[Tensor, int] | None = None) -> None:
-        """Device d's node buffers: owners in one arena (dead buffers reused), fusion outputs
-        written early in memory of their own, views onto their source, shared values onto
-        the computing device's buffer."""
+        """Device d's node buffers: owners in one arena (dead buffers reused; fusion outputs
+        written early from the fusion's position on, or in memory of their own), views onto
+        their source, shared values onto the computing device's buffer."""
         keep = {t.view_src or t for f in self.fusions.values() for t in f.keep}
         detach = {t for f in self.fusions.values() for t in f.detach}
-        offsets, size = assign_offsets(self.plan, d, self.itemsize, keep=keep, live_until=live_until)
+        idx = self.plan.graph.index
+        early = {t: idx[f.at] for f in self.fusions.values() for t in f.early}
+        offsets, size = assign_offsets(self.plan, d, self.itemsize, keep=keep, live_until=live_until, born_at=early)
         arena = self.new_arena(d, size)
         arrays = self.arrays[d]
         lead = self.devices[0]

@@ -156,13 +156,16 @@ def owns_buffer(node: Tensor) -> bool:
 
 def assign_offsets(plan: Plan, d: int, itemsize: Callable[[Tensor], int],
                    keep: set[Tensor] | None = None,
-                   live_until: dict[Tensor, int] | None = None) -> tuple[dict[Tensor, int], int]:
+                   live_until: dict[Tensor, int] | None = None,
+                   born_at: dict[Tensor, int] | None = None) -> tuple[dict[Tensor, int], int]:
     """Offsets of every buffer-owning node of device d in one arena, reusing dead buffers.
 
     A buffer lives from its node until the last node that reads it or any view of it; graph
-    outputs and `keep` live to the end, `live_until` extends chosen buffers. A node's output is placed before its dying inputs are
-    freed, so no kernel ever writes over memory it still reads. Best-fit over a free list, like
-    ggml-alloc. Returns (offsets, arena size)."""
+    outputs and `keep` live to the end, `live_until` extends chosen buffers, and `born_at` starts
+    chosen ones at an earlier node (outputs a fusion writes at its position, before their own).
+    A node's output is placed before its dying inputs are freed, so no kernel ever writes over
+    memory it still reads. Best-fit over a free list, like ggml-alloc. Returns (offsets, arena
+    size)."""
     nodes = plan.graph.nodes
     keep = set(keep or ()) | {_owner(t) for t in plan.graph.outputs}
     last: dict[Tensor, int] = {}
@@ -178,26 +181,30 @@ def assign_offsets(plan: Plan, d: int, itemsize: Callable[[Tensor], int],
     for t, i in last.items():
         if t.op is not Op.NONE and t not in keep:
             dying.setdefault(i, []).append(t)
+    born_at = born_at or {}
+    early: dict[int, list[Tensor]] = {}
+    for t, i in born_at.items():
+        early.setdefault(i, []).append(t)
     free: list[tuple[int, int]] = []          # (offset, size)
     offsets: dict[Tensor, int] = {}
     sizes: dict[Tensor, int] = {}
     top = 0
     for i, n in enumerate(nodes):
-        if owns_buffer(n):
-            size = -(-max(_nelements(plan.of(n).local[d].ne) * itemsize(n), 1) // ALIGN) * ALIGN
+        for t in ([n] if owns_buffer(n) and n not in born_at else []) + early.get(i, []):
+            size = -(-max(_nelements(plan.of(t).local[d].ne) * itemsize(t), 1) // ALIGN) * ALIGN
             best = None
             for k, (off, sz) in enumerate(free):
                 if sz >= size and (best is None or sz < free[best][1]):
                     best = k
             if best is None:
-                offsets[n] = top
+                offsets[t] = top
                 top += size
             else:
                 off, sz = free.pop(best)
-                offsets[n] = off
+                offsets[t] = off
                 if sz > size:
                     free.append((off + size, sz - size))
-            sizes[n] = size
+            sizes[t] = size
         for t in dying.get(i, ()):
             if t in offsets:
                 free.append((offsets[t], sizes[t]))

@@ -57,3 +57,55 @@ def test_parse_bytes():
     for bad in ("lots", "-1G", "0", 0):
         with pytest.raises(ConfigError):
             parse_bytes(bad)
+
+
+@pytest.mark.parametrize("T", [1, 16, 100])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_buffers_born_early_share_memory_only_with_buffers_dead_by_then(synth_factory, T, seed):
+    """`assign_offsets(born_at=)`: a node's buffer that a fusion writes at an earlier node lives
+    from there; no two buffers whose lives overlap share a byte (lives taken from the graph: from
+    the birth to the last reader of the buffer or its views; outputs to the end)."""
+    import numpy as np
+
+    from metatp.backends.numpy.backend import NumpyBackend
+    from metatp.engine import Engine, padded_kv
+    from metatp.ir.loader import load_model
+    from metatp.ir.models import BatchSpec
+    from metatp.ir.ops import Op
+    from metatp.passes.memory import assign_offsets, owns_buffer
+    from metatp.passes.plan import DeviceLayout
+
+    path, _ = synth_factory(SynthSpec(seed=11))
+    eng = Engine(load_model(path), 256, DeviceLayout(), NumpyBackend(DeviceLayout()))
+    plan = eng.plan_for(BatchSpec(T, padded_kv(T, 256), 1))[0]
+    nodes, idx = plan.graph.nodes, plan.graph.index
+    rng = np.random.default_rng(seed)
+    # every MUL_MAT after the first reader of its x born at that first reader (as the groups do),
+    # or at a random earlier node after x
+    born = {}
+    for n in nodes:
+        if n.op is Op.MUL_MAT and owns_buffer(n):
+            x = n.src[1]
+            first = min(idx[r] for r in nodes if r.op is Op.MUL_MAT and r.src[1] is x)
+            lo = first if rng.random() < 0.5 else idx.get(x, -1) + 1
+            if lo < idx[n]:
+                born[n] = int(rng.integers(max(lo, 0), idx[n] + 1))
+    offsets, size = assign_offsets(plan, 0, lambda t: 4, born_at=born)
+    last = {}
+    for i, n in enumerate(nodes):
+        for s in n.src:
+            if s is not None:
+                o = s.view_src or s
+                last[o] = max(last.get(o, -1), i)
+    outs = {t.view_src or t for t in plan.graph.outputs}
+    lives = []
+    for t, off in offsets.items():
+        start = born.get(t, idx[t])
+        end = len(nodes) if t in outs else max(last.get(t, idx[t]), idx[t])
+        nbytes = -(-max(int(np.prod(plan.of(t).local[0].ne)) * 4, 1) // 64) * 64
+        lives.append((start, end, off, off + nbytes))
+    for i, (s1, e1, a1, b1) in enumerate(lives):
+        assert b1 <= size
+        for s2, e2, a2, b2 in lives[i + 1:]:
+            if s1 <= e2 and s2 <= e1:           # alive together at some node
+                assert b1 <= a2 or b2 <= a1
