@@ -73,3 +73,18 @@ def test_carry_counts_the_wheels_there_and_refuses_two_versions(tmp_path, capsys
     (tmp_path / "PyYAML-6.0.2-cp312-cp312-manylinux_2_17_x86_64.whl").unlink()
     assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path)]) == 1
     assert "over budget" in capsys.readouterr().err
+
+
+def test_profile_groups_a_steps_launches_by_kernel():
+    """The decode-step profile: launches of one kernel summed, the largest total first, the
+    slowest launch's geometry kept, shares of the whole step in the written table."""
+    from metatp.tools.gpu_check.profile import LaunchTime, by_kernel, table
+
+    times = [LaunchTime("matvec_q4_1", (72,), (32, 8), 3e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6),
+             LaunchTime("matvec_q4_1", (192,), (32, 8), 5e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6)]
+    rows = by_kernel(times)
+    assert [(name, n) for name, n, _, _ in rows] == [("matvec_q4_1", 2), ("rms_norm", 2)]
+    assert abs(rows[0][2] - 8e-6) < 1e-12 and rows[0][3].grid == (192,)
+    text = table(times)
+    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 5.00 | (192,) | (32, 8) |" in text
+    assert "| rms_norm | 2 | 2.0 | 20.0% |" in text

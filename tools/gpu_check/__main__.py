@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="markdown file for the results (a .json copy too)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds the whole run may take (about 7 minutes)")
     ap.add_argument("--layers", type=int, default=30, help="layers of the synthetic model (30 = SmolLM2-135M)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,nccl,mpi")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,profile,nccl,mpi")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic GGUF goes (default: a temp dir)")
     ap.add_argument("--emulate", action="store_true",
                     help="dry run without a GPU: the CPU kernel emulator and a tiny model")
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from metatp.tools.gpu_check import allreduce, env, kernels, model, preflight, ranks, speed
+    from metatp.tools.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, speed
     from metatp.tools.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -80,7 +80,7 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
     if have_gpu and "kernels" not in skip:
         step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
     loaded = None
-    if have_gpu and ({"model", "speed"} - skip):
+    if have_gpu and ({"model", "speed", "profile"} - skip):
         loaded = step("model", "synthetic GGUF", lambda: model.write_model(
             rep, cfg, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-"))))
     if loaded is not None and "model" not in skip:
@@ -88,6 +88,8 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
         step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
     if loaded is not None and "speed" not in skip:
         step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
+    if loaded is not None and "profile" not in skip:
+        step("profile", "decode step profile", profile.section_profile, rep, cfg, loaded, budget)
     if have_gpu and "nccl" not in skip and not cfg.emulate:
         step("nccl", "NCCL checks", allreduce.section_nccl, rep)
     if have_gpu and "mpi" not in skip:

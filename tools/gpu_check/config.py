@@ -21,12 +21,13 @@ class Config:
     prompt_len: int = 16
     greedy_steps: int = 15
     prefill_len: int = 512
+    profile_copies: tuple[int, int] = (4, 36)     # a launch's copies in the profile's two graphs
 
     @classmethod
     def dry_run(cls, n_layer: int = 2) -> Config:
         """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), decode_steps=4,
-                   prompt_len=12, greedy_steps=3, prefill_len=24)
+                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2))
 
     def spec(self):
         """The synthetic model: SmolLM2-135M's shapes (the real model cannot travel to the GPU
@@ -85,10 +86,10 @@ def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str 
                       cache_type_k=cache, cache_type_v=cache)
 
 
-def numpy_engine(model, n_ctx: int):
-    """The reference: the numpy backend on one device."""
+def numpy_engine(model, n_ctx: int, cache: str = "f32"):
+    """The reference: the numpy backend on one device, its KV cache of type `cache`."""
     from metatp.backends.registry import backend_entry
     from metatp.engine import Engine
 
     lay = layout(1)
-    return Engine(model, n_ctx, lay, backend_entry("numpy").create(lay, {}))
+    return Engine(model, n_ctx, lay, backend_entry("numpy").create(lay, {}), cache_type_k=cache, cache_type_v=cache)

@@ -47,18 +47,23 @@ CASES = ((1, None, {}, "N=1 (f16 KV, f16 GEMM)"),
          (1, None, {"kv_dtype": "f32", "matmul_dtype": "f32"}, "N=1 exact (f32 KV, f32 GEMM)"),
          (3, None, {}, "N=3 virtual devices"),
          (3, (1.0, 2.0, 1.0), {}, "N=3 virtual, tensor_split 1,2,1"),
-         (3, (1.0, 2.0, 1.0), {"cache": "q8_0"}, "N=3 virtual, tensor_split 1,2,1, q8_0 KV cache"))
+         (3, (1.0, 2.0, 1.0), {"cache": "q8_0", "matmul_dtype": "f32"},
+          "N=3 virtual, tensor_split 1,2,1, q8_0 KV cache (f32 GEMM) vs numpy with a q8_0 cache"))
 
 
 def section_model(rep: Report, cfg: Config, model, budget: Budget) -> None:
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(300, cfg.vocab, cfg.prompt_len)]
-    ref = numpy_engine(model, 512)
+    refs = {}
     for n, ts, kw, label in CASES:
         if budget.left() < 120:
             rep.add("model", label, "skipped (time budget)", None)
             continue
         try:
+            cache = kw.get("cache", "f32")
+            if cache not in refs:         # a quantized cache is compared with the same cache
+                refs[cache] = numpy_engine(model, 512, cache)
+            ref = refs[cache]
             ref.reset()
             eng = cupy_engine(cfg, model, 512, n, ts, **kw)
             got, want = teacher_forced(eng, ref, prompt, cfg.greedy_steps)

@@ -18,6 +18,7 @@ class Report:
     env: dict = field(default_factory=dict)
     details: list[str] = field(default_factory=list)
     kernel_table: str = ""
+    extra: list[str] = field(default_factory=list)     # further sections of the written report
     t0: float = field(default_factory=time.perf_counter)
 
     def add(self, section: str, check: str, result: str, ok: bool | None) -> None:
@@ -54,6 +55,8 @@ def write_outputs(rep: Report, out: Path | None) -> None:
     body = "\n".join(text)
     if rep.kernel_table:
         body += "\n## Kernel checks\n\n" + rep.kernel_table + "\n"
+    if rep.extra:
+        body += "\n## Profiles\n\n" + "\n".join(rep.extra)
     if rep.details:
         body += "\n## Failures\n\n" + "\n\n".join(rep.details) + "\n"
     out.write_text(body, encoding="utf-8")

@@ -20,7 +20,8 @@ def decode_feed(plan, n_past: int, token: int, window: int = 0) -> dict:
 
 def time_decode(cfg: Config, eng, kv_len: int, steps: int | None = None) -> dict:
     """Fill the KV cache to kv_len, then time `steps` decode steps (one plan: the positions stay
-    in one KV bucket). Returns tok/s of run+sync and of the engine's forward (logits to host)."""
+    in one KV bucket). Returns tok/s of run+sync and of the engine's forward (logits to host),
+    and the step's executable (the profile section times its launches)."""
     from metatp.engine import padded_kv
     from metatp.ir.models import BatchSpec
 
@@ -48,7 +49,7 @@ def time_decode(cfg: Config, eng, kv_len: int, steps: int | None = None) -> dict
     fwd_s = (time.perf_counter() - t0) / n_fwd
     n_launch = sum(len(s) for per_dev in ex.steps for s in per_dev)
     return {"tok_s": 1.0 / step_s, "us": step_s * 1e6, "fwd_tok_s": 1.0 / fwd_s, "launches": n_launch,
-            "graph": ex.graph_mode or "eager"}
+            "graph": ex.graph_mode or "eager", "executable": ex}
 
 
 def section_speed(rep: Report, cfg: Config, model, budget: Budget) -> None:
