@@ -107,6 +107,28 @@ def test_other_isa_builds_agree(monkeypatch, isa):
         assert np.array_equal(native.dequantize(aw), dequantize_affine(aw))
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_a_tokens_products_are_its_bits_alone_at_every_token_count(monkeypatch, isa):
+    """Batch invariance of the exact products on the builds without 512-bit registers: a token's
+    row of y has the bits of that token alone at token counts across the tiles of 4, 3, 2 and 1
+    tokens (and their rows a tile), for every code format, blocks of 16 and 32, with and without
+    offsets, on 1 and 2 threads."""
+    lib = isa_library(isa)
+    monkeypatch.setattr(native.lib, "_library", lambda: (lib, isa))
+    rng = np.random.default_rng(11)
+    for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, False), (4, 0, 32, True), (4, 0, 16, True),
+                                   (8, 0, 16, False), (16, 0, 32, False), (16, 1, 32, False)]:
+        aw = _affine(rng, 37, 192, block, off, bits, bias)
+        x = rng.standard_normal((17, 192)).astype(F32)
+        alone = np.concatenate([native.qmatmul(x[t:t + 1], aw, nthreads=1) for t in range(17)])
+        ref = x.astype(np.float64) @ dequantize_affine(aw).astype(np.float64).T
+        assert np.allclose(alone, ref, rtol=1e-5, atol=1e-5)
+        for n in (2, 3, 4, 5, 7, 8, 9, 16, 17):
+            for threads in (1, 2):
+                got = native.qmatmul(x[:n], aw, nthreads=threads)
+                assert np.array_equal(got.view(np.uint32), alone[:n].view(np.uint32)), (bits, bias, block, off, n, threads)
+
+
 def test_qmatmul_rejects_bad_shapes():
     aw = _affine(np.random.default_rng(0), 4, 64, 32, False)
     with pytest.raises(ValueError, match="x must be float32"):
