@@ -162,6 +162,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               **layout_kwargs(args))
     if args.prompt is None:
         raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
+    if args.n_predict < -1:
+        raise ConfigError(f"-n/--n-predict must be >= -1 (-1: until the context is full), got {args.n_predict}")
     if llm.world is not None and not llm.world.is_root:
         sys.stdout = open(os.devnull, "w")     # under mpiexec rank 0 prints; the others follow its tokens
     kw = dict(max_tokens=None if args.n_predict < 0 else args.n_predict, temperature=args.temp, top_p=args.top_p,
@@ -173,8 +175,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(c["choices"][0]["delta"].get("content", ""))
             sys.stdout.flush()
     else:
+        chunks = llm.create_completion(args.prompt, **kw)       # refuses bad parameters before the echo
         sys.stdout.write(args.prompt)
-        for c in llm.create_completion(args.prompt, **kw):
+        for c in chunks:
             sys.stdout.write(c["choices"][0]["text"])
             sys.stdout.flush()
     sys.stdout.write("\n")

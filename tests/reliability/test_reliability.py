@@ -97,11 +97,16 @@ def test_streaming_never_splits_a_utf8_character(path):
     (["generate", "-p", "x", "--top-p", "2"], "top_p"),
     (["generate"], "no prompt"),
     (["generate", "-f", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+    (["generate", "-p", "x", "-n", "-3"], "n-predict"),
 ])
 def test_cli_error_paths_print_one_line(path, capsys, argv, needle):
+    """One error line on stderr, and nothing on stdout before it (the prompt is echoed only once
+    the request is accepted)."""
     rc = main([argv[0], "-m", path, *argv[1:]])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    out = capsys.readouterr()
+    err = [line for line in out.err.splitlines() if line.strip()]
     assert rc != 0 and len(err) == 1 and err[0].startswith("metatp: error:") and needle in err[0], err
+    assert out.out == "", out.out
 
 
 def test_soak_is_flat_and_deterministic(path):

@@ -166,6 +166,9 @@ def test_logprobs_n2_stop_and_seed(server):
     (json.dumps({"prompt": [10 ** 9]}), "prompt"),
     (json.dumps({"prompt": "x" * 3000}), "prompt"),
     (json.dumps({"max_tokens": 3}), "prompt"),
+    (json.dumps({"prompt": "x", "best_of": 3}), "best_of"),
+    (json.dumps({"prompt": "x", "n": 2, "best_of": 3}), "best_of"),
+    (json.dumps({"prompt": "x", "suffix": " the end"}), "suffix"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):
     r = server.post("/v1/completions", body)
@@ -188,6 +191,32 @@ def test_hostile_bodies_are_bounded_before_parsing(server, body, status, words):
     if words:
         assert words in r.json()["error"]["message"] and "Traceback" not in r.text
     assert complete(server.client(), "still serving", 2)
+
+
+@pytest.mark.parametrize("extra", [{"best_of": 1}, {"n": 2, "best_of": 2}, {"suffix": ""}, {"suffix": None},
+                                   {"user": "u-1", "metadata": {"k": "v"}}])
+def test_neutral_values_of_unimplemented_fields_pass(server, extra):
+    """best_of equal to n, an empty suffix and OpenAI's metadata fields change nothing: served."""
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == extra.get("n", 1)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+])
+def test_chat_fields_metatp_does_not_implement_are_refused_by_name(server, extra, param):
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "not supported" in err["message"] and "Traceback" not in r.text
 
 
 def test_chat_errors_without_template_and_bad_messages(server):
