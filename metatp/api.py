@@ -491,13 +491,23 @@ class LLM:
     def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
                           top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, stop: str | list[str] | None = None,
                           stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
-                          echo: bool = False, **penalties: Any) -> dict | Iterator[dict]:
-        """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns."""
+                          echo: bool = False, logprobs: int | None = None, **penalties: Any) -> dict | Iterator[dict]:
+        """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns.
+        `logprobs`: each generated token's log-probability and the `logprobs` most likely
+        alternatives (0-20; the server's `echo` with `logprobs` scores the prompt too, here that
+        pair is refused)."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
+        if logprobs is not None:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral) or not 0 <= logprobs <= 20:
+                raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {logprobs!r}")
+            if echo:
+                raise ConfigError("echo with logprobs (the prompt's own logprobs) is not supported by "
+                                  "create_completion; metatp serve's /v1/completions gives them")
+            params = dataclasses.replace(params, logprobs=int(logprobs))
         ids = self.prompt_ids(prompt)
         answer = TextAnswer(str(self.model_path), [ids], 1, self._piece, self.detokenize, echo=echo,
-                            echo_text=[prompt] if isinstance(prompt, str) else None)
+                            logprobs=params.logprobs, echo_text=[prompt] if isinstance(prompt, str) else None)
         return self._answer(answer, ids, params, stream)
 
     __call__ = create_completion

@@ -42,11 +42,16 @@ class _Answer:
         return [self._chunk([], self.usage(self.n_gen))] if self.stream_usage else []
 
     def chunk(self, choice: int, out) -> dict | None:
-        """The stream chunk of one output (None when it carries nothing to send)."""
+        """The stream chunk of one output (None when it carries nothing to send). A token whose
+        text is not whole yet (part of a UTF-8 character) still sends its logprobs when they were
+        asked for, with empty text, so the stream carries every token the whole answer lists."""
         self.n_gen += out.token is not None
-        if not (out.text or out.finish_reason):
+        if not (out.text or out.finish_reason or (self._wants_lp() and out.token is not None)):
             return None
         return self._chunk([self._delta(choice, out)])
+
+    def _wants_lp(self) -> bool:
+        return False
 
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         raise NotImplementedError
@@ -73,6 +78,9 @@ class TextAnswer(_Answer):
 
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         return oai.text_completion(self.cid, self.created, self.model, choices, use, stream_usage=self.stream_usage)
+
+    def _wants_lp(self) -> bool:
+        return self.lp is not None
 
     def _choice_lp(self, outs: list) -> dict | None:
         return None if self.lp is None else oai.completion_logprobs(outs, self.piece)
@@ -133,6 +141,9 @@ class ChatAnswer(_Answer):
 
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         return oai.chat_chunk(self.cid, self.created, self.model, choices, use, stream_usage=self.stream_usage)
+
+    def _wants_lp(self) -> bool:
+        return bool(self.want_lp)
 
     def _choice_lp(self, outs: list) -> dict | None:
         return oai.chat_logprobs(outs, self.piece) if self.want_lp else None

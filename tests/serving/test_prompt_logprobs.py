@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from metatp import LLM
+from metatp.ir.errors import ConfigError
 from metatp.logprobs import prompt_logprobs
 from metatp.testing.synth import SynthSpec
 from support.require import requires
@@ -146,3 +147,32 @@ def test_generate_reports_prompt_logprobs(path, want):
     for bad in (-1, 21, 1.5, "2"):
         with pytest.raises(ConfigError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+@requires("serve")
+def test_python_create_completion_logprobs_are_the_servers(path, plp_server):
+    """llama-cpp-python's `logprobs` on `LLM.create_completion`: the same entries as the server's
+    /v1/completions for the same request (tokens, logprobs, alternatives, offsets), streamed or
+    whole; echo with logprobs and bad counts are refused by name."""
+    served = plp_server.client().completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
+                                                    logprobs=3).choices[0]
+    llm = LLM(path, n_ctx=N_CTX, backend="numpy")
+    mine = llm.create_completion(PROMPT, max_tokens=4, temperature=0, logprobs=3)["choices"][0]
+    assert mine["text"] == served.text
+    lp = mine["logprobs"]
+    assert lp["tokens"] == served.logprobs.tokens and lp["text_offset"] == served.logprobs.text_offset
+    assert lp["token_logprobs"] == pytest.approx(served.logprobs.token_logprobs, rel=1e-6, abs=1e-7)
+    assert [sorted(d) for d in lp["top_logprobs"]] == [sorted(d) for d in served.logprobs.top_logprobs]
+    chunks = list(llm.create_completion(PROMPT, max_tokens=4, temperature=0, logprobs=3, stream=True))
+    streamed = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]        # a token that is part of a UTF-8 character too (empty text)
+    stream = plp_server.client().completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
+                                                    logprobs=3, stream=True)
+    assert [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] \
+        == lp["tokens"]
+    assert llm.create_completion(PROMPT, max_tokens=2, temperature=0)["choices"][0]["logprobs"] is None
+    with pytest.raises(ConfigError, match="echo with logprobs"):
+        llm.create_completion(PROMPT, max_tokens=2, logprobs=1, echo=True)
+    for bad in (-1, 21, 1.5, True):
+        with pytest.raises(ConfigError, match="logprobs must be"):
+            llm.create_completion(PROMPT, max_tokens=2, logprobs=bad)
