@@ -516,17 +516,27 @@ class LLM:
     def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.2,
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
-                               repeat_penalty: float = 1.0, **penalties: Any) -> dict | Iterator[dict]:
+                               repeat_penalty: float = 1.0, logprobs: bool = False, top_logprobs: int | None = None,
+                               **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style chat completion using the GGUF's chat template.
 
-        Message content may be a string, None, or OpenAI content parts of type "text"."""
+        Message content may be a string, None, or OpenAI content parts of type "text". `logprobs`:
+        each generated token's log-probability, with the `top_logprobs` (0-20) most likely
+        alternatives, as OpenAI's chat answers carry them."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
-        stream = _check_bool("stream", stream)
+        stream, logprobs = _check_bool("stream", stream), _check_bool("logprobs", logprobs)
+        if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, numbers.Integral)
+                                         or not 0 <= top_logprobs <= 20):
+            raise ConfigError(f"top_logprobs must be None or an integer from 0 to 20, got {top_logprobs!r}")
+        if top_logprobs and not logprobs:
+            raise ConfigError("top_logprobs needs logprobs=True")
+        if logprobs:
+            params = dataclasses.replace(params, logprobs=int(top_logprobs or 0))
         prompt = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=True)
         ids = self.tokenize(prompt, special=True)
         if not ids:
             raise ConfigError("the chat template rendered these messages as an empty prompt")
-        return self._answer(ChatAnswer(str(self.model_path), ids, 1, self._piece), ids, params, stream)
+        return self._answer(ChatAnswer(str(self.model_path), ids, 1, self._piece, logprobs=logprobs), ids, params, stream)
 
     def _piece(self, tok: int) -> str:
         return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")

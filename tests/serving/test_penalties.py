@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from metatp.ir.errors import ConfigError
 from metatp.sampling import SamplingParams
 from metatp.testing.synth import SynthSpec
 from support.require import requires
@@ -283,3 +284,23 @@ def test_server_streams_what_it_answers_with_min_tokens_and_a_stop_string(client
         streamed = "".join(c.choices[0].text for c in chunks if c.choices)
         assert streamed == whole.text == greedy(llm, n=16, stop=stop, min_tokens=m).text
         assert (whole.text != "") == (m > 0) and whole.finish_reason == "stop"
+
+
+@serve
+def test_python_chat_logprobs_are_the_servers(client, llm):
+    """llama-cpp-python's `logprobs` / `top_logprobs` on `LLM.create_chat_completion`: the same
+    content, tokens, logprobs and alternatives as the server's chat answer for the same request."""
+    msgs = [{"role": "user", "content": PROMPT}]
+    served = client.chat.completions.create(model=client.model_id, messages=msgs, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=2).choices[0]
+    mine = llm.create_chat_completion(msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)["choices"][0]
+    assert mine["message"]["content"] == served.message.content
+    got, want = mine["logprobs"]["content"], served.logprobs.content
+    assert [e["token"] for e in got] == [e.token for e in want]
+    assert [e["logprob"] for e in got] == pytest.approx([e.logprob for e in want], rel=1e-6, abs=1e-7)
+    assert [[t["token"] for t in e["top_logprobs"]] for e in got] == [[t.token for t in e.top_logprobs] for e in want]
+    assert llm.create_chat_completion(msgs, max_tokens=2, temperature=0)["choices"][0]["logprobs"] is None
+    with pytest.raises(ConfigError, match="top_logprobs needs logprobs"):
+        llm.create_chat_completion(msgs, max_tokens=2, top_logprobs=2)
+    with pytest.raises(ConfigError, match="top_logprobs must be"):
+        llm.create_chat_completion(msgs, max_tokens=2, logprobs=True, top_logprobs=21)
