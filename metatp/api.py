@@ -499,12 +499,10 @@ class LLM:
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
         if logprobs is not None:
-            if isinstance(logprobs, bool) or not isinstance(logprobs, numbers.Integral) or not 0 <= logprobs <= 20:
-                raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {logprobs!r}")
+            params = dataclasses.replace(params, logprobs=logprobs)         # SamplingParams checks the count
             if echo:
                 raise ConfigError("echo with logprobs (the prompt's own logprobs) is not supported by "
                                   "create_completion; metatp serve's /v1/completions gives them")
-            params = dataclasses.replace(params, logprobs=int(logprobs))
         ids = self.prompt_ids(prompt)
         answer = TextAnswer(str(self.model_path), [ids], 1, self._piece, self.detokenize, echo=echo,
                             logprobs=params.logprobs, echo_text=[prompt] if isinstance(prompt, str) else None)

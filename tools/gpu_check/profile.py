@@ -2,9 +2,10 @@
 
 The first GPU run timed whole steps only (792 tokens/s with the CUDA graph, 5.2 us a launch
 on average), which cannot say which kernels hold the step. Here each launch of the decode
-step is captured alone into two CUDA graphs, `few` and `many` copies (`Config.profile_copies`) of it back to back, and
-each graph is replayed and synchronized: (t_many - t_few) / (many - few) is the launch's time
-inside a graph, the graph launch and the synchronization cancelling out. The launches run on
+step is captured alone into two CUDA graphs of `few` and `many` copies of it back to back
+(`Config.profile_copies`), and each graph is replayed and synchronized: (t_many - t_few) /
+(many - few) is the launch's time inside a graph, the graph launch and the synchronization
+cancelling out. The launches run on
 the step's own buffers after a real decode step, so the shapes and data are the real ones
 (in-place kernels repeat on their own output: the timing, not the values, is what is kept;
 the engine is thrown away afterwards). The sum over the step's launches against the step's
