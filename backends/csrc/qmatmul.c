@@ -14,6 +14,7 @@
  * AVX2, with 8-float intrinsics. Chunks of CHUNK_ROWS rows are shared among OpenMP threads; a
  * chunk is computed in register tiles of R rows x T tokens, so a row's codes are converted once
  * for T tokens and a token's x is read once for R rows, with software prefetch a few rows ahead.
+ * The offset and bias terms are added per chunk after its tiles (qmm_terms).
  */
 
 enum { QMM_TOKEN_BLOCK = 64 };   /* tokens of a pass the group kernel runs at a time */
@@ -55,20 +56,25 @@ static int qmm_check(const QMatmulArgs *a) {
     return 0;
 }
 
-/* Per token, per block: the sum of x that the block's offset multiplies. */
+/* The sums of x that the blocks' offsets multiply, block-major: xsum[b * xsum_ld(a) + t], so the
+ * offset term takes 8 tokens side by side (qmm_terms); zeros pad the tokens to a multiple of 8. */
+static int64_t xsum_ld(const QMatmulArgs *a) { return (a->ntok + 7) / 8 * 8; }
+
 static void qmm_xsum(const QMatmulArgs *a, float *xsum) {
-    const int64_t nb = a->k / a->block;
-    for (int64_t t = 0; t < a->ntok; t++)
-        for (int64_t b = 0; b < nb; b++) {
-            xsum[t * nb + b] = sum_f32(a->x + t * a->ldx + b * a->block, a->block);
-        }
+    const int64_t nb = a->k / a->block, ld = xsum_ld(a);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t t = 0; t < a->ntok; t++) xsum[b * ld + t] = sum_f32(a->x + t * a->ldx + b * a->block, a->block);
+        for (int64_t t = a->ntok; t < ld; t++) xsum[b * ld + t] = 0.0f;
+    }
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-/* AVX2: the tile holds each 16-lane accumulator as two __m256 (lanes 0..7, 8..15) and unpacks
- * codes straight into them (see simd.h). Same sums as the v16f code. */
+/* AVX2: codes are unpacked straight into __m256 (see simd.h). Blocks of 32 sum in 8 lanes
+ * (qmm_tile_b32), blocks of 16 in 16 lanes as two __m256 (lanes 0..7, 8..15), as the v16f code.
+ * Each build's bits are its own; within a build a (row, token) takes the same operations at
+ * every tile shape. */
 
-/* Unit k (16 codes) as two 8-float halves; nibbles without their bias (see qmm_store). */
+/* Unit k (16 codes) as two 8-float halves; nibbles without their bias (see qmm_terms). */
 static inline __attribute__((always_inline)) void unit_pair(const void *q, int64_t k, int bits, int bias, __m256 u[2]) {
     if (bits == 4) {
         __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (k >> 1) * UNIT));
@@ -94,14 +100,64 @@ static inline __attribute__((always_inline)) void block_pairs(const void *q, int
     }
 }
 
+static inline float hsum_m256(__m256 a) {
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 static inline float hsum_pair(__m256 lo, __m256 hi) {
     const __m256 a = _mm256_add_ps(lo, hi);
     const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* Blocks of 32 on AVX2: R rows x T tokens (R * T <= 8; 1 x 8 for steps of many tokens), each
+ * (row, token) one 8-lane accumulator: a block's 32 products summed in a chain of 4 (lanes l,
+ * l + 8, l + 16, l + 24), times its scale into the accumulator, then the 8 lanes as a tree. Why 8
+ * lanes and not the 16 of the 512-bit code: one operation fewer per 32 products on both halves
+ * (5 instead of 6), and half the accumulators, so one row's converted codes serve 8 tokens (the
+ * 16 registers held 4 before). A 16-token step of the layer weights: 43 -> 34 ms (2 threads,
+ * Intel machine, with qmm_terms). */
+static inline __attribute__((always_inline)) void qmm_tile_b32(
+        const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, float *res) {
+    const int64_t k = a->k, nb = k / a->block, ldx = a->ldx;
+    const int64_t rowbytes = k * bits / 8;
+    const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
+    const float *s0 = a->scale + r0 * nb;
+    const float *x0 = a->x + t0 * ldx;
+    const uint8_t *pf = q0 + PREFETCH_ROWS * rowbytes;
+    prefetch_span(s0 + PREFETCH_ROWS * nb, R * nb * (int64_t)sizeof(float));
+    if (a->offset) prefetch_span(a->offset + (r0 + PREFETCH_ROWS) * nb, R * nb * (int64_t)sizeof(float));
+    __m256 acc[8];
+    for (int j = 0; j < R * T; j++) acc[j] = _mm256_setzero_ps();
+    const int64_t step = R * bits * 4;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
+        for (int i = 0; i < R; i++) {
+            __m256 u[4];
+            block_pairs(q0 + i * rowbytes, b, bits, bias, u);
+            const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + b);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x0 + t * ldx + b * 32;
+                __m256 p = _mm256_mul_ps(u[0], _mm256_loadu_ps(xt));
+                p = _mm256_fmadd_ps(u[1], _mm256_loadu_ps(xt + 8), p);
+                p = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xt + 16), p);
+                p = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xt + 24), p);
+                acc[i * T + t] = _mm256_fmadd_ps(sc, p, acc[i * T + t]);
+            }
+        }
+    }
+    for (int j = 0; j < R * T; j++) res[j] = hsum_m256(acc[j]);
+}
+
+/* Blocks of 16 on AVX2 (blocks of 32 go to qmm_tile_b32): each (row, token) a 16-lane sum as two
+ * __m256, as the v16f code. */
 static inline __attribute__((always_inline)) void qmm_tile(
         const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, int bits, int bias, int shift, float *res) {
+    if (shift == 1) {
+        qmm_tile_b32(a, r0, R, t0, T, bits, bias, res);
+        return;
+    }
     const int64_t k = a->k, nb = k / a->block, units = k / UNIT, ldx = a->ldx;
     const int64_t rowbytes = k * bits / 8;
     const uint8_t *q0 = (const uint8_t *)a->q + r0 * rowbytes;
@@ -113,40 +169,19 @@ static inline __attribute__((always_inline)) void qmm_tile(
     __m256 acc[4][4][2];
     for (int i = 0; i < R; i++)
         for (int t = 0; t < T; t++) acc[i][t][0] = acc[i][t][1] = _mm256_setzero_ps();
-    if (shift == 1) {
-        const int64_t step = R * bits * 4;
-        for (int64_t b = 0; b < units / 2; b++) {
-            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + b * step + off);
-            for (int i = 0; i < R; i++) {
-                __m256 u[4];
-                block_pairs(q0 + i * rowbytes, b, bits, bias, u);
-                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + b);
-                for (int t = 0; t < T; t++) {
-                    const float *xt = x0 + t * ldx + 2 * b * UNIT;
-                    __m256 p0 = _mm256_mul_ps(u[0], _mm256_loadu_ps(xt));
-                    __m256 p1 = _mm256_mul_ps(u[1], _mm256_loadu_ps(xt + 8));
-                    p0 = _mm256_fmadd_ps(u[2], _mm256_loadu_ps(xt + 16), p0);
-                    p1 = _mm256_fmadd_ps(u[3], _mm256_loadu_ps(xt + 24), p1);
-                    acc[i][t][0] = _mm256_fmadd_ps(sc, p0, acc[i][t][0]);
-                    acc[i][t][1] = _mm256_fmadd_ps(sc, p1, acc[i][t][1]);
-                }
-            }
-        }
-    } else {
-        const int64_t step = R * bits * 2;
-        for (int64_t u = 0; u < units; u++) {
-            for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
-            for (int i = 0; i < R; i++) {
-                __m256 w[2];
-                unit_pair(q0 + i * rowbytes, u, bits, bias, w);
-                const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + u);
-                w[0] = _mm256_mul_ps(w[0], sc);
-                w[1] = _mm256_mul_ps(w[1], sc);
-                for (int t = 0; t < T; t++) {
-                    const float *xt = x0 + t * ldx + u * UNIT;
-                    acc[i][t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), acc[i][t][0]);
-                    acc[i][t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), acc[i][t][1]);
-                }
+    const int64_t step = R * bits * 2;
+    for (int64_t u = 0; u < units; u++) {
+        for (int64_t off = 0; off < step; off += 64) __builtin_prefetch(pf + u * step + off);
+        for (int i = 0; i < R; i++) {
+            __m256 w[2];
+            unit_pair(q0 + i * rowbytes, u, bits, bias, w);
+            const __m256 sc = _mm256_broadcast_ss(s0 + i * nb + u);
+            w[0] = _mm256_mul_ps(w[0], sc);
+            w[1] = _mm256_mul_ps(w[1], sc);
+            for (int t = 0; t < T; t++) {
+                const float *xt = x0 + t * ldx + u * UNIT;
+                acc[i][t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xt), acc[i][t][0]);
+                acc[i][t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xt + 8), acc[i][t][1]);
             }
         }
     }
@@ -209,38 +244,100 @@ static int needs_xsum(const QMatmulArgs *a) {
     return a->offset != NULL || (a->bits == 4 && a->bias != 0);
 }
 
-/* The tile's results plus the offset term and the nibble bias (nibbles are read without their
- * bias, one instruction less per 16 codes; it comes back as - bias * sum_b scale[b] * xsum[b]),
- * per row and token in block order, into y. */
-static __attribute__((noinline, noclone)) void qmm_store(const QMatmulArgs *a, const float *xsum, int64_t r0, int R, int64_t t0, int T,
-                             const float *res) {
-    const int64_t nb = a->k / a->block;
-    const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
+/* The tile's result for (row, token) as it is, into y; the chunk's offset and bias terms come after
+ * (qmm_terms). */
+static inline void qmm_store(const QMatmulArgs *a, int64_t r0, int R, int64_t t0, int T, const float *res) {
     for (int i = 0; i < R; i++)
-        for (int t = 0; t < T; t++) {
-            float v = res[i * T + t];
-            const float *xs = xsum ? xsum + (t0 + t) * nb : NULL;
-            if (a->offset) {
-                v += dot_f32(a->offset + (r0 + i) * nb, xs, nb);
-            }
-            if (bias != 0.0f) {
-                v = fmaf(-bias, dot_f32(a->scale + (r0 + i) * nb, xs, nb), v);
-            }
-            a->y[(t0 + t) * a->ldy + r0 + i] = v;
+        for (int t = 0; t < T; t++) a->y[(t0 + t) * a->ldy + r0 + i] = res[i * T + t];
+}
+
+/* out[i][t] = sum_b w[i * nb + b] * xs[b * ld + t] for NR rows and 8 tokens: the even blocks and
+ * the odd ones each in one chain of fused multiply-adds in block order, then their sum. Every
+ * (row, token) takes these rounded operations whatever the tile or the step's other tokens (batch
+ * invariance); the rows' and halves' chains run side by side (one chain waited on each addition). */
+static inline __attribute__((always_inline)) void block_dots(const float *w, int64_t nb, int NR, const float *xs,
+                                                             int64_t ld, float out[CHUNK_ROWS][8]) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 ev[CHUNK_ROWS], od[CHUNK_ROWS];
+    for (int i = 0; i < NR; i++) ev[i] = od[i] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m256 x0 = _mm256_loadu_ps(xs + b * ld), x1 = _mm256_loadu_ps(xs + (b + 1) * ld);
+        for (int i = 0; i < NR; i++) {
+            ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * nb + b), x0, ev[i]);
+            od[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * nb + b + 1), x1, od[i]);
         }
+    }
+    if (b < nb) {
+        const __m256 x0 = _mm256_loadu_ps(xs + b * ld);
+        for (int i = 0; i < NR; i++) ev[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * nb + b), x0, ev[i]);
+    }
+    for (int i = 0; i < NR; i++) _mm256_storeu_ps(out[i], _mm256_add_ps(ev[i], od[i]));
+#else
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < 8; t++) {
+            float ev = 0.0f, od = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                if (b & 1) od = fmaf(w[i * nb + b], xs[b * ld + t], od);
+                else ev = fmaf(w[i * nb + b], xs[b * ld + t], ev);
+            }
+            out[i][t] = ev + od;
+        }
+#endif
+}
+
+/* Rows r0 .. r0+nr (at most CHUNK_ROWS) of y, all tokens, plus the offset term and the nibble bias
+ * (nibbles are read without their bias, one instruction less per 16 codes; it comes back as
+ * - bias * sum_b scale[b] * xsum[b]), 8 tokens at a time. Why here and not per tile: a dot product
+ * per (row, token) took ~10% of a 16-token step of the AVX2 build (Q4_1 weights carry offsets),
+ * and one vector chain per tile waited on its additions (15%). */
+static void qmm_terms(const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr) {
+    const int64_t nb = a->k / a->block, ld = xsum_ld(a);
+    const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
+    for (int64_t t0 = 0; t0 < a->ntok; t0 += 8) {
+        float off[CHUNK_ROWS][8], sc[CHUNK_ROWS][8];
+        if (a->offset) {
+            if (nr == CHUNK_ROWS) block_dots(a->offset + r0 * nb, nb, CHUNK_ROWS, xsum + t0, ld, off);
+            else block_dots(a->offset + r0 * nb, nb, (int)nr, xsum + t0, ld, off);
+        }
+        if (bias != 0.0f) {
+            if (nr == CHUNK_ROWS) block_dots(a->scale + r0 * nb, nb, CHUNK_ROWS, xsum + t0, ld, sc);
+            else block_dots(a->scale + r0 * nb, nb, (int)nr, xsum + t0, ld, sc);
+        }
+        const int64_t nt = a->ntok - t0 < 8 ? a->ntok - t0 : 8;
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t t = 0; t < nt; t++) {
+                float *y = a->y + (t0 + t) * a->ldy + r0 + i;
+                float v = *y;
+                if (a->offset) v += off[i][t];
+                if (bias != 0.0f) v = fmaf(-bias, sc[i][t], v);
+                *y = v;
+            }
+    }
 }
 
 /* Rows r0 .. r0+nr of an item against all its tokens (TILE_ROWS): one row a tile for 3 or 4
- * tokens, two for 2, four for 1. */
+ * tokens, two for 2, four for 1; on AVX2, blocks of 32 take tiles of 8 tokens first. */
 static inline __attribute__((always_inline)) void qmm_chunk_fmt(
         const QMatmulArgs *a, const float *xsum, int64_t r0, int64_t nr, int bits, int bias, int shift) {
-    float res[16];
+    float res[16];     /* a tile's R * T results */
 #define QMM_TILE(r, R, t0, T) do { \
         qmm_tile(a, (r), (R), (t0), (T), bits, bias, shift, res); \
-        qmm_store(a, xsum, (r), (R), (t0), (T), res); \
+        qmm_store(a, (r), (R), (t0), (T), res); \
     } while (0)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    int64_t t8 = 0;
+    if (shift == 1)     /* blocks of 32 on AVX2: tiles of 8 tokens first (qmm_tile_b32) */
+        for (; t8 + 8 <= a->ntok; t8 += 8)
+            for (int64_t r = r0; r < r0 + nr; r++) QMM_TILE(r, 1, t8, 8);
+#define QMM_TILE_AFTER_8(r, R, t0, T) QMM_TILE((r), (R), t8 + (t0), (T))
+    TILE_ROWS(QMM_TILE_AFTER_8, a->ntok - t8, r0, nr, 1, 1, 2, 4);
+#undef QMM_TILE_AFTER_8
+#else
     TILE_ROWS(QMM_TILE, a->ntok, r0, nr, 1, 1, 2, 4);
+#endif
 #undef QMM_TILE
+    if (xsum) qmm_terms(a, xsum, r0, nr);
 }
 
 /* One chunk of rows, dispatched on the code format: int8, nibbles (read without their bias),
@@ -299,7 +396,7 @@ int metatp_qmatmul(const QMatmulGroup *g) {
         const int rc = qmm_check(a);
         if (rc) return rc;
         first_chunk[i + 1] = first_chunk[i] + qmm_chunks(a);
-        xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * a->ntok : 0);
+        xsum_at[i + 1] = xsum_at[i] + (needs_xsum(a) ? a->k / a->block * xsum_ld(a) : 0);
         work += a->rows * a->k * a->ntok;
     }
     float *xsum = NULL;

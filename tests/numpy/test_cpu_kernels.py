@@ -101,7 +101,7 @@ def test_other_isa_builds_agree(monkeypatch, isa):
     for bits, bias, block, off in [(8, 0, 32, True), (4, 8, 32, True), (4, 0, 16, False), (8, 0, 16, False),
                                    (16, 0, 32, False), (16, 1, 32, False)]:
         aw = _affine(rng, 70, 192, block, off, bits, bias)
-        x = rng.standard_normal((3, 192)).astype(F32)
+        x = rng.standard_normal((11, 192)).astype(F32)      # a tile of 8 tokens and one of 3
         ref = x.astype(np.float64) @ dequantize_affine(aw).astype(np.float64).T
         assert np.allclose(native.qmatmul(x, aw, nthreads=2), ref, rtol=1e-5, atol=1e-5)
         assert np.array_equal(native.dequantize(aw), dequantize_affine(aw))
