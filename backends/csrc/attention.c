@@ -198,6 +198,13 @@ static void attn_unit(const AttentionArgs *a, int64_t g, int64_t j0, int64_t j1,
             }
             for (int64_t ia = 0; ia < na; ia++) {
                 const int64_t t = row_t[ia], h = row_q[ia];
+                if (last[t] < b0 + j8 || first[t] > b0 + j8 + 7) {
+                    /* none of the eight cells is the row's (another sequence's): the mask would
+                       make every score -inf, so they are -inf without their dot products (a step
+                       of many sequences puts several in one chunk) */
+                    for (int e = 0; e < 8; e++) sbuf[ia * KV_BLOCK + j8 + e] = -INFINITY;
+                    continue;
+                }
                 const float *qr = a->q + h * a->q_sh + t * a->q_st;
                 float sc8[8];
                 if (kq8) dot8_rows_q8(a->qq + (h * T + t) * D, a->qd + (h * T + t) * (D / 32), kp, D / 32, sc8);
