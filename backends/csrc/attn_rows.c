@@ -25,14 +25,6 @@ static inline const float *kv_row(int64_t type, const uint8_t *head, int64_t j, 
     return buf;
 }
 
-static inline float hsum8(v8f v) {
-    v4f l, h;
-    memcpy(&l, &v, sizeof l);
-    memcpy(&h, (const char *)&v + sizeof l, sizeof h);
-    const v4f b = l + h;
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 /* out[e] = the sum of acc[e]'s lanes for eight accumulators: one transpose-and-add (each row's
  * lanes are summed among themselves in a fixed tree, whatever the other rows hold). */
 static inline void hsum8x8(const v8f acc[8], float out[8]) {

@@ -92,6 +92,12 @@ static inline __attribute__((always_inline)) TileAt tile_at(const QMatmulArgs *a
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
+#define QMM_TILES_OF_8 1        /* qmm_tile_b32 takes tiles of 1 row x 8 tokens */
+#else
+#define QMM_TILES_OF_8 0
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
 /* AVX2: codes are unpacked straight into __m256 (see simd.h). Blocks of 32 sum in 8 lanes
  * (qmm_tile_b32), blocks of 16 in 16 lanes as two __m256 (lanes 0..7, 8..15), as the v16f code.
  * Each build's bits are its own; within a build a (row, token) takes the same operations at
@@ -123,12 +129,7 @@ static inline __attribute__((always_inline)) void block_pairs(const void *q, int
     }
 }
 
-static inline float hsum_m256(__m256 a) {
-    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-static inline float hsum_pair(__m256 lo, __m256 hi) { return hsum_m256(_mm256_add_ps(lo, hi)); }
+static inline float hsum_pair(__m256 lo, __m256 hi) { return hsum8((v8f)_mm256_add_ps(lo, hi)); }
 
 /* Blocks of 32 on AVX2: R rows x T tokens (R * T <= 8; 1 x 8 for steps of many tokens), each
  * (row, token) one 8-lane accumulator: a block's 32 products summed in a chain of 4 (lanes l,
@@ -162,7 +163,7 @@ static inline __attribute__((always_inline)) void qmm_tile_b32(
             }
         }
     }
-    for (int j = 0; j < R * T; j++) res[j] = hsum_m256(acc[j]);
+    for (int j = 0; j < R * T; j++) res[j] = hsum8((v8f)acc[j]);
 }
 
 /* Blocks of 16 on AVX2 (blocks of 32 go to qmm_tile_b32): each (row, token) a 16-lane sum as two
@@ -295,6 +296,13 @@ static inline __attribute__((always_inline)) void block_dots(const float *w, int
 #endif
 }
 
+/* block_dots for a chunk's nr rows, a whole chunk's count as a constant (its loops unrolled). */
+static inline void chunk_dots(const float *w, int64_t nb, int64_t nr, const float *xs, int64_t ld,
+                              float out[CHUNK_ROWS][8]) {
+    if (nr == CHUNK_ROWS) block_dots(w, nb, CHUNK_ROWS, xs, ld, out);
+    else block_dots(w, nb, (int)nr, xs, ld, out);
+}
+
 /* Rows r0 .. r0+nr (at most CHUNK_ROWS) of y, all tokens, plus the offset term and the nibble bias
  * (nibbles are read without their bias, one instruction less per 16 codes; it comes back as
  * - bias * sum_b scale[b] * xsum[b]), 8 tokens at a time. Why here and not per tile: a dot product
@@ -305,14 +313,8 @@ static void qmm_terms(const QMatmulArgs *a, const float *xsum, int64_t r0, int64
     const float bias = a->bits == 4 ? (float)a->bias : 0.0f;
     for (int64_t t0 = 0; t0 < a->ntok; t0 += 8) {
         float off[CHUNK_ROWS][8], sc[CHUNK_ROWS][8];
-        if (a->offset) {
-            if (nr == CHUNK_ROWS) block_dots(a->offset + r0 * nb, nb, CHUNK_ROWS, xsum + t0, ld, off);
-            else block_dots(a->offset + r0 * nb, nb, (int)nr, xsum + t0, ld, off);
-        }
-        if (bias != 0.0f) {
-            if (nr == CHUNK_ROWS) block_dots(a->scale + r0 * nb, nb, CHUNK_ROWS, xsum + t0, ld, sc);
-            else block_dots(a->scale + r0 * nb, nb, (int)nr, xsum + t0, ld, sc);
-        }
+        if (a->offset) chunk_dots(a->offset + r0 * nb, nb, nr, xsum + t0, ld, off);
+        if (bias != 0.0f) chunk_dots(a->scale + r0 * nb, nb, nr, xsum + t0, ld, sc);
         const int64_t nt = a->ntok - t0 < 8 ? a->ntok - t0 : 8;
         for (int64_t i = 0; i < nr; i++)
             for (int64_t t = 0; t < nt; t++) {
@@ -334,17 +336,13 @@ static inline __attribute__((always_inline)) void qmm_chunk_fmt(
         qmm_tile(a, (r), (R), (t0), (T), bits, bias, shift, res); \
         qmm_store(a, (r), (R), (t0), (T), res); \
     } while (0)
-#if defined(__AVX2__) && !defined(__AVX512F__)
     int64_t t8 = 0;
-    if (shift == 1)     /* blocks of 32 on AVX2: tiles of 8 tokens first (qmm_tile_b32) */
+    if (QMM_TILES_OF_8 && shift == 1)     /* blocks of 32 on AVX2: tiles of 8 tokens first (qmm_tile_b32) */
         for (; t8 + 8 <= a->ntok; t8 += 8)
             for (int64_t r = r0; r < r0 + nr; r++) QMM_TILE(r, 1, t8, 8);
 #define QMM_TILE_AFTER_8(r, R, t0, T) QMM_TILE((r), (R), t8 + (t0), (T))
     TILE_ROWS(QMM_TILE_AFTER_8, a->ntok - t8, r0, nr, 1, 1, 2, 4);
 #undef QMM_TILE_AFTER_8
-#else
-    TILE_ROWS(QMM_TILE, a->ntok, r0, nr, 1, 1, 2, 4);
-#endif
 #undef QMM_TILE
     if (xsum) qmm_terms(a, xsum, r0, nr);
 }

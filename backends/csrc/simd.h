@@ -239,18 +239,21 @@ static float sum_f32(const float *a, int64_t n) {
     return s;
 }
 
-/* Horizontal sum as a tree (16 -> 8 -> 4 -> 1): a row pays this once, and a chain of 16
+/* Horizontal sums as a tree (16 -> 8 -> 4 -> 1): a row pays this once, and a chain of 16
    dependent scalar adds costs more than the row's arithmetic on short rows. */
+static inline float hsum8(v8f v) {
+    v4f l, h;
+    memcpy(&l, &v, sizeof l);
+    memcpy(&h, (const char *)&v + sizeof l, sizeof h);
+    const v4f b = l + h;
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 static inline float hsum(v16f v) {
     v8f lo, hi;
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    const v8f a = lo + hi;
-    v4f l4, h4;
-    memcpy(&l4, &a, sizeof l4);
-    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
-    const v4f b = l4 + h4;
-    return (b[0] + b[2]) + (b[1] + b[3]);
+    return hsum8(lo + hi);
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
