@@ -13,8 +13,9 @@ Python. What ends such a job:
   each `interval` seconds on a communicator of its own, and reads theirs. A peer not heard from
   for `METATP_RANK_TIMEOUT` seconds (default 20) makes this rank print one line naming it, run
   the fault hooks (a server fails its requests in flight with an HTTP 500), and exit; the launcher
-  then kills the rest (hydra sends SIGKILL, which ends a stopped process too; should a stopped
-  peer on this machine outlive that, a detached checker kills it a few seconds later).
+  then kills the rest (hydra sends SIGKILL, which ends a stopped process too, and now and then
+  reports that kill after our line with its "Killed (signal 9)" block; should a stopped peer on
+  this machine outlive that, a detached checker kills it a few seconds later).
 
 Why a heartbeat and not a step deadline: the beats come from a thread of their own, so a
 healthy rank beats through any step, however slow (a long prefill, the first step compiling

@@ -220,7 +220,7 @@ def check_rank_lost(path: str, tmp_path: Path, sig: str, rank: int, line: str, n
     job = FaultJob([*GENERATE, *flags, "-m", path], tmp_path, n=n, env={**FAST, "FAULT": f"{sig}:{rank}:40"})
     try:
         t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"generate {' '.join(flags)}, {sig} on rank {rank}"), line)
+        _one_line(_ended(job, t, f"generate {' '.join(flags)}, {sig} on rank {rank}"), line, sig)
     finally:
         job.kill()
 

@@ -83,7 +83,7 @@ def test_a_rank_lost_in_a_pipelined_step_ends_every_rank(path, tmp_path, sig, ra
     job = FaultJob(args, tmp_path, n=2, env={**FAST, "FAULT": f"{sig}:{rank}:40"})
     try:
         t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"pipeline-bench --micro-batches 2, {sig} on rank {rank}"), line)
+        _one_line(_ended(job, t, f"pipeline-bench --micro-batches 2, {sig} on rank {rank}"), line, sig)
     finally:
         job.kill()
 

@@ -5,7 +5,8 @@ under `metatp generate`, `metatp bench` and `metatp serve`:
 - a rank killed with SIGKILL inside a step: the launcher (MPICH's hydra) kills the others at once
   and prints its "EXIT STRING: Killed (signal 9)" line;
 - a rank stopped with SIGSTOP inside a step (either rank): the heartbeat (backends/watchdog.py)
-  of the other rank names it after METATP_RANK_TIMEOUT seconds and ends the job;
+  of the other rank names it after METATP_RANK_TIMEOUT seconds and ends the job (hydra, which
+  must SIGKILL the stopped rank, may follow that line with its own "Killed (signal 9)" report);
 - a hostfile naming a host that cannot be resolved: the launcher refuses before any rank starts;
 - ranks started from different model files, or with different versions of metatp: rank 0 says
   so at start, every rank exits 1.
@@ -63,8 +64,17 @@ def _ended(job: FaultJob, since: float, what: str) -> str:
     return job.text()
 
 
-def _one_line(text: str, want: str) -> None:
+LAUNCHER_KILLED = "EXIT STRING: Killed (signal 9)"
+
+
+def _one_line(text: str, want: str, sig: str | None = None) -> None:
+    """One line says why. After a SIGSTOP the launcher has to SIGKILL the stopped rank, and
+    hydra then sometimes adds its own "Killed (signal 9)" report of that cleanup (a race inside
+    hydra between its proxy's exit report and its own exit: CI saw it once; 15 runs under CPU
+    load here never did); it is accepted after ours, never instead of it."""
     lines = fault_lines(text)
+    if sig == "SIGSTOP" and len(lines) == 2 and LAUNCHER_KILLED in lines[1]:
+        lines = lines[:1]
     assert len(lines) == 1 and want in lines[0], f"expected one line with {want!r}, got {lines}:\n{text[-3000:]}"
     assert "Traceback" not in text, text[-3000:]
 
@@ -87,7 +97,7 @@ def test_a_fault_mid_step_ends_every_rank(path, tmp_path, command, sig, rank, li
     job = FaultJob([*args, "-m", path], tmp_path, env={**FAST, "FAULT": f"{sig}:{rank}:{at}"})
     try:
         t = job.wait_fault(120)
-        _one_line(_ended(job, t, f"{command}, {sig} on rank {rank}"), line)
+        _one_line(_ended(job, t, f"{command}, {sig} on rank {rank}"), line, sig)
     finally:
         job.kill()
 
@@ -181,7 +191,7 @@ def test_serve_ends_every_rank_and_answers_requests_in_flight(path, tmp_path, si
             # stopped one): the connection closes, the stream ends without [DONE]
             assert got["plain"][0] == "broken", got["plain"]
             assert got["stream"][0] == "broken" or "[DONE]" not in got["stream"][1], got["stream"]
-        _one_line(text, line)
+        _one_line(text, line, sig)
     finally:
         job.kill()
 
