@@ -10,7 +10,8 @@ from metatp.logprobs import prompt_logprobs
 from metatp.sampling import SamplingParams
 from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.server.body import parse_object, read_body
-from metatp.server.fields import BadRequest, bool_field, int_field, is_int, refuse_unimplemented, sampling_params
+from metatp.server.fields import (BadRequest, bool_field, int_field, is_int, refuse_unimplemented_chat,
+                                  refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.ranks import served_world
@@ -144,7 +145,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     @app.post("/completions")
     async def completions(request: HttpRequest):
         body, model, stream, usage_in_stream = await generation_body(request, "prompt")
-        refuse_unimplemented(body, "completions")
+        refuse_unimplemented_completion(body)
         lp = int_field(body, "logprobs", None, 0, 20)
         params = sampling_params(body, lp, 16)
         echo = bool_field(body, "echo", False)
@@ -170,7 +171,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         from metatp.api import chat_messages
 
         body, model, stream, usage_in_stream = await generation_body(request, "messages")
-        refuse_unimplemented(body, "chat")
+        refuse_unimplemented_chat(body)
         want_lp = bool_field(body, "logprobs", False)
         top = int_field(body, "top_logprobs", 0, 0, 20)
         if top and not want_lp:

@@ -144,37 +144,41 @@ def constraint_fields(body: dict) -> tuple[dict[str, Any], str | None]:
     return (given[0][1], given[0][0]) if given else ({}, None)
 
 
-def refuse_unimplemented(body: dict, route: str) -> None:
-    """OpenAI fields that would change the answer and that metatp does not implement are refused by
-    name rather than ignored: `best_of` other than n and a `suffix` (completions); tools, functions,
-    audio output and predicted outputs (chat). Their neutral values (best_of = n, an empty suffix,
-    tool_choice "none"/"auto" without tools, modalities ["text"]) pass. Fields OpenAI keeps as
-    metadata (user, metadata, store) and names it does not define are left alone, as vLLM and
-    llama-server do."""
-    def given(name: str) -> bool:
-        return body.get(name) not in (None, "", [], {})
+def _given(body: dict, name: str) -> bool:
+    """Does the body set `name` to something other than nothing (None, "", [], {})?"""
+    return body.get(name) not in (None, "", [], {})
 
-    if route == "completions":
-        n = body.get("n", 1)
-        if given("best_of") and body["best_of"] != n:
-            raise BadRequest(f"'best_of' is not supported (only best_of equal to n, {json.dumps(n)}), got "
-                             f"{json.dumps(body['best_of'])[:40]}", "best_of")
-        if given("suffix"):
-            raise BadRequest("'suffix' (text after the completion) is not supported", "suffix")
-        return
+
+def refuse_unimplemented_completion(body: dict) -> None:
+    """/v1/completions fields that would change the answer and that metatp does not implement are
+    refused by name rather than ignored: `best_of` other than n, and a `suffix`. Their neutral
+    values (best_of = n, an empty suffix) pass; fields OpenAI keeps as metadata (user, metadata,
+    store) and names it does not define are left alone, as vLLM and llama-server do."""
+    n = body.get("n", 1)
+    if _given(body, "best_of") and body["best_of"] != n:
+        raise BadRequest(f"'best_of' is not supported (only best_of equal to n, {json.dumps(n)}), got "
+                         f"{json.dumps(body['best_of'])[:40]}", "best_of")
+    if _given(body, "suffix"):
+        raise BadRequest("'suffix' (text after the completion) is not supported", "suffix")
+
+
+def refuse_unimplemented_chat(body: dict) -> None:
+    """/v1/chat/completions fields metatp does not implement, refused by name: tools, functions,
+    audio output and predicted outputs. Their neutral values (tool_choice "none"/"auto" without
+    tools, modalities ["text"]) pass; metadata fields are left alone, as for completions."""
     for name in ("tools", "functions"):
-        if given(name):
+        if _given(body, name):
             raise BadRequest(f"'{name}': tool and function calling is not supported", name)
     for name in ("tool_choice", "function_call"):
-        if given(name) and body[name] not in ("none", "auto"):
+        if _given(body, name) and body[name] not in ("none", "auto"):
             raise BadRequest(f"'{name}': tool and function calling is not supported, got {json.dumps(body[name])[:60]}",
                              name)
-    if given("audio"):
+    if _given(body, "audio"):
         raise BadRequest("'audio': audio output is not supported", "audio")
-    if given("modalities") and body["modalities"] != ["text"]:
+    if _given(body, "modalities") and body["modalities"] != ["text"]:
         raise BadRequest(f"'modalities': output other than [\"text\"] is not supported, got "
                          f"{json.dumps(body['modalities'])[:60]}", "modalities")
-    if given("prediction"):
+    if _given(body, "prediction"):
         raise BadRequest("'prediction' (predicted outputs) is not supported", "prediction")
 
 
