@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import metatp.server
 from metatp import LLM, SamplingParams
@@ -25,6 +27,15 @@ SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=Fals
 LLM_OPTIONS = {"n_ctx": 256}          # the `llm` fixture (tests/conftest.py)
 MESSAGES = [{"role": "user", "content": "hi"}]
 
+def stop_token_ids(v, where):
+    return rf.token_ids("stop_token_ids", v, where)
+
+
+def min_tokens(v, where):
+    """min_tokens' own check (the Python API's also holds it to max_tokens, here None)."""
+    return rf.min_tokens(v, None) if where == API else rf.MIN_TOKENS.check(v, where)
+
+
 # (field, bad value, its check, the llama-cpp-python keyword that sets it: None where create_* has none)
 SHARED = [
     ("temperature", -0.5, rf.TEMPERATURE.check, "temperature"),
@@ -38,9 +49,8 @@ SHARED = [
     ("seed", 1.5, rf.SEED.check, "seed"),
     ("max_tokens", -1, rf.MAX_TOKENS.check, "max_tokens"),
     ("stop", 5, rf.stop, "stop"),
-    ("stop_token_ids", [-1], lambda v, where: rf.token_ids("stop_token_ids", v, where), "stop_token_ids"),
-    ("min_tokens", -1, lambda v, where: rf.min_tokens(v, None) if where == API else rf.MIN_TOKENS.check(v, where),
-     "min_tokens"),
+    ("stop_token_ids", [-1], stop_token_ids, "stop_token_ids"),
+    ("min_tokens", -1, min_tokens, "min_tokens"),
     ("n", 0, rf.N.check, None),
     ("top_k", 2.5, rf.TOP_K.check, None),         # llama-cpp-python's top_k is its own rule (any integer)
     ("ignore_eos", "yes", rf.IGNORE_EOS.check, None),
@@ -110,6 +120,34 @@ def test_each_door_keeps_its_wording_of_one_verdict():
     for check, value in ((rf.TEMPERATURE.check, 3.0), (rf.N.check, 17), (rf.SEED.check, 2 ** 63),
                          (rf.REPETITION_PENALTY.check, 10.5)):
         refusal(check, value, HTTP)
+
+
+JSON_SCALARS = st.one_of(st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True, allow_infinity=True),
+                        st.text(max_size=4))
+JSON_VALUES = st.one_of(JSON_SCALARS, st.lists(JSON_SCALARS, max_size=4))
+# the fields whose bounds the two doors share (the server's tighter ones: test_each_door_keeps_its_wording...)
+SAME_BOUNDS = [rf.TOP_P, rf.MIN_P, rf.FREQUENCY_PENALTY, rf.PRESENCE_PENALTY, rf.TOP_K, rf.MAX_TOKENS, rf.LOGPROBS,
+               rf.PROMPT_LOGPROBS, rf.TOP_LOGPROBS, rf.MIN_TOKENS, rf.IGNORE_EOS, rf.STREAM]
+
+
+def verdict(check, value, where):
+    try:
+        return check(value, where)
+    except FieldError as e:
+        return FieldError, e.field
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=st.sampled_from(SAME_BOUNDS), value=JSON_VALUES)
+def test_both_doors_give_one_verdict_on_any_json_value(spec, value):
+    assert verdict(spec.check, value, API) == verdict(spec.check, value, HTTP)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=JSON_VALUES)
+def test_both_doors_give_one_verdict_on_stop_and_stop_token_ids(value):
+    assert verdict(rf.stop, value, API) == verdict(rf.stop, value, HTTP)
+    assert verdict(stop_token_ids, value, API) == verdict(stop_token_ids, value, HTTP)
 
 
 def test_logit_bias_is_one_check_over_both_key_spellings():
