@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from metatp import request_fields
+from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError
 from metatp.request_fields import HTTP, FieldError, Flag, Integer, Number
 from metatp.sampling import SamplingParams
@@ -28,7 +28,7 @@ class BadRequest(Exception):
 
 
 # ---------------------------------------------------------------- request field checks
-is_int = request_fields.is_integer
+is_int = rf.is_integer
 
 
 def as_bad_request(e: FieldError) -> BadRequest:
@@ -138,7 +138,6 @@ def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -
     """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos, min_tokens,
     stop_token_ids; structured output: OpenAI's response_format, vLLM's guided_json / guided_regex /
     guided_choice / guided_grammar, llama-server's json_schema / grammar) as SamplingParams."""
-    rf = request_fields
     max_tokens = read(body, rf.MAX_TOKENS)
     if body.get("max_completion_tokens") is not None:
         max_tokens = read(body, rf.MAX_TOKENS.named("max_completion_tokens"))
