@@ -14,7 +14,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from metatp import request_fields
 from metatp.openai_answers import ChatAnswer, TextAnswer
+from metatp.openai_messages import chat_messages, chat_prompt_ids
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
@@ -30,85 +32,15 @@ MAX_N_CTX = 2**31 - 1        # cells and positions are int32 (the kv_idxs and po
 
 
 # ---------------------------------------------------------------- argument checks at the public boundary
-def _type_name(v: Any) -> str:
-    return type(v).__name__
+_type_name, _short = request_fields.type_name, request_fields.short
 
 
 def _check_bool(name: str, v: Any) -> bool:
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    raise ConfigError(f"{name} must be True or False, got {v!r} ({_type_name(v)})")
+    return request_fields.Flag(name).check(v)
 
 
 def _check_opt_bool(name: str, v: Any) -> bool | None:
     return None if v is None else _check_bool(name, v)
-
-
-def _token_ids(name: str, ids: Any) -> list[int]:
-    """A sequence of integer token ids (list, tuple, range, 1-D numpy integer array) as ints.
-
-    Floats are refused rather than truncated (a float id is almost always a mixed-up array)."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
-            raise ConfigError(f"{name} must be a 1-D array of integer token ids, got an array of "
-                              f"shape {ids.shape} and dtype {ids.dtype}")
-        return [int(i) for i in ids]
-    if isinstance(ids, (str, bytes, dict, set, frozenset)) or not isinstance(ids, (Sequence, range)):
-        raise ConfigError(f"{name} must be a list of integer token ids, got {_type_name(ids)} {_short(ids)}")
-    out = []
-    for k, i in enumerate(ids):
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
-            raise ConfigError(f"{name}[{k}] must be an integer token id, got {i!r} ({_type_name(i)})")
-        out.append(int(i))
-    return out
-
-
-def _short(v: Any, n: int = 60) -> str:
-    r = repr(v)
-    return r if len(r) <= n else r[:n - 3] + "..."
-
-
-def _message_content(i: int, content: Any) -> str:
-    """A chat message's content as text: a string, None (no content: ""), or OpenAI content parts
-    of type "text" (joined with newlines, as vLLM does)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (list, tuple)):
-        texts = []
-        for k, part in enumerate(content):
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, dict) or "type" not in part:
-                raise ConfigError(f"messages[{i}]['content'][{k}] must be a content part like "
-                                  f"{{'type': 'text', 'text': ...}}, got {_short(part)}")
-            if part["type"] != "text":
-                raise ConfigError(f"messages[{i}]['content'][{k}] has type {part['type']!r}; this model takes "
-                                  "text only (content parts of type 'text')")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ConfigError(f"messages[{i}]['content'][{k}]['text'] must be a string, got {_short(text)}")
-            texts.append(text)
-        return "\n".join(texts)
-    raise ConfigError(f"messages[{i}]['content'] must be a string, None or a list of text content parts, "
-                      f"got {_type_name(content)} {_short(content)}")
-
-
-def chat_messages(messages: Any) -> list[dict]:
-    """OpenAI-style messages, normalised for the template: content always a string."""
-    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
-        raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, "
-                          f"got {_type_name(messages)} {_short(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise ConfigError(f"messages[{i}] must be a dict with a 'role', got {_short(m)}")
-        if not isinstance(m["role"], str):
-            raise ConfigError(f"messages[{i}]['role'] must be a string, got {_short(m['role'])}")
-        out.append({**m, "content": _message_content(i, m.get("content"))})
-    return out
 
 
 class LLM:
@@ -359,13 +291,10 @@ class LLM:
         return self.submit(ids, SamplingParams(max_tokens=0), kind="score").logits()
 
     def _check_ids(self, ids: Any, name: str = "prompt", allow_empty: bool = False) -> list[int]:
-        ids = _token_ids(name, ids)
+        ids = request_fields.prompt_token_ids(name, ids)
         if not ids and not allow_empty:
             raise ConfigError(f"{name}: need at least one token id")
-        bad = [i for i in ids if not 0 <= i < self.n_vocab]
-        if bad:
-            raise ConfigError(f"{name}: token id {bad[0]} is out of range for a vocabulary of {self.n_vocab}")
-        return ids
+        return request_fields.vocabulary_ids(name, ids, self.n_vocab)
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         """A prompt (text, or integer token ids) as checked ids (an empty text: the BOS token)."""
@@ -497,7 +426,7 @@ class LLM:
         alternatives (0-20; the server's `echo` with `logprobs` scores the prompt too, here that
         pair is refused)."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
-        stream, echo = _check_bool("stream", stream), _check_bool("echo", echo)
+        stream, echo = request_fields.STREAM.check(stream), request_fields.ECHO.check(echo)
         if logprobs is not None:
             params = dataclasses.replace(params, logprobs=logprobs)         # SamplingParams checks the count
             if echo:
@@ -522,18 +451,11 @@ class LLM:
         each generated token's log-probability, with the `top_logprobs` (0-20) most likely
         alternatives, as OpenAI's chat answers carry them."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
-        stream, logprobs = _check_bool("stream", stream), _check_bool("logprobs", logprobs)
-        if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, numbers.Integral)
-                                         or not 0 <= top_logprobs <= 20):
-            raise ConfigError(f"top_logprobs must be None or an integer from 0 to 20, got {top_logprobs!r}")
-        if top_logprobs and not logprobs:
-            raise ConfigError("top_logprobs needs logprobs=True")
-        if logprobs:
-            params = dataclasses.replace(params, logprobs=int(top_logprobs or 0))
-        prompt = self.tokenizer.apply_chat_template(chat_messages(messages), add_generation_prompt=True)
-        ids = self.tokenize(prompt, special=True)
-        if not ids:
-            raise ConfigError("the chat template rendered these messages as an empty prompt")
+        stream, logprobs = request_fields.STREAM.check(stream), request_fields.CHAT_LOGPROBS.check(logprobs)
+        count = request_fields.chat_logprobs(logprobs, request_fields.TOP_LOGPROBS.check(top_logprobs))
+        if count is not None:
+            params = dataclasses.replace(params, logprobs=count)
+        ids = chat_prompt_ids(self.tokenizer, messages)
         return self._answer(ChatAnswer(str(self.model_path), ids, 1, self._piece, logprobs=logprobs), ids, params, stream)
 
     def _piece(self, tok: int) -> str:
@@ -556,10 +478,9 @@ class LLM:
 
 def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:
     """llama-cpp-python's keyword arguments as SamplingParams (top_k <= 0: disabled; seed -1: random)."""
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-        raise ConfigError(f"top_k must be an integer (<= 0 disables it), got {top_k!r}")
-    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed == -1:
+    top_k = request_fields.TOP_K_LLAMA.check(top_k)
+    if request_fields.is_integer(seed) and seed == -1:
         seed = None          # llama.cpp's "random seed"
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=int(top_k) if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
+                          top_k=top_k if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
                           repetition_penalty=repeat_penalty)

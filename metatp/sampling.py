@@ -4,53 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from metatp.backends.candidates import RowCandidates
-from metatp.ir.errors import ConfigError
-from metatp.penalties import Adjustment, Penalties, check_logit_bias, check_min_tokens
+from metatp import request_fields
+from metatp.penalties import Adjustment, Penalties
+from metatp.request_fields import MAX_N, check_seed
 
 __all__ = ["SamplingParams", "Sampler", "CandidateSpec", "check_seed", "MAX_N"]
 
-MAX_N = 1024     # samples per prompt: each is a request held from the call on (the server allows 16)
 K_MAX = 256      # top_k up to this is sampled from each device's top_k candidates (beyond: the gathered row)
 K_MIN_P = 64     # candidates per device for min_p or top_p alone (their kept tokens are usually far fewer)
 _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, (bool, np.bool_))
-
-
-def _number(name: str, v, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
-    """A finite real number in range (numpy scalars welcome) as a Python float."""
-    if _is_bool(v) or not isinstance(v, numbers.Real) or not (isinstance(v, numbers.Integral) or math.isfinite(v)):
-        raise ConfigError(f"{name} must be a finite number, got {v!r} ({type(v).__name__})")
-    if v < lo or (lo_open and v == lo) or v > hi:
-        bound = f"> {lo}" if lo_open else f">= {lo}"
-        raise ConfigError(f"{name} must be {bound}" + (f" and <= {hi}" if hi != math.inf else "") + f", got {v!r}")
-    try:
-        return float(v) + 0.0      # + 0.0: -0.0 is 0.0
-    except OverflowError:          # an integer beyond float64
-        raise ConfigError(f"{name} must be a finite number, got an integer too large for a float") from None
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not _is_bool(v)
-
-
-def check_seed(name: str, seed: Any) -> int | None:
-    """A random seed: None (random) or an integer >= 0 (numpy's generators refuse negative seeds)."""
-    if seed is None:
-        return None
-    if not _integer(seed) or seed < 0:
-        raise ConfigError(f"{name} must be an integer >= 0 or None (a random seed), got {seed!r} "
-                          f"({type(seed).__name__})")
-    return int(seed)
 
 
 @dataclass
@@ -99,48 +67,26 @@ class SamplingParams:
     constraint: str | None = field(default=None, init=False, repr=False, compare=False)   # llguidance's grammar
 
     def __post_init__(self) -> None:
-        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
-            raise ConfigError(f"n must be an integer from 1 to {MAX_N} (samples per prompt), got {self.n!r}")
-        self.n = int(self.n)
-        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ConfigError(f"logprobs must be None or an integer from 0 to 20, got {self.logprobs!r}")
-        self.logprobs = None if self.logprobs is None else int(self.logprobs)
-        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= 20):
-            raise ConfigError(f"prompt_logprobs must be None or an integer from 0 to 20, got {self.prompt_logprobs!r}")
-        self.prompt_logprobs = None if self.prompt_logprobs is None else int(self.prompt_logprobs)
-        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 0):
-            raise ConfigError(f"max_tokens must be an integer >= 0 or None, got {self.max_tokens!r}")
-        if self.max_tokens is not None:
-            self.max_tokens = int(self.max_tokens)
-        self.temperature = _number("temperature", self.temperature, 0.0)
-        if not _integer(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            raise ConfigError(f"top_k must be -1/0 (disabled) or a positive integer, got {self.top_k!r}")
-        self.top_k = int(self.top_k)
-        self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
-        self.seed = check_seed("seed", self.seed)
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-                raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}")
-            self.stop = [s for s in self.stop if s]
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, (list, tuple)) \
-                or not all(_integer(i) and i >= 0 for i in ids):
-            raise ConfigError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
-        self.stop_token_ids = [int(i) for i in ids]
-        if not _is_bool(self.ignore_eos):
-            raise ConfigError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        self.ignore_eos = bool(self.ignore_eos)
-        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.logit_bias = check_logit_bias(self.logit_bias) or None
-        self.min_tokens = check_min_tokens(self.min_tokens, self.max_tokens)
-        if not _is_bool(self.json_object):
-            raise ConfigError(f"json_object must be True or False, got {self.json_object!r}")
+        """Each field through its one check (metatp.request_fields), in this order: the first
+        wrong field is the one a FieldError (a ConfigError) names."""
+        self.n = request_fields.N.check(self.n)
+        self.logprobs = request_fields.LOGPROBS.check(self.logprobs)
+        self.prompt_logprobs = request_fields.PROMPT_LOGPROBS.check(self.prompt_logprobs)
+        self.max_tokens = request_fields.MAX_TOKENS.check(self.max_tokens)
+        self.temperature = request_fields.TEMPERATURE.check(self.temperature)
+        self.top_k = request_fields.TOP_K.check(self.top_k)
+        self.top_p = request_fields.TOP_P.check(self.top_p)
+        self.min_p = request_fields.MIN_P.check(self.min_p)
+        self.repetition_penalty = request_fields.REPETITION_PENALTY.check(self.repetition_penalty)
+        self.seed = request_fields.SEED.check(self.seed)
+        self.stop = request_fields.stop(self.stop)
+        self.stop_token_ids = request_fields.token_ids("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = request_fields.IGNORE_EOS.check(self.ignore_eos)
+        self.frequency_penalty = request_fields.FREQUENCY_PENALTY.check(self.frequency_penalty)
+        self.presence_penalty = request_fields.PRESENCE_PENALTY.check(self.presence_penalty)
+        self.logit_bias = request_fields.logit_bias(self.logit_bias) or None
+        self.min_tokens = request_fields.min_tokens(self.min_tokens, self.max_tokens)
+        self.json_object = request_fields.JSON_OBJECT.check(self.json_object)
         if self.json_object or self.json_schema is not None or self.guided_regex is not None \
                 or self.guided_choice is not None or self.guided_grammar is not None:
             from metatp.structured import grammar_of

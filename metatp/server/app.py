@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, AsyncIterator
 
+from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
 from metatp.sampling import SamplingParams
 from metatp.openai_answers import ChatAnswer, TextAnswer
+from metatp.openai_messages import chat_prompt_ids
+from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
-from metatp.server.fields import (BadRequest, bool_field, int_field, is_int, refuse_unimplemented_chat,
+from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int, read, refuse_unimplemented_chat,
                                   refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
@@ -79,6 +82,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     async def bad_request(request: HttpRequest, e: BadRequest):
         return error_response(e)
 
+    @app.exception_handler(FieldError)
+    async def field_error(request: HttpRequest, e: FieldError):       # a request field's check: 400 naming it
+        return error_response(as_bad_request(e))
+
     @app.exception_handler(MetatpError)
     async def metatp_error(request: HttpRequest, e: MetatpError):
         return error_response(BadRequest(str(e)))
@@ -124,7 +131,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise BadRequest("'tokens' must be a list of token ids", "tokens")
-        return {"content": llm.detokenize(srv._ids(tokens) if tokens else [])}
+        return {"content": llm.detokenize(rf.vocabulary_ids("tokens", tokens, llm.n_vocab, HTTP))}
 
     async def generation_body(request: HttpRequest, required: str) -> tuple[dict, str, bool, bool]:
         """A generation route's body, the model it names, whether it streams and whether the
@@ -133,7 +140,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         model = srv.check_model(body)
         if required not in body:
             raise BadRequest(f"'{required}' is required", required)
-        stream = bool_field(body, "stream", False)
+        stream = read(body, rf.STREAM, False)
         return body, model, stream, stream_usage(body, stream)
 
     @app.get("/metrics")
@@ -146,10 +153,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     async def completions(request: HttpRequest):
         body, model, stream, usage_in_stream = await generation_body(request, "prompt")
         refuse_unimplemented_completion(body)
-        lp = int_field(body, "logprobs", None, 0, 20)
+        lp = read(body, rf.LOGPROBS)
         params = sampling_params(body, lp, 16)
-        echo = bool_field(body, "echo", False)
-        n_prompt_lp = int_field(body, "prompt_logprobs", None, 0, 20)          # vLLM's field
+        echo = read(body, rf.ECHO, False)
+        n_prompt_lp = read(body, rf.PROMPT_LOGPROBS)          # vLLM's field
         ids_list = srv.prompt_ids(body["prompt"])
         scored = None                           # per prompt: its tokens' logprobs (echo + logprobs)
         if (echo and lp is not None) or n_prompt_lp is not None:
@@ -168,22 +175,11 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: HttpRequest):
-        from metatp.api import chat_messages
-
         body, model, stream, usage_in_stream = await generation_body(request, "messages")
         refuse_unimplemented_chat(body)
-        want_lp = bool_field(body, "logprobs", False)
-        top = int_field(body, "top_logprobs", 0, 0, 20)
-        if top and not want_lp:
-            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        params = sampling_params(body, top if want_lp else None, None)
-        try:
-            text = llm.tokenizer.apply_chat_template(chat_messages(body["messages"]), add_generation_prompt=True)
-        except ConfigError as e:
-            raise BadRequest(str(e), "messages") from None
-        ids = llm.tokenize(text, special=True)
-        if not ids:
-            raise BadRequest("the chat template rendered these messages as an empty prompt", "messages")
+        want_lp = read(body, rf.CHAT_LOGPROBS, False)
+        params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
+        ids = chat_prompt_ids(llm.tokenizer, body["messages"])      # a FieldError: a 400 naming "messages"
         reqs, queue = await srv.start([ids], params, streamed=stream)
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
                              reqs, queue, stream)

@@ -1,14 +1,17 @@
-"""Request fields of the OpenAI routes, checked once: a wrong type or value is a `BadRequest`
-(OpenAI's error object, status 400) naming the field; `sampling_params` builds `SamplingParams`."""
+"""Request fields of the OpenAI routes: each is read from the body and checked by its one check
+in `metatp.request_fields` (with OpenAI's bounds and wording); a wrong type or value is a
+`BadRequest` (OpenAI's error object, status 400) naming the field. `sampling_params` builds
+`SamplingParams`; the route-specific refusals (fields metatp does not implement, structured
+output given twice) are here."""
 
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from typing import Any
 
+from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError
+from metatp.request_fields import HTTP, FieldError, Flag, Integer, Number
 from metatp.sampling import SamplingParams
 
 
@@ -25,80 +28,29 @@ class BadRequest(Exception):
 
 
 # ---------------------------------------------------------------- request field checks
-def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+is_int = rf.is_integer
 
 
-def int_field(body: dict, name: str, default: Any, lo: int | None = None, hi: int | None = None,
-              nullable: bool = True) -> Any:
-    v = body.get(name, default)
-    if v is None and nullable:
-        return default
-    if not is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f" from {lo}" if lo is not None else ""
-        rng += f" to {hi}" if hi is not None else ""
-        raise BadRequest(f"'{name}' must be an integer{rng}, got {json.dumps(v)}", name)
-    return v
+def as_bad_request(e: FieldError) -> BadRequest:
+    """A field's refusal (metatp.request_fields) as the 400 that names it."""
+    return BadRequest(str(e), e.field)
 
 
-def num_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name, default)
+def read(body: dict, spec: Integer | Number | Flag, default: Any = None) -> Any:
+    """The body's value of `spec`'s field, checked as the server checks it (OpenAI's bounds and
+    wording); absent or null: `default`."""
+    v = body.get(spec.name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (is_int(v) or math.isfinite(v)) \
-            or v < lo or v > hi or (lo_open and v == lo):
-        raise BadRequest(f"'{name}' must be a number {'>' if lo_open else '>='} {lo} and <= {hi}, got {json.dumps(v)}",
-                         name)
-    return float(v)
+    try:
+        return spec.check(v, HTTP)
+    except FieldError as e:
+        raise as_bad_request(e) from None
 
 
 def bool_field(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {json.dumps(v)}", name)
-    return v
-
-
-def stop_field(body: dict) -> list[str] | None:
-    v = body.get("stop")
-    if v is None:
-        return None
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v) and len(v) <= 16:
-        return v
-    raise BadRequest(f"'stop' must be a string or a list of at most 16 strings, got {json.dumps(v)[:80]}", "stop")
-
-
-def logit_bias_field(body: dict) -> dict[int, float] | None:
-    """OpenAI's logit_bias: a JSON object of token ids (as strings) -> bias from -100 to 100."""
-    v = body.get("logit_bias")
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise BadRequest(f"'logit_bias' must be an object of token id -> bias, got {json.dumps(v)[:80]}", "logit_bias")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        if not (k.isascii() and k.isdigit() and len(k) <= 18):
-            raise BadRequest(f"'logit_bias' keys must be token ids (integers >= 0), got {json.dumps(k)[:40]}",
-                             "logit_bias")
-        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (is_int(b) or math.isfinite(b)) \
-                or not -100 <= b <= 100:
-            raise BadRequest(f"'logit_bias' values must be numbers from -100 to 100, got {json.dumps(b)[:40]} "
-                             f"for token {k}", "logit_bias")
-        out[int(k)] = float(b)
-    return out
-
-
-def token_ids_field(body: dict, name: str) -> list[int]:
-    v = body.get(name)
-    if v is None:
-        return []
-    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v):
-        raise BadRequest(f"'{name}' must be a list of token ids (integers >= 0), got {json.dumps(v)[:80]}", name)
-    return v
+    """A true-or-false field of the body (stream, echo, include_usage...); absent or null: `default`."""
+    return read(body, Flag(name), default)
 
 
 # body field -> the SamplingParams constraint it sets (vLLM's guided_*, llama-server's json_schema / grammar)
@@ -182,38 +134,32 @@ def refuse_unimplemented_chat(body: dict) -> None:
         raise BadRequest("'prediction' (predicted outputs) is not supported", "prediction")
 
 
-def _named(message: str, body: dict) -> str | None:
-    """The field a SamplingParams error names (its messages start with it), if the body has it."""
-    name = message.split(" ", 1)[0].rstrip(":")
-    return name if name in body else None
-
-
 def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:
     """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos, min_tokens,
     stop_token_ids; structured output: OpenAI's response_format, vLLM's guided_json / guided_regex /
     guided_choice / guided_grammar, llama-server's json_schema / grammar) as SamplingParams."""
-    max_tokens = int_field(body, "max_tokens", None, 0)
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        max_tokens = int_field(body, "max_completion_tokens", None, 0)
-    top_k = int_field(body, "top_k", -1, -1)
+    max_tokens = read(body, rf.MAX_TOKENS)
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = read(body, rf.MAX_TOKENS.named("max_completion_tokens"))
+    top_k = read(body, rf.TOP_K, -1)
     constraint, source = constraint_fields(body)
+    stop_ids = body.get("stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else default_max,
-            temperature=num_field(body, "temperature", 1.0, 0.0, 2.0), top_p=num_field(body, "top_p", 1.0, 0.0, 1.0, True),
-            top_k=top_k if top_k > 0 else -1, min_p=num_field(body, "min_p", 0.0, 0.0, 1.0),
-            repetition_penalty=num_field(body, "repetition_penalty", 1.0, 0.0, 10.0, True),
-            seed=int_field(body, "seed", None, 0, 2 ** 63 - 1), stop=stop_field(body),
-            ignore_eos=bool_field(body, "ignore_eos", False), logprobs=logprobs, n=int_field(body, "n", 1, 1, 16),
-            frequency_penalty=num_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            presence_penalty=num_field(body, "presence_penalty", 0.0, -2.0, 2.0), logit_bias=logit_bias_field(body),
-            min_tokens=int_field(body, "min_tokens", 0, 0), stop_token_ids=token_ids_field(body, "stop_token_ids"),
+            temperature=read(body, rf.TEMPERATURE, 1.0), top_p=read(body, rf.TOP_P, 1.0),
+            top_k=top_k if top_k > 0 else -1, min_p=read(body, rf.MIN_P, 0.0),
+            repetition_penalty=read(body, rf.REPETITION_PENALTY, 1.0),
+            seed=read(body, rf.SEED), stop=rf.stop(body.get("stop"), HTTP),
+            ignore_eos=read(body, rf.IGNORE_EOS, False), logprobs=logprobs, n=read(body, rf.N, 1),
+            frequency_penalty=read(body, rf.FREQUENCY_PENALTY, 0.0),
+            presence_penalty=read(body, rf.PRESENCE_PENALTY, 0.0),
+            logit_bias=rf.logit_bias(body.get("logit_bias"), HTTP) or None, min_tokens=read(body, rf.MIN_TOKENS, 0),
+            stop_token_ids=[] if stop_ids is None else rf.token_ids("stop_token_ids", stop_ids, HTTP),
             **constraint)
-    except ConfigError as e:
+    except ConfigError as e:        # a FieldError names its field; SamplingParams' other messages start with it
         msg = str(e)
-        if source is not None and msg.split(" ", 1)[0].rstrip(":") in constraint:   # the body's own name for it
+        name = e.field if isinstance(e, FieldError) else msg.split(" ", 1)[0].rstrip(":")
+        if source is not None and name in constraint:        # the body's own name for it
             raise BadRequest(f"'{source}': {msg}", source) from None
-        raise BadRequest(msg, _named(msg, body)) from None
-
-
-# ---------------------------------------------------------------- the app
+        raise BadRequest(msg, name if name in body else None) from None

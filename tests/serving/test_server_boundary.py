@@ -1,5 +1,5 @@
 """The server goes through the API's public names only (LLM.submit, LLM.prompt_ids,
-metatp.api.chat_messages): no attribute or import of the server reaches a private name of the API."""
+LLM.tokenizer): no attribute or import of the server reaches a private name of the API."""
 
 from __future__ import annotations
 
