@@ -152,7 +152,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from metatp.tools import pipeline_bench as _pipeline_bench
 
     _pipeline_bench.add_parser(sub)
-    if "bench" in sub.choices:          # tools/bench.py's parser (-p longer than -b pipelines)
+    if "bench" in sub.choices:          # tools/bench's parser (-p longer than -b pipelines)
         add_micro_batches_arg(sub.choices["bench"])
     return ap
 
