@@ -12,7 +12,11 @@ import sys
 if not __package__:                   # run as a folder or file: no installed metatp needed
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+    _here = Path(__file__).resolve().parent
+    # Python put this folder first on the path: its modules (profile.py) would shadow the standard
+    # library's (pytest's cProfile imports `profile`); they are imported as scripts.gpu_check.*
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent.parent))
     import scripts  # noqa: F401,E402  (registers the source-tree mapping)
 
 import argparse  # noqa: E402

@@ -26,6 +26,16 @@ def test_runs_as_a_folder():
     assert "--emulate" in r.stdout and "--budget" in r.stdout
 
 
+def test_pytest_runs_through_the_folder():
+    """`python3 scripts/gpu_check --pytest ...` (how the GPU machine runs tests/cuda): the folder's
+    own profile.py must not shadow the standard library's, which pytest imports."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--pytest", "-q", "--collect-only",
+                        "-p", "no:cacheprovider", str(Path(__file__))], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_pytest_runs_through_the_folder" in r.stdout
+
+
 def test_scripts_map_metatp_onto_a_bare_tree():
     """With no install at all (`python -S`: no .pth, so no editable finder; the dependencies on
     PYTHONPATH), `import scripts` maps metatp onto this tree's folders, as on the GPU machine."""
