@@ -17,7 +17,8 @@ from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
 
 # the argument builders live in metatp.cli_args (the tools import them from there); named here too
-__all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
+__all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout",
+           "SPLIT_CHOICES"]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -53,7 +53,8 @@ def parallel_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | Non
         raise ConfigError(f"{say.n} must be an integer >= 1, got {n!r}")
     if mode is None:
         stages, group = pp or 1, tp or 1
-        mode = "layer,tensor" if stages > 1 and group > 1 else "tensor" if group > 1 else "layer" if stages > 1 else "none"
+        mode = ("layer,tensor" if stages > 1 and group > 1 else "tensor" if group > 1 else
+                "layer" if stages > 1 else "none")
     if mode == "layer,tensor":
         return _staged(n, ts, pp, tp, say)
     if mode in ("none", "tensor", "layer"):
@@ -88,8 +89,8 @@ def _staged(n: int | None, ts: tuple[float, ...] | None, pp: int | None, tp: int
         if tp is None:
             raise ConfigError(f"{say.pp} {pp}: give {say.tp} T too (devices per stage)")
     if ts is not None and len(ts) != tp:
-        raise ConfigError(f"{say.ts} has {len(ts)} shares but {say.tp} is {tp}: under layer,tensor {say.ts} gives "
-                          "each device of a tensor group its share")
+        raise ConfigError(f"{say.ts} has {len(ts)} shares but {say.tp} is {tp}: under {say.sm} layer,tensor "
+                          f"{say.ts} gives each device of a tensor group its share")
     if pp is None:
         if n is None or n % tp:
             raise ConfigError(f"{say.tp} {tp}: give {say.pp} P too (stages)" if n is None else

@@ -22,5 +22,6 @@ def test_process_mark_covers_the_mpi_and_serving_folders():
     marked = _collected("-m", "process")
     unmarked = _collected("-m", "not process")
     assert unmarked == {"tests/test_fixtures.py"}
-    on_disk = {p.relative_to(ROOT).as_posix() for d in ("mpi", "serving") for p in (ROOT / "tests" / d).glob("test_*.py")}
+    on_disk = {p.relative_to(ROOT).as_posix() for d in ("mpi", "serving")
+               for p in (ROOT / "tests" / d).glob("test_*.py")}
     assert marked and marked <= on_disk      # a module skipped at collection (a missing extra) is not listed

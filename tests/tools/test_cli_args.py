@@ -61,4 +61,5 @@ def test_a_tools_main_runs_without_loading_the_cli():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "(2, 0)"
-    assert r.stderr == "metatp: error: unrecognized arguments: --frobnicate (see --help)\n"     # as `metatp batched-bench` says it
+    # as `metatp batched-bench` says it
+    assert r.stderr == "metatp: error: unrecognized arguments: --frobnicate (see --help)\n"
