@@ -49,6 +49,10 @@ class LLM:
     `model`: a GGUF path or a known model name; None is the default small model.
     `n_ctx`: context size; default 2048, capped at the model's trained context.
     `n_devices`/`split_mode`/`tensor_split` follow llama.cpp (-sm tensor or -sm layer, -ts 3,1).
+    `tensor_parallel_size` T / `pipeline_parallel_size` P are vLLM's spellings of the same (T alone:
+    -sm tensor over T devices; P alone: -sm layer over P; both: -sm layer,tensor over P*T, each
+    stage a tensor group of T, `tensor_split` one share per device of a group); a contradiction
+    with n_devices, split_mode or tensor_split is a ConfigError naming both (`metatp.parallel`).
     `numerics`: "exact" (float32) or "llamacpp" (numpy backend only: round activations and the KV
     cache as llama.cpp's CPU backend does, to compare logits with it).
     `memory_budget`: bytes per device ("8GiB"); default: what the backend reports free. The memory
@@ -92,7 +96,8 @@ class LLM:
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
                  cache_type_v: str | None = None, max_model_len: int | None = None,
-                 max_waiting: int | None = None, enable_prefix_caching: bool = True) -> None:
+                 max_waiting: int | None = None, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -144,6 +149,12 @@ class LLM:
         if distributed is not None and not isinstance(distributed, str):
             raise ConfigError(f"distributed must be 'auto', 'mpi' or 'none', got {_short(distributed)}")
         self.world = init_world(distributed)     # None: this process holds every device
+        if tensor_parallel_size is not None or pipeline_parallel_size is not None:
+            from metatp.parallel import KEYWORDS, parallel_layout
+
+            n_devices, split_mode, ts = parallel_layout(
+                n_devices if n_devices is not None or self.world is None else self.world.size, split_mode, ts,
+                pipeline_parallel_size, tensor_parallel_size, KEYWORDS)
         if self.world is not None:
             self.world.quiet()
             n_devices, split_mode = self.world.layout_for(n_devices, split_mode, ts)

@@ -8,150 +8,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Sequence
 
-from metatp.backends.registry import ALLREDUCE_CHOICES
-from metatp.ir.models.common import KV_CACHE_TYPES
-from metatp.ir.errors import ConfigError, MetatpError
-from metatp import pipeline
+from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_batches_arg, add_model_args,
+                             add_numerics_arg, add_split_args, layout_kwargs, stage_layout)
+from metatp.cli_run import check_args as _check_args
+from metatp.cli_run import run_command
+from metatp.ir.errors import ConfigError
 
-__all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line (`metatp: error: ...`), not the whole usage block.
-    Subcommand parsers are made from this class too (argparse uses the parent's class)."""
-
-    def error(self, message: str):
-        prog = self.prog.split()[-1] if " " in self.prog else None
-        where = f" {prog}" if prog and prog != "metatp" else ""
-        if _first_rank():
-            print(f"metatp{where}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _first_rank() -> bool:
-    """Print a flag error here? Under mpiexec every rank parses the same flags: rank 0 says it."""
-    from metatp.backends.distributed import launched_rank
-
-    return launched_rank() in (None, 0)
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
-    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
-                   help="context size (default 2048, capped at the model's trained context)")
-
-
-def add_layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="auto", help="auto | numpy | cupy (default auto)")
-    p.add_argument("-ctk", "--cache-type-k", default="f32", choices=list(KV_CACHE_TYPES), metavar="TYPE",
-                   help="KV cache type for K: " + " | ".join(KV_CACHE_TYPES) + " (default f32)")
-    p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
-                   help="KV cache type for V (default: as -ctk)")
-    p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    add_split_args(p)
-    p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
-    p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")
-    p.add_argument("--allreduce", default=os.environ.get("GGML_CUDA_ALLREDUCE", "auto"), metavar="MODE",
-                   help="all-reduce between devices: " + " | ".join(ALLREDUCE_CHOICES)
-                   + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
-    add_micro_batches_arg(p)
-
-
-SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
-
-
-def add_micro_batches_arg(p: argparse.ArgumentParser) -> None:
-    """`--micro-batches M` (`main` sets $METATP_MICRO_BATCHES from it, `metatp.pipeline`)."""
-    p.add_argument("--micro-batches", default=None, metavar="M",
-                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
-                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
-
-
-def add_numerics_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--numerics", default="exact", choices=["exact", "q8", "llamacpp"],
-                   help="numpy backend: exact (float32) | q8 (llama.cpp's int8 activations and rounding; "
-                        "also spelt llamacpp); default exact")
-
-
-def add_split_args(p: argparse.ArgumentParser) -> None:
-    """-sm, -ts, and -sm layer,tensor's --pp / --tp (vLLM's spellings)."""
-    p.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_CHOICES,
-                   help="none | tensor | layer (whole layers per device, -ts their shares) | layer,tensor "
-                        "(--pp stages, each a tensor group of --tp devices)")
-    p.add_argument("-ts", "--tensor-split", default=None,
-                   help="share per device, e.g. 3,1 (-sm layer,tensor: per device of a tensor group)")
-    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
-                   help="-sm layer,tensor: pipeline stages (layers split between them as -sm layer does)")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
-                   help="-sm layer,tensor: devices per stage, splitting its layers as -sm tensor does")
-
-
-def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, pp: int | None,
-                 tp: int | None) -> tuple[int | None, str | None, tuple[float, ...] | None]:
-    """(n_devices, split_mode, tensor_split) with -sm layer,tensor's --pp / --tp applied: P x T
-    devices, -ts one share per device of a tensor group (equal shares by default: its length is
-    how `DeviceLayout` knows T). `n`: --devices or the world size, if given. Errors name the flag."""
-    if pp is None and tp is None:
-        if mode == "layer,tensor" and ts is None:
-            raise ConfigError("-sm layer,tensor needs --tp T (devices per stage) and --pp P (stages), or "
-                              "--tp with --devices / mpiexec -n P*T")
-        return n, mode, ts
-    if mode != "layer,tensor":
-        raise ConfigError(f"--pp / --tp need -sm layer,tensor (got -sm {mode or 'none'})")
-    for flag, v in (("--pp", pp), ("--tp", tp)):
-        if v is not None and v < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {v}")
-    if tp is None:
-        tp = len(ts) if ts else None
-        if tp is None and n is not None and n % pp == 0:
-            tp = n // pp
-        if tp is None:
-            raise ConfigError(f"--pp {pp}: give --tp T too (devices per stage)")
-    if ts is not None and len(ts) != tp:
-        raise ConfigError(f"-ts has {len(ts)} shares but --tp is {tp}: under -sm layer,tensor -ts gives each "
-                          "device of a tensor group its share")
-    if pp is None:
-        if n is None or n % tp:
-            raise ConfigError(f"--tp {tp}: give --pp P too (stages)" if n is None else
-                              f"--tp {tp} does not divide the {n} devices into stages; give --pp P")
-        pp = n // tp
-    if n is not None and n != pp * tp:
-        raise ConfigError(f"--pp {pp} x --tp {tp} is {pp * tp} devices, but --devices / mpiexec -n gives {n}")
-    return pp * tp, mode, ts if ts is not None else (1.0,) * tp
-
-
-def layout_kwargs(args: argparse.Namespace) -> dict:
-    """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
-    under `mpiexec -n N` without either, the world size does), and the backend options the
-    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads)."""
-    from metatp.backends.distributed import every_rank, launched_world_size
-    from metatp.passes.plan import DeviceLayout
-
-    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
-    staged = args.split_mode == "layer,tensor"
-    n = args.devices if args.devices is not None else (len(ts) if ts and not staged else None)
-    world = launched_world_size()
-    if n is None and world is not None and world > 1:
-        n = world
-    try:
-        n, mode, ts = stage_layout(n, args.split_mode, ts, getattr(args, "pp", None), getattr(args, "tp", None))
-    except ConfigError as e:
-        raise every_rank(e) from None     # every rank parses the same flags: rank 0 says it
-    if n is None:
-        n = len(ts) if staged and ts else 1     # -sm layer,tensor -ts alone: one stage
-    mode = mode or ("tensor" if n > 1 or ts else "none")
-    options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
-    if getattr(args, "threads", None):
-        options["kernel_threads"] = args.threads
-    return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
-            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
-            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
-            "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
+# the argument builders live in metatp.cli_args (the tools import them from there); named here too
+__all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout",
+           "SPLIT_CHOICES"]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -222,7 +89,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="metatp", description="GGUF models with tensor parallelism, from Python")
+    ap = Parser(prog="metatp", description="GGUF models with tensor parallelism, from Python")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate text (streams to stdout)")
@@ -286,77 +153,13 @@ def _build_parser() -> argparse.ArgumentParser:
     from metatp.tools import pipeline_bench as _pipeline_bench
 
     _pipeline_bench.add_parser(sub)
-    if "bench" in sub.choices:          # tools/bench.py's parser (-p longer than -b pipelines)
+    if "bench" in sub.choices:          # tools/bench's parser (-p longer than -b pipelines)
         add_micro_batches_arg(sub.choices["bench"])
     return ap
 
 
-def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"metatp: warning: {message}", file=sys.stderr)
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    """What argparse's types cannot say: bench's device counts (a list) are >= 1; generate's single
-    count is checked by the layout (n_devices); --micro-batches is 1..64 or auto (then applied)."""
-    micro = getattr(args, "micro_batches", None)
-    if micro is not None:          # every engine of this process reads it (metatp.pipeline)
-        os.environ[pipeline.ENV] = str(pipeline.parse_micro_batches(micro, "--micro-batches") or "auto")
-    devices = getattr(args, "devices", None)
-    if isinstance(devices, str):
-        for part in devices.split(","):
-            part = part.strip()
-            if part and (not part.lstrip("-").isdigit() or int(part) < 1):
-                raise ConfigError(f"--devices: device counts must be integers >= 1, got {devices!r}")
-
-
-def _read_prompt_file(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read prompt file {path!r}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"cannot read prompt file {path!r}: it is not UTF-8 text "
-                          f"(byte 0x{data[e.start]:02x} at offset {e.start})") from None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = _build_parser()
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:          # --help, or a bad flag (already reported on one line)
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        _check_args(args)
-        if getattr(args, "file", None):
-            args.prompt = _read_prompt_file(args.file)
-    except MetatpError as e:
-        if _first_rank():
-            print(f"metatp: error: {e}", file=sys.stderr)
-        return 1
-    warnings.showwarning = _warning_line
-    from metatp.backends.distributed import finish_error     # under mpiexec: print once, end every rank
-
-    try:
-        return int(args.func(args) or 0)
-    except MetatpError as e:
-        return finish_error(e, f"metatp: error: {e}", 1)
-    except KeyboardInterrupt as e:
-        return finish_error(e, "\nmetatp: interrupted", 130)
-    except BrokenPipeError:
-        return 0
-    except MemoryError as e:
-        return finish_error(e, "metatp: error: out of memory (try a smaller -c / n_ctx or more devices)", 1)
-    except RecursionError:
-        print("metatp: error: the model is nested too deeply to process (recursion limit)", file=sys.stderr)
-        return 1
-    except Exception as e:  # a bug: still one line for the user, the traceback on request
-        if os.environ.get("METATP_DEBUG"):
-            raise
-        return finish_error(e, f"metatp: internal error: {type(e).__name__}: {e}\n"
-                            "metatp: hint: this is a bug in metatp; rerun with METATP_DEBUG=1 for the traceback", 2)
+    return run_command(_build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -32,11 +32,16 @@ An unknown name is a usage error (a typo must not turn the switch off).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# the workshop scripts (scripts/, not installed) import as `scripts` from the checkout's root
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 from hypothesis import settings  # noqa: E402
 

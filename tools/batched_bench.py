@@ -235,7 +235,7 @@ def _threads(llm) -> int:
 
 def _cmd(args: argparse.Namespace) -> int:
     from metatp.api import LLM
-    from metatp.cli import layout_kwargs
+    from metatp.cli_args import layout_kwargs
 
     pps, tgs, npls = _int_list(args.npp, "-npp"), _int_list(args.ntg, "-ntg"), _int_list(args.npl, "-npl")
     need = max(b * (pp + tg) for pp in pps for tg in tgs for b in npls)
@@ -278,7 +278,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    from metatp.cli import add_layout_args, add_model_args
+    from metatp.cli_args import add_layout_args, add_model_args
 
     p = sub.add_parser("batched-bench", help="throughput of B parallel sequences (llama-batched-bench's table)")
     add_model_args(p)
@@ -302,6 +302,10 @@ def add_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from metatp.cli import main as cli_main
+    """`metatp batched-bench` without the rest of the command line (its own parser, the same error lines)."""
+    from metatp.cli_args import Parser
+    from metatp.cli_run import run_command
 
-    return cli_main(["batched-bench", *(argv if argv is not None else sys.argv[1:])])
+    ap = Parser(prog="metatp")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    return run_command(ap, ["batched-bench", *(argv if argv is not None else sys.argv[1:])])

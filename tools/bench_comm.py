@@ -86,9 +86,9 @@ def format_bytes(n: int | None) -> str:
 
 def add_stage_args(b) -> None:
     """bench's --pp / --tp: the stages and tensor-group size of its -sm layer,tensor rows."""
-    b.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
+    b.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
                    help="-sm layer+tensor rows: pipeline stages")
-    b.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+    b.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
                    help="-sm layer+tensor rows: devices per stage (a tensor group)")
 
 

@@ -78,7 +78,7 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def _cmd(args) -> int:
     from metatp.api import LLM
-    from metatp.cli import layout_kwargs
+    from metatp.cli_args import layout_kwargs
     from metatp.ir.errors import ConfigError
 
     micros = _int_list(args.micro_list, "--micro-batches")
@@ -145,7 +145,7 @@ def _rows(every: list[dict], micros: list[int], identical: dict[int, bool]) -> l
 
 
 def add_parser(sub) -> None:
-    from metatp.cli import add_model_args, add_split_args
+    from metatp.cli_args import add_model_args, add_split_args
 
     p = sub.add_parser("pipeline-bench", help="-sm layer under mpiexec: the pipeline bubble with and without micro-batches")
     add_model_args(p)
@@ -165,9 +165,13 @@ def add_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from metatp.cli import main as cli_main
+    """`metatp pipeline-bench` without the rest of the command line (its own parser, the same error lines)."""
+    from metatp.cli_args import Parser
+    from metatp.cli_run import run_command
 
-    return cli_main(["pipeline-bench", *(argv if argv is not None else sys.argv[1:])])
+    ap = Parser(prog="metatp")
+    add_parser(ap.add_subparsers(dest="cmd", required=True))
+    return run_command(ap, ["pipeline-bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

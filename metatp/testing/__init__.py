@@ -1,4 +1,4 @@
-"""Test support, shipped apart from the backends so `python -m metatp.tools.gpu_check --emulate` works installed.
+"""Test support, not installed with the wheel: the tests and the workshop scripts (scripts/) import it from the tree.
 
 - `cuda_emulator`: metatp's CUDA kernels compiled as host C++ (a kernel engine for
   `launch.using`), so launch contracts and kernel logic are checked on a CPU;

@@ -2,7 +2,7 @@
 can be changed and written again, and the one place a `gguf.GGUFWriter` is finished.
 
 `metatp.testing.synth` writes synthetic models through `finish_gguf`; the hostile-value tests
-and `python -m metatp.tools.fuzz_gguf --values` read a well-formed file with `read_parts`,
+and `python -m scripts.fuzz_gguf --values` read a well-formed file with `read_parts`,
 mutate it and write it back with `write_parts`.
 """
 

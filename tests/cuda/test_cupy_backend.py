@@ -582,9 +582,9 @@ def test_gpu_check_preflight_lines(monkeypatch, capsys):
     run goes on; on a GPU run a missing import (yaml) stops it."""
     import sys
 
-    from metatp.tools.gpu_check.config import Config
-    from metatp.tools.gpu_check.preflight import preflight
-    from metatp.tools.gpu_check.report import Report
+    from scripts.gpu_check.config import Config
+    from scripts.gpu_check.preflight import preflight
+    from scripts.gpu_check.report import Report
 
     rep = Report()
     assert preflight(rep, Config(emulate=True)) == emulator_available()

@@ -121,9 +121,9 @@ def _check_for_devices(be) -> None:
 
 def test_gpu_check_layer_section_on_the_emulator(tmp_path):
     """tools/gpu_check's -sm layer row (what a GPU session checks) passes on the emulator's dry run."""
-    from metatp.tools.gpu_check.config import Budget, Config
-    from metatp.tools.gpu_check.model import section_layer, write_model
-    from metatp.tools.gpu_check.report import Report
+    from scripts.gpu_check.config import Budget, Config
+    from scripts.gpu_check.model import section_layer, write_model
+    from scripts.gpu_check.report import Report
 
     cfg, rep = Config.dry_run(2), Report()
     section_layer(rep, cfg, write_model(rep, cfg, tmp_path), Budget(600))

@@ -3,7 +3,7 @@
 Contract: on any file `validate_gguf` either returns a layout or raises `GGUFFieldError`
 (missing file: `ModelNotFoundError`), fast and without allocating by a count read from
 the file; when it returns a layout, `gguf.GGUFReader` opens the file without raising and
-agrees with it. The mutators and the oracle live in `metatp.tools.fuzz_gguf`, which runs
+agrees with it. The mutators and the oracle live in `scripts.fuzz_gguf`, which runs
 the same properties for much longer.
 """
 
@@ -32,7 +32,7 @@ from metatp.ir.gguf_validate import (
     GGUFLayout,
     validate_gguf,
 )
-from metatp.tools.fuzz_gguf import (
+from scripts.fuzz_gguf import (
     INTERESTING_INTS,
     build_sample_gguf,
     check_bytes,

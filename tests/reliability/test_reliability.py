@@ -110,7 +110,7 @@ def test_cli_error_paths_print_one_line(path, capsys, argv, needle):
 
 
 def test_soak_is_flat_and_deterministic(path):
-    from metatp.tools.soak import soak
+    from scripts.soak import soak
 
     a = soak(path, 120, seed=5)
     b = soak(path, 120, seed=5)

@@ -4,7 +4,7 @@ Templates run in a budgeted sandbox: whatever they do, rendering ends within its
 with a typed error. Hyper-parameters are checked for type and range and against each other and
 the tensors at load, naming the key or tensor. A broken model's NaN logits are an error. A
 hypothesis property mutates metadata values of a synthetic model (the same mutators as
-`python -m metatp.tools.fuzz_gguf --values`), and the CLI reports all of it on one line.
+`python -m scripts.fuzz_gguf --values`), and the CLI reports all of it on one line.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from metatp.ir.tokenizer import Tokenizer
 from metatp.ir.tokenizer_tables import gpt2_byte_table
 from metatp.testing.gguf_edit import read_parts, write_parts
 from metatp.testing.synth import SynthSpec
-from metatp.tools import fuzz_gguf as fz
+from scripts import fuzz_gguf as fz
 
 VT = gguf.GGUFValueType
 SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=9)   # the `path` fixture
@@ -255,7 +255,7 @@ def test_value_mutations_load_or_raise_a_metatp_error(base, tmp_path, muts):
 
 
 def test_value_fuzzer_runs_clean():
-    """`python -m metatp.tools.fuzz_gguf --values`, bounded for CI."""
+    """`python -m scripts.fuzz_gguf --values`, bounded for CI."""
     assert fz.run_values(12, seed=3, base=None) == 0
 
 

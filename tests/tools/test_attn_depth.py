@@ -34,7 +34,7 @@ def test_no_table_without_tg_at_two_depths():
 
 @requires("cpu_kernels")
 def test_attn_bench_times_the_kernel_per_layer(capsys):
-    from metatp.tools import attn_bench
+    from scripts import attn_bench
 
     wall, cpu = attn_bench.time_attention(130, 1, "q8_0", q8=True, layers=2, reps=1)
     assert 0 < wall < 5 and 0 <= cpu < 5

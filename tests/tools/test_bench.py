@@ -81,14 +81,15 @@ def test_compare_rows_interleave_and_carry_ratios(synth_factory, monkeypatch):
     import sys
     import types
 
-    from metatp.tools import bench, llamacpp
+    from metatp.tools import llamacpp
+    from metatp.tools.bench import slots
 
     path, _ = synth_factory(SynthSpec(seed=44))
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(__version__="fake"))
     monkeypatch.setattr(llamacpp, "LlamaCppEngine", _FakeLlamaCpp)
     order = []
-    real_measure = bench._measure
-    monkeypatch.setattr(bench, "_measure", lambda eng, *a: order.append(type(eng).__name__) or real_measure(eng, *a))
+    real_measure = slots.measure
+    monkeypatch.setattr(slots, "measure", lambda eng, *a: order.append(type(eng).__name__) or real_measure(eng, *a))
     _FakeLlamaCpp.calls = []
     cfg = BenchConfig(model=str(path), n_prompt=[8], n_gen=[3], repetitions=2, backend="numpy",
                       numerics=["exact", "llamacpp"], compare="llama-cpp", interleave=True)

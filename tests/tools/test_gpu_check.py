@@ -1,4 +1,4 @@
-"""tools/gpu_check: it runs as a folder from a bare source tree, and what it carries to the GPU
+"""scripts/gpu_check: it runs as a folder from a bare source tree, and what it carries to the GPU
 machine (the tree plus the wheels) fits the 64 MiB one call may carry."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from metatp.tools.gpu_check import carry
+from scripts.gpu_check import carry
 from support.require import requires
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,23 +18,49 @@ needs_git = requires("git")
 
 
 def test_runs_as_a_folder():
-    """`python3 tools/gpu_check --help` (the documented call on the GPU machine) starts: the
+    """`python3 scripts/gpu_check --help` (the documented call on the GPU machine) starts: the
     folder's __main__ maps the source tree before its first metatp import."""
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check"), "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--help"], capture_output=True,
                        text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=""))
     assert r.returncode == 0, r.stderr
     assert "--emulate" in r.stdout and "--budget" in r.stdout
 
 
+def test_pytest_runs_through_the_folder():
+    """`python3 scripts/gpu_check --pytest ...` (how the GPU machine runs tests/cuda): the folder's
+    own profile.py must not shadow the standard library's, which pytest imports."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--pytest", "-q", "--collect-only",
+                        "-p", "no:cacheprovider", str(Path(__file__))], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "test_pytest_runs_through_the_folder" in r.stdout
+
+
+def test_scripts_map_metatp_onto_a_bare_tree():
+    """With no install at all (`python -S`: no .pth, so no editable finder; the dependencies on
+    PYTHONPATH), `import scripts` maps metatp onto this tree's folders, as on the GPU machine."""
+    import numpy
+
+    deps = str(Path(numpy.__file__).resolve().parent.parent)
+    code = "import scripts, metatp.backends, metatp.tools.dump; print(metatp.backends.__file__)"
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=deps))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(ROOT / "backends" / "__init__.py")
+    r = subprocess.run([sys.executable, "-S", "-c", "import metatp.backends"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=deps))
+    assert r.returncode != 0          # the check can fail: without `import scripts` the tree is not importable
+
+
 def test_source_tree_finder_maps_the_package_dirs():
     """Without an install, `metatp.tools` etc. resolve to the tree's folders (pyproject's package-dir)."""
-    from metatp.tools._source_tree import PACKAGE_DIRS, SourceTreeFinder
+    from scripts._source_tree import PACKAGE_DIRS, SourceTreeFinder
 
     finder = SourceTreeFinder(ROOT)
     for name, folder in PACKAGE_DIRS.items():
         spec = finder.find_spec(name)
         assert spec.submodule_search_locations == [str(ROOT / folder)], name
-    assert finder.find_spec("metatp.tools.gpu_check") is None       # found below the mapped folder as usual
+    assert finder.find_spec("metatp.tools.dump") is None       # found below the mapped folder as usual
     text = (ROOT / "pyproject.toml").read_text()
     assert all(f'"{name}" = "{folder}"' in text for name, folder in PACKAGE_DIRS.items())
 
@@ -78,7 +104,7 @@ def test_carry_counts_the_wheels_there_and_refuses_two_versions(tmp_path, capsys
 def test_profile_groups_a_steps_launches_by_kernel():
     """The decode-step profile: launches of one kernel summed, the largest total first, the
     slowest launch's geometry kept, shares of the whole step in the written table."""
-    from metatp.tools.gpu_check.profile import LaunchTime, by_kernel, table
+    from scripts.gpu_check.profile import LaunchTime, by_kernel, table
 
     times = [LaunchTime("matvec_q4_1", (72,), (32, 8), 3e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6),
              LaunchTime("matvec_q4_1", (192,), (32, 8), 5e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6)]

@@ -1,4 +1,4 @@
-"""`python -m metatp.tools.serve_bench`: the serving figure of docs/performance.md, against a real
+"""`python -m scripts.serve_bench`: the serving figure of docs/performance.md, against a real
 `metatp serve` on a synthetic model: every request generates exactly the tokens asked for, both
 figures and their ratio come per repetition, a server that cannot start is one clear error. No
 speed is asserted."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from metatp.testing.synth import SynthSpec
-from metatp.tools import serve_bench
+from scripts import serve_bench
 from support.require import requires
 
 pytestmark = requires("serve")

@@ -224,7 +224,7 @@ def add_parser(sub) -> None:
                                    "state of every tensor, subgraphs, all-reduces, memory and the communication bill.")
     d.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
     d.add_argument("--devices", type=int, default=None, help="number of devices to split across")
-    from metatp.cli import add_split_args
+    from metatp.cli_args import add_split_args
 
     add_split_args(d)
     d.add_argument("--phase", default="decode", choices=PHASES, help="decode (1 token, full cache) | prefill")
@@ -279,7 +279,7 @@ def _request(args: argparse.Namespace) -> tuple[DumpRequest, bool]:
     """(the request the flags make, print on this process?)."""
     from metatp.passes.plan import DeviceLayout
 
-    from metatp.cli import stage_layout
+    from metatp.cli_args import stage_layout
 
     ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
     n_devices, split_mode, prints = mpi_layout(args.devices, args.split_mode, ts)

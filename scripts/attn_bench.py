@@ -4,7 +4,7 @@ Why: `metatp bench -d` gives attention per token as a difference of two decode r
 shared machine makes noisy; this times the kernel itself (the best of `--reps` sweeps over all
 layers, wall and CPU time), the default model's shapes by default.
 
-    python -m metatp.tools.attn_bench --depth 1536 --threads 1,2 --types f32,f16,q8_0 [--q8]
+    python -m scripts.attn_bench --depth 1536 --threads 1,2 --types f32,f16,q8_0 [--q8]
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def time_attention(depth: int, threads: int, name: str, q8: bool = False, layers
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m metatp.tools.attn_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.attn_bench", description=__doc__.splitlines()[0])
     p.add_argument("--depth", default="1536", help="cache depths, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--types", default="f32,f16,q8_0", help=f"of {','.join(KV_CACHE_TYPES)}")

@@ -8,8 +8,8 @@ import warnings
 
 import numpy as np
 
-from metatp.tools.gpu_check.config import Config
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.config import Config
+from scripts.gpu_check.report import Report
 
 PREFLIGHT_SECONDS = 10.0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from metatp.tools.gpu_check.config import Config
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.config import Config
+from scripts.gpu_check.report import Report
 
 
 def section_kernels(rep: Report, cfg: Config) -> None:

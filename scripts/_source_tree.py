@@ -3,8 +3,9 @@ no network and nothing installed).
 
 setuptools maps the top-level folders ir/, passes/, backends/, tools/, cuda/ into the metatp
 package (`[tool.setuptools.package-dir]` in pyproject.toml); `register` does the same mapping
-at import time with a meta-path finder. Tools run as files (`python3 tools/gpu_check ...`)
-call it before their first metatp import; where metatp is installed it does nothing.
+at import time with a meta-path finder. `import scripts` calls it, so the workshop scripts
+(`python3 scripts/gpu_check ...`, `python -m scripts.fuzz_gguf`) run from a bare tree; where
+metatp is installed it does nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Soak: many generate calls with random prompts and sampling parameters in one process.
 
 Checks that memory stays flat (no per-call growth) and that results are deterministic for a
-fixed seed. `python -m metatp.tools.soak --calls 1000` runs the long version on a tiny synthetic model.
+fixed seed. `python -m scripts.soak --calls 1000` runs the long version on a tiny synthetic model.
 """
 
 from __future__ import annotations

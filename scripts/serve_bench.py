@@ -2,7 +2,7 @@
 official `openai` client) against the same N sent one after another, as aggregate generated
 tokens per second and their ratio, repetitions interleaved so a shared VM's drift moves both.
 
-    python -m metatp.tools.serve_bench --requests 16 --tokens 64 -r 2 -- --numerics q8 -c 4096
+    python -m scripts.serve_bench --requests 16 --tokens 64 -r 2 -- --numerics q8 -c 4096
 
 Arguments after `--` go to `metatp serve` (the server always gets --parallel N and
 --no-prefix-caching, so the repeated prompts are computed every time). Each request has its own
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         extra = argv[argv.index("--") + 1:]
         argv = argv[:argv.index("--")]
-    p = argparse.ArgumentParser(prog="python -m metatp.tools.serve_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.serve_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=16, help="requests sent at once (and the server's --parallel)")
     p.add_argument("--tokens", type=int, default=64, help="tokens each request generates")

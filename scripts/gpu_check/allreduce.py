@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.report import Report
 
 
 def section_nccl(rep: Report) -> None:

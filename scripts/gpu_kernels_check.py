@@ -1,8 +1,8 @@
 """Check every metatp CUDA kernel against a float64 reference on a GPU (or the CPU emulator).
 
-    python -m metatp.tools.gpu_kernels_check            # markdown table, exit 1 on a failure
-    python -m metatp.tools.gpu_kernels_check matvec attn_decode --reps 20
-    python -m metatp.tools.gpu_kernels_check --emulate      # no GPU: kernels as host C++
+    python -m scripts.gpu_kernels_check            # markdown table, exit 1 on a failure
+    python -m scripts.gpu_kernels_check matvec attn_decode --reps 20
+    python -m scripts.gpu_kernels_check --emulate      # no GPU: kernels as host C++
 
 The checks, one module per kernel family, and the references live in test support
 (`metatp.testing.kernel_checks`, `metatp.testing.oracles`); this is their

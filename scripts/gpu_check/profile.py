@@ -18,9 +18,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from metatp.tools.gpu_check.config import Budget, Config, cupy_engine
-from metatp.tools.gpu_check.report import Report
-from metatp.tools.gpu_check.speed import time_decode
+from scripts.gpu_check.config import Budget, Config, cupy_engine
+from scripts.gpu_check.report import Report
+from scripts.gpu_check.speed import time_decode
 
 TOP = 12                # kernels listed as rows (all of them go to the written table)
 

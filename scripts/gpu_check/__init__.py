@@ -1,8 +1,8 @@
 """A session that has a GPU: metatp's cupy backend checked end to end, one module per step.
 
-    python3 tools/gpu_check --out gpu-results.md             # from a source tree, no install
-    python3 -m metatp.tools.gpu_check --out gpu-results.md   # when metatp is installed
-    python3 tools/gpu_check --pytest -q -m gpu tests/cuda/   # pytest, same import mapping
+    python3 scripts/gpu_check --out gpu-results.md             # from a source tree, no install
+    python3 -m scripts.gpu_check --out gpu-results.md          # the same, from the tree's root
+    python3 scripts/gpu_check --pytest -q -m gpu tests/cuda/   # pytest, same import mapping
 
 Steps (each in its own try/except, so one failure does not hide the others; each prints as it
 goes and the whole run stays inside --budget seconds, about 7 minutes):

@@ -12,8 +12,8 @@ import numpy as np
 
 from metatp.testing.compare import teacher_forced
 from metatp.testing.oracles import rel_err
-from metatp.tools.gpu_check.config import Budget, Config, cupy_engine, numpy_engine
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.config import Budget, Config, cupy_engine, numpy_engine
+from scripts.gpu_check.report import Report
 
 
 def write_model(rep: Report, cfg: Config, folder: Path):

@@ -5,8 +5,8 @@ lacks travels with the working tree, as wheels in the git-ignored folder `.whl/`
 call's `carry`). The image (see docs/gpu-results.md) has Python 3.12, numpy, networkx, CuPy,
 pytest, hypothesis, PyYAML, tqdm, requests and an mpi4py, but no gguf and no MPI library.
 
-    python3 tools/gpu_check/carry.py              # the table: tree + wheels vs the budget
-    python3 tools/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
+    python3 scripts/gpu_check/carry.py              # the table: tree + wheels vs the budget
+    python3 scripts/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
 
 Standard library only, so it runs as a file from a bare source tree. Exit status 1 when what
 would travel is over the budget or `.whl/` holds two versions of one package.

@@ -1,8 +1,8 @@
 """The gpu_check command line: the steps in order, each guarded, inside one time budget.
 
-Run as a folder (`python3 tools/gpu_check`) from a source tree, the metatp packages are mapped
-onto their folders first (`tools/_source_tree.py`); `--pytest ARGS` runs pytest under that same
-mapping and `--mpi-rank ARGS` is one rank of step 6.
+Run as a folder (`python3 scripts/gpu_check`) from a source tree, the tree's root goes on the
+path and `import scripts` maps the metatp packages onto their folders (`scripts/_source_tree.py`);
+`--pytest ARGS` runs pytest under that same mapping and `--mpi-rank ARGS` is one rank of step 6.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 import sys
 
 if not __package__:                   # run as a folder or file: no installed metatp needed
-    import importlib.util
     from pathlib import Path
 
-    _spec = importlib.util.spec_from_file_location(
-        "_metatp_source_tree", Path(__file__).resolve().parent.parent / "_source_tree.py")
-    _source_tree = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_source_tree)
-    _source_tree.register()
+    _here = Path(__file__).resolve().parent
+    # Python put this folder first on the path: its modules (profile.py) would shadow the standard
+    # library's (pytest's cProfile imports `profile`); they are imported as scripts.gpu_check.*
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent.parent))
+    import scripts  # noqa: F401,E402  (registers the source-tree mapping)
 
 import argparse  # noqa: E402
 import os  # noqa: E402
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return mpi_rank.main(argv[1:])
     args = _parser().parse_args(argv)
-    from metatp.tools.gpu_check.config import Budget, Config
+    from scripts.gpu_check.config import Budget, Config
 
     cfg = Config.dry_run(args.layers) if args.emulate else Config(n_layer=args.layers)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -59,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from metatp.tools.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, speed
-    from metatp.tools.gpu_check.report import Report, write_outputs
+    from scripts.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, speed
+    from scripts.gpu_check.report import Report, write_outputs
 
     rep = Report()
 

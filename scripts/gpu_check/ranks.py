@@ -1,6 +1,6 @@
 """Step 6: one GPU rank under MPI with NCCL, in a subprocess bounded in time.
 
-The rank (`metatp.testing.mpi_rank`, started as `python3 tools/gpu_check --mpi-rank ...`, under
+The rank (`metatp.testing.mpi_rank`, started as `python3 scripts/gpu_check --mpi-rank ...`, under
 `mpiexec -n 1` where it is on PATH, else as an MPI singleton) builds its backend with
 `World.create_backend("cupy")`, generates greedy tokens on a small synthetic model, compares
 them with the single-process cupy run and drives the collective's step. With --emulate: the
@@ -16,13 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from metatp.tools.gpu_check.config import SMOLLM2_TYPES, Budget, Config
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.config import SMOLLM2_TYPES, Budget, Config
+from scripts.gpu_check.report import Report
 
 MPI_SMOKE_SECONDS = 150.0
 MPI_SPEC = dict(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=512, seed=5,
                 types=dict(SMOLLM2_TYPES))
-PACKAGE_DIR = Path(__file__).resolve().parent      # runnable: `python3 tools/gpu_check ...`
+PACKAGE_DIR = Path(__file__).resolve().parent      # runnable: `python3 scripts/gpu_check ...`
 
 
 def _mpi_missing() -> str | None:

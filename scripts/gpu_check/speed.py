@@ -8,8 +8,8 @@ import time
 import numpy as np
 
 from metatp.ir.models.inputs import graph_inputs, make_feed, sequence_values
-from metatp.tools.gpu_check.config import Budget, Config, cupy_engine
-from metatp.tools.gpu_check.report import Report
+from scripts.gpu_check.config import Budget, Config, cupy_engine
+from scripts.gpu_check.report import Report
 
 
 def decode_feed(plan, n_past: int, token: int, window: int = 0) -> dict:

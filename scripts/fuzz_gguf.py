@@ -15,8 +15,8 @@ hang or another exception.
 oracles with hypothesis for a bounded number of examples; this script runs them for as long as
 you like:
 
-    python -m metatp.tools.fuzz_gguf --examples 10000 [--seed 1] [--base model.gguf]
-    python -m metatp.tools.fuzz_gguf --values --examples 500 [--seed 1]
+    python -m scripts.fuzz_gguf --examples 10000 [--seed 1] [--base model.gguf]
+    python -m scripts.fuzz_gguf --values --examples 500 [--seed 1]
 """
 
 from __future__ import annotations

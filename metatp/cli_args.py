@@ -1,0 +1,139 @@
+"""The command line's argument builders and the layout they describe, shared by `metatp.cli` and
+the subcommands in `metatp.tools` (dump, bench, batched-bench, pipeline-bench), so no tool needs
+to import the command itself (that was an import cycle).
+
+Also `Parser`: argparse whose flag errors are one line, the class every metatp parser uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from metatp.backends.registry import ALLREDUCE_CHOICES
+from metatp.ir.errors import ConfigError
+from metatp.ir.models.common import KV_CACHE_TYPES
+from metatp.parallel import FLAGS, parallel_layout
+
+__all__ = ["Parser", "first_rank", "add_model_args", "add_layout_args", "add_split_args", "add_micro_batches_arg",
+           "add_numerics_arg", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (`metatp: error: ...`), not the whole usage block.
+    Subcommand parsers are made from this class too (argparse uses the parent's class)."""
+
+    def error(self, message: str):
+        prog = self.prog.split()[-1] if " " in self.prog else None
+        where = f" {prog}" if prog and prog != "metatp" else ""
+        if first_rank():
+            print(f"metatp{where}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def first_rank() -> bool:
+    """Print a flag error here? Under mpiexec every rank parses the same flags: rank 0 says it."""
+    from metatp.backends.distributed import launched_rank
+
+    return launched_rank() in (None, 0)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None, help="GGUF path or known model name (default: smollm2-135m)")
+    p.add_argument("-c", "--ctx-size", dest="n_ctx", type=int, default=None,
+                   help="context size (default 2048, capped at the model's trained context)")
+
+
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="auto", help="auto | numpy | cupy (default auto)")
+    p.add_argument("-ctk", "--cache-type-k", default="f32", choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for K: " + " | ".join(KV_CACHE_TYPES) + " (default f32)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, choices=list(KV_CACHE_TYPES), metavar="TYPE",
+                   help="KV cache type for V (default: as -ctk)")
+    p.add_argument("--devices", type=int, default=None, help="number of devices to split across")
+    add_split_args(p)
+    p.add_argument("--mem", dest="memory_budget", default=None, help="memory budget per device, e.g. 8GiB")
+    p.add_argument("--fit", action="store_true", help="shrink the context to what fits the memory budget")
+    p.add_argument("--allreduce", default=os.environ.get("GGML_CUDA_ALLREDUCE", "auto"), metavar="MODE",
+                   help="all-reduce between devices: " + " | ".join(ALLREDUCE_CHOICES)
+                   + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
+    add_micro_batches_arg(p)
+
+
+SPLIT_CHOICES = ["none", "tensor", "layer", "layer,tensor"]
+
+
+def add_micro_batches_arg(p: argparse.ArgumentParser) -> None:
+    """`--micro-batches M` (`main` sets $METATP_MICRO_BATCHES from it, `metatp.pipeline`)."""
+    p.add_argument("--micro-batches", default=None, metavar="M",
+                   help="-sm layer under mpiexec: passes of a step in flight at once, the stages working on "
+                        "different micro-batches (1: off; default auto, $METATP_MICRO_BATCHES; metatp.pipeline)")
+
+
+def add_numerics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--numerics", default="exact", choices=["exact", "q8", "llamacpp"],
+                   help="numpy backend: exact (float32) | q8 (llama.cpp's int8 activations and rounding; "
+                        "also spelt llamacpp); default exact")
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    """-sm, -ts, and -sm layer,tensor's --pp / --tp (also vLLM's -pp / -tp, --pipeline-parallel-size /
+    --tensor-parallel-size)."""
+    p.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_CHOICES,
+                   help="none | tensor | layer (whole layers per device, -ts their shares) | layer,tensor "
+                        "(--pp stages, each a tensor group of --tp devices)")
+    p.add_argument("-ts", "--tensor-split", default=None,
+                   help="share per device, e.g. 3,1 (-sm layer,tensor: per device of a tensor group)")
+    p.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
+                   help="-sm layer,tensor: pipeline stages (layers split between them as -sm layer does)")
+    p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                   help="-sm layer,tensor: devices per stage, splitting its layers as -sm tensor does")
+
+
+def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, pp: int | None,
+                 tp: int | None) -> tuple[int | None, str | None, tuple[float, ...] | None]:
+    """(n_devices, split_mode, tensor_split) with -sm layer,tensor's --pp / --tp applied: P x T
+    devices, -ts one share per device of a tensor group (equal shares by default: its length is
+    how `DeviceLayout` knows T). `n`: --devices or the world size, if given. Errors name the flag.
+    On the command line --pp / --tp need -sm layer,tensor spelt out (the Python API's keywords
+    choose the mode themselves); the mapping is `metatp.parallel`'s, shared with `LLM`."""
+    if pp is None and tp is None:
+        if mode == "layer,tensor" and ts is None:
+            raise ConfigError("-sm layer,tensor needs --tp T (devices per stage) and --pp P (stages), or "
+                              "--tp with --devices / mpiexec -n P*T")
+        return n, mode, ts
+    if mode != "layer,tensor":
+        raise ConfigError(f"--pp / --tp need -sm layer,tensor (got -sm {mode or 'none'})")
+    return parallel_layout(n, mode, ts, pp, tp, FLAGS)
+
+
+def layout_kwargs(args: argparse.Namespace) -> dict:
+    """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
+    under `mpiexec -n N` without either, the world size does), and the backend options the
+    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads)."""
+    from metatp.backends.distributed import every_rank, launched_world_size
+    from metatp.passes.plan import DeviceLayout
+
+    ts = DeviceLayout.parse_split(args.tensor_split) if args.tensor_split else None
+    staged = args.split_mode == "layer,tensor"
+    n = args.devices if args.devices is not None else (len(ts) if ts and not staged else None)
+    world = launched_world_size()
+    if n is None and world is not None and world > 1:
+        n = world
+    try:
+        n, mode, ts = stage_layout(n, args.split_mode, ts, getattr(args, "pp", None), getattr(args, "tp", None))
+    except ConfigError as e:
+        raise every_rank(e) from None     # every rank parses the same flags: rank 0 says it
+    if n is None:
+        n = len(ts) if staged and ts else 1     # -sm layer,tensor -ts alone: one stage
+    mode = mode or ("tensor" if n > 1 or ts else "none")
+    options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
+    if getattr(args, "threads", None):
+        options["kernel_threads"] = args.threads
+    return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
+            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
+            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
+            "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
