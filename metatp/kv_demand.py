@@ -190,10 +190,6 @@ class CellDemand:
         if r.state == "prefill" and r.refill is None:     # a prompt cut short: counted once, when fed again
             self.metrics.prompt_tokens -= r.n_fed - r.n_reused
             self.metrics.recomputed_tokens += r.n_fed - r.n_reused
-        r.seq, r.n_fed = None, 0
-        if r.state == "decode":
-            r.refill = r.history[:-1]
-        r.score_rows.clear()
-        r.state = "waiting"
+        r.requeue()
         waiting.appendleft(r)
         self.metrics.preemptions += 1

@@ -13,7 +13,8 @@ from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
 from metatp.openai_api import usage
 from metatp.requests import RequestHandle
-from metatp.scheduler import QueueFullError, StepOutput
+from metatp.output_processor import StepOutput
+from metatp.scheduler import QueueFullError
 from metatp.server.fields import BadRequest, is_int
 from metatp.server.ranks import served_world
 
