@@ -4,7 +4,7 @@ A `Request` is one sample being generated (or one prompt being scored). Requests
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (its cells freed, its tokens and
+none, the most recently admitted running request is preempted (`Scheduler.preempt`) (its cells freed, its tokens and
 sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
 one stream and the tokens of a run alone. A step that preempts admits nothing. With the prefix
 cache (`metatp.prefix_cache`, on by default) a request begins with the cached blocks its prompt
@@ -50,7 +50,7 @@ import numpy as np
 
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, RequestStateError
 from metatp.kv_cells import SeqCells
-from metatp.kv_demand import CellDemand, prefill_chunk
+from metatp.kv_demand import CellDemand
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import StepOutput, StopMatcher, TokenEvent
@@ -127,9 +127,9 @@ class Request:
         self.state = RequestState.WAITING
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
-        self.n_reused = 0                      # ... of them found in the prefix cache (kv_demand)
+        self.n_reused = 0                      # ... of them found in the prefix cache (CellDemand.admit)
         self.pending: int | None = None        # the sampled token the next step feeds
-        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (kv_demand)
+        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (`requeue`)
         self.history = list(prompt_ids)
         self.output_ids: list[int] = []
         self.events: collections.deque[TokenEvent] = collections.deque()
@@ -143,8 +143,26 @@ class Request:
     def done(self) -> bool:
         return self.state is RequestState.DONE
 
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill feeds: its prompt, or after a preemption its prompt and generated
+        tokens but the pending one (`refill`), whose cell the next decode step writes."""
+        return self.prompt_ids if self.refill is None else self.refill
+
+    def prefill_chunk(self, budget: int, small_rows: int) -> list[int]:
+        """The next at most `budget` tokens of its prefill. A refill is computed as it was first:
+        its prompt part apart, its generated part in passes of at most `small_rows` rows (the
+        backend's few-token path, where a row's sums do not depend on the pass, as in a decode
+        step), so its cells get the bits they had and its next logits are those of a run never
+        preempted."""
+        ids, end = self.prefill_ids, self.n_fed + budget
+        if self.refill is not None:
+            n = len(self.prompt_ids)
+            end = min(end, n) if self.n_fed < n else min(end, self.n_fed + small_rows)
+        return ids[self.n_fed:end]
+
     def requeue(self) -> None:
-        """Back to waiting after a recompute preemption (`metatp.kv_demand`), its cells freed:
+        """Back to waiting after a recompute preemption (`Scheduler.preempt`), its cells freed:
         a decoding request prefills its prompt and generated tokens but the pending one again."""
         if self.state is RequestState.DECODE:
             self.refill = self.history[:-1]
@@ -191,8 +209,8 @@ class Scheduler:
         self._stop = threading.Event()
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
-        # KV cells on demand and recompute preemption (metatp.kv_demand)
-        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics, prefix_caching)
+        # KV cells on demand (metatp.kv_demand); which request waits or is preempted is decided here
+        self.demand = CellDemand(engine.cells, self.metrics, prefix_caching)
 
     def lead(self, world: "World") -> Leader:
         """Drive every rank of `world` from here (rank 0; `LLM` calls it): each step is posted to
@@ -201,13 +219,9 @@ class Scheduler:
         if world.rank != 0:
             raise ConfigError(f"only rank 0 leads the steps; rank {world.rank} follows (metatp.lockstep.follow)")
         if self._leader is None or self._leader.world is not world:
-            self._leader = Leader(world)
+            self._leader = Leader(world, self.engine.cells)     # it hears every cell operation
         self.runner.leader = self._leader
         return self._leader
-
-    def _post(self, op: tuple) -> None:
-        if self._leader is not None:
-            self._leader.ops.append(op)
 
     def stop_leading(self) -> None:
         """Tell the followers that no step will come (after the driver thread has stopped)."""
@@ -361,14 +375,15 @@ class Scheduler:
                 self.running.remove(r)
                 self._release(r, keep=True)
                 self._end_cancelled(r)
-            preempted = self.demand.make_room(self.running, self.waiting)
+            preempted = self._make_room()
             while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
                 r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
-                seq = self.demand.admit(r, alone=not self.running)
+                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind != "score")
                 if seq is None:
                     break
                 self.waiting.popleft()
                 r.seq, r.state = seq, RequestState.PREFILL
+                r.n_fed = r.n_reused = seq.n_past         # positions found in the prefix cache
                 self.running.append(r)
             work: list[ScheduledItem] = []
             budget = self.n_batch
@@ -379,7 +394,7 @@ class Scheduler:
             for r in self.running:
                 if r.state is not RequestState.PREFILL or budget <= 0:
                     continue
-                chunk = prefill_chunk(r, budget, self.engine.small_rows)
+                chunk = r.prefill_chunk(budget, self.engine.small_rows)
                 ends = r.n_fed + len(chunk) == len(r.prompt_ids)
                 if r.kind == "score":
                     work.append(ScheduledItem(r, r.seq, chunk, Purpose.SCORE, first=r.n_fed == 0, last=ends))
@@ -388,6 +403,31 @@ class Scheduler:
                     work.append(ScheduledItem(r, r.seq, chunk, Purpose.SAMPLE if last else Purpose.FEED))
                 budget -= len(chunk)
             return work
+
+    def _make_room(self) -> bool:
+        """Give every decoding request (oldest first) a cell for the token it feeds this step;
+        while the cache has none, preempt the most recently admitted running request (possibly
+        the one growing). Returns whether anything was preempted."""
+        preempted = False
+        for r in list(self.running):
+            while r.state is RequestState.DECODE and not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1):
+                self.preempt(self.running.pop())
+                preempted = True
+        return preempted
+
+    def preempt(self, r: Request) -> None:
+        """Recompute preemption (vLLM's) of `r`, already out of the running list: its cells are
+        freed (their whole blocks kept in the prefix cache), its tokens and sampling state kept,
+        and it waits first in line; re-admitted, it prefills its prompt and generated tokens but
+        the pending one as they were first computed, and decodes on from the pending token, so
+        its client sees one stream."""
+        self._release(r, keep=True)
+        if r.state is RequestState.PREFILL and r.refill is None:   # a prompt cut short: counted once, when fed again
+            self.metrics.prompt_tokens -= r.n_fed - r.n_reused
+            self.metrics.recomputed_tokens += r.n_fed - r.n_reused
+        r.requeue()
+        self.waiting.appendleft(r)
+        self.metrics.preemptions += 1
 
     def _advance(self, w: ScheduledItem, res: TokenResult | None, now: float) -> None:
         """Take one step's result for its request (under the state lock): the token it got (its
@@ -471,10 +511,7 @@ class Scheduler:
     def _release(self, r: Request, keep: bool = False) -> None:
         """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
         if r.seq is not None:
-            self.demand.retire(r, keep)
-            if not r.seq.freed:
-                self._post(("free", r.seq.id))
-            self.engine.free(r.seq)
+            self.demand.free(r.seq, r.history if keep else None)
 
     # ---------------------------------------------------------------- driver thread (server)
     def start(self) -> None:
