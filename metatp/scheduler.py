@@ -4,8 +4,8 @@ A `Request` is one sample being generated (or one prompt being scored). Requests
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (`Scheduler.preempt`) (its cells freed, its tokens and
-sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
+none, the most recently admitted running request is preempted (`Scheduler.preempt`: its cells
+freed, its tokens and sampling state kept, queued first) and re-prefilled as first computed, so its client sees
 one stream and the tokens of a run alone. A step that preempts admits nothing. With the prefix
 cache (`metatp.prefix_cache`, on by default) a request begins with the cached blocks its prompt
 starts with and prefills only the rest; an ending one leaves its blocks there.
@@ -25,15 +25,16 @@ Steps are driven cooperatively: a caller waiting for its request's next output r
 itself (one thread at a time; the others wait for the step lock, then find their outputs
 delivered), so the library needs no thread of its own. A server starts one driver thread
 (`start`) that steps while there is work, and requests get their outputs through their sinks.
-Cancelled requests (a closed stream, a client gone) are dropped, and their cells freed, at the
-next step boundary.
+Cancelled requests (a closed stream, a client gone, a stop string) are dropped, and their cells
+freed, at once when no step runs, else at the next step boundary.
 
 Under MPI one mechanism keeps the ranks in lock step, for a server and for a program every rank
 runs alike (`LLM.generate` under `mpiexec`): only rank 0 has a working scheduler, and it *leads*
-(`Scheduler.lead`): before each step it posts the step to the other ranks as a `StepBatch` --
-the KV cell operations since the last step and the step's items -- and those ranks, which never
-step a scheduler, run exactly the same `Engine.run` (`metatp.lockstep`; cells taken, grown and
-freed travel in the batch). Tokens are sampled on rank 0 only and nothing is agreed per step;
+(`Scheduler.lead`): before each step its model runner posts the step to the other ranks as a
+`StepBatch` -- the KV cell operations since the last step, which the `Leader` hears from the
+cache (`KVCells.listener`), and the step's items -- and those ranks, which never step a
+scheduler, run exactly the same `Engine.run` (`metatp.lockstep`). Tokens are sampled on rank 0
+only and nothing is agreed per step;
 what a call returns reaches the other ranks through `metatp.mpi_calls`.
 """
 
@@ -203,7 +204,7 @@ class Scheduler:
         self._state = threading.Lock()
         self._changed = threading.Condition(self._state)    # work arrived / outputs delivered
         self._step_lock = threading.Lock()
-        self._delivering = threading.Lock()                  # one thread at a time sends events, in order
+        self._delivering = threading.RLock()     # one thread at a time sends events, in order (a sink may submit)
         self._outbox: list[tuple[Request, TokenEvent]] = []   # events decided under the state lock, not yet sent
         self._driver: threading.Thread | None = None
         self._stop = threading.Event()
@@ -237,7 +238,8 @@ class Scheduler:
             if req.n_cells > self.engine.n_ctx:
                 raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
             with self._state:
-                if req.kind != "score" and req.max_new == 0:
+                ended = req.kind != "score" and req.max_new == 0
+                if ended:
                     self.metrics.requests_accepted += 1
                     self._finish(req, TokenEvent(None, "length"))
                 elif self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
@@ -251,7 +253,8 @@ class Scheduler:
         except BaseException:
             self.runner.forget(req.id)
             raise
-        self._deliver()
+        if ended:
+            self._deliver()
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
         """Stop a request; its cells are freed now, or at the next step boundary when a step is

@@ -90,8 +90,10 @@ class Frontend:
     async def start(self, ids_list: list[list[int]], params: SamplingParams, kind: str = "generate",
                     streamed: bool = True) -> tuple[list[RequestHandle], asyncio.Queue]:
         """Queue n requests per prompt (kind "score": one per prompt, its logits at every
-        position); their outputs arrive on one queue as (choice index, output). streamed=False (an
-        answer sent whole): a request's outputs are held on the scheduler's side and queued
+        position); their outputs arrive on one queue as (choice index, output): each request's
+        handle is its one sink (`RequestHandle` with on_output: the output processor runs there,
+        on the stepping thread, and a stop string ends the request). streamed=False (an
+        answer sent whole): a request's outputs are held on the stepping thread's side and queued
         together when it finishes, one wake of the event loop a request instead of one a token
         (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
         kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API)."""

@@ -157,3 +157,19 @@ def test_the_scheduler_imports_neither_the_sampler_nor_a_tokenizer():
     assert not any(n.startswith(("metatp.scheduler", "metatp.requests")) for n in _imports(ROOT / "metatp" / "runner.py"))
     assert not any(n.startswith(("metatp.scheduler", "metatp.runner"))
                    for n in _imports(ROOT / "metatp" / "output_processor.py"))
+
+
+def test_a_sink_may_submit_a_request_that_ends_at_once(llm):
+    """Events go out outside the state lock and the delivery lock is re-entrant: a sink that
+    submits (here a request with nothing to generate, ended by its submit) does not deadlock."""
+    inner: list = []
+    outer: list = []
+
+    def on_output(out) -> None:
+        outer.append(out)
+        if len(outer) == 1:
+            llm.submit([5, 6], SamplingParams(max_tokens=0), on_output=inner.append)
+    h = llm.submit([5, 6, 7], GREEDY, on_output=on_output)
+    while not h.done:
+        llm.scheduler.step()
+    assert [o.finish_reason for o in inner] == ["length"] and outer[-1].finish_reason == "length"
