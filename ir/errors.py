@@ -47,3 +47,8 @@ class MemoryPlanError(MetatpError):
 class NumericalError(MetatpError):
     """The model computed NaN or infinite logits: the model file is broken (NaN/inf weights, or
     hyper-parameters that overflow); sampling them would silently give token 0."""
+
+
+class RequestStateError(MetatpError):
+    """A request was asked for something its state does not allow (outputs after its end, a
+    step for a request the scheduler no longer runs)."""

@@ -23,7 +23,9 @@ from metatp.sampling import SamplingParams, check_seed
 from metatp.logprobs import prompt_logprob_dicts
 from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
-from metatp.scheduler import Request, Scheduler, StepOutput, context_budget
+from metatp.output_processor import OutputProcessor, StepOutput
+from metatp.runner import ModelRunner
+from metatp.scheduler import Request, Scheduler, context_budget
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
@@ -199,7 +201,7 @@ class LLM:
         self.max_model_len = max_model_len
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
-        self.scheduler = Scheduler(self.engine, max_num_seqs=max_num_seqs,
+        self.scheduler = Scheduler(ModelRunner(self.engine, self.tokenizer), max_num_seqs=max_num_seqs,
                                    max_waiting=None if max_waiting is None else int(max_waiting),
                                    prefix_caching=enable_prefix_caching)
         # several ranks: rank 0 leads every call, the others follow it (None in one process)
@@ -345,9 +347,10 @@ class LLM:
         else:
             with self._rng_lock:
                 rng = np.random.default_rng(int(self._rng.integers(2 ** 63)))
-        req = Request(prompt_ids, params, rng, self.tokenizer, self.n_ctx, kind=kind, index=index,
-                      max_model_len=self.max_model_len if max_model_len is None else max_model_len)
-        handle = RequestHandle(req, self.scheduler, on_output)
+        req = Request(prompt_ids, params, rng, self.n_ctx, kind=kind, index=index,
+                      max_model_len=self.max_model_len if max_model_len is None else max_model_len,
+                      eog_ids=self.tokenizer.eog_ids)
+        handle = RequestHandle(req, self.scheduler, OutputProcessor(params, self.tokenizer), on_output)
         self.scheduler.submit(req)
         return handle
 

@@ -25,6 +25,13 @@ finished sequences' whole blocks of positions, read-only, and later sequences be
 (`try_reserve(prefix=...)`, `adopt`). A cached cell belongs to no sequence: freeing a sequence
 returns only the cells it owns, no padding row writes a cached cell, and placement takes one only
 after the prefix cache gave it back (`uncache`).
+
+Under MPI rank 0 chooses every cell and the other ranks mirror its choices. The cache tells its
+`listener` (installed by `metatp.lockstep.Leader`) each operation the others must replay, as a
+tuple: ("take", seq id, cells, positions it begins with) for `try_reserve`, ("grow", seq id,
+cells) for cells `try_grow` added, ("free", seq id) for a sequence taken so, ("cache", cells) and
+("uncache", cells). The engine's own `reserve` and `grow` are told to nobody: every rank makes
+those alike.
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ import numpy as np
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 
-__all__ = ["KVCells", "SeqCells", "CACHED"]
+__all__ = ["KVCells", "SeqCells", "CACHED", "CellListener"]
+
+CellListener = Callable[[tuple], None]
 
 FREE = -1
 CACHED = -2      # owner of a cell the prefix cache holds (shared, read-only)
@@ -85,6 +94,12 @@ class KVCells:
         self._made = threading.Lock()
         self.live: dict[int, SeqCells] = {}                     # id -> sequence, while it owns cells
         self.reclaim: Callable[[], bool] | None = None          # evicts one cached block (metatp.prefix_cache)
+        self.listener: CellListener | None = None               # told every operation to mirror (module doc)
+        self._told: set[int] = set()                            # sequences whose take was told
+
+    def _tell(self, op: tuple) -> None:
+        if self.listener is not None:
+            self.listener(op)
 
     @property
     def owner(self) -> np.ndarray:
@@ -114,9 +129,11 @@ class KVCells:
     def reserve(self, n: int) -> SeqCells:
         """A new sequence owning `n` cells (placed as `try_reserve` places them), the prefix
         cache's unused blocks given back as needed (`reclaim`); ContextOverflowError if fewer are free."""
-        seq = self.try_reserve(n)
+        with self._lock:
+            seq = self._reserve(n, n)
         while seq is None and self.reclaim is not None and self.reclaim():
-            seq = self.try_reserve(n)
+            with self._lock:
+                seq = self._reserve(n, n)
         if seq is None:
             raise self._overflow(n)
         return seq
@@ -129,7 +146,12 @@ class KVCells:
         cached cells (`CACHED`) the sequence begins with, its positions 0..len-1, shared.
         `at`: the cell its own cells start at, where they are free there (see `room`)."""
         with self._lock:
-            return self._reserve(need, need if want is None else want, paged, prefix, at)
+            seq = self._reserve(need, need if want is None else want, paged, prefix, at)
+            if seq is not None and self.listener is not None:
+                self._told.add(seq.id)
+        if seq is not None:
+            self._tell(("take", seq.id, seq.cells.copy(), 0 if prefix is None else len(prefix)))
+        return seq
 
     def room(self, after: int, n_pages: int) -> int | None:
         """The lowest page boundary past cell `after` from which `n_pages` whole pages are free
@@ -149,10 +171,16 @@ class KVCells:
         """Room for `need` positions in all (`want` where that many cells are free): the cells
         added (none if it had room), or None when the cache cannot supply `need` now (`paged`:
         not in place or on a later free page)."""
+        pick = self._grow(seq, need, need if want is None else want, paged)
+        if pick is not None and pick.size:
+            self._tell(("grow", seq.id, pick.copy()))
+        return pick
+
+    def _grow(self, seq: SeqCells, need: int, want: int, paged: bool = False) -> np.ndarray | None:
         with self._lock:
             if seq.freed:
                 raise ConfigError(f"sequence {seq.id} has ended; its cells are gone")
-            pick = self._place(seq, need, need if want is None else want, paged)
+            pick = self._place(seq, need, want, paged)
             if pick is not None and pick.size:
                 self.owner[pick] = seq.id
                 seq.cells = np.concatenate([seq.cells, pick])
@@ -161,9 +189,9 @@ class KVCells:
     def grow(self, seq: SeqCells, n: int) -> None:
         """Give `seq` room for `n` positions in all, the prefix cache's unused blocks given back
         as needed (ContextOverflowError when the cache is full)."""
-        got = self.try_grow(seq, n)
+        got = self._grow(seq, n, n)
         while got is None and self.reclaim is not None and self.reclaim():
-            got = self.try_grow(seq, n)
+            got = self._grow(seq, n, n)
         if got is None:
             raise self._overflow(n)
 
@@ -201,6 +229,10 @@ class KVCells:
             seq.freed = True
             seq.cells = seq.cells[:0]
             seq.n_past = 0
+            told = seq.id in self._told
+            self._told.discard(seq.id)
+        if told:
+            self._tell(("free", seq.id))
 
     def scratch_cells(self, limit: int, keep: dict[int, int]) -> np.ndarray:
         """Up to `limit` cells a padding row may overwrite, lowest first: free cells, then cells a
@@ -222,6 +254,7 @@ class KVCells:
             if cells.size and (self.owner[cells] == FREE).any():
                 raise ConfigError("only cells a sequence holds can be cached")
             self.owner[cells] = CACHED
+        self._tell(("cache", cells.copy()))
 
     def uncache(self, cells: np.ndarray) -> None:
         """The prefix cache gives `cells` back to the pool (an eviction)."""
@@ -230,6 +263,7 @@ class KVCells:
             if cells.size and (self.owner[cells] != CACHED).any():
                 raise ConfigError("cells given back by the prefix cache were not cached")
             self.owner[cells] = FREE
+        self._tell(("uncache", cells.copy()))
 
     # ------------------------------------------------------------ placement (under the lock)
     def _reserve(self, need: int, want: int, paged: bool = False, prefix: np.ndarray | None = None,

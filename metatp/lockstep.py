@@ -22,7 +22,7 @@ import numpy as np
 
 from metatp.engine import Engine, StepItem
 from metatp.ir.errors import MetatpError
-from metatp.kv_cells import SeqCells
+from metatp.kv_cells import KVCells, SeqCells
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -67,12 +67,17 @@ class CallPost:
 
 
 class Leader:
-    """Rank 0's side under MPI: records cell operations, posts each step and each call's outputs."""
+    """Rank 0's side under MPI: records cell operations, posts each step and each call's outputs.
 
-    def __init__(self, world: "World") -> None:
+    It listens to rank 0's cache (`KVCells.listener`): every cell operation the others must
+    replay lands in `ops`, and goes out with the next step or call post."""
+
+    def __init__(self, world: "World", cells: KVCells | None = None) -> None:
         self.world = world
         self.ops: list[tuple[Any, ...]] = []
         self.closed = False
+        if cells is not None:
+            cells.listener = self.ops.append
 
     def run(self, engine: Engine, items: list[StepItem]) -> list[np.ndarray | None]:
         """Post the step, then run it here. Any failure ends every rank: the followers may be

@@ -1,12 +1,13 @@
 """What a client sees of a request, from its token ids: text pieces, stop strings, logprobs
 (vLLM v1's OutputProcessor).
 
-The scheduler admits, batches and samples on token ids; each request's `OutputProcessor` turns a
-sampled token into its `StepOutput` -- the token's text (detokenized as a stream, so a character
-split over tokens comes out whole), the end of the request (an end-of-generation or stop token,
-a stop string, max_tokens, a completed constraint) and its logprobs. The stepping thread runs it
-outside the scheduler's state lock, so a long detokenization or a 150k-vocabulary log-softmax
-holds no other thread back.
+The scheduler delivers each request's `TokenEvent`s -- a token id with its logprob numbers and,
+on the last one, the token-level reason it ended (an end-of-generation or stop token, max_tokens,
+a completed constraint) -- to the request's one sink. The consumer's side of the request handle
+(`metatp.requests.RequestHandle`) turns them into `StepOutput`s here: the token's text
+(detokenized as a stream, so a character split over tokens comes out whole), stop strings, and
+the logprobs as the answers carry them. A stop string ends the request on this side: the handle
+cancels it, as vLLM's output processor aborts one. None of this runs under the scheduler's lock.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.logprobs import token_logprob
 from metatp.penalties import release_unstopped
 
-__all__ = ["OutputProcessor", "StepOutput", "StopMatcher"]
+__all__ = ["OutputProcessor", "StepOutput", "StopMatcher", "TokenEvent"]
 
 
 class StopMatcher:
@@ -71,40 +71,52 @@ class StepOutput:
     error: BaseException | None = None
 
 
-class OutputProcessor:
-    """One request's outputs: its stream decoder, stop matcher, end tokens and logprobs count."""
+@dataclass
+class TokenEvent:
+    """What the scheduler delivers to a request's sink: a token (with its logprob numbers where
+    asked), and on the last event why the request ended (`finish_reason`; `stop_reason`: the stop
+    token id; `end_token`: the token is an end-of-generation or stop token); or a scored prompt's
+    `logits`, or the `error` that failed it (no token)."""
 
-    def __init__(self, params: Any, tokenizer: Any, max_new: int) -> None:
+    token: int | None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    end_token: bool = False
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+
+class OutputProcessor:
+    """One request's outputs: its stream decoder, stop matcher and token count."""
+
+    def __init__(self, params: Any, tokenizer: Any) -> None:
         from metatp.ir.tokenizer import StreamDecoder
 
         self.stops = StopMatcher(params.stop or [])
         self.decoder = StreamDecoder(tokenizer, skip_special=True)
-        self.eog = set() if params.ignore_eos else set(tokenizer.eog_ids)
-        self.stop_ids = set(params.stop_token_ids)
         self.min_tokens = params.min_tokens
-        self.n_logprobs = params.logprobs
-        self.max_new = max_new
+        self.n = 0                      # tokens processed so far
 
-    @property
-    def end_ids(self) -> set[int]:
-        """The tokens that end the generation (min_tokens holds them back)."""
-        return self.eog | self.stop_ids
-
-    def process(self, tok: int, logits: np.ndarray | None, n: int, complete: bool = False) -> StepOutput:
-        """The output of generated token number `n` (from 1), sampled from `logits`; `complete`:
-        the constraint accepts nothing more."""
-        lp, top = token_logprob(logits, tok, self.n_logprobs) if self.n_logprobs is not None else (None, None)
+    def process(self, ev: TokenEvent) -> StepOutput:
+        """The output of one event. A stop string found in the text ends the output here
+        (finish_reason "stop", stop_reason the string) though the event did not end the request:
+        the caller then cancels it."""
+        if ev.token is None:
+            return StepOutput(None, "", ev.finish_reason, ev.stop_reason, logits=ev.logits, error=ev.error)
+        tok, lp, top = ev.token, ev.logprob, ev.top_logprobs
+        self.n += 1
         dec, stops = self.decoder, self.stops
-        if tok in self.eog or tok in self.stop_ids:
-            return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop",
-                              tok if tok in self.stop_ids else None, lp, top)
-        text, hit = self._feed(dec.push(tok), n)
+        if ev.end_token:
+            return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop", ev.stop_reason, lp, top)
+        text, hit = self._feed(dec.push(tok), self.n)
         if hit is not None:
             return StepOutput(tok, text, "stop", hit, lp, top)
-        if n >= self.max_new or complete:
-            tail, hit = self._feed(dec.flush(), n)
+        if ev.finish_reason is not None:          # max_tokens, or the constraint is complete
+            tail, hit = self._feed(dec.flush(), self.n)
             return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
-                              "stop" if hit is not None or complete else "length", hit, lp, top)
+                              "stop" if hit is not None else ev.finish_reason, hit, lp, top)
         return StepOutput(tok, text, None, None, lp, top)
 
     def _feed(self, piece: str, n: int) -> tuple[str, str | None]:

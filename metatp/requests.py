@@ -4,6 +4,12 @@ A `RequestHandle` is the one way callers (`LLM.generate`, `score`, streaming, th
 APIs, the HTTP server, the benches) hold a request: iterate it for its outputs as the engine
 produces them, `cancel()` it, or wait for its `result()`. Leaving an iteration early cancels
 the request, so a caller that stops listening never keeps cache cells busy.
+
+The handle is the consumer's side of its request: the scheduler delivers token events to the
+request's one sink, and the handle's `OutputProcessor` turns them into `StepOutput`s (text, stop
+strings, logprobs) where the caller takes them -- in its iteration, or, with `on_output`, in the
+sink the handle gives the request. A stop string ends the request here: the handle cancels it
+(with finish reason "stop") and what the caller sees ends with that output.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import numpy as np
 from metatp.ir.errors import ConfigError
 
 if TYPE_CHECKING:
-    from metatp.scheduler import Request, Scheduler, StepOutput
+    from metatp.output_processor import OutputProcessor, StepOutput, TokenEvent
+    from metatp.scheduler import Request, Scheduler
 
 __all__ = ["CompletionOutput", "RequestOutput", "RequestHandle"]
 
@@ -45,15 +52,19 @@ class RequestOutput:
 
 class RequestHandle:
     """One request queued on a scheduler (see the module doc). With `on_output`, the outputs
-    go to that callback (from the thread that runs the step) instead of to an iterator."""
+    go to that callback (from the thread that runs the step, outside the scheduler's lock)
+    instead of to an iterator: the handle then is the request's sink. Make the handle before
+    the request is submitted."""
 
-    def __init__(self, request: "Request", scheduler: "Scheduler",
+    def __init__(self, request: "Request", scheduler: "Scheduler", output: "OutputProcessor",
                  on_output: Callable[["StepOutput"], None] | None = None) -> None:
         self.request = request
         self._scheduler = scheduler
-        self._pushed = on_output is not None
+        self._output = output
+        self._last: "StepOutput | None" = None     # the output that ended what the caller sees
+        self._on_output = on_output
         if on_output is not None:
-            request.on_event = lambda _req, out: on_output(out)
+            request.sink = self._push
 
     @property
     def index(self) -> int:
@@ -61,32 +72,43 @@ class RequestHandle:
 
     @property
     def done(self) -> bool:
-        return self.request.done
+        return self._last is not None or self.request.done
 
     @property
     def finish_reason(self) -> str | None:
-        return self.request.finish_reason
+        return self._last.finish_reason if self._last is not None else self.request.finish_reason
 
     def cancel(self) -> None:
-        """Stop the request; its cells are freed at the next step boundary."""
+        """Stop the request; its cells are freed now, or at the next step boundary."""
         self._scheduler.cancel(self.request)
+
+    def _take(self, ev: "TokenEvent") -> "StepOutput":
+        """The caller's output of one event; a stop string in its text ends the request."""
+        out = self._output.process(ev)
+        if out.finish_reason is not None:
+            self._last = out
+            if ev.finish_reason is None:       # the request runs on: the consumer ends it
+                self._scheduler.cancel(self.request, "stop")
+        return out
+
+    def _push(self, ev: "TokenEvent") -> None:
+        if self._last is None:                 # nothing after the end the caller saw
+            self._on_output(self._take(ev))
 
     def __iter__(self) -> Iterator["StepOutput"]:
         """The outputs until the last one (it carries finish_reason); a failed request raises its
         error here. Stopping early cancels the request."""
-        if self._pushed:
+        if self._on_output is not None:
             raise ConfigError("this request's outputs go to its on_output callback; it cannot also be iterated")
         req = self.request
         try:
-            while True:
-                out = self._scheduler.next_event(req)
+            while self._last is None:
+                out = self._take(self._scheduler.next_event(req))
                 if out.error is not None:
                     raise out.error
                 yield out
-                if out.finish_reason is not None:
-                    return
         finally:
-            if not req.done:
+            if not self.done:
                 self._scheduler.cancel(req)
 
     def result(self) -> CompletionOutput:

@@ -4,8 +4,8 @@ A `Request` is one sample being generated (or one prompt being scored). Requests
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (its cells freed, its tokens and
-sampler state kept, queued first) and later re-prefilled as first computed, so its client sees
+none, the most recently admitted running request is preempted (`Scheduler.preempt`: its cells
+freed, its tokens and sampling state kept, queued first) and re-prefilled as first computed, so its client sees
 one stream and the tokens of a run alone. A step that preempts admits nothing. With the prefix
 cache (`metatp.prefix_cache`, on by default) a request begins with the cached blocks its prompt
 starts with and prefills only the rest; an ending one leaves its blocks there.
@@ -14,52 +14,55 @@ per-request cap `max_model_len` (a server's n_ctx / parallel by default, llama-s
 One step carries the next token of every decoding request plus
 chunks of admitted prompts, up to `n_batch` tokens (chunked prefill); each request samples
 from its own logits with its own random generator, stop strings and limits, so its tokens do
-not depend on who shares its steps. The scheduler works on token ids: each sampled token's text,
-stop strings and logprobs come from the request's `OutputProcessor` (`metatp.output_processor`),
-run by the stepping thread outside the state lock that other threads wait on.
+not depend on who shares its steps. The scheduler works on token ids and request states: the
+model runner (`metatp.runner`) runs each step and samples its tokens, the scheduler ends requests
+on token-level rules (max_tokens, end-of-generation and stop tokens, a complete constraint) and
+delivers each request's `TokenEvent`s to its one sink, outside the state lock that other threads
+wait on. Text, stop strings and logprobs formatting run on the consumer's side of the request
+handle (`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
 
 Steps are driven cooperatively: a caller waiting for its request's next output runs a step
 itself (one thread at a time; the others wait for the step lock, then find their outputs
 delivered), so the library needs no thread of its own. A server starts one driver thread
-(`start`) that steps while there is work, and requests get their outputs through callbacks.
-Cancelled requests (a closed stream, a client gone) are dropped, and their cells freed, at the
-next step boundary.
+(`start`) that steps while there is work, and requests get their outputs through their sinks.
+Cancelled requests (a closed stream, a client gone, a stop string) are dropped, and their cells
+freed, at once when no step runs, else at the next step boundary.
 
 Under MPI one mechanism keeps the ranks in lock step, for a server and for a program every rank
 runs alike (`LLM.generate` under `mpiexec`): only rank 0 has a working scheduler, and it *leads*
-(`Scheduler.lead`): before each step it posts the step to the other ranks as a `StepBatch` --
-the KV cell operations since the last step and the step's items -- and those ranks, which never
-step a scheduler, run exactly the same `Engine.run` (`metatp.lockstep`; cells taken, grown and
-freed travel in the batch). Tokens are sampled on rank 0 only and nothing is agreed per step;
+(`Scheduler.lead`): before each step its model runner posts the step to the other ranks as a
+`StepBatch` -- the KV cell operations since the last step, which the `Leader` hears from the
+cache (`KVCells.listener`), and the step's items -- and those ranks, which never step a
+scheduler, run exactly the same `Engine.run` (`metatp.lockstep`). Tokens are sampled on rank 0
+only and nothing is agreed per step;
 what a call returns reaches the other ranks through `metatp.mpi_calls`.
 """
 
 from __future__ import annotations
 
 import collections
-import math
+import enum
+import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 
-from metatp.backends.candidates import RowCandidates
-from metatp.engine import Engine, StepItem
-from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, NumericalError, UnsupportedOpError
+from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, RequestStateError
 from metatp.kv_cells import SeqCells
-from metatp.kv_demand import CellDemand, prefill_chunk
+from metatp.kv_demand import CellDemand
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
-from metatp.output_processor import OutputProcessor, StepOutput, StopMatcher
-from metatp.sampling import CandidateSpec, Sampler, SamplingParams
-from metatp.structured import MaskPrefetch, make_guide
+from metatp.output_processor import StepOutput, StopMatcher, TokenEvent
+from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
+from metatp.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Request", "StepOutput", "Scheduler", "QueueFullError", "StopMatcher", "check_logits", "Metrics",
-           "context_budget"]
+__all__ = ["Request", "RequestState", "StepOutput", "TokenEvent", "Scheduler", "QueueFullError", "StopMatcher",
+           "Metrics", "context_budget"]
 
 
 class QueueFullError(MetatpError):
@@ -83,111 +86,116 @@ def context_budget(n_prompt: int, n_ctx: int, max_model_len: int | None = None) 
     return budget if max_model_len is None else min(budget, max_model_len - n_prompt)
 
 
-def check_logits(logits: np.ndarray, what: str) -> None:
-    """NaN or infinite logits mean a broken model (NaN weights, overflowing hyper-parameters);
-    sampling them would silently give token 0. One max is cheap next to a forward step."""
-    top = float(np.max(logits))
-    if not math.isfinite(top):
-        bad = "NaN" if math.isnan(top) or np.isnan(logits).any() else "infinite"
-        raise NumericalError(f"the model computed {bad} logits {what}; the model file is broken "
-                             "(NaN/inf weights or hyper-parameters that overflow)")
+class RequestState(str, enum.Enum):
+    """Where a request is (a str, so that it reads and compares as its name)."""
+
+    WAITING = "waiting"     # queued (or preempted, queued first)
+    PREFILL = "prefill"     # admitted: its prompt (or a preemption's refill) is being fed
+    DECODE = "decode"       # one token a step
+    DONE = "done"           # finished, failed or cancelled
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_request_ids = itertools.count()
 
 
 class Request:
-    """One sample of one prompt (or one prompt to score) and everything it carries between steps."""
+    """One sample of one prompt (or one prompt to score): its token ids, counts and state.
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, tokenizer,
-                 n_ctx: int, kind: str = "generate", index: int = 0, max_model_len: int | None = None,
-                 on_event: Callable[["Request", StepOutput], None] | None = None) -> None:
+    `eog_ids`: the model's end-of-generation tokens (ignored with ignore_eos). `sink`: where its
+    `TokenEvent`s go (from the stepping thread, outside the state lock); without one they queue
+    on `events` for `Scheduler.next_event`. One or the other, never both."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, n_ctx: int,
+                 kind: str = "generate", index: int = 0, max_model_len: int | None = None,
+                 eog_ids: Iterable[int] = (), sink: Callable[[TokenEvent], None] | None = None) -> None:
         budget = context_budget(len(prompt_ids), n_ctx, max_model_len)
+        self.id = next(_request_ids)
         self.prompt_ids = list(prompt_ids)
         self.params = params
+        self.rng = rng
         self.kind = kind
         self.index = index
-        self.on_event = on_event
+        self.sink = sink
         self.max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
         if kind == "score":
             self.max_new = 0
         self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
-        self.output = OutputProcessor(params, tokenizer, self.max_new)     # token ids -> text, stops, logprobs
-        self.sampler = Sampler(params, rng, end_ids=self.output.end_ids, n_vocab=tokenizer.n_vocab)
-        self.constraint = make_guide(params, tokenizer) if params.constraint is not None else None   # structured output
-        # what the row it samples from is read as: "argmax" when the pick is the greedy token of
-        # the raw logits and nothing else is reported (no penalty, bias, constraint or logprobs),
-        # so a vocabulary split is never gathered for it; a CandidateSpec where each device's
-        # top candidates can cover the pick (metatp.sampling); else "last"
-        plain = (params.greedy and params.logprobs is None and not params.penalized
-                 and params.repetition_penalty == 1.0 and self.constraint is None)
-        spec = self.sampler.candidate_spec(tokenizer.n_vocab) if self.constraint is None else None
-        self._wants = "argmax" if plain else spec or "last"
-        self.state = "waiting"                # waiting | prefill | decode | done
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.end_ids = self.stop_ids | frozenset(() if params.ignore_eos else eog_ids)   # min_tokens holds them back
+        self.state = RequestState.WAITING
         self.seq: SeqCells | None = None
         self.n_fed = 0                         # prompt tokens already in the cache
-        self.n_reused = 0                      # ... of them found in the prefix cache (kv_demand)
+        self.n_reused = 0                      # ... of them found in the prefix cache (CellDemand.admit)
         self.pending: int | None = None        # the sampled token the next step feeds
-        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (kv_demand)
+        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (`requeue`)
         self.history = list(prompt_ids)
         self.output_ids: list[int] = []
-        self.score_rows: list[np.ndarray] = []
-        self.events: collections.deque[StepOutput] = collections.deque()
-        self.cancelled = False
+        self.events: collections.deque[TokenEvent] = collections.deque()
+        self.cancelled: str | None = None      # the finish reason a cancel gives ("cancelled", "stop")
+        self.closed = False                    # ended, and its last event delivered
         self.finish_reason: str | None = None
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
 
     @property
     def done(self) -> bool:
-        return self.state == "done"
+        return self.state is RequestState.DONE
 
     @property
-    def wants(self) -> str | CandidateSpec:
-        """This step's logits mode (a CandidateSpec carries this step's penalties)."""
-        w = self._wants
-        return w if isinstance(w, str) else self.sampler.step_spec(w, self.output_ids)
+    def prefill_ids(self) -> list[int]:
+        """What its prefill feeds: its prompt, or after a preemption its prompt and generated
+        tokens but the pending one (`refill`), whose cell the next decode step writes."""
+        return self.prompt_ids if self.refill is None else self.refill
 
-    def sample(self, logits: np.ndarray) -> int:
-        """The next token from this request's logits (NumericalError for NaN/inf logits), or from
-        the candidates the engine read for it (`RowCandidates`: they cover the pick, all finite)."""
-        if isinstance(logits, RowCandidates):
-            return self.sampler.from_candidates(logits)
-        check_logits(logits, f"after {len(self.history)} tokens")
-        allowed = self.constraint.allowed() if self.constraint is not None else None
-        return self.sampler(logits, self.history, self.output_ids, allowed)
+    def prefill_chunk(self, budget: int, small_rows: int) -> list[int]:
+        """The next at most `budget` tokens of its prefill. A refill is computed as it was first:
+        its prompt part apart, its generated part in passes of at most `small_rows` rows (the
+        backend's few-token path, where a row's sums do not depend on the pass, as in a decode
+        step), so its cells get the bits they had and its next logits are those of a run never
+        preempted."""
+        ids, end = self.prefill_ids, self.n_fed + budget
+        if self.refill is not None:
+            n = len(self.prompt_ids)
+            end = min(end, n) if self.n_fed < n else min(end, self.n_fed + small_rows)
+        return ids[self.n_fed:end]
 
-    def accept(self, logits: np.ndarray, tok: int | None = None) -> StepOutput:
-        """Take the next token (sampled here unless given): its output, and whether the request
-        ends here. Runs on the stepping thread outside the scheduler's state lock."""
-        if tok is None:
-            tok = self.sample(logits)
-        self.history.append(tok)
-        self.output_ids.append(tok)
-        complete = self.constraint is not None and self.constraint.consume(tok)     # the constrained output is whole
-        out = self.output.process(tok, logits, len(self.output_ids), complete)
-        if out.finish_reason is None:
-            self.pending = tok
-        return out
+    def requeue(self) -> None:
+        """Back to waiting after a recompute preemption (`Scheduler.preempt`), its cells freed:
+        a decoding request prefills its prompt and generated tokens but the pending one again."""
+        if self.state is RequestState.DECODE:
+            self.refill = self.history[:-1]
+        self.seq, self.n_fed, self.state = None, 0, RequestState.WAITING
 
+    def deliver(self, ev: TokenEvent) -> None:
+        """Send one event down the request's one channel."""
+        if self.sink is not None:
+            self.sink(ev)
+        else:
+            self.events.append(ev)
 
-def _output(r: Request, logits: np.ndarray | int | None,
-            pick: int | BaseException | None) -> StepOutput | BaseException | None:
-    """The output of the token `pick` gives `r` this step (`Request.accept`: text, stop strings,
-    logprobs), run outside the scheduler's state lock; the error instead; None: no token."""
-    if pick is None or isinstance(pick, BaseException):
-        return pick
-    try:
-        return r.accept(logits, pick)
-    except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
-        return e
+    def event_for(self, res: TokenResult) -> TokenEvent:
+        """The event of the token `res` just gave this request (already in `output_ids`), ending
+        it on the token-level rules: an end token (EOS unless ignore_eos, stop_token_ids), a
+        complete constraint, max_tokens."""
+        tok = res.token
+        if tok in self.end_ids:
+            return TokenEvent(tok, "stop", tok if tok in self.stop_ids else None, True, res.logprob, res.top_logprobs)
+        finish = "stop" if res.complete else "length" if len(self.output_ids) >= self.max_new else None
+        return TokenEvent(tok, finish, None, False, res.logprob, res.top_logprobs)
 
 
 class Scheduler:
-    """Admits, batches and steps requests over one engine (see the module doc)."""
+    """Admits, batches and steps requests over one model runner (see the module doc)."""
 
-    def __init__(self, engine: Engine, max_num_seqs: int = 16, max_waiting: int | None = None,
+    def __init__(self, runner: ModelRunner, max_num_seqs: int = 16, max_waiting: int | None = None,
                  n_batch: int | None = None, prefix_caching: bool = True) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.engine = engine
+        self.runner = runner
+        self.engine = engine = runner.engine
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.n_batch = n_batch or engine.n_batch
@@ -196,13 +204,14 @@ class Scheduler:
         self._state = threading.Lock()
         self._changed = threading.Condition(self._state)    # work arrived / outputs delivered
         self._step_lock = threading.Lock()
+        self._delivering = threading.RLock()     # one thread at a time sends events, in order (a sink may submit)
+        self._outbox: list[tuple[Request, TokenEvent]] = []   # events decided under the state lock, not yet sent
         self._driver: threading.Thread | None = None
         self._stop = threading.Event()
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
-        # KV cells on demand and recompute preemption (metatp.kv_demand)
-        self.demand = CellDemand(engine.cells, self._post, self._release, self.metrics, prefix_caching)
-        self.masks = MaskPrefetch()
+        # KV cells on demand (metatp.kv_demand); which request waits or is preempted is decided here
+        self.demand = CellDemand(engine.cells, self.metrics, prefix_caching)
 
     def lead(self, world: "World") -> Leader:
         """Drive every rank of `world` from here (rank 0; `LLM` calls it): each step is posted to
@@ -211,12 +220,9 @@ class Scheduler:
         if world.rank != 0:
             raise ConfigError(f"only rank 0 leads the steps; rank {world.rank} follows (metatp.lockstep.follow)")
         if self._leader is None or self._leader.world is not world:
-            self._leader = Leader(world)
+            self._leader = Leader(world, self.engine.cells)     # it hears every cell operation
+        self.runner.leader = self._leader
         return self._leader
-
-    def _post(self, op: tuple) -> None:
-        if self._leader is not None:
-            self._leader.ops.append(op)
 
     def stop_leading(self) -> None:
         """Tell the followers that no step will come (after the driver thread has stopped)."""
@@ -225,34 +231,61 @@ class Scheduler:
 
     # ---------------------------------------------------------------- requests
     def submit(self, req: Request) -> None:
-        """Queue a request (QueueFullError when the bounded waiting queue is full)."""
-        if req.n_cells > self.engine.n_ctx:
-            raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
-        with self._state:
-            if req.kind != "score" and req.max_new == 0:
-                self.metrics.requests_accepted += 1
-                self._finish(req, StepOutput(None, "", "length"))
-                return
-            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
-                raise QueueFullError(f"the server is busy: {len(self.waiting)} requests are waiting "
-                                     f"(--max-waiting {self.max_waiting}); retry later")
-            req.t_submit = time.perf_counter()
-            self.metrics.requests_accepted += 1
-            self.waiting.append(req)
-            self._changed.notify_all()
+        """Queue a request (QueueFullError when the bounded waiting queue is full). Its sampling
+        state is made now (`ModelRunner.add`), so a bad logit_bias or grammar fails the submit."""
+        self.runner.add(req)
+        try:
+            if req.n_cells > self.engine.n_ctx:
+                raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
+            with self._state:
+                ended = req.kind != "score" and req.max_new == 0
+                if ended:
+                    self.metrics.requests_accepted += 1
+                    self._finish(req, TokenEvent(None, "length"))
+                elif self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                    raise QueueFullError(f"the server is busy: {len(self.waiting)} requests are waiting "
+                                         f"(--max-waiting {self.max_waiting}); retry later")
+                else:
+                    req.t_submit = time.perf_counter()
+                    self.metrics.requests_accepted += 1
+                    self.waiting.append(req)
+                    self._changed.notify_all()
+        except BaseException:
+            self.runner.forget(req.id)
+            raise
+        if ended:
+            self._deliver()
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request; its cells are freed at the next step boundary (or now, if it waits)."""
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Stop a request; its cells are freed now, or at the next step boundary when a step is
+        running. `reason`: its finish reason ("stop": its consumer found a stop string, so it
+        counts as finished, as vLLM's output processor aborts a request)."""
         with self._state:
-            if req.done:
+            if req.done or req.cancelled:
                 return
-            req.cancelled = True
+            req.cancelled = reason
             if req in self.waiting:
                 self.waiting.remove(req)
-                req.state = "done"
-                req.finish_reason = "cancelled"
-                self.metrics.requests_cancelled += 1
+                self._end_cancelled(req)
             self._changed.notify_all()
+            running = req in self.running
+        if running and self._step_lock.acquire(blocking=False):    # no step runs: free its cells now
+            try:
+                with self._state:
+                    if req in self.running:
+                        self.running.remove(req)
+                        self._release(req, keep=True)
+                        self._end_cancelled(req)
+            finally:
+                self._step_lock.release()
+
+    def _end_cancelled(self, r: Request) -> None:
+        r.state, r.finish_reason, r.closed = RequestState.DONE, r.cancelled, True
+        if r.cancelled == "stop":
+            self.metrics.requests_finished += 1
+        else:
+            self.metrics.requests_cancelled += 1
+        self.runner.forget(r.id)
 
     def abandon(self, err: BaseException, timeout: float = 1.0) -> int:
         """Fail every request now, from another thread, leaving the engine alone (a step may be
@@ -265,33 +298,38 @@ class Scheduler:
             self.running.clear()
             self.waiting.clear()
             for r in reqs:
-                r.state, r.finish_reason = "done", "error"
+                r.state, r.finish_reason = RequestState.DONE, "error"
                 self.metrics.requests_failed += 1
-                self._emit(r, StepOutput(None, "", "error", error=err))
+                self.runner.forget(r.id)
+                self._emit(r, TokenEvent(None, "error", error=err))
             self._changed.notify_all()
-            return len(reqs)
         finally:
             self._state.release()
+        self._deliver()
+        return len(reqs)
 
-    def next_event(self, req: Request, timeout: float | None = None) -> StepOutput:
-        """The request's next output, stepping the engine while it has none (see the module doc)."""
+    def next_event(self, req: Request, timeout: float | None = None) -> TokenEvent:
+        """The next event of a request without a sink, stepping the engine while it has none
+        (see the module doc)."""
+        if req.sink is not None:
+            raise RequestStateError("this request's events go to its sink; they cannot also be waited for")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._state:
                 if req.events:
                     return req.events.popleft()
-                if req.done:
-                    raise UnsupportedOpError("the request has ended and has no more outputs")
+                if req.closed:
+                    raise RequestStateError("the request has ended and has no more outputs")
                 if self._driver is not None:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError("no output within the timeout")
                     self._changed.wait(timeout=left if left is not None else 1.0)
                     continue
-            if not self.step() :
+            if not self.step():
                 with self._state:
-                    if not req.events and not req.done and not self._step_lock.locked():
-                        raise UnsupportedOpError("the scheduler has nothing to run but a request is unfinished")
+                    if not req.events and not req.closed and not self._step_lock.locked():
+                        raise RequestStateError("the scheduler has nothing to run but a request is unfinished")
 
     @property
     def n_running(self) -> int:
@@ -310,143 +348,157 @@ class Scheduler:
         """One step: drop cancelled requests, admit waiting ones, run every running one a token
         (or a prompt chunk) further. Returns whether it ran anything."""
         with self._step_lock:
-            items, reqs = self._compose()
-            if not items:
+            work = self._compose()
+            if not work:
                 return False
-            self.masks.start([r.constraint for r, it in zip(reqs, items)
-                              if r.constraint is not None and self._samples_now(r, it)])
             try:
-                outs = self.engine.run(items) if self._leader is None else self._leader.run(self.engine, items)
+                results = self.runner.execute(work)
             except Exception as e:                  # the pass is lost: its requests fail, others go on
                 with self._state:
-                    for r in reqs:
-                        self._fail(r, e)
+                    for w in work:
+                        self._fail(w.request, e)
+                self._deliver()
                 return True
-            finally:
-                self.masks.wait()                   # structured output's masks, computed during the pass
-            picks = self._sample(reqs, items, outs)
-            results = [_output(r, logits, pick) for r, logits, pick in zip(reqs, outs, picks)]   # outside the lock
             now = time.perf_counter()
             with self._state:
                 m = self.metrics
                 m.steps += 1
-                m.max_step_seqs = max(m.max_step_seqs, len(reqs))
-                m.step_seqs_hist[len(reqs)] += 1
-                for r, it, logits, res in zip(reqs, items, outs, results):
-                    self._advance(r, it, logits, res, now)
+                m.max_step_seqs = max(m.max_step_seqs, len(work))
+                m.step_seqs_hist[len(work)] += 1
+                for w, res in zip(work, results):
+                    self._advance(w, res, now)
                 self._changed.notify_all()
+            self._deliver()
             return True
 
-    @staticmethod
-    def _samples_now(r: Request, it: StepItem) -> bool:
-        """Does this step's item give its request a token (a decode step, or the prompt's last chunk)?"""
-        if r.kind == "score":
-            return False
-        return r.state == "decode" or (r.refill is None and r.n_fed + len(it.tokens) == len(r.prompt_ids))
-
-    def _sample(self, reqs: list[Request], items: list[StepItem],
-                outs: list[np.ndarray | None]) -> list[int | BaseException | None]:
-        """Per request, the token this step gives it, the error sampling raised, or None (no token
-        this step). Under MPI this runs on rank 0 only (it leads), so nothing is agreed."""
-        picks: list[int | BaseException | None] = []
-        for r, it, logits in zip(reqs, items, outs):
-            if not self._samples_now(r, it):
-                picks.append(None)
-                continue
-            if isinstance(logits, int):          # "argmax": the engine read the greedy token itself
-                picks.append(logits)
-                continue
-            try:
-                picks.append(r.sample(logits))
-            except Exception as e:  # noqa: BLE001 -- a broken model's logits: this request fails
-                picks.append(e)
-        return picks
-
-    def _compose(self) -> tuple[list[StepItem], list[Request]]:
+    def _compose(self) -> list[ScheduledItem]:
         """Admit what fits, then the step's items: decode tokens first, then prompt chunks (FIFO)."""
         with self._state:
             for r in [r for r in self.running if r.cancelled]:
                 self.running.remove(r)
                 self._release(r, keep=True)
-                r.state, r.finish_reason = "done", "cancelled"
-                self.metrics.requests_cancelled += 1
-            preempted = self.demand.make_room(self.running, self.waiting)
+                self._end_cancelled(r)
+            preempted = self._make_room()
             while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
                 r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
-                seq = self.demand.admit(r, alone=not self.running)
+                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind != "score")
                 if seq is None:
                     break
                 self.waiting.popleft()
-                r.seq, r.state = seq, "prefill"
+                r.seq, r.state = seq, RequestState.PREFILL
+                r.n_fed = r.n_reused = seq.n_past         # positions found in the prefix cache
                 self.running.append(r)
-            items: list[StepItem] = []
-            reqs: list[Request] = []
+            work: list[ScheduledItem] = []
             budget = self.n_batch
             for r in self.running:
-                if r.state == "decode":
-                    items.append(StepItem(r.seq, [r.pending], r.wants))
-                    reqs.append(r)
+                if r.state is RequestState.DECODE:
+                    work.append(ScheduledItem(r, r.seq, [r.pending], Purpose.SAMPLE))
                     budget -= 1
             for r in self.running:
-                if r.state != "prefill" or budget <= 0:
+                if r.state is not RequestState.PREFILL or budget <= 0:
                     continue
-                chunk = prefill_chunk(r, budget, self.engine.small_rows)
-                last = r.refill is None and r.n_fed + len(chunk) == len(r.prompt_ids)   # a refill samples nothing
-                items.append(StepItem(r.seq, chunk, "all" if r.kind == "score" else r.wants if last else "none"))
-                reqs.append(r)
+                chunk = r.prefill_chunk(budget, self.engine.small_rows)
+                ends = r.n_fed + len(chunk) == len(r.prompt_ids)
+                if r.kind == "score":
+                    work.append(ScheduledItem(r, r.seq, chunk, Purpose.SCORE, first=r.n_fed == 0, last=ends))
+                else:                                   # a refill samples nothing
+                    last = r.refill is None and ends
+                    work.append(ScheduledItem(r, r.seq, chunk, Purpose.SAMPLE if last else Purpose.FEED))
                 budget -= len(chunk)
-            return items, reqs
+            return work
 
-    def _advance(self, r: Request, it: StepItem, logits: np.ndarray | None, out: StepOutput | BaseException | None,
-                 now: float) -> None:
-        """Deliver one step's result to its request (under the state lock); `out`: the output of
-        the token it got (`_output`), the error sampling or processing raised, or None."""
-        if r.state == "prefill":
-            r.n_fed += len(it.tokens)
+    def _make_room(self) -> bool:
+        """Give every decoding request (oldest first) a cell for the token it feeds this step;
+        while the cache has none, preempt the most recently admitted running request (possibly
+        the one growing). Returns whether anything was preempted."""
+        preempted = False
+        for r in list(self.running):
+            while r.state is RequestState.DECODE and not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1):
+                self.preempt(self.running.pop())
+                preempted = True
+        return preempted
+
+    def preempt(self, r: Request) -> None:
+        """Recompute preemption (vLLM's) of `r`, already out of the running list: its cells are
+        freed (their whole blocks kept in the prefix cache), its tokens and sampling state kept,
+        and it waits first in line; re-admitted, it prefills its prompt and generated tokens but
+        the pending one as they were first computed, and decodes on from the pending token, so
+        its client sees one stream."""
+        self._release(r, keep=True)
+        if r.state is RequestState.PREFILL and r.refill is None:   # a prompt cut short: counted once, when fed again
+            self.metrics.prompt_tokens -= r.n_fed - r.n_reused
+            self.metrics.recomputed_tokens += r.n_fed - r.n_reused
+        r.requeue()
+        self.waiting.appendleft(r)
+        self.metrics.preemptions += 1
+
+    def _advance(self, w: ScheduledItem, res: TokenResult | None, now: float) -> None:
+        """Take one step's result for its request (under the state lock): the token it got (its
+        event ends the request on the token-level rules), a scored prompt's logits, the error
+        sampling raised, or None."""
+        r = w.request
+        if r.state is RequestState.PREFILL:
+            r.n_fed += len(w.tokens)
             if r.refill is not None:
-                self.metrics.recomputed_tokens += len(it.tokens)
+                self.metrics.recomputed_tokens += len(w.tokens)
                 if r.n_fed == len(r.refill):          # recomputed: decoding resumes at the pending token
-                    r.refill, r.state = None, "decode"
+                    r.refill, r.state = None, RequestState.DECODE
                 return
-            self.metrics.prompt_tokens += len(it.tokens)
+            self.metrics.prompt_tokens += len(w.tokens)
             if r.kind == "score":
-                r.score_rows.append(logits)
                 if r.n_fed == len(r.prompt_ids):
-                    out = np.concatenate(r.score_rows, axis=0)
-                    try:
-                        check_logits(out, f"for a sequence of {len(r.prompt_ids)} tokens")
-                    except Exception as e:  # noqa: BLE001 -- delivered to the caller
-                        self._fail(r, e)
-                        return
-                    self._finish(r, StepOutput(None, "", "stop", logits=out))
+                    if res is None or res.error is not None:
+                        self._fail(r, res.error if res is not None else
+                                   RequestStateError("a scored prompt got no logits"))
+                    else:
+                        self._finish(r, TokenEvent(None, "stop", logits=res.logits))
                 return
             if r.n_fed < len(r.prompt_ids):
                 return
-            r.state = "decode"
-        if isinstance(out, BaseException) or out is None:
-            self._fail(r, out or UnsupportedOpError("a request due a token got none this step"))
+            r.state = RequestState.DECODE
+        if res is None or res.error is not None:
+            self._fail(r, res.error if res is not None else RequestStateError("a request due a token got none this step"))
             return
+        r.history.append(res.token)
+        r.output_ids.append(res.token)
         self.metrics.generated_tokens += 1
         if r.t_first is None:
             r.t_first = now
             self.metrics.observe_ttft(now - r.t_submit)
-        if out.finish_reason is not None:
-            self._finish(r, out)
+        ev = r.event_for(res)
+        if ev.finish_reason is not None:
+            self._finish(r, ev)
         else:
-            self._emit(r, out)
+            r.pending = res.token
+            self._emit(r, ev)
 
-    def _emit(self, r: Request, out: StepOutput) -> None:
-        r.events.append(out)
-        if r.on_event is not None:
-            r.on_event(r, out)
+    def _emit(self, r: Request, ev: TokenEvent) -> None:
+        """Queue an event (under the state lock); `_deliver` sends it once the lock is released."""
+        self._outbox.append((r, ev))
 
-    def _finish(self, r: Request, out: StepOutput) -> None:
+    def _deliver(self) -> None:
+        """Send the queued events to their requests' sinks, in order, outside the state lock (a
+        sink may detokenize, or cancel its request)."""
+        with self._delivering:
+            with self._state:
+                batch, self._outbox = self._outbox, []
+            if not batch:
+                return
+            for r, ev in batch:
+                r.deliver(ev)
+                if ev.finish_reason is not None:
+                    r.closed = True
+            with self._state:
+                self._changed.notify_all()
+
+    def _finish(self, r: Request, ev: TokenEvent) -> None:
         if r in self.running:
             self.running.remove(r)
         self._release(r, keep=True)
-        r.state, r.finish_reason = "done", out.finish_reason
+        r.state, r.finish_reason = RequestState.DONE, ev.finish_reason
         self.metrics.requests_finished += 1
-        self._emit(r, out)
+        self.runner.forget(r.id)
+        self._emit(r, ev)
 
     def _fail(self, r: Request, e: BaseException) -> None:
         if r in self.running:
@@ -454,17 +506,15 @@ class Scheduler:
         if r in self.waiting:
             self.waiting.remove(r)
         self._release(r)
-        r.state, r.finish_reason = "done", "error"
+        r.state, r.finish_reason = RequestState.DONE, "error"
         self.metrics.requests_failed += 1
-        self._emit(r, StepOutput(None, "", "error", error=e))
+        self.runner.forget(r.id)
+        self._emit(r, TokenEvent(None, "error", error=e))
 
     def _release(self, r: Request, keep: bool = False) -> None:
         """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
         if r.seq is not None:
-            self.demand.retire(r, keep)
-            if not r.seq.freed:
-                self._post(("free", r.seq.id))
-            self.engine.free(r.seq)
+            self.demand.free(r.seq, r.history if keep else None)
 
     # ---------------------------------------------------------------- driver thread (server)
     def start(self) -> None:
@@ -500,3 +550,4 @@ class Scheduler:
                     for r in list(self.running):
                         self._fail(r, e)
                     self._changed.notify_all()
+                self._deliver()

@@ -8,7 +8,8 @@ request's `Guide` on the model's tokenizer, whose `allowed()` is this step's mas
 `consume(token)` advances it after sampling. The llguidance view of the vocabulary is built once
 per tokenizer (about 0.4 s for a 49k vocabulary) and cached.
 
-The mask is computed on the sampling path, after the forward pass: it is not overlapped with it.
+The masks of a step's constrained requests are computed while its forward pass runs
+(`MaskPrefetch`, started and waited for by the model runner, `metatp.runner`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
 from metatp.openai_api import usage
 from metatp.requests import RequestHandle
-from metatp.scheduler import QueueFullError, StepOutput
+from metatp.output_processor import StepOutput
+from metatp.scheduler import QueueFullError
 from metatp.server.fields import BadRequest, is_int
 from metatp.server.ranks import served_world
 
@@ -89,8 +90,10 @@ class Frontend:
     async def start(self, ids_list: list[list[int]], params: SamplingParams, kind: str = "generate",
                     streamed: bool = True) -> tuple[list[RequestHandle], asyncio.Queue]:
         """Queue n requests per prompt (kind "score": one per prompt, its logits at every
-        position); their outputs arrive on one queue as (choice index, output). streamed=False (an
-        answer sent whole): a request's outputs are held on the scheduler's side and queued
+        position); their outputs arrive on one queue as (choice index, output): each request's
+        handle is its one sink (`RequestHandle` with on_output: the output processor runs there,
+        on the stepping thread, and a stop string ends the request). streamed=False (an
+        answer sent whole): a request's outputs are held on the stepping thread's side and queued
         together when it finishes, one wake of the event loop a request instead of one a token
         (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
         kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API)."""

@@ -68,12 +68,12 @@ def test_sampler_never_picks_a_masked_token():
 
 
 def test_no_constraint_means_no_guide(llm):
-    from metatp.scheduler import Request
+    from metatp.runner import SamplingState
 
     assert SamplingParams().constraint is None
     rng = np.random.default_rng(0)
-    assert Request([1, 2], SamplingParams(), rng, llm.tokenizer, 512).constraint is None
-    assert Request([1, 2], SamplingParams(guided_regex="a+"), rng, llm.tokenizer, 512).constraint is not None
+    assert SamplingState(SamplingParams(), rng, (), llm.tokenizer).guide is None
+    assert SamplingState(SamplingParams(guided_regex="a+"), rng, (), llm.tokenizer).guide is not None
 
 
 def test_every_allowed_token_fits_and_banned_ones_do_not(llm):

@@ -1,0 +1,198 @@
+"""The model runner: from a step the scheduler planned in token ids to one token per request
+(vLLM v1's GPU model runner: `execute_model` -> sampled token ids).
+
+The scheduler decides who runs and which tokens each feeds (`ScheduledItem`); the runner does
+everything that touches logits: each request's sampling state (`SamplingState`: its Sampler with
+penalties and logit bias, its structured-output guide), the logits mode each item is read in
+("argmax", a `CandidateSpec`, "last", "all", "none"), the structured-output masks computed while
+the forward pass runs (`MaskPrefetch`), the pass itself (`Engine.run`, or under MPI the
+`Leader`'s, which posts it to the other ranks first), the NaN/inf check, the draw, and the
+token's logprobs where asked. What comes back per item is a `TokenResult` (or None where the item
+gives no token), so the scheduler deals in token ids and the output processor in text.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+import numpy as np
+
+from metatp.backends.candidates import RowCandidates
+from metatp.engine import Engine, StepItem
+from metatp.ir.errors import NumericalError
+from metatp.kv_cells import SeqCells
+from metatp.logprobs import token_logprob
+from metatp.sampling import CandidateSpec, Sampler, SamplingParams
+from metatp.structured import Guide, MaskPrefetch, make_guide
+
+if TYPE_CHECKING:
+    from metatp.lockstep import Leader
+
+__all__ = ["ModelRunner", "SamplingState", "ScheduledItem", "Purpose", "TokenResult", "TokenSource",
+           "check_logits"]
+
+
+def check_logits(logits: np.ndarray, what: str) -> None:
+    """NaN or infinite logits mean a broken model (NaN weights, overflowing hyper-parameters);
+    sampling them would silently give token 0. One max is cheap next to a forward step."""
+    top = float(np.max(logits))
+    if not math.isfinite(top):
+        bad = "NaN" if math.isnan(top) or np.isnan(logits).any() else "infinite"
+        raise NumericalError(f"the model computed {bad} logits {what}; the model file is broken "
+                             "(NaN/inf weights or hyper-parameters that overflow)")
+
+
+class TokenSource(Protocol):
+    """What the runner reads of a scheduled request (the scheduler's `Request` is one): plain
+    data, never written here."""
+
+    id: int
+    params: SamplingParams
+    rng: np.random.Generator
+    end_ids: frozenset[int]
+    history: list[int]          # prompt and generated tokens
+    output_ids: list[int]       # the generated ones
+
+
+class Purpose(enum.Enum):
+    """What an item's pass gives its request."""
+
+    FEED = "feed"           # prompt (or a preempted request's recomputed) tokens: nothing read
+    SAMPLE = "sample"       # a decode token or a prompt's last chunk: the next token
+    SCORE = "score"         # a scoring request's prompt chunk: the logits of every position
+
+
+@dataclass
+class ScheduledItem:
+    """One request's part of a step, as the scheduler plans it. `first`/`last` (SCORE): the
+    chunk begins / ends the prompt, so its rows start / complete the request's logits."""
+
+    request: TokenSource
+    seq: SeqCells
+    tokens: list[int]
+    purpose: Purpose
+    first: bool = False
+    last: bool = False
+
+
+@dataclass
+class TokenResult:
+    """What one item gave its request: a token (with its logprobs where asked, and whether the
+    request's constraint is now complete), a scored prompt's logits, or the error that failed it."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+    complete: bool = False
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+
+
+class SamplingState:
+    """One request's sampling: its Sampler (penalties, logit bias, min_tokens' bans), its
+    structured-output guide, and the logits mode its rows are read in. Built when the request
+    is submitted, so a bad logit_bias or grammar is an error of the submit."""
+
+    def __init__(self, params: SamplingParams, rng: np.random.Generator, end_ids: Sequence[int],
+                 tokenizer: Any) -> None:
+        n_vocab = tokenizer.n_vocab
+        self.params = params
+        self.sampler = Sampler(params, rng, end_ids=end_ids, n_vocab=n_vocab)
+        self.guide: Guide | None = make_guide(params, tokenizer) if params.constraint is not None else None
+        # "argmax" when the pick is the greedy token of the raw logits and nothing else is
+        # reported (no penalty, bias, constraint or logprobs), so a vocabulary split is never
+        # gathered for it; a CandidateSpec where each device's top candidates can cover the pick
+        # (metatp.sampling); else "last"
+        plain = (params.greedy and params.logprobs is None and not params.penalized
+                 and params.repetition_penalty == 1.0 and self.guide is None)
+        spec = self.sampler.candidate_spec(n_vocab) if self.guide is None else None
+        self.mode: str | CandidateSpec = "argmax" if plain else spec or "last"
+        self.score_rows: list[np.ndarray] = []
+
+    def logits_mode(self, generated: Sequence[int]) -> str | CandidateSpec:
+        """This step's logits mode (a CandidateSpec carries this step's penalties)."""
+        return self.mode if isinstance(self.mode, str) else self.sampler.step_spec(self.mode, generated)
+
+    def sample(self, logits: np.ndarray | RowCandidates | int, history: Sequence[int],
+               generated: Sequence[int]) -> int:
+        """The next token: the engine's own argmax (an int), a draw from the candidates it read
+        (they cover the pick, all finite), or a draw from the row (NumericalError for NaN/inf)."""
+        if isinstance(logits, (int, np.integer)):
+            return int(logits)
+        if isinstance(logits, RowCandidates):
+            return self.sampler.from_candidates(logits)
+        check_logits(logits, f"after {len(history)} tokens")
+        allowed = self.guide.allowed() if self.guide is not None else None
+        return self.sampler(logits, history, generated, allowed)
+
+
+class ModelRunner:
+    """Runs the scheduler's steps on one engine and samples their tokens (see the module doc)."""
+
+    def __init__(self, engine: Engine, tokenizer: Any) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.leader: "Leader | None" = None     # under MPI (rank 0): posts every step first
+        self.masks = MaskPrefetch()
+        self._states: dict[int, SamplingState] = {}
+
+    def add(self, request: TokenSource) -> SamplingState:
+        """A submitted request's sampling state (ConfigError for a logit_bias id outside the
+        vocabulary; a structured-output constraint's errors)."""
+        state = SamplingState(request.params, request.rng, sorted(request.end_ids), self.tokenizer)
+        self._states[request.id] = state
+        return state
+
+    def forget(self, request_id: int) -> None:
+        """The request has ended: its sampling state goes."""
+        self._states.pop(request_id, None)
+
+    def state(self, request_id: int) -> SamplingState:
+        return self._states[request_id]
+
+    def execute(self, items: list[ScheduledItem]) -> list[TokenResult | None]:
+        """Run one step: per item its TokenResult, or None where it gives nothing (a fed chunk,
+        a scored prompt's chunk before its last). A failed pass raises (its requests fail)."""
+        states = [self._states[it.request.id] for it in items]
+        steps = [StepItem(it.seq, it.tokens, self._mode(it, st)) for it, st in zip(items, states)]
+        self.masks.start([st.guide for it, st in zip(items, states)
+                          if st.guide is not None and it.purpose is Purpose.SAMPLE])
+        try:
+            outs = self.engine.run(steps) if self.leader is None else self.leader.run(self.engine, steps)
+        finally:
+            self.masks.wait()                   # structured output's masks, computed during the pass
+        return [self._result(it, st, out) for it, st, out in zip(items, states, outs)]
+
+    @staticmethod
+    def _mode(it: ScheduledItem, st: SamplingState) -> str | CandidateSpec:
+        if it.purpose is Purpose.SCORE:
+            return "all"
+        return st.logits_mode(it.request.output_ids) if it.purpose is Purpose.SAMPLE else "none"
+
+    @staticmethod
+    def _result(it: ScheduledItem, st: SamplingState, out: Any) -> TokenResult | None:
+        """One item's result; an error sampling or reading it fails that request alone."""
+        if it.purpose is Purpose.FEED:
+            return None
+        r = it.request
+        try:
+            if it.purpose is Purpose.SCORE:
+                if it.first:
+                    st.score_rows.clear()
+                st.score_rows.append(out)
+                if not it.last:
+                    return None
+                logits = np.concatenate(st.score_rows, axis=0)
+                st.score_rows.clear()
+                check_logits(logits, f"for a sequence of {logits.shape[0]} tokens")
+                return TokenResult(logits=logits)
+            tok = st.sample(out, r.history, r.output_ids)
+            n_lp = st.params.logprobs
+            lp, top = token_logprob(out, tok, n_lp) if n_lp is not None else (None, None)
+            complete = st.guide is not None and st.guide.consume(tok)      # the constrained output is whole
+            return TokenResult(tok, lp, top, complete)
+        except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
+            return TokenResult(error=e)
