@@ -19,19 +19,22 @@ from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, Tensor
 
 __all__ = ["FusionKind", "Fusion", "Finder", "select", "norm_times_weight", "norm_weight_fusion", "matmuls_of_x",
-           "matmul_group_fusion"]
+           "matmul_group_fusion", "later_partners"]
 
 
 class FusionKind(str, enum.Enum):
-    """The fusions backends' kernels implement (a backend runs the kinds its table holds)."""
+    """The fusions backends' kernels implement (a backend runs the kinds its table holds).
 
-    NORM = "norm"                       # MUL(RMS_NORM / NORM (x), w): one norm x weight kernel
-    MATVEC_ADD = "matvec_add"           # ADD(matvec, residual or bias): the add in the epilogue
+    Declared in priority order: the CUDA backend runs its finders in this order, and an earlier
+    kind's fusion wins a node (a new kind goes where it should claim nodes)."""
+
     MATVEC_GLU = "matvec_glu"           # GLU(gate matvec, up matvec) (+ the folded RMS norm)
+    MATVEC_ADD = "matvec_add"           # ADD(matvec, residual or bias): the add in the epilogue
     MATVEC_MULTI = "matvec_multi"       # up to three matvecs of one x (q, k, v) (+ the folded RMS norm)
-    MATMUL_GROUP = "matmul_group"       # the MUL_MATs of one x (q, k, v; gate, up) at any token count
+    NORM = "norm"                       # MUL(RMS_NORM / NORM (x), w): one norm x weight kernel
     ROPE_PAIR = "rope_pair"             # ROPE of Q and K with the same positions
     SET_ROWS_PAIR = "set_rows_pair"     # SET_ROWS of K and V with the same rows
+    MATMUL_GROUP = "matmul_group"       # the MUL_MATs of one x (q, k, v; gate, up) at any token count
 
 
 @dataclass
@@ -124,3 +127,13 @@ def matmul_group_fusion(facts: PlanFacts, x: Tensor, taken: set, accept: Callabl
             out.append(Fusion(FusionKind.MATMUL_GROUP, g[0], tuple(g[1:]), early=tuple(g[1:]),
                               parts={"members": tuple(g)}))
     return out
+
+
+def later_partners(facts: PlanFacts, node: Tensor, taken: set) -> Iterable[Tensor]:
+    """Later nodes of `node`'s op reading the same src[1] (positions, row indices) as `node`,
+    not yet taken: the candidates to pair with it in one launch (Q and K ropes, K and V stores)."""
+    idx = facts.graph.index
+    for other in facts.readers.get(node.src[1], []):
+        if other is not node and other.op is node.op and other not in taken and idx[other] > idx[node] \
+                and other.src[1] is node.src[1]:
+            yield other

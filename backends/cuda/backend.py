@@ -25,12 +25,12 @@ import numpy as np
 from metatp.backends.base import Backend, BackendInfo, WeightSource
 from metatp.backends.collectives.schedule import Mode, resolve_mode
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
-from metatp.backends.cuda import kernels as ck
+from metatp.backends.cuda import ops
 from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
-from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, input_layout, matmul_tokens, raw_nb,
+from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, input_layout, raw_nb,
                                           weight_type_name)
 from metatp.ir.dtypes import np_shape
 from metatp.backends.slicing import device_slices, local_raw_shape, split_raw
@@ -260,33 +260,14 @@ class CupyBackend(Backend):
 
     def _scratch_needs(self, plan: Plan, d: int, one_token_too: bool = False) -> dict[str, tuple[int, Any]]:
         """Scratch buffer -> (elements, dtype) device d needs to run `plan` (`one_token_too`: and a
-        one-token step at the same KV length, whose attention splits the KV more)."""
+        one-token step at the same KV length, whose attention splits the KV more): what the kernel
+        families' handlers will ask for (`ops.scratch_needs`), and the all-reduce's buffers."""
         graph = plan.graph
-        need: dict[str, tuple[int, Any]] = {}
+        need = ops.scratch_needs(self, plan, d, one_token_too)
 
         def want(key: str, n: int, dtype) -> None:
             if n > need.get(key, (0, None))[0]:
                 need[key] = (n, dtype)
-        mdt = np.float16 if self.matmul_dtype == "f16" else np.float32
-        gemm = self.rt.gemm_available()
-        for node in graph.nodes:
-            if not plan.of(node).compute[d]:
-                continue
-            if node.op is Op.FLASH_ATTN_EXT:
-                q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
-                D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
-                for tok in {T, 1} if one_token_too else {T}:
-                    if tok <= ck.ATTN_DECODE_MAX_TOKENS and Hkv and H % Hkv == 0:
-                        splits, _ = ck.decode_splits(Hkv, H, tok, n_kv)
-                        if splits > 1:
-                            want("attn", ck.attn_workspace_floats(H, D, tok, splits), np.float32)
-            elif node.op is Op.MUL_MAT and gemm:
-                w = node.src[0]
-                tokens = matmul_tokens(node)
-                if w.flags & Flag.WEIGHT and w.ne[2] == 1 and w.ne[3] == 1 and tokens > ck.MATVEC_MAX_TOKENS:
-                    lw = plan.of(w).local[d]
-                    want(f"gemm_w_{mdt.__name__}", lw.ne[0] * lw.ne[1], mdt)
-                    want(f"gemm_x_{mdt.__name__}", lw.ne[0] * tokens, mdt)
         if self.n > 1 and self.collective is None:     # a collective spanning processes keeps its own
             for sub in plan.subgraphs:
                 if sub.reduction is not None:

@@ -8,8 +8,8 @@ devices); this module supplies what is CUDA's:
   in memory of their own, zero-fill as a memset, scratch buffers sized once per plan;
 - per-step inputs (token ids, positions, KV rows, the mask and the attended KV length) in one
   device block per GPU, filled by one host-to-device copy, so a captured graph replays them;
-- each node becomes frozen kernel launches (`ops.CUDA_OPS`, `ops.FUSED_OPS`; a fused kernel
-  that refuses a layout falls back to its nodes one by one);
+- each node becomes frozen kernel launches (`ops.CUDA_OPS`, `ops.FUSION_ROWS`: the kernel
+  families' tables; a fused kernel that refuses a layout runs its row's `unfused` steps);
 - the all-reduce between subgraphs (`collective.DeviceCollective`; a process owning one device
   of several: the backend's collective spanning the processes, `nccl.NcclCollective`, on the
   device's stream), and the runner (streams, events and CUDA graphs, `capture.Runner`);
@@ -42,10 +42,9 @@ from metatp.backends.cuda.p2p import DeviceCopy
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, attended_length, contig_strides, graph_itemsize,
                                           input_layout, is_quant_cache, to_float)
 from metatp.backends.executor import NodeSteps, PlanExecutor
-from metatp.backends.fusion import Fusion, FusionKind
+from metatp.backends.fusion import Fusion
 from metatp.ir.dtypes import np_shape
 from metatp.ir.errors import UnsupportedOpError
-from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, row_bytes, type_size
 from metatp.passes.plan import Local, Plan
 
@@ -242,25 +241,13 @@ class CupyExecutable(PlanExecutor):
             raise UnsupportedOpError(f"cupy backend: {node.op.name} node {node.name!r} on device {d}: {e}") from e
 
     def fused_steps(self, d: int, fusion: Fusion) -> list:
+        """The fusion's row runs it; a layout its kernel cannot take runs the row's `unfused`
+        steps instead (its nodes one by one)."""
+        row = ops.FUSION_ROWS[fusion.kind]
         try:
-            return ops.FUSED_OPS[fusion.kind](self, d, fusion)
+            return row.run(self, d, fusion)
         except (ValueError, TypeError, UnsupportedOpError):
-            return self._unfused_fallback(d, fusion)
-
-    def _unfused_fallback(self, d: int, f: Fusion) -> list:
-        """A layout a fused kernel cannot take: its nodes run one by one here, in graph order
-        (their outputs have buffers; their inputs are kept alive). A folded norm runs as the
-        norm x weight kernel writing the MUL's buffer (the RMS_NORM buffer may be gone)."""
-        idx = self.plan.graph.index
-        steps: list = []
-        for t in sorted((f.at, *f.absorbed), key=lambda t: idx[t]):
-            if t.op is Op.RMS_NORM and f.kind != FusionKind.NORM:
-                continue
-            if t.op is Op.MUL and t.src[0].op is Op.RMS_NORM and f.kind != FusionKind.NORM:
-                steps += ops.norm_times_weight(self, d, t, t.src[0])
-                continue
-            steps += self.node_steps(d, t)
-        return steps
+            return row.unfused(self, d, fusion)
 
     def zero_fill_step(self, d: int, node: Tensor):
         a = self.arrays[d][node]

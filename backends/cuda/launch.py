@@ -35,7 +35,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 
 __all__ = [
-    "FAMILIES", "WEIGHT_TYPES", "KV_TYPES", "KV_QUANT_TYPES", "CACHE_TYPES", "CHUNK_ELEMS", "COMPILE_OPTIONS",
+    "FAMILIES", "MATVEC_MAX_TOKENS", "WEIGHT_TYPES", "KV_TYPES", "KV_QUANT_TYPES", "CACHE_TYPES", "CHUNK_ELEMS", "COMPILE_OPTIONS",
     "BLOCK_1D", "NULL", "KernelEngine", "cache_type_of",
     "kernel_sources", "module_source", "using", "current_engine", "get_kernel", "launch", "recording",
     "Launch", "device_ptr", "is_array", "empty", "sm_count",
@@ -45,6 +45,11 @@ __all__ = [
 
 #: One CUDA source (and one module) per op family.
 FAMILIES = ("dequant", "matvec", "norm", "rope", "kv", "attn", "elementwise")
+
+#: The few-token (decode-sized) path: the matvec kernels take up to this many tokens per launch
+#: (llama.cpp's MMVQ_MAX_BATCH_SIZE; cuBLAS above), and fusions that keep an input alive or
+#: pair two launches fire only up to it. Shared here so families need not import each other.
+MATVEC_MAX_TOKENS = 8
 
 #: ggml weight types the kernels read: name -> (elements per block, bytes per block).
 WEIGHT_TYPES: dict[str, tuple[int, int]] = {

@@ -83,10 +83,10 @@ def test_none_pointer_is_refused_like_cupy_13():
         np.testing.assert_allclose(y, 1.0, rtol=1e-5)
         with ck.recording() as launches:              # every optional pointer left out
             ck.rms_norm(x, y, eps=1e-5)
-            ck.matvec(np.zeros((4, 64), np.float32), "f32", x, np.zeros((2, 4), np.float32), ne0=64, n_rows=4)
+            ck.matvec.matvec(np.zeros((4, 64), np.float32), "f32", x, np.zeros((2, 4), np.float32), ne0=64, n_rows=4)
             ck.soft_max(x, y)
             pos = np.zeros(2, np.int32)
-            ck.rope(x.reshape(2, 1, 64), y.reshape(2, 1, 64), pos, head_dim=64, n_head=1, n_tokens=2,
+            ck.rope.rope(x.reshape(2, 1, 64), y.reshape(2, 1, 64), pos, head_dim=64, n_head=1, n_tokens=2,
                     n_dims=64, freq_base=1e4)
             q = np.ones((1, 2, 64), np.float32)
             kv = np.ones((8, 1, 64), np.float16)

@@ -552,12 +552,14 @@ def test_few_token_steps_use_matvec(synth_model, kind):
 def test_fused_kernels_fall_back_to_single_launches(synth_model, monkeypatch):
     """When a fused kernel cannot take a layout, its nodes run one by one, same results."""
     require("emulator")
+    from dataclasses import replace
+
     from metatp.backends.cuda import ops as cuda_ops
 
     def refuse(ex, d, f):
         raise ValueError("layout not supported by the fused kernel")
-    for kind in FusionKind:
-        monkeypatch.setitem(cuda_ops.FUSED_OPS, kind, refuse)
+    for kind, row in list(cuda_ops.FUSION_ROWS.items()):
+        monkeypatch.setitem(cuda_ops.FUSION_ROWS, kind, replace(row, run=refuse))
     eng, ref = engines(synth_model, "emu", n=3, ts=(1, 2, 1), ref_n=1, kv_dtype="f32", matmul_dtype="f32")
     got, want = run_teacher_forced(eng, ref, 2)
     for a, b in zip(got, want):

@@ -2,16 +2,33 @@
 query-tiled prefill kernel; the attended KV length is read from device memory. The cache may be
 f16 / bf16 / f32 or quantized (q8_0, q4_0, q4_1, q5_0, q5_1: uint8 blocks dequantized in
 registers, strides in bytes); K and V share one type.
+
+The family's decisions, in one function (`attention_splits`): FLASH_ATTN_EXT over a few query
+tokens runs the decode kernel split over the KV (with a merge and a scratch workspace when it
+splits), over more tokens the prefill kernel. The handler and `workspace` both ask it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+from metatp.backends.cuda.kernels.handler import Scratch, array_of, record
 from metatp.backends.cuda.launch import (CACHE_TYPES, KV_QUANT_TYPES, head_strides, launch, empty, sm_count, i32, f32,
                                          cdiv, cache_type_of, estrides, check_f32, check_i32)
+from metatp.backends.cuda.storage import graph_itemsize, quant_cache_type
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Tensor
+from metatp.passes.plan import Plan
 
-__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits', 'flash_attn_decode', 'flash_attn_prefill', 'flash_attn']
+if TYPE_CHECKING:
+    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.backends.cuda.executable import CupyExecutable
+
+__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits',
+           'attention_splits', 'flash_attn_decode', 'flash_attn_prefill', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _ATTN_NG = (1, 2, 4, 8)
 ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
@@ -140,15 +157,78 @@ def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: i
            shared_mem=smem)
 
 
-#: flash_attn uses the split-KV decode kernel up to this many query tokens.
+#: FLASH_ATTN_EXT runs the split-KV decode kernel up to this many query tokens.
 ATTN_DECODE_MAX_TOKENS = 4
 
 
-def flash_attn(q, k, v, out, **kw) -> None:
-    """Decode kernel for n_tokens <= 4, prefill kernel otherwise."""
-    if kw["n_tokens"] <= ATTN_DECODE_MAX_TOKENS:
-        flash_attn_decode(q, k, v, out, **kw)
-    else:
-        kw.pop("n_splits", None)
-        kw.pop("workspace", None)
-        flash_attn_prefill(q, k, v, out, **kw)
+def attention_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int) -> int | None:
+    """Which attention kernel a shape runs: None for the prefill kernel (more than
+    ATTN_DECODE_MAX_TOKENS query tokens), else the decode kernel's split-KV count (1 for a
+    head layout the kernel refuses by name)."""
+    if n_tokens > ATTN_DECODE_MAX_TOKENS:
+        return None
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        return 1
+    return decode_splits(n_head_kv, n_head, n_tokens, n_kv)[0]
+
+
+def _scratch(n_head: int, head_dim: int, n_tokens: int, n_splits: int | None) -> Scratch:
+    """The decode kernel's per-split partial results, when it splits the KV."""
+    if n_splits is None or n_splits <= 1:
+        return {}
+    return {"attn": (attn_workspace_floats(n_head, head_dim, n_tokens, n_splits), np.float32)}
+
+
+# ---------------------------------------------------------------- handler
+def _run_flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    q, k, v = node.src[0], node.src[1], node.src[2]
+    mask = node.src[3] if len(node.src) > 3 else None
+    if len(node.src) > 4 and node.src[4] is not None:
+        raise UnsupportedOpError(f"cupy backend: FLASH_ATTN_EXT {node.name!r} with attention sinks")
+    qa, ka, va = array_of(ex, d, q), array_of(ex, d, k), array_of(ex, d, v)
+    loc = {t: ex.plan.of(t).local[d] for t in (q, k, v)}
+    D, T, H = loc[q].ne[0], loc[q].ne[1], loc[q].ne[2]
+    n_kv, Hkv = loc[k].ne[1], loc[k].ne[2]
+    if loc[v].ne[0] != D:
+        raise UnsupportedOpError(f"cupy backend: FLASH_ATTN_EXT {node.name!r}: V head size differs from K's")
+    qs = (loc[q].nb[2] // 4, loc[q].nb[1] // 4)
+    # strides in storage elements: a quantized cache is bytes (its views are byte views of blocks)
+    kq, vq = quant_cache_type(k.type), quant_cache_type(v.type)
+    gk, gv = (1 if kq else graph_itemsize(k)), (1 if vq else graph_itemsize(v))
+    ks = (loc[k].nb[2] // gk, loc[k].nb[1] // gk)
+    vs = (loc[v].nb[2] // gv, loc[v].nb[1] // gv)
+    if kq != vq:
+        raise UnsupportedOpError(f"cupy backend: FLASH_ATTN_EXT {node.name!r}: K ({k.type.name}) and V "
+                                 f"({v.type.name}) caches of different types")
+    ma = array_of(ex, d, mask) if mask is not None else None
+    kw = dict(n_head=H, n_head_kv=Hkv, head_dim=D, n_tokens=T, n_kv=n_kv, scale=node.params["scale"],
+              softcap=node.params.get("softcap", 0.0), causal=False, q_strides=qs, k_strides=ks,
+              v_strides=vs, mask=ma[0, 0] if ma is not None else None,
+              mask_stride=(ex.plan.of(mask).local[d].nb[1] // 4) if mask is not None else None,
+              kv_len=ex.kv_len_view(d, mask) if mask is not None else None, kv_type=kq)
+    out = array_of(ex, d, node)
+    n_splits = attention_splits(H, Hkv, T, n_kv)
+    if n_splits is None:
+        return record(flash_attn_prefill, qa, ka, va, out, **kw)
+    for key, (n, dtype) in _scratch(H, D, T, n_splits).items():
+        kw["workspace"] = ex.scratch_buffer(d, key, n, dtype)
+    return record(flash_attn_decode, qa, ka, va, out, n_splits=n_splits, **kw)
+
+
+def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
+    """FLASH_ATTN_EXT's split-KV workspace on device d (`one_token_too`: the larger of this
+    shape's and a one-token step's at the same KV length, which splits the KV more)."""
+    if node.op is not Op.FLASH_ATTN_EXT:
+        return {}
+    q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
+    D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
+    need: Scratch = {}
+    for tok in sorted({T, 1} if one_token_too else {T}):
+        for key, (n, dtype) in _scratch(H, D, tok, attention_splits(H, Hkv, tok, n_kv)).items():
+            if n > need.get(key, (0, None))[0]:
+                need[key] = (n, dtype)
+    return need
+
+
+HANDLERS = {Op.FLASH_ATTN_EXT: _run_flash_attn_ext}
+FUSIONS = ()

@@ -1,12 +1,16 @@
 """Dequantization of GGUF weight rows to f32 / f16 (``cuda/dequant.cu``): the first half of the prefill GEMM path.
+
+No op of its own: the matvec family's MUL_MAT handler launches it on the GEMM path (and sizes
+its scratch); its tables are empty.
 """
 
 from __future__ import annotations
 
+from metatp.backends.cuda.kernels.handler import no_workspace
 from metatp.backends.cuda.launch import (WEIGHT_TYPES, CHUNK_ELEMS, BLOCK_1D, launch, i32, grid1d, wtype,
                                          act_type)
 
-__all__ = ['ENTRY_POINTS', 'dequantize']
+__all__ = ['ENTRY_POINTS', 'dequantize', 'HANDLERS', 'FUSIONS', 'workspace']
 
 ENTRY_POINTS = [f"dequant_{t}_{o}" for t in WEIGHT_TYPES for o in ("f32", "f16")]
 
@@ -34,3 +38,8 @@ def dequantize(src, qtype, dst, *, ne0: int, n_rows: int, src_row_bytes: int | N
         return
     launch("dequant", f"dequant_{t}_{out}", grid1d(units), (BLOCK_1D,),
            (src, dst, i32(ne0), i32(n_rows), i32(src_row_bytes), i32(dst_row_stride)))
+
+
+HANDLERS: dict = {}
+FUSIONS = ()
+workspace = no_workspace

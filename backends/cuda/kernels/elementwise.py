@@ -1,15 +1,32 @@
 """Element-wise and small row kernels (``cuda/elementwise.cu``): broadcasting binary ops, unary
 activations, GLU, softmax, argmax / top-k, GET_ROWS, ADD_ID, strided copies with conversion, the
 all-reduce's in-place add and the bf16 wire conversions.
+
+The family's decisions: which kernel each of GET_ROWS, ADD / MUL / DIV, ADD_ID, SCALE, UNARY,
+GLU, SOFT_MAX, ARGSORT_TOP_K, CONT and CPY runs (`HANDLERS`). No fusions, no scratch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from metatp.backends.cuda.kernels.handler import array_of, no_workspace, record
 from metatp.backends.cuda.launch import (WEIGHT_TYPES, CHUNK_ELEMS, BLOCK_1D, launch, i32, i64, f32, grid1d,
                                          act_type, estrides, rows2d, nd, check_f32, check_i32, check_contig,
                                          row_block, check_block_type)
+from metatp.backends.cuda.storage import RawWeight
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import GluOp, Op, UnaryOp
+from metatp.ir.tensor import Tensor
 
-__all__ = ['ENTRY_POINTS', 'binary', 'add', 'sub', 'mul', 'div', 'add_inplace', 'unary', 'scale', 'silu', 'gelu', 'sigmoid', 'softplus', 'fill', 'swiglu', 'geglu', 'soft_max', 'argmax', 'top_k', 'get_rows', 'add_id', 'copy', 'f32_to_bf16', 'bf16_to_f32']
+if TYPE_CHECKING:
+    from metatp.backends.cuda.executable import CupyExecutable
+
+__all__ = ['ENTRY_POINTS', 'binary', 'add', 'sub', 'mul', 'div', 'add_inplace', 'unary', 'scale', 'silu', 'gelu',
+           'sigmoid', 'softplus', 'fill', 'swiglu', 'geglu', 'soft_max', 'argmax', 'top_k', 'get_rows', 'add_id',
+           'copy', 'f32_to_bf16', 'bf16_to_f32', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _CPY_PAIRS = (("f32", "f32"), ("f32", "f16"), ("f16", "f32"), ("f16", "f16"),
               ("f32", "bf16"), ("bf16", "f32"))
@@ -276,3 +293,108 @@ def bf16_to_f32(x, out) -> None:
     if x.size:
         launch("elementwise", "bf16_to_f32", grid1d(x.size), (BLOCK_1D,),
                (x, out, i32(x.size)))
+
+
+# ---------------------------------------------------------------- handlers
+def _run_get_rows(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    src, ids = node.src
+    a, out, idx = array_of(ex, d, src), array_of(ex, d, node), array_of(ex, d, ids)
+    if isinstance(a, RawWeight):
+        return record(get_rows, a.data, a.wtype, idx, out, ne0=a.ne[0],
+                      src_row_bytes=a.nb[1], src_batch_bytes=(a.nb[2], a.nb[3]))
+    if a.dtype != np.float32:
+        raise UnsupportedOpError(f"cupy backend: GET_ROWS of a {a.dtype} tensor ({src.name!r})")
+    st = a.strides                  # numpy order (ne3, ne2, ne1, ne0), bytes
+    if src.ne[0] > 1 and st[3] != 4:
+        raise UnsupportedOpError(f"cupy backend: GET_ROWS source {src.name!r} rows are not contiguous")
+    return record(get_rows, a, "f32", idx, out, ne0=src.ne[0], src_row_bytes=st[2],
+                  src_batch_bytes=(st[1], st[0]))
+
+
+def _run_binary(ex: CupyExecutable, op: str, d: int, node: Tensor) -> list:
+    return record(binary, op, array_of(ex, d, node.src[0]), array_of(ex, d, node.src[1]), array_of(ex, d, node))
+
+
+def _run_add(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    return _run_binary(ex, "add", d, node)
+
+
+def _run_mul(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    return _run_binary(ex, "mul", d, node)
+
+
+def _run_div(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    return _run_binary(ex, "div", d, node)
+
+
+def _run_add_id(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    a, b, ids = (array_of(ex, d, s) for s in node.src)
+    return record(add_id, a[0], b[0, 0], ids[0, 0], array_of(ex, d, node)[0])
+
+
+def _run_scale(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    p = node.params
+    return record(scale, array_of(ex, d, node.src[0]), array_of(ex, d, node), p["s"], p["b"])
+
+
+_UNARY_KERNELS = {UnaryOp.SILU.value: "silu", UnaryOp.GELU_TANH.value: "gelu", UnaryOp.SIGMOID.value: "sigmoid",
+                  UnaryOp.SOFTPLUS.value: "softplus"}
+
+
+def _run_unary(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    op = _UNARY_KERNELS.get(node.params["unary"])
+    if op is None:
+        raise UnsupportedOpError(f"cupy backend: UNARY {node.params['unary']!r} has no kernel")
+    return record(unary, op, array_of(ex, d, node.src[0]), array_of(ex, d, node))
+
+
+def _run_glu(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    fn = {GluOp.SWIGLU.value: swiglu, GluOp.GEGLU_TANH.value: geglu}.get(node.params["glu"])
+    if fn is None:
+        raise UnsupportedOpError(f"cupy backend: GLU {node.params['glu']!r} has no kernel")
+    out = array_of(ex, d, node)
+    if len(node.src) == 2 and node.src[1] is not None:
+        gate, up = array_of(ex, d, node.src[0]), array_of(ex, d, node.src[1])
+    else:
+        x = array_of(ex, d, node.src[0])
+        n = out.shape[-1]
+        gate, up = (x[..., n:], x[..., :n]) if node.params.get("swapped") else (x[..., :n], x[..., n:])
+    return record(fn, gate, up, out)
+
+
+def _run_soft_max(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    mask = array_of(ex, d, node.src[1]) if len(node.src) > 1 else None
+    return record(soft_max, array_of(ex, d, node.src[0]), array_of(ex, d, node), mask=mask,
+                  scale=node.params["scale"])
+
+
+def _run_argsort_top_k(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    return record(top_k, array_of(ex, d, node.src[0]), array_of(ex, d, node), node.params["k"])
+
+
+def _run_copy(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    """CONT and CPY: a strided copy with conversion (flat when the shapes differ)."""
+    src, dst = array_of(ex, d, node.src[0]), array_of(ex, d, node)
+    if tuple(src.shape) != tuple(dst.shape):
+        if not (src.flags.c_contiguous and dst.flags.c_contiguous) or src.size != dst.size:
+            raise UnsupportedOpError("cupy backend: copy between different shapes needs contiguous tensors")
+        src, dst = src.reshape(-1), dst.reshape(-1)
+    return record(copy, src, dst)
+
+
+HANDLERS = {
+    Op.GET_ROWS: _run_get_rows,
+    Op.ADD: _run_add,
+    Op.MUL: _run_mul,
+    Op.DIV: _run_div,
+    Op.ADD_ID: _run_add_id,
+    Op.SCALE: _run_scale,
+    Op.UNARY: _run_unary,
+    Op.GLU: _run_glu,
+    Op.SOFT_MAX: _run_soft_max,
+    Op.ARGSORT_TOP_K: _run_argsort_top_k,
+    Op.CONT: _run_copy,
+    Op.CPY: _run_copy,
+}
+FUSIONS = ()
+workspace = no_workspace

@@ -1,14 +1,29 @@
 """KV-cache row stores (``cuda/kv.cu``): SET_ROWS with f32 -> f16 / bf16 / f32 conversion, or
 quantization into q8_0 / q4_0 / q4_1 / q5_0 / q5_1 blocks (one warp per block, gguf.quants
 rounding), K and V in one launch.
+
+The family's decisions: SET_ROWS runs `set_rows`; two SET_ROWS of a few rows with the same row
+indices into caches of one storage type (K and V of a layer) run as one launch
+(`FusionKind.SET_ROWS_PAIR`). No scratch.
 """
 
 from __future__ import annotations
 
-from metatp.backends.cuda.launch import (BLOCK_1D, CACHE_TYPES, KV_QUANT_TYPES, launch, i32, grid1d, cache_type_of,
-                                         rows2d, check_f32, check_i32)
+from typing import TYPE_CHECKING
 
-__all__ = ['ENTRY_POINTS', 'set_rows']
+from metatp.backends.cuda.kernels.handler import FusionRow, array_of, no_workspace, record, unfused_in_order
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, BLOCK_1D, CACHE_TYPES, KV_QUANT_TYPES, launch, i32, grid1d,
+                                         cache_type_of, rows2d, check_f32, check_i32)
+from metatp.backends.cuda.storage import quant_cache_type
+from metatp.backends.fusion import Fusion, FusionKind, later_partners
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import Op
+from metatp.ir.tensor import Tensor
+
+if TYPE_CHECKING:
+    from metatp.backends.cuda.executable import CupyExecutable
+
+__all__ = ['ENTRY_POINTS', 'set_rows', 'HANDLERS', 'FUSIONS', 'workspace']
 
 ENTRY_POINTS = [f"set_rows_f32_{t}" for t in CACHE_TYPES]
 
@@ -69,3 +84,43 @@ def set_rows(src, dst, idx, *, ne0: int | None = None, n_rows: int | None = None
     launch("kv", f"set_rows_f32_{out}", grid, (BLOCK_1D,),
            (src, dst, idx, i32(ne0), i32(n_rows), i32(src_row_stride),
             i32(dst_row_stride), src2, dst2, i32(ne0_2), i32(s2), i32(d2)))
+
+
+# ---------------------------------------------------------------- handlers
+def _run_set_rows(ex: CupyExecutable, d: int, node: Tensor, second=None) -> list:
+    rows, ids, _ = node.src
+    if rows.ne[2] != 1 or rows.ne[3] != 1 or ids.ne[1] != 1 or ids.ne[2] != 1:
+        raise UnsupportedOpError(f"cupy backend: SET_ROWS {node.name!r} with batch dims is not supported")
+    return record(set_rows, array_of(ex, d, rows)[0, 0], array_of(ex, d, node)[0, 0],
+                  array_of(ex, d, ids)[0, 0, 0], second=second, cache_type=quant_cache_type(node.type))
+
+
+def _fused_set_rows_pair(ex: CupyExecutable, d: int, f: Fusion) -> list:
+    first, second = f.parts["first"], f.at
+    return _run_set_rows(ex, d, first, second=(array_of(ex, d, second.src[0])[0, 0], array_of(ex, d, second)[0, 0]))
+
+
+# ---------------------------------------------------------------- fusion
+def _find_set_rows_pair(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """Two SET_ROWS with the same row indices into caches of one storage type (K and V of a
+    layer) -> one launch at the later one."""
+    if node.op is not Op.SET_ROWS or node in taken:
+        return []
+    facts = ex.facts
+    for other in later_partners(facts, node, taken):
+        if node.src[0].ne[1] > MATVEC_MAX_TOKENS or node.type != other.type:
+            continue
+        if list(ex.plan.of(node).compute) != list(ex.plan.of(other).compute):
+            continue
+        if facts.sub_of.get(node) != facts.sub_of.get(other) or not facts.uses_after(node, ex.plan.graph.index[other]):
+            continue
+        if any(node.view_src is r or other.view_src is r for r in (node.src[0], other.src[0])):
+            continue
+        return [Fusion(FusionKind.SET_ROWS_PAIR, other, (node,), keep=(node.src[0],), parts={"first": node})]
+    return []
+
+
+workspace = no_workspace
+
+HANDLERS = {Op.SET_ROWS: _run_set_rows}
+FUSIONS = (FusionRow(FusionKind.SET_ROWS_PAIR, _find_set_rows_pair, _fused_set_rows_pair, unfused_in_order),)

@@ -1,16 +1,41 @@
 """Weight x activation for a few tokens (``cuda/matvec.cu``): plain, with an add epilogue, q/k/v in one
 launch, gate/up + GLU, and MUL_MAT_ID (experts); an RMS norm of x can be folded into the prologue.
+
+The family's decisions: a MUL_MAT runs the matvec kernel, the prefill GEMM path (dequantize +
+cuBLAS, with scratch for the f16/f32 operands) or a cupy matmul, as `matmul_path` says (the
+handler and `workspace` both ask it); MUL_MAT_ID runs `matvec_id`; three fusions of one-token
+matvecs (`FUSIONS`: gate/up + GLU, the add epilogue, q/k/v in one launch) with x's RMS norm
+folded in where only they read it.
 """
 
 from __future__ import annotations
 
-from metatp.backends.cuda.launch import (WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv, estrides,
-                                         check_f32, check_i32, tail, check_block_type)
+from typing import TYPE_CHECKING, Sequence
 
-__all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'matvec', 'matvec_multi', 'matvec_glu', 'matvec_id']
+import numpy as np
 
-#: matvec handles up to this many tokens per launch (llama.cpp's MMVQ_MAX_BATCH_SIZE).
-MATVEC_MAX_TOKENS = 8
+from metatp.backends.cuda.device_ops import HostStep
+from metatp.backends.cuda.kernels.dequant import dequantize
+from metatp.backends.cuda.kernels.elementwise import copy
+from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, record, rows_view, unfused_in_order,
+                                                  weight_operand)
+from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv, estrides,
+                                         check_f32, check_i32, tail, check_block_type, device_ptr)
+from metatp.backends.cuda.storage import RawWeight, matmul_tokens
+from metatp.backends.fusion import Fusion, FusionKind, matmuls_of_x
+from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.ops import GluOp, Op
+from metatp.ir.tensor import Flag, GGMLType, Tensor
+from metatp.passes.plan import Plan
+
+if TYPE_CHECKING:
+    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.backends.cuda.executable import CupyExecutable
+
+__all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'NORM_FOLD_MAX_ROWS', 'matvec', 'matvec_multi', 'matvec_glu',
+           'matvec_id', 'matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
+
 _MATVEC_NT = (1, 2, 4, 8)
 _GLU_ACTS = ("swiglu", "geglu")
 ENTRY_POINTS = ([f"matvec_{t}_t{n}" for t in WEIGHT_TYPES for n in _MATVEC_NT]
@@ -166,3 +191,253 @@ def matvec_id(w, qtype, x, y, ids, *, ne0: int, n_rows: int, expert_bytes: int,
            (w, x, y, ids, i32(ne0), i32(n_rows), i32(w_row_bytes), i32(expert_bytes),
             i32(n_b), i32(xs[1]), i32(xs[0]), i32(ys[1]), i32(ys[0]), i32(is_[1]),
             i32(is_[0])))
+
+
+# ---------------------------------------------------------------- the decision
+# Folding an RMS norm into a matvec makes every block recompute the norm of x: worth one
+# launch for q/k/v or gate/up, not for a 49k-row lm head (thousands of blocks).
+NORM_FOLD_MAX_ROWS = 8192
+
+
+def _plain_weight(w: Tensor) -> bool:
+    """A 2-D weight of its own (not a view, not batched): what the matvec and GEMM paths take."""
+    return bool(w.flags & Flag.WEIGHT) and w.view_src is None and w.ne[2] == 1 and w.ne[3] == 1
+
+
+def matmul_path(node: Tensor, gemm_available: bool) -> str:
+    """How a MUL_MAT runs: "matvec" (a plain weight, up to MATVEC_MAX_TOKENS tokens, or no
+    cuBLAS), "gemm" (dequantize + cuBLAS above that) or "general" (two activations or a
+    batched weight: a cupy matmul)."""
+    if not _plain_weight(node.src[0]):
+        return "general"
+    if matmul_tokens(node) <= MATVEC_MAX_TOKENS or not gemm_available:
+        return "matvec"
+    return "gemm"
+
+
+def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
+    """The GEMM path's operand copies: the weight dequantized, x converted (f16 or f32)."""
+    dt = np.float16 if matmul_dtype == "f16" else np.float32
+    return {f"gemm_w_{dt.__name__}": (m * k, dt), f"gemm_x_{dt.__name__}": (n_tok * k, dt)}
+
+
+def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
+    """A MUL_MAT on the GEMM path needs its operand copies on device d."""
+    if node.op is not Op.MUL_MAT or matmul_path(node, backend.rt.gemm_available()) != "gemm":
+        return {}
+    lw = plan.of(node.src[0]).local[d]
+    return _gemm_scratch(lw.ne[0], lw.ne[1], matmul_tokens(node), backend.matmul_dtype)
+
+
+# ---------------------------------------------------------------- handlers
+def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    path = matmul_path(node, ex.rt.gemm_available())
+    if path == "general":
+        return _matmul_general(ex, d, node)
+    w, x = node.src
+    data, wtype, row_bytes, _ = weight_operand(ex, d, w)
+    loc_w = ex.plan.of(w).local[d]
+    k, m = loc_w.ne[0], loc_w.ne[1]
+    xr, yr = rows_view(ex, array_of(ex, d, x)), rows_view(ex, array_of(ex, d, node))
+    if path == "matvec":
+        return record(matvec, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
+    return _gemm_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
+
+
+def _gemm_steps(ex: CupyExecutable, d: int, data, wtype: str, row_bytes: int, k: int, m: int, xr, yr) -> list:
+    """Prefill: dequantize the weight to f16 (or f32), convert x, one cuBLAS GEMM into y."""
+    n_tok = xr.shape[0]
+    wbuf, xbuf = (ex.scratch_buffer(d, key, n, dtype)
+                  for key, (n, dtype) in _gemm_scratch(k, m, n_tok, ex.backend.matmul_dtype).items())
+    w2 = wbuf[: m * k].reshape(m, k)
+    x2 = xbuf[: n_tok * k].reshape(n_tok, k)
+    steps = record(dequantize, data, wtype, w2, ne0=k, n_rows=m, src_row_bytes=row_bytes)
+    steps += record(copy, xr, x2)
+    ldy = yr.strides[0] // 4 if yr.shape[0] > 1 else m
+    args = (m, n_tok, k, device_ptr(w2), device_ptr(x2), device_ptr(yr), ldy,
+            ex.backend.matmul_dtype, ex.devs[d].stream, ex.devs[d].gpu)
+    keep = (wbuf, xbuf, yr)
+    steps.append(HostStep(lambda keep=keep: ex.rt.gemm(*args), "cuBLAS GEMM"))
+    return steps
+
+
+def _matmul_general(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    """MUL_MAT of two activations (or a batched weight): a cupy matmul, eager only."""
+    a, b, out = array_of(ex, d, node.src[0]), array_of(ex, d, node.src[1]), array_of(ex, d, node)
+    if isinstance(a, RawWeight) or a.dtype != np.float32 or b.dtype != np.float32:
+        raise UnsupportedOpError(f"cupy backend: MUL_MAT {node.name!r} of these operand types")
+    r3, r2 = b.shape[0] // a.shape[0], b.shape[1] // a.shape[1]
+    rt = ex.rt
+
+    def run() -> None:
+        bb = b.reshape(a.shape[0], r3, a.shape[1], r2, b.shape[2], b.shape[3])
+        aa = a[:, None, :, None].swapaxes(-1, -2)
+        out[...] = rt.matmul(bb, aa).reshape(out.shape)
+    return [HostStep(run, "batched matmul")]
+
+
+def _run_mul_mat_id(ex: CupyExecutable, d: int, node: Tensor) -> list:
+    w, x, ids = node.src
+    data, wtype, row_bytes, expert_bytes = weight_operand(ex, d, w)
+    loc_w = ex.plan.of(w).local[d]
+    return record(matvec_id, data, wtype, array_of(ex, d, x)[0], array_of(ex, d, node)[0],
+                  array_of(ex, d, ids)[0, 0], ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
+                  expert_bytes=expert_bytes, w_row_bytes=row_bytes)
+
+
+# ---------------------------------------------------------------- fused handlers
+def _folded_norm_args(ex: CupyExecutable, d: int, norm) -> dict:
+    """matvec keyword arguments folding MUL(RMS_NORM(x0), w) into the prologue."""
+    if norm is None:
+        return {}
+    mul, rms = norm
+    return {"norm_weight": array_of(ex, d, mul.src[1]).reshape(-1), "eps": rms.params["eps"]}
+
+
+def _folded_norm_input(ex: CupyExecutable, d: int, x: Tensor, norm):
+    return rows_view(ex, array_of(ex, d, norm[1].src[0] if norm is not None else x)).reshape(-1)
+
+
+def _fused_matvec_add(ex: CupyExecutable, d: int, f: Fusion) -> list:
+    node, mm, other = f.at, f.parts["mm"], f.parts["other"]
+    data, wtype, row_bytes, _ = weight_operand(ex, d, mm.src[0])
+    loc_w = ex.plan.of(mm.src[0]).local[d]
+    xr, yr = rows_view(ex, array_of(ex, d, mm.src[1])), rows_view(ex, array_of(ex, d, node))
+    oa = rows_view(ex, array_of(ex, d, other))
+    broadcast = other.ne != mm.ne
+    add_stride = 0 if broadcast else (oa.strides[0] // 4 if oa.shape[0] > 1 else loc_w.ne[1])
+    return record(matvec, data, wtype, xr, yr, ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
+                  w_row_bytes=row_bytes, add=oa, add_stride=add_stride)
+
+
+def _fused_matvec_glu(ex: CupyExecutable, d: int, f: Fusion) -> list:
+    node, gate, up, norm = f.at, f.parts["gate"], f.parts["up"], f.parts.get("norm")
+    dg, wtype, row_bytes, _ = weight_operand(ex, d, gate.src[0])
+    du, _, _, _ = weight_operand(ex, d, up.src[0])
+    loc_w = ex.plan.of(gate.src[0]).local[d]
+    act = "swiglu" if node.params["glu"] == GluOp.SWIGLU.value else "geglu"
+    return record(matvec_glu, dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
+                  array_of(ex, d, node).reshape(-1), ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
+                  w_row_bytes=row_bytes, act=act, **_folded_norm_args(ex, d, norm))
+
+
+def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
+    members, norm = f.parts["members"], f.parts["norm"]
+    jobs, wtype, ne0 = [], None, None
+    for mm in members:
+        data, wtype, row_bytes, _ = weight_operand(ex, d, mm.src[0])
+        loc_w = ex.plan.of(mm.src[0]).local[d]
+        ne0 = loc_w.ne[0]
+        jobs.append((data, array_of(ex, d, mm).reshape(-1), loc_w.ne[1], row_bytes))
+    return record(matvec_multi, jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
+                  ne0=ne0, **_folded_norm_args(ex, d, norm))
+
+
+# ---------------------------------------------------------------- fusion finders
+def _is_matvec(mm: Tensor) -> bool:
+    """A MUL_MAT the matvec kernels take (a plain weight, a few tokens)."""
+    return mm.op is Op.MUL_MAT and _plain_weight(mm.src[0]) and matmul_tokens(mm) <= MATVEC_MAX_TOKENS
+
+
+def _norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tensor, Tensor] | None:
+    """(MUL node, RMS_NORM node) when x = RMS_NORM(x0) * w (w a weight row) and exactly
+    `readers` read x: the norm can be folded into their matvec prologue."""
+    if x.op is not Op.MUL or set(ex.facts.readers.get(x, [])) != readers:
+        return None
+    rms, w = x.src[0], x.src[1]
+    if rms.op is not Op.RMS_NORM or not (w.flags & Flag.WEIGHT) or w.ne != (rms.ne[0], 1, 1, 1):
+        return None
+    if rms.ne[1] * rms.ne[2] * rms.ne[3] != 1 or not ex.facts.sole_reader(rms, x):
+        return None
+    if any(isinstance(ex.arrays[d][w], RawWeight) for d in ex.devices):
+        return None
+    if not all(ex.facts.fusable(x, r) for r in readers):
+        return None
+    return x, rms
+
+
+def _same_weight_layout(ex: CupyExecutable, weights: Sequence[Tensor]) -> bool:
+    for d in ex.devices:
+        ops_ = [weight_operand(ex, d, w) for w in weights]
+        ne0 = {ex.plan.of(w).local[d].ne[0] for w in weights}
+        if len({o[1] for o in ops_}) != 1 or len(ne0) != 1:
+            return False
+    return True
+
+
+def _group_rows(ex: CupyExecutable, mms: Sequence[Tensor]) -> int:
+    """Output rows of a group of matvecs on the busiest device."""
+    return max(sum(ex.plan.of(mm.src[0]).local[d].ne[1] for mm in mms) for d in ex.devices)
+
+
+def _find_glu(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """GLU(MUL_MAT(Wg, x), MUL_MAT(Wu, x)) for one token -> one matvec_glu launch at the
+    GLU (with x's RMS norm folded in when only gate and up read it)."""
+    if node.op is not Op.GLU or len(node.src) != 2 or node.src[1] is None:
+        return []
+    gate, up = node.src
+    if not (_is_matvec(gate) and _is_matvec(up)) or matmul_tokens(gate) != 1:
+        return []
+    if gate.src[1] is not up.src[1] or gate is up or gate.src[0].ne != up.src[0].ne:
+        return []
+    if not (ex.facts.sole_reader(gate, node) and ex.facts.sole_reader(up, node)):
+        return []
+    if not _same_weight_layout(ex, [gate.src[0], up.src[0]]):
+        return []
+    x = gate.src[1]
+    norm = _norm_of(ex, x, {gate, up}) if _group_rows(ex, [gate]) <= NORM_FOLD_MAX_ROWS else None
+    if norm is not None:
+        return [Fusion(FusionKind.MATVEC_GLU, node, (gate, up, *norm), keep=(norm[1].src[0],),
+                       parts={"gate": gate, "up": up, "norm": norm})]
+    return [Fusion(FusionKind.MATVEC_GLU, node, (gate, up), keep=(x,), parts={"gate": gate, "up": up})]
+
+
+def _find_add(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """ADD(mm, other) / ADD(other, mm) with other a residual of mm's shape or a bias row:
+    the add rides in the matvec epilogue."""
+    if node.op is not Op.ADD:
+        return []
+    for i in (0, 1):
+        mm, other = node.src[i], node.src[1 - i]
+        if mm is other or mm in taken or not _is_matvec(mm) or not ex.facts.sole_reader(mm, node):
+            continue
+        if other.type == GGMLType.F32 and (other.ne == mm.ne or other.ne == (mm.ne[0], 1, 1, 1)):
+            if not any(isinstance(ex.arrays[d].get(other), RawWeight) for d in ex.devices):
+                return [Fusion(FusionKind.MATVEC_ADD, node, (mm,), keep=(mm.src[1],),
+                               parts={"mm": mm, "other": other})]
+    return []
+
+
+def _find_multi(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
+    """The one-token MUL_MATs reading the same x (q, k, v) in groups of up to three, run at
+    the first one's position (later ones' outputs detached); x's RMS norm folded in when
+    only they read it. A lone matvec is fused only to fold a norm in (the lm head)."""
+    idx = ex.plan.graph.index
+    readers = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(r) and matmul_tokens(r) == 1)
+    if not readers:
+        return []
+    if not _same_weight_layout(ex, [r.src[0] for r in readers]):
+        return []
+    norm = _norm_of(ex, node, set(readers)) if len(readers) <= 3 else None
+    if norm is not None and _group_rows(ex, readers) > NORM_FOLD_MAX_ROWS:
+        norm = None
+    groups = [readers[i:i + 3] for i in range(0, len(readers), 3)]
+    out = []
+    for g in groups:
+        if len(g) == 1 and norm is None:
+            continue
+        if any(not ex.facts.uses_after(m, idx[g[0]]) for m in g[1:]):
+            continue
+        absorbed = tuple(g[1:]) + (tuple(norm) if norm is not None else ())
+        keep = (norm[1].src[0],) if norm is not None else ()
+        out.append(Fusion(FusionKind.MATVEC_MULTI, g[0], absorbed, keep=keep, detach=tuple(g[1:]),
+                          parts={"members": tuple(g), "norm": norm}))
+    return out
+
+
+HANDLERS = {Op.MUL_MAT: _run_mul_mat, Op.MUL_MAT_ID: _run_mul_mat_id}
+FUSIONS = (
+    FusionRow(FusionKind.MATVEC_GLU, _find_glu, _fused_matvec_glu, unfused_with_folded_norm),
+    FusionRow(FusionKind.MATVEC_ADD, _find_add, _fused_matvec_add, unfused_in_order),
+    FusionRow(FusionKind.MATVEC_MULTI, _find_multi, _fused_matvec_multi, unfused_with_folded_norm),
+)

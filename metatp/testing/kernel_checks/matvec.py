@@ -25,7 +25,7 @@ def check_matvec(c: Checker) -> None:
             dx = c.dev(x)
             y = c.nan((nt, n_rows))
             c.case("matvec", wt, (n_rows, ne0, nt),
-                      lambda d_raw=d_raw, dx=dx, y=y, wt=wt: ck.matvec(
+                      lambda d_raw=d_raw, dx=dx, y=y, wt=wt: ck.matvec.matvec(
                           d_raw, wt, dx, y, ne0=ne0, n_rows=n_rows),
                       lambda y=y: c.host(y), ref, 1e-5 * math.sqrt(ne0))
     # other block shapes: tiny rows (one warp per row), long rows (8 warps per row),
@@ -37,7 +37,7 @@ def check_matvec(c: Checker) -> None:
         ref = x.astype(np.float64) @ deq.astype(np.float64).T
         d_raw, dx, y = c.dev(raw), c.dev(x), c.nan((nt, rows))
         c.case("matvec", wt, (rows, ne0, nt),
-                  lambda d_raw=d_raw, dx=dx, y=y, wt=wt, ne0=ne0, rows=rows: ck.matvec(
+                  lambda d_raw=d_raw, dx=dx, y=y, wt=wt, ne0=ne0, rows=rows: ck.matvec.matvec(
                       d_raw, wt, dx, y, ne0=ne0, n_rows=rows),
                   lambda y=y: c.host(y), ref, 1e-5 * math.sqrt(ne0))
     # per-device slice of a weight split along ne0 (row parallel): rows keep their
@@ -53,7 +53,7 @@ def check_matvec(c: Checker) -> None:
         dx = c.dev(x)
         y = c.nan((2, n_rows))
         c.case("matvec", f"{wt} ne0-slice", (n_rows, sl1 - sl0, 2),
-                  lambda d_raw=d_raw, dx=dx, y=y, wt=wt, b0=b0: ck.matvec(
+                  lambda d_raw=d_raw, dx=dx, y=y, wt=wt, b0=b0: ck.matvec.matvec(
                       d_raw.reshape(-1)[b0:], wt, dx, y, ne0=sl1 - sl0, n_rows=n_rows,
                       w_row_bytes=raw.shape[1]),
                   lambda y=y: c.host(y), ref, 1e-5 * math.sqrt(full))
@@ -62,7 +62,7 @@ def check_matvec(c: Checker) -> None:
     x = c.rng.standard_normal((1, 576)).astype(np.float32)
     d_raw, dx, y = c.dev(raw), c.dev(x), c.nan((1, 1536))
     c.case("matvec", "q4_1", (1536, 576, 1),
-              lambda: ck.matvec(d_raw, "q4_1", dx, y, ne0=576, n_rows=1536),
+              lambda: ck.matvec.matvec(d_raw, "q4_1", dx, y, ne0=576, n_rows=1536),
               lambda: c.host(y), x.astype(np.float64) @ deq.astype(np.float64).T, 1e-4)
 
 
@@ -80,7 +80,7 @@ def check_matvec_fused(c: Checker) -> None:
             dx, dres = c.dev(x), c.dev(res)
             y = c.nan((nt, n_rows))
             c.case("matvec+add", wt, (n_rows, ne0, nt),
-                      lambda d_raw=d_raw, dx=dx, y=y, dres=dres, wt=wt: ck.matvec(
+                      lambda d_raw=d_raw, dx=dx, y=y, dres=dres, wt=wt: ck.matvec.matvec(
                           d_raw, wt, dx, y, ne0=ne0, n_rows=n_rows, add=dres),
                       lambda y=y: c.host(y), ref, 1e-5 * math.sqrt(ne0))
         bias = c.rng.standard_normal(n_rows).astype(np.float32)
@@ -89,7 +89,7 @@ def check_matvec_fused(c: Checker) -> None:
         dx, db = c.dev(x), c.dev(bias)
         y = c.nan((2, n_rows))
         c.case("matvec+bias", wt, (n_rows, ne0, 2),
-                  lambda d_raw=d_raw, dx=dx, y=y, db=db, wt=wt: ck.matvec(
+                  lambda d_raw=d_raw, dx=dx, y=y, db=db, wt=wt: ck.matvec.matvec(
                       d_raw, wt, dx, y, ne0=ne0, n_rows=n_rows, add=db, add_stride=0),
                   lambda y=y: c.host(y), ref, 1e-5 * math.sqrt(ne0))
     for wt, act, fn in (("q4_1", "swiglu", silu), ("q4_k", "geglu", gelu),

@@ -23,7 +23,7 @@ def check_rope(c: Checker) -> None:
             y = c.nan((T, H, D))
             c.case("rope", f"{'neox' if neox else 'norm'} n_dims={n_dims} fs={fs}",
                       (D, H, T),
-                      lambda dx=dx, y=y, neox=neox, n_dims=n_dims, fs=fs: ck.rope(
+                      lambda dx=dx, y=y, neox=neox, n_dims=n_dims, fs=fs: ck.rope.rope(
                           dx, y, dpos, head_dim=D, n_head=H, n_tokens=T, n_dims=n_dims,
                           freq_base=10000.0, freq_scale=fs, neox=neox),
                       lambda y=y: c.host(y), ref, 1e-4)
@@ -35,7 +35,7 @@ def check_rope(c: Checker) -> None:
     ref_full[:, : H * D] = ref_rope(xq, pos, D, 500000.0, 1.0, True, ff, 1.0).reshape(T, -1)
     dfused, dff = c.dev(fused), c.dev(ff)
     c.case("rope", "neox strided in-place freq_factors", (D, H, T),
-              lambda: ck.rope(dfused, dfused, dpos, head_dim=D, n_head=H, n_tokens=T,
+              lambda: ck.rope.rope(dfused, dfused, dpos, head_dim=D, n_head=H, n_tokens=T,
                               n_dims=D, freq_base=500000.0, neox=True, freq_factors=dff,
                               x_strides=(D, 5 * H * D), y_strides=(D, 5 * H * D)),
               lambda: c.host(dfused), ref_full, 1e-4)
@@ -56,7 +56,7 @@ def check_rope_pair(c: Checker) -> None:
         dq, dk = c.dev(q), c.dev(k)
         yq, yk = c.nan((T, 9, D)), c.nan((T, 3, D))
         c.case("rope", f"{'neox' if neox else 'norm'} pair q+k", (D, 9 + 3, T),
-                  lambda dq=dq, dk=dk, yq=yq, yk=yk, neox=neox: ck.rope(
+                  lambda dq=dq, dk=dk, yq=yq, yk=yk, neox=neox: ck.rope.rope(
                       dq, yq, dpos, head_dim=D, n_head=9, n_tokens=T, n_dims=D, freq_base=10000.0,
                       neox=neox, second=(dk, yk, 3, (D, 5 * D), None)),
                   lambda yq=yq, yk=yk: np.concatenate([c.host(yq).reshape(-1),
