@@ -88,9 +88,11 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ts", "--tensor-split", default=None,
                    help="share per device, e.g. 3,1 (-sm layer,tensor: per device of a tensor group)")
     p.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=None,
-                   help="-sm layer,tensor: pipeline stages (layers split between them as -sm layer does)")
+                   help="pipeline stages, layers split between them as -sm layer does (vLLM's -pp; alone: -sm "
+                        "layer over P devices; with --tp: -sm layer,tensor)")
     p.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
-                   help="-sm layer,tensor: devices per stage, splitting its layers as -sm tensor does")
+                   help="devices per stage, splitting its layers as -sm tensor does (vLLM's -tp; alone: -sm "
+                        "tensor over T devices; with --pp: -sm layer,tensor)")
 
 
 def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, pp: int | None,
@@ -98,15 +100,13 @@ def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, 
     """(n_devices, split_mode, tensor_split) with -sm layer,tensor's --pp / --tp applied: P x T
     devices, -ts one share per device of a tensor group (equal shares by default: its length is
     how `DeviceLayout` knows T). `n`: --devices or the world size, if given. Errors name the flag.
-    On the command line --pp / --tp need -sm layer,tensor spelt out (the Python API's keywords
-    choose the mode themselves); the mapping is `metatp.parallel`'s, shared with `LLM`."""
+    Without -sm the sizes choose the mode as vLLM's -tp / -pp do (T alone: tensor; P alone: layer;
+    both: layer,tensor); the mapping is `metatp.parallel`'s, shared with `LLM`."""
     if pp is None and tp is None:
         if mode == "layer,tensor" and ts is None:
             raise ConfigError("-sm layer,tensor needs --tp T (devices per stage) and --pp P (stages), or "
                               "--tp with --devices / mpiexec -n P*T")
         return n, mode, ts
-    if mode != "layer,tensor":
-        raise ConfigError(f"--pp / --tp need -sm layer,tensor (got -sm {mode or 'none'})")
     return parallel_layout(n, mode, ts, pp, tp, FLAGS)
 
 

@@ -125,6 +125,11 @@ def test_layout_errors():
     (["-sm", "layer,tensor", "--tp", "2", "--devices", "6"], (6, "layer,tensor", (1.0, 1.0))),
     (["-sm", "layer,tensor", "--pp", "2", "--devices", "6"], (6, "layer,tensor", (1.0, 1.0, 1.0))),
     (["-sm", "tensor", "--devices", "2"], (2, "tensor", None)),
+    # vLLM's spellings choose the mode when -sm is not given (and agree with it when it is)
+    (["--pp", "2"], (2, "layer", None)),
+    (["-tp", "2"], (2, "tensor", None)),
+    (["-sm", "tensor", "--tp", "2"], (2, "tensor", None)),
+    (["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"], (4, "layer,tensor", (1.0, 1.0))),
 ])
 def test_flags_give_the_layout(flags, want):
     assert _flags(flags) == want
@@ -133,8 +138,9 @@ def test_flags_give_the_layout(flags, want):
 
 
 @pytest.mark.parametrize("flags, want", [
-    (["--pp", "2"], "--pp / --tp need -sm layer,tensor"),
-    (["-sm", "tensor", "--tp", "2"], "--pp / --tp need -sm layer,tensor"),
+    (["-sm", "tensor", "--pp", "2"], "--pp 2 contradicts -sm tensor"),
+    (["-sm", "layer", "--tp", "2"], "--tp 2 contradicts -sm layer"),
+    (["--tp", "2", "--devices", "3"], "--tp is 2 but --devices / mpiexec -n gives 3 devices"),
     (["-sm", "layer,tensor"], "-sm layer,tensor needs --tp T"),
     (["-sm", "layer,tensor", "--pp", "0", "--tp", "2"], "--pp must be >= 1"),
     (["-sm", "layer,tensor", "--pp", "2", "--tp", "-1"], "--tp must be >= 1"),
