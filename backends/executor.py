@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.analysis import is_pure_view
+from metatp.passes.facts import is_pure_view
 from metatp.backends.base import Backend, Executable
 from metatp.backends.collectives.base import Step
 from metatp.backends.fusion import Fusion
