@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from metatp.ir.tensor import Tensor
-from metatp.penalties import Adjustment, adjust
+from metatp.backends.logit_adjustment import Adjustment, adjust
 
 __all__ = ["RowCandidates", "read_candidates", "candidates_pay", "device_candidates", "merge_rows"]
 
