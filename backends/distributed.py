@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from metatp.backends.rank_errors import every_rank, first_disagreeing
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["DISTRIBUTED_MODES", "World", "launched_world_size", "launched_rank", "init_world", "model_digest", "every_rank",
@@ -73,18 +74,6 @@ def launched_rank() -> int | None:
         if value and value.strip().isdigit():
             return int(value)
     return None
-
-
-def first_disagreeing(seen: list[tuple]) -> int | None:
-    """The first rank whose entry (its first field) differs from rank 0's in an allgather of
-    per-rank facts; None when every rank agrees."""
-    return next((r for r, entry in enumerate(seen) if entry[0] != seen[0][0]), None)
-
-
-def every_rank(err: MetatpError) -> MetatpError:
-    """Mark an error that every rank raises identically (rank 0 alone reports it)."""
-    err.every_rank = True        # type: ignore[attr-defined]
-    return err
 
 
 def should_report(err: BaseException, world: World | None) -> bool:
