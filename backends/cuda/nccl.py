@@ -12,7 +12,7 @@
   stream, so they sit inside its captured CUDA graph: ncclAllReduce is capturable since NCCL
   2.9; where capture fails the backend runs the step eagerly). The wire is FP32, or BF16 above
   llama.cpp's element thresholds (`wire.wire_dtype`), converted with the backend's own kernels
-  (`collective.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
+  (`wire_cast.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
   at a cost in exactness; decode vectors stay FP32. Split values (the vocabulary-split logits)
   are read on the host, so `allgather` goes over MPI (`MpiCollective`) rather than NCCL.
   Under -sm layer the hidden state goes from rank to rank by ncclSend / ncclRecv on the device
@@ -34,7 +34,7 @@ import numpy as np
 
 from metatp.backends.collectives.base import Group, Step
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
-from metatp.backends.cuda.collective import wire_steps
+from metatp.backends.cuda.wire_cast import wire_steps
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.p2p import NcclSendRecv
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
