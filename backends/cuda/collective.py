@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from metatp.backends.collectives.base import Collective
 from metatp.backends.collectives.device import lower_schedule
 from metatp.backends.collectives.schedule import Mode, butterfly_schedule
 from metatp.backends.collectives.wire import wire_dtype
@@ -83,7 +84,7 @@ class _Steps:
         return Wait(self.rt, self.devs[d].stream, event)
 
 
-class DeviceCollective:
+class DeviceCollective(Collective):
     """The executable's all-reduces with the backend's mode, on every device's own stream.
 
     `devices`: the devices summed over (default: all of the executable's); a subset is one

@@ -32,7 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.collectives.base import Group, Step
+from metatp.backends.collectives.base import Collective, Group, Step
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda.wire_cast import wire_steps
 from metatp.backends.cuda.launch import device_ptr
@@ -161,7 +161,7 @@ def local_gpu(comm: Any, runtime: Any = None) -> int:
     return local
 
 
-class NcclCollective:
+class NcclCollective(Collective):
     """ncclAllReduce between GPU ranks; this rank owns device `comm.rank` of the group.
 
     `wire`: "f32", "bf16" or "auto" (BF16 above the thresholds). `gpu`: the GPU this rank drives
@@ -290,7 +290,7 @@ class NcclCollective:
             self.nccl = None
 
 
-class _Elsewhere:
+class _Elsewhere(Collective):
     """A group this rank is not in: it never prepares that group's all-reduce."""
 
     name = "nccl"
