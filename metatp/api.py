@@ -309,14 +309,11 @@ class LLM:
         if fits(mem):
             return mem
 
-        def engine_for(n_ctx: int) -> Engine:
-            return Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
-                          **self._cache_types)
-
-        fitted = fit_context(lambda n: engine_for(n).memory_plan(), fits, self.n_ctx)
+        fitted = fit_context(self.engine.memory_plan, fits, self.n_ctx)
         if fit and fitted > 0:
             self.n_ctx = fitted
-            self.engine = engine_for(fitted)
+            self.engine = Engine(self.model, fitted, self.layout, self.backend, n_batch=n_batch, world=self.world,
+                                 **self._cache_types)
             return self.engine.memory_plan()
         totals = need(mem)
         d = max(range(len(totals)), key=lambda j: totals[j])
