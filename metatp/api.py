@@ -229,8 +229,7 @@ class LLM:
         if cpu_kernels is None:
             options.pop("cpu_kernels")          # the numpy default; not an option of other backends
         # options are checked (and the backend set up) before the model file is read
-        self.backend = (self.world.create_backend(backend, self.layout, **options) if self.world is not None
-                        else create_backend(backend, self.layout, **options))
+        self.backend = create_backend(backend, self.layout, world=self.world, **options)
         self.model_path = resolve_model(model, quiet=not verbose)
         if self.world is not None:
             self.world.check_model(self.model_path)
