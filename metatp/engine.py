@@ -6,8 +6,9 @@ so decoding a token costs one pass over prepared closures, not a rebuild.
 The KV cache is one block of `n_ctx` cells shared by every sequence (llama.cpp's unified
 cache): `metatp.kv_cells` says which sequence owns each cell. One engine step (`run`) takes
 rows of many sequences -- the decode token of each running one, chunks of new prompts --
-and computes them in one or a few forward passes; the attention mask keeps every row inside
-its own sequence, and logits are read only at the rows that are sampled.
+and computes them in one or a few forward passes (`metatp.step.Pass`, which `metatp.pipeline`
+drives); the attention mask keeps every row inside its own sequence, and logits are read only
+at the rows that are sampled.
 
 Batch invariance (a sequence's logits do not depend on what shares its step): rows are
 grouped into passes the same way whatever their neighbours are. A pass of at most
