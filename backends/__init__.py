@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from metatp.backends.cuda.runtime import gpu_available, gpu_probe
-from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry
+from metatp.backends.registry import BACKENDS as _REGISTERED, backend_entry, rank_backend_entry
 from metatp.ir.errors import BackendUnavailableError, ConfigError
 
 __all__ = ["BACKENDS", "gpu_available", "gpu_probe", "resolve_backend_name", "create_backend"]
@@ -25,7 +25,11 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
-def create_backend(name: str, layout, **options):
+def create_backend(name: str, layout, world=None, **options):
     """A backend instance for `layout` (a passes.plan.DeviceLayout) with `options` checked
-    against the backend's table in `backends.registry` (None: the backend's default)."""
+    against the backend's table in `backends.registry` (None: the backend's default). `world`
+    (`distributed.World`, one process per device): this rank's backend, owning device `rank`
+    ("auto" is numpy there), wired by its registry entry (`BackendEntry.create`)."""
+    if world is not None:
+        return rank_backend_entry(name, layout, world).create(layout, options, world)
     return backend_entry(resolve_backend_name(name)).create(layout, options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -18,6 +18,11 @@ from metatp.backends.collectives.wire import WireThresholds
 from metatp.backends.store import LeafStore, owned_devices
 from metatp.ir.tensor import GGMLType, Tensor
 from metatp.passes.plan import DeviceLayout, Plan
+
+if TYPE_CHECKING:
+    from metatp.backends.candidates import RowCandidates
+    from metatp.backends.collectives.base import Collective
+    from metatp.backends.logit_adjustment import Adjustment
 
 __all__ = ["WeightSource", "BackendInfo", "Executable", "Backend"]
 
@@ -53,10 +58,15 @@ class BackendInfo:
 
 
 class Executable(ABC):
-    """A Plan bound to buffers on the devices this process owns."""
+    """A Plan bound to buffers on the devices this process owns.
+
+    Everything the engine calls on one is declared here: `run` (with `set_input`), and the
+    three ways to read a result: `read` (the whole value), `read_argmax` (greedy tokens) and
+    `read_candidates` (sampling candidates; `candidates_pay` says where they are worth it)."""
 
     plan: Plan
     buffer_bytes: list[int]          # per device: bytes of this plan's own buffers
+    devices: list[int]               # the devices this process drives (all of the plan's in one process)
 
     @abstractmethod
     def set_input(self, t: Tensor, value: np.ndarray) -> None:
@@ -69,6 +79,23 @@ class Executable(ABC):
     @abstractmethod
     def read(self, t: Tensor) -> np.ndarray:
         """The full value of `t` on the host (gathered from slices; a partial sum is reduced)."""
+
+    @abstractmethod
+    def read_argmax(self, t: Tensor) -> tuple[list[int | None], int]:
+        """Each row's greedy token of the logits `t` without gathering a vocabulary split; None
+        for a row with a non-finite logit. Also the bytes this process received for it."""
+
+    @abstractmethod
+    def candidates_pay(self, t: Tensor, k: int) -> bool:
+        """Are `k` sampling candidates per device fewer bytes than a row of the logits `t`? Only
+        where `t` is split along the vocabulary (else `read_candidates` has nothing to save)."""
+
+    @abstractmethod
+    def read_candidates(self, t: Tensor, k: int, temps: list[float] | None = None,
+                        adjs: list[Adjustment | None] | None = None) -> tuple[list[RowCandidates] | None, int]:
+        """Each row's sampling candidates (`k` per device, after the adjustment `adjs[row]`, its
+        mass at `temps[row]`) of the logits `t`; None where `t` is not split along the
+        vocabulary. Also the bytes this process received for it."""
 
 
 class Backend(LeafStore, ABC):
@@ -83,10 +110,12 @@ class Backend(LeafStore, ABC):
     spanning: str = "a collective spanning the processes"
 
     def __init__(self, layout: DeviceLayout | None = None, devices: Sequence[int] | None = None,
-                 collective: Any = None) -> None:
+                 collective: Collective | None = None) -> None:
         self.layout = layout or DeviceLayout()
         n = self.layout.n_devices
         self.init_store(n, owned_devices(n, devices, collective, self.spanning))
+        #: the collective spanning the processes (None: this backend chooses its own); a
+        #: collective subclasses `collectives.Collective`, whose capabilities the engine reads
         self.collective = collective
         self._executables: dict[int, Executable] = {}
 

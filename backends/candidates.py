@@ -5,7 +5,7 @@ the output layer is split along the vocabulary, each device reduces its slice, p
 K largest logits (values and global ids, sorted by value then id), its largest value and the sum
 of exp(logit - that value), at temperature 1 and at the row's sampling temperature: 2K + 5
 numbers instead of its slice, in one all-gather. A request's penalties and logit_bias (its
-step's `metatp.penalties.Adjustment`) are applied by each device to its own slice first
+step's `Adjustment`, made by `metatp.penalties`) are applied by each device to its own slice first
 (`adjust(shard, adj, lo)`: the same float64 sums as on the whole row), so the candidates, the
 bound and the mass are of the adjusted logits; the max, sum and finiteness stay the raw ones'.
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from metatp.ir.tensor import Tensor
-from metatp.penalties import Adjustment, adjust
+from metatp.backends.logit_adjustment import Adjustment, adjust
 
 __all__ = ["RowCandidates", "read_candidates", "candidates_pay", "device_candidates", "merge_rows"]
 

@@ -37,10 +37,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from metatp.backends.rank_errors import every_rank, first_disagreeing
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
 
 __all__ = ["DISTRIBUTED_MODES", "World", "launched_world_size", "launched_rank", "init_world", "model_digest", "every_rank",
-           "first_disagreeing", "should_report", "current_world", "finish_error", "process_memory"]
+           "first_disagreeing", "should_report", "current_world", "finish_error", "process_memory", "mpi_wiring",
+           "nccl_wiring"]
 
 DISTRIBUTED_MODES = ("auto", "none", "mpi")
 
@@ -73,18 +75,6 @@ def launched_rank() -> int | None:
         if value and value.strip().isdigit():
             return int(value)
     return None
-
-
-def first_disagreeing(seen: list[tuple]) -> int | None:
-    """The first rank whose entry (its first field) differs from rank 0's in an allgather of
-    per-rank facts; None when every rank agrees."""
-    return next((r for r, entry in enumerate(seen) if entry[0] != seen[0][0]), None)
-
-
-def every_rank(err: MetatpError) -> MetatpError:
-    """Mark an error that every rank raises identically (rank 0 alone reports it)."""
-    err.every_rank = True        # type: ignore[attr-defined]
-    return err
 
 
 def should_report(err: BaseException, world: World | None) -> bool:
@@ -210,57 +200,6 @@ class World:
             else:
                 raise ConfigError(f"unknown collective {kind!r}; choose mpi or nccl")
         return made[kind]
-
-    def create_backend(self, name: str, layout, **options):
-        """This rank's backend, owning device `rank` of `layout`, made by the backend's registry
-        entry: numpy reducing over MPI, or cupy on the GPU of this rank's local rank reducing
-        through NCCL (its unique id broadcast over MPI). `options` as `backends.create_backend`
-        takes them (checked by the registry); `runtime` (cupy only) is the device-API seam
-        tests use (`EmuRuntime`). Errors every rank finds alike (options, no GPU, fewer GPUs
-        than local ranks) are reported once, by rank 0."""
-        from metatp.backends.registry import backend_entry
-
-        if layout.n_devices != self.size:
-            raise every_rank(ConfigError(f"layout has {layout.n_devices} devices for {self.size} ranks"))
-        try:
-            entry = backend_entry("numpy" if name == "auto" else name)
-        except MetatpError as e:
-            raise every_rank(e) from None
-        if entry.name == "cupy":
-            return self._cupy_backend(entry, layout, options)
-        allreduce = options.pop("allreduce", None)
-        try:
-            if allreduce not in (None, "auto"):
-                raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under "
-                                  "mpiexec the ranks reduce with MPI_Allreduce (leave allreduce='auto')")
-            checked = entry.check(options)
-        except MetatpError as e:
-            raise every_rank(e) from None
-        collective = self.collective()
-        if layout.split_mode == "layer,tensor":  # each stage's all-reduces on the group's own communicator
-            collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
-        return entry.create(layout, checked, devices=self.devices, collective=collective)
-
-    def _cupy_backend(self, entry, layout, options: dict):
-        """The cupy backend of a GPU rank: one device, this rank's local GPU, NCCL between ranks."""
-        runtime = options.pop("runtime", None)
-        allreduce = options.pop("allreduce", None)
-        try:
-            if allreduce not in (None, "auto", "nccl"):
-                raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; "
-                                  "under mpiexec GPU ranks reduce with NCCL (leave allreduce='auto')")
-            checked = entry.check(options)
-            if runtime is None:
-                from metatp.backends.cuda.nccl import cupy_runtime
-
-                runtime = cupy_runtime()
-        except MetatpError as e:
-            raise every_rank(e) from None
-        collective = self.collective("nccl", runtime=runtime, wire=checked.get("wire", "auto"))
-        if layout.split_mode == "layer,tensor":  # each stage's all-reduces on the group's own NCCL communicator
-            collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
-        return entry.create(layout, checked, runtime=runtime, gpus=[collective.gpu], devices=self.devices,
-                            collective=collective)
 
     # ---------------------------------------------------------------- faults
     def abort(self, code: int = 1) -> None:
@@ -394,3 +333,50 @@ def process_memory() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+# ---------------------------------------------------------------- backends on a rank
+# How each backend is wired on an MPI rank: the registry entries name these (`rank_wiring`),
+# and `BackendEntry.create(layout, options, world)` calls them. Each returns the options
+# checked by the entry and how the rank drives its device (passed to the backend as they are).
+
+def mpi_wiring(entry: Any, world: World, layout: Any, options: dict) -> tuple[dict, dict]:
+    """A CPU rank (numpy): device `rank` of the layout, its sums over MPI (`MpiCollective`);
+    under layer,tensor each stage's all-reduces on the group's own communicator."""
+    allreduce = options.pop("allreduce", None)
+    try:
+        if allreduce not in (None, "auto"):
+            raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; under "
+                              "mpiexec the ranks reduce with MPI_Allreduce (leave allreduce='auto')")
+        checked = entry.check(options)
+    except MetatpError as e:
+        raise every_rank(e) from None
+    collective = world.collective()
+    if layout.split_mode == "layer,tensor":
+        collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
+    return checked, {"devices": world.devices, "collective": collective}
+
+
+def nccl_wiring(entry: Any, world: World, layout: Any, options: dict) -> tuple[dict, dict]:
+    """A GPU rank (cupy): one device, this rank's local GPU, NCCL between the ranks (its unique
+    id broadcast over MPI). `runtime` in `options` is the device-API seam tests use
+    (`EmuRuntime`); errors every rank finds alike (options, no GPU, fewer GPUs than local
+    ranks) are reported once, by rank 0."""
+    runtime = options.pop("runtime", None)
+    allreduce = options.pop("allreduce", None)
+    try:
+        if allreduce not in (None, "auto", "nccl"):
+            raise ConfigError(f"allreduce={allreduce!r} picks the all-reduce of devices in one process; "
+                              "under mpiexec GPU ranks reduce with NCCL (leave allreduce='auto')")
+        checked = entry.check(options)
+        if runtime is None:
+            from metatp.backends.cuda.nccl import cupy_runtime
+
+            runtime = cupy_runtime()
+    except MetatpError as e:
+        raise every_rank(e) from None
+    collective = world.collective("nccl", runtime=runtime, wire=checked.get("wire", "auto"))
+    if layout.split_mode == "layer,tensor":  # each stage's all-reduces on the group's own NCCL communicator
+        collective.split_groups([layout.stage_devices(s) for s in range(layout.pp)])
+    return checked, {"runtime": runtime, "gpus": [collective.gpu], "devices": world.devices,
+                     "collective": collective}

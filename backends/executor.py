@@ -31,9 +31,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.analysis import is_pure_view
+from metatp.passes.facts import is_pure_view
 from metatp.backends.base import Backend, Executable
-from metatp.backends.collectives.base import Step
+from metatp.backends.collectives.base import Collective, Step
+from metatp.backends.collectives.p2p import SendRecv
 from metatp.backends.fusion import Fusion
 from metatp.backends.slicing import gather_array
 from metatp.ir.dtypes import np_shape
@@ -143,7 +144,7 @@ class PlanExecutor(Executable):
     def zero_fill_step(self, d: int, node: Tensor):
         """A step that writes zeros over device d's buffer of `node`."""
 
-    def reduction_collective(self) -> Any:
+    def reduction_collective(self) -> Collective:
         """The collective that sums the reduced nodes (default: the backend's)."""
         return self.backend.collective
 
@@ -277,14 +278,14 @@ class PlanExecutor(Executable):
             out[k] = coll.prepare_allreduce(bufs, active, stream=stream)
         return out
 
-    def group_collective(self, collective: Any, group: tuple[int, ...]) -> Any:
+    def group_collective(self, collective: Collective, group: tuple[int, ...]) -> Collective:
         """The collective summing over `group` only (`for_devices`; layer,tensor's stage groups)."""
-        make = getattr(collective, "for_devices", None)
-        if make is None:
+        sub = collective.for_devices(group)
+        if sub is None:
             raise UnsupportedOpError(f"{self.backend.name} backend: split_mode='layer,tensor' (all-reduces within "
                                      f"a stage's tensor group) is not implemented on collective "
-                                     f"{getattr(collective, 'name', collective)!r}")
-        return make(group)
+                                     f"{collective.name!r}")
+        return sub
 
     def prepare_transfers(self) -> list[list]:
         """[subgraph] -> its copies between devices, in plan order: a copy between two owned
@@ -303,10 +304,10 @@ class PlanExecutor(Executable):
                     out[k].append(self.transfer_across(node, x.src, x.dst))
         return out
 
-    def send_recv(self) -> Any:
+    def send_recv(self) -> SendRecv | None:
         """The point-to-point link between this process's devices and the others'
         (`collectives.p2p.SendRecv`: the backend collective's `send_recv`), or None."""
-        return getattr(self.reduction_collective(), "send_recv", None)
+        return self.reduction_collective().send_recv
 
     def transfer_across(self, node: Tensor, src: int, dst: int) -> Any:
         """This process's half of a copy between processes: the send where src is owned here,
@@ -337,6 +338,12 @@ class PlanExecutor(Executable):
         from metatp.backends.logits_read import read_argmax
 
         return read_argmax(self, t)
+
+    def candidates_pay(self, t: Tensor, k: int) -> bool:
+        """Are `k` candidates per device fewer bytes than the row (`backends.candidates`)?"""
+        from metatp.backends.candidates import candidates_pay
+
+        return candidates_pay(self, t, k)
 
     def read_candidates(self, t: Tensor, k: int, temps: list[float] | None = None,
                         adjs: list[Any] | None = None) -> tuple[list[Any] | None, int]:

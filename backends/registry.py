@@ -2,9 +2,9 @@
 
 An option is chosen once (by `LLM(...)` or the CLI), checked here against the table, and
 handed to the backend's constructor, which does not check it again; nothing downstream
-re-derives it. Every backend is made here (`BackendEntry.create`): in one process by
-`backends.create_backend`, and on an MPI rank by `distributed.World.create_backend`, which adds
-how the rank is wired (its device, the collective spanning the ranks). Names follow llama.cpp
+re-derives it. Every backend is made here (`BackendEntry.create`, which `backends.create_backend`
+calls): in one process as the options say, and on an MPI rank (`world` given) also wired as the
+entry's `rank_wiring` says (the rank's device, the collective spanning the ranks). Names follow llama.cpp
 where it has one (GGML_CUDA_ALLREDUCE-style all-reduce choice, `-ctk`-style cache types later).
 """
 
@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metatp.backends.collectives.schedule import mode_names
-from metatp.ir.errors import ConfigError
+from metatp.backends.rank_errors import every_rank
+from metatp.ir.errors import ConfigError, MetatpError
 
-__all__ = ["Option", "BackendEntry", "BACKENDS", "backend_entry", "check_options", "ALLREDUCE_CHOICES"]
+__all__ = ["Option", "BackendEntry", "BACKENDS", "backend_entry", "rank_backend_entry", "check_options",
+           "ALLREDUCE_CHOICES"]
 
 # The all-reduce algorithms a user may name: the collectives' mode table, with llama.cpp's
 # GGML_CUDA_ALLREDUCE spellings as aliases ("none"/"internal": the copy-and-add butterfly).
@@ -58,16 +60,18 @@ class Option:
 @dataclass(frozen=True)
 class BackendEntry:
     """Where a backend class lives (imported on first use: cupy must not load on a CPU
-    machine) and the options its constructor accepts."""
+    machine), the options its constructor accepts, and how an MPI rank wires it."""
 
     name: str
     target: str                       # "module:Class"
     options: dict[str, Option] = field(default_factory=dict)
     renamed: dict[str, str] = field(default_factory=dict)     # an old option name -> its new one
+    # "module:function" (entry, world, layout, options) -> (checked options, wiring): how one
+    # process per device drives this backend (`distributed`); "": not under mpiexec
+    rank_wiring: str = ""
 
     def load(self):
-        module, _, cls = self.target.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        return _load(self.target)
 
     def check(self, options: dict[str, Any]) -> dict[str, Any]:
         """`options` validated; None values mean "the default" and are dropped. An option the
@@ -86,12 +90,24 @@ class BackendEntry:
             out[key] = opt.check(value, self.name)
         return out
 
-    def create(self, layout: Any, options: dict[str, Any], **wiring: Any) -> Any:
-        """The backend for `layout` with `options` checked; `wiring` is how this process drives
-        its devices, not a user's choice (an MPI rank's `devices` and `collective`, cupy's
-        `runtime` and `gpus`) and is passed as it is."""
-        checked = self.check(options)
-        return self.load()(layout, **checked, **wiring)
+    def create(self, layout: Any, options: dict[str, Any], world: Any = None, **wiring: Any) -> Any:
+        """The backend for `layout` with `options` checked. With `world` (one process per
+        device, `distributed.World`): this rank's backend, owning device `world.rank`, wired by
+        `rank_wiring` (its device, the collective spanning the ranks); errors every rank finds
+        alike are reported once, by rank 0. `wiring` is how this process drives its devices,
+        not a user's choice (cupy's `runtime` in tests), and is passed as it is."""
+        if world is None:
+            return self.load()(layout, **self.check(options), **wiring)
+        if not self.rank_wiring:
+            raise every_rank(ConfigError(f"the {self.name} backend does not run one process per device"))
+        checked, rank = _load(self.rank_wiring)(self, world, layout, dict(options))
+        return self.load()(layout, **checked, **rank, **wiring)
+
+
+def _load(target: str) -> Any:
+    """The object a "module:name" target names (its module imported now)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _opts(*options: Option) -> dict[str, Option]:
@@ -113,7 +129,7 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("parallel_devices", bool, False, "run the simulated devices side by side in threads"),
         Option("kernel_threads", int, None,
                "threads of the compiled kernels; None: $METATP_NUM_THREADS, else the CPUs shared among local ranks"),
-    ), renamed={"threads": "parallel_devices"}),
+    ), renamed={"threads": "parallel_devices"}, rank_wiring="metatp.backends.distributed:mpi_wiring"),
     "cupy": BackendEntry("cupy", "metatp.backends.cuda.backend:CupyBackend", _opts(
         _EXACT, _ALLREDUCE, _WIRE,
         Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
@@ -121,7 +137,7 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),
         Option("multi_gpu_graphs", ("whole", "segments"), "whole",
                "one CUDA graph across GPUs, or per-subgraph segments"),
-    )),
+    ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 
 
@@ -130,6 +146,17 @@ def backend_entry(name: str) -> BackendEntry:
         return BACKENDS[name]
     except KeyError:
         raise ConfigError(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}") from None
+
+
+def rank_backend_entry(name: str, layout: Any, world: Any) -> BackendEntry:
+    """The entry of backend `name` on an MPI rank ("auto": numpy; a GPU rank names cupy) for a
+    `layout` of one device per rank; errors every rank finds alike, marked as such."""
+    if layout.n_devices != world.size:
+        raise every_rank(ConfigError(f"layout has {layout.n_devices} devices for {world.size} ranks"))
+    try:
+        return backend_entry("numpy" if name == "auto" else name)
+    except MetatpError as e:
+        raise every_rank(e) from None
 
 
 def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from metatp.backends.rank_errors import every_rank, first_disagreeing
 from metatp.ir.errors import ConfigError, MetatpError
 
 __all__ = ["RankLostError", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "rank_timeout", "check_versions", "Heartbeat",
@@ -75,16 +76,14 @@ def rank_timeout(environ: dict | None = None) -> float | None:
 
 
 def _version() -> str:
-    import metatp
-
-    return str(getattr(metatp, "__version__", "unknown"))
+    # the parent package is imported before any module of it; reading it from sys.modules keeps
+    # this module from importing the API layer (metatp/__init__ imports the LLM, which imports us)
+    return str(getattr(sys.modules.get("metatp"), "__version__", "unknown"))
 
 
 def check_versions(world: Any) -> list[tuple[str, str, int]]:
     """Every rank runs the same metatp (rank 0's tokens and plans must mean the same everywhere):
     a ConfigError every rank raises alike otherwise. Returns every rank's (version, host, pid)."""
-    from metatp.backends.distributed import every_rank, first_disagreeing
-
     seen = world.comm.allgather((_version(), world.host, os.getpid()))
     r = first_disagreeing(seen)
     if r is not None:
@@ -295,8 +294,6 @@ def watch(world: Any) -> Heartbeat | None:
     global _HEARTBEAT
     if world.size <= 1 or _HEARTBEAT is not None:
         return _HEARTBEAT
-    from metatp.backends.distributed import every_rank
-
     try:
         timeout = rank_timeout()
     except ConfigError as e:

@@ -174,8 +174,7 @@ class LLM:
         if cpu_kernels is None:
             options.pop("cpu_kernels")          # the numpy default; not an option of other backends
         # options are checked (and the backend set up) before the model file is read
-        self.backend = (self.world.create_backend(backend, self.layout, **options) if self.world is not None
-                        else create_backend(backend, self.layout, **options))
+        self.backend = create_backend(backend, self.layout, world=self.world, **options)
         self.model_path = resolve_model(model, quiet=not verbose)
         if self.world is not None:
             self.world.check_model(self.model_path)
@@ -254,14 +253,11 @@ class LLM:
         if fits(mem):
             return mem
 
-        def engine_for(n_ctx: int) -> Engine:
-            return Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
-                          **self._cache_types)
-
-        fitted = fit_context(lambda n: engine_for(n).memory_plan(), fits, self.n_ctx)
+        fitted = fit_context(self.engine.memory_plan, fits, self.n_ctx)
         if fit and fitted > 0:
             self.n_ctx = fitted
-            self.engine = engine_for(fitted)
+            self.engine = Engine(self.model, fitted, self.layout, self.backend, n_batch=n_batch, world=self.world,
+                                 **self._cache_types)
             return self.engine.memory_plan()
         totals = need(mem)
         d = max(range(len(totals)), key=lambda j: totals[j])

@@ -6,8 +6,9 @@ so decoding a token costs one pass over prepared closures, not a rebuild.
 The KV cache is one block of `n_ctx` cells shared by every sequence (llama.cpp's unified
 cache): `metatp.kv_cells` says which sequence owns each cell. One engine step (`run`) takes
 rows of many sequences -- the decode token of each running one, chunks of new prompts --
-and computes them in one or a few forward passes; the attention mask keeps every row inside
-its own sequence, and logits are read only at the rows that are sampled.
+and computes them in one or a few forward passes (`metatp.step.Pass`, which `metatp.pipeline`
+drives); the attention mask keeps every row inside its own sequence, and logits are read only
+at the rows that are sampled.
 
 Batch invariance (a sequence's logits do not depend on what shares its step): rows are
 grouped into passes the same way whatever their neighbours are. A pass of at most
@@ -26,74 +27,34 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from metatp.backends.base import Backend, WeightSource
-from metatp.backends.candidates import candidates_pay
 from metatp.ir.errors import ConfigError, ContextOverflowError, UnsupportedOpError
 from metatp.ir.loader import Model
 from metatp.ir.models import BatchSpec, ModelTensors, build_graph
 from metatp.ir.models.common import KV_PAD, cache_type
-from metatp.ir.models.inputs import graph_inputs, make_feed, step_values
 from metatp.ir.tensor import Flag
 from metatp.kv_cells import KVCells, SeqCells
 from metatp import pipeline
+from metatp.pipeline import Pipelining
 from metatp.passes.compile import compile_plan
 from metatp.passes.memory import plan_memory
 from metatp.passes.plan import DeviceLayout, Plan
 from metatp.sampling import CandidateSpec
+from metatp.step import Pass, Row, StepItem, bucket_rows
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Engine", "StepItem", "SeqCells", "padded_kv"]
+__all__ = ["Engine", "StepItem", "SeqCells", "padded_kv", "bucket_rows"]
 
 
 def padded_kv(n_used: int, n_ctx: int) -> int:
     """Attended KV length: the used length rounded up to KV_PAD, capped at the context size."""
     return min(-(-n_used // KV_PAD) * KV_PAD, n_ctx)
-
-
-def bucket_rows(n: int, cap: int, small: int) -> int:
-    """Rows a pass of `n` real rows is padded to (one plan per bucket): 1, 2, 4, then multiples
-    of 4 up to 16, of 16 up to `small` (the few-token path), then of 32, at most `cap`."""
-    if n <= 2:
-        b = n
-    elif n <= 16:
-        b = -(-n // 4) * 4
-    elif n <= small:
-        b = -(-n // 16) * 16
-    else:
-        b = -(-n // 32) * 32
-    return max(n, min(b, cap))
-
-
-@dataclass
-class StepItem:
-    """One sequence's part of a step: `tokens` at its next positions; which logits it wants:
-    "last" (the row sampled next), "all" (scoring), "none" (a prompt chunk that is not the end)
-    or "argmax" (the last row's greedy token only: read from a vocabulary split without
-    gathering it, `backends.logits_read`; its logits come back only where one is not finite),
-    or a `CandidateSpec` (the last row sampled from its candidates: a vocabulary split comes
-    back as `RowCandidates` where they cover the request's pick, `backends.candidates`; else,
-    and without a split, as the row)."""
-
-    seq: SeqCells
-    tokens: list[int]
-    logits: str | CandidateSpec = "last"
-
-
-@dataclass
-class _Row:
-    item: int           # index into the step's items
-    pos: int            # position in its sequence
-    token: int
-    out: bool           # logits wanted here
-    greedy: bool = False    # ... and only their argmax
-    spec: CandidateSpec | None = None    # ... or the candidates this spec samples from
 
 
 class Engine:
@@ -111,6 +72,7 @@ class Engine:
         self.world = world
         kt = cache_type(cache_type_k, "k")
         vt = kt if cache_type_v is None else cache_type(cache_type_v, "v")
+        self.cache_types = (kt, vt)
         self.tensors = ModelTensors(model, n_ctx, kt, vt)     # ConfigError if a head is not whole blocks
         # rows per pass on the backend's few-token path, and the cell alignment that keeps a
         # sequence's attention at the phase it has alone (both from the backend: batch invariance)
@@ -183,28 +145,33 @@ class Engine:
     def compile(self, graph) -> Plan:
         return compile_plan(graph, self.layout, self.model.hparams)
 
-    def memory_plan(self):
-        """Per-device bytes at the largest batch this engine runs (before any weight is loaded)."""
-        T = min(self.n_batch, self.n_ctx)
-        spec = BatchSpec(T, padded_kv(self.n_ctx, self.n_ctx), T)
-        plan = self.compile(build_graph(self.tensors, spec))
-        return plan_memory(plan, self._weight_bytes(), self.n_ctx, self.backend.workspace_bytes(plan),
-                           kv_itemsize=self.backend.kv_itemsize, host=self._host_bytes(plan, spec))
+    def memory_plan(self, n_ctx: int | None = None):
+        """Per-device bytes at the largest batch this engine runs (before any weight is loaded);
+        `n_ctx`: those of an engine like this one with a cache of `n_ctx` cells (fitting the
+        context tries several without building an Engine for each)."""
+        n_ctx = self.n_ctx if n_ctx is None else n_ctx
+        # ConfigError, as Engine(n_ctx) raises it, if a head is not whole blocks
+        tensors = self.tensors if n_ctx == self.n_ctx else ModelTensors(self.model, n_ctx, *self.cache_types)
+        T = min(self.n_batch, n_ctx)
+        spec = BatchSpec(T, padded_kv(n_ctx, n_ctx), T)
+        plan = self.compile(build_graph(tensors, spec))
+        return plan_memory(plan, self._weight_bytes(tensors), n_ctx, self.backend.workspace_bytes(plan),
+                           kv_itemsize=self.backend.kv_itemsize, host=self._host_bytes(plan, spec, n_ctx))
 
-    def _host_bytes(self, plan: Plan, spec: BatchSpec) -> int:
+    def _host_bytes(self, plan: Plan, spec: BatchSpec, n_ctx: int) -> int:
         """Host bytes that grow with n_ctx: the cell table (and its searches) and a pass's float32
-        masks (`_run_pass` builds one per mask input, T x n_kv, before the backend copies it in)."""
+        masks (`step.Pass.issue` builds one per mask input, T x n_kv, before the backend copies it in)."""
         inputs = plan.graph.meta["inputs"]
         n_masks = sum(m is not None for m in (inputs.kq_mask, inputs.kq_mask_swa))
-        return KVCells.planned_bytes(self.n_ctx) + n_masks * spec.n_tokens * spec.n_kv * 4
+        return KVCells.planned_bytes(n_ctx) + n_masks * spec.n_tokens * spec.n_kv * 4
 
-    def _weight_bytes(self):
+    def _weight_bytes(self, tensors: ModelTensors):
         """The backend's bytes per weight slice, counting once what it stores once (the codes of
         a tied embedding and lm head, or of a mirrored weight, shared by every device)."""
         counted: set = set()
 
         def weight_bytes(t, local_ne, plan) -> int:
-            key = self.backend.storage_key(t, plan, self.tensors.source_name(t.name))
+            key = self.backend.storage_key(t, plan, tensors.source_name(t.name))
             if key is not None:
                 if key in counted:
                     return 0
@@ -269,6 +236,16 @@ class Engine:
                 self.free(self._anon)
 
     # ---------------------------------------------------------------- running
+    def pipelining(self) -> Pipelining:
+        """What `metatp.pipeline` needs to know to run this engine's passes: the micro-batch
+        setting, the layout's stages, whether they are processes, and the point-to-point links
+        whose sends can be deferred (the backend collective's `send_recv`, where it declares
+        `defers_sends`)."""
+        collective = self.backend.collective
+        link = collective.send_recv if collective is not None else None
+        links = (link,) if link is not None and link.defers_sends else ()
+        return Pipelining(self.micro_batches, self.layout.pp, self.world is not None, links)
+
     def forward(self, tokens: Sequence[int], all_logits: bool = False,
                 seq: SeqCells | None = None) -> np.ndarray:
         """Feed `tokens` after the cached ones of one sequence; logits for the last token (or every token).
@@ -301,8 +278,8 @@ class Engine:
         if len({id(it.seq) for it in items}) != len(items):
             raise ConfigError("a step may carry each sequence only once")
         n_vocab = self.model.hparams.n_vocab
-        small: list[_Row] = []
-        large: list[_Row] = []
+        small: list[Row] = []
+        large: list[Row] = []
         for k, it in enumerate(items):
             if not it.tokens:
                 raise ConfigError("forward needs at least one token")
@@ -321,17 +298,19 @@ class Engine:
             self.cells.grow(it.seq, end)
             n = len(it.tokens)
             last = spec is not None or it.logits in ("last", "argmax")
-            rows = [_Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax",
+            rows = [Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax",
                          spec) for i, t in enumerate(it.tokens)]
             (small if n <= self.small_rows else large).extend(rows)
         keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
         got: dict[int, list[np.ndarray]] = {}
         with self.lock:
             step_small = min(self.small_rows, self.n_batch)
-            passes = pipeline.split_small(self, small, step_small)
-            passes += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
-            for rows, outs in zip(passes, pipeline.run_passes(self, items, passes, keep)):
-                for row, logits in zip([r for r in rows if r.out], outs):
+            how = self.pipelining()
+            groups = pipeline.split_small(how, small, step_small)
+            groups += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
+            passes = [Pass(self, items, rows, keep) for rows in groups]
+            for p, outs in zip(passes, pipeline.run_passes(how, passes, len(items))):
+                for row, logits in zip([r for r in p.rows if r.out], outs):
                     got.setdefault(row.item, []).append(logits)
             for it in items:          # every pass succeeded: the rows are the sequences' own now
                 it.seq.n_past += len(it.tokens)
@@ -340,77 +319,3 @@ class Engine:
             rows = got.get(k)
             out.append(None if rows is None else np.stack(rows) if it.logits == "all" else rows[-1])
         return out
-
-    def _run_pass(self, items: list[StepItem], rows: list[_Row], keep: dict[int, int]) -> list[np.ndarray]:
-        """One forward pass over `rows` (padded to a bucket); the logits of the rows that want them.
-
-        The one place that feeds the executable: a process-per-device runner hooks in here."""
-        return self._read_pass(*self._issue_pass(items, rows, keep))
-
-    def _issue_pass(self, items: list[StepItem], rows: list[_Row], keep: dict[int, int],
-                    slots: dict | None = None) -> tuple:
-        """`_run_pass` up to running the executable (`slots`: the shapes already in flight in
-        this step, `metatp.pipeline`); what `_read_pass` needs to read its logits later."""
-        T = len(rows)
-        cap = min(self.small_rows, self.n_batch) if T <= self.small_rows else self.n_batch
-        T_pad = bucket_rows(T, max(cap, T), self.small_rows)
-        scratch = self.cells.scratch_cells(T_pad - T, keep) if T_pad > T else np.zeros(0, np.int32)
-        if scratch.size < T_pad - T:            # a full cache: no room for padding rows
-            T_pad, scratch = T, scratch[:0]
-        out_rows = [i for i, r in enumerate(rows) if r.out]
-        n_out = len(out_rows)
-        n_out_pad = min(bucket_rows(n_out, T_pad, self.small_rows), T_pad) if n_out else 1
-        cells = np.empty(T_pad, dtype=np.int32)
-        pos = np.zeros(T_pad, dtype=np.int32)
-        ids = np.zeros(T_pad, dtype=np.int32)
-        for i, r in enumerate(rows):
-            cells[i] = items[r.item].seq.cells[r.pos]
-            pos[i], ids[i] = r.pos, r.token
-        cells[T:] = scratch
-        hi = max(int(cells.max()), max((int(items[r.item].seq.cells[: r.pos + 1].max()) for r in rows), default=0))
-        spec = BatchSpec(T_pad, self.kv_span(hi + 1, T_pad), n_out_pad)
-        plan, ex = self.plan_for(spec) if slots is None else pipeline.plan_in_flight(self, spec, slots)
-        inp = graph_inputs(plan.graph)
-        seen = [items[r.item].seq.cells[: r.pos + 1] for r in rows]
-        seen += [cells[i:i + 1] for i in range(T, T_pad)]    # a padding row sees only its own scratch cell
-        if inp.out_ids is not None:
-            sel = out_rows + [out_rows[-1] if out_rows else 0] * (n_out_pad - n_out)
-        else:
-            sel = list(range(T_pad))
-        values = step_values(inp, ids, pos, cells, seen, self.model.hparams.sliding_window, sel)
-        ex.run(make_feed(inp, values, plan.graph))
-        self.passes += 1
-        return rows, plan, ex, sel, out_rows, n_out
-
-    def _read_pass(self, rows: list[_Row], plan: Plan, ex, sel: list[int], out_rows: list[int],
-                   n_out: int) -> list[np.ndarray]:
-        """The logits of an issued pass's rows that want them (every process reads alike)."""
-        if not n_out:
-            return []
-        t = plan.graph.meta["logits"]
-        at = {row: k for k, row in reversed(list(enumerate(sel)))}
-        got: dict[int, object] = {}                 # out row -> its greedy token or RowCandidates
-        if any(rows[i].greedy for i in out_rows):
-            picks, received = ex.read_argmax(t)
-            self.logits_bytes += received
-            got.update((i, picks[at[i]]) for i in out_rows if rows[i].greedy and picks[at[i]] is not None)
-        specs = [i for i in out_rows if rows[i].spec is not None and candidates_pay(ex, t, rows[i].spec.k)]
-        if specs:                                   # every process decides `covers` alike on the same numbers
-            by = [rows[j].spec if j < len(rows) else None for j in sel]       # per logits row
-            temps = [s.temperature if s is not None and s.temperature > 0 else 1.0 for s in by]
-            adjs = [s.adjust if s is not None else None for s in by]
-            cands, received = ex.read_candidates(t, max(rows[i].spec.k for i in specs), temps, adjs)
-            self.logits_bytes += received
-            for i in specs if cands is not None else ():
-                rc = cands[at[i]].narrowed(rows[i].spec.k)     # what this row alone would read
-                if rows[i].spec.covers(rc):
-                    got[i] = rc
-                    self.candidate_rows += 1
-        if len(got) == n_out:
-            return [got[i] for i in out_rows]
-        logits = ex.read(t)                         # every process makes this read alike: the picks agree
-        self.logits_bytes += logits.nbytes if len(ex.devices) < plan.n_devices else 0
-        logits = logits.reshape(-1, logits.shape[-1])
-        # rows of the read's own array (`read` returns a fresh one), not copies of them: a step of
-        # 16 sequences copied 3 MB more a step that way
-        return [got[i] if i in got else logits[at[i]] for i in out_rows]

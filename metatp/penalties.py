@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from metatp.backends.logit_adjustment import Adjustment, adjust
 from metatp.ir.errors import ConfigError
 
 __all__ = ["Penalties", "Adjustment", "adjust", "check_logit_bias", "check_min_tokens", "release_unstopped",
@@ -50,28 +50,6 @@ def check_min_tokens(v: Any, max_tokens: int | None) -> int:
     if max_tokens is not None and v > max_tokens:
         raise ConfigError(f"min_tokens must be <= max_tokens={max_tokens}, got {int(v)}")
     return int(v)
-
-
-@dataclass(frozen=True)
-class Adjustment:
-    """One step's change to one request's logits: `terms` (ids, float64 values) added in order
-    (each ids array without repeats), then `banned` ids set to -inf."""
-
-    terms: tuple[tuple[np.ndarray, np.ndarray], ...]
-    banned: np.ndarray
-
-
-def adjust(logits: np.ndarray, adj: Adjustment, lo: int = 0) -> np.ndarray:
-    """`adj` applied to `logits`, the vocabulary slice starting at token id `lo` (0: the whole
-    row); ids outside the slice are someone else's. Returns a float64 copy."""
-    x = np.asarray(logits).astype(np.float64)
-    hi = lo + x.shape[-1]
-    for ids, vals in adj.terms:
-        sel = (ids >= lo) & (ids < hi)
-        x[..., ids[sel] - lo] += vals[sel]
-    b = adj.banned[(adj.banned >= lo) & (adj.banned < hi)]
-    x[..., b - lo] = -np.inf
-    return x
 
 
 class Penalties:

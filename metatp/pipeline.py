@@ -9,11 +9,12 @@ pipeline on every pass: with P stages a rank idles (P-1)/P of the time.
 Here a step's passes run in windows of M (GPipe's forward schedule): a rank issues the M
 passes of a window back to back and the logits are read only once the window is issued, so
 stage s computes micro-batch m+1 while stage s+1 computes m. What that needs:
-- each pass of a window has buffers of its own (`Engine.plan_for(spec, slot)`: another
+- each pass of a window has buffers of its own (`step.Pass.issue(in_flight)`: another
   executable of the same shape), so a later pass cannot overwrite an earlier one's logits or a
   hidden state still being sent;
-- a send does not wait for its receiver (`MpiSendRecv.deferred_sends`: Isends, all completed
-  before the window's logits are read and so before any of its buffers is written again);
+- a send does not wait for its receiver (links that declare `SendRecv.defers_sends`, such as
+  `MpiSendRecv`: inside `deferred_sends` Isends, all completed before the window's logits are
+  read and so before any of its buffers is written again);
 - enough passes: the decode tokens and short chunks of a step (the rows of the few-token path)
   are split into up to M micro-batches of whole sequences (`split_small`); long prompt chunks
   keep their passes (n_batch rows each) and only pipeline with each other.
@@ -30,6 +31,9 @@ greedy tokens; unquantized F32 weights go through BLAS, whose sums depend on the
 there the logits agree to float rounding only (as batching itself does). A pass longer than
 `step_rows` is never split; a sequence's rows are never split between micro-batches.
 
+The pipeline drives `step.Pass` objects (`issue()`, `read()`) and knows the engine only as
+the `Pipelining` it declares (its setting, its stages, its deferrable links).
+
 The setting: `Engine.micro_batches` (the CLI's `--micro-batches M`, or $METATP_MICRO_BATCHES);
 None picks the default (`micro_batches`); 1 runs one pass after another as before. The split
 is part of what every rank computes alike, so every rank must have the same setting (the
@@ -42,18 +46,30 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from metatp.ir.errors import ConfigError
 
 if TYPE_CHECKING:
-    from metatp.engine import Engine
+    from metatp.backends.collectives.p2p import SendRecv
+    from metatp.step import Pass, Row
 
-__all__ = ["ENV", "env_micro_batches", "parse_micro_batches", "micro_batches", "split_small", "run_passes",
-           "plan_in_flight"]
+__all__ = ["ENV", "Pipelining", "env_micro_batches", "parse_micro_batches", "micro_batches", "split_small",
+           "run_passes"]
 
 ENV = "METATP_MICRO_BATCHES"
 MAX_MICRO_BATCHES = 64
+
+
+@dataclass(frozen=True)
+class Pipelining:
+    """What pipelining a step needs to know about the engine that runs it (`Engine.pipelining`)."""
+
+    setting: int | None                 # Engine.micro_batches: None picks the default
+    stages: int                         # pipeline stages of the layout (1: no -sm layer)
+    across_processes: bool              # the stages are processes (an MPI world)
+    links: tuple[SendRecv, ...] = ()    # point-to-point links that declare `defers_sends`
 
 
 def parse_micro_batches(value: Any, what: str = "micro_batches") -> int | None:
@@ -76,19 +92,18 @@ def env_micro_batches() -> int | None:
     return parse_micro_batches(os.environ.get(ENV), f"${ENV}")
 
 
-def micro_batches(engine: Engine, n_seqs: int) -> int:
+def micro_batches(how: Pipelining, n_seqs: int) -> int:
     """Passes in flight at once for a step of `n_seqs` sequences: the engine's setting, else P
-    (the layout's pipeline stages) where the stages are processes linked by MPI send / receive
-    (CPU ranks) and the step carries at least P sequences, else 1 (in one process the devices
-    take turns anyway)."""
-    m = engine.micro_batches
-    if m is not None:
-        return parse_micro_batches(m, "Engine.micro_batches")
-    stages = engine.layout.pp
-    return stages if stages > 1 and engine.world is not None and n_seqs >= stages and _links(engine) else 1
+    (the layout's pipeline stages) where the stages are processes linked by deferrable sends
+    (CPU ranks: MPI send / receive) and the step carries at least P sequences, else 1 (in one
+    process the devices take turns anyway)."""
+    if how.setting is not None:
+        return parse_micro_batches(how.setting, "Engine.micro_batches")
+    stages = how.stages
+    return stages if stages > 1 and how.across_processes and n_seqs >= stages and how.links else 1
 
 
-def split_small(engine: Engine, small: list, cap: int) -> list[list]:
+def split_small(how: Pipelining, small: list[Row], cap: int) -> list[list[Row]]:
     """The few-token rows (`small`, grouped by sequence) as passes: slices of `cap` rows, or,
     where more micro-batches are wanted than that gives, up to M passes of whole sequences with
     about equal rows (each at most `cap`)."""
@@ -99,7 +114,7 @@ def split_small(engine: Engine, small: list, cap: int) -> list[list]:
             seqs[-1].append(row)
         else:
             seqs.append([row])
-    want = min(micro_batches(engine, len(seqs)), len(seqs))
+    want = min(micro_batches(how, len(seqs)), len(seqs))
     if want <= len(slices) or any(len(s) > cap for s in seqs):
         return slices
     groups: list[list[list]] = [[] for _ in range(want)]
@@ -118,32 +133,20 @@ def split_small(engine: Engine, small: list, cap: int) -> list[list]:
     return [rows for rows in out if rows]
 
 
-def plan_in_flight(engine: Engine, spec: Any, slots: dict) -> tuple:
-    """The plan and executable for the next pass of shape `spec` in a window: a shape already
-    in flight gets another slot (buffers of its own)."""
-    key = spec.key()
-    slot = slots.get(key, 0)
-    slots[key] = slot + 1
-    return engine.plan_for(spec, slot)
-
-
-def _links(engine: Engine) -> list:
-    """The point-to-point links whose sends can be deferred (`MpiSendRecv`), if any."""
-    link = getattr(getattr(engine.backend, "collective", None), "send_recv", None)
-    return [link] if hasattr(link, "deferred_sends") else []
-
-
-def run_passes(engine: Engine, items: Sequence, passes: list[list], keep: dict[int, int]) -> list[list]:
-    """Every pass's logits (`Engine._run_pass`'s), the passes run in windows of M."""
-    m = micro_batches(engine, len(items))
+def run_passes(how: Pipelining, passes: Sequence[Pass], n_seqs: int) -> list[list]:
+    """Every pass's logits (`Pass.read`'s), the passes run in windows of M for a step of
+    `n_seqs` sequences."""
+    m = micro_batches(how, n_seqs)
     if m <= 1 or len(passes) <= 1:
-        return [engine._run_pass(items, rows, keep) for rows in passes]
+        return [p.run() for p in passes]
     out: list[list] = []
     for i in range(0, len(passes), m):
+        window = passes[i:i + m]
         with ExitStack() as stack:
-            for link in _links(engine):
+            for link in how.links:
                 stack.enter_context(link.deferred_sends())
-            slots: dict = {}
-            issued = [engine._issue_pass(items, rows, keep, slots) for rows in passes[i:i + m]]
-        out.extend(engine._read_pass(*x) for x in issued)
+            in_flight: dict = {}
+            for p in window:
+                p.issue(in_flight)
+        out.extend(p.read() for p in window)
     return out

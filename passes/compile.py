@@ -114,7 +114,7 @@ def _stats(graph: Graph, st_before: States, chains: list[Chain], mirrored: list[
 def _pipeline_plan(graph: Graph, layout: DeviceLayout, hparams) -> Plan:
     if layout.split_mode == "layer":
         return compile_layer_plan(graph, layout, hparams)
-    return compile_stage_plan(graph, layout, hparams)
+    return compile_stage_plan(graph, layout, hparams, compile_group=compile_plan)
 
 
 def compile_stages(graph: Graph, layout: DeviceLayout, hparams=None, *, coalesce: bool = True,

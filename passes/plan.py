@@ -8,15 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from metatp.ir.errors import ConfigError
 from metatp.ir.graph import Graph
 from metatp.ir.tensor import Tensor
+from metatp.passes.facts import PlanFacts
 from metatp.passes.state import SplitState
-
-if TYPE_CHECKING:
-    from metatp.backends.analysis import PlanFacts
 
 __all__ = ["DeviceLayout", "Local", "TensorPlan", "Reduction", "Transfer", "Subgraph", "Plan", "single_device_plan"]
 
@@ -183,10 +180,8 @@ class Plan:
 
     @cached_property
     def facts(self) -> PlanFacts:
-        """The graph facts every backend reads (`backends.analysis.PlanFacts`), made once per
+        """The graph facts every backend reads (`passes.facts.PlanFacts`), made once per
         Plan: the weight uploads, the executor and the fusion finders share them."""
-        from metatp.backends.analysis import PlanFacts
-
         return PlanFacts(self)
 
     @property

@@ -24,6 +24,7 @@ that stage; every value a device reads is computed in its group or copied there.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from metatp.ir.errors import SplitError
 from metatp.ir.graph import Graph
@@ -42,13 +43,12 @@ def _pure_view(t: Tensor) -> bool:
     return OPS[t.op].is_pure_view
 
 
-def _inner_plan(graph: Graph, layout: DeviceLayout, hparams) -> Plan:
-    """The plan of one tensor group: -sm tensor over T devices (one device: the trivial plan)."""
-    from metatp.passes.compile import compile_plan
-
+def _inner_plan(graph: Graph, layout: DeviceLayout, hparams, compile_group: Callable[..., Plan]) -> Plan:
+    """The plan of one tensor group: -sm tensor over T devices by `compile_group` (one device:
+    the trivial plan)."""
     if layout.tp == 1:
         return single_device_plan(graph)
-    return compile_plan(graph, DeviceLayout(layout.tp, "tensor", layout.tensor_split), hparams)
+    return compile_group(graph, DeviceLayout(layout.tp, "tensor", layout.tensor_split), hparams)
 
 
 def _lift(st: SplitState, stage: int, p: int, t: int) -> SplitState:
@@ -162,8 +162,10 @@ def _subgraphs(graph: Graph, inner: Plan, stage: dict[Tensor, int], moves: dict[
     return subs
 
 
-def compile_stage_plan(graph: Graph, layout: DeviceLayout, hparams=None) -> Plan:
-    """The Plan for `graph` over `layout` (split_mode "layer,tensor": layout.pp stages of layout.tp)."""
+def compile_stage_plan(graph: Graph, layout: DeviceLayout, hparams=None, *, compile_group: Callable[..., Plan]) -> Plan:
+    """The Plan for `graph` over `layout` (split_mode "layer,tensor": layout.pp stages of layout.tp);
+    `compile_group(graph, layout, hparams)` compiles one stage's -sm tensor plan (`compile.compile_plan`,
+    handed in by its caller so that this module does not import it back)."""
     t0 = time.perf_counter()
     graph.check()
     p, t = layout.pp, layout.tp
@@ -171,7 +173,7 @@ def compile_stage_plan(graph: Graph, layout: DeviceLayout, hparams=None) -> Plan
     slots = layer_devices(n_layer, (1.0,) * p)
     stage = place_nodes(graph, n_layer, slots)
     holders = _Holders(graph, stage, p)
-    inner = _inner_plan(graph, layout, hparams)
+    inner = _inner_plan(graph, layout, hparams, compile_group)
     composer = _Composer(inner, stage, holders, p, t)
     tensors = {x: composer.tensor_plan(x) for x in graph.tensors()}
     subs = _subgraphs(graph, inner, stage, holders.moves, layout)

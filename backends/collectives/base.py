@@ -7,12 +7,21 @@ that this process drives: all of them when devices are simulated in one process 
 devices in one process), one when a process drives one device (`mpi.MpiCollective`; GPU ranks:
 `cuda.nccl.NcclCollective`). This package is device-independent: device collectives live with
 their backend and implement `Collective` there (`cuda.collective.DeviceCollective`).
+
+Besides the all-reduce, a collective declares what else it can do, with defaults meaning "not
+supported" (every collective subclasses `Collective`, so the executor and the engine read
+these instead of probing): `for_devices` (a collective over a subset of its devices, the stage
+groups of -sm layer,tensor) and `send_recv` (point-to-point copies between processes, -sm layer
+across processes; `p2p.SendRecv`, which declares whether its sends can be deferred).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from metatp.backends.collectives.p2p import SendRecv
 
 __all__ = ["Step", "Group", "Collective", "AllGather"]
 
@@ -48,13 +57,23 @@ class Collective(Protocol):
     same bits.
 
     `stream`: where a device collective issues the step (a GPU rank's device stream, so the
-    call is captured with the kernels); host collectives take None and ignore it."""
+    call is captured with the kernels); host collectives take None and ignore it.
+
+    Implementations subclass this class and so inherit the capability defaults below."""
 
     name: str
+    #: point-to-point copies between this process's devices and the others' (-sm layer across
+    #: processes), or None: this collective has none
+    send_recv: SendRecv | None = None
 
     def prepare_allreduce(self, bufs: Sequence[Any], active: Sequence[bool] | None = None,
                           stream: Any = None) -> Step:
         ...
+
+    def for_devices(self, devices: Sequence[int]) -> Collective | None:
+        """The collective summing over `devices` only (-sm layer,tensor: one stage's tensor
+        group); None: this collective cannot sum over a subset (the default)."""
+        return None
 
 
 @runtime_checkable

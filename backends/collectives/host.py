@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from metatp.backends.numpy import native
-from metatp.backends.collectives.base import Group, Step
+from metatp.backends.collectives.base import Collective, Group, Step
 from metatp.backends.collectives.schedule import (Mode, Schedule, Transfer, TransferOp, check_schedule, mode_names,
                                                   resolve_mode)
 from metatp.ir.errors import ConfigError
@@ -123,7 +123,7 @@ def run_schedule(bufs: Sequence[np.ndarray], s: Schedule, active: Sequence[bool]
     prepare_schedule(bufs, s, active)()
 
 
-class HostCollective:
+class HostCollective(Collective):
     """The Collective of devices simulated in one process, for a mode of the table.
 
     use_kernels: run the mode's compiled path (`HOST_KERNELS`) when it has one and the buffers

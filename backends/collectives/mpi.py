@@ -24,14 +24,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.collectives.base import Group, Step
+from metatp.backends.collectives.base import Collective, Group, Step
 from metatp.backends.collectives.p2p import MpiSendRecv
 from metatp.ir.errors import ConfigError
 
 __all__ = ["MpiCollective"]
 
 
-class MpiCollective:
+class MpiCollective(Collective):
     """Allreduce / Allgatherv over an mpi4py communicator; this rank owns device `comm.rank`.
 
     Implements `Collective` and `AllGather` for a group of one device per rank; `send_recv` is
@@ -154,7 +154,7 @@ class _GroupCollective(MpiCollective):
         return counted
 
 
-class _Elsewhere:
+class _Elsewhere(Collective):
     """A group this rank is not in: it never prepares that group's all-reduce."""
 
     name = "mpi"

@@ -36,7 +36,13 @@ __all__ = ["SendRecv", "MpiSendRecv"]
 
 @runtime_checkable
 class SendRecv(Protocol):
-    """Point-to-point copies between the devices of processes (device d is driven by process d)."""
+    """Point-to-point copies between the devices of processes (device d is driven by process d).
+
+    Implementations subclass this class; `defers_sends` declares whether `deferred_sends` makes
+    sends non-blocking (default: no, and `deferred_sends` changes nothing)."""
+
+    #: can sends be deferred (`deferred_sends`), so that passes pipeline (`metatp.pipeline`)?
+    defers_sends: bool = False
 
     def prepare_send(self, buf: Any, dst: int) -> Step:
         """A step sending this device's `buf` to device `dst` (which runs the matching receive)."""
@@ -50,8 +56,14 @@ class SendRecv(Protocol):
         """Device `root`'s `buf` into every process's `buf` (same shape and dtype everywhere)."""
         ...
 
+    @contextmanager
+    def deferred_sends(self) -> Iterator[None]:
+        """Inside: sends do not wait for their receivers, and are all complete on leaving (the
+        default: sends block anyway, so nothing changes)."""
+        yield
 
-class MpiSendRecv:
+
+class MpiSendRecv(SendRecv):
     """`SendRecv` over MPI: `Send` / `Recv` of host buffers on a duplicate of `comm` (rank = device).
 
     `calls` / `seconds` / `bytes` count the copies run and the wall time spent in them on this
@@ -60,6 +72,7 @@ class MpiSendRecv:
     before: the pipeline bubble, `metatp.tools.pipeline_bench`)."""
 
     TAG = 0x6C70      # the tag of layer-split copies (on the duplicated communicator)
+    defers_sends = True
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm.Dup()          # collective: every rank makes its collective at the same point

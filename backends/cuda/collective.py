@@ -6,8 +6,8 @@ the step the runner calls after each subgraph.
 
 FP32 on the wire below llama.cpp's size thresholds, BF16 above (`collectives.wire`): a BF16
 reduction converts each device's value into a wire buffer first and back after
-(`wire_steps`, which the NCCL collective between MPI ranks, `cuda.nccl.NcclCollective`,
-shares).
+(`cuda.wire_cast.wire_steps`, which the NCCL collective between MPI ranks,
+`cuda.nccl.NcclCollective`, shares).
 """
 
 from __future__ import annotations
@@ -17,17 +17,19 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from metatp.backends.collectives.base import Collective
 from metatp.backends.collectives.device import lower_schedule
 from metatp.backends.collectives.schedule import Mode, butterfly_schedule
 from metatp.backends.collectives.wire import wire_dtype
 from metatp.backends.cuda import kernels as ck
-from metatp.backends.cuda.device_ops import Memcpy, Memset, Record, Wait
+from metatp.backends.cuda.device_ops import Memcpy, Record, Wait
 from metatp.backends.cuda.launch import device_ptr, recording
+from metatp.backends.cuda.nccl import NcclGroup
+from metatp.backends.cuda.wire_cast import wire_steps
 from metatp.ir.errors import ConfigError
 
 if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
-    from metatp.backends.cuda.nccl import NcclGroup
 
 __all__ = ["wire_steps", "PreparedReduction", "DeviceCollective", "group_nccl"]
 
@@ -35,31 +37,12 @@ __all__ = ["wire_steps", "PreparedReduction", "DeviceCollective", "group_nccl"]
 def group_nccl(backend: Any, gpus: Sequence[int]) -> NcclGroup | None:
     """The NCCL communicators of one device group's GPUs, made once per backend (a plan for
     another step size reuses them); None where NCCL cannot span them (the schedule then)."""
-    from metatp.backends.cuda.nccl import NcclGroup      # nccl imports this module
-
     cache = backend.group_nccl
     key = tuple(gpus)
     if key not in cache:
         made = NcclGroup(backend.rt, list(key), required=False)
         cache[key] = made if made.active else None
     return cache[key]
-
-
-def wire_steps(rt: Any, gpu: int, stream: Any, buf: Any, send: Any, active: bool, wire: str) -> tuple[list, list]:
-    """(prologue, epilogue) of one device's part of an all-reduce: zero an inactive device's
-    value (a fill: its buffer may hold garbage, NaN) and, on a BF16 wire, convert the flat f32
-    `buf` into the wire buffer `send` before the sum and back after it."""
-    pre: list = [] if active else [Memset(rt, device_ptr(buf), int(buf.nbytes), stream)]
-    post: list = []
-    if wire == "bf16":
-        with rt.kernels(), rt.device(gpu):
-            with recording() as launches:
-                ck.f32_to_bf16(buf, send)
-            pre += [la.frozen() for la in launches]
-            with recording() as launches:
-                ck.bf16_to_f32(send, buf)
-            post += [la.frozen() for la in launches]
-    return pre, post
 
 
 @dataclass
@@ -101,7 +84,7 @@ class _Steps:
         return Wait(self.rt, self.devs[d].stream, event)
 
 
-class DeviceCollective:
+class DeviceCollective(Collective):
     """The executable's all-reduces with the backend's mode, on every device's own stream.
 
     `devices`: the devices summed over (default: all of the executable's); a subset is one

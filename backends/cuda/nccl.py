@@ -12,7 +12,7 @@
   stream, so they sit inside its captured CUDA graph: ncclAllReduce is capturable since NCCL
   2.9; where capture fails the backend runs the step eagerly). The wire is FP32, or BF16 above
   llama.cpp's element thresholds (`wire.wire_dtype`), converted with the backend's own kernels
-  (`collective.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
+  (`wire_cast.wire_steps`, round to nearest even): halving the bytes of large prefill tensors
   at a cost in exactness; decode vectors stay FP32. Split values (the vocabulary-split logits)
   are read on the host, so `allgather` goes over MPI (`MpiCollective`) rather than NCCL.
   Under -sm layer the hidden state goes from rank to rank by ncclSend / ncclRecv on the device
@@ -32,9 +32,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metatp.backends.collectives.base import Group, Step
+from metatp.backends.collectives.base import Collective, Group, Step
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
-from metatp.backends.cuda.collective import wire_steps
+from metatp.backends.cuda.wire_cast import wire_steps
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.p2p import NcclSendRecv
 from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
@@ -161,7 +161,7 @@ def local_gpu(comm: Any, runtime: Any = None) -> int:
     return local
 
 
-class NcclCollective:
+class NcclCollective(Collective):
     """ncclAllReduce between GPU ranks; this rank owns device `comm.rank` of the group.
 
     `wire`: "f32", "bf16" or "auto" (BF16 above the thresholds). `gpu`: the GPU this rank drives
@@ -290,7 +290,7 @@ class NcclCollective:
             self.nccl = None
 
 
-class _Elsewhere:
+class _Elsewhere(Collective):
     """A group this rank is not in: it never prepares that group's all-reduce."""
 
     name = "nccl"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from metatp.backends.collectives.base import Step
+from metatp.backends.collectives.p2p import SendRecv
 from metatp.backends.cuda.device_ops import Memcpy, Record, Wait
 from metatp.backends.cuda.launch import device_ptr
 from metatp.ir.errors import UnsupportedOpError
@@ -71,7 +72,7 @@ class DeviceCopy:
             self.ex.run_steps(d, steps)
 
 
-class NcclSendRecv:
+class NcclSendRecv(SendRecv):
     """`collectives.p2p.SendRecv` between GPU ranks: ncclSend / ncclRecv on the device stream
     (rank = device), over the world's NCCL communicator of `coll` (`nccl.NcclCollective`).
     `calls` / `bytes` count the copies this rank issued (eagerly or into a capture; a replayed

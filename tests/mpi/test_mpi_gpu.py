@@ -109,16 +109,17 @@ def test_owning_one_device_needs_a_collective():
 
 def test_world_builds_cupy_instead_of_refusing():
     """The refusal of backend 'cupy' under mpiexec is gone; what still cannot work is one typed line."""
+    from metatp.backends import create_backend
     from metatp.backends.distributed import World
     from metatp.ir.errors import ConfigError
 
     world = World(comm=None, rank=0, size=2)
     with pytest.raises(ConfigError, match="allreduce='ring'.*NCCL"):
-        world.create_backend("cupy", _layout(2), allreduce="ring")
+        create_backend("cupy", _layout(2), world=world, allreduce="ring")
     with pytest.raises(ConfigError, match="cupy backend has no option 'threads'"):
-        world.create_backend("cupy", _layout(2), threads=True)
+        create_backend("cupy", _layout(2), world=world, threads=True)
     with pytest.raises(ConfigError, match="layout has 3 devices for 2 ranks"):
-        world.create_backend("cupy", _layout(3))
+        create_backend("cupy", _layout(3), world=world)
 
 
 # ---------------------------------------------------------------- mpiexec, emulated GPUs

@@ -234,7 +234,9 @@ def test_a_backend_without_copies_across_processes_says_so(path):
     from metatp.ir.loader import load_model
     from metatp.passes.plan import DeviceLayout
 
-    class Sums:          # an all-reduce, no send_recv
+    from metatp.backends.collectives import Collective
+
+    class Sums(Collective):          # an all-reduce; send_recv left at its default (none)
         name = "sums"
 
         def prepare_allreduce(self, bufs, active=None, stream=None):

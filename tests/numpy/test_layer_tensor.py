@@ -91,7 +91,9 @@ def test_a_collective_without_groups_refuses_the_mode_by_name(synth_model):
     from metatp.ir.errors import UnsupportedOpError
     from metatp.passes.plan import DeviceLayout
 
-    class Sums:          # an all-reduce over every device, no for_devices
+    from metatp.backends.collectives import Collective
+
+    class Sums(Collective):          # an all-reduce over every device; for_devices left at its default (none)
         name = "sums"
 
         def prepare_allreduce(self, bufs, active=None, stream=None):

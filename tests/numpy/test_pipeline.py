@@ -124,24 +124,24 @@ def test_unquantized_weights_agree_to_float_tolerance(synth_factory):
 
 
 def test_split_small_keeps_sequences_whole_and_rows_balanced(synth_model):
-    from metatp.engine import _Row
+    from metatp.step import Row
 
     eng = _engine(synth_model, micro=3)
-    rows = [_Row(k, 0, 1, True) for k, n in enumerate([1, 1, 1, 1, 1, 1, 1, 1]) for _ in range(n)]
-    passes = pipeline.split_small(eng, rows, 64)
+    rows = [Row(k, 0, 1, True) for k, n in enumerate([1, 1, 1, 1, 1, 1, 1, 1]) for _ in range(n)]
+    passes = pipeline.split_small(eng.pipelining(), rows, 64)
     assert [len(p) for p in passes] == [3, 2, 3]
-    chunks = [_Row(k, i, 1, i == n - 1) for k, n in enumerate([5, 1, 4, 2]) for i in range(n)]
-    passes = pipeline.split_small(eng, chunks, 64)
+    chunks = [Row(k, i, 1, i == n - 1) for k, n in enumerate([5, 1, 4, 2]) for i in range(n)]
+    passes = pipeline.split_small(eng.pipelining(), chunks, 64)
     assert [[r.item for r in p] for p in passes] == [[0] * 5, [1], [2] * 4 + [3] * 2]   # whole sequences, in order
-    assert [len(p) for p in pipeline.split_small(eng, chunks, 5)] == [5, 5, 2]         # each pass <= cap rows
+    assert [len(p) for p in pipeline.split_small(eng.pipelining(), chunks, 5)] == [5, 5, 2]   # each pass <= cap rows
     eng.micro_batches = 1
-    assert [len(p) for p in pipeline.split_small(eng, chunks, 5)] == [5, 5, 2]         # as before: slices
-    assert [len(p) for p in pipeline.split_small(eng, chunks, 64)] == [12]
+    assert [len(p) for p in pipeline.split_small(eng.pipelining(), chunks, 5)] == [5, 5, 2]   # as before: slices
+    assert [len(p) for p in pipeline.split_small(eng.pipelining(), chunks, 64)] == [12]
 
 
 def test_default_is_off_in_one_process_and_the_setting_is_checked(synth_model, monkeypatch):
     eng = _engine(synth_model, micro=None)
-    assert pipeline.micro_batches(eng, 8) == 1          # simulated devices run one after another anyway
+    assert pipeline.micro_batches(eng.pipelining(), 8) == 1     # simulated devices run one after another anyway
     monkeypatch.setenv(pipeline.ENV, "4")
     assert pipeline.env_micro_batches() == 4
     for bad in ("0", "x", "65", "-2", "1.5"):
@@ -150,7 +150,7 @@ def test_default_is_off_in_one_process_and_the_setting_is_checked(synth_model, m
             pipeline.env_micro_batches()
     eng.micro_batches = 0
     with pytest.raises(ConfigError, match="Engine.micro_batches"):
-        pipeline.micro_batches(eng, 8)
+        pipeline.micro_batches(eng.pipelining(), 8)
 
 
 def test_the_cli_flag_reaches_every_engine(synth_model, monkeypatch):

@@ -200,18 +200,20 @@ def test_failed_step_does_not_poison_other_sequences(llm, monkeypatch):
     want = solo_stream(llm, PROMPTS[0], "seeded")
     a = completion(llm, PROMPTS[0], "seeded")
     head = next(a)["choices"][0]["text"]
+    from metatp.step import Pass
+
     eng = llm.engine
-    real = eng._run_pass
+    real = Pass.run
     calls = {"n": 0}
 
-    def dies_once(items, rows, keep):
+    def dies_once(self):
         calls["n"] += 1
         if calls["n"] == 1:
-            real(items, rows, keep)        # the rows are written, then the step is lost
+            real(self)                     # the rows are written, then the step is lost
             raise KeyboardInterrupt
-        return real(items, rows, keep)
+        return real(self)
 
-    monkeypatch.setattr(eng, "_run_pass", dies_once)
+    monkeypatch.setattr(Pass, "run", dies_once)
     with pytest.raises(KeyboardInterrupt):
         solo(llm, PROMPTS[1], "greedy")
     assert head + stream_text(a) == want

@@ -16,7 +16,7 @@ from metatp.backends.collectives.schedule import resolve_mode
 from metatp.passes.plan import Plan
 from metatp.tools.dump.layer_bill import transfer_bill
 from metatp.passes.memory import format_bytes
-from metatp.tools.dump.view import DEFAULT_PREFILL_TOKENS, Link, reduction_bytes
+from metatp.tools.dump.view import DEFAULT_PREFILL_TOKENS, Link, layer_spans, reduction_bytes
 
 __all__ = ["stage_bill", "stage_text"]
 
@@ -63,12 +63,6 @@ def stage_bill(plan: Plan, link: Link, n_tokens: int, allreduce: str = "auto", w
     }
 
 
-def _spans(layers: list[int]) -> str:
-    from metatp.tools.dump.text import _spans as spans
-
-    return spans(layers)
-
-
 def stage_text(b: dict) -> list[str]:
     """The text section of `stage_bill`."""
     link = b["link"]
@@ -76,7 +70,7 @@ def stage_text(b: dict) -> list[str]:
                "rule over equal stage shares, -ts inside each group)"]
     for s in b["stages"]:
         devs = ",".join(f"dev{d}" for d in s["devices"])
-        span = _spans(s["layers"])
+        span = layer_spans(s["layers"])
         out.append(f"  stage {s['stage']} [{devs}]: {len(s['layers'])} layer(s){' ' + span if span else ''}"
                    f"{' + input layer' if s['stage'] == 0 else ''}{' + output layer' if s['stage'] == b['output_stage'] else ''};"
                    f" {s['allreduces_per_step']} all-reduce(s) per step within the group,"

@@ -8,7 +8,7 @@ from metatp.backends.collectives.schedule import resolve_mode
 from metatp.ir.errors import SplitError
 from metatp.ir.tensor import Flag, Tensor
 from metatp.passes.memory import format_bytes
-from metatp.tools.dump.view import (raw_weight_bytes, tensor_kind, shape_text, flags_text, PlanView, reduction_bytes)
+from metatp.tools.dump.view import (layer_spans, raw_weight_bytes, tensor_kind, shape_text, flags_text, PlanView, reduction_bytes)
 
 
 # ---------------------------------------------------------------- text
@@ -131,7 +131,7 @@ def _transfer_text(b: dict) -> list[str]:
     out = ["", "layer assignment (llama.cpp's rule: layers in proportion to -ts, output layer as slot n_layer)",
            f"  input layer (token embeddings): dev{b['input_device']}"]
     for d, layers in enumerate(b["layers_per_device"]):
-        span = _spans(layers)
+        span = layer_spans(layers)
         out.append(f"  dev{d}: {len(layers)} layer(s){' ' + span if span else ''}")
     out.append(f"  output layer (final norm, lm head): dev{b['output_device']}")
     out += ["", f"copy bill (point-to-point, no all-reduce; link {link['name']}: {link['latency_us']:g} us per copy,"
@@ -146,17 +146,6 @@ def _transfer_text(b: dict) -> list[str]:
     out.append(f"  est. latency: {b['latency_per_step_us']:.1f} us per step,"
                f" {b['latency_per_token_us']:.2f} us per token")
     return out
-
-
-def _spans(layers: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    parts: list[tuple[int, int]] = []
-    for il in layers:
-        if parts and parts[-1][1] == il - 1:
-            parts[-1] = (parts[-1][0], il)
-        else:
-            parts.append((il, il))
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
 
 
 def _bill_text(c: dict) -> list[str]:

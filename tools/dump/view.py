@@ -369,3 +369,14 @@ def plan_summary(view: PlanView, lowered: Plan | None, link: Link, n_tokens: int
                                             allreduce=view.allreduce, wire=view.wire) if compiled else None,
         "logits_read": logits_bill(plan) if compiled else None,
     }
+
+
+def layer_spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts: list[tuple[int, int]] = []
+    for il in layers:
+        if parts and parts[-1][1] == il - 1:
+            parts[-1] = (parts[-1][0], il)
+        else:
+            parts.append((il, il))
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in parts)
