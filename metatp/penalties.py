@@ -9,8 +9,6 @@ applies it to a row or to the shard of it that starts at token id `lo`.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -18,38 +16,11 @@ import numpy as np
 from metatp.backends.logit_adjustment import Adjustment, adjust
 from metatp.ir.errors import ConfigError
 
-__all__ = ["Penalties", "Adjustment", "adjust", "check_logit_bias", "check_min_tokens", "release_unstopped",
-           "BAN_BIAS"]
+__all__ = ["Penalties", "Adjustment", "adjust", "release_unstopped", "BAN_BIAS"]
 
 BAN_BIAS = -100.0      # OpenAI: "-100 should result in a ban"; here the logit becomes -inf, a true ban
 _EMPTY = np.zeros(0, dtype=np.int64)
 _MAX_ID = 2 ** 62      # no vocabulary is larger; keeps every id an int64
-
-
-def check_logit_bias(v: Any) -> dict[int, float]:
-    """A logit_bias map {token id: bias}, ids integers >= 0, biases finite in [-100, 100]."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ConfigError(f"logit_bias must be a dict of token id -> bias, got {type(v).__name__}")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        if isinstance(k, (bool, np.bool_)) or not isinstance(k, numbers.Integral) or k < 0:
-            raise ConfigError(f"logit_bias: token ids must be integers >= 0, got {k!r}")
-        if isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Real) \
-                or not (isinstance(b, numbers.Integral) or math.isfinite(b)) or not -100 <= b <= 100:
-            raise ConfigError(f"logit_bias: the bias of token {int(k)} must be a number from -100 to 100, got {b!r}")
-        out[int(k)] = float(b) + 0.0
-    return out
-
-
-def check_min_tokens(v: Any, max_tokens: int | None) -> int:
-    """vLLM's min_tokens: an integer >= 0, at most max_tokens when that is given."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral) or v < 0:
-        raise ConfigError(f"min_tokens must be an integer >= 0, got {v!r}")
-    if max_tokens is not None and v > max_tokens:
-        raise ConfigError(f"min_tokens must be <= max_tokens={max_tokens}, got {int(v)}")
-    return int(v)
 
 
 class Penalties:

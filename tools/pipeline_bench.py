@@ -89,7 +89,7 @@ def _cmd(args) -> int:
     opts = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=n_ctx, backend=args.backend, n_batch=args.batch_size, max_num_seqs=B, **opts)
     engine, world = llm.engine, llm.world
-    link = getattr(getattr(llm.backend, "collective", None), "send_recv", None)
+    link = llm.backend.collective.send_recv if llm.backend.collective is not None else None
     link = link if hasattr(link, "recv_seconds") else None
     rng = np.random.default_rng(args.seed)
     vocab = llm.model.hparams.n_vocab

@@ -103,7 +103,7 @@ def _options(args) -> dict:
 def _run(args) -> int:
     from metatp.api import LLM
 
-    # `runtime` is the device-API seam `World.create_backend` takes for cupy (EmuRuntime here)
+    # `runtime` is the device-API seam `backends.create_backend(..., world=...)` takes for cupy (EmuRuntime here)
     runtime = _runtime(args)
     options = _options(args) | ({"runtime": runtime} if runtime is not None else {})
     llm = LLM(args.model, n_ctx=args.n_ctx, backend="cupy", tensor_split=args.tensor_split, distributed="mpi",

@@ -2,7 +2,7 @@
 
 The rank (`metatp.testing.mpi_rank`, started as `python3 scripts/gpu_check --mpi-rank ...`, under
 `mpiexec -n 1` where it is on PATH, else as an MPI singleton) builds its backend with
-`World.create_backend("cupy")`, generates greedy tokens on a small synthetic model, compares
+`backends.create_backend("cupy", layout, world=world)`, generates greedy tokens on a small synthetic model, compares
 them with the single-process cupy run and drives the collective's step. With --emulate: the
 kernel emulator, NCCL replaced by the test stand-in that sums over MPI."""
 

@@ -86,8 +86,8 @@ def make_slot(cfg: BenchConfig, lay: tuple, world) -> Slot:
         return Slot(*(built or (None, None)), lay, scope="root")
     eng, base = setup_layout(cfg, *lay, distributed="mpi")
     coll = eng.backend.collective if hasattr(eng, "backend") else None
-    if lay[1] == "layer":           # no all-reduce: time the sends / receives of the hidden state
-        coll = getattr(coll, "send_recv", None)
+    if lay[1] == "layer" and coll is not None:      # no all-reduce: time the sends / receives of the hidden state
+        coll = coll.send_recv
     timer = AllreduceTimer(coll) if hasattr(coll, "seconds") else None
     return Slot(eng, base, lay, timer=timer)
 
