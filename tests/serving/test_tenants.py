@@ -159,6 +159,43 @@ def test_python_api_honours_cache_salt(path):
     assert m.tenants[None].prefix_hit_tokens == 3 * HIT and m.tenants[None].requests == 6
 
 
+def test_per_tenant_metrics_lines():
+    from metatp.metrics import Metrics
+    from metatp.server.metrics import tenant_lines
+
+    m = Metrics()
+    assert [ln for ln in tenant_lines(m) if not ln.startswith("#")] == []     # nobody sent anything yet
+    m.accept("bob", 10)
+    m.accept(None, 3)
+    m.generated("bob")
+    m.count_prefix('we"ird\\', 32, 16)
+    lines = tenant_lines(m)
+    assert 'metatp_tenant_requests_total{tenant="anonymous"} 1' in lines
+    assert 'metatp_tenant_requests_total{tenant="bob"} 1' in lines
+    assert 'metatp_tenant_prompt_tokens_total{tenant="bob"} 10' in lines
+    assert 'metatp_tenant_generation_tokens_total{tenant="bob"} 1' in lines
+    assert 'metatp_tenant_prefix_cache_hits_total{tenant="we\\"ird\\\\"} 16' in lines
+    assert m.requests_accepted == 2 and m.generated_tokens == 1 and m.prefix_hit_tokens == 16
+
+
+@requires("serve")
+def test_create_app_takes_several_keys_in_process(path):
+    """create_app(api_key=[...]) through FastAPI's test client: each key's requests are its tenant's."""
+    from metatp.server import create_app
+
+    testclient = optional_import("fastapi.testclient")
+    llm = LLM(path, backend="numpy", n_ctx=1024, enable_prefix_caching=True)
+    with testclient.TestClient(create_app(llm, api_key=[ALICE, BOB], max_model_len=1024)) as client:
+        def send(key: str) -> int:
+            r = client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 1},
+                            headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return llm.scheduler.metrics.prefix_hit_tokens
+        assert send(ALICE) == 0 and send(BOB) == 0 and send(ALICE) == HIT and send(BOB) == 2 * HIT
+        assert client.post("/v1/completions", json={"prompt": LONG, "max_tokens": 1}).status_code == 401
+    assert set(llm.scheduler.metrics.tenants) == {"tenant-1", "tenant-2"}
+
+
 # ---------------------------------------------------------------- metatp serve + openai
 @pytest.fixture(scope="module")
 def server(path, tmp_path_factory):
