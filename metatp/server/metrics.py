@@ -75,7 +75,8 @@ def prometheus_text(srv: Frontend) -> str:
 def tenant_lines(m: Metrics) -> list[str]:
     """Each tenant's counters, labelled by its name (never its key): tenants that sent nothing
     yet are absent."""
-    tenants: list[tuple[str | None, TenantCounters]] = list(dict(m.tenants).items())   # a copy: the stepping thread adds
+    # a copy: the stepping thread adds tenants as they first send
+    tenants: list[tuple[str | None, TenantCounters]] = list(dict(m.tenants).items())
     tenants.sort(key=lambda kv: (kv[0] is not None, kv[0] or ""))
     lines: list[str] = []
     for name, attr, help_ in _TENANT_COUNTERS:

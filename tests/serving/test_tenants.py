@@ -127,7 +127,8 @@ def test_a_chain_is_found_only_in_its_namespace():
     assert cache.keep(t, ids, Namespace("bob")) == 4              # bob's own copy: new blocks, new cells
     cells.free(t)
     assert cache.n_blocks == 8 and cells.n_cached == 128
-    assert not np.isin(cache.lookup(ids + [1], Namespace("bob"))[0].cells, cache.lookup(ids + [1], alice)[0].cells).any()
+    bobs, alices = (cache.lookup(ids + [1], ns)[0].cells for ns in (Namespace("bob"), alice))
+    assert not np.isin(bobs, alices).any()
 
 
 def test_cache_salt_is_checked_and_never_quoted():
@@ -198,7 +199,7 @@ def test_create_app_takes_several_keys_in_process(path):
 
 # ---------------------------------------------------------------- metatp serve + openai
 @pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
+def tenants_server(path, tmp_path_factory):
     d = tmp_path_factory.mktemp("tenants")
     keys = d / "keys.txt"
     keys.write_text(f"# two tenants\n{ALICE} alice\n{BOB} bob\n")
@@ -231,51 +232,51 @@ def _send(server, key: str, salt: str | None = None) -> tuple[dict[str, float], 
 
 
 @requires("serve")
-def test_tenants_never_share_cached_prefixes(server):
+def test_tenants_never_share_cached_prefixes(tenants_server):
     """A then A again (a hit), then B with the same prompt: no hit, every token prefilled."""
-    first, ttft_first = _send(server, ALICE)
-    again, ttft_again = _send(server, ALICE)
-    other, ttft_other = _send(server, BOB)
+    first, ttft_first = _send(tenants_server, ALICE)
+    again, ttft_again = _send(tenants_server, ALICE)
+    other, ttft_other = _send(tenants_server, BOB)
     assert first == {"metatp_prefix_cache_hits_total": 0, "metatp_prompt_tokens_total": len(LONG)}
     assert again == {"metatp_prefix_cache_hits_total": HIT, "metatp_prompt_tokens_total": len(LONG) - HIT}
     assert other == {"metatp_prefix_cache_hits_total": 0, "metatp_prompt_tokens_total": len(LONG)}
     print(f"time to first token: alice {ttft_first * 1e3:.0f} ms, alice again {ttft_again * 1e3:.0f} ms, "
           f"bob {ttft_other * 1e3:.0f} ms")
-    _, per, text = _metrics(server)
+    _, per, text = _metrics(tenants_server)
     assert per[("metatp_tenant_prefix_cache_hits_total", "alice")] == HIT
     assert per[("metatp_tenant_prefix_cache_hits_total", "bob")] == 0
     assert per[("metatp_tenant_requests_total", "alice")] >= 2 and per[("metatp_tenant_requests_total", "bob")] >= 1
     assert per[("metatp_tenant_generation_tokens_total", "bob")] >= 2
     assert per[("metatp_tenant_prompt_tokens_total", "bob")] >= len(LONG)
     for secret in (ALICE, BOB, CAROL):
-        assert secret not in text and secret not in server.text()
+        assert secret not in text and secret not in tenants_server.text()
 
 
 @requires("serve")
-def test_cache_salt_through_the_server(server):
+def test_cache_salt_through_the_server(tenants_server):
     """One tenant (the unnamed --api-key's, tenant-1): another salt is no hit, the same salt is."""
-    assert _send(server, CAROL, "salt-1")[0]["metatp_prefix_cache_hits_total"] == 0
-    assert _send(server, CAROL, "salt-2")[0]["metatp_prefix_cache_hits_total"] == 0
-    assert _send(server, CAROL, "salt-1")[0]["metatp_prefix_cache_hits_total"] == HIT
-    assert _send(server, ALICE, "salt-1")[0]["metatp_prefix_cache_hits_total"] == 0    # a salt is per tenant
-    _, per, _ = _metrics(server)
+    assert _send(tenants_server, CAROL, "salt-1")[0]["metatp_prefix_cache_hits_total"] == 0
+    assert _send(tenants_server, CAROL, "salt-2")[0]["metatp_prefix_cache_hits_total"] == 0
+    assert _send(tenants_server, CAROL, "salt-1")[0]["metatp_prefix_cache_hits_total"] == HIT
+    assert _send(tenants_server, ALICE, "salt-1")[0]["metatp_prefix_cache_hits_total"] == 0    # a salt is per tenant
+    _, per, _ = _metrics(tenants_server)
     assert per[("metatp_tenant_prefix_cache_hits_total", "tenant-1")] == HIT
     for bad in ("", "s" * (MAX_CACHE_SALT + 1), 7):
-        r = httpx.post(server.base + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "cache_salt": bad},
-                       headers={"Authorization": f"Bearer {CAROL}"}, timeout=30)
+        r = httpx.post(tenants_server.base + "/v1/completions", headers={"Authorization": f"Bearer {CAROL}"},
+                       json={"prompt": [5, 6, 7], "max_tokens": 1, "cache_salt": bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
         assert "sss" not in r.text
 
 
 @requires("serve")
-def test_a_wrong_key_is_a_401_naming_nothing_secret(server):
+def test_a_wrong_key_is_a_401_naming_nothing_secret(tenants_server):
     for headers in ({}, {"Authorization": "Bearer sk-alice-012345678"}, {"Authorization": f"Basic {ALICE}"}):
-        r = httpx.post(server.base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}, headers=headers,
-                       timeout=30)
+        r = httpx.post(tenants_server.base + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1},
+                       headers=headers, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert not any(s in r.text for s in (ALICE, BOB, CAROL, "sk-alice", "alice", "bob"))
-        assert httpx.get(server.base + "/metrics", headers=headers, timeout=30).status_code == 401
+        assert httpx.get(tenants_server.base + "/metrics", headers=headers, timeout=30).status_code == 401
     with pytest.raises(openai.AuthenticationError):
-        server.client("sk-nobody").completions.create(model="m", prompt=[5, 6], max_tokens=1)
+        tenants_server.client("sk-nobody").completions.create(model="m", prompt=[5, 6], max_tokens=1)
     for key in (ALICE, BOB, CAROL):
-        assert server.client(key).completions.create(model="m", prompt=[5, 6], max_tokens=1).choices
+        assert tenants_server.client(key).completions.create(model="m", prompt=[5, 6], max_tokens=1).choices
