@@ -160,6 +160,34 @@ def test_python_api_honours_cache_salt(path):
     assert m.tenants[None].prefix_hit_tokens == 3 * HIT and m.tenants[None].requests == 6
 
 
+def test_only_cells_reach_the_followers(path):
+    """Under MPI the prefix cache (and its namespaces) lives on rank 0: the followers get cell
+    operations alone, never a tenant or a salt, and mirror every cached cell all the same."""
+    import pickle
+
+    from metatp.kv_cells import CACHED
+    from metatp.lockstep import STOP, follow
+    from support.serving import LoopbackPosts, record_steps
+
+    def make() -> LLM:
+        return LLM(path, n_ctx=1024, backend="numpy", n_devices=2, split_mode="tensor", distributed="none",
+                   max_num_seqs=2, n_batch=64, enable_prefix_caching=True)
+    lead, rest = make(), make()
+    posts: list = []
+    lead.scheduler.lead(LoopbackPosts(0, posts))
+    logs = record_steps(lead.engine, rest.engine)
+    for tenant, salt in (("alice", None), ("bob", None), ("alice", "pepper-salt"), ("alice", None)):
+        lead.submit(LONG[:100], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, cache_salt=salt),
+                    tenant=tenant).result()
+    assert lead.scheduler.metrics.tenants["alice"].prefix_hit_tokens == 96       # only alice's unsalted repeat
+    assert lead.scheduler.metrics.tenants["bob"].prefix_hit_tokens == 0
+    sent = pickle.dumps(posts)
+    assert b"alice" not in sent and b"bob" not in sent and b"pepper-salt" not in sent
+    assert follow(rest.engine, LoopbackPosts(1, posts + [STOP])) == len(logs[0])
+    assert all(np.array_equal(a, b) for (a, _), (b, _) in zip(*logs))
+    assert any((own == CACHED).any() for own, _ in logs[1])
+
+
 def test_per_tenant_metrics_lines():
     from metatp.metrics import Metrics
     from metatp.server.metrics import tenant_lines
