@@ -321,7 +321,7 @@ class LLM:
 
     # ---------------------------------------------------------------- generation core
     def submit(self, prompt_ids: list[int], params: SamplingParams, index: int = 0, kind: str = "generate",
-               max_model_len: int | None = None, on_output=None) -> RequestHandle:
+               max_model_len: int | None = None, on_output=None, tenant: str | None = None) -> RequestHandle:
         """Queue one sample (`index` of params.n) of a prompt: the public request entry point that
         `generate`, `score`, streaming and the server share. Returns its `RequestHandle`: iterate
         it, wait for its `result()`, or `cancel()` it; with `on_output`, each output goes to that
@@ -331,7 +331,9 @@ class LLM:
         i > 0 of n from [seed, i]), an unseeded one from a seed taken from the LLM's generator now,
         so its tokens never depend on who shares its steps. Under MPI only rank 0 submits (its
         steps are posted to the other ranks, which follow them: inside a call every rank makes,
-        or `serve`). `max_model_len`: this request's cap (the server's), else the LLM's."""
+        or `serve`). `max_model_len`: this request's cap (the server's), else the LLM's. `tenant`:
+        who sends it (a server's API-key tenant; None: anonymous): with params.cache_salt, whose
+        prefix-cache blocks it may reuse."""
         if self._mpi_calls is not None and self._mpi_calls.leader is None:
             raise ConfigError(f"rank {self._mpi_calls.world.rank} cannot submit: under MPI rank 0 schedules "
                               "every request and the other ranks follow its steps (call generate / score / the "
@@ -345,7 +347,7 @@ class LLM:
                 rng = np.random.default_rng(int(self._rng.integers(2 ** 63)))
         req = Request(prompt_ids, params, rng, self.n_ctx, kind=kind, index=index,
                       max_model_len=self.max_model_len if max_model_len is None else max_model_len,
-                      eog_ids=self.tokenizer.eog_ids)
+                      eog_ids=self.tokenizer.eog_ids, tenant=tenant)
         handle = RequestHandle(req, self.scheduler, OutputProcessor(params, self.tokenizer), on_output)
         self.scheduler.submit(req)
         return handle
@@ -384,7 +386,8 @@ class LLM:
         try:
             for ids, params in zip(all_ids, per_prompt):     # every sample queued before any step runs
                 scoring.append(None if params.prompt_logprobs is None else
-                               self.submit(ids, SamplingParams(max_tokens=0), kind="score"))
+                               self.submit(ids, SamplingParams(max_tokens=0, cache_salt=params.cache_salt),
+                                           kind="score"))
                 groups.append([])
                 for i in range(params.n):
                     groups[-1].append(self.submit(ids, params, i))

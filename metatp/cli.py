@@ -65,11 +65,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
+    tenants = _api_key_tenants(args)         # a bad key file: an error now, before the model is read
     options = layout_kwargs(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
               enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options)
-    key = args.api_key or os.environ.get("METATP_API_KEY") or None
     if args.warmup and llm.world is None:
         # the plans of decode steps and of prompts arriving together, now, not in the first burst
         llm.engine.warm_up(args.parallel)
@@ -77,8 +77,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
               f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
               f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=key, log_level=args.log_level)
+    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=tenants, log_level=args.log_level)
     return 0
+
+
+def _api_key_tenants(args: argparse.Namespace):
+    """The tenants of --api-key (repeated) and --api-key-file; neither: $METATP_API_KEY, else no
+    key (one anonymous tenant)."""
+    from metatp.server.tenants import Tenants
+
+    keys = args.api_key or []
+    if not keys and args.api_key_file is None and os.environ.get("METATP_API_KEY"):
+        keys = [os.environ["METATP_API_KEY"]]
+    return Tenants.from_keys(keys, args.api_key_file)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -125,7 +136,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="do not compile the plans of decode steps of 1..parallel sequences (and of full "
                          "few-token passes) before listening")
     sv.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for a slot before 503 (default 64)")
-    sv.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (default $METATP_API_KEY)")
+    sv.add_argument("--api-key", action="append", default=None,
+                    help="require Authorization: Bearer KEY; repeat it for several keys, each a tenant of its own "
+                         "(tenant-<n>; default $METATP_API_KEY)")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="API keys, one a line: 'KEY' or 'KEY TENANT-NAME' (keys naming one tenant share its "
+                         "prefix cache); blank lines and # comments skipped")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from metatp.kv_cells import KVCells, SeqCells
-from metatp.prefix_cache import PrefixCache
+from metatp.prefix_cache import ANONYMOUS, Namespace, PrefixCache
 
 if TYPE_CHECKING:
     from metatp.metrics import Metrics
@@ -46,16 +46,17 @@ class CellDemand:
         page = max(self.cells.page, self.BLOCK)
         return max(need, min(-(-need // page) * page, n_cells))
 
-    def admit(self, ids: Sequence[int], n_cells: int, alone: bool, cached: bool = True) -> SeqCells | None:
+    def admit(self, ids: Sequence[int], n_cells: int, alone: bool, cached: bool = True,
+              namespace: Namespace = ANONYMOUS) -> SeqCells | None:
         """A sequence to prefill `ids` and take the next token: room for them, on pages of its
         own unless it would run `alone`, beginning with the prefix cache's blocks `ids` start
-        with (`cached`; its n_past then counts their positions); None when the cache cannot
-        hold them now (the request keeps waiting)."""
+        with in `namespace` (`cached`; its n_past then counts their positions); None when the
+        cache cannot hold them now (the request keeps waiting)."""
         n = len(ids)
         need = min(n + 1, max(n_cells, n))
         paged = self.paged and not alone
         cached = cached and self.prefix is not None
-        chain = self.prefix.lookup(ids) if cached else []
+        chain = self.prefix.lookup(ids, namespace) if cached else []
         seq = None
         for ch in self._chains(chain):
             self.prefix.pin(ch)
@@ -73,8 +74,7 @@ class CellDemand:
             reused = len(chain) * self.prefix.block
             self.prefix.attach(seq, chain)
             seq.n_past = reused
-            self.metrics.prefix_queried_tokens += n
-            self.metrics.prefix_hit_tokens += reused
+            self.metrics.count_prefix(namespace.tenant, n, reused)
         return seq
 
     def grow(self, seq: SeqCells, n_cells: int, shared: bool) -> bool:
@@ -89,12 +89,13 @@ class CellDemand:
                              self.paged and shared, (nxt, nxt + self.cells.page))
         return added is not None
 
-    def free(self, seq: SeqCells, ids: Sequence[int] | None = None) -> None:
+    def free(self, seq: SeqCells, ids: Sequence[int] | None = None, namespace: Namespace = ANONYMOUS) -> None:
         """Return `seq`'s cells. `ids`: its tokens, given when its written cells are good (it
-        finished, was cancelled or preempted): their whole blocks stay in the prefix cache."""
+        finished, was cancelled or preempted): their whole blocks stay in the prefix cache, in
+        `namespace` (its request's)."""
         if self.prefix is not None and not seq.freed:
             if ids is not None:
-                self.prefix.keep(seq, ids)
+                self.prefix.keep(seq, ids, namespace)
             else:
                 self.prefix.unpin(self.prefix.held.pop(seq.id, []))
         self.cells.free(seq)

@@ -3,7 +3,10 @@ requests with the same start (vLLM's automatic prefix caching, llama-server's ca
 
 A *block* is `block` (16) consecutive positions of a sequence, as in vLLM. When a request ends (finished, cancelled or preempted),
 its whole blocks of written positions stay in the cache (`keep`), read-only (`KVCells.cache`),
-each keyed by its tokens and its parent block, so that a key names one whole prefix. A new
+each keyed by its cache namespace, its tokens and its parent block, so that a key names one whole
+prefix as one tenant computed it (`Namespace`: a server's API-key tenant and vLLM's `cache_salt`;
+a chain kept in one namespace is never found from another, so a tenant cannot time whether another
+sent a prompt; within a namespace hits work across requests as before). A new
 request looks up the longest chain of blocks that its prompt starts with (`lookup`), leaving at
 least its last prompt token to compute (its logits are sampled), begins its sequence with those
 cells and prefills only the rest. Blocks in use by a running sequence are pinned (`refs`); the
@@ -27,21 +30,32 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from metatp.kv_cells import KVCells, SeqCells
 
-__all__ = ["PrefixCache", "Block"]
+__all__ = ["PrefixCache", "Block", "Namespace", "ANONYMOUS"]
+
+
+class Namespace(NamedTuple):
+    """Who may reuse a cached block: the request's tenant (the server's API key; None: the
+    anonymous one) and vLLM's `cache_salt` (None: unsalted)."""
+
+    tenant: str | None = None
+    salt: str | None = None
+
+
+ANONYMOUS = Namespace()     # the Python API's requests without a salt, a keyless server's
 
 
 @dataclass(eq=False)
 class Block:
-    """One cached block: its key (parent's uid, its tokens), its cells, who holds it."""
+    """One cached block: its key (namespace, parent's uid, its tokens), its cells, who holds it."""
 
     uid: int
-    key: tuple[int, tuple[int, ...]]
+    key: tuple[Namespace, int, tuple[int, ...]]
     cells: np.ndarray
     parent: "Block | None"
     refs: int = 0                  # running sequences that begin with it
@@ -57,7 +71,7 @@ class PrefixCache:
         self.post = post
         self.block = block or (16 if cells.page == 1 or cells.page % 16 == 0 else cells.page)
         self._uids = itertools.count(1)
-        self.blocks: OrderedDict[tuple[int, tuple[int, ...]], Block] = OrderedDict()   # least recent first
+        self.blocks: OrderedDict[tuple[Namespace, int, tuple[int, ...]], Block] = OrderedDict()  # least recent first
         self.held: dict[int, list[Block]] = {}       # sequence id -> the blocks it began with
         cells.reclaim = self.evict_one               # a sequence driven without the scheduler evicts too
 
@@ -65,13 +79,14 @@ class PrefixCache:
     def n_blocks(self) -> int:
         return len(self.blocks)
 
-    def lookup(self, ids: Sequence[int]) -> list[Block]:
-        """The longest chain of cached blocks that `ids` starts with, leaving its last token out."""
+    def lookup(self, ids: Sequence[int], namespace: Namespace = ANONYMOUS) -> list[Block]:
+        """The longest chain of blocks cached in `namespace` that `ids` starts with, leaving its
+        last token out."""
         chain: list[Block] = []
         parent = 0
         B = self.block
         for i in range((len(ids) - 1) // B):
-            blk = self.blocks.get((parent, tuple(ids[i * B:(i + 1) * B])))
+            blk = self.blocks.get((namespace, parent, tuple(ids[i * B:(i + 1) * B])))
             if blk is None:
                 break
             chain.append(blk)
@@ -92,9 +107,9 @@ class PrefixCache:
         """`seq` began with `chain` (pinned): it stays pinned until the sequence is released."""
         self.held[seq.id] = chain
 
-    def keep(self, seq: SeqCells, ids: Sequence[int]) -> int:
+    def keep(self, seq: SeqCells, ids: Sequence[int], namespace: Namespace = ANONYMOUS) -> int:
         """Keep the whole blocks of `seq`'s written positions (`ids`: its tokens at those
-        positions) before its cells are freed, and unpin what it began with. Returns the new
+        positions) in `namespace` before its cells are freed, and unpin what it began with. Returns the new
         blocks kept. A block stops the chain where its cells are not one page in order after
         its parent's (a placement that would not give the same bits)."""
         self.unpin(self.held.pop(seq.id, []))
@@ -103,7 +118,7 @@ class PrefixCache:
         parent: Block | None = None
         new: list[np.ndarray] = []
         for i in range(n):
-            key = (parent.uid if parent else 0, tuple(int(t) for t in ids[i * B:(i + 1) * B]))
+            key = (namespace, parent.uid if parent else 0, tuple(int(t) for t in ids[i * B:(i + 1) * B]))
             blk = self.blocks.get(key)
             if blk is None:
                 cells = seq.cells[i * B:(i + 1) * B]

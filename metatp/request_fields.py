@@ -28,7 +28,7 @@ __all__ = ["FieldError", "Where", "API", "HTTP", "Integer", "Number", "Flag", "i
            "vocabulary_ids", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOKENS", "TEMPERATURE", "TOP_P", "MIN_P",
            "REPETITION_PENALTY", "FREQUENCY_PENALTY", "PRESENCE_PENALTY", "TOP_K", "TOP_K_LLAMA", "SEED", "N",
            "LOGPROBS", "PROMPT_LOGPROBS", "TOP_LOGPROBS", "MIN_TOKENS", "IGNORE_EOS", "JSON_OBJECT", "STREAM",
-           "ECHO", "CHAT_LOGPROBS"]
+           "ECHO", "CHAT_LOGPROBS", "Text", "CACHE_SALT", "MAX_CACHE_SALT"]
 
 Where = Literal["api", "http"]
 API: Where = "api"        # the Python API: SamplingParams, LLM.create_*
@@ -36,6 +36,7 @@ HTTP: Where = "http"      # the OpenAI routes: JSON values, OpenAI's bounds
 
 MAX_N = 1024              # samples per prompt: each is a request held from the call on (the server allows 16)
 MAX_STOP_STRINGS = 16     # OpenAI allows 4; the server 16, the Python API any number
+MAX_CACHE_SALT = 1024     # characters of vLLM's cache_salt (vLLM suggests 43: 256 random bits in base64)
 
 
 class FieldError(ConfigError):
@@ -154,6 +155,35 @@ class Flag:
                                     + (f" ({type_name(v)})" if self.says_type else ""))
 
 
+@dataclass(frozen=True)
+class Text:
+    """A non-empty string field of at most `max_len` characters. A message never quotes the
+    value (a cache_salt is the client's secret), only its type or length."""
+
+    name: str
+    max_len: int
+
+    def check(self, v: Any, where: Where = API) -> str | None:
+        if v is None and where == API:
+            return None
+        if isinstance(v, str) and 0 < len(v) <= self.max_len:
+            return v
+        quoted = f"'{self.name}'" if where == HTTP else self.name
+        got = f"a string of {len(v)} characters" if isinstance(v, str) else (
+            _json_type(v) if where == HTTP else type_name(v))
+        raise FieldError(self.name, f"{quoted} must be a non-empty string of at most {self.max_len} characters, "
+                                    f"got {got}")
+
+
+def _json_type(v: Any) -> str:
+    """v's JSON type, as a client knows it."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {dict: "an object", list: "an array"}.get(type(v), type_name(v))
+
+
 # ---------------------------------------------------------------- the fields
 MAX_TOKENS = Integer("max_tokens", 0, says="an integer >= 0 or None", optional=True)
 TEMPERATURE = Number("temperature", 0.0, served_hi=2.0)
@@ -176,6 +206,7 @@ JSON_OBJECT = Flag("json_object", says_type=False)
 STREAM = Flag("stream")
 ECHO = Flag("echo")
 CHAT_LOGPROBS = Flag("logprobs")      # chat's logprobs: yes or no (the count is top_logprobs)
+CACHE_SALT = Text("cache_salt", MAX_CACHE_SALT)   # vLLM's: prefix-cache hits only among requests with this salt
 
 
 def check_seed(name: str, seed: Any) -> int | None:

@@ -40,7 +40,10 @@ class SamplingParams:
     (True: any JSON object), `json_schema` (a dict or its JSON text), `guided_regex`,
     `guided_choice` (a list of strings), `guided_grammar` (Lark or GBNF). Tokens that would leave
     the constraint get -inf logits (greedy too); the request stops when the output is complete.
-    A bad constraint is a ConfigError naming its field."""
+    A bad constraint is a ConfigError naming its field.
+    `cache_salt` (vLLM's): a request reuses prefix-cache blocks only from requests with the same
+    salt (and, in a server, the same API-key tenant): an unguessable salt keeps others from timing
+    whether its prompt was seen. None: the tenant's unsalted blocks. Never shown in repr."""
 
     max_tokens: int | None = 16
     temperature: float = 0.0
@@ -64,6 +67,7 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)
     constraint: str | None = field(default=None, init=False, repr=False, compare=False)   # llguidance's grammar
 
     def __post_init__(self) -> None:
@@ -87,6 +91,7 @@ class SamplingParams:
         self.logit_bias = request_fields.logit_bias(self.logit_bias) or None
         self.min_tokens = request_fields.min_tokens(self.min_tokens, self.max_tokens)
         self.json_object = request_fields.JSON_OBJECT.check(self.json_object)
+        self.cache_salt = request_fields.CACHE_SALT.check(self.cache_salt)
         if self.json_object or self.json_schema is not None or self.guided_regex is not None \
                 or self.guided_choice is not None or self.guided_grammar is not None:
             from metatp.structured import grammar_of

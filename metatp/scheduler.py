@@ -55,6 +55,7 @@ from metatp.kv_demand import CellDemand
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import StepOutput, StopMatcher, TokenEvent
+from metatp.prefix_cache import Namespace
 from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
 from metatp.sampling import SamplingParams
 
@@ -106,11 +107,14 @@ class Request:
 
     `eog_ids`: the model's end-of-generation tokens (ignored with ignore_eos). `sink`: where its
     `TokenEvent`s go (from the stepping thread, outside the state lock); without one they queue
-    on `events` for `Scheduler.next_event`. One or the other, never both."""
+    on `events` for `Scheduler.next_event`. One or the other, never both. `tenant`: who sent it
+    (the server's API-key tenant; None: anonymous): with params.cache_salt, the prefix-cache
+    namespace it may reuse blocks from and keeps its own in."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, n_ctx: int,
                  kind: str = "generate", index: int = 0, max_model_len: int | None = None,
-                 eog_ids: Iterable[int] = (), sink: Callable[[TokenEvent], None] | None = None) -> None:
+                 eog_ids: Iterable[int] = (), sink: Callable[[TokenEvent], None] | None = None,
+                 tenant: str | None = None) -> None:
         budget = context_budget(len(prompt_ids), n_ctx, max_model_len)
         self.id = next(_request_ids)
         self.prompt_ids = list(prompt_ids)
@@ -119,6 +123,7 @@ class Request:
         self.kind = kind
         self.index = index
         self.sink = sink
+        self.cache_namespace = Namespace(tenant, params.cache_salt)   # whose cached prefixes it may reuse
         self.max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
         if kind == "score":
             self.max_new = 0
@@ -240,14 +245,14 @@ class Scheduler:
             with self._state:
                 ended = req.kind != "score" and req.max_new == 0
                 if ended:
-                    self.metrics.requests_accepted += 1
+                    self.metrics.accept(req.cache_namespace.tenant, len(req.prompt_ids))
                     self._finish(req, TokenEvent(None, "length"))
                 elif self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
                     raise QueueFullError(f"the server is busy: {len(self.waiting)} requests are waiting "
                                          f"(--max-waiting {self.max_waiting}); retry later")
                 else:
                     req.t_submit = time.perf_counter()
-                    self.metrics.requests_accepted += 1
+                    self.metrics.accept(req.cache_namespace.tenant, len(req.prompt_ids))
                     self.waiting.append(req)
                     self._changed.notify_all()
         except BaseException:
@@ -381,7 +386,8 @@ class Scheduler:
             preempted = self._make_room()
             while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
                 r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
-                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind != "score")
+                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind != "score",
+                                        namespace=r.cache_namespace)
                 if seq is None:
                     break
                 self.waiting.popleft()
@@ -461,7 +467,7 @@ class Scheduler:
             return
         r.history.append(res.token)
         r.output_ids.append(res.token)
-        self.metrics.generated_tokens += 1
+        self.metrics.generated(r.cache_namespace.tenant)
         if r.t_first is None:
             r.t_first = now
             self.metrics.observe_ttft(now - r.t_submit)
@@ -514,7 +520,7 @@ class Scheduler:
     def _release(self, r: Request, keep: bool = False) -> None:
         """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
         if r.seq is not None:
-            self.demand.free(r.seq, r.history if keep else None)
+            self.demand.free(r.seq, r.history if keep else None, r.cache_namespace)
 
     # ---------------------------------------------------------------- driver thread (server)
     def start(self) -> None:

@@ -20,7 +20,8 @@ mpiexec, which passes them to every rank, or uvicorn exiting) posts STOP and eve
 
 Modules: `app` (routes), `fields` (request fields checked once), `frontend` (the LLM side of a
 request), `sse` (streams and collection), `metrics` (Prometheus text), `launch` (`serve`),
-`ranks` (MPI: what is refused, the follower ranks).
+`ranks` (MPI: what is refused, the follower ranks), `tenants` (API keys, each a tenant with a
+prefix-cache namespace of its own).
 """
 
 from metatp.server.app import create_app

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError, MetatpError
@@ -19,6 +19,7 @@ from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.ranks import served_world
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
+from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
 
 if TYPE_CHECKING:
     from metatp.api import LLM
@@ -35,9 +36,11 @@ def error_response(e: BadRequest):
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = None,
+def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequence[str] | Tenants | None" = None,
                max_model_len: int | None = None):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
+    with `api_key`: one key, several or `Tenants` (each key a tenant: `metatp.server.tenants`;
+    None: no key, one anonymous tenant),
     with the LLM's own limits (`LLM(max_num_seqs=, max_waiting=)`: the server changes none).
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
@@ -73,10 +76,15 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
 
+    tenants = tenants_of(api_key)
+
     def check_auth(request: HttpRequest) -> None:
-        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise BadRequest("invalid or missing API key (Authorization: Bearer <key>)", None, "invalid_api_key",
-                             401, "authentication_error")
+        """The request's API key names its tenant, whose requests this handler then makes
+        (`bind_request_tenant`); a 401 naming nothing secret otherwise."""
+        try:
+            bind_request_tenant(tenants.authenticate(request.headers.get("authorization", "")))
+        except AuthError as e:
+            raise BadRequest(str(e), None, "invalid_api_key", 401, "authentication_error") from None
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: HttpRequest, e: BadRequest):
@@ -160,15 +168,18 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         ids_list = srv.prompt_ids(body["prompt"])
         scored = None                           # per prompt: its tokens' logprobs (echo + logprobs)
         if (echo and lp is not None) or n_prompt_lp is not None:
-            scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0))
+            scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0), params.cache_salt)
         reqs, queue = await srv.start(ids_list, params, streamed=stream)
         answer = TextAnswer(model, ids_list, params.n, srv.piece, llm.detokenize, usage_in_stream, echo, lp,
                             n_prompt_lp, scored)
         return await respond(request, answer, reqs, queue, stream)
 
-    async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int) -> list[list]:
-        """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each."""
-        handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0), kind="score", streamed=False)
+    async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int,
+                             cache_salt: str | None) -> list[list]:
+        """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each (its
+        blocks cached under the request's salt)."""
+        handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0, cache_salt=cache_salt), kind="score",
+                                         streamed=False)
         per = await collect(request, srv, handles, queue)
         return [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)]
 

@@ -136,7 +136,7 @@ def refuse_unimplemented_chat(body: dict) -> None:
 
 def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:
     """OpenAI's sampling fields (and llama-server's/vLLM's top_k, min_p, ignore_eos, min_tokens,
-    stop_token_ids; structured output: OpenAI's response_format, vLLM's guided_json / guided_regex /
+    stop_token_ids, cache_salt; structured output: OpenAI's response_format, vLLM's guided_json / guided_regex /
     guided_choice / guided_grammar, llama-server's json_schema / grammar) as SamplingParams."""
     max_tokens = read(body, rf.MAX_TOKENS)
     if body.get("max_completion_tokens") is not None:
@@ -156,7 +156,7 @@ def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -
             presence_penalty=read(body, rf.PRESENCE_PENALTY, 0.0),
             logit_bias=rf.logit_bias(body.get("logit_bias"), HTTP) or None, min_tokens=read(body, rf.MIN_TOKENS, 0),
             stop_token_ids=[] if stop_ids is None else rf.token_ids("stop_token_ids", stop_ids, HTTP),
-            **constraint)
+            cache_salt=read(body, rf.CACHE_SALT), **constraint)
     except ConfigError as e:        # a FieldError names its field; SamplingParams' other messages start with it
         msg = str(e)
         name = e.field if isinstance(e, FieldError) else msg.split(" ", 1)[0].rstrip(":")

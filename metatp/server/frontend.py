@@ -17,6 +17,7 @@ from metatp.output_processor import StepOutput
 from metatp.scheduler import QueueFullError
 from metatp.server.fields import BadRequest, is_int
 from metatp.server.ranks import served_world
+from metatp.server.tenants import request_tenant
 
 if TYPE_CHECKING:
     from metatp.api import LLM
@@ -48,9 +49,10 @@ class Frontend:
     def request(self, ids: list[int], params: SamplingParams, index: int, on_output,
                 kind: str = "generate") -> RequestHandle:
         """Queue a request (its outputs go to `on_output`). Under MPI rank 0 makes it alone: the
-        other ranks are in `follow`; the tokens reach them in the step batches."""
+        other ranks are in `follow`; the tokens reach them in the step batches. Its tenant is
+        the handler's (`metatp.server.tenants.request_tenant`, bound by the auth check)."""
         return self.llm.submit(ids, params, index, kind=kind, max_model_len=self.max_model_len,
-                               on_output=on_output)
+                               on_output=on_output, tenant=request_tenant())
 
     def check_model(self, body: dict) -> str:
         m = body.get("model", self.model_name)

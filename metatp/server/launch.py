@@ -4,7 +4,7 @@ ranks, and a clean stop on SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from metatp.ir.errors import ConfigError
 from metatp.server.app import create_app
@@ -12,13 +12,16 @@ from metatp.server.ranks import follow_steps, served_world
 
 if TYPE_CHECKING:
     from metatp.api import LLM
+    from metatp.server.tenants import Tenants
 
 
 def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
-          api_key: str | None = None, log_level: str = "warning", max_model_len: int | None = None) -> None:
+          api_key: "str | Sequence[str] | Tenants | None" = None, log_level: str = "warning",
+          max_model_len: int | None = None) -> None:
     """Run the server until interrupted. Under MPI every rank calls this: rank 0 serves HTTP and
     leads the steps, the other ranks follow them (`follow_steps`); an interrupt or the server
-    exiting ends every rank cleanly (returns normally; SystemExit from uvicorn still propagates)."""
+    exiting ends every rank cleanly (returns normally; SystemExit from uvicorn still propagates).
+    `api_key`: one key, several, or `Tenants` (`metatp.server.tenants`: each key a tenant)."""
     world = served_world(llm)
     if world is not None and not world.is_root:
         follow_steps(llm)

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+from metatp.metrics import Metrics, TenantCounters
 from metatp.server.frontend import Frontend
+
+ANONYMOUS_LABEL = "anonymous"          # the tenant of a server without API keys (and of the Python API)
+
+# per tenant (label tenant="name"): metric name, TenantCounters attribute, help
+_TENANT_COUNTERS = (
+    ("tenant_requests_total", "requests", "Sequences accepted for the tenant (one per sample of n)."),
+    ("tenant_prompt_tokens_total", "prompt_tokens", "Prompt tokens of the tenant's accepted sequences "
+                                                   "(prefix-cache hits included, as usage counts them)."),
+    ("tenant_generation_tokens_total", "generation_tokens", "Tokens generated for the tenant."),
+    ("tenant_prefix_cache_queries_total", "prefix_queried_tokens",
+     "The tenant's prompt tokens looked up in its own prefix-cache namespace."),
+    ("tenant_prefix_cache_hits_total", "prefix_hit_tokens",
+     "The tenant's prompt tokens found in its own prefix-cache namespace (never another tenant's)."),
+)
 
 
 def prometheus_text(srv: Frontend) -> str:
@@ -38,6 +53,7 @@ def prometheus_text(srv: Frontend) -> str:
     metric("kv_cells_used", "gauge", "KV cells owned by sequences.", cells.n_used)
     metric("kv_cells_cached", "gauge", "KV cells the prefix cache holds (evicted when needed).", cells.n_cached)
     metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
+    lines += tenant_lines(m)
     hist = dict(m.step_seqs_hist)
     lines += ["# HELP metatp_step_sequences Sequences per engine step.", "# TYPE metatp_step_sequences histogram"]
     total = 0
@@ -54,3 +70,23 @@ def prometheus_text(srv: Frontend) -> str:
               f"metatp_time_to_first_token_seconds_sum {m.ttft_sum}",
               f"metatp_time_to_first_token_seconds_count {m.ttft_count}"]
     return "\n".join(lines) + "\n"
+
+
+def tenant_lines(m: Metrics) -> list[str]:
+    """Each tenant's counters, labelled by its name (never its key): tenants that sent nothing
+    yet are absent."""
+    # a copy: the stepping thread adds tenants as they first send
+    tenants: list[tuple[str | None, TenantCounters]] = list(dict(m.tenants).items())
+    tenants.sort(key=lambda kv: (kv[0] is not None, kv[0] or ""))
+    lines: list[str] = []
+    for name, attr, help_ in _TENANT_COUNTERS:
+        lines += [f"# HELP metatp_{name} {help_}", f"# TYPE metatp_{name} counter"]
+        for tenant, counters in tenants:
+            label = ANONYMOUS_LABEL if tenant is None else _label_value(tenant)
+            lines.append(f'metatp_{name}{{tenant="{label}"}} {getattr(counters, attr)}')
+    return lines
+
+
+def _label_value(text: str) -> str:
+    """A Prometheus label value: backslash, double quote and newline escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
