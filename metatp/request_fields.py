@@ -46,6 +46,9 @@ class FieldError(ConfigError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):       # pickled whole: under MPI an error reaches the other ranks as itself
+        return type(self), (self.field, str(self)), self.__dict__
+
 
 # ---------------------------------------------------------------- how values are told
 def is_integer(v: Any) -> bool:

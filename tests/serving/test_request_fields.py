@@ -265,3 +265,16 @@ def test_the_field_wordings_are_written_once():
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 found += [f"{path.name}:{node.lineno}: {p}" for p in phrases if p in node.value]
     assert not found, found
+
+
+def test_a_field_error_pickles_whole():
+    """Under MPI an error raised on rank 0 reaches the other ranks pickled (metatp.mpi_calls): it
+    must arrive as the same type with the same field, not as a generic error."""
+    import pickle
+
+    from metatp.request_fields import FieldError
+
+    e = FieldError("prompt", "token id 7 is out of range")
+    e.every_rank = True
+    back = pickle.loads(pickle.dumps(e))
+    assert (type(back), back.field, str(back), back.every_rank) == (FieldError, "prompt", str(e), True)
