@@ -50,10 +50,10 @@ def _text_chars(content: Any) -> int:
     """Characters of a chat message's text: a string, or the strings and text parts of a list."""
     if isinstance(content, str):
         return len(content)
-    if isinstance(content, list):
-        return sum(len(p) if isinstance(p, str) else len(p["text"])
-                   if isinstance(p, dict) and isinstance(p.get("text"), str) else 0 for p in content)
-    return 0
+    if not isinstance(content, list):
+        return 0
+    texts = (p.get("text") if isinstance(p, dict) else p for p in content)
+    return sum(len(t) for t in texts if isinstance(t, str))
 
 
 class Frontend:
