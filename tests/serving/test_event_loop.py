@@ -82,9 +82,13 @@ def server(path, tmp_path_factory):
     s.stop()
 
 
-def small_completion(server) -> str:
+def small_completion(server, took: list | None = None) -> str:
+    """A 4-token greedy completion's text; its time in seconds is appended to `took`."""
+    t = time.perf_counter()
     r = server.client().completions.create(model="m", prompt="hello", max_tokens=4, temperature=0,
                                            extra_body={"ignore_eos": True})
+    if took is not None:
+        took.append(time.perf_counter() - t)
     assert r.choices[0].finish_reason == "length"
     return r.choices[0].text
 
@@ -92,12 +96,14 @@ def small_completion(server) -> str:
 # ---------------------------------------------------------------- through the real server
 @requires("serve")
 def test_a_10mb_prompt_is_refused_by_name_while_health_and_a_small_completion_answer(server):
-    want = small_completion(server)
+    idle: list[float] = []
+    want = [small_completion(server, idle) for _ in range(3)][0]
     small: list = []
+    busy: list[float] = []
     with HealthProbe(server.base) as probe:
         def smalls():
             for _ in range(3):
-                small.append(small_completion(server))
+                small.append(small_completion(server, busy))
         side = threading.Thread(target=smalls)
         side.start()
         for _ in range(3):
@@ -110,6 +116,7 @@ def test_a_10mb_prompt_is_refused_by_name_while_health_and_a_small_completion_an
         side.join(timeout=120)
     assert small == [want] * 3
     assert probe.n > 0 and probe.worst < LIVENESS_S, probe.worst
+    assert max(busy) < min(idle) + LIVENESS_S, (busy, idle)     # a small completion is not held up either
     assert small_completion(server) == want                       # alive and the same
 
 
