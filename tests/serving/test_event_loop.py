@@ -208,6 +208,23 @@ def test_prompt_ids_too_long_are_refused_before_their_check(llm):
 
 
 @requires("serve")
+def test_chat_text_in_content_parts_counts_toward_the_limit(llm):
+    from fastapi.testclient import TestClient
+
+    from metatp.server import create_app
+    from metatp.server.frontend import Frontend
+
+    half = Frontend(llm, "m").max_prompt_chars // 2 + 1
+    parts = [{"type": "text", "text": "x" * half}, "y" * half]
+    with TestClient(create_app(llm, "m")) as client:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts[:1]}]})
+        assert "characters" not in r.json()["error"]["message"]       # half passes the check (then its tokens count)
+
+
+@requires("serve")
 def test_the_character_limit_is_exact_at_its_edge(llm):
     """A text of max_prompt_chars passes the character check (it is tokenized, then judged by its
     tokens); one more character is refused without tokenizing."""
