@@ -373,7 +373,9 @@ class Tokenizer:
             if self.add_space_prefix and prev_special:
                 frag = " " + frag
             frag = frag.replace(" ", SPM_SPACE)
-        ids = self._hf_tok.encode(frag, add_special_tokens=False).ids
+        # encode_batch, not encode: it lets other threads run while it works (encode holds the GIL
+        # throughout: 1-2 s for a 1 MB text, which stalled the server's event loop as long)
+        ids = self._hf_tok.encode_batch([frag], add_special_tokens=False)[0].ids
         if self.model == "gpt2":
             # the BPE model drops bytes missing from the vocabulary without a word: refuse instead
             if "".join(self.tokens[i] for i in ids) != "".join(BYTE_TO_CHAR[b] for b in frag.encode("utf-8")):

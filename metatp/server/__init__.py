@@ -18,10 +18,14 @@ sleeping between probes while the server idles. The server stopping (SIGINT/SIGT
 mpiexec, which passes them to every rank, or uvicorn exiting) posts STOP and every rank exits
 0; a failing step on any rank aborts every rank with the error printed once.
 
+The event loop only routes: what grows with a request's size (parsing the body, SamplingParams
+and its constraint, tokenizing, the chat template, submitting, a whole answer) runs on a bounded
+pool of threads, and a prompt text too long for a request is refused before it is tokenized.
+
 Modules: `app` (routes), `fields` (request fields checked once), `frontend` (the LLM side of a
-request), `sse` (streams and collection), `metrics` (Prometheus text), `launch` (`serve`),
-`ranks` (MPI: what is refused, the follower ranks), `tenants` (API keys, each a tenant with a
-prefix-cache namespace of its own).
+request), `offload` (the pool the routes' size-dependent work runs on), `sse` (streams and
+collection), `metrics` (Prometheus text), `launch` (`serve`), `ranks` (MPI: what is refused, the
+follower ranks), `tenants` (API keys, each a tenant with a prefix-cache namespace of its own).
 """
 
 from metatp.server.app import create_app

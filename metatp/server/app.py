@@ -17,6 +17,7 @@ from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int
                                   refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
+from metatp.server.offload import Offload, json_array_in_slices
 from metatp.server.ranks import served_world
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
@@ -56,9 +57,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         from fastapi import FastAPI
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
+    offload = Offload()         # what grows with a request's size runs there: the event loop only routes
 
     @asynccontextmanager
     async def lifespan(app):
@@ -66,6 +68,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         try:
             yield
         finally:
+            offload.close()
             srv.sched.stop()
             srv.sched.stop_leading()
             if srv.world is not None:
@@ -75,6 +78,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
+    app.state.offload = offload
 
     tenants = tenants_of(api_key)
 
@@ -104,8 +108,13 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
                                        "server_error").body(), status_code=500)
 
     async def body_of(request: HttpRequest) -> dict:
+        """The request's body, read here (it streams in) and parsed on the offload pool."""
         check_auth(request)
-        return parse_object(await read_body(request.stream()))
+        return await offload(parse_object, await read_body(request.stream()))
+
+    def json_answer(answer: dict) -> JSONResponse:
+        """An answer rendered as the response body (on the offload pool: it grows with the request)."""
+        return JSONResponse(answer)
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -121,25 +130,32 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
                                                                            "n_vocab": llm.n_vocab},
                                             "max_model_len": srv.max_model_len}]}
 
-    @app.post("/tokenize")
-    async def tokenize(request: HttpRequest):
-        body = await body_of(request)
+    def tokenize_answer(body: dict) -> Response:
+        """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""
         content = body.get("content")
         if not isinstance(content, str):
             raise BadRequest("'content' must be a string", "content")
         # llama-server: add_special adds BOS (and the like) where the model asks for it
         ids = llm.tokenize(content, add_bos=None if bool_field(body, "add_special", False) else False)
         if bool_field(body, "with_pieces", False):
-            return {"tokens": [{"id": t, "piece": srv.piece(t)} for t in ids]}
-        return {"tokens": ids}
+            tokens = json_array_in_slices([{"id": t, "piece": srv.piece(t)} for t in ids])
+        else:
+            tokens = json_array_in_slices(ids)
+        return Response('{"tokens":' + tokens + "}", media_type="application/json")
 
-    @app.post("/detokenize")
-    async def detokenize(request: HttpRequest):
-        body = await body_of(request)
+    def detokenize_answer(body: dict) -> JSONResponse:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise BadRequest("'tokens' must be a list of token ids", "tokens")
-        return {"content": llm.detokenize(rf.vocabulary_ids("tokens", tokens, llm.n_vocab, HTTP))}
+        return JSONResponse({"content": llm.detokenize(rf.vocabulary_ids("tokens", tokens, llm.n_vocab, HTTP))})
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+        return await offload(tokenize_answer, await body_of(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+        return await offload(detokenize_answer, await body_of(request))
 
     async def generation_body(request: HttpRequest, required: str) -> tuple[dict, str, bool, bool]:
         """A generation route's body, the model it names, whether it streams and whether the
@@ -156,22 +172,27 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         check_auth(request)
         return PlainTextResponse(prometheus_text(srv), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    @app.post("/completions")
-    async def completions(request: HttpRequest):
-        body, model, stream, usage_in_stream = await generation_body(request, "prompt")
+    def completion_request(body: dict) -> tuple[SamplingParams, list[list[int]], int | None, bool, int | None]:
+        """A completion body's fields checked, its SamplingParams built (a constraint checked) and
+        its prompts tokenized: (params, prompt ids, logprobs, echo, prompt_logprobs)."""
         refuse_unimplemented_completion(body)
         lp = read(body, rf.LOGPROBS)
         params = sampling_params(body, lp, 16)
         echo = read(body, rf.ECHO, False)
         n_prompt_lp = read(body, rf.PROMPT_LOGPROBS)          # vLLM's field
-        ids_list = srv.prompt_ids(body["prompt"])
+        return params, srv.prompt_ids(body["prompt"]), lp, echo, n_prompt_lp
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: HttpRequest):
+        body, model, stream, usage_in_stream = await generation_body(request, "prompt")
+        params, ids_list, lp, echo, n_prompt_lp = await offload(completion_request, body)
         scored = None                           # per prompt: its tokens' logprobs (echo + logprobs)
         if (echo and lp is not None) or n_prompt_lp is not None:
             scored = await prompt_entries(request, ids_list, max(lp or 0, n_prompt_lp or 0), params.cache_salt)
-        reqs, queue = await srv.start(ids_list, params, streamed=stream)
-        answer = TextAnswer(model, ids_list, params.n, srv.piece, llm.detokenize, usage_in_stream, echo, lp,
-                            n_prompt_lp, scored)
+        reqs, queue = await srv.start(ids_list, params, streamed=stream, run=offload)
+        answer = await offload(TextAnswer, model, ids_list, params.n, srv.piece, llm.detokenize, usage_in_stream,
+                               echo, lp, n_prompt_lp, scored)      # an echo detokenizes the prompts
         return await respond(request, answer, reqs, queue, stream)
 
     async def prompt_entries(request: HttpRequest, ids_list: list[list[int]], k: int,
@@ -179,26 +200,34 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         """Each prompt's per-token logprobs, top `k` and ranks, from one scoring pass each (its
         blocks cached under the request's salt)."""
         handles, queue = await srv.start(ids_list, SamplingParams(max_tokens=0, cache_salt=cache_salt), kind="score",
-                                         streamed=False)
+                                         streamed=False, run=offload)
         per = await collect(request, srv, handles, queue)
-        return [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)]
+        return await offload(lambda: [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)])
+
+    def chat_request(body: dict) -> tuple[SamplingParams, list[int], bool]:
+        """A chat body's fields checked, its SamplingParams built (a constraint checked) and its
+        messages rendered by the chat template and tokenized: (params, prompt ids, logprobs)."""
+        refuse_unimplemented_chat(body)
+        want_lp = read(body, rf.CHAT_LOGPROBS, False)
+        params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
+        srv.check_chat_chars(body["messages"])                   # megabytes of text are refused unrendered
+        return params, chat_prompt_ids(llm.tokenizer, body["messages"]), want_lp   # a FieldError names "messages"
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: HttpRequest):
         body, model, stream, usage_in_stream = await generation_body(request, "messages")
-        refuse_unimplemented_chat(body)
-        want_lp = read(body, rf.CHAT_LOGPROBS, False)
-        params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
-        ids = chat_prompt_ids(llm.tokenizer, body["messages"])      # a FieldError: a 400 naming "messages"
-        reqs, queue = await srv.start([ids], params, streamed=stream)
+        params, ids, want_lp = await offload(chat_request, body)
+        reqs, queue = await srv.start([ids], params, streamed=stream, run=offload)
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
                              reqs, queue, stream)
 
     async def respond(request: HttpRequest, answer, reqs, queue, stream: bool):
-        """The answer as server-sent events, or whole once every choice has finished."""
+        """The answer as server-sent events, or whole once every choice has finished (built and
+        rendered on the offload pool: an echo or logprobs grow with the request)."""
         if not stream:
-            return answer.whole(await collect(request, srv, reqs, queue))
+            per = await collect(request, srv, reqs, queue)
+            return await offload(lambda: json_answer(answer.whole(per)))
 
         @sse_errors
         async def events() -> AsyncIterator[str]:

@@ -7,20 +7,54 @@ import asyncio
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from metatp.ir.errors import ConfigError, ContextOverflowError
 from metatp.sampling import SamplingParams
 from metatp.openai_api import usage
 from metatp.requests import RequestHandle
 from metatp.output_processor import StepOutput
-from metatp.scheduler import QueueFullError
+from metatp.scheduler import QueueFullError, context_budget
 from metatp.server.fields import BadRequest, is_int
 from metatp.server.ranks import served_world
 from metatp.server.tenants import request_tenant
 
 if TYPE_CHECKING:
     from metatp.api import LLM
+
+
+class _Submissions:
+    """The requests one HTTP request has submitted so far. Submitting may run on another thread
+    while the handler is cancelled (its client gone): `abandon` cancels what is there and marks
+    the batch, and `add` cancels a request that arrives after that (cancel is idempotent, so a
+    request seen by both is simply cancelled once)."""
+
+    def __init__(self) -> None:
+        self.handles: list[RequestHandle] = []
+        self.abandoned = False
+
+    def add(self, handle: RequestHandle, srv: "Frontend") -> bool:
+        """Keep `handle`; False (and it is cancelled) when the batch was abandoned meanwhile."""
+        self.handles.append(handle)
+        if self.abandoned:
+            srv.cancel([handle])
+            return False
+        return True
+
+    def abandon(self, srv: "Frontend") -> None:
+        self.abandoned = True
+        srv.cancel(list(self.handles))
+
+
+def _text_chars(content: Any) -> int:
+    """Characters of a chat message's text: a string, or the strings and text parts of a list."""
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return 0
+    texts = (p.get("text") if isinstance(p, dict) else p for p in content)
+    return sum(len(t) for t in texts if isinstance(t, str))
 
 
 class Frontend:
@@ -66,21 +100,62 @@ class Frontend:
         return self.model_name
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
-        """A completions prompt (text, token ids, or a list of either) as token id lists."""
+        """A completions prompt (text, token ids, or a list of either) as token id lists. A text
+        or an id list too long for a request is refused before it is tokenized or checked."""
         llm = self.llm
         if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), "prompt")
             return [llm.prompt_ids(prompt)]
         if isinstance(prompt, list) and prompt:
             if all(is_int(t) for t in prompt):
                 return [self._ids(prompt)]
             if all(isinstance(p, str) for p in prompt):
+                for p in prompt:
+                    self.check_prompt_chars(len(p), "prompt")
                 return [llm.prompt_ids(p) for p in prompt]
             if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt):
                 return [self._ids(p) for p in prompt]
         raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of those",
                          "prompt")
 
+    @cached_property
+    def longest_token(self) -> int:
+        """The most bytes any one token of the vocabulary stands for (at least 1)."""
+        tok = self.llm.tokenizer
+        return max(1, max((len(tok.token_bytes(i)) for i in range(self.llm.n_vocab)), default=1))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters a prompt that fits a request can have: every token stands for at
+        most `longest_token` bytes and every character for at least one byte."""
+        return self.max_model_len * self.longest_token
+
+    def check_prompt_chars(self, n_chars: int, field: str) -> None:
+        """Refuse, before tokenizing it, a prompt text that cannot fit a request (a 400 naming the
+        field, with the context length: what llama-server and vLLM answer for a prompt that does
+        not fit, only without tokenizing megabytes first)."""
+        if n_chars > self.max_model_len:        # short texts pass without looking at the vocabulary
+            limit = self.max_prompt_chars
+            if n_chars > limit:
+                raise BadRequest(
+                    f"'{field}' has {n_chars} characters, more than a request of at most {self.max_model_len} "
+                    f"tokens (max_model_len) can hold: no token of this model stands for more than "
+                    f"{self.longest_token} bytes, so at most {limit} characters fit; shorten the prompt",
+                    field, "context_length_exceeded")
+
+    def check_chat_chars(self, messages: Any) -> None:
+        """`check_prompt_chars` for chat messages: their text (content strings and text parts)
+        before the template renders it; a template adds text around it, so more cannot fit.
+        Malformed messages pass here and are refused by name when they are rendered."""
+        if isinstance(messages, list):
+            self.check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict)),
+                                    "messages")
+
     def _ids(self, ids: list[int]) -> list[int]:
+        try:                                    # too long: refused before checking millions of ids one by one
+            context_budget(len(ids), self.llm.n_ctx, self.max_model_len)
+        except ContextOverflowError as e:
+            raise BadRequest(str(e), "prompt", "context_length_exceeded") from None
         bad = [t for t in ids if not 0 <= t < self.llm.n_vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} is out of range for a vocabulary of {self.llm.n_vocab}", "prompt")
@@ -90,7 +165,8 @@ class Frontend:
         return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
     async def start(self, ids_list: list[list[int]], params: SamplingParams, kind: str = "generate",
-                    streamed: bool = True) -> tuple[list[RequestHandle], asyncio.Queue]:
+                    streamed: bool = True, run: Callable[..., Awaitable] | None = None
+                    ) -> tuple[list[RequestHandle], asyncio.Queue]:
         """Queue n requests per prompt (kind "score": one per prompt, its logits at every
         position); their outputs arrive on one queue as (choice index, output): each request's
         handle is its one sink (`RequestHandle` with on_output: the output processor runs there,
@@ -98,11 +174,11 @@ class Frontend:
         answer sent whole): a request's outputs are held on the stepping thread's side and queued
         together when it finishes, one wake of the event loop a request instead of one a token
         (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
-        kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API)."""
-        self.check_vocabulary(params)
+        kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API).
+        `run` (the server's `Offload`): submit there, off the event loop (a submit copies the
+        prompt and builds a constraint's guide); without it, submit here."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        handles: list[RequestHandle] = []
         held: dict[int, list] = {}          # streamed=False: each unfinished choice's outputs so far
 
         def put_all(items: list) -> None:
@@ -118,22 +194,33 @@ class Frontend:
             if out.finish_reason is not None or out.error is not None:
                 del held[choice]
                 loop.call_soon_threadsafe(put_all, items)
+        batch = _Submissions()
         try:
-            for p, ids in enumerate(ids_list):
-                for i in range(params.n):     # a prompt past the cap: ContextOverflowError (context_budget)
-                    choice = p * params.n + i
-                    handles.append(self.request(ids, params, i, lambda o, c=choice: on_output(o, c), kind))
-        except QueueFullError as e:
-            self.cancel(handles)
-            raise BadRequest(str(e), None, "server_busy", 503, "server_error") from None
-        except ContextOverflowError as e:
-            self.cancel(handles)
-            raise BadRequest(str(e), "prompt", "context_length_exceeded") from None
+            if run is None:
+                self._submit_all(ids_list, params, kind, on_output, batch)
+            else:
+                await run(self._submit_all, ids_list, params, kind, on_output, batch)
         except BaseException:
-            self.cancel(handles)
+            batch.abandon(self)
             raise
         self.requests_total += kind == "generate"
-        return handles, queue
+        return batch.handles, queue
+
+    def _submit_all(self, ids_list: list[list[int]], params: SamplingParams, kind: str, on_output,
+                    batch: "_Submissions") -> None:
+        """Submit every choice of every prompt into `batch`; a full queue is a 503 and a prompt past
+        the cap (context_budget) a 400, with what was submitted cancelled."""
+        self.check_vocabulary(params)
+        try:
+            for p, ids in enumerate(ids_list):
+                for i in range(params.n):
+                    choice = p * params.n + i
+                    if not batch.add(self.request(ids, params, i, lambda o, c=choice: on_output(o, c), kind), self):
+                        return
+        except QueueFullError as e:
+            raise BadRequest(str(e), None, "server_busy", 503, "server_error") from None
+        except ContextOverflowError as e:
+            raise BadRequest(str(e), "prompt", "context_length_exceeded") from None
 
     def check_vocabulary(self, params: SamplingParams) -> None:
         """Token ids a request names (logit_bias keys, stop_token_ids) lie in the vocabulary: a
