@@ -1,5 +1,6 @@
 """The server's face of one LLM: prompts to token ids, requests started on the scheduler with
-their outputs delivered onto the event loop, cancellation, usage and token pieces for logprobs."""
+their outputs delivered onto the event loop, cancellation, usage and token pieces for logprobs,
+and what a failed request answers (a device's failure: 503)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from metatp.ir.errors import ConfigError, ContextOverflowError
+from metatp.ir.errors import ConfigError, ContextOverflowError, DeviceError, DeviceMemoryError
 from metatp.sampling import SamplingParams
 from metatp.openai_api import usage
 from metatp.requests import RequestHandle
@@ -20,6 +21,23 @@ from metatp.server.ranks import served_world
 
 if TYPE_CHECKING:
     from metatp.api import LLM
+
+
+class DeviceUnavailable(BadRequest):
+    """503 for a request the device could not run: out of memory (a batch or context that does not
+    fit now; Retry-After, as what fits still runs) or a device that failed (it runs nothing more)."""
+
+    def __init__(self, e: DeviceError) -> None:
+        oom = isinstance(e, DeviceMemoryError)
+        super().__init__(str(e), None, "device_out_of_memory" if oom else "device_failed", 503, "server_error")
+        self.headers = {"Retry-After": "1"} if oom else {}
+
+
+def request_failure(err: BaseException) -> BadRequest:
+    """What a request that failed while it ran answers: 503 for a device's error, else 500."""
+    if isinstance(err, DeviceError):
+        return DeviceUnavailable(err)
+    return BadRequest(f"generation failed: {err}", None, "generation_failed", 500, "server_error")
 
 
 class Frontend:
@@ -96,7 +114,11 @@ class Frontend:
         answer sent whole): a request's outputs are held on the stepping thread's side and queued
         together when it finishes, one wake of the event loop a request instead of one a token
         (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
-        kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API)."""
+        kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API).
+        A device that failed refuses at once (DeviceUnavailable, 503): nothing is queued for it."""
+        fault = self.llm.backend.fault
+        if fault is not None:
+            raise DeviceUnavailable(fault.again())
         self.check_vocabulary(params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
