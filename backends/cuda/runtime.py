@@ -1,8 +1,8 @@
 """The one device API of the CUDA backend, over CuPy 13/14: devices, streams, events, memory,
 NVRTC modules, cuBLAS and NCCL calls; and the GPU probe that decides whether "auto" picks it.
 
-CuPy's exceptions stop here: every device call is guarded by `faults.DeviceFaults`, which raises
-metatp's typed errors in their place (`DeviceMemoryError` with the bytes asked for and free,
+CuPy's exceptions stop here: every call that allocates, copies, launches, waits or communicates is
+guarded by `faults.DeviceFaults`, which raises metatp's typed errors in their place (`DeviceMemoryError` with the bytes asked for and free,
 `DeviceFaultError` naming the kernel, `CollectiveError` naming the NCCL call and its GPUs) and,
 after a sticky fault, refuses every later call at once.
 

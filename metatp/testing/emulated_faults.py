@@ -11,8 +11,9 @@ the runtime's guard, so the backend meets the typed errors the real runtime's tr
 - "launch": kernels as they run (launched eagerly, or replayed in a CUDA graph: then the graph
   launch fails, as a fault surfaces at the next call on a GPU): an `EmulatedCudaError` of `status`
   (default 719, cudaErrorLaunchFailure: sticky; 701, too many resources, is not);
-- "nccl": NCCL all-reduces, sends and receives: an `EmulatedNcclError` of `status` (default 2,
-  ncclSystemError).
+- "nccl": NCCL all-reduces, sends and receives as they are called (a captured graph calls them
+  once, while it is captured: an error there abandons the capture): an `EmulatedNcclError` of
+  `status` (default 2, ncclSystemError).
 """
 
 from __future__ import annotations
