@@ -16,6 +16,7 @@ import numpy as np
 
 from metatp.backends.collectives.wire import WireThresholds
 from metatp.backends.store import LeafStore, owned_devices
+from metatp.ir.errors import DeviceFaultError
 from metatp.ir.tensor import GGMLType, Tensor
 from metatp.passes.plan import DeviceLayout, Plan
 
@@ -122,6 +123,13 @@ class Backend(LeafStore, ABC):
     @abstractmethod
     def describe(self) -> BackendInfo:
         """What this backend runs (name, all-reduce, wire, kernels, kernel threads)."""
+
+    @property
+    def fault(self) -> DeviceFaultError | None:
+        """The error that left a device unusable (a faulted kernel, a failed collective), after
+        which this backend refuses all work; None while every device works (host memory never
+        fails so)."""
+        return None
 
     # ---- weights and the KV cache
     @abstractmethod

@@ -27,6 +27,7 @@ from metatp.backends.collectives.schedule import Mode, resolve_mode
 from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.executable import CupyExecutable
+from metatp.backends.cuda.faults import allocating
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
@@ -34,7 +35,7 @@ from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, inp
                                           weight_type_name)
 from metatp.ir.dtypes import np_shape
 from metatp.backends.slicing import device_slices, local_raw_shape, split_raw
-from metatp.ir.errors import ConfigError, UnsupportedOpError
+from metatp.ir.errors import ConfigError, DeviceFaultError, UnsupportedOpError
 from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import DeviceLayout, Plan
@@ -162,6 +163,11 @@ class CupyBackend(Backend):
                                     ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
                                     ("gpus", tuple(self.gpus)), ("virtual", self.virtual)))
 
+    @property
+    def fault(self) -> DeviceFaultError | None:
+        """The sticky fault (a kernel's, an NCCL call's) after which the runtime refuses all work."""
+        return self.rt.faults.failed
+
     # ---------------------------------------------------------------- leaf data
     def _store(self, d: int, host: np.ndarray):
         gpu = self.devices[d].gpu
@@ -186,14 +192,15 @@ class CupyBackend(Backend):
         """GPU kernels read the GGUF encoding: keep it when only they read the weight, else
         store the float32 value."""
         gtype = GGMLType(source.ggml_type)
-        if weight_type_name(gtype) is None or not self.keeps_raw(t, plan):
-            self.upload(t, source.dequantize(), plan)
-            return
-        parts = split_raw(source.raw, t, gtype, plan.of(t), self.n)
-        for d in self.owned:
-            loc = plan.of(t).local[d]
-            self.leaf[d][t] = RawWeight(self._store(d, parts[d]), weight_type_name(gtype), tuple(loc.ne),
-                                        raw_nb(gtype, loc.ne))
+        with allocating(f"weight {t.name!r}"):
+            if weight_type_name(gtype) is None or not self.keeps_raw(t, plan):
+                self.upload(t, source.dequantize(), plan)
+                return
+            parts = split_raw(source.raw, t, gtype, plan.of(t), self.n)
+            for d in self.owned:
+                loc = plan.of(t).local[d]
+                self.leaf[d][t] = RawWeight(self._store(d, parts[d]), weight_type_name(gtype), tuple(loc.ne),
+                                            raw_nb(gtype, loc.ne))
 
     def weight_bytes(self, t: Tensor, local_ne: tuple[int, ...], plan: Plan) -> int:
         """Bytes kept for a weight slice: its GGUF encoding when kernels read it raw, else f32."""
@@ -281,7 +288,7 @@ class CupyBackend(Backend):
     def new_leaf(self, d: int, t: Tensor, ne: tuple[int, ...]):
         """A zero-filled device buffer (a quantized cache as uint8 rows of blocks)."""
         shape = local_raw_shape(t.type, ne) if block_size(t.type) > 1 else np_shape(ne)
-        with self.rt.device(self.devices[d].gpu):
+        with allocating(f"the KV cache {t.name!r}"), self.rt.device(self.devices[d].gpu):
             arr = self.rt.zeros(shape, self._leaf_dtype(t))
         self.rt.device_synchronize(self.devices[d].gpu)
         return arr
@@ -320,4 +327,5 @@ class CupyBackend(Backend):
     # ---------------------------------------------------------------- plans
     def make_executable(self, plan: Plan) -> CupyExecutable:
         self.check_cache_types(plan)
-        return CupyExecutable(self, plan)
+        with allocating(f"the buffers of plan {plan.graph.name}"):    # the activations of a batch this size
+            return CupyExecutable(self, plan)

@@ -37,7 +37,7 @@ from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda.wire_cast import wire_steps
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.p2p import NcclSendRecv
-from metatp.ir.errors import BackendUnavailableError, ConfigError, MetatpError
+from metatp.ir.errors import BackendUnavailableError, CollectiveError, ConfigError, MetatpError
 
 __all__ = ["NcclGroup", "NcclCollective", "nccl_unique_id", "local_gpu", "cupy_runtime"]
 
@@ -79,10 +79,13 @@ class NcclGroup:
 
     def allreduce(self, calls: list[tuple], capturing: bool) -> bool:
         """Run one grouped all-reduce; False when it failed and the caller must use its schedule.
-        Inside a graph capture a failure propagates (the capture is abandoned, not patched)."""
+        Inside a graph capture a failure propagates (the capture is abandoned, not patched), and
+        so does NCCL's own error (a CollectiveError: the communicators are broken, the device failed)."""
         try:
             self.rt.nccl_allreduce(calls)
             return True
+        except CollectiveError:
+            raise
         except Exception as e:  # noqa: BLE001 - per-call fallback
             if capturing:
                 raise

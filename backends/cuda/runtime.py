@@ -1,6 +1,11 @@
 """The one device API of the CUDA backend, over CuPy 13/14: devices, streams, events, memory,
 NVRTC modules, cuBLAS and NCCL calls; and the GPU probe that decides whether "auto" picks it.
 
+CuPy's exceptions stop here: every call that allocates, copies, launches, waits or communicates is
+guarded by `faults.DeviceFaults`, which raises metatp's typed errors in their place (`DeviceMemoryError` with the bytes asked for and free,
+`DeviceFaultError` naming the kernel, `CollectiveError` naming the NCCL call and its GPUs) and,
+after a sticky fault, refuses every later call at once.
+
 Everything the backend does on a device goes through a runtime object, so a test can hand the
 backend another one (`metatp.testing.EmuRuntime`: the same calls on the CPU). The
 runtime is also the kernel engine the launchers use (`launch.using(runtime)`, entered by
@@ -17,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from metatp.backends.cuda.faults import CheckedKernel, DeviceFaults, cupy_errors
 from metatp.backends.cuda.launch import COMPILE_OPTIONS, module_source, using
 
 __all__ = ["CupyRuntime", "DeviceContext", "gpu_probe", "gpu_available", "PROBE_SOURCE"]
@@ -64,6 +70,12 @@ class CupyRuntime:
         self._modules: dict[tuple[str, int], Any] = {}
         self._kernels: dict[tuple[str, str, int], Any] = {}
         self._sms: dict[int, int] = {}
+        self._comm_gpus: dict[int, int] = {}        # id(NCCL communicator) -> its GPU (for errors)
+        self.faults = DeviceFaults(cupy_errors(), self.current_gpu,
+                                   lambda gpu: self.mem_info(gpu)[0] + self.pool_free_bytes(gpu))
+
+    def current_gpu(self) -> int:
+        return int(self.cp.cuda.runtime.getDevice())
 
     # ---- devices, streams, events
     def n_gpus(self) -> int:
@@ -98,7 +110,7 @@ class CupyRuntime:
                 if mod is None:
                     mod = self._modules[(family, gpu)] = self.cp.RawModule(code=module_source(family),
                                                                            options=COMPILE_OPTIONS)
-                k = self._kernels[key] = mod.get_function(name)
+                k = self._kernels[key] = CheckedKernel(mod.get_function(name), name, gpu, self.faults)
         return k
 
     def sm_count(self) -> int:
@@ -112,26 +124,26 @@ class CupyRuntime:
             self._sms[gpu] = n
         return n
 
-    @staticmethod
-    def record(stream, event) -> None:
-        stream.record(event)
+    def record(self, stream, event) -> None:
+        with self.faults.guard():
+            stream.record(event)
 
-    @staticmethod
-    def wait(stream, event) -> None:
-        stream.wait_event(event)
+    def wait(self, stream, event) -> None:
+        with self.faults.guard():
+            stream.wait_event(event)
 
-    @staticmethod
-    def synchronize(stream) -> None:
-        stream.synchronize()
+    def synchronize(self, stream) -> None:
+        with self.faults.guard():         # a kernel's fault surfaces at the next wait for it
+            stream.synchronize()
 
-    @staticmethod
-    def host_wait(event) -> None:
-        event.synchronize()
+    def host_wait(self, event) -> None:
+        with self.faults.guard():
+            event.synchronize()
 
     def device_synchronize(self, gpu: int) -> None:
         """Wait for everything on a GPU, the legacy stream included (where CuPy's uploads and
         zero-fills run: our non-blocking streams do not wait for it)."""
-        with self.cp.cuda.Device(gpu):
+        with self.faults.guard(gpu), self.cp.cuda.Device(gpu):
             self.cp.cuda.runtime.deviceSynchronize()
 
     def gpu_name(self, gpu: int) -> str:
@@ -165,16 +177,20 @@ class CupyRuntime:
 
     # ---- memory
     def empty(self, shape, dtype):
-        return self.cp.empty(shape, dtype=dtype)
+        with self.faults.guard(needed=_nbytes(shape, dtype)):
+            return self.cp.empty(shape, dtype=dtype)
 
     def zeros(self, shape, dtype):
-        return self.cp.zeros(shape, dtype=dtype)
+        with self.faults.guard(needed=_nbytes(shape, dtype)):
+            return self.cp.zeros(shape, dtype=dtype)
 
     def upload(self, host: np.ndarray):
-        return self.cp.asarray(np.ascontiguousarray(host))
+        with self.faults.guard(needed=int(host.nbytes)):
+            return self.cp.asarray(np.ascontiguousarray(host))
 
     def download(self, arr) -> np.ndarray:
-        return self.cp.asnumpy(arr)
+        with self.faults.guard():
+            return self.cp.asnumpy(arr)
 
     def view(self, root, offset: int, shape, strides, dtype):
         if any(s == 0 for s in shape):
@@ -185,29 +201,35 @@ class CupyRuntime:
     def pinned(self, nbytes: int) -> np.ndarray:
         import cupyx
 
-        return cupyx.empty_pinned((max(nbytes, 1),), dtype=np.uint8)
+        with self.faults.guard(needed=max(nbytes, 1)):         # page-locked host memory
+            return cupyx.empty_pinned((max(nbytes, 1),), dtype=np.uint8)
 
     def memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
-        self.cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, _MEMCPY_DEFAULT, stream.ptr)
+        with self.faults.guard():
+            self.cp.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, _MEMCPY_DEFAULT, stream.ptr)
 
     def memcpy_h2d(self, dst_ptr: int, host: np.ndarray, nbytes: int, stream) -> None:
-        self.cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, nbytes, _MEMCPY_H2D, stream.ptr)
+        with self.faults.guard():
+            self.cp.cuda.runtime.memcpyAsync(dst_ptr, host.ctypes.data, nbytes, _MEMCPY_H2D, stream.ptr)
 
     def memset(self, ptr: int, nbytes: int, stream) -> None:
-        self.cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream.ptr)
+        with self.faults.guard():
+            self.cp.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream.ptr)
 
-    # ---- CUDA graphs
-    @staticmethod
-    def begin_capture(stream) -> None:
-        stream.begin_capture()
+    # ---- CUDA graphs (errors inside a capture abandon it and mark nothing: `faults.capturing`)
+    def begin_capture(self, stream) -> None:
+        with self.faults.guard():
+            stream.begin_capture()
+        self.faults.capturing += 1
 
-    @staticmethod
-    def end_capture(stream):
-        return stream.end_capture()
+    def end_capture(self, stream):
+        self.faults.capturing -= 1
+        with self.faults.guard():
+            return stream.end_capture()
 
-    @staticmethod
-    def launch_graph(graph, stream) -> None:
-        graph.launch(stream=stream)
+    def launch_graph(self, graph, stream) -> None:
+        with self.faults.guard():
+            graph.launch(stream=stream)
 
     # ---- cuBLAS
     def gemm_available(self) -> bool:
@@ -217,6 +239,7 @@ class CupyRuntime:
 
                 cublas.gemmEx  # noqa: B018 - loads the library (ImportError if libcublas is missing)
                 self._cublas = cublas
+                self.faults.learn(blas=(cublas.CUBLASError,))
             except Exception:  # noqa: BLE001
                 self._cublas = False
         return bool(self._cublas)
@@ -229,7 +252,7 @@ class CupyRuntime:
         setStream is overridden), and the handle belongs to the current device: so both are
         entered here, whatever context the caller is in."""
         cublas = self._cublas
-        with self.cp.cuda.Device(gpu), stream:
+        with self.faults.guard(gpu), self.cp.cuda.Device(gpu), stream:
             handle = self.cp.cuda.device.get_cublas_handle()
             cublas.setPointerMode(handle, 0)    # host alpha/beta
             ab = _CUDA_R_16F if dtype == "f16" else _CUDA_R_32F
@@ -238,7 +261,8 @@ class CupyRuntime:
                           _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
     def matmul(self, a, b):
-        return self.cp.matmul(a, b)
+        with self.faults.guard():
+            return self.cp.matmul(a, b)
 
     # ---- NCCL
     def nccl_module(self):
@@ -247,13 +271,23 @@ class CupyRuntime:
                 warnings.simplefilter("ignore")
                 from cupy.cuda import nccl
             self._nccl = nccl if getattr(nccl, "available", False) else False
+            if self._nccl:
+                self.faults.learn(nccl=(nccl.NcclError,))
         return self._nccl or None
 
     def nccl_comms(self, gpus: Sequence[int]):
+        """One communicator per GPU (a failed init is a CollectiveError that marks nothing: no
+        work has run on them; the caller may use another all-reduce)."""
         nccl = self.nccl_module()
         if nccl is None:
             return None
-        return list(nccl.NcclCommunicator.initAll(list(gpus)))
+        self.faults.check()
+        try:
+            comms = list(nccl.NcclCommunicator.initAll(list(gpus)))
+        except self.faults.types as e:
+            raise self.faults.translate(e, op="init", gpus=tuple(gpus), marks=False) from e
+        self._comm_gpus.update((id(c), g) for c, g in zip(comms, gpus))
+        return comms
 
     def nccl_unique_id(self) -> bytes:
         """A fresh NCCL unique id (rank 0 draws it; MPI carries it to the others)."""
@@ -261,29 +295,56 @@ class CupyRuntime:
 
     def nccl_rank_comm(self, n_ranks: int, uid, rank: int):
         """This process's rank of an n-rank communicator that spans processes (on the current GPU)."""
-        return self.nccl_module().NcclCommunicator(n_ranks, uid, rank)
+        gpu = self.current_gpu()
+        self.faults.check()
+        try:
+            comm = self.nccl_module().NcclCommunicator(n_ranks, uid, rank)
+        except self.faults.types as e:
+            raise self.faults.translate(e, op="init", gpus=(gpu,), marks=False) from e
+        self._comm_gpus[id(comm)] = gpu
+        return comm
+
+    def _collective_error(self, e: BaseException, op: str, comms) -> Exception:
+        """A failed NCCL call as a CollectiveError naming it and its communicators' GPUs."""
+        gpus = tuple(g for g in (self._comm_gpus.get(id(c)) for c in comms) if g is not None)
+        return self.faults.translate(e, op=op, gpus=gpus)
 
     def nccl_allreduce(self, calls) -> None:
         """calls: (comm, ptr, count, dtype 'f32'|'bf16', stream) per rank, in one NCCL group."""
         nccl = self.nccl_module()
         codes = {"f32": getattr(nccl, "NCCL_FLOAT32", 7), "bf16": getattr(nccl, "NCCL_BFLOAT16", 9)}
         op = getattr(nccl, "NCCL_SUM", 0)
-        nccl.groupStart()
+        self.faults.check()
         try:
-            for comm, ptr, count, dtype, stream in calls:
-                comm.allReduce(ptr, ptr, count, codes[dtype], op, stream.ptr)
-        finally:
-            nccl.groupEnd()
+            nccl.groupStart()
+            try:
+                for comm, ptr, count, dtype, stream in calls:
+                    comm.allReduce(ptr, ptr, count, codes[dtype], op, stream.ptr)
+            finally:
+                nccl.groupEnd()
+        except self.faults.types as e:
+            raise self._collective_error(e, "all-reduce", [c[0] for c in calls]) from e
 
-    @staticmethod
-    def nccl_send(comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+    def nccl_send(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
         """ncclSend of `count` elements of NCCL type code `dtype` at `ptr` to rank `peer` (NCCL >= 2.7)."""
-        comm.send(ptr, count, dtype, peer, stream.ptr)
+        self.faults.check()
+        try:
+            comm.send(ptr, count, dtype, peer, stream.ptr)
+        except self.faults.types as e:
+            raise self._collective_error(e, f"send to rank {peer}", [comm]) from e
 
-    @staticmethod
-    def nccl_recv(comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
+    def nccl_recv(self, comm, ptr: int, count: int, dtype: int, peer: int, stream) -> None:
         """ncclRecv of `count` elements of NCCL type code `dtype` from rank `peer` into `ptr`."""
-        comm.recv(ptr, count, dtype, peer, stream.ptr)
+        self.faults.check()
+        try:
+            comm.recv(ptr, count, dtype, peer, stream.ptr)
+        except self.faults.types as e:
+            raise self._collective_error(e, f"receive from rank {peer}", [comm]) from e
+
+
+def _nbytes(shape, dtype) -> int:
+    n = int(np.prod(shape, dtype=np.int64)) if not isinstance(shape, int) else shape
+    return n * np.dtype(dtype).itemsize
 
 
 # =============================================================== the GPU probe

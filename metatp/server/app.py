@@ -15,7 +15,7 @@ from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
 from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int, read, refuse_unimplemented_chat,
                                   refuse_unimplemented_completion, sampling_params)
-from metatp.server.frontend import Frontend
+from metatp.server.frontend import DeviceUnavailable, Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.offload import Offload, json_array_in_slices
 from metatp.server.ranks import served_world
@@ -94,6 +94,10 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     async def bad_request(request: HttpRequest, e: BadRequest):
         return error_response(e)
 
+    @app.exception_handler(DeviceUnavailable)
+    async def device_unavailable(request: HttpRequest, e: DeviceUnavailable):   # 503, Retry-After when it may pass
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     @app.exception_handler(FieldError)
     async def field_error(request: HttpRequest, e: FieldError):       # a request field's check: 400 naming it
         return error_response(as_bad_request(e))
@@ -119,7 +123,11 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     @app.get("/health")
     @app.get("/v1/health")
     async def health():
-        return {"status": "ok"}
+        """ok; 503 naming the device and its error once a device has failed (it runs nothing more)."""
+        fault = llm.backend.fault
+        if fault is None:
+            return {"status": "ok"}
+        return JSONResponse({"status": "error", "device": fault.device, "error": str(fault)}, status_code=503)
 
     @app.get("/v1/models")
     @app.get("/models")

@@ -1,5 +1,6 @@
 """The server's face of one LLM: prompts to token ids, requests started on the scheduler with
-their outputs delivered onto the event loop, cancellation, usage and token pieces for logprobs."""
+their outputs delivered onto the event loop, cancellation, usage and token pieces for logprobs,
+and what a failed request answers (a device's failure: 503)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from metatp.ir.errors import ConfigError, ContextOverflowError
+from metatp.ir.errors import ConfigError, ContextOverflowError, DeviceError, DeviceMemoryError
 from metatp.sampling import SamplingParams
 from metatp.openai_api import usage
 from metatp.requests import RequestHandle
@@ -55,6 +56,23 @@ def _text_chars(content: Any) -> int:
         return 0
     texts = (p.get("text") if isinstance(p, dict) else p for p in content)
     return sum(len(t) for t in texts if isinstance(t, str))
+
+
+class DeviceUnavailable(BadRequest):
+    """503 for a request the device could not run: out of memory (a batch or context that does not
+    fit now; Retry-After, as what fits still runs) or a device that failed (it runs nothing more)."""
+
+    def __init__(self, e: DeviceError) -> None:
+        oom = isinstance(e, DeviceMemoryError)
+        super().__init__(str(e), None, "device_out_of_memory" if oom else "device_failed", 503, "server_error")
+        self.headers = {"Retry-After": "1"} if oom else {}
+
+
+def request_failure(err: BaseException) -> BadRequest:
+    """What a request that failed while it ran answers: 503 for a device's error, else 500."""
+    if isinstance(err, DeviceError):
+        return DeviceUnavailable(err)
+    return BadRequest(f"generation failed: {err}", None, "generation_failed", 500, "server_error")
 
 
 class Frontend:
@@ -176,7 +194,11 @@ class Frontend:
         (16 concurrent requests woke it 16 times a step, and its turns took the cores from the
         kernels' threads: 16 served requests ran at 0.6x the rate of the same through the API).
         `run` (the server's `Offload`): submit there, off the event loop (a submit copies the
-        prompt and builds a constraint's guide); without it, submit here."""
+        prompt and builds a constraint's guide); without it, submit here. A device that failed
+        refuses at once (DeviceUnavailable, 503): nothing is queued for it."""
+        fault = self.llm.backend.fault
+        if fault is not None:
+            raise DeviceUnavailable(fault.again())
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         held: dict[int, list] = {}          # streamed=False: each unfinished choice's outputs so far

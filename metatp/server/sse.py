@@ -10,7 +10,7 @@ from typing import AsyncIterator
 from metatp.requests import RequestHandle
 from metatp.scheduler import StepOutput
 from metatp.server.fields import BadRequest, bool_field
-from metatp.server.frontend import Frontend
+from metatp.server.frontend import Frontend, request_failure
 
 
 def stream_usage(body: dict, stream: bool) -> bool:
@@ -53,7 +53,7 @@ async def outputs(request, srv: Frontend, reqs: list[RequestHandle], queue: asyn
                     return
                 continue
             if out.error is not None:
-                raise BadRequest(f"generation failed: {out.error}", None, "generation_failed", 500, "server_error")
+                raise request_failure(out.error)
             if out.finish_reason is not None:
                 left -= 1
             yield choice, out

@@ -17,7 +17,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -312,6 +312,8 @@ class _EmuKernel:
         self.emu.dispatch(lambda: self._run(grid, block, vals, shared_mem))
 
     def _run(self, grid, block, vals, shared_mem) -> None:
+        if self.emu.before_launch is not None:        # a test's injected fault (EmuRuntime.inject)
+            self.emu.before_launch(self.name)
         ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         err = ctypes.create_string_buffer(512)
         rc = self._launch(self._tramp, ptrs, *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
@@ -333,7 +335,9 @@ class Emulator:
     """The CPU stand-in for a GPU: numpy arrays, kernels compiled as host C++.
 
     ``dispatch`` runs work at once, or appends it to ``capture`` while one is active
-    (what a backend's emulated CUDA-graph capture records and replays)."""
+    (what a backend's emulated CUDA-graph capture records and replays). ``before_launch(name)``,
+    when set, is called as each kernel runs, eagerly or in a replayed graph (an emulated
+    runtime's fault injection)."""
 
     name = "emulator"
     _libs: dict[Path, Any] = {}         # compiled library (by source hash) -> loaded ctypes handle
@@ -343,6 +347,7 @@ class Emulator:
         self.current_device = 0
         self.capture: list | None = None
         self.launches = 0
+        self.before_launch: Callable[[str], None] | None = None
         self._kernels: dict[tuple[str, str], _EmuKernel] = {}
 
     def device_id(self) -> int:

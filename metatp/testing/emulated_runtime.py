@@ -5,6 +5,10 @@ engine (an `Emulator`). Device memory is numpy arrays, kernels run on the CUDA e
 events are ordered by issue order, NCCL is a sum over the emulated GPUs, and CUDA-graph capture
 records launches and replays them. Everything above this layer (plans, launches, all-reduce
 schedules, graphs) is the real backend code.
+
+Device faults: ``inject(kind, after_n_calls)`` makes a later call raise what the library would
+(out of memory, a failed launch, an NCCL error; `emulated_faults`), inside the same guard as the
+real runtime's (`backends.cuda.faults.DeviceFaults`), so the backend meets metatp's typed errors.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import Sequence
 
 import numpy as np
 
+from metatp.backends.cuda.faults import CheckedKernel, DeviceFaults
 from metatp.backends.cuda.launch import using
 from metatp.backends.cuda.runtime import DeviceContext
 from metatp.testing.cuda_emulator import Emulator
+from metatp.testing.emulated_faults import EMULATED_ERRORS, FaultPlan, Injection
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 __all__ = ["EmuRuntime"]
@@ -68,10 +74,11 @@ class _EmuDevice:
 
 
 class _EmuComm:
-    """A rank of an emulated NCCL communicator (sums at the end of a group)."""
+    """A rank of an emulated NCCL communicator (sums at the end of a group) on GPU `gpu`."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, gpu: int) -> None:
         self.rank = rank
+        self.gpu = gpu
 
 
 class EmuRuntime:
@@ -82,7 +89,7 @@ class EmuRuntime:
     "GPUs". `n_gpus` pretends to have that many GPUs (each its own memory, all host RAM).
     `nccl_capture=False` makes NCCL refuse to run inside a graph capture (as an old NCCL
     does), `mem_free` / `pool_free` are what the memory queries report; `peer_access` records
-    the GPU sets peer access was enabled for."""
+    the GPU sets peer access was enabled for. `inject` arms a device fault (tests only)."""
 
     name = "emulator"
 
@@ -99,6 +106,20 @@ class EmuRuntime:
         self.nccl_calls = 0
         self.peer_access: list[list[int]] = []
         self._capture_id = 0           # which capture events were recorded in (`_EmuEvent`)
+        self._kernels: dict[tuple[str, str, int], CheckedKernel] = {}
+        self.fault_plan = FaultPlan()
+        self.faults = DeviceFaults(EMULATED_ERRORS, lambda: self.emu.current_device,
+                                   lambda gpu: self.mem_free + self.pool_free)
+        self.emu.before_launch = lambda name: self.fault_plan.trip("launch")
+
+    # ---- fault injection
+    def inject(self, kind: str, after_n_calls: int = 0, *, status: int | None = None, min_bytes: int = 0,
+               times: int | None = 1) -> None:
+        """Make a later call fail as the device library would: kind "oom" (allocations of at least
+        `min_bytes`), "launch" (kernel and graph launches; `status` a cudaError_t, 719 by
+        default) or "nccl" (NCCL calls; `status` an ncclResult_t, 2 by default). The first
+        `after_n_calls` calls of the kind succeed, then `times` calls fail (None: all later ones)."""
+        self.fault_plan.arm(Injection(kind, after_n_calls, status, min_bytes, times))
 
     def n_gpus(self) -> int:
         return self._n_gpus
@@ -116,10 +137,24 @@ class EmuRuntime:
         return DeviceContext(_EmuDevice(self.emu, gpu), stream)
 
     def kernels(self):
-        """Launch every kernel inside the block on this runtime's emulator."""
-        return using(self.emu)
+        """Launch every kernel inside the block on this runtime's emulator (checked kernels, as
+        the real runtime hands out: `kernel`)."""
+        return using(self)
+
+    # ---- kernel engine (launch.KernelEngine) over the emulator
+    def kernel(self, family: str, name: str) -> CheckedKernel:
+        gpu = self.emu.current_device
+        k = self._kernels.get((family, name, gpu))
+        if k is None:
+            k = self._kernels[(family, name, gpu)] = CheckedKernel(self.emu.kernel(family, name), name, gpu,
+                                                                   self.faults)
+        return k
+
+    def sm_count(self) -> int:
+        return self.emu.sm_count()
 
     def record(self, stream, event) -> None:
+        self.faults.check()
         if isinstance(event, _EmuEvent) and isinstance(stream, _EmuStream):
             if event.gpu != stream.gpu:
                 raise RuntimeError(f"cudaEventRecord: an event of GPU {event.gpu} on a stream of GPU {stream.gpu} "
@@ -127,20 +162,19 @@ class EmuRuntime:
             event.capture = self._capture_id if self.emu.capture is not None else None
 
     def wait(self, stream, event) -> None:
+        self.faults.check()
         if self.emu.capture is not None and isinstance(event, _EmuEvent) and event.capture != self._capture_id:
             raise RuntimeError("cudaStreamWaitEvent inside a capture on an event not recorded in it "
                                "(cudaErrorStreamCaptureIsolation)")
 
-    @staticmethod
-    def synchronize(stream) -> None:
-        pass
+    def synchronize(self, stream) -> None:
+        self.faults.check()
 
-    @staticmethod
-    def host_wait(event) -> None:
-        pass
+    def host_wait(self, event) -> None:
+        self.faults.check()
 
     def device_synchronize(self, gpu: int) -> None:
-        pass
+        self.faults.check()
 
     def gpu_name(self, gpu: int) -> str:
         return f"emulated GPU {gpu}"
@@ -154,16 +188,23 @@ class EmuRuntime:
     def enable_peer_access(self, gpus: Sequence[int]) -> None:
         self.peer_access.append(list(gpus))
 
+    def _allocate(self, nbytes: int, make):
+        """A device allocation: where an "oom" fault trips, inside the guard."""
+        with self.faults.guard(needed=nbytes):
+            self.fault_plan.trip("oom", nbytes)
+            return make()
+
     def empty(self, shape, dtype):
-        return np.empty(shape, dtype=dtype)
+        return self._allocate(_nbytes(shape, dtype), lambda: np.empty(shape, dtype=dtype))
 
     def zeros(self, shape, dtype):
-        return np.zeros(shape, dtype=dtype)
+        return self._allocate(_nbytes(shape, dtype), lambda: np.zeros(shape, dtype=dtype))
 
     def upload(self, host: np.ndarray):
-        return np.array(host, copy=True, order="C")
+        return self._allocate(int(host.nbytes), lambda: np.array(host, copy=True, order="C"))
 
     def download(self, arr) -> np.ndarray:
+        self.faults.check()
         return np.array(arr, copy=True)
 
     def view(self, root, offset: int, shape, strides, dtype):
@@ -175,38 +216,46 @@ class EmuRuntime:
                           strides=tuple(int(s) for s in strides))
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        return np.zeros(max(nbytes, 1), dtype=np.uint8)
+        return self._allocate(max(nbytes, 1), lambda: np.zeros(max(nbytes, 1), dtype=np.uint8))
 
     def memcpy(self, dst_ptr: int, src_ptr: int, nbytes: int, stream) -> None:
+        self.faults.check()
         self.emu.dispatch(lambda: ctypes.memmove(dst_ptr, src_ptr, nbytes))
 
     def memcpy_h2d(self, dst_ptr: int, host: np.ndarray, nbytes: int, stream) -> None:
+        self.faults.check()
         data = host.ctypes.data
         self.emu.dispatch(lambda: ctypes.memmove(dst_ptr, data, nbytes))
 
     def memset(self, ptr: int, nbytes: int, stream) -> None:
+        self.faults.check()
         self.emu.dispatch(lambda: ctypes.memset(ptr, 0, nbytes))
 
     def begin_capture(self, stream) -> None:
+        self.faults.check()
         if self.emu.capture is not None:
             raise RuntimeError("a capture is already active")
         self._capture_id += 1
         self.emu.capture = []
+        self.faults.capturing += 1
 
     def end_capture(self, stream):
+        self.faults.capturing -= 1
         graph, self.emu.capture = self.emu.capture, None
         return graph
 
     def launch_graph(self, graph, stream) -> None:
-        self.graph_launches += 1
-        for work in graph:
-            work()
+        with self.faults.guard():           # a kernel's injected fault, as it runs in the graph
+            self.graph_launches += 1
+            for work in graph:
+                work()
 
     def gemm_available(self) -> bool:
         return self._gemm
 
     def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
              dtype: str, stream, gpu: int) -> None:
+        self.faults.check()
         dt = np.float16 if dtype == "f16" else np.float32
 
         def run() -> None:
@@ -228,7 +277,7 @@ class EmuRuntime:
             return None
         if len(set(gpus)) != len(gpus):
             raise RuntimeError("NCCL: duplicate GPU in one communicator (ncclInvalidUsage)")
-        return [_EmuComm(r) for r in range(len(gpus))]
+        return [_EmuComm(r, g) for r, g in enumerate(gpus)]
 
     def nccl_unique_id(self) -> bytes:
         """128 random bytes (the size of a real ncclUniqueId)."""
@@ -247,8 +296,14 @@ class EmuRuntime:
     def nccl_allreduce(self, calls) -> None:
         if self.emu.capture is not None and not self._nccl_capture:
             raise RuntimeError("NCCL: this NCCL cannot be captured into a CUDA graph")
-        self.nccl_calls += 1
+        self.faults.check()
         calls = list(calls)
+        try:
+            self.fault_plan.trip("nccl")
+        except EMULATED_ERRORS.nccl as e:
+            gpus = tuple(c[0].gpu if isinstance(c[0], _EmuComm) else self.emu.current_device for c in calls)
+            raise self.faults.translate(e, op="all-reduce", gpus=gpus) from e
+        self.nccl_calls += 1
         if not all(isinstance(c[0], _EmuComm) for c in calls):
             self._rank_allreduce(calls)
             return
@@ -275,6 +330,12 @@ class EmuRuntime:
 
         if not isinstance(comm, MpiNcclComm):
             raise RuntimeError(f"NCCL {kind}: the emulator sends between MPI ranks only, got {type(comm).__name__}")
+        self.faults.check()
+        try:
+            self.fault_plan.trip("nccl")
+        except EMULATED_ERRORS.nccl as e:
+            raise self.faults.translate(e, op=f"{kind} to rank {peer}" if kind == "send" else
+                                        f"receive from rank {peer}", gpus=(self.emu.current_device,)) from e
         self.nccl_calls += 1
         call = comm.send if kind == "send" else comm.recv
         handle = stream.ptr
@@ -296,6 +357,10 @@ class EmuRuntime:
         for comm, ptr, count, dtype, stream in calls:
             self.emu.dispatch(lambda c=comm, p=ptr, n=count, t=codes[dtype], h=stream.ptr:
                               c.allReduce(p, p, n, t, NCCL_SUM, h))
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def _host_array(ptr: int, shape, dtype) -> np.ndarray:

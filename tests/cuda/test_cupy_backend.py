@@ -20,6 +20,7 @@ from metatp.backends.analysis import PlanFacts
 from metatp.backends.collectives import (WireThresholds, butterfly_schedule, ring_schedule, run_schedule,
                                          wire_dtype)
 from metatp.backends.cuda.backend import RAW_READERS, CupyBackend
+from metatp.backends.cuda.faults import DeviceFaults, LibraryErrors
 from metatp.backends.cuda.runtime import CupyRuntime, gpu_available
 from metatp.backends.fusion import FusionKind
 from metatp.backends.registry import backend_entry
@@ -348,6 +349,7 @@ def test_gemm_enters_its_device_and_stream():
         Device=lambda i: Ctx(f"gpu{i}"),
         device=SimpleNamespace(get_cublas_handle=lambda: f"handle of {current[0] if current else 'no device'}")))
     rt._cublas, rt._one, rt._zero = Cublas(), np.ones(1, np.float32), np.zeros(1, np.float32)
+    rt.faults = DeviceFaults(LibraryErrors(), lambda: 0, lambda gpu: 0)      # no library errors to translate
     rt.gemm(8, 16, 32, 1, 2, 3, 8, "f16", Ctx("stream of gpu 1"), 1)
     assert calls == [("handle of gpu1", ("gpu1", "stream of gpu 1"))]
 
