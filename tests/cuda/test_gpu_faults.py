@@ -223,7 +223,7 @@ def test_an_nccl_error_on_a_two_gpu_split_is_a_collective_error(synth_model):
 
 # ------------------------------------------------------------------ through the server
 @pytest.fixture
-def served(monkeypatch, path):
+def faulty_server(monkeypatch, path):
     """(client, runtime, llm): the real app over an LLM on the emulated cupy backend."""
     from metatp.server import create_app
     from support.require import require
@@ -241,8 +241,8 @@ def complete(client, prompt, **body):
     return client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **body})
 
 
-def test_the_server_answers_503_for_a_batch_that_does_not_fit_and_serves_what_fits(served):
-    client, rt, llm = served
+def test_the_server_answers_503_for_a_batch_that_does_not_fit_and_serves_what_fits(faulty_server):
+    client, rt, llm = faulty_server
     assert complete(client, SMALL).status_code == 200
     rt.inject("oom", min_bytes=largest_buffers(llm.backend) + 1, times=None)
     r = complete(client, BIG)
@@ -256,8 +256,8 @@ def test_the_server_answers_503_for_a_batch_that_does_not_fit_and_serves_what_fi
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_failed_device_is_503_and_health_reports_it_while_the_server_answers(served):
-    client, rt, llm = served
+def test_a_failed_device_is_503_and_health_reports_it_while_the_server_answers(faulty_server):
+    client, rt, llm = faulty_server
     assert complete(client, SMALL).status_code == 200
     rt.inject("launch", status=700)
     r = complete(client, SMALL)
@@ -275,8 +275,8 @@ def test_a_failed_device_is_503_and_health_reports_it_while_the_server_answers(s
     assert client.get("/v1/models").status_code == 200      # the server itself still answers
 
 
-def test_a_streamed_request_that_fails_on_the_device_ends_with_an_error_event(served):
-    client, rt, llm = served
+def test_a_streamed_request_that_fails_on_the_device_ends_with_an_error_event(faulty_server):
+    client, rt, llm = faulty_server
     assert complete(client, SMALL).status_code == 200
     rt.inject("launch", after_n_calls=2, status=700)
     with client.stream("POST", "/v1/completions", json={"prompt": SMALL, "max_tokens": 4, "stream": True}) as r:

@@ -76,7 +76,7 @@ class HealthProbe:
 
 
 @pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
+def loop_server(path, tmp_path_factory):
     s = MetatpServe(path, "-c", "512", "--parallel", "2", log=tmp_path_factory.mktemp("serve-log") / "loop.log")
     yield s
     s.stop()
@@ -95,20 +95,20 @@ def small_completion(server, took: list | None = None) -> str:
 
 # ---------------------------------------------------------------- through the real server
 @requires("serve")
-def test_a_10mb_prompt_is_refused_by_name_while_health_and_a_small_completion_answer(server):
+def test_a_10mb_prompt_is_refused_by_name_while_health_and_a_small_completion_answer(loop_server):
     idle: list[float] = []
-    want = [small_completion(server, idle) for _ in range(3)][0]
+    want = [small_completion(loop_server, idle) for _ in range(3)][0]
     small: list = []
     busy: list[float] = []
-    with HealthProbe(server.base) as probe:
+    with HealthProbe(loop_server.base) as probe:
         def smalls():
             for _ in range(3):
-                small.append(small_completion(server, busy))
+                small.append(small_completion(loop_server, busy))
         side = threading.Thread(target=smalls)
         side.start()
         for _ in range(3):
             with pytest.raises(openai.BadRequestError) as e:
-                server.client().completions.create(model="m", prompt="a" * 10_000_000, max_tokens=4)
+                loop_server.client().completions.create(model="m", prompt="a" * 10_000_000, max_tokens=4)
             err = e.value.body
             assert e.value.status_code == 400 and err["param"] == "prompt"
             assert err["code"] == "context_length_exceeded"
@@ -117,41 +117,41 @@ def test_a_10mb_prompt_is_refused_by_name_while_health_and_a_small_completion_an
     assert small == [want] * 3
     assert probe.n > 0 and probe.worst < LIVENESS_S, probe.worst
     assert max(busy) < min(idle) + LIVENESS_S, (busy, idle)     # a small completion is not held up either
-    assert small_completion(server) == want                       # alive and the same
+    assert small_completion(loop_server) == want                       # alive and the same
 
 
 @requires("serve")
-def test_a_10mb_chat_is_refused_by_name(server):
+def test_a_10mb_chat_is_refused_by_name(loop_server):
     with pytest.raises(openai.BadRequestError) as e:
-        server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "b" * 10_000_000}])
+        loop_server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "b" * 10_000_000}])
     assert e.value.status_code == 400 and e.value.body["param"] == "messages"
     assert e.value.body["code"] == "context_length_exceeded"
 
 
 @requires("serve")
-def test_a_huge_chat_is_rendered_off_the_loop(server):
+def test_a_huge_chat_is_rendered_off_the_loop(loop_server):
     """20,000 empty messages pass the character check and render to ~140,000 tokens (half a
     second of template and tokenizer): a 400 saying the prompt does not fit, /health meanwhile."""
-    with HealthProbe(server.base) as probe:
+    with HealthProbe(loop_server.base) as probe:
         with pytest.raises(openai.BadRequestError) as e:
-            server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": ""}] * 20_000)
+            loop_server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": ""}] * 20_000)
     assert e.value.body["code"] == "context_length_exceeded" and "max_model_len" in e.value.body["message"]
     assert probe.n > 0 and probe.worst < LIVENESS_S, probe.worst
-    r = server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+    r = loop_server.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=3)
     assert r.choices[0].message.role == "assistant"
 
 
 @requires("serve")
-def test_tokenize_a_megabyte_off_the_loop(server):
+def test_tokenize_a_megabyte_off_the_loop(loop_server):
     import httpx
 
     text = "hello world " * 100_000
-    with HealthProbe(server.base) as probe:
-        r = httpx.post(server.base + "/tokenize", json={"content": text}, timeout=120)
+    with HealthProbe(loop_server.base) as probe:
+        r = httpx.post(loop_server.base + "/tokenize", json={"content": text}, timeout=120)
     ids = r.json()["tokens"]
     assert r.status_code == 200 and len(ids) > 100_000
-    assert httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=120).json()["content"] == text
+    assert httpx.post(loop_server.base + "/detokenize", json={"tokens": ids}, timeout=120).json()["content"] == text
     assert probe.n > 0 and probe.worst < LIVENESS_S, probe.worst
 
 
