@@ -15,6 +15,7 @@ from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
 from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int, read, refuse_unimplemented_chat,
                                   refuse_unimplemented_completion, sampling_params)
+from metatp.server.fields import check_constraint
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.ranks import served_world
@@ -141,6 +142,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
         if required not in body:
             raise BadRequest(f"'{required}' is required", required)
         stream = read(body, rf.STREAM, False)
+        await check_constraint(body, llm.tokenizer)      # off the event loop; a 400 naming the field
         return body, model, stream, stream_usage(body, stream)
 
     @app.get("/metrics")

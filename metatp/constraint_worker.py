@@ -1,0 +1,125 @@
+"""The constraint compiler's own process: a request's output constraint (JSON, a JSON schema, a
+regex, a choice, a grammar) turned into llguidance's grammar text and checked, away from the
+server or the caller's process.
+
+Why a process: llguidance (Rust) recurses per nested rule and a grammar of a few thousand chained
+rules overflows its stack (SIGSEGV, no exception to catch), and a big alternation can take tens
+of seconds. Here a crash or a hang costs this process only; `metatp.constraint_check` starts it
+(`python -m metatp.constraint_worker`), sends one JSON line per constraint on stdin, reads one JSON
+line back, and kills and replaces it on a crash or past its time budget.
+
+Each check runs on a thread with a `CHECK_STACK_BYTES` stack, half of the 8 MiB a Linux thread
+gets by default: a grammar that passes here needed at most half the stack the server's threads
+have when they build its matcher. Only the standard library and llguidance are imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+from typing import Any
+
+__all__ = ["Refused", "compile_constraint", "library_message", "choice_regex", "CHECK_STACK_BYTES", "main"]
+
+CHECK_STACK_BYTES = 4 << 20
+JSON_OPTIONS = {"whitespace_flexible": False}     # compact JSON (", " and ": "): no runs of blanks
+_PANIC = re.compile(r"panicked at|stack backtrace|RUST_BACKTRACE|\.rs:\d+|/\.cargo/|/rustc/", re.I)
+
+
+class Refused(Exception):
+    """The constraint is not one llguidance accepts; the message says why, without internals."""
+
+
+def library_message(text: str, limit: int = 300) -> str:
+    """llguidance's error `text` as one line a client may read: its "Error:" line (or its first),
+    cut to `limit` characters; a panic or backtrace becomes a plain "internal error"."""
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    if not lines:
+        return "refused by the constraint library"
+    if any(_PANIC.search(ln) for ln in lines):
+        return "the constraint library failed on it (an internal error of the library)"
+    line = next((ln for ln in lines if ln.startswith("Error:")), lines[0])
+    line = line.removeprefix("Error:").strip()
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def choice_regex(choices: list[str]) -> str:
+    """One regex matching exactly the given strings: every character but an ASCII letter or digit
+    written as \\x{hex}, so no choice can change the pattern. One regex is one lexeme to
+    llguidance, where an alternation of literals would be one parser item per choice (its rows
+    stop at 2,000 items, mid-generation)."""
+    return "|".join("".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in s) for s in choices)
+
+
+def _source(field: str, text: str, llg: Any) -> tuple[str, str]:
+    """(llguidance grammar, what it is called in messages) for the constraint `field` = `text`."""
+    if field == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS), "the JSON object"
+    if field == "json_schema":
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(json.loads(text), JSON_OPTIONS), "the schema"
+        except (ValueError, TypeError) as e:
+            raise Refused(f"the schema is invalid: {library_message(e)}") from None
+    if field == "guided_regex":
+        return llg.LLMatcher.grammar_from_regex(text), "the regex"
+    if field == "guided_choice":
+        return llg.LLMatcher.grammar_from_regex(choice_regex(json.loads(text))), "the choice"
+    if field == "guided_grammar":
+        try:
+            return llg.grammar_from("grammar", text), "the grammar"     # Lark, or GBNF converted to Lark
+        except ValueError as e:
+            raise Refused(f"the grammar is invalid: {library_message(e)}") from None
+    raise Refused(f"{field} is not a constraint field")
+
+
+def compile_constraint(field: str, text: str) -> str:
+    """llguidance's checked grammar for the constraint `field` given as `text` (the JSON of a
+    schema or a choice list; the regex or grammar itself), or Refused saying what is wrong."""
+    import llguidance as llg
+
+    try:
+        grammar, what = _source(field, text, llg)
+        err = llg.LLMatcher.validate_grammar(grammar, None)
+    except Refused:
+        raise
+    except BaseException as e:        # pyo3's PanicException is a BaseException
+        raise Refused(library_message(e)) from None
+    if err:
+        raise Refused(f"{what} is invalid: {library_message(err)}")
+    return grammar
+
+
+def _answer(request: dict) -> dict:
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["grammar"] = compile_constraint(request["field"], request["text"])
+        except Refused as e:
+            result["refused"] = str(e)
+        except BaseException as e:      # anything else: still one clean line
+            result["refused"] = library_message(f"{type(e).__name__}: {e}")
+
+    threading.stack_size(CHECK_STACK_BYTES)
+    t = threading.Thread(target=run, name="metatp-constraint-check")
+    t.start()
+    t.join()
+    return result
+
+
+def main() -> None:
+    """Answer one JSON line per JSON line on stdin until it closes. The answers go to the stdout
+    this process started with; anything else printing to stdout lands on stderr instead."""
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(_answer(json.loads(line))) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()
