@@ -24,11 +24,13 @@ import threading
 import time
 from typing import Callable
 
+from metatp.ir.errors import ConfigError
 from metatp.request_fields import FieldError
 
 __all__ = ["ConstraintChecker", "default_checker", "TIME_BUDGET_S", "WORKERS"]
 
 TIME_BUDGET_S = 5.0          # one compile; llguidance takes ~0.5 s on 100,000 choices, ~30 s on a 1 MB alternation
+START_TIMEOUT_S = 60.0       # a worker's start (Python and llguidance imported), on a busy machine
 WORKERS = 2                  # compiles at once (each a process); more wait their turn
 CACHE_ENTRIES = 1024
 CACHE_BYTES = 64 << 20       # grammar text kept, all verdicts together
@@ -47,9 +49,14 @@ class _Worker:
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
 
     def ask(self, field: str, text: str, timeout: float) -> dict | str:
-        """The worker's answer ({"grammar"} or {"refused"}), or "crashed" / "timeout" (it is then gone)."""
+        """The worker's answer ({"grammar"} or {"refused"}), or "crashed" / "timeout" (it is then
+        gone); `timeout` counts the compile only, not a fresh worker's start."""
         if self.proc is None or self.proc.poll() is not None:
             self.proc, self._pending = self._start(), b""
+            if not isinstance(self._read_line(time.monotonic() + START_TIMEOUT_S), bytes):    # its "ready" line
+                self.stop()
+                raise ConfigError("structured output: the constraint compiler process did not start "
+                                  f"(python -m metatp.constraint_worker, within {START_TIMEOUT_S:g} s)")
         try:
             self.proc.stdin.write((json.dumps({"field": field, "text": text}) + "\n").encode())
             self.proc.stdin.flush()

@@ -6,7 +6,8 @@ Why a process: llguidance (Rust) recurses per nested rule and a grammar of a few
 rules overflows its stack (SIGSEGV, no exception to catch), and a big alternation can take tens
 of seconds. Here a crash or a hang costs this process only; `metatp.constraint_check` starts it
 (`python -m metatp.constraint_worker`), sends one JSON line per constraint on stdin, reads one JSON
-line back, and kills and replaces it on a crash or past its time budget.
+line back (the first, "ready", once llguidance is imported), and kills and replaces it on a
+crash or past its time budget.
 
 Each check runs on a thread with a `CHECK_STACK_BYTES` stack, half of the 8 MiB a Linux thread
 gets by default: a grammar that passes here needed at most half the stack the server's threads
@@ -115,6 +116,10 @@ def main() -> None:
     this process started with; anything else printing to stdout lands on stderr instead."""
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
+    import llguidance  # noqa: F401  (imported before "ready": a compile's time budget is the compile's)
+
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
     for line in sys.stdin:
         if line.strip():
             out.write(json.dumps(_answer(json.loads(line))) + "\n")
