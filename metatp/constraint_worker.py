@@ -9,6 +9,8 @@ of seconds. Here a crash or a hang costs this process only; `metatp.constraint_c
 line back (the first, "ready", once llguidance is imported), and kills and replaces it on a
 crash or past its time budget.
 
+The check is llguidance's `validate_grammar`, then a short walk of the output on a byte
+vocabulary that meets the matcher's limits (2,000 items a parser row) before generation would.
 Each check runs on a thread with a `CHECK_STACK_BYTES` stack, half of the 8 MiB a Linux thread
 gets by default: a grammar that passes here needed at most half the stack the server's threads
 have when they build its matcher. Only the standard library and llguidance are imported.
@@ -90,7 +92,49 @@ def compile_constraint(field: str, text: str) -> str:
         raise Refused(library_message(e)) from None
     if err:
         raise Refused(f"{what} is invalid: {library_message(err)}")
+    limit = _walk_for_limits(grammar, llg)
+    if limit:
+        raise Refused(f"{what} is too complex for the matcher: {library_message(limit)}")
     return grammar
+
+
+class _ByteVocab:
+    """A vocabulary of the 256 bytes and an end token: llguidance's TokenizerWrapper for a walk."""
+
+    is_tokenizer_wrapper = True
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"\xff<eos>"]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+_byte_tokenizer: Any = None
+_LIMIT = re.compile(r"max is \d+|too complex|fuel", re.I)
+WALK_BYTES = 16
+
+
+def _walk_for_limits(grammar: str, llg: Any) -> str:
+    """A limit of the matcher that generation would meet (llguidance's parser rows stop at 2,000
+    items: an alternation of more literals fails at its first byte), found by walking the first
+    WALK_BYTES bytes of the output twice (the lowest allowed byte each step, then the highest);
+    "" when none shows. Only limit errors count: a grammar naming the model's special tokens
+    cannot be walked here and is left to the real matcher."""
+    global _byte_tokenizer
+    if _byte_tokenizer is None:
+        _byte_tokenizer = llg.LLTokenizer(_ByteVocab(), n_vocab=257)
+    first = llg.LLMatcher(_byte_tokenizer, grammar, log_level=0)
+    if first.is_error():
+        return ""
+    for m, pick in ((first.deep_copy(), min), (first, max)):
+        for _ in range(WALK_BYTES):
+            mask = m.compute_bitmask()
+            allowed = [b for b in range(256) if mask[b >> 3] >> (b & 7) & 1]
+            if m.is_error() or not allowed or not m.consume_token(pick(allowed)):
+                break
+        if m.is_error() and _LIMIT.search(m.get_error()):
+            return m.get_error()
+    return ""
 
 
 def _answer(request: dict) -> dict:

@@ -110,7 +110,8 @@ async def check_constraint(body: dict, tokenizer: Any) -> None:
     if source is None:
         return
     try:
-        c = structured.constraint_of(types.SimpleNamespace(**{**dict.fromkeys(CONSTRAINT_FIELDS), **constraint}))
+        given = types.SimpleNamespace(**{**dict.fromkeys(CONSTRAINT_FIELDS), **constraint})
+        c = await asyncio.to_thread(structured.constraint_of, given)      # linear in the constraint's size
         if c is not None:
             await asyncio.wrap_future(structured.check_constraint(*c, tokenizer))
     except ConfigError as e:        # a FieldError, or the matcher refusing it

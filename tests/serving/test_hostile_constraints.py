@@ -158,3 +158,10 @@ def test_over_the_choice_count_is_a_400_naming_it(server, client):
     msg = refused(client, "guided_choice", guided_choice=[f"c{i}" for i in range(rf.MAX_CHOICES + 1)])
     assert f"over the limit of {rf.MAX_CHOICES}" in msg
     alive(server)
+
+
+def test_a_grammar_past_the_parser_rows_is_a_400_not_a_failed_generation(server, client):
+    grammar = "start: " + " | ".join(f'"word{i}"' for i in range(5000))        # was a 500 mid-generation
+    msg = refused(client, "guided_grammar", guided_grammar=grammar)
+    assert "too complex" in msg and "max is 2000" in msg, msg
+    alive(server)

@@ -88,6 +88,13 @@ def test_a_repeat_costs_no_compile(checker):
     assert checker.submit("guided_regex", "[0-9]{3}").done()           # answered without a thread hop
 
 
+def test_a_grammar_past_the_parser_rows_is_refused_before_generation(checker):
+    e = refusal(lambda: checker.check("guided_grammar", alternation(5000)))     # rows stop at 2,000 items
+    assert e.field == "guided_grammar" and "too complex" in str(e) and "max is 2000" in str(e), str(e)
+    assert checker.check("guided_grammar", alternation(1500))
+    assert checker.check("json_schema", json.dumps({"enum": [f"v{i}" for i in range(10_000)]}))
+
+
 def test_library_messages_lose_their_traces():
     from metatp.constraint_worker import library_message
 
