@@ -100,7 +100,8 @@ def test_library_messages_lose_their_traces():
 
     panic = "thread '<unnamed>' panicked at parser/src/earley/parser.rs:1234:9:\nindex out of bounds\nstack backtrace:"
     assert library_message(panic) == "the constraint library failed on it (an internal error of the library)"
-    dump = "Parser Error: row too big\n<state>\nTokens: x\n</state><grammar>\nstart: ...\nError: Current row has 2002 items"
+    dump = ("Parser Error: row too big\n<state>\nTokens: x\n</state><grammar>\nstart: ...\n"
+            "Error: Current row has 2002 items")
     assert library_message(dump) == "Current row has 2002 items"
     assert library_message("x" * 1000, 50) == "x" * 47 + "..."
 
