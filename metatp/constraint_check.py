@@ -1,6 +1,7 @@
 """Checking untrusted output constraints without trusting the constraint library: each unseen
 constraint is compiled in a worker process (`metatp.constraint_worker`) under a time budget,
-and every verdict is kept, keyed by the constraint's text, so a repeat costs nothing.
+and its verdict is kept, keyed by the constraint's text, so a repeat costs nothing (a timeout is
+not kept: a busy machine may have caused it).
 
 A worker that crashes (llguidance overflows its stack on deeply chained rules: SIGSEGV) or runs
 past `time_budget_s` is killed and replaced; the request gets a FieldError naming its field and
@@ -50,7 +51,8 @@ class _Worker:
 
     def ask(self, field: str, text: str, timeout: float) -> dict | str:
         """The worker's answer ({"grammar"} or {"refused"}), or "crashed" / "timeout" (it is then
-        gone); `timeout` counts the compile only, not a fresh worker's start."""
+        stopped), or "gone" (it was dead before it got the constraint); `timeout` counts the
+        compile only, not a fresh worker's start."""
         if self.proc is None or self.proc.poll() is not None:
             self.proc, self._pending = self._start(), b""
             if not isinstance(self._read_line(time.monotonic() + START_TIMEOUT_S), bytes):    # its "ready" line
@@ -60,9 +62,9 @@ class _Worker:
         try:
             self.proc.stdin.write((json.dumps({"field": field, "text": text}) + "\n").encode())
             self.proc.stdin.flush()
-        except OSError:
+        except OSError:           # it had died before this constraint reached it
             self.stop()
-            return "crashed"
+            return "gone"
         line = self._read_line(time.monotonic() + timeout)
         if not isinstance(line, bytes):
             self.stop()
@@ -100,7 +102,8 @@ class _Worker:
 
 class ConstraintChecker:
     """Compiles constraints in `workers` worker processes, each compile within `time_budget_s`;
-    keeps every verdict (a grammar or a refusal message) by (field, text)."""
+    keeps the verdicts (a grammar or a refusal message) by (field, text), the last
+    `cache_entries` within `cache_bytes`."""
 
     def __init__(self, workers: int = WORKERS, time_budget_s: float = TIME_BUDGET_S,
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES) -> None:
@@ -140,29 +143,35 @@ class ConstraintChecker:
                 self._bytes -= len(t) + len(g)
 
     # ------------------------------------------------------------ checking
-    def _compile(self, field: str, text: str) -> tuple[bool, str]:
+    def _compile(self, field: str, text: str) -> tuple[bool, str, bool]:
+        """(ok, grammar or refusal, whether the verdict may be kept): a timeout is not kept, as a
+        busy machine may have caused it; a crash is (the library's, on this constraint)."""
         worker = self._idle.get()
         try:
             self.compiles += 1
             answer = worker.ask(field, text, self.time_budget_s)
+            if answer == "gone":                 # not this constraint's doing: once more, on a fresh one
+                answer = worker.ask(field, text, self.time_budget_s)
         finally:
             self._idle.put(worker)
-        if answer == "crashed":
+        if answer in ("crashed", "gone"):
             self.crashes += 1
             return False, ("the constraint compiler crashed on it (rules nested or chained too deeply?); "
-                           "simplify it")
+                           "simplify it"), True
         if answer == "timeout":
             self.timeouts += 1
-            return False, f"compiling it took longer than the limit of {self.time_budget_s:g} s; simplify it"
+            return False, f"compiling it took longer than the limit of {self.time_budget_s:g} s; simplify it", False
         if "grammar" in answer:
-            return True, answer["grammar"]
-        return False, answer["refused"]
+            return True, answer["grammar"], True
+        return False, answer["refused"], True
 
     def _verdict(self, field: str, text: str) -> tuple[bool, str]:
         v = self.cached(field, text)
         if v is None:
-            v = self._compile(field, text)
-            self._remember(field, text, v)
+            ok, result, keep = self._compile(field, text)
+            v = (ok, result)
+            if keep:
+                self._remember(field, text, v)
         return v
 
     def _check(self, field: str, text: str, then: Callable[[str], None] | None) -> str:

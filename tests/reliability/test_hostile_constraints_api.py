@@ -64,19 +64,32 @@ def test_a_crashing_grammar_is_a_field_error_and_the_checker_lives_on(checker):
     assert "start" in checker.check("guided_grammar", chained_rules(200))         # a fresh worker answers
 
 
-def test_a_slow_grammar_is_a_timeout_naming_the_limit():
+def test_a_slow_constraint_is_a_timeout_naming_the_limit():
     from metatp.constraint_check import ConstraintChecker
 
-    slow = ConstraintChecker(workers=1, time_budget_s=0.05)
+    many = json.dumps([f"w{i}" for i in range(30000)])       # ~0.3 s to compile
+    slow = ConstraintChecker(workers=1, time_budget_s=0.02)
     try:
         slow.check("guided_regex", "a+")            # the worker started: the budget counts the compile only
         t = time.monotonic()
-        e = refusal(lambda: slow.check("guided_grammar", alternation(20000)))
+        e = refusal(lambda: slow.check("guided_choice", many))
         assert time.monotonic() - t < 3 and slow.timeouts == 1
-        assert e.field == "guided_grammar" and "longer than the limit of 0.05 s" in str(e)
+        assert e.field == "guided_choice" and "longer than the limit of 0.02 s" in str(e)
         assert slow.check("guided_regex", "b+")     # the killed worker is replaced
+        slow.time_budget_s = 60                      # a timeout is not kept: with time, it compiles
+        assert "w29999" in slow.check("guided_choice", many)
     finally:
         slow.close()
+
+
+def test_a_worker_dead_between_checks_is_replaced(checker):
+    checker.check("guided_regex", "c+")
+    for w in checker._workers:                     # killed from outside (an OOM killer, say)
+        if w.proc is not None:
+            w.proc.kill()
+            w.proc.wait()
+    crashes = checker.crashes
+    assert checker.check("guided_regex", "d+") and checker.crashes == crashes
 
 
 def test_a_repeat_costs_no_compile(checker):
