@@ -43,22 +43,32 @@ class _Worker:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self._pending = b""
+        self._ready = False
 
-    def _start(self) -> subprocess.Popen:
-        env = {**os.environ, "RUST_BACKTRACE": "0", "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen([sys.executable, "-m", "metatp.constraint_worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+    def spawn(self) -> None:
+        """Start the process unless it runs (subprocess execs at once: no Python state is forked)."""
+        if self.proc is None or self.proc.poll() is not None:
+            env = {**os.environ, "RUST_BACKTRACE": "0", "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen([sys.executable, "-m", "metatp.constraint_worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
+            self._pending = b""
+            self._ready = False
+
+    def ready(self) -> None:
+        """Spawned, and past its "ready" line (Python and llguidance imported); a ConfigError if not."""
+        self.spawn()
+        if not self._ready:
+            if not isinstance(self._read_line(time.monotonic() + START_TIMEOUT_S), bytes):
+                self.stop()
+                raise ConfigError("structured output: the constraint compiler process did not start "
+                                  f"(python -m metatp.constraint_worker, within {START_TIMEOUT_S:g} s)")
+            self._ready = True
 
     def ask(self, field: str, text: str, timeout: float) -> dict | str:
         """The worker's answer ({"grammar"} or {"refused"}), or "crashed" / "timeout" (it is then
         stopped), or "gone" (it was dead before it got the constraint); `timeout` counts the
         compile only, not a fresh worker's start."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc, self._pending = self._start(), b""
-            if not isinstance(self._read_line(time.monotonic() + START_TIMEOUT_S), bytes):    # its "ready" line
-                self.stop()
-                raise ConfigError("structured output: the constraint compiler process did not start "
-                                  f"(python -m metatp.constraint_worker, within {START_TIMEOUT_S:g} s)")
+        self.ready()
         try:
             self.proc.stdin.write((json.dumps({"field": field, "text": text}) + "\n").encode())
             self.proc.stdin.flush()

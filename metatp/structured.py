@@ -31,7 +31,7 @@ from metatp.ir.errors import ConfigError, MetatpError
 from metatp.request_fields import CONSTRAINT_FIELDS, FieldError, constraint_text
 
 __all__ = ["CONSTRAINT_FIELDS", "grammar_of", "check_constraint", "constraint_of", "make_guide", "Guide",
-           "lltokenizer", "available", "MaskPrefetch", "matcher_for"]
+           "lltokenizer", "available", "MaskPrefetch", "matcher_for", "prepare"]
 
 MATCHERS_PER_TOKENIZER = 64      # pristine matchers kept per vocabulary (a big grammar's can take MBs)
 _cache: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -85,6 +85,14 @@ def check_constraint(field: str, text: str, tok: Any = None) -> concurrent.futur
 
     then = None if tok is None else (lambda grammar: matcher_for(grammar, tok))
     return default_checker().submit(field, text, then)
+
+
+def prepare(tok: Any) -> None:
+    """Build llguidance's view of the vocabulary now (about 0.4 s, some 0.2 s of it holding the
+    GIL, which would stall a server's event loop on its first constrained request): for a server,
+    before it takes requests. A no-op without llguidance."""
+    if available():
+        lltokenizer(tok)
 
 
 def grammar_of(params: Any) -> str | None:

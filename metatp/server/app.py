@@ -16,6 +16,7 @@ from metatp.server.body import parse_object, read_body
 from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int, read, refuse_unimplemented_chat,
                                   refuse_unimplemented_completion, sampling_params)
 from metatp.server.fields import check_constraint
+from metatp.structured import prepare as prepare_constraints
 from metatp.server.frontend import Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.ranks import served_world
@@ -60,6 +61,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: str | None = 
 
     @asynccontextmanager
     async def lifespan(app):
+        prepare_constraints(llm.tokenizer)       # before serving: it holds the GIL a while
         srv.sched.start()
         try:
             yield

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import statistics
 import time
 from pathlib import Path
 
@@ -93,6 +92,12 @@ def health_while(server, call) -> tuple[list[float], float, object]:
     return [d for t, d in probes if t + d < end], took, result
 
 
+def answered_quickly(probes: list[float], bound: float = 1.0) -> None:
+    """/health within 100 ms (the median: on a loaded machine a process may wait for a core a
+    few hundred ms), and no probe near `bound` (a loop waiting on a check shows its whole time)."""
+    assert probes and sorted(probes)[len(probes) // 2] < 0.1 and max(probes) < bound, probes
+
+
 def test_the_chained_rule_grammar_is_a_400_and_the_server_lives(server, client):
     msg = refused(client, "guided_grammar", guided_grammar=chained_rules(3000))
     assert "crashed" in msg and "guided_grammar" in msg
@@ -101,14 +106,14 @@ def test_the_chained_rule_grammar_is_a_400_and_the_server_lives(server, client):
 
 
 def test_health_answers_while_a_slow_grammar_is_checked(server, client):
-    # GBNF of 1,500 chained rules: llguidance converts it to Lark for seconds (quadratic)
-    probes, took, result = health_while(server, lambda: chat(client, guided_grammar=chained_rules(1500, gbnf=True)))
+    # GBNF of 2,000 chained rules: llguidance converts it to Lark for seconds (quadratic)
+    probes, took, result = health_while(server, lambda: chat(client, guided_grammar=chained_rules(2000, gbnf=True)))
     if isinstance(result, openai.BadRequestError):        # refused (the stack, the time budget): by name
         assert result.body["param"] == "guided_grammar" and not TRACE.search(result.body["message"]), result.body
     else:                                                 # or compiled: the answer keeps to it
         assert re.fullmatch("a+", result.message.content), result
-    assert took > 0.3 and len(probes) >= 3, (took, probes)       # the check was slow; probes saw it
-    assert statistics.median(probes) < 0.1 and max(probes) < 0.5, probes
+    assert took > 1.0 and len(probes) >= 5, (took, probes)       # the check was slow; probes saw it
+    answered_quickly(probes, min(1.0, took / 2))
     alive(server)
 
 
@@ -117,7 +122,7 @@ def test_a_1mb_grammar_is_a_400_naming_the_limit(server, client):
     assert len(grammar) > 1_000_000
     probes, took, result = health_while(server, lambda: refused(client, "guided_grammar", guided_grammar=grammar))
     assert isinstance(result, str) and f"over the limit of {rf.MAX_CONSTRAINT_BYTES} bytes" in result, result
-    assert all(p < 0.1 for p in probes), probes
+    answered_quickly(probes)
     alive(server)
 
 
@@ -145,7 +150,7 @@ def test_a_100k_enum_is_a_400_and_a_10k_enum_an_answer(server, client):
     rf_big = {"type": "json_schema", "json_schema": {"name": "e", "schema": big}}
     probes, took, result = health_while(server, lambda: refused(client, "response_format", response_format=rf_big))
     assert isinstance(result, str) and "over the limit" in result, result
-    assert all(p < 0.1 for p in probes), probes
+    answered_quickly(probes)
     small = {"type": "object", "required": ["a"], "additionalProperties": False,
              "properties": {"a": {"enum": [f"v{i}" for i in range(10_000)]}}}
     c = chat(client, max_tokens=16, response_format={"type": "json_schema", "json_schema": {"name": "e",
