@@ -164,10 +164,26 @@ def test_ten_thousand_choices_give_one_of_them(llm):
         assert out.text in choices and out.finish_reason == "stop", out.text
 
 
+def test_a_checked_constraint_with_a_tokenizer_leaves_its_matcher_built(llm):
+    from metatp import structured
+
+    grammar = structured.check_constraint("guided_regex", "x[yz]q", llm.tokenizer).result()
+    kept = structured.matcher_for(grammar, llm.tokenizer)
+    assert structured.matcher_for(grammar, llm.tokenizer) is kept                # built once, by the check
+    a, b = structured.Guide(grammar, llm.tokenizer), structured.Guide(grammar, llm.tokenizer)
+    assert a.matcher is not kept and b.matcher is not kept                      # each request its own copy
+    x = next(t for t in range(llm.n_vocab) if llm.tokenizer.token_bytes(t) == b"x")
+    before = b.allowed().copy()
+    assert not a.consume(x) and (a.allowed() != before).any()                   # a moved on
+    assert (b.allowed() == before).all()                                        # b did not
+
+
 # ---------------------------------------------------------------- one JSON parse, bounded
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                           lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids,
-                                                                                     max_size=3), max_leaves=30)
+def nested(kids):
+    return st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3)
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), nested, max_leaves=30)
 
 
 def nesting(v) -> int:
