@@ -11,9 +11,10 @@ crash or past its time budget.
 
 The check is llguidance's `validate_grammar`, then a short walk of the output on a byte
 vocabulary that meets the matcher's limits (2,000 items a parser row) before generation would.
-Each check runs on a thread with a `CHECK_STACK_BYTES` stack, half of the 8 MiB a Linux thread
-gets by default: a grammar that passes here needed at most half the stack the server's threads
-have when they build its matcher. Only the standard library and llguidance are imported.
+Each check runs on a thread with half the stack a thread of the server gets (`check_stack_bytes`:
+half the stack limit this process inherits, which sets a Linux thread's default; 4 MiB where it
+is unlimited): a grammar that passes here needed at most half the stack the server's threads
+have when they build its matcher. This module imports only the standard library and llguidance.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["Refused", "compile_constraint", "library_message", "choice_regex", "CHECK_STACK_BYTES", "main"]
+__all__ = ["Refused", "compile_constraint", "library_message", "choice_regex", "check_stack_bytes", "main"]
 
-CHECK_STACK_BYTES = 4 << 20
+CHECK_STACK_BYTES = 4 << 20          # where the stack limit is unlimited (or unknown)
 JSON_OPTIONS = {"whitespace_flexible": False}     # compact JSON (", " and ": "): no runs of blanks
 _PANIC = re.compile(r"panicked at|stack backtrace|RUST_BACKTRACE|\.rs:\d+|/\.cargo/|/rustc/", re.I)
 
@@ -137,6 +138,19 @@ def _walk_for_limits(grammar: str, llg: Any) -> str:
     return ""
 
 
+def check_stack_bytes() -> int:
+    """Half the stack a thread gets by default here (glibc sizes it by RLIMIT_STACK)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    except (ImportError, OSError, ValueError):
+        return CHECK_STACK_BYTES
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return CHECK_STACK_BYTES
+    return max(soft // 2, 1 << 20)
+
+
 def _answer(request: dict) -> dict:
     result: dict = {}
 
@@ -148,7 +162,7 @@ def _answer(request: dict) -> dict:
         except BaseException as e:      # anything else: still one clean line
             result["refused"] = library_message(f"{type(e).__name__}: {e}")
 
-    threading.stack_size(CHECK_STACK_BYTES)
+    threading.stack_size(check_stack_bytes())
     t = threading.Thread(target=run, name="metatp-constraint-check")
     t.start()
     t.join()
