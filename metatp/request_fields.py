@@ -8,6 +8,10 @@ the Python API as Python (`temperature must be >= 0.0, got -1`), the server as O
 (`'temperature' must be a number >= 0.0 and <= 2.0, got -1`), so a check takes `where` (API or
 HTTP) and words its one verdict for that door. The server also holds a few fields to OpenAI's
 tighter bounds (`served_hi`: temperature <= 2, n <= 16, ...), which the Python API does not.
+
+Client JSON has one parse, `parse_json`, within `MAX_JSON_DEPTH` (a body, a schema sent as a
+string); an output constraint's type and size budget is `constraint_text`, checked before it
+reaches the constraint compiler (`metatp.constraint_check`).
 """
 
 from __future__ import annotations
