@@ -8,6 +8,10 @@ the Python API as Python (`temperature must be >= 0.0, got -1`), the server as O
 (`'temperature' must be a number >= 0.0 and <= 2.0, got -1`), so a check takes `where` (API or
 HTTP) and words its one verdict for that door. The server also holds a few fields to OpenAI's
 tighter bounds (`served_hi`: temperature <= 2, n <= 16, ...), which the Python API does not.
+
+Client JSON has one parse, `parse_json`, within `MAX_JSON_DEPTH` (a body, a schema sent as a
+string); an output constraint's type and size budget is `constraint_text`, checked before it
+reaches the constraint compiler (`metatp.constraint_check`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import json
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -28,7 +33,9 @@ __all__ = ["FieldError", "Where", "API", "HTTP", "Integer", "Number", "Flag", "i
            "vocabulary_ids", "MAX_N", "MAX_STOP_STRINGS", "MAX_TOKENS", "TEMPERATURE", "TOP_P", "MIN_P",
            "REPETITION_PENALTY", "FREQUENCY_PENALTY", "PRESENCE_PENALTY", "TOP_K", "TOP_K_LLAMA", "SEED", "N",
            "LOGPROBS", "PROMPT_LOGPROBS", "TOP_LOGPROBS", "MIN_TOKENS", "IGNORE_EOS", "JSON_OBJECT", "STREAM",
-           "ECHO", "CHAT_LOGPROBS", "Text", "CACHE_SALT", "MAX_CACHE_SALT"]
+           "ECHO", "CHAT_LOGPROBS", "Text", "CACHE_SALT", "MAX_CACHE_SALT", "MAX_JSON_DEPTH", "too_deep",
+           "parse_json", "json_depth", "MAX_CONSTRAINT_BYTES", "MAX_CHOICES", "MAX_GRAMMAR_RULES",
+           "CONSTRAINT_FIELDS", "constraint_text"]
 
 Where = Literal["api", "http"]
 API: Where = "api"        # the Python API: SamplingParams, LLM.create_*
@@ -319,3 +326,123 @@ def vocabulary_ids(name: str, ids: list[int], n_vocab: int, where: Where = API) 
         prefix = "" if where == HTTP else f"{name}: "
         raise FieldError(name, f"{prefix}token id {bad[0]} is out of range for a vocabulary of {n_vocab}")
     return list(ids)
+
+
+# ---------------------------------------------------------------- JSON from clients, bounded
+MAX_JSON_DEPTH = 64       # arrays and objects nested; far above any OpenAI request, far below Python's recursion
+
+# a JSON string (escapes included) or one bracket: strings are skipped so brackets inside them do not count
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.S)
+
+
+def too_deep(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """Does the JSON text `raw` nest arrays and objects deeper than `max_depth`? Linear in the
+    text, and free for one with fewer brackets than that; unbalanced brackets are left for the
+    parser."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False
+    depth = 0
+    for m in _JSON_TOKENS.finditer(raw):
+        c = m.group()
+        if c in (b"[", b"{"):
+            depth += 1
+            if depth > max_depth:
+                return True
+        elif c in (b"]", b"}"):
+            depth -= 1
+    return False
+
+
+def parse_json(raw: bytes | str, field: str, what: str = "", max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Client JSON (a body, a schema sent as a string) parsed once, within `max_depth` (Python's
+    parser recurses per level: a text 10^5 deep would be a RecursionError); a FieldError naming
+    `field` when it is too deep or not JSON. `what` names the text in the message (default: field)."""
+    what = what or field
+    if too_deep(raw, max_depth):
+        raise FieldError(field, f"{what} is nested deeper than {max_depth} levels")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FieldError(field, f"{what} is not valid JSON: {e}") from None
+
+
+def json_depth(v: Any, max_depth: int = MAX_JSON_DEPTH) -> int:
+    """How deep Python data (dicts and lists) nests, counted without recursion and given up past
+    `max_depth` (max_depth + 1 is returned then)."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list, tuple)):
+            if d > max_depth:
+                return d
+            deepest = max(deepest, d)
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
+# ---------------------------------------------------------------- output constraints: type and size
+# the SamplingParams fields that constrain the output; at most one may be set
+CONSTRAINT_FIELDS = ("json_object", "json_schema", "guided_regex", "guided_choice", "guided_grammar")
+MAX_CONSTRAINT_BYTES = 256 << 10    # a schema, regex, grammar or all choices (UTF-8): compiles within seconds
+MAX_CHOICES = 50_000
+MAX_GRAMMAR_RULES = 5_000           # rule and terminal definitions (Lark "name:", GBNF "name ::=")
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.M)     # Lark's "rule.2:" too
+
+
+def _within(name: str, what: str, n_bytes: int) -> None:
+    if n_bytes > MAX_CONSTRAINT_BYTES:
+        raise FieldError(name, f"{name}: {what} is {n_bytes} bytes, over the limit of {MAX_CONSTRAINT_BYTES} bytes")
+
+
+def _utf8_len(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def constraint_text(name: str, v: Any) -> str:
+    """The constraint field `name` = `v` checked for type and size (`MAX_CONSTRAINT_BYTES`,
+    `MAX_CHOICES`, `MAX_GRAMMAR_RULES`, a JSON schema within `MAX_JSON_DEPTH`) and written as the
+    text the constraint compiler takes: a schema or the choices as JSON, a regex or grammar as
+    itself. Cheap (linear, bounded): it runs where the request enters, before any compile."""
+    if name == "json_object":
+        if v is not True:
+            raise FieldError(name, f"json_object must be True or False, got {v!r}")
+        return ""
+    if name == "json_schema":
+        if isinstance(v, str):
+            _within(name, "the schema", len(v) if len(v) > MAX_CONSTRAINT_BYTES else _utf8_len(v))
+            v = parse_json(v, name, "json_schema (a JSON string)")
+        if not isinstance(v, (dict, bool)):
+            raise FieldError(name, f"json_schema must be a JSON schema (an object), got {type_name(v)}")
+        if json_depth(v) > MAX_JSON_DEPTH:
+            raise FieldError(name, f"json_schema is nested deeper than {MAX_JSON_DEPTH} levels")
+        try:
+            text = json.dumps(v, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise FieldError(name, f"json_schema must be JSON data: {e}") from None
+        _within(name, "the schema", _utf8_len(text))
+        return text
+    if name == "guided_regex":
+        if not isinstance(v, str):
+            raise FieldError(name, f"guided_regex must be a string (a regular expression), got {type_name(v)}")
+        _within(name, "the regex", len(v) if len(v) > MAX_CONSTRAINT_BYTES else _utf8_len(v))
+        return v
+    if name == "guided_choice":
+        if isinstance(v, (list, tuple)) and len(v) > MAX_CHOICES:       # before looking at each
+            raise FieldError(name, f"guided_choice: {len(v)} choices, over the limit of {MAX_CHOICES}")
+        if not isinstance(v, (list, tuple)) or not v or not all(isinstance(s, str) and s for s in v):
+            raise FieldError(name, f"guided_choice must be a non-empty list of non-empty strings, got {short(v, 200)}")
+        _within(name, "the choices together", sum(map(_utf8_len, v)))
+        return json.dumps(list(v), ensure_ascii=False)
+    if name == "guided_grammar":
+        if not isinstance(v, str) or not v.strip():
+            raise FieldError(name, f"guided_grammar must be a non-empty string (a Lark or GBNF grammar), got "
+                                   f"{short(v, 200)}")
+        _within(name, "the grammar", len(v) if len(v) > MAX_CONSTRAINT_BYTES else _utf8_len(v))
+        rules = len(_RULE.findall(v))
+        if rules > MAX_GRAMMAR_RULES:
+            raise FieldError(name, f"guided_grammar: the grammar defines {rules} rules, over the limit of "
+                                   f"{MAX_GRAMMAR_RULES}")
+        return v
+    raise FieldError(name, f"{name} is not one of the constraint fields {', '.join(CONSTRAINT_FIELDS)}")

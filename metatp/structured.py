@@ -2,11 +2,15 @@
 turned into a per-step mask of the tokens that keep the output inside it.
 
 The matching is llguidance's (the constrained-decoding library llama.cpp and vLLM use; the
-`structured` extra): `grammar_of` checks a SamplingParams' constraint once and gives the
-llguidance grammar text (a bad one is a ConfigError naming the field); `make_guide` builds the
-request's `Guide` on the model's tokenizer, whose `allowed()` is this step's mask and whose
-`consume(token)` advances it after sampling. The llguidance view of the vocabulary is built once
-per tokenizer (about 0.4 s for a 49k vocabulary) and cached.
+`structured` extra). A constraint comes from the client, so it is never compiled here first:
+`grammar_of` checks a SamplingParams' constraint for type and size where the request enters
+(`metatp.request_fields.constraint_text`), then has it compiled in a worker process under a time
+budget (`metatp.constraint_check`: a crash or a hang costs that process, not this one); a bad
+one is a FieldError naming the field. `check_constraint` is the same as a Future, for an event
+loop. `make_guide` builds the request's `Guide` on the model's tokenizer from a cached pristine
+matcher (a copy: a repeated constraint compiles once), whose `allowed()` is this step's mask and
+whose `consume(token)` advances it after sampling. The llguidance view of the vocabulary is built
+once per tokenizer (about 0.4 s for a 49k vocabulary) and cached.
 
 The masks of a step's constrained requests are computed while its forward pass runs
 (`MaskPrefetch`, started and waited for by the model runner, `metatp.runner`).
@@ -14,23 +18,26 @@ The masks of a step's constrained requests are computed while its forward pass r
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import json
 import threading
 import weakref
 from typing import Any
 
 import numpy as np
 
+from metatp.constraint_worker import library_message
 from metatp.ir.errors import ConfigError, MetatpError
+from metatp.request_fields import CONSTRAINT_FIELDS, FieldError, constraint_text
 
-__all__ = ["CONSTRAINT_FIELDS", "grammar_of", "make_guide", "Guide", "lltokenizer", "available", "MaskPrefetch"]
+__all__ = ["CONSTRAINT_FIELDS", "grammar_of", "check_constraint", "constraint_of", "make_guide", "Guide",
+           "lltokenizer", "available", "MaskPrefetch", "matcher_for", "prepare"]
 
-# the SamplingParams fields that constrain the output; at most one may be set
-CONSTRAINT_FIELDS = ("json_object", "json_schema", "guided_regex", "guided_choice", "guided_grammar")
-_JSON_OPTIONS = {"whitespace_flexible": False}     # compact JSON (", " and ": "): no runs of blanks
+MATCHERS_PER_TOKENIZER = 64      # pristine matchers kept per vocabulary (a big grammar's can take MBs)
 _cache: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
+_matchers: "weakref.WeakKeyDictionary[Any, collections.OrderedDict[str, Any]]" = weakref.WeakKeyDictionary()
+_matchers_lock = threading.Lock()
 
 
 def _llg(field: str = "structured output"):
@@ -55,57 +62,45 @@ def _set(params: Any) -> list[str]:
     return [f for f in CONSTRAINT_FIELDS if getattr(params, f) not in (None, False)]
 
 
-def _source(params: Any, name: str) -> tuple[str, str]:
-    """(llguidance grammar text, nothing checked yet) for the one constraint field `name`."""
-    llg = _llg(name)
-    v = getattr(params, name)
-    if name == "json_object":
-        if v is not True:
-            raise ConfigError(f"json_object must be True or False, got {v!r}")
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, _JSON_OPTIONS), "a JSON object"
-    if name == "json_schema":
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except ValueError as e:
-                raise ConfigError(f"json_schema: not valid JSON: {e}") from None
-        if not isinstance(v, (dict, bool)):
-            raise ConfigError(f"json_schema must be a JSON schema (an object), got {type(v).__name__}")
-        try:
-            return llg.LLMatcher.grammar_from_json_schema(v, _JSON_OPTIONS), "the schema"
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"json_schema: {e}") from None
-    if name == "guided_regex":
-        if not isinstance(v, str):
-            raise ConfigError(f"guided_regex must be a string (a regular expression), got {type(v).__name__}")
-        return llg.LLMatcher.grammar_from_regex(v), "the regex"
-    if name == "guided_choice":
-        if not isinstance(v, (list, tuple)) or not v or not all(isinstance(s, str) and s for s in v):
-            raise ConfigError(f"guided_choice must be a non-empty list of non-empty strings, got {v!r}"[:200])
-        lark = "start: " + " | ".join(json.dumps(s) for s in v)     # each choice a quoted literal
-        return llg.LLMatcher.grammar_from_lark(lark), "the choice"
-    if not isinstance(v, str) or not v.strip():
-        raise ConfigError(f"guided_grammar must be a non-empty string (a Lark or GBNF grammar), got {v!r}"[:200])
-    try:
-        return llg.grammar_from("grammar", v), "the grammar"     # Lark, or GBNF converted to Lark
-    except ValueError as e:
-        raise ConfigError(f"guided_grammar: {e}") from None
-
-
-def grammar_of(params: Any) -> str | None:
-    """The checked llguidance grammar of a SamplingParams' constraint, None when it has none.
-    More than one constraint, or one llguidance refuses, is a ConfigError naming the field."""
+def constraint_of(params: Any) -> tuple[str, str] | None:
+    """(field, text for the compiler) of a SamplingParams-like object's one constraint, checked
+    for type and size; None when it sets none. Two set is a FieldError naming the first."""
     names = _set(params)
     if not names:
         return None
     if len(names) > 1:
-        raise ConfigError(f"{names[0]}: set at most one of {', '.join(CONSTRAINT_FIELDS)}; got {', '.join(names)}")
+        raise FieldError(names[0], f"{names[0]}: set at most one of {', '.join(CONSTRAINT_FIELDS)}; got "
+                                   f"{', '.join(names)}")
     name = names[0]
-    grammar, what = _source(params, name)
-    err = _llg().LLMatcher.validate_grammar(grammar, None)
-    if err:
-        raise ConfigError(f"{name}: {what} is invalid: {err.strip()}"[:1000])
-    return grammar
+    text = constraint_text(name, getattr(params, name))
+    _llg(name)
+    return name, text
+
+
+def check_constraint(field: str, text: str, tok: Any = None) -> concurrent.futures.Future:
+    """A Future of the checked grammar of constraint `field` = `text` (`constraint_of`), or of
+    the FieldError naming the field. With a tokenizer, the matcher is also built (off the
+    caller's thread), so the request's `make_guide` only copies it."""
+    from metatp.constraint_check import default_checker
+
+    then = None if tok is None else (lambda grammar: matcher_for(grammar, tok))
+    return default_checker().submit(field, text, then)
+
+
+def prepare(tok: Any) -> None:
+    """Build llguidance's view of the vocabulary now (about 0.4 s, some 0.2 s of it holding the
+    GIL, which would stall a server's event loop on its first constrained request): for a server,
+    before it takes requests. A no-op without llguidance."""
+    if available():
+        lltokenizer(tok)
+
+
+def grammar_of(params: Any) -> str | None:
+    """The checked llguidance grammar of a SamplingParams' constraint, None when it has none.
+    More than one constraint, one over the size budget, or one the compiler refuses, crashes on
+    or takes too long over, is a FieldError naming the field (the caller's process is safe)."""
+    c = constraint_of(params)
+    return None if c is None else check_constraint(*c).result()
 
 
 class _Vocab:
@@ -142,17 +137,33 @@ def lltokenizer(tok: Any) -> Any:
         return lt
 
 
+def matcher_for(grammar: str, tok: Any) -> Any:
+    """A pristine llguidance matcher of `grammar` on tokenizer `tok`, built once and kept (the
+    last MATCHERS_PER_TOKENIZER per tokenizer); callers consume copies (`deep_copy`), never it."""
+    with _matchers_lock:
+        kept = _matchers.get(tok)
+        if kept is not None and grammar in kept:
+            kept.move_to_end(grammar)
+            return kept[grammar]
+    m = _llg().LLMatcher(lltokenizer(tok), grammar, log_level=0)
+    if m.is_error():
+        raise ConfigError(f"the output constraint is invalid: {library_message(m.get_error())}")
+    with _matchers_lock:
+        kept = _matchers.setdefault(tok, collections.OrderedDict())
+        kept[grammar] = m
+        while len(kept) > MATCHERS_PER_TOKENIZER:
+            kept.popitem(last=False)
+    return m
+
+
 class Guide:
     """One request's matcher: `allowed()` is the mask of the tokens allowed next (a bool array
     of n_vocab), `consume(tok)` takes the sampled token and says whether the output is complete
     (the grammar accepts nothing more but the end of the text)."""
 
     def __init__(self, grammar: str, tok: Any) -> None:
-        llg = _llg()
         self.n_vocab = tok.n_vocab
-        self.matcher = llg.LLMatcher(lltokenizer(tok), grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ConfigError(f"the output constraint is invalid: {self.matcher.get_error()}"[:1000])
+        self.matcher = matcher_for(grammar, tok).deep_copy()
         self._words = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)
         self._mask: np.ndarray | None = None      # this step's, once computed (`prefetch`)
 
@@ -172,9 +183,8 @@ class Guide:
         """Advance past the sampled token; True when the output is complete."""
         self._mask = None
         if not self.matcher.consume_token(int(tok)):
-            why = self.matcher.get_error().strip().splitlines()
-            raise MetatpError(f"structured output: token {tok} does not fit the constraint"
-                              + (f" ({why[-1][:200]})" if why else ""))
+            raise MetatpError(f"structured output: token {tok} does not fit the constraint "
+                              f"({library_message(self.matcher.get_error(), 200)})")
         return self.matcher.is_stopped()
 
 

@@ -13,14 +13,15 @@ from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.openai_messages import chat_prompt_ids
 from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
-from metatp.server.fields import (BadRequest, as_bad_request, bool_field, is_int, read, refuse_unimplemented_chat,
-                                  refuse_unimplemented_completion, sampling_params)
+from metatp.server.fields import (BadRequest, as_bad_request, bool_field, check_constraint, is_int, read,
+                                  refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
 from metatp.server.metrics import prometheus_text
 from metatp.server.offload import Offload, json_array_in_slices
 from metatp.server.ranks import served_world
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
+from metatp.structured import prepare as prepare_constraints
 
 if TYPE_CHECKING:
     from metatp.api import LLM
@@ -64,6 +65,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
 
     @asynccontextmanager
     async def lifespan(app):
+        prepare_constraints(llm.tokenizer)       # before serving: it holds the GIL a while
         srv.sched.start()
         try:
             yield
@@ -173,6 +175,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         if required not in body:
             raise BadRequest(f"'{required}' is required", required)
         stream = read(body, rf.STREAM, False)
+        await check_constraint(body, llm.tokenizer)      # off the event loop; a 400 naming the field
         return body, model, stream, stream_usage(body, stream)
 
     @app.get("/metrics")

@@ -6,7 +6,9 @@ output given twice) are here."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import types
 from typing import Any
 
 from metatp import request_fields as rf
@@ -94,6 +96,26 @@ def constraint_fields(body: dict) -> tuple[dict[str, Any], str | None]:
         raise BadRequest(f"'{given[1][0]}' cannot be combined with '{given[0][0]}': set one output constraint",
                          given[1][0])
     return (given[0][1], given[0][0]) if given else ({}, None)
+
+
+async def check_constraint(body: dict, tokenizer: Any) -> None:
+    """The body's output constraint checked and compiled off the event loop (a worker process
+    under size and time budgets, `metatp.structured.check_constraint`), its matcher built for
+    `tokenizer`; a refusal, a crash or a timeout is a BadRequest naming the body's field. The
+    verdict is kept, so `sampling_params` then finds it at once."""
+    from metatp import structured
+    from metatp.request_fields import CONSTRAINT_FIELDS
+
+    constraint, source = constraint_fields(body)
+    if source is None:
+        return
+    try:
+        given = types.SimpleNamespace(**{**dict.fromkeys(CONSTRAINT_FIELDS), **constraint})
+        c = await asyncio.to_thread(structured.constraint_of, given)      # linear in the constraint's size
+        if c is not None:
+            await asyncio.wrap_future(structured.check_constraint(*c, tokenizer))
+    except ConfigError as e:        # a FieldError, or the matcher refusing it
+        raise BadRequest(f"'{source}': {e}", source) from None
 
 
 def _given(body: dict, name: str) -> bool:
