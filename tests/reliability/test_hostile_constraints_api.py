@@ -183,7 +183,9 @@ def nested(kids):
     return st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids, max_size=3)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5), nested, max_leaves=30)
+# strings full of what a depth scan could mistake for structure: quotes, backslashes, brackets
+tricky_text = st.text(max_size=5) | st.text(alphabet='a"\\[]{}é', max_size=8)
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | tricky_text, nested, max_leaves=30)
 
 
 def nesting(v) -> int:
@@ -197,7 +199,7 @@ def nesting(v) -> int:
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 @given(v=json_values, limit=st.integers(0, 6))
 def test_the_bounded_parse_is_json_loads_within_the_limit(v, limit):
-    text = json.dumps(v)
+    text = json.dumps(v, ensure_ascii=limit % 2 == 0)
     assert rf.too_deep(text, limit) == (nesting(v) > limit) == (rf.json_depth(v, limit) > limit)
     if nesting(v) <= limit:
         assert rf.parse_json(text, "f", max_depth=limit) == v
@@ -248,3 +250,12 @@ def test_choice_regex_matches_exactly_the_choices(byte_tokenizer, choices, other
     for c in choices:
         assert accepts(byte_tokenizer, grammar, c), c
     assert accepts(byte_tokenizer, grammar, other) == (other in choices)
+
+
+@pytest.mark.parametrize("text", ['["a\\\\", [[[1]]]]', '{"k\\\\": "\\\\\\"[", "v": [[{}]]}', '["\\"", [[[0]]]]'])
+def test_the_depth_scan_reads_escapes_as_the_parser_does(text):
+    """Strings ending in an escaped backslash, or holding escaped quotes and brackets, end where
+    json.loads says they do: the brackets after them count, the ones inside do not."""
+    v = json.loads(text)
+    assert nesting(v) == 4
+    assert rf.too_deep(text, 3) and not rf.too_deep(text, 4)
