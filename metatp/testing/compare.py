@@ -1,5 +1,5 @@
 """Two engines compared along one token path: a backend measured against a reference engine
-(tests/cuda/test_cupy_backend.py; `tools/gpu_check`'s model step runs the same loop)."""
+(tests/cuda/test_cupy_backend.py; `scripts/gpu_check`'s model step runs the same loop)."""
 
 from __future__ import annotations
 

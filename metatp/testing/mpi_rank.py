@@ -2,10 +2,10 @@
 NCCL between the ranks; and the prompt run every rank test driver shares (`run_prompt`).
 
     mpiexec -n 2 python -m metatp.testing.mpi_rank --model m.gguf -ts 1,1 --emulate --out DIR
-    mpiexec -n 1 python tools/gpu_check --mpi-rank --smoke --model m.gguf --out DIR   (on a GPU)
+    mpiexec -n 1 python scripts/gpu_check --mpi-rank --smoke --model m.gguf --out DIR   (on a GPU)
 
 Started by `tests/mpi/test_mpi_gpu.py` (emulated: `EmuRuntime` on every rank, its NCCL stand-in
-`mpi_nccl` summing over MPI) and by `tools/gpu_check`'s MPI+NCCL step (a real GPU and NCCL).
+`mpi_nccl` summing over MPI) and by `scripts/gpu_check`'s MPI+NCCL step (a real GPU and NCCL).
 The API does the wiring (the world, the layout and the model check, the local GPU, the NCCL
 unique id over MPI); this module adds what the checks read: `run_prompt` scores the prompt at
 every position, then generates greedy tokens (rank 0 leads both calls, every rank returns its

@@ -1,7 +1,7 @@
 """Every CUDA kernel against a numpy reference, on a GPU and on the CPU emulator.
 
 The checks live in test support, one module per kernel family
-(``metatp.testing.kernel_checks``; ``tools/gpu_kernels_check.py`` is their command
+(``metatp.testing.kernel_checks``; ``scripts/gpu_kernels_check.py`` is their command
 line); each group here runs one of them and fails with the table of failing cases. Each group runs twice: on a real GPU through CuPy (marked ``gpu``, skipped without
 one) and on the kernel emulator (the same sources compiled as host C++ by g++, one fiber
 per CUDA thread; skipped without a C++ compiler). The few tests at the end check the

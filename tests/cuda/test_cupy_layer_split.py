@@ -120,7 +120,7 @@ def _check_for_devices(be) -> None:
 
 
 def test_gpu_check_layer_section_on_the_emulator(tmp_path):
-    """tools/gpu_check's -sm layer row (what a GPU session checks) passes on the emulator's dry run."""
+    """scripts/gpu_check's -sm layer row (what a GPU session checks) passes on the emulator's dry run."""
     from scripts.gpu_check.config import Budget, Config
     from scripts.gpu_check.model import section_layer, write_model
     from scripts.gpu_check.report import Report

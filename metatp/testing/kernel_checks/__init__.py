@@ -1,7 +1,7 @@
 """Every CUDA kernel against a float64 reference, one check module per kernel family.
 
 Used by `tests/test_cuda_kernels.py` (on the CPU emulator, and on a GPU when there is one)
-and by `tools/gpu_kernels_check.py` / `tools/gpu_check` (on a GPU, timed). A group name
+and by `scripts/gpu_kernels_check.py` / `scripts/gpu_check` (on a GPU, timed). A group name
 ("matvec_multi", "attn_decode", ...) selects one check function; `check_all_kernels` runs
 groups and returns one dict per case: name, dtype, shape, max_rel_err, threshold, pass,
 time_us (median of ``time_reps`` timed launches; None when not timed) and error.
