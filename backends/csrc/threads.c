@@ -44,6 +44,7 @@ typedef struct {
 static atomic_int gov_mode;                         /* 0: fixed counts; 1: adaptive */
 static atomic_int gov_cap = INT_MAX;                /* the most threads a region takes now */
 static atomic_llong gov_next_ns = LLONG_MAX;        /* when the next check is due */
+static atomic_int gov_others_milli = -1;            /* other processes' load of the last window, in 1/1000 CPU */
 static LoadSample gov_last;                         /* touched only by the thread doing a check */
 static int gov_have_last;
 
@@ -111,6 +112,7 @@ static void governor_tick(void) {
         const double busy_ns = (double)(s.busy_ticks - gov_last.busy_ticks) * ticks_ns;
         const double others = (busy_ns - (double)(s.own_ns - gov_last.own_ns)) / (double)(s.wall_ns - gov_last.wall_ns);
         atomic_store_explicit(&gov_cap, metatp_team_cap_for(s.ncpu, others), memory_order_relaxed);
+        atomic_store_explicit(&gov_others_milli, (int)(others * 1000), memory_order_relaxed);
     }
     gov_last = s;
     gov_have_last = 1;
@@ -136,6 +138,7 @@ int metatp_thread_governor(int mode) {
     if (mode < 0) return before;
     atomic_store(&gov_next_ns, LLONG_MAX);
     atomic_store(&gov_cap, INT_MAX);
+    atomic_store(&gov_others_milli, -1);
     gov_have_last = 0;
     if (mode && load_sample(&gov_last)) {
         gov_have_last = 1;
@@ -148,6 +151,11 @@ int metatp_thread_governor(int mode) {
 /* team_size for the tests: what a region asking `wanted` threads takes now. */
 int metatp_team_size(int64_t wanted) {
     return team_size(wanted);
+}
+
+/* Other processes' load (CPUs, x1000) the last check saw; -1 before any. For reports. */
+int metatp_team_others_milli(void) {
+    return atomic_load(&gov_others_milli);
 }
 
 /* The cap in force (INT_MAX: none yet, or not adaptive), for tests and reports. */

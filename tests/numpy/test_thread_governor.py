@@ -74,7 +74,7 @@ def test_the_cap_is_the_cpus_other_processes_leave(ncpu, others, cap):
 def test_off_means_every_region_takes_what_it_asks(monkeypatch):
     lib = _lib()
     native.set_adaptive_threads(False)
-    assert lib.metatp_thread_governor(-1) == 0 and native.team_cap() is None
+    assert lib.metatp_thread_governor(-1) == 0 and native.team_cap() is None and native.others_load() is None
     assert [lib.metatp_team_size(n) for n in (0, 1, 2, 64)] == [1, 1, 2, 64]
     monkeypatch.setenv("METATP_ADAPTIVE_THREADS", "1")
     native.set_adaptive_threads(None)           # back to the variable
@@ -104,8 +104,9 @@ def test_a_busy_process_caps_the_threads_and_the_bits_stay(adaptive):
         while time.monotonic() < end:
             got = native.qmatmul(x, aw, nthreads=ncpu)
             assert np.array_equal(got.view(np.uint32), want[0])
-        cap = native.team_cap()
+        cap, others = native.team_cap(), native.others_load()
         sizes = [_lib().metatp_team_size(n) for n in (1, 2, ncpu, 4 * ncpu)]
+    assert others is not None and others >= 0.5, others         # the spinner had at least half a CPU
     assert cap is not None and cap <= ncpu - 1, cap
     assert sizes == [1, min(2, cap), min(ncpu, cap), cap]
 

@@ -22,7 +22,7 @@ from metatp.backends.numpy.native.elementwise import (GLU_ACTS, prepare_add, pre
 from metatp.backends.numpy.native.kv import KV_TYPES, kv_dequantize, kv_quantize, kv_row_bytes, prepare_set_rows
 from metatp.backends.numpy.native.lib import (ATTN_CHUNK, MAX_GROUP_ITEMS, MAX_ROWS, adaptive_threads, available, batch,
                                               batchable, build_library, default_threads, isa, kernel_info, library_isa,
-                                              set_adaptive_threads, team_cap)
+                                              others_load, set_adaptive_threads, team_cap)
 from metatp.backends.numpy.native.matmul import (DEQUANT_CHUNK, Q8_0, Q8_1, Q8_K, dequantize, float_row_groups,
                                                  group_qmatmul, is_qmatmul, prepare_dequant_matmul, prepare_q8_matmul,
                                                  prepare_qmatmul, q8_isums, q8_kind, q8_matmul, q8_quantize, qmatmul,
@@ -37,4 +37,4 @@ __all__ = ["available", "default_threads", "kernel_info", "isa", "prepare_qmatmu
            "MAX_ROWS", "KV_TYPES", "kv_quantize", "kv_dequantize", "library_isa", "build_library", "round_half",
            "dequantize", "rope_usable", "attention_usable", "kv_row_bytes", "prepare_rms_norm", "prepare_add",
            "GLU_ACTS", "float_row_groups", "row_best", "MAX_GROUP_ITEMS", "adaptive_threads",
-           "set_adaptive_threads", "team_cap"]
+           "set_adaptive_threads", "team_cap", "others_load"]

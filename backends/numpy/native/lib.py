@@ -24,7 +24,7 @@ from metatp.backends.host_build import build_shared_library, host_cache_dir
 from metatp.ir.errors import ConfigError
 
 __all__ = ["available", "kernel_info", "isa", "library_isa", "build_library", "default_threads", "batchable",
-           "batch", "adaptive_threads", "set_adaptive_threads", "team_cap", "ATTN_CHUNK", "MAX_ROWS",
+           "batch", "adaptive_threads", "set_adaptive_threads", "team_cap", "others_load", "ATTN_CHUNK", "MAX_ROWS",
            "MAX_GROUP_ITEMS"]
 
 # The decode attention cuts the KV length into chunks at absolute multiples of ATTN_CHUNK cells
@@ -205,6 +205,8 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
     lib.metatp_thread_governor.argtypes = [ctypes.c_int]
     lib.metatp_team_cap.restype = ctypes.c_int
     lib.metatp_team_cap.argtypes = []
+    lib.metatp_team_others_milli.restype = ctypes.c_int
+    lib.metatp_team_others_milli.argtypes = []
     lib.metatp_team_size.restype = ctypes.c_int
     lib.metatp_team_size.argtypes = [ctypes.c_int64]
     lib.metatp_team_cap_for.restype = ctypes.c_int
@@ -305,6 +307,14 @@ def team_cap(lib: ctypes.CDLL | None = None) -> int | None:
         return None
     cap = lib.metatp_team_cap()
     return None if cap >= 2 ** 31 - 1 else cap
+
+
+def others_load(lib: ctypes.CDLL | None = None) -> float | None:
+    """Other processes' load (in CPUs) over the governor's last window, or None before any check
+    (for reports: why `team_cap` is what it is)."""
+    lib = lib if lib is not None else _library()[0]
+    milli = -1 if lib is None else lib.metatp_team_others_milli()
+    return None if milli < 0 else milli / 1000
 
 
 # What MPI launchers tell each process about the ranks sharing its machine (MPICH/hydra, Open MPI,
