@@ -64,10 +64,36 @@ def _loadavg() -> str:
         return "?"
 
 
-def _child(python: str, threads: int, reps: int, tokens: int, batch: int, model: str, timeout: float) -> dict:
-    """One measurement in a fresh process: its JSON, or {"error": ...}."""
+def _busy_seconds() -> float:
+    """CPU seconds all CPUs have been busy since boot (/proc/stat; 0 where unreadable)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(proc: subprocess.Popen | None) -> float:
+    """CPU seconds of a running child (utime + stime), 0 where unknown."""
+    if proc is None:
+        return 0.0
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _child(python: str, threads: int, reps: int, tokens: int, batch: int, model: str, timeout: float,
+           busy: subprocess.Popen | None = None) -> dict:
+    """One measurement in a fresh process: its JSON plus "third_party" (CPUs other processes than
+    this bench kept busy meanwhile: the machine's noise), or {"error": ...}."""
     if timeout <= 5:
         return {"error": "out of time (--timeout)"}
+    t0, busy0, mine0 = time.monotonic(), _busy_seconds(), _process_seconds(busy)
+    children0 = os.times().children_user + os.times().children_system
     try:
         r = subprocess.run([python, "-c", _CHILD, str(threads), str(reps), str(tokens), str(batch), model],
                            capture_output=True, text=True, timeout=timeout,
@@ -77,7 +103,10 @@ def _child(python: str, threads: int, reps: int, tokens: int, batch: int, model:
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         return {"error": (r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1]}
-    return json.loads(lines[-1])
+    ours = (os.times().children_user + os.times().children_system - children0) + _process_seconds(busy) - mine0
+    out = json.loads(lines[-1])
+    out["third_party"] = round(max(0.0, _busy_seconds() - busy0 - ours) / (time.monotonic() - t0), 2)
+    return out
 
 
 def _busy_process() -> subprocess.Popen:
@@ -100,22 +129,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
     args = p.parse_args(argv)
     pythons = args.python or [sys.executable]
+    if args.model and os.path.exists(args.model):
+        args.model = os.path.abspath(args.model)         # the children run in the temp folder
     deadline = time.monotonic() + args.timeout
     results: dict[tuple[str, str], list[float]] = {}
-    caps: dict[tuple[str, str], set] = {}
+    noise: dict[tuple[str, str], list[float]] = {}
 
     def measure(phase: str, label: str, python: str, threads: int, batch: int = 0) -> None:
-        out = _child(python, threads, args.reps, args.tokens, batch, args.model, deadline - time.monotonic())
+        out = _child(python, threads, args.reps, args.tokens, batch, args.model, deadline - time.monotonic(),
+                     busy if phase == "busy" else None)
         key = (python, f"{phase} {label}")
         if "error" in out:
             print(f"  {python} {phase} {label}: {out['error']}", flush=True)
             return
         results.setdefault(key, []).extend(out["seconds"])
-        caps.setdefault(key, set()).add(out.get("cap"))
+        noise.setdefault(key, []).append(out["third_party"])
         print(f"  {python} {phase} {label}: " + " ".join(f"{s:.3f}" for s in out["seconds"])
-              + f"  (cap {out.get('cap')}, others' load {out.get('others')}; {out['kernels']})", flush=True)
+              + f"  (cap {out.get('cap')}; governor saw {out.get('others')} CPUs of others; third-party load "
+              f"{out['third_party']} CPUs; {out['kernels']})", flush=True)
 
-    print(f"load average before: {_loadavg()}  ({os.cpu_count()} CPUs)", flush=True)
+    print(f"load average before: {_loadavg()}  ({os.cpu_count()} CPUs); third-party load: CPUs kept busy by "
+          "processes other than this bench during each measurement (noise)", flush=True)
     busy = _busy_process()
     try:
         time.sleep(0.5)
@@ -139,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(python)
         for (py, setting), seconds in results.items():
             if py == python:
-                print(f"  {setting:28s} {_summary(seconds)}")
+                print(f"  {setting:28s} {_summary(seconds)}  third-party load "
+                      f"{min(noise[py, setting]):.2f}-{max(noise[py, setting]):.2f} CPUs")
         default, one = results.get((python, "busy default threads")), results.get((python, "busy -t 1"))
         if default and one:
             print(f"  busy ratio default / -t 1: min {min(default) / min(one):.2f}x  "
