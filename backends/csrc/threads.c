@@ -91,8 +91,8 @@ static int load_sample(LoadSample *s) {
  * window): the CPUs they leave, rounded to the nearest, between 1 and ncpu. Beside one spinning
  * process two threads on 2 CPUs see others ~0.67 (three threads share two CPUs): cap 1. */
 int metatp_team_cap_for(int64_t ncpu, double others) {
-    const double left = (double)ncpu - (others > 0 ? others : 0) + 0.5;
-    const int64_t cap = left < 1 ? 1 : (int64_t)left;
+    const double left = (double)ncpu - (others > 0 ? others : 0);     /* CPUs the others leave */
+    const int64_t cap = (int64_t)(left + 0.5);                         /* to the nearest */
     return (int)(cap < 1 ? 1 : cap > ncpu ? ncpu : cap);
 }
 
@@ -107,10 +107,11 @@ static void governor_tick(void) {
         return;
     LoadSample s;
     if (!load_sample(&s)) return;                       /* gov_next_ns stays LLONG_MAX: never again */
-    if (gov_have_last && s.wall_ns > gov_last.wall_ns) {
+    if (gov_have_last && s.wall_ns > gov_last.wall_ns && s.ncpu == gov_last.ncpu) {   /* not across an affinity change */
         const double ticks_ns = 1e9 / (double)sysconf(_SC_CLK_TCK);
         const double busy_ns = (double)(s.busy_ticks - gov_last.busy_ticks) * ticks_ns;
-        const double others = (busy_ns - (double)(s.own_ns - gov_last.own_ns)) / (double)(s.wall_ns - gov_last.wall_ns);
+        double others = (busy_ns - (double)(s.own_ns - gov_last.own_ns)) / (double)(s.wall_ns - gov_last.wall_ns);
+        others = others > 0 ? others : 0;                               /* tick noise */
         atomic_store_explicit(&gov_cap, metatp_team_cap_for(s.ncpu, others), memory_order_relaxed);
         atomic_store_explicit(&gov_others_milli, (int)(others * 1000), memory_order_relaxed);
     }
