@@ -4,7 +4,7 @@
  * Why: every parallel region ends in a barrier that waits for its slowest thread, and libgomp's
  * waiting threads spin. When another process holds one of the cores, one of our threads shares a
  * core with it and each of the ~200 regions of a decode step waits for that thread's turn: on a
- * 2-core machine beside one busy process a 24-token chat took 1.1-2.2 s with two threads against
+ * 2-core machine beside one busy process a 24-token chat took 1.1-3.5 s with two threads against
  * 0.22-0.39 s with one. Passive waits (OMP_WAIT_POLICY=passive, GOMP_SPINCOUNT=10000) only brought
  * two threads to 0.45-1.1 s: the barrier still waits for the thread that is not running.
  *
