@@ -1,5 +1,6 @@
 """Building and loading the C library (`csrc/cpu_kernels.c`), its argument structs, one prepared
-call (`_Call`), batches of calls and the kernel thread count.
+call (`_Call`), batches of calls, the kernel thread count and its governor (`adaptive_threads`:
+fewer threads while other processes hold CPUs, csrc/threads.c).
 
 The library is built on first use with the machine's C compiler (-O3 -march=native, OpenMP when
 available; METATP_KERNEL_ISA=avx512-amx|avx512-vnni|avx-vnni|avx2|portable builds that path instead) and
