@@ -509,7 +509,7 @@ int metatp_attention_group(const AttentionGroup *grp) {
         return rc;
     }
     const int64_t units = first_unit[n], rows = first_row[n];
-    const int nthreads = grp->nthreads > 1 && work >= 4096 && units > 1 ? (int)grp->nthreads : 1;
+    const int nthreads = grp->nthreads > 1 && work >= 4096 && units > 1 ? team_size(grp->nthreads) : 1;
     int64_t max_T = 0;
     for (int64_t i = 0; i < n; i++) max_T = calls[i].args.T > max_T ? calls[i].args.T : max_T;
     /* A pass of a prompt's tokens: its causal mask gives the chunks unequal work (the first is

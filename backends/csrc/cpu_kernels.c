@@ -11,6 +11,7 @@
  * sees what it uses, so the compiler still inlines across them and builds one shared object.
  * backends/host_build.py compiles it with -I on this folder and hashes every file in it.
  */
+#include "threads.c"       /* team_size: fewer threads while other processes hold CPUs */
 #include "simd.h"          /* vector types, ISA loaders, exact conversions, fixed-order sums, tiling */
 
 #include "qmatmul.c"       /* metatp_qmatmul: float activations x int8/nibble/half codes */

@@ -53,7 +53,7 @@ int metatp_dequant(const DequantArgs *a) {
     if (!(a->bits == 8 || (a->bits == 4 && a->k % 32 == 0) || a->bits == 16)) return -5;
     if (!layout_ok(a->group, a->half_scales, a->bits, a->block, a->rows)) return -6;
     const int64_t k = a->k, B = a->block, nb = k / B, row_bytes = k * a->bits / 8;
-    const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : (int)a->nthreads;
+    const int nthreads = a->rows * k < (int64_t)1 << 16 ? 1 : team_size(a->nthreads);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t r = 0; r < a->rows; r++) {
         if (a->group == 8) {

@@ -266,7 +266,7 @@ int metatp_q8_matmul(const Q8MatmulGroup *g) {
     char *at = (char *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     for (int64_t i = 0; i < n; i++)
         if (q8_prepare_act(g, i, acts, &at)) owners[n_owners++] = i;
-    const int nthreads = work < (int64_t)1 << 17 ? 1 : (int)g->nthreads;
+    const int nthreads = work < (int64_t)1 << 17 ? 1 : team_size(g->nthreads);
     const int64_t total = first_chunk[n];
     int64_t most_tokens = 0;
     for (int64_t o = 0; o < n_owners; o++)

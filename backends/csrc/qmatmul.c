@@ -413,7 +413,7 @@ int metatp_qmatmul(const QMatmulGroup *g) {
         for (int64_t i = 0; i < n; i++)
             if (needs_xsum(g->items[i])) qmm_xsum(g->items[i], xsum + xsum_at[i]);
     }
-    const int nthreads = work < (int64_t)1 << 16 ? 1 : (int)g->nthreads;   /* small: not worth waking threads */
+    const int nthreads = work < (int64_t)1 << 16 ? 1 : team_size(g->nthreads);   /* small: not worth waking threads */
     const int64_t total = first_chunk[n];
     int64_t blocks = 1;     /* token blocks: a long prompt's activations stay in L2 */
     for (int64_t i = 0; i < n; i++)

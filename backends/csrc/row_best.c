@@ -99,7 +99,7 @@ found:
 /* Returns 0, or -1 for a shape the kernel does not take. */
 int metatp_row_best(const RowBestArgs *a) {
     if (a->rows < 1 || a->n < 1 || a->ld < a->n || a->nthreads < 1) return -1;
-    const int nthreads = a->rows > 1 && a->rows * a->n >= ((int64_t)1 << 16) ? (int)a->nthreads : 1;
+    const int nthreads = a->rows > 1 && a->rows * a->n >= ((int64_t)1 << 16) ? team_size(a->nthreads) : 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t r = 0; r < a->rows; r++)
         row_best_one(a->x + r * a->ld, a->n, a->val + r, a->idx + r, a->finite + r);

@@ -339,7 +339,7 @@ enum { MAX_ITEMS = 64 };
 enum { ROW_THREADS_FROM = 1 << 13 };    /* floats */
 
 static int row_threads(int64_t T, int64_t n, int64_t nthreads) {
-    return T * n >= ROW_THREADS_FROM && T > 1 && nthreads > 1 ? (int)nthreads : 1;
+    return T * n >= ROW_THREADS_FROM && T > 1 && nthreads > 1 ? team_size(nthreads) : 1;
 }
 
 #endif /* METATP_SIMD_H */

@@ -52,7 +52,10 @@ class NumpyBackend(Backend):
 
     parallel_devices: run the simulated devices side by side in threads. kernel_threads: the
     compiled kernels' thread count (None: `native.default_threads()`, METATP_NUM_THREADS or the
-    CPUs this process may use, shared among the MPI ranks on the machine).
+    CPUs this process may use, shared among the MPI ranks on the machine); the most a parallel
+    region takes: while other processes keep CPUs busy it takes the CPUs they leave
+    (`native.adaptive_threads`, csrc/threads.c; METATP_ADAPTIVE_THREADS=0: always this count),
+    since every region waits for its slowest thread. The bits never depend on it.
 
     devices: the devices this process owns (default: all of the layout's); a strict subset
     needs a `collective` spanning the processes that own the others (`MpiCollective`)."""

@@ -17,3 +17,13 @@ def build(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native.lib, "_library", lambda: (lib, native.library_isa(lib)))
         yield isa
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixed_thread_counts():
+    """The thread governor off (csrc/threads.c): a test that names 2 threads gets 2, not 1 while
+    another process holds a core (the bit-identity tests across thread counts would then compare
+    one thread with itself). test_thread_governor.py switches it on where it tests it."""
+    native.set_adaptive_threads(False)
+    yield
+    native.set_adaptive_threads(None)

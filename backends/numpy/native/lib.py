@@ -1,5 +1,6 @@
 """Building and loading the C library (`csrc/cpu_kernels.c`), its argument structs, one prepared
-call (`_Call`), batches of calls and the kernel thread count.
+call (`_Call`), batches of calls, the kernel thread count and its governor (`adaptive_threads`:
+fewer threads while other processes hold CPUs, csrc/threads.c).
 
 The library is built on first use with the machine's C compiler (-O3 -march=native, OpenMP when
 available; METATP_KERNEL_ISA=avx512-amx|avx512-vnni|avx-vnni|avx2|portable builds that path instead) and
@@ -24,7 +25,8 @@ from metatp.backends.host_build import build_shared_library, host_cache_dir
 from metatp.ir.errors import ConfigError
 
 __all__ = ["available", "kernel_info", "isa", "library_isa", "build_library", "default_threads", "batchable",
-           "batch", "ATTN_CHUNK", "MAX_ROWS", "MAX_GROUP_ITEMS"]
+           "batch", "adaptive_threads", "set_adaptive_threads", "team_cap", "others_load", "ATTN_CHUNK", "MAX_ROWS",
+           "MAX_GROUP_ITEMS"]
 
 # The decode attention cuts the KV length into chunks at absolute multiples of ATTN_CHUNK cells
 # (ATTN_CHUNK in attention.c): a query row's result depends only on its visible cells and their
@@ -200,8 +202,20 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
     lib.metatp_amx.argtypes = []
     lib.metatp_attn_chunk.restype = ctypes.c_int
     lib.metatp_attn_chunk.argtypes = []
+    lib.metatp_thread_governor.restype = ctypes.c_int
+    lib.metatp_thread_governor.argtypes = [ctypes.c_int]
+    lib.metatp_team_cap.restype = ctypes.c_int
+    lib.metatp_team_cap.argtypes = []
+    lib.metatp_team_others_milli.restype = ctypes.c_int
+    lib.metatp_team_others_milli.argtypes = []
+    lib.metatp_team_size.restype = ctypes.c_int
+    lib.metatp_team_size.argtypes = [ctypes.c_int64]
+    lib.metatp_team_cap_for.restype = ctypes.c_int
+    lib.metatp_team_cap_for.argtypes = [ctypes.c_int64, ctypes.c_double]
     if lib.metatp_attn_chunk() != ATTN_CHUNK:
         raise RuntimeError(f"attention.c has ATTN_CHUNK {lib.metatp_attn_chunk()}, native/lib.py {ATTN_CHUNK}")
+    lib.metatp_thread_governor(int(adaptive_threads()))
+    _built[str(path)] = lib
     return lib
 
 
@@ -258,6 +272,50 @@ def isa() -> str | None:
     """The integer dot-product path of the build in use (None without one)."""
     lib = _library()[0]
     return None if lib is None else library_isa(lib)
+
+
+# Every library built in this process (each ISA build has its own thread governor).
+_built: dict[str, ctypes.CDLL] = {}
+_adaptive: bool | None = None          # set_adaptive_threads; None: METATP_ADAPTIVE_THREADS decides
+
+
+def adaptive_threads() -> bool:
+    """Do the kernels' parallel regions take fewer threads while other processes hold CPUs
+    (csrc/threads.c)? On unless METATP_ADAPTIVE_THREADS=0 or `set_adaptive_threads(False)`.
+    Why: every region waits for its slowest thread, and a thread sharing a CPU with another busy
+    process is slow at every region (a 24-token chat 3-7x slower with two threads than with one
+    beside one busy process on 2 CPUs). The count never changes the bits."""
+    if _adaptive is not None:
+        return _adaptive
+    return os.environ.get("METATP_ADAPTIVE_THREADS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def set_adaptive_threads(on: bool | None) -> None:
+    """Switch the thread governor of every library built in this process (and of those built
+    later); None: back to METATP_ADAPTIVE_THREADS. Call it between kernel calls (tests do, to
+    compare exact thread counts)."""
+    global _adaptive
+    _adaptive = None if on is None else bool(on)
+    for lib in _built.values():
+        lib.metatp_thread_governor(int(adaptive_threads()))
+
+
+def team_cap(lib: ctypes.CDLL | None = None) -> int | None:
+    """The most threads a parallel region of `lib` (default: the library in use) takes now, or
+    None when nothing caps it (not adaptive, no load seen yet, or no library)."""
+    lib = lib if lib is not None else _library()[0]
+    if lib is None:
+        return None
+    cap = lib.metatp_team_cap()
+    return None if cap >= 2 ** 31 - 1 else cap
+
+
+def others_load(lib: ctypes.CDLL | None = None) -> float | None:
+    """Other processes' load (in CPUs) over the governor's last window, or None before any check
+    (for reports: why `team_cap` is what it is)."""
+    lib = lib if lib is not None else _library()[0]
+    milli = -1 if lib is None else lib.metatp_team_others_milli()
+    return None if milli < 0 else milli / 1000
 
 
 # What MPI launchers tell each process about the ranks sharing its machine (MPICH/hydra, Open MPI,
