@@ -177,6 +177,20 @@ def _cpu_signature() -> str:
     return sig
 
 
+# the library's small query and control functions: (result type, argument types)
+_QUERIES = {
+    "metatp_qmatmul_groups": (ctypes.c_int, []),
+    "metatp_isa": (ctypes.c_char_p, []),
+    "metatp_amx": (ctypes.c_int, []),
+    "metatp_attn_chunk": (ctypes.c_int, []),
+    "metatp_thread_governor": (ctypes.c_int, [ctypes.c_int]),
+    "metatp_team_cap": (ctypes.c_int, []),
+    "metatp_team_others_milli": (ctypes.c_int, []),
+    "metatp_team_size": (ctypes.c_int, [ctypes.c_int64]),
+    "metatp_team_cap_for": (ctypes.c_int, [ctypes.c_int64, ctypes.c_double]),
+}
+
+
 def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
     """Build (or take from the cache) `csrc/cpu_kernels.c` with these compiler flags and load it.
     Raises RuntimeError/OSError when that fails. (Tests also build other ISA paths with it.)
@@ -194,24 +208,9 @@ def build_library(flags: tuple[str, ...], cc: str | None = None) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p]
-    lib.metatp_qmatmul_groups.restype = ctypes.c_int
-    lib.metatp_qmatmul_groups.argtypes = []
-    lib.metatp_isa.restype = ctypes.c_char_p
-    lib.metatp_isa.argtypes = []
-    lib.metatp_amx.restype = ctypes.c_int
-    lib.metatp_amx.argtypes = []
-    lib.metatp_attn_chunk.restype = ctypes.c_int
-    lib.metatp_attn_chunk.argtypes = []
-    lib.metatp_thread_governor.restype = ctypes.c_int
-    lib.metatp_thread_governor.argtypes = [ctypes.c_int]
-    lib.metatp_team_cap.restype = ctypes.c_int
-    lib.metatp_team_cap.argtypes = []
-    lib.metatp_team_others_milli.restype = ctypes.c_int
-    lib.metatp_team_others_milli.argtypes = []
-    lib.metatp_team_size.restype = ctypes.c_int
-    lib.metatp_team_size.argtypes = [ctypes.c_int64]
-    lib.metatp_team_cap_for.restype = ctypes.c_int
-    lib.metatp_team_cap_for.argtypes = [ctypes.c_int64, ctypes.c_double]
+    for name, (restype, argtypes) in _QUERIES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     if lib.metatp_attn_chunk() != ATTN_CHUNK:
         raise RuntimeError(f"attention.c has ATTN_CHUNK {lib.metatp_attn_chunk()}, native/lib.py {ATTN_CHUNK}")
     lib.metatp_thread_governor(int(adaptive_threads()))
