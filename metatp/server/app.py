@@ -131,14 +131,24 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
             return {"status": "ok"}
         return JSONResponse({"status": "error", "device": fault.device, "error": str(fault)}, status_code=503)
 
+    def model_object() -> dict:
+        """The served model as OpenAI's model object (what /v1/models lists and /v1/models/{id} answers)."""
+        return {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "metatp",
+                "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab}, "max_model_len": srv.max_model_len}
+
     @app.get("/v1/models")
     @app.get("/models")
     async def models(request: HttpRequest):
         check_auth(request)
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "metatp", "meta": {"n_ctx": llm.n_ctx,
-                                                                           "n_vocab": llm.n_vocab},
-                                            "max_model_len": srv.max_model_len}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    @app.get("/models/{model_id:path}")
+    async def model(request: HttpRequest, model_id: str):
+        """client.models.retrieve: the served model by its name or alias; 404 model_not_found otherwise."""
+        check_auth(request)
+        srv.check_model({"model": model_id})
+        return model_object()
 
     def tokenize_answer(body: dict) -> Response:
         """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""

@@ -107,6 +107,8 @@ class Frontend:
                                on_output=on_output, tenant=request_tenant())
 
     def check_model(self, body: dict) -> str:
+        """The served model's name for the body's `model` (its name, alias or path; absent: the
+        served one); a model this server does not serve is a 404 model_not_found (OpenAI's and vLLM's)."""
         m = body.get("model", self.model_name)
         if m is None:
             return self.model_name
@@ -114,7 +116,7 @@ class Frontend:
             raise BadRequest(f"'model' must be a string, got {json.dumps(m)[:60]}", "model")
         if m not in self.names:
             raise BadRequest(f"the model {m!r} does not exist; this server serves {self.model_name!r}", "model",
-                             "model_not_found")
+                             "model_not_found", 404)
         return self.model_name
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:

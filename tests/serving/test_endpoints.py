@@ -1,0 +1,79 @@
+"""The endpoints and shapes a client reaches for (issue 47 item 4): /v1/models/{id}
+(client.models.retrieve), /version, OpenAI's error object on routing's own 404 and 405, 404
+model_not_found for a model the server does not serve, 400 for a max_tokens past the context,
+and CORS for --allowed-origins -- through the real app (metatp.server.create_app) in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+import metatp
+from metatp import LLM
+from metatp.testing.synth import SynthSpec
+from support.serving import optional_import
+
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=47, chat_template=TEMPLATE)
+N_CTX = 128
+MODEL = "endpoints-model"
+KEY = "sk-endpoints"
+ORIGIN = "https://ui.example"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _client(path, **app_options):
+    from metatp.server import create_app
+
+    testclient = optional_import("fastapi.testclient")
+    app = create_app(LLM(path, backend="numpy", n_ctx=N_CTX), model_name=MODEL, api_key=KEY, max_model_len=N_CTX,
+                     **app_options)
+    return testclient.TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def endpoints_client(path):
+    """The app with an API key and no CORS origins, through FastAPI's test client."""
+    with _client(path) as client:
+        yield client
+
+
+def assert_openai_error(r, status: int, code: str | None, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "detail" not in r.json(), r.text
+    assert (err["code"], err["param"]) == (code, param), r.text
+    return err
+
+
+# ---------------------------------------------------------------- /v1/models/{id}
+def test_a_model_is_retrieved_by_its_name_and_is_what_the_list_holds(endpoints_client, path):
+    listed = endpoints_client.get("/v1/models", headers=AUTH).json()["data"][0]
+    for name in (MODEL, path):                         # the served name, and the model's path (an alias)
+        r = endpoints_client.get(f"/v1/models/{name}", headers=AUTH)
+        assert r.status_code == 200 and r.json() == listed, r.text
+    assert endpoints_client.get(f"/models/{MODEL}", headers=AUTH).json() == listed
+
+
+def test_retrieving_another_model_is_404_model_not_found(endpoints_client):
+    err = assert_openai_error(endpoints_client.get("/v1/models/gpt-4o", headers=AUTH), 404, "model_not_found", "model")
+    assert "gpt-4o" in err["message"] and MODEL in err["message"]
+    assert endpoints_client.get(f"/v1/models/{MODEL}").status_code == 401       # it needs the key as /v1/models does
+
+
+def test_the_openai_client_retrieves_the_model(endpoints_client):
+    openai = optional_import("openai")
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=KEY, http_client=endpoints_client)
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "metatp")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                   "max_tokens": 1})])
+def test_a_generation_naming_another_model_is_404_model_not_found(endpoints_client, route, body):
+    assert_openai_error(endpoints_client.post(route, json={**body, "model": "gpt-4o"}, headers=AUTH), 404,
+                        "model_not_found", "model")
+    assert endpoints_client.post(route, json={**body, "model": MODEL}, headers=AUTH).status_code == 200
