@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
+import metatp
 from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
@@ -30,6 +31,9 @@ try:        # module level: the handlers' string annotations (postponed evaluati
     from fastapi import Request as HttpRequest
 except ImportError:        # metatp[serve] not installed: create_app says so
     HttpRequest = None      # type: ignore[assignment,misc]
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}    # routing's refusals' error codes
 
 
 def error_response(e: BadRequest):
@@ -59,6 +63,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
     offload = Offload()         # what grows with a request's size runs there: the event loop only routes
@@ -95,6 +100,14 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     @app.exception_handler(BadRequest)
     async def bad_request(request: HttpRequest, e: BadRequest):
         return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, e: StarletteHTTPException):
+        """Routing's own refusals (an unknown path: 404, a wrong method: 405) as OpenAI's error
+        object, the shape every other refusal has, instead of FastAPI's {"detail"}."""
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(BadRequest(f"{e.detail}: {request.method} {request.url.path}", None, _HTTP_CODES.get(
+            e.status_code), e.status_code, kind).body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(DeviceUnavailable)
     async def device_unavailable(request: HttpRequest, e: DeviceUnavailable):   # 503, Retry-After when it may pass
@@ -149,6 +162,11 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         check_auth(request)
         srv.check_model({"model": model_id})
         return model_object()
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: the package's version."""
+        return {"version": metatp.__version__}
 
     def tokenize_answer(body: dict) -> Response:
         """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""

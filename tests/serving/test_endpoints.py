@@ -77,3 +77,21 @@ def test_a_generation_naming_another_model_is_404_model_not_found(endpoints_clie
     assert_openai_error(endpoints_client.post(route, json={**body, "model": "gpt-4o"}, headers=AUTH), 404,
                         "model_not_found", "model")
     assert endpoints_client.post(route, json={**body, "model": MODEL}, headers=AUTH).status_code == 200
+
+
+# ---------------------------------------------------------------- routing's own refusals, /version
+def test_an_unknown_route_is_404_with_openais_error_object(endpoints_client):
+    err = assert_openai_error(endpoints_client.get("/v1/no-such-route", headers=AUTH), 404, "not_found")
+    assert err["type"] == "not_found_error" and "GET /v1/no-such-route" in err["message"]
+
+
+def test_a_wrong_method_is_405_with_openais_error_object(endpoints_client):
+    r = endpoints_client.get("/v1/completions", headers=AUTH)
+    err = assert_openai_error(r, 405, "method_not_allowed")
+    assert err["type"] == "invalid_request_error" and "GET /v1/completions" in err["message"]
+    assert r.headers["allow"] == "POST"                     # the methods the route takes, as before
+
+
+def test_version_is_the_packages_version(endpoints_client):
+    r = endpoints_client.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": metatp.__version__}
