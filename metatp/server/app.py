@@ -219,7 +219,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         params = sampling_params(body, lp, 16)
         echo = read(body, rf.ECHO, False)
         n_prompt_lp = read(body, rf.PROMPT_LOGPROBS)          # vLLM's field
-        return params, srv.prompt_ids(body["prompt"]), lp, echo, n_prompt_lp
+        ids_list = srv.prompt_ids(body["prompt"])
+        srv.check_max_tokens(body, ids_list)                   # a max_tokens past the context: 400
+        return params, ids_list, lp, echo, n_prompt_lp
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -250,7 +252,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         want_lp = read(body, rf.CHAT_LOGPROBS, False)
         params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
         srv.check_chat_chars(body["messages"])                   # megabytes of text are refused unrendered
-        return params, chat_prompt_ids(llm.tokenizer, body["messages"]), want_lp   # a FieldError names "messages"
+        ids = chat_prompt_ids(llm.tokenizer, body["messages"])   # a FieldError names "messages"
+        srv.check_max_tokens(body, [ids])                         # a max_tokens past the context: 400
+        return params, ids, want_lp
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")

@@ -171,6 +171,26 @@ class Frontend:
             self.check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict)),
                                     "messages")
 
+    def check_max_tokens(self, body: dict, ids_list: list[list[int]]) -> None:
+        """A max_tokens (or max_completion_tokens) the body asks for that cannot fit after a prompt
+        is a 400 naming the field and the numbers, as vLLM answers (the Python API caps it
+        instead). Left out, the default is capped silently: the client asked for nothing."""
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        wanted = body.get(field)
+        if not is_int(wanted):
+            return                                  # absent (null) here; a bad value was refused by name already
+        for ids in ids_list:
+            try:
+                room = context_budget(len(ids), self.llm.n_ctx, self.max_model_len)
+            except ContextOverflowError:
+                return                              # the prompt itself does not fit: submitting refuses it by name
+            if wanted > room:
+                raise BadRequest(
+                    f"'{field}' is too large: {wanted}. A request may hold at most {self.max_model_len} tokens "
+                    f"(max_model_len; n_ctx {self.llm.n_ctx}) and the prompt has {len(ids)}, so at most {room} "
+                    f"can be generated ({wanted} > {self.max_model_len} - {len(ids)}); lower {field} or shorten "
+                    "the prompt", field, "context_length_exceeded")
+
     def _ids(self, ids: list[int]) -> list[int]:
         try:                                    # too long: refused before checking millions of ids one by one
             context_budget(len(ids), self.llm.n_ctx, self.max_model_len)

@@ -95,3 +95,38 @@ def test_a_wrong_method_is_405_with_openais_error_object(endpoints_client):
 def test_version_is_the_packages_version(endpoints_client):
     r = endpoints_client.get("/version")
     assert r.status_code == 200 and r.json() == {"version": metatp.__version__}
+
+
+# ---------------------------------------------------------------- max_tokens past the context
+PROMPT = [5, 6, 7, 8]
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("route, body, field", [("/v1/completions", {"prompt": PROMPT}, "max_tokens"),
+                                                ("/v1/chat/completions", CHAT, "max_tokens"),
+                                                ("/v1/chat/completions", CHAT, "max_completion_tokens")])
+def test_a_max_tokens_past_the_context_is_a_400_naming_it_and_the_numbers(endpoints_client, route, body, field):
+    ok = endpoints_client.post(route, json={**body, field: 2, "temperature": 0}, headers=AUTH)
+    n_prompt = ok.json()["usage"]["prompt_tokens"]
+    room = N_CTX - n_prompt
+    r = endpoints_client.post(route, json={**body, field: room + 1}, headers=AUTH)
+    err = assert_openai_error(r, 400, "context_length_exceeded", field)
+    assert f"{room + 1}" in err["message"] and f"prompt has {n_prompt}" in err["message"]
+    assert f"at most {N_CTX} tokens (max_model_len" in err["message"], err["message"]
+    at = endpoints_client.post(route, json={**body, field: room, "temperature": 0, "ignore_eos": True}, headers=AUTH)
+    assert at.status_code == 200 and at.json()["usage"]["completion_tokens"] == room, at.text   # exactly the room
+
+
+def test_without_max_tokens_a_generation_still_ends_at_the_context(endpoints_client):
+    """Only an asked-for max_tokens is refused: a chat without one runs to the end of the context."""
+    r = endpoints_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                            "ignore_eos": True}, headers=AUTH).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == N_CTX
+
+
+def test_a_prompt_past_the_context_is_still_refused_naming_the_prompt(endpoints_client):
+    r = endpoints_client.post("/v1/completions", json={"prompt": [7] * (N_CTX + 1), "max_tokens": 5}, headers=AUTH)
+    assert_openai_error(r, 400, "context_length_exceeded", "prompt")
