@@ -42,15 +42,26 @@ def error_response(e: BadRequest):
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def allow_cors(app, origins: Sequence[str]) -> None:
+    """Answer browsers from `origins` (CORS). A preflight (OPTIONS) is answered by the middleware
+    before any route, so it needs no API key (a browser sends none with it); the actual request
+    still does. The headers are what llama.cpp's server tests expect."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"], allow_credentials=True)
+
+
 def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequence[str] | Tenants | None" = None,
-               max_model_len: int | None = None):
+               max_model_len: int | None = None, allowed_origins: Sequence[str] = ()):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
     with `api_key`: one key, several or `Tenants` (each key a tenant: `metatp.server.tenants`;
     None: no key, one anonymous tenant),
     with the LLM's own limits (`LLM(max_num_seqs=, max_waiting=)`: the server changes none).
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
-    completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot)."""
+    completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot).
+    `allowed_origins`: the browser origins ("*": any) that may call it (CORS); none: no CORS headers."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -85,6 +96,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
+    if allowed_origins:
+        allow_cors(app, allowed_origins)
     app.state.offload = offload
 
     tenants = tenants_of(api_key)

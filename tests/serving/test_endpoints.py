@@ -130,3 +130,60 @@ def test_without_max_tokens_a_generation_still_ends_at_the_context(endpoints_cli
 def test_a_prompt_past_the_context_is_still_refused_naming_the_prompt(endpoints_client):
     r = endpoints_client.post("/v1/completions", json={"prompt": [7] * (N_CTX + 1), "max_tokens": 5}, headers=AUTH)
     assert_openai_error(r, 400, "context_length_exceeded", "prompt")
+
+
+# ---------------------------------------------------------------- CORS (--allowed-origins)
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization, Content-Type"}
+
+
+@pytest.fixture(scope="module")
+def cors_client(path):
+    """The app with an API key and one allowed origin."""
+    with _client(path, allowed_origins=[ORIGIN]) as client:
+        yield client
+
+
+def test_a_preflight_from_an_allowed_origin_is_answered_without_the_key(cors_client):
+    r = cors_client.options("/v1/chat/completions", headers={"Origin": ORIGIN, **PREFLIGHT})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert set(r.headers["access-control-allow-methods"].split(", ")) >= {"GET", "POST"}
+    assert {"authorization", "content-type"} <= {h.strip().lower() for h in
+                                                 r.headers["access-control-allow-headers"].split(",")}
+
+
+def test_an_allowed_origins_request_gets_cors_headers_and_still_needs_the_key(cors_client):
+    r = cors_client.get("/v1/models", headers={"Origin": ORIGIN, **AUTH})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    assert cors_client.get("/v1/models", headers={"Origin": ORIGIN}).status_code == 401
+
+
+def test_another_origin_gets_no_cors_headers(cors_client):
+    other = "https://elsewhere.example"
+    r = cors_client.options("/v1/chat/completions", headers={"Origin": other, **PREFLIGHT})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = cors_client.get("/v1/models", headers={"Origin": other, **AUTH})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_without_allowed_origins_there_are_no_cors_headers(endpoints_client):
+    r = endpoints_client.get("/v1/models", headers={"Origin": ORIGIN, **AUTH})
+    assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
+    r = endpoints_client.options("/v1/chat/completions", headers={"Origin": ORIGIN, **PREFLIGHT})
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def test_any_origin_with_a_star(path):
+    with _client(path, allowed_origins=["*"]) as client:
+        r = client.options("/v1/completions", headers={"Origin": "https://any.example", **PREFLIGHT})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "https://any.example")
+
+
+def test_serve_takes_allowed_origins_repeated():
+    from metatp.cli import _build_parser
+
+    args = _build_parser().parse_args(["serve", "-m", "x.gguf", "--allowed-origins", ORIGIN,
+                                       "--allowed-origins", "*"])
+    assert args.allowed_origins == [ORIGIN, "*"]
+    assert _build_parser().parse_args(["serve", "-m", "x.gguf"]).allowed_origins is None
