@@ -77,7 +77,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"metatp: serving {llm.model_path} on http://{args.host}:{args.port}/v1 "
               f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
               f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
-    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=tenants, log_level=args.log_level)
+    serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=tenants, log_level=args.log_level,
+          allowed_origins=args.allowed_origins or ())
     return 0
 
 
@@ -142,6 +143,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key-file", default=None, metavar="FILE",
                     help="API keys, one a line: 'KEY' or 'KEY TENANT-NAME' (keys naming one tenant share its "
                          "prefix cache); blank lines and # comments skipped")
+    sv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                    help="answer browsers from ORIGIN with CORS headers (repeat it for several; '*': any; "
+                         "default: none, no CORS headers)")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

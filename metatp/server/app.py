@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
+import metatp
 from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
@@ -32,21 +33,35 @@ except ImportError:        # metatp[serve] not installed: create_app says so
     HttpRequest = None      # type: ignore[assignment,misc]
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}    # routing's refusals' error codes
+
+
 def error_response(e: BadRequest):
     from fastapi.responses import JSONResponse
 
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def allow_cors(app, origins: Sequence[str]) -> None:
+    """Answer browsers from `origins` (CORS). A preflight (OPTIONS) is answered by the middleware
+    before any route, so it needs no API key (a browser sends none with it); the actual request
+    still does. The headers are what llama.cpp's server tests expect."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"], allow_credentials=True)
+
+
 def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequence[str] | Tenants | None" = None,
-               max_model_len: int | None = None):
+               max_model_len: int | None = None, allowed_origins: Sequence[str] = ()):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
     with `api_key`: one key, several or `Tenants` (each key a tenant: `metatp.server.tenants`;
     None: no key, one anonymous tenant),
     with the LLM's own limits (`LLM(max_num_seqs=, max_waiting=)`: the server changes none).
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
-    completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot)."""
+    completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot).
+    `allowed_origins`: the browser origins ("*": any) that may call it (CORS); none: no CORS headers."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -59,6 +74,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
     offload = Offload()         # what grows with a request's size runs there: the event loop only routes
@@ -80,6 +96,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
 
     app = FastAPI(title="metatp", lifespan=lifespan)
     app.state.server = srv
+    if allowed_origins:
+        allow_cors(app, allowed_origins)
     app.state.offload = offload
 
     tenants = tenants_of(api_key)
@@ -95,6 +113,14 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     @app.exception_handler(BadRequest)
     async def bad_request(request: HttpRequest, e: BadRequest):
         return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: HttpRequest, e: StarletteHTTPException):
+        """Routing's own refusals (an unknown path: 404, a wrong method: 405) as OpenAI's error
+        object, the shape every other refusal has, instead of FastAPI's {"detail"}."""
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(BadRequest(f"{e.detail}: {request.method} {request.url.path}", None, _HTTP_CODES.get(
+            e.status_code), e.status_code, kind).body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(DeviceUnavailable)
     async def device_unavailable(request: HttpRequest, e: DeviceUnavailable):   # 503, Retry-After when it may pass
@@ -131,14 +157,29 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
             return {"status": "ok"}
         return JSONResponse({"status": "error", "device": fault.device, "error": str(fault)}, status_code=503)
 
+    def model_object() -> dict:
+        """The served model as OpenAI's model object (what /v1/models lists and /v1/models/{id} answers)."""
+        return {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "metatp",
+                "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab}, "max_model_len": srv.max_model_len}
+
     @app.get("/v1/models")
     @app.get("/models")
     async def models(request: HttpRequest):
         check_auth(request)
-        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "metatp", "meta": {"n_ctx": llm.n_ctx,
-                                                                           "n_vocab": llm.n_vocab},
-                                            "max_model_len": srv.max_model_len}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    @app.get("/models/{model_id:path}")
+    async def model(request: HttpRequest, model_id: str):
+        """client.models.retrieve: the served model by its name or alias; 404 model_not_found otherwise."""
+        check_auth(request)
+        srv.check_model({"model": model_id})
+        return model_object()
+
+    @app.get("/version")
+    async def version():
+        """vLLM's /version: the package's version."""
+        return {"version": metatp.__version__}
 
     def tokenize_answer(body: dict) -> Response:
         """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""
@@ -191,7 +232,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         params = sampling_params(body, lp, 16)
         echo = read(body, rf.ECHO, False)
         n_prompt_lp = read(body, rf.PROMPT_LOGPROBS)          # vLLM's field
-        return params, srv.prompt_ids(body["prompt"]), lp, echo, n_prompt_lp
+        ids_list = srv.prompt_ids(body["prompt"])
+        srv.check_max_tokens(body, ids_list)                   # a max_tokens past the context: 400
+        return params, ids_list, lp, echo, n_prompt_lp
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -222,7 +265,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         want_lp = read(body, rf.CHAT_LOGPROBS, False)
         params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
         srv.check_chat_chars(body["messages"])                   # megabytes of text are refused unrendered
-        return params, chat_prompt_ids(llm.tokenizer, body["messages"]), want_lp   # a FieldError names "messages"
+        ids = chat_prompt_ids(llm.tokenizer, body["messages"])   # a FieldError names "messages"
+        srv.check_max_tokens(body, [ids])                         # a max_tokens past the context: 400
+        return params, ids, want_lp
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")

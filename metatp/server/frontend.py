@@ -107,6 +107,8 @@ class Frontend:
                                on_output=on_output, tenant=request_tenant())
 
     def check_model(self, body: dict) -> str:
+        """The served model's name for the body's `model` (its name, alias or path; absent: the
+        served one); a model this server does not serve is a 404 model_not_found (OpenAI's and vLLM's)."""
         m = body.get("model", self.model_name)
         if m is None:
             return self.model_name
@@ -114,7 +116,7 @@ class Frontend:
             raise BadRequest(f"'model' must be a string, got {json.dumps(m)[:60]}", "model")
         if m not in self.names:
             raise BadRequest(f"the model {m!r} does not exist; this server serves {self.model_name!r}", "model",
-                             "model_not_found")
+                             "model_not_found", 404)
         return self.model_name
 
     def prompt_ids(self, prompt: Any) -> list[list[int]]:
@@ -168,6 +170,26 @@ class Frontend:
         if isinstance(messages, list):
             self.check_prompt_chars(sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict)),
                                     "messages")
+
+    def check_max_tokens(self, body: dict, ids_list: list[list[int]]) -> None:
+        """A max_tokens (or max_completion_tokens) the body asks for that cannot fit after a prompt
+        is a 400 naming the field and the numbers, as vLLM answers (the Python API caps it
+        instead). Left out, the default is capped silently: the client asked for nothing."""
+        field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        wanted = body.get(field)
+        if not is_int(wanted):
+            return                                  # absent (null) here; a bad value was refused by name already
+        for ids in ids_list:
+            try:
+                room = context_budget(len(ids), self.llm.n_ctx, self.max_model_len)
+            except ContextOverflowError:
+                return                              # the prompt itself does not fit: submitting refuses it by name
+            if wanted > room:
+                raise BadRequest(
+                    f"'{field}' is too large: {wanted}. A request may hold at most {self.max_model_len} tokens "
+                    f"(max_model_len; n_ctx {self.llm.n_ctx}) and the prompt has {len(ids)}, so at most {room} "
+                    f"can be generated ({wanted} > {self.max_model_len} - {len(ids)}); lower {field} or shorten "
+                    "the prompt", field, "context_length_exceeded")
 
     def _ids(self, ids: list[int]) -> list[int]:
         try:                                    # too long: refused before checking millions of ids one by one

@@ -97,8 +97,9 @@ def test_small_requests_finish_in_their_own_time_beside_a_huge_one(cap_server):
     huge: dict = {}
 
     def run_huge() -> None:
-        huge["r"] = c.completions.create(model="m", prompt=PROMPT, extra_body={"ignore_eos": True}, **{
-            k: v for k, v in HUGE.items() if k != "ignore_eos"})
+        # the most the cap leaves (a max_tokens past it is a 400: test_endpoints.py)
+        huge["r"] = c.completions.create(model="m", prompt=PROMPT, max_tokens=32768 // 4 - len(PROMPT),
+                                         temperature=0, extra_body={"ignore_eos": True})
         done["huge"] = time.monotonic()
     t = threading.Thread(target=run_huge)
     t.start()
@@ -138,8 +139,11 @@ def test_a_prompt_past_the_cap_is_a_400_naming_it(cap_server):
     err = e.value.body if isinstance(e.value.body, dict) and "param" in e.value.body else e.value.body["error"]
     assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
     assert "8193 tokens" in err["message"] and "8192" in err["message"]
-    r = c.completions.create(model="m", prompt=[7] * 8192, max_tokens=2)     # exactly the cap: no room, "length"
+    r = c.completions.create(model="m", prompt=[7] * 8192)          # exactly the cap: no room, "length"
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:                          # no room for an asked-for token: 400
+        c.completions.create(model="m", prompt=[7] * 8192, max_tokens=2)
+    assert "'max_tokens' is too large: 2" in str(e.value)
     models = httpx.get(cap_server.base + "/v1/models", timeout=30).json()
     assert models["data"][0]["max_model_len"] == 8192
 

@@ -154,7 +154,6 @@ def test_logprobs_n2_stop_and_seed(server):
 @pytest.mark.parametrize("body,param", [
     ("{not json", None),
     ("[1, 2]", None),
-    (json.dumps({"model": "no-such-model", "prompt": "x"}), "model"),
     (json.dumps({"prompt": "x", "max_tokens": -1}), "max_tokens"),
     (json.dumps({"prompt": "x", "max_tokens": "ten"}), "max_tokens"),
     (json.dumps({"prompt": "x", "temperature": "hot"}), "temperature"),
@@ -177,6 +176,15 @@ def test_bad_requests_get_openai_errors(server, body, param):
     assert set(err) >= {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and "Traceback" not in r.text
     assert complete(server.client(), "still serving", 2)                     # everyone else goes on
+
+
+def test_an_unknown_model_is_404_model_not_found(server):
+    """OpenAI and vLLM answer 404 for a model the server does not serve (issue 47 item 4)."""
+    r = server.post("/v1/completions", json.dumps({"model": "no-such-model", "prompt": "x"}))
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert complete(server.client(), "still serving", 2)
 
 
 @pytest.mark.parametrize("body,status,words", [

@@ -318,7 +318,7 @@ class Client:
                                                                            "Content-Type": "application/json"})
             else:
                 r = self.http.post(_path(case), json=case.body, headers=headers)
-            want = 401 if case.kind == "auth" else 400
+            want = 401 if case.kind == "auth" else 404 if case.param == "model" else 400   # an unknown model: 404
             assert r.status_code == want, f"{r.status_code}: {r.text[:300]}"
             err = r.json()["error"]
             assert set(err) >= {"message", "type", "param", "code"} and "Traceback" not in r.text, r.text
