@@ -17,6 +17,9 @@ class Config:
     emulate: bool = False
     n_layer: int = 30
     kv_lengths: tuple[int, ...] = (128, 2048)
+    shape_kv_lengths: tuple[int, ...] = (128, 4096)   # the three model sizes' rows (shapes.py)
+    shape_decode_steps: int = 64
+    big: bool = False                                # shapes.py: the 8B shapes too
     decode_steps: int = 64
     prompt_len: int = 16
     greedy_steps: int = 15
@@ -26,7 +29,8 @@ class Config:
     @classmethod
     def dry_run(cls, n_layer: int = 2) -> Config:
         """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
-        return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), decode_steps=4,
+        return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
+                   shape_decode_steps=2, decode_steps=4,
                    prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2))
 
     def spec(self):

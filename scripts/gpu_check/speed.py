@@ -18,22 +18,24 @@ def decode_feed(plan, n_past: int, token: int, window: int = 0) -> dict:
     return make_feed(inp, sequence_values(inp, [token], n_past, window))
 
 
-def time_decode(cfg: Config, eng, kv_len: int, steps: int | None = None) -> dict:
+def time_decode(cfg: Config, eng, kv_len: int, steps: int | None = None, vocab: int | None = None) -> dict:
     """Fill the KV cache to kv_len, then time `steps` decode steps (one plan: the positions stay
     in one KV bucket). Returns tok/s of run+sync and of the engine's forward (logits to host),
-    and the step's executable (the profile section times its launches)."""
+    and the step's executable (the profile section times its launches). `vocab`: the model's,
+    when it is not the default one of `cfg`."""
     from metatp.engine import padded_kv
     from metatp.ir.models import BatchSpec
 
     steps = steps or cfg.decode_steps
+    vocab = vocab or cfg.vocab
     rng = np.random.default_rng(1)
     eng.reset()
     eng.backend.reset_kv()
-    eng.forward([int(t) for t in rng.integers(300, cfg.vocab, kv_len)])
+    eng.forward([int(t) for t in rng.integers(300, vocab, kv_len)])
     spec = BatchSpec(1, padded_kv(kv_len + steps + 8, eng.n_ctx), 1)
     plan, ex = eng.plan_for(spec)
     window = eng.model.hparams.sliding_window
-    feeds = [decode_feed(plan, kv_len + i, int(t), window) for i, t in enumerate(rng.integers(300, cfg.vocab, steps + 4))]
+    feeds = [decode_feed(plan, kv_len + i, int(t), window) for i, t in enumerate(rng.integers(300, vocab, steps + 4))]
     for f in feeds[:4]:                                 # warm-up: eager, then capture (graph mode)
         ex.run(f)
         ex.synchronize()
@@ -44,7 +46,7 @@ def time_decode(cfg: Config, eng, kv_len: int, steps: int | None = None) -> dict
     step_s = (time.perf_counter() - t0) / steps
     n_fwd = min(16, steps)          # the engine's sequence still holds kv_len tokens (ex.run bypasses it)
     t0 = time.perf_counter()
-    for t in rng.integers(300, cfg.vocab, n_fwd):
+    for t in rng.integers(300, vocab, n_fwd):
         eng.forward([int(t)])
     fwd_s = (time.perf_counter() - t0) / n_fwd
     n_launch = sum(len(s) for per_dev in ex.steps for s in per_dev)

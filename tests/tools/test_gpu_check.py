@@ -114,3 +114,79 @@ def test_profile_groups_a_steps_launches_by_kernel():
     text = table(times)
     assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 5.00 | (192,) | (32, 8) |" in text
     assert "| rms_norm | 2 | 2.0 | 20.0% |" in text
+
+
+def test_fast_gguf_writes_the_planned_tensors_with_sane_values(tmp_path):
+    """The fast writer's file holds exactly `tensor_plan`'s tensors (names, shapes, types, bytes),
+    the loader takes it, and every quant type dequantises to finite weights of spread ~0.02."""
+    import gguf
+    import numpy as np
+
+    from metatp.ir.loader import load_model
+    from scripts.gpu_check.fast_gguf import tensor_plan, write_fast_gguf
+    from scripts.gpu_check.shapes import SHAPES
+
+    for shape in SHAPES:
+        path = tmp_path / f"{shape.name}.gguf"
+        size = write_fast_gguf(path, shape.small, chunk_bytes=3000)      # many chunks a tensor
+        plan = tensor_plan(shape.small)
+        reader = gguf.GGUFReader(path)
+        assert [t.name for t in reader.tensors] == [t.name for t in plan]
+        assert size >= sum(t.nbytes for t in plan)
+        for got, want in zip(reader.tensors, plan):
+            assert tuple(int(n) for n in got.shape) == want.ne and got.tensor_type.name == want.type_name
+            assert int(got.n_bytes) == want.nbytes
+            if want.type_name != "F32":
+                w = gguf.quants.dequantize(np.array(got.data), got.tensor_type)
+                assert np.isfinite(w).all() and 0.005 < float(w.std()) < 0.05, want.name
+        assert ("output.weight" in [t.name for t in plan]) == (not shape.small.tied)
+        model = load_model(path)
+        assert model.hparams.n_layer == shape.small.n_layer
+
+
+def test_fast_gguf_refuses_a_width_its_blocks_do_not_divide():
+    from scripts.gpu_check.fast_gguf import TensorSpec
+
+    with pytest.raises(ValueError, match="Q4_K blocks of 256"):
+        _ = TensorSpec("blk.0.ffn_down.weight", (576, 192), "Q4_K").nbytes
+
+
+def test_bytes_read_per_token_of_the_1b_shapes():
+    """Llama-3.2-1B shapes in Q8_0, tied: 16 layers of q,k,v,o,gate,up,down read whole, the tied
+    embedding read whole as the output, F32 norms; K and V in f16 at KV 4096."""
+    from scripts.gpu_check.shapes import SHAPES, bytes_read_per_token
+
+    spec = next(s for s in SHAPES if s.name == "1B").spec
+    per_layer = 2048 * (2048 + 512 + 512 + 2048 + 3 * 8192)
+    want_w = (16 * per_layer + 128256 * 2048) // 32 * 34 + (16 * 2 + 1) * 2048 * 4
+    weights, kv = bytes_read_per_token(spec, 4096)
+    assert weights == want_w
+    assert kv == 2 * 16 * 4096 * 8 * 64 * 2
+    big = next(s for s in SHAPES if s.name == "8B").spec      # untied: one embedding row + the output
+    w8, _ = bytes_read_per_token(big, 128)
+    per_layer8 = 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 14336)
+    assert w8 == (32 * per_layer8 + 128256 * 4096 + 4096) // 256 * 144 + (32 * 2 + 1) * 4096 * 4
+
+
+def test_emulated_dry_run_writes_the_model_size_rows(tmp_path):
+    """`python3 scripts/gpu_check --emulate --big`, the shapes section alone: a copy-bandwidth row,
+    then per shape a model row and a CUDA-graph decode row at each KV length, each with tok/s,
+    launches and bytes a token and the fraction of the copy bandwidth."""
+    import json
+    import re
+
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--big", "--skip",
+                        "kernels,model,speed,profile,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert re.fullmatch(r"[\d,]+ GB/s", rows["device-to-device copy bandwidth (read + written)"]["result"])
+    pattern = (r"[\d,]+ tok/s \([\d,]+ µs/token, \d+ launches/token, [\d,.]+ MB weights \+ [\d,.]+ MB KV "
+               r"read/token = [\d,.]+ GB/s, \d+\.\d\d of the copy's [\d,]+ GB/s; whole\)")
+    for name in ("135M Q4_1", "1B Q8_0", "8B Q4_K"):
+        assert rows[f"decode {name} model"]["status"] == "info"
+        for kv in (16, 64):
+            row = rows[f"decode {name} KV {kv} CUDA graph"]
+            assert row["status"] == "pass" and re.fullmatch(pattern, row["result"]), row
+    assert not list(tmp_path.glob("shape-*.gguf"))          # each file removed after its rows
