@@ -22,7 +22,6 @@ from metatp.backends.collectives import (WireThresholds, butterfly_schedule, rin
 from metatp.backends.cuda.backend import RAW_READERS, CupyBackend
 from metatp.backends.cuda.faults import DeviceFaults, LibraryErrors
 from metatp.backends.cuda.runtime import CupyRuntime, gpu_available
-from metatp.backends.fusion import FusionKind
 from metatp.backends.registry import backend_entry
 from metatp.backends.slicing import split_raw
 from metatp.testing import EmuRuntime, emulator_available
