@@ -3,7 +3,7 @@ stream chunks, with usage and logprobs. `LLM.create_completion` / `create_chat_c
 the HTTP routes (`metatp.server.app`) both build their answers here, so a field added or fixed
 is added or fixed for both.
 
-Logprobs come from the step outputs (`metatp.scheduler.StepOutput`: token, logprob, top
+Logprobs come from the step outputs (`metatp.output_processor.StepOutput`: token, logprob, top
 alternatives); `piece(token)` gives a token's text as the client sees it.
 """
 

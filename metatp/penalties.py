@@ -91,7 +91,7 @@ class Penalties:
 def release_unstopped(matcher: Any, piece: str) -> str:
     """Before min_tokens tokens are out, stop strings end nothing (vLLM: a stop string counts only
     when it ends in the text of a later token): `piece` joins the stop matcher's (a
-    scheduler.StopMatcher) held text, and all of it is released but the longest tail that could
+    output_processor.StopMatcher) held text, and all of it is released but the longest tail that could
     still start a stop string and holds no whole one."""
     matcher.text += piece
     text, stops = matcher.text, matcher.stops

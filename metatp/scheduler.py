@@ -54,7 +54,7 @@ from metatp.kv_cells import SeqCells
 from metatp.kv_demand import CellDemand
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
-from metatp.output_processor import StepOutput, StopMatcher, TokenEvent
+from metatp.output_processor import TokenEvent
 from metatp.prefix_cache import Namespace
 from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
 from metatp.sampling import SamplingParams
@@ -62,8 +62,7 @@ from metatp.sampling import SamplingParams
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Request", "RequestState", "StepOutput", "TokenEvent", "Scheduler", "QueueFullError", "StopMatcher",
-           "Metrics", "context_budget"]
+__all__ = ["Request", "RequestState", "TokenEvent", "Scheduler", "QueueFullError", "Metrics", "context_budget"]
 
 
 class QueueFullError(MetatpError):

@@ -8,7 +8,7 @@ import json
 from typing import AsyncIterator
 
 from metatp.requests import RequestHandle
-from metatp.scheduler import StepOutput
+from metatp.output_processor import StepOutput
 from metatp.server.fields import BadRequest, bool_field
 from metatp.server.frontend import Frontend, request_failure
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from metatp import LLM, SamplingParams
-from metatp.scheduler import StopMatcher
+from metatp.output_processor import StopMatcher
 from metatp.cli import main
 from metatp.ir.errors import BackendUnavailableError, ConfigError, ContextOverflowError
 from metatp.testing.synth import SynthSpec

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from metatp.ir.errors import ConfigError
 from metatp.penalties import Penalties, adjust, release_unstopped
 from metatp.sampling import Sampler, SamplingParams
-from metatp.scheduler import StopMatcher
+from metatp.output_processor import StopMatcher
 
 V = 40
 
