@@ -411,6 +411,11 @@ class Tokenizer:
             piece = self._pieces[i] = self._make_piece(i)
         return piece
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, a part of a UTF-8 character replaced (how OpenAI's logprobs
+        name a token: the server and `LLM.create_*` alike)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def _make_piece(self, i: int) -> bytes:
         attr, text = self._attrs[i], self.tokens[i]
         if attr & (CONTROL | UNKNOWN | USER_DEFINED):

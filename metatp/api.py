@@ -446,7 +446,7 @@ class LLM:
                 raise ConfigError("echo with logprobs (the prompt's own logprobs) is not supported by "
                                   "create_completion; metatp serve's /v1/completions gives them")
         ids = self.prompt_ids(prompt)
-        answer = TextAnswer(str(self.model_path), [ids], 1, self._piece, self.detokenize, echo=echo,
+        answer = TextAnswer(str(self.model_path), [ids], 1, self.tokenizer.token_text, self.detokenize, echo=echo,
                             logprobs=params.logprobs, echo_text=[prompt] if isinstance(prompt, str) else None)
         return self._answer(answer, ids, params, stream)
 
@@ -469,10 +469,8 @@ class LLM:
         if count is not None:
             params = dataclasses.replace(params, logprobs=count)
         ids = chat_prompt_ids(self.tokenizer, messages)
-        return self._answer(ChatAnswer(str(self.model_path), ids, 1, self._piece, logprobs=logprobs), ids, params, stream)
-
-    def _piece(self, tok: int) -> str:
-        return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+        answer = ChatAnswer(str(self.model_path), ids, 1, self.tokenizer.token_text, logprobs=logprobs)
+        return self._answer(answer, ids, params, stream)
 
     def _answer(self, answer: Any, ids: list[int], params: SamplingParams, stream: bool) -> dict | Iterator[dict]:
         """One request's OpenAI answer (`metatp.openai_answers`): whole, or its stream chunks."""

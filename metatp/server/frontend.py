@@ -202,7 +202,7 @@ class Frontend:
         return list(ids)
 
     def piece(self, tok: int) -> str:
-        return self.llm.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+        return self.llm.tokenizer.token_text(tok)
 
     async def start(self, ids_list: list[list[int]], params: SamplingParams, kind: str = "generate",
                     streamed: bool = True, run: Callable[..., Awaitable] | None = None
