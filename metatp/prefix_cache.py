@@ -21,8 +21,9 @@ the way, unused, are evicted) or else reuses only its whole pages (`metatp.kv_de
 same bits as a recomputed one then depends on how its K/V were computed (README, "Prefix
 cache"): a prefix computed in passes of different lengths may differ in the last bits.
 
-Under MPI every cell operation is posted to the followers (`post`): ("cache", cells) for kept
-blocks, ("uncache", cells) for evicted ones; a sequence taking cached cells is an ordinary "take".
+Under MPI the followers mirror it through the cells themselves: `KVCells.cache` / `uncache` tell
+the cache's listener (`metatp.lockstep.Leader`) ("cache", cells) for kept blocks and ("uncache",
+cells) for evicted ones; a sequence taking cached cells is an ordinary "take".
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -65,10 +66,8 @@ class Block:
 class PrefixCache:
     """Blocks of finished sequences' cells, found by their tokens (see the module doc)."""
 
-    def __init__(self, cells: KVCells, post: Callable[[tuple], None] = lambda op: None,
-                 block: int | None = None) -> None:
+    def __init__(self, cells: KVCells, block: int | None = None) -> None:
         self.cells = cells
-        self.post = post
         self.block = block or (16 if cells.page == 1 or cells.page % 16 == 0 else cells.page)
         self._uids = itertools.count(1)
         self.blocks: OrderedDict[tuple[Namespace, int, tuple[int, ...]], Block] = OrderedDict()  # least recent first
@@ -135,7 +134,6 @@ class PrefixCache:
         if new:
             cells = np.concatenate(new)
             self.cells.cache(cells)
-            self.post(("cache", cells))
         return len(new)
 
     def _in_order(self, cells: np.ndarray, pos: int, parent: Block | None) -> bool:
@@ -171,7 +169,6 @@ class PrefixCache:
         if blk.parent is not None:
             blk.parent.kids.remove(blk)
         self.cells.uncache(blk.cells)
-        self.post(("uncache", blk.cells.copy()))
 
     def clear(self) -> int:
         """Evict every block nobody runs on; returns how many went."""
