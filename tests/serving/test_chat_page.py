@@ -2,13 +2,16 @@
 off with --no-webui, and driven in a real headless Chromium against a real `metatp serve` with an
 API key: a message typed and sent streams its answer in (more than one piece), the system prompt,
 the conversation and the settings reach the request (max_tokens=3: three tokens, finish "length"),
-Stop aborts the stream, Clear empties the conversation, text is inserted as text, and without
-the key the server's 401 shows in the page. A screenshot is kept as a test artifact:
-$METATP_TEST_ARTIFACTS (default test-artifacts/ in the checkout)/chat_page.png."""
+Stop aborts the stream, Clear empties the conversation, text is inserted as text, without the key
+the server's 401 shows in the page, and the page's SSE reader survives any split of the stream.
+Screenshots are kept as test artifacts in $METATP_TEST_ARTIFACTS (default test-artifacts/ in the
+checkout): chat_page.png (the synthetic model: byte soup) and, with the default model (slow),
+chat_page_model.png."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,8 +20,6 @@ import pytest
 from metatp.testing.synth import SynthSpec
 from support.require import requires
 from support.serving import MetatpServe, optional_import
-
-httpx = optional_import("httpx")
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
@@ -109,12 +110,10 @@ def chat_page_browser():
     """Headless Chromium (the system's), driven through its chromedriver."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    import shutil
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,760",
-                "--force-prefers-reduced-motion"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1100,760"):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
     yield driver
@@ -129,7 +128,8 @@ class Page:
         driver.get(base + "/")
         driver.execute_script("localStorage.clear()")
         driver.get(base + "/")
-        self.wait_for(lambda: self.js("return document.getElementById('send') && !document.getElementById('send').disabled"))
+        # chat.js has run once the conversation says it is not busy
+        self.wait_for(lambda: self.js("return document.getElementById('conversation').getAttribute('aria-busy')") == "false")
         driver.execute_script(RECORD, extra_body or {})
         if key is not None:
             self.fill("api-key", key)
@@ -177,10 +177,10 @@ class Page:
         return self.el("error").text if self.el("error").is_displayed() else ""
 
 
-pytestmark_browser = requires("serve", "browser")
+in_browser = requires("serve", "browser")      # a real server and headless Chromium
 
 
-@pytestmark_browser
+@in_browser
 def test_a_message_streams_in_with_the_system_prompt_settings_and_conversation_in_the_request(
         chat_page_server, chat_page_browser):
     page = Page(chat_page_browser, chat_page_server.base, KEY, {"ignore_eos": True})
@@ -217,7 +217,7 @@ def test_a_message_streams_in_with_the_system_prompt_settings_and_conversation_i
     chat_page_browser.save_screenshot(str(artifacts_dir() / "chat_page.png"))
 
 
-@pytestmark_browser
+@in_browser
 def test_without_the_key_the_401_shows_and_with_it_the_answer_comes(chat_page_server, chat_page_browser):
     page = Page(chat_page_browser, chat_page_server.base, None)
     assert page.wait_for(lambda: page.el("model").text) == "API key needed"
@@ -242,7 +242,7 @@ def test_without_the_key_the_401_shows_and_with_it_the_answer_comes(chat_page_se
     assert page.el("api-key").get_attribute("value") == KEY
 
 
-@pytestmark_browser
+@in_browser
 def test_stop_aborts_the_stream_and_clear_empties_the_conversation(chat_page_server, chat_page_browser):
     page = Page(chat_page_browser, chat_page_server.base, KEY, {"ignore_eos": True})
     page.fill("max-tokens", "1800")
@@ -265,7 +265,7 @@ def test_stop_aborts_the_stream_and_clear_empties_the_conversation(chat_page_ser
     assert sent[-1]["messages"] == [{"role": "user", "content": "again"}]
 
 
-@pytestmark_browser
+@in_browser
 def test_text_is_shown_as_text_never_as_html(chat_page_server, chat_page_browser):
     page = Page(chat_page_browser, chat_page_server.base, KEY)
     page.fill("max-tokens", "2")
@@ -277,3 +277,58 @@ def test_text_is_shown_as_text_never_as_html(chat_page_server, chat_page_browser
     assert user == {"text": hostile, "children": 0}
     assert page.js("return document.querySelectorAll('.message img, .message b').length") == 0
     assert chat_page_browser.title == "metatp chat"
+
+
+@in_browser
+def test_server_events_are_parsed_across_any_split_of_the_stream(chat_page_server, chat_page_browser):
+    """The page's SSE reader (serverEvents) on a stream cut at every byte: an event, a line ending
+    (CRLF too) or a multi-byte character split between reads gives the same events, and [DONE] ends it."""
+    page = Page(chat_page_browser, chat_page_server.base, None)
+    stream = ('data: {"choices":[{"delta":{"content":"héllo — 😀"}}]}\n\n'        # raw UTF-8: 2, 3 and 4 bytes
+              ': a comment\r\ndata: {"choices":[{"delta":{"content":"世界"}}]}\r\n\r\n'
+              'data: {"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\ndata: {"after":"done"}\n\n')
+    events = page.d.execute_async_script("""
+        const [text, done] = arguments;
+        const bytes = new TextEncoder().encode(text);
+        (async () => {
+          const results = [];
+          for (const size of [1, 2, 3, 5, 7, bytes.length]) {       // bytes per read
+            let at = 0;
+            const body = new ReadableStream({pull(c) {
+              if (at >= bytes.length) { c.close(); return; }
+              c.enqueue(bytes.slice(at, at + size)); at += size; }});
+            const got = [];
+            for await (const e of serverEvents(body)) got.push(e);
+            results.push(got);
+          }
+          done(results);
+        })().catch((e) => done(String(e)));
+    """, stream)
+    want = [{"choices": [{"delta": {"content": "héllo — 😀"}}]}, {"choices": [{"delta": {"content": "世界"}}]},
+            {"usage": {"completion_tokens": 2}}]
+    assert events == [want] * 6, events
+
+
+# ---------------------------------------------------------------- the default model, for a readable screenshot
+@pytest.fixture(scope="module")
+def chat_page_model_server(default_model, tmp_path_factory):
+    s = MetatpServe(str(default_model), "-c", "1024", "--parallel", "1", log=tmp_path_factory.mktemp("chat-page-model")
+                    / "serve.log", ready=180, alias="smollm2-135m")
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+@in_browser
+def test_the_default_model_answers_a_question_in_the_page(chat_page_model_server, chat_page_browser):
+    page = Page(chat_page_browser, chat_page_model_server.base, None)
+    assert page.wait_for(lambda: page.el("model").text) == "smollm2-135m"
+    page.fill("system-prompt", "You are a helpful assistant. Answer in one short sentence.")
+    page.fill("temperature", "0")
+    page.fill("max-tokens", "40")
+    page.send("What is the capital of France?")
+    (answer,) = page.finished_answers(1)
+    assert page.error() == "" and "Paris" in answer["text"] and answer["chunks"] > 1, answer
+    grew = [t for t in page.js("return window.seenTexts") if t]
+    assert len(grew) > 1 and grew[-1] == answer["text"]
+    chat_page_browser.save_screenshot(str(artifacts_dir() / "chat_page_model.png"))

@@ -61,7 +61,8 @@ async function* serverEvents(body) {
   for (;;) {
     const { value, done } = await reader.read();
     if (done) return;
-    buffer += decoder.decode(value, { stream: true }).replace(/\r\n/g, "\n");
+    // the whole buffer: a CRLF may be split between two reads
+    buffer = (buffer + decoder.decode(value, { stream: true })).replace(/\r\n/g, "\n");
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
       const event = buffer.slice(0, end);
