@@ -32,11 +32,13 @@ WAIT_S = 60
 # and, where the test asks (window.extraBody), fields are added to it; every text the newest
 # assistant message showed is kept (window.seenTexts), to see the answer grow piece by piece; with
 # window.stopOnFirstPiece set, the Stop button is clicked as soon as the answer shows its first piece
-# (a tiny synthetic model streams faster than a click from outside the page could land).
+# (a tiny synthetic model streams faster than a click from outside the page could land); with
+# window.unreachable set, fetch fails as it does when the server is down.
 RECORD = """
 window.sentBodies = []; window.seenTexts = []; window.extraBody = arguments[0];
 const realFetch = window.fetch;
 window.fetch = (url, options) => {
+  if (window.unreachable) return Promise.reject(new TypeError('Failed to fetch'));
   if (String(url).endsWith('/chat/completions')) {
     const body = Object.assign(JSON.parse(options.body), window.extraBody);
     window.sentBodies.push(body);
@@ -85,11 +87,15 @@ def test_the_page_is_served_without_a_key_and_the_api_still_needs_one(path):
 
 
 @requires("serve")
-def test_no_webui_turns_the_page_off(path):
-    from metatp.cli import _build_parser
+def test_no_webui_turns_the_page_off(path, monkeypatch):
+    import metatp.server
+    from metatp.cli import main
 
-    assert _build_parser().parse_args(["serve", "--no-webui"]).webui is False
-    assert _build_parser().parse_args(["serve"]).webui is True
+    served: list[dict] = []             # `metatp serve`'s call of serve(), which would listen
+    monkeypatch.setattr(metatp.server, "serve", lambda llm, **options: served.append(options))
+    for flags, webui in (([], True), (["--no-webui"], False)):
+        assert main(["serve", "-m", path, "-c", "64", "--backend", "numpy", "--no-warmup", *flags]) == 0
+        assert served[-1]["webui"] is webui
     with _app_client(path, webui=False) as client:
         for route in ("/", "/chat", "/static/chat.js"):
             r = client.get(route)
@@ -226,6 +232,11 @@ def test_without_the_key_the_401_shows_and_with_it_the_answer_comes(chat_page_se
     page.wait_for(page.error)
     assert page.error().startswith("401:") and "API key" in page.error()
     assert page.answers() == [] and page.el("message").get_attribute("value") == "hello"    # back in the box
+
+    page.js("window.unreachable = true")
+    page.el("send").click()
+    page.wait_for(lambda: "cannot reach the server: Failed to fetch" in page.error() and page.el("send").is_enabled())
+    page.js("window.unreachable = false")
 
     page.fill("api-key", "sk-wrong")
     page.el("send").click()

@@ -74,6 +74,16 @@ async function* serverEvents(body) {
   }
 }
 
+// fetch, a network failure said as such (an abort stays an abort)
+async function reach(url, options) {
+  try {
+    return await fetch(url, options);
+  } catch (e) {
+    if (e.name === "AbortError") throw e;
+    throw new Error(`cannot reach the server: ${e.message}`);
+  }
+}
+
 async function showModel() {
   try {
     const response = await fetch("/v1/models", { headers: authHeaders() });
@@ -134,7 +144,7 @@ async function send(text) {
   let answer = "", finish = null, usage = null, failed = false;
   const started = performance.now();
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await reach("/v1/chat/completions", {
       method: "POST", signal: controller.signal,
       headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify(requestBody()),
