@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_batches_arg, add_model_args,
-                             add_numerics_arg, add_split_args, layout_kwargs, stage_layout)
+                             add_numerics_arg, add_split_args, add_webui_arg, layout_kwargs, stage_layout)
 from metatp.cli_run import check_args as _check_args
 from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
@@ -78,7 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
               f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=tenants, log_level=args.log_level,
-          allowed_origins=args.allowed_origins or ())
+          allowed_origins=args.allowed_origins or (), webui=args.webui)
     return 0
 
 
@@ -146,6 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                     help="answer browsers from ORIGIN with CORS headers (repeat it for several; '*': any; "
                          "default: none, no CORS headers)")
+    add_webui_arg(sv)
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -17,7 +17,7 @@ from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.parallel import FLAGS, parallel_layout
 
 __all__ = ["Parser", "first_rank", "add_model_args", "add_layout_args", "add_split_args", "add_micro_batches_arg",
-           "add_numerics_arg", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
+           "add_numerics_arg", "add_webui_arg", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -77,6 +77,13 @@ def add_numerics_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default="exact", choices=["exact", "q8", "llamacpp"],
                    help="numpy backend: exact (float32) | q8 (llama.cpp's int8 activations and rounding; "
                         "also spelt llamacpp); default exact")
+
+
+def add_webui_arg(p: argparse.ArgumentParser) -> None:
+    """`metatp serve --no-webui` (llama-server's spelling): no chat page at / (`args.webui`)."""
+    p.add_argument("--no-webui", dest="webui", action="store_false",
+                   help="do not serve the chat page at / and /chat (default: served, without an API key: "
+                        "the page holds no data and asks for the key)")
 
 
 def add_split_args(p: argparse.ArgumentParser) -> None:

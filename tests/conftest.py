@@ -25,7 +25,8 @@ The names:
   machine; not in CI's list);
 - `bench`: llama-cpp-python (the `bench` extra, not installed by CI);
 - `graphviz`: Graphviz's `dot`; `cpp`: a C preprocessor; `git`: git and a git checkout;
-  `ssh`: an ssh client (MPICH reaches other hosts through it).
+  `ssh`: an ssh client (MPICH reaches other hosts through it);
+- `browser`: headless Chromium for the chat page's tests (chromium and chromedriver on PATH, selenium).
 An unknown name is a usage error (a typo must not turn the switch off).
 """
 

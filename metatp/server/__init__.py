@@ -25,7 +25,8 @@ pool of threads, and a prompt text too long for a request is refused before it i
 Modules: `app` (routes), `fields` (request fields checked once), `frontend` (the LLM side of a
 request), `offload` (the pool the routes' size-dependent work runs on), `sse` (streams and
 collection), `metrics` (Prometheus text), `launch` (`serve`), `ranks` (MPI: what is refused, the
-follower ranks), `tenants` (API keys, each a tenant with a prefix-cache namespace of its own).
+follower ranks), `tenants` (API keys, each a tenant with a prefix-cache namespace of its own),
+`chat_page` (the chat page at /, its files in `static/`).
 """
 
 from metatp.server.app import create_app

@@ -14,6 +14,7 @@ from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.openai_messages import chat_prompt_ids
 from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
+from metatp.server.chat_page import add_chat_page
 from metatp.server.fields import (BadRequest, as_bad_request, bool_field, check_constraint, is_int, read,
                                   refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
@@ -53,7 +54,7 @@ def allow_cors(app, origins: Sequence[str]) -> None:
 
 
 def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequence[str] | Tenants | None" = None,
-               max_model_len: int | None = None, allowed_origins: Sequence[str] = ()):
+               max_model_len: int | None = None, allowed_origins: Sequence[str] = (), webui: bool = True):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
     with `api_key`: one key, several or `Tenants` (each key a tenant: `metatp.server.tenants`;
     None: no key, one anonymous tenant),
@@ -61,7 +62,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     Under MPI this is rank 0's app, and the other ranks must be in `follow_steps` (`serve`
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
     completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot).
-    `allowed_origins`: the browser origins ("*": any) that may call it (CORS); none: no CORS headers."""
+    `allowed_origins`: the browser origins ("*": any) that may call it (CORS); none: no CORS headers.
+    `webui`: serve the chat page at / and /chat (`metatp.server.chat_page`; off: `--no-webui`)."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -99,6 +101,8 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     if allowed_origins:
         allow_cors(app, allowed_origins)
     app.state.offload = offload
+    if webui:
+        add_chat_page(app)
 
     tenants = tenants_of(api_key)
 

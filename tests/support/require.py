@@ -42,6 +42,7 @@ NAMES: dict[str, str] = {
     "cpp": "a C preprocessor (`cpp`) on PATH",
     "git": "git on PATH and a git checkout of the project",
     "ssh": "an ssh client on PATH (MPICH's launcher reaches other hosts through it)",
+    "browser": "headless Chromium: chromium and chromedriver on PATH, and selenium (the test extra)",
 }
 
 ENV = "METATP_REQUIRE"
@@ -151,6 +152,20 @@ def _refs() -> str | None:
     return None if refs.is_dir() else f"no reference data at {refs}"
 
 
+def _browser() -> str | None:
+    """The chat page's browser tests: selenium drives the system's Chromium through its chromedriver
+    (Debian's chromium and chromium-driver packages; .ci/run installs them)."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError as e:
+        return f"selenium is not importable ({e}; pip install 'metatp[test]')"
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        return "no Chromium (`chromium`) on PATH (apt-get install chromium chromium-driver)"
+    if not shutil.which("chromedriver"):
+        return "no `chromedriver` on PATH (apt-get install chromium-driver)"
+    return None
+
+
 def _git() -> str | None:
     from pathlib import Path
 
@@ -177,6 +192,7 @@ _CHECKS: dict[str, Callable[[], str | None]] = {
     "cpp": _on_path("cpp", "C preprocessor"),
     "git": _git,
     "ssh": _on_path("ssh", "ssh client"),
+    "browser": _browser,
 }
 assert set(_CHECKS) == set(NAMES)
 

@@ -1,5 +1,6 @@
 """The wheel is the product: `pip install .` ships neither `metatp.testing` (test support) nor
-`scripts/` (the workshop), and every shipped `metatp.tools` module imports without them."""
+`scripts/` (the workshop), every shipped `metatp.tools` module imports without them, and the chat
+page's files (metatp/server/static/) are in it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from metatp.server.chat_page import PAGE_FILES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKSHOP = ("metatp/testing/", "scripts/")
@@ -65,7 +68,8 @@ def test_the_wheel_holds_no_workshop_file(tmp_path):
         pytest.skip(f"cannot build the wheel offline: {why}")
     src = tmp_path / "src"                 # a copy: the build writes build/ and egg-info, and stale ones leak in
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
-                                                             ".whl", ".hypothesis", ".pytest_cache", "*.gguf"))
+                                                             ".whl", ".hypothesis", ".pytest_cache", "*.gguf",
+                                                             "test-artifacts"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                         "--no-index", "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -74,6 +78,9 @@ def test_the_wheel_holds_no_workshop_file(tmp_path):
     assert [n for n in names if n.startswith("metatp/tools/") and n.endswith(".py")]      # the product is there
     assert "metatp/cli_args.py" in names and [n for n in names if n.startswith("metatp/cuda/") and n.endswith(".cu")]
     assert not [n for n in names if n.startswith(WORKSHOP)]
+    # the chat page (metatp.server.chat_page): every file of static/, and every file the page is made of
+    page = {f"metatp/server/static/{f.name}" for f in (ROOT / "metatp" / "server" / "static").iterdir() if f.is_file()}
+    assert page >= {f"metatp/server/static/{name}" for name in PAGE_FILES} and page <= set(names), sorted(page - set(names))
 
 
 def test_shipped_tools_import_without_the_workshop():
