@@ -183,3 +183,35 @@ def test_default_model_embeddings_match_the_float64_reference():
     for how in ("mean", "last"):
         llm._pooling = how
         assert _cosine(llm.embed(ids), pool(hidden, how)) >= 0.9999
+
+
+def test_embeddings_share_steps_with_generation(embed_llm):
+    """A step carrying decode rows and embedding rows runs them in passes of their own: each
+    gives what it gives alone."""
+    from metatp.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone_text = embed_llm.generate([INPUTS[0]], greedy)[0].outputs[0].token_ids
+    alone_vecs = np.array(embed_llm.embed(INPUTS))
+    steps = embed_llm.scheduler.metrics.steps
+    gen = embed_llm.submit(INPUTS[0], greedy)
+    vecs = np.array(embed_llm.embed(INPUTS))          # steps the scheduler: the generation runs in them too
+    assert gen.result().token_ids == alone_text
+    np.testing.assert_allclose(vecs, alone_vecs, rtol=1e-5, atol=1e-6)
+    assert embed_llm.scheduler.metrics.steps - steps == len(alone_text)     # the embeddings rode the first step
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cupy_backend_on_the_emulator_gives_the_numpy_embeddings(embed_model, embed_llm, monkeypatch, n):
+    from support.require import require
+
+    require("emulator")
+    import metatp.backends as backends
+    import metatp.backends.cuda.backend as cuda_backend
+    from metatp.testing import EmuRuntime
+
+    monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "CupyRuntime", lambda: EmuRuntime(n_gpus=n))
+    llm = LLM(str(embed_model[0]), backend="cupy", n_ctx=64, n_batch=64, n_devices=n,
+              backend_options={"kv_dtype": "f32", "matmul_dtype": "f32"})
+    np.testing.assert_allclose(np.array(llm.embed(INPUTS)), np.array(embed_llm.embed(INPUTS)), rtol=1e-4, atol=1e-5)
