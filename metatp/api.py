@@ -498,11 +498,6 @@ class LLM:
         """How embeddings pool a prompt's hidden states: the `pooling` given, else the model's."""
         return self._pooling or model_pooling(self.model.metadata, self.model.hparams.arch)
 
-    @property
-    def n_embd(self) -> int:
-        """The embeddings' dimensions (the model's hidden size)."""
-        return self.model.hparams.n_embd
-
     def embed_ids(self, ids_list: Sequence[Sequence[int]], normalize: bool = True,
                   max_model_len: int | None = None) -> list[np.ndarray]:
         """The embedding (float64 [n_embd]) of each token id list: one "embed" request each, all

@@ -1,6 +1,6 @@
 """Continuous batching: many requests share every engine step (vLLM's scheduler, llama-server's slots).
 
-A `Request` is one sample being generated (or one prompt being scored). Requests wait in a
+A `Request` is one sample being generated (or one prompt being scored or embedded). Requests wait in a
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
@@ -107,7 +107,7 @@ _request_ids = itertools.count()
 
 
 class Request:
-    """One sample of one prompt (or one prompt to score): its token ids, counts and state.
+    """One sample of one prompt (or one prompt to score or embed, `PROMPT_KINDS`): its token ids, counts and state.
 
     `eog_ids`: the model's end-of-generation tokens (ignored with ignore_eos). `sink`: where its
     `TokenEvent`s go (from the stepping thread, outside the state lock); without one they queue
@@ -505,7 +505,7 @@ class Scheduler:
     def _finish(self, r: Request, ev: TokenEvent) -> None:
         if r in self.running:
             self.running.remove(r)
-        self._release(r, keep=r.kind != "embed")     # an embedded input's cells are freed, not cached
+        self._release(r, keep=True)
         r.state, r.finish_reason = RequestState.DONE, ev.finish_reason
         self.metrics.requests_finished += 1
         self.runner.forget(r.id)
@@ -523,7 +523,10 @@ class Scheduler:
         self._emit(r, TokenEvent(None, "error", error=e))
 
     def _release(self, r: Request, keep: bool = False) -> None:
-        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
+        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail).
+        An embedded input's never do: embedding inputs are rarely prompts again, and would push
+        out prefixes that are."""
+        keep = keep and r.kind != "embed"
         if r.seq is not None:
             self.demand.free(r.seq, r.history if keep else None, r.cache_namespace)
 

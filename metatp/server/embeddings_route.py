@@ -28,7 +28,7 @@ def _inputs(srv: "Frontend", body: dict) -> tuple[list[list[int]], Any]:
     llm = srv.llm
     if "input" not in body:
         raise BadRequest("'input' is required", "input")
-    options = embedding_options(body, llm.n_embd)
+    options = embedding_options(body, llm.model.hparams.n_embd)
     value = body["input"]
     texts = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     for text in [t for t in texts if isinstance(t, str)]:                      # megabytes of text are refused untokenized

@@ -215,3 +215,18 @@ def test_cupy_backend_on_the_emulator_gives_the_numpy_embeddings(embed_model, em
     llm = LLM(str(embed_model[0]), backend="cupy", n_ctx=64, n_batch=64, n_devices=n,
               backend_options={"kv_dtype": "f32", "matmul_dtype": "f32"})
     np.testing.assert_allclose(np.array(llm.embed(INPUTS)), np.array(embed_llm.embed(INPUTS)), rtol=1e-4, atol=1e-5)
+
+
+def test_the_pooling_flag_takes_llama_cpps_names_and_refuses_what_metatp_does_not_pool():
+    import argparse
+
+    from metatp.cli import _build_parser
+    from metatp.cli_args import add_pooling_arg, pooling_option
+
+    p = argparse.ArgumentParser()
+    add_pooling_arg(p)
+    assert pooling_option(p.parse_args([])) is None
+    assert pooling_option(p.parse_args(["--pooling", "mean"])) == "mean"
+    with pytest.raises(ConfigError, match="--pooling 'rank' .* is not supported"):
+        pooling_option(p.parse_args(["--pooling", "rank"]))
+    assert _build_parser().parse_args(["serve", "--pooling", "cls"]).pooling == "cls"    # serve has the flag
