@@ -80,7 +80,6 @@ class Engine:
         self.cells = KVCells(n_ctx, page=backend.kv_page())
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
         self.max_plans = 32
-        self._uploaded = False
         self._weight_states: dict = {}
         self.lock = threading.RLock()       # one step at a time (steps come from any thread)
         self._anon: SeqCells | None = None  # the sequence `forward` without `seq` continues
@@ -182,7 +181,7 @@ class Engine:
         first plan that reads it; every plan shares the split table. A GGUF tensor read by two
         leaves (a tied lm head and the embedding) is dequantized at most once."""
         leaves = [t for t in plan.graph.leaves if t.flags & Flag.WEIGHT and t not in self._weight_states]
-        if not leaves and self._uploaded:
+        if not leaves:
             return
         sources = [self.tensors.source_name(t.name) for t in leaves]
         cache: dict[str, np.ndarray] = {}
@@ -201,7 +200,6 @@ class Engine:
         self._weight_states.update((t, plan.of(t).state) for t in persistent if t not in self._weight_states)
         used = set(self._weight_states)
         self._unused_weights = [t.name for t in self.tensors.weights.values() if t not in used]
-        self._uploaded = True
 
     def _check_weight_layout(self, plan: Plan) -> None:
         """Weights (and the KV cache) were sliced once, for the first plan; every later plan must split them the same way
