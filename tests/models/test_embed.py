@@ -230,3 +230,32 @@ def test_the_pooling_flag_takes_llama_cpps_names_and_refuses_what_metatp_does_no
     with pytest.raises(ConfigError, match="--pooling 'rank' .* is not supported"):
         pooling_option(p.parse_args(["--pooling", "rank"]))
     assert _build_parser().parse_args(["serve", "--pooling", "cls"]).pooling == "cls"    # serve has the flag
+
+
+ARCH_SPECS = {
+    "phi3": SynthSpec(arch="phi3", fused_qkv=True, fused_up_gate=True, n_ff=128, tied=False, seed=41),
+    "command-r": SynthSpec(arch="command-r", layer_norm=True, logit_scale=0.5, qk_norm=True, qk_norm_per_head=True,
+                           n_ff=128, seed=42),
+    "qwen3moe": SynthSpec(arch="qwen3moe", qk_norm=True, head_dim=32, n_expert=4, n_expert_used=2, n_ff_exp=64,
+                          seed=43),
+    "gemma3": SynthSpec(arch="gemma3", n_layer=3, qk_norm=True, post_norms=True, sliding_window=4, rope_base=1e6,
+                        head_dim=32, n_ff=128, norm_eps=1e-6, seed=44),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_SPECS))
+@pytest.mark.parametrize("mode", ["none", "tensor"])
+def test_every_architecture_embeds_the_state_its_lm_head_reads(synth_factory, arch, mode):
+    """Each builder's hidden output is what its lm head reads: the last position's embedding
+    (pooling last, not normalized) times the output weight (and command-r's logit scale) is the
+    logits' last row."""
+    spec = ARCH_SPECS[arch]
+    path, weights = synth_factory(spec)
+    llm = LLM(str(path), n_ctx=64, backend="numpy", pooling="last", n_devices=2 if mode == "tensor" else 1,
+              split_mode=mode)
+    ids = [5, 17, 200, 3, 99, 42, 7]
+    h = np.array(llm.embed(ids, normalize=False))
+    w_out = weights.get("output.weight", weights["token_embd.weight"]).astype(np.float64)
+    want = llm.score(ids)[-1]
+    got = (h @ w_out.T) * (spec.logit_scale or 1.0)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
