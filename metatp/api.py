@@ -19,6 +19,7 @@ from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.openai_messages import chat_messages, chat_prompt_ids
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
+from metatp.embeddings import check_lengths, check_pooling, embedding_answer, embedding_inputs, model_pooling, pooled
 from metatp.sampling import SamplingParams, check_seed
 from metatp.logprobs import prompt_logprob_dicts
 from metatp.mpi_calls import MpiCalls, mirrored
@@ -89,6 +90,9 @@ class LLM:
     calls, in the same order: rank 0 runs them (schedules, samples, posts each step) and the
     other ranks follow its steps and return its results (`metatp.mpi_calls`), so rank 0's
     prompts and seeds drive every rank. Only rank 0 may `submit` (a server).
+    `pooling`: how `embed` / `create_embedding` pool a prompt's final hidden states: "mean",
+    "cls" or "last" (llama.cpp's --pooling names; "none" and "rank" are refused); None: the GGUF's
+    `{arch}.pooling_type`, "last" where it has none (`metatp.embeddings`).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
@@ -99,7 +103,8 @@ class LLM:
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
                  cache_type_v: str | None = None, max_model_len: int | None = None,
                  max_waiting: int | None = None, enable_prefix_caching: bool = True,
-                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None) -> None:
+                 tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
+                 pooling: str | None = None) -> None:
         from metatp.backends import create_backend
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -130,6 +135,7 @@ class LLM:
         max_model_len = None if max_model_len is None else int(max_model_len)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise ConfigError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self._pooling = check_pooling(pooling)   # embeddings' pooling; None: the model's (a bad name fails now)
         cache_type(cache_type_k, "k")             # a bad name fails before the model is read
         if cache_type_v is not None:
             cache_type(cache_type_v, "v")
@@ -485,6 +491,60 @@ class LLM:
                     yield c
             yield from answer.tail()
         return gen()
+
+    # ---------------------------------------------------------------- embeddings
+    @property
+    def pooling(self) -> str:
+        """How embeddings pool a prompt's hidden states: the `pooling` given, else the model's."""
+        return self._pooling or model_pooling(self.model.metadata, self.model.hparams.arch)
+
+    def embed_ids(self, ids_list: Sequence[Sequence[int]], normalize: bool = True,
+                  max_model_len: int | None = None) -> list[np.ndarray]:
+        """The embedding (float64 [n_embd]) of each token id list: one "embed" request each, all
+        in one continuous batch, pooled by `pooling`, L2-normalized unless `normalize` is False.
+        An input past a request's length is a ContextOverflowError naming it."""
+        how = self.pooling
+        check_lengths(ids_list, self.n_ctx, self.max_model_len if max_model_len is None else max_model_len)
+        handles: list[RequestHandle] = []
+        try:
+            for ids in ids_list:               # every input queued before any step runs: they share steps
+                handles.append(self.submit(list(ids), SamplingParams(max_tokens=0), kind="embed",
+                                           max_model_len=max_model_len))
+            hidden = [h.hidden_states() for h in handles]
+        finally:
+            for h in handles:
+                if not h.done:
+                    h.cancel()
+        return pooled(hidden, how, normalize)
+
+    @mirrored
+    def embed(self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], normalize: bool = True,
+              truncate: bool = False, return_count: bool = False) -> Any:
+        """Embeddings of text or token ids (llama-cpp-python's `embed`): one input (a string or
+        one list of ids) gives one vector (list[float]), a list of inputs a list of vectors.
+        Pooled final hidden states (`pooling`), L2-normalized unless `normalize` is False.
+        `truncate`: cut inputs past a request's length (else a ContextOverflowError naming the
+        input); `return_count`: also return the number of tokens embedded."""
+        normalize, truncate = _check_bool("normalize", normalize), _check_bool("truncate", truncate)
+        return_count = _check_bool("return_count", return_count)
+        ids_list, single = embedding_inputs(input, self.tokenize, self.n_vocab)
+        if truncate:
+            limit = self.n_ctx if self.max_model_len is None else min(self.n_ctx, self.max_model_len)
+            ids_list = [ids[:limit] for ids in ids_list]
+        vectors = [v.tolist() for v in self.embed_ids(ids_list, normalize)]
+        result = vectors[0] if single else vectors
+        return (result, sum(len(ids) for ids in ids_list)) if return_count else result
+
+    @mirrored
+    def create_embedding(self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+                         model: str | None = None) -> dict:
+        """OpenAI's embeddings answer for `input` (llama-cpp-python's `create_embedding`): one
+        L2-normalized vector per input, with the tokens counted in `usage`."""
+        if model is not None and not isinstance(model, str):
+            raise ConfigError(f"model must be a string or None, got {_type_name(model)} {_short(model)}")
+        ids_list, _ = embedding_inputs(input, self.tokenize, self.n_vocab)
+        vectors = [v.tolist() for v in self.embed_ids(ids_list)]
+        return embedding_answer(vectors, model or str(self.model_path), sum(len(ids) for ids in ids_list))
 
 
 def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:

@@ -11,7 +11,8 @@ import sys
 from typing import Sequence
 
 from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_batches_arg, add_model_args,
-                             add_numerics_arg, add_split_args, add_webui_arg, layout_kwargs, stage_layout)
+                             add_numerics_arg, add_pooling_arg, add_split_args, add_webui_arg, layout_kwargs,
+                             pooling_option, stage_layout)
 from metatp.cli_run import check_args as _check_args
 from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
@@ -67,6 +68,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be from 1 to 65535, got {args.port}")
     tenants = _api_key_tenants(args)         # a bad key file: an error now, before the model is read
     options = layout_kwargs(args)
+    options["pooling"] = pooling_option(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
               enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options)
@@ -147,6 +149,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="answer browsers from ORIGIN with CORS headers (repeat it for several; '*': any; "
                          "default: none, no CORS headers)")
     add_webui_arg(sv)
+    add_pooling_arg(sv)
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -86,6 +86,20 @@ def add_webui_arg(p: argparse.ArgumentParser) -> None:
                         "the page holds no data and asks for the key)")
 
 
+def add_pooling_arg(p: argparse.ArgumentParser) -> None:
+    """llama-server's --pooling (how /v1/embeddings pools a prompt's final hidden states)."""
+    p.add_argument("--pooling", default=None, choices=["none", "mean", "cls", "last", "rank"], metavar="NAME",
+                   help="embeddings' pooling: mean | cls | last (none and rank are refused); default: the "
+                        "model's pooling_type, 'last' where it has none")
+
+
+def pooling_option(args: argparse.Namespace) -> str | None:
+    """--pooling checked before the model is read (a ConfigError naming the flag)."""
+    from metatp.embeddings import check_pooling
+
+    return check_pooling(getattr(args, "pooling", None), "--pooling")
+
+
 def add_split_args(p: argparse.ArgumentParser) -> None:
     """-sm, -ts, and -sm layer,tensor's --pp / --tp (also vLLM's -pp / -tp, --pipeline-parallel-size /
     --tensor-parallel-size)."""

@@ -80,7 +80,6 @@ class Engine:
         self.cells = KVCells(n_ctx, page=backend.kv_page())
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
         self.max_plans = 32
-        self._uploaded = False
         self._weight_states: dict = {}
         self.lock = threading.RLock()       # one step at a time (steps come from any thread)
         self._anon: SeqCells | None = None  # the sequence `forward` without `seq` continues
@@ -103,10 +102,8 @@ class Engine:
             return hit
         graph = build_graph(self.tensors, spec)
         plan = self.compile(graph)
-        if not self._uploaded:
-            self._upload_weights(plan)
-        else:
-            self._check_weight_layout(plan)
+        self._check_weight_layout(plan)     # what earlier plans stored is split as this one splits it,
+        self._upload_weights(plan)          # and what none of them read (the lm head, after an embedding plan) goes up now
         ex = self.backend.prepare(plan)
         self._plans[key] = (plan, ex)
         while len(self._plans) > self.max_plans:
@@ -180,10 +177,12 @@ class Engine:
         return weight_bytes
 
     def _upload_weights(self, plan: Plan) -> None:
-        """Every weight leaf goes to the backend once, in the form the backend chooses; every
-        plan shares the split table. A GGUF tensor read by two leaves (a tied lm head and the
-        embedding) is dequantized at most once."""
-        leaves = [t for t in plan.graph.leaves if t.flags & Flag.WEIGHT]
+        """Every weight leaf goes to the backend once, in the form the backend chooses, with the
+        first plan that reads it; every plan shares the split table. A GGUF tensor read by two
+        leaves (a tied lm head and the embedding) is dequantized at most once."""
+        leaves = [t for t in plan.graph.leaves if t.flags & Flag.WEIGHT and t not in self._weight_states]
+        if not leaves:
+            return
         sources = [self.tensors.source_name(t.name) for t in leaves]
         cache: dict[str, np.ndarray] = {}
 
@@ -198,10 +197,9 @@ class Engine:
             if sources.count(src) == 1:
                 cache.pop(src, None)
         persistent = [t for t in plan.graph.leaves if t.flags & (Flag.WEIGHT | Flag.KV_CACHE)]
-        self._weight_states = {t: plan.of(t).state for t in persistent}
-        used = set(leaves)
+        self._weight_states.update((t, plan.of(t).state) for t in persistent if t not in self._weight_states)
+        used = set(self._weight_states)
         self._unused_weights = [t.name for t in self.tensors.weights.values() if t not in used]
-        self._uploaded = True
 
     def _check_weight_layout(self, plan: Plan) -> None:
         """Weights (and the KV cache) were sliced once, for the first plan; every later plan must split them the same way
@@ -268,7 +266,8 @@ class Engine:
         """One engine step: every item's tokens at its sequence's next positions, each sequence at
         most once. Returns per item its logits: [n_vocab] ("last"), [len(tokens), n_vocab] ("all"),
         the greedy token as an int ("argmax"; its logits where one is not finite), `RowCandidates`
-        (a CandidateSpec that covers; else its row) or None. Rows are split into passes (decode
+        (a CandidateSpec that covers; else its row), its final hidden states [len(tokens), n_embd]
+        ("hidden": embeddings) or None. Rows are split into passes (decode
         tokens and short chunks in passes of at most `small_rows` rows, longer chunks in passes of
         up to n_batch rows); positions are
         committed only when every pass succeeded. Under MPI every rank makes this call with the
@@ -280,12 +279,14 @@ class Engine:
         n_vocab = self.model.hparams.n_vocab
         small: list[Row] = []
         large: list[Row] = []
+        hidden_small: list[Row] = []            # embedding rows: passes of their own (their graphs end before the lm head)
+        hidden_large: list[Row] = []
         for k, it in enumerate(items):
             if not it.tokens:
                 raise ConfigError("forward needs at least one token")
             spec = it.logits if isinstance(it.logits, CandidateSpec) else None
-            if spec is None and it.logits not in ("last", "all", "none", "argmax"):
-                raise ConfigError(f"logits must be 'last', 'all', 'none' or 'argmax', got {it.logits!r}")
+            if spec is None and it.logits not in ("last", "all", "none", "argmax", "hidden"):
+                raise ConfigError(f"logits must be 'last', 'all', 'none', 'argmax' or 'hidden', got {it.logits!r}")
             ids = np.asarray(it.tokens, dtype=np.int64)
             if ids.min() < 0 or ids.max() >= n_vocab:
                 bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
@@ -298,16 +299,22 @@ class Engine:
             self.cells.grow(it.seq, end)
             n = len(it.tokens)
             last = spec is not None or it.logits in ("last", "argmax")
-            rows = [Row(k, it.seq.n_past + i, t, it.logits == "all" or (last and i == n - 1), it.logits == "argmax",
+            every = it.logits in ("all", "hidden")
+            rows = [Row(k, it.seq.n_past + i, t, every or (last and i == n - 1), it.logits == "argmax",
                          spec) for i, t in enumerate(it.tokens)]
-            (small if n <= self.small_rows else large).extend(rows)
+            if it.logits == "hidden":
+                (hidden_small if n <= self.small_rows else hidden_large).extend(rows)
+            else:
+                (small if n <= self.small_rows else large).extend(rows)
         keep = {it.seq.id: it.seq.n_past + len(it.tokens) for it in items}
         got: dict[int, list[np.ndarray]] = {}
         with self.lock:
             step_small = min(self.small_rows, self.n_batch)
             how = self.pipelining()
-            groups = pipeline.split_small(how, small, step_small)
-            groups += [large[i:i + self.n_batch] for i in range(0, len(large), self.n_batch)]
+            groups = []
+            for few, many in ((small, large), (hidden_small, hidden_large)):
+                groups += pipeline.split_small(how, few, step_small) if few else []
+                groups += [many[i:i + self.n_batch] for i in range(0, len(many), self.n_batch)]
             passes = [Pass(self, items, rows, keep) for rows in groups]
             for p, outs in zip(passes, pipeline.run_passes(how, passes, len(items))):
                 for row, logits in zip([r for r in p.rows if r.out], outs):
@@ -317,5 +324,5 @@ class Engine:
         out: list[np.ndarray | None] = []
         for k, it in enumerate(items):
             rows = got.get(k)
-            out.append(None if rows is None else np.stack(rows) if it.logits == "all" else rows[-1])
+            out.append(None if rows is None else np.stack(rows) if it.logits in ("all", "hidden") else rows[-1])
         return out

@@ -69,6 +69,7 @@ class StepOutput:
     top_logprobs: dict[int, float] | None = None
     logits: np.ndarray | None = None
     error: BaseException | None = None
+    hidden: np.ndarray | None = None        # an embedded prompt's final hidden states
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TokenEvent:
     top_logprobs: dict[int, float] | None = None
     logits: np.ndarray | None = None
     error: BaseException | None = None
+    hidden: np.ndarray | None = None        # an embedded prompt's final hidden states [n_prompt, n_embd]
 
 
 class OutputProcessor:
@@ -104,7 +106,8 @@ class OutputProcessor:
         (finish_reason "stop", stop_reason the string) though the event did not end the request:
         the caller then cancels it."""
         if ev.token is None:
-            return StepOutput(None, "", ev.finish_reason, ev.stop_reason, logits=ev.logits, error=ev.error)
+            return StepOutput(None, "", ev.finish_reason, ev.stop_reason, logits=ev.logits, error=ev.error,
+                              hidden=ev.hidden)
         tok, lp, top = ev.token, ev.logprob, ev.top_logprobs
         self.n += 1
         dec, stops = self.decoder, self.stops

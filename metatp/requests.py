@@ -136,3 +136,13 @@ class RequestHandle:
             if out.logits is not None:
                 return out.logits
         raise ConfigError("the scoring request ended without logits")
+
+    def hidden_states(self) -> np.ndarray:
+        """An embedding request's float32 final hidden states [n_prompt, n_embd] (after the
+        output norm, before the lm head; waits for them). `metatp.embeddings` pools them."""
+        if self.request.kind != "embed":
+            raise ConfigError("hidden_states() is for an embedding request (kind='embed')")
+        for out in self:
+            if out.hidden is not None:
+                return out.hidden
+        raise ConfigError("the embedding request ended without hidden states")

@@ -4,7 +4,7 @@
 The scheduler decides who runs and which tokens each feeds (`ScheduledItem`); the runner does
 everything that touches logits: each request's sampling state (`SamplingState`: its Sampler with
 penalties and logit bias, its structured-output guide), the logits mode each item is read in
-("argmax", a `CandidateSpec`, "last", "all", "none"), the structured-output masks computed while
+("argmax", a `CandidateSpec`, "last", "all", "none"; "hidden" for an embedding), the structured-output masks computed while
 the forward pass runs (`MaskPrefetch`), the pass itself (`Engine.run`, or under MPI the
 `Leader`'s, which posts it to the other ranks first), the NaN/inf check, the draw, and the
 token's logprobs where asked. What comes back per item is a `TokenResult` (or None where the item
@@ -63,12 +63,13 @@ class Purpose(enum.Enum):
     FEED = "feed"           # prompt (or a preempted request's recomputed) tokens: nothing read
     SAMPLE = "sample"       # a decode token or a prompt's last chunk: the next token
     SCORE = "score"         # a scoring request's prompt chunk: the logits of every position
+    EMBED = "embed"         # an embedding request's prompt chunk: the final hidden state of every position
 
 
 @dataclass
 class ScheduledItem:
-    """One request's part of a step, as the scheduler plans it. `first`/`last` (SCORE): the
-    chunk begins / ends the prompt, so its rows start / complete the request's logits."""
+    """One request's part of a step, as the scheduler plans it. `first`/`last` (SCORE, EMBED):
+    the chunk begins / ends the prompt, so its rows start / complete the request's logits (hidden states)."""
 
     request: TokenSource
     seq: SeqCells
@@ -81,7 +82,8 @@ class ScheduledItem:
 @dataclass
 class TokenResult:
     """What one item gave its request: a token (with its logprobs where asked, and whether the
-    request's constraint is now complete), a scored prompt's logits, or the error that failed it."""
+    request's constraint is now complete), a scored prompt's logits, an embedded prompt's final
+    hidden states (`hidden`, [n_prompt, n_embd]), or the error that failed it."""
 
     token: int | None = None
     logprob: float | None = None
@@ -89,6 +91,7 @@ class TokenResult:
     complete: bool = False
     logits: np.ndarray | None = None
     error: BaseException | None = None
+    hidden: np.ndarray | None = None
 
 
 class SamplingState:
@@ -170,6 +173,8 @@ class ModelRunner:
     def _mode(it: ScheduledItem, st: SamplingState) -> str | CandidateSpec:
         if it.purpose is Purpose.SCORE:
             return "all"
+        if it.purpose is Purpose.EMBED:
+            return "hidden"
         return st.logits_mode(it.request.output_ids) if it.purpose is Purpose.SAMPLE else "none"
 
     @staticmethod
@@ -179,16 +184,19 @@ class ModelRunner:
             return None
         r = it.request
         try:
-            if it.purpose is Purpose.SCORE:
+            if it.purpose in (Purpose.SCORE, Purpose.EMBED):
                 if it.first:
                     st.score_rows.clear()
                 st.score_rows.append(out)
                 if not it.last:
                     return None
-                logits = np.concatenate(st.score_rows, axis=0)
+                rows = np.concatenate(st.score_rows, axis=0)
                 st.score_rows.clear()
-                check_logits(logits, f"for a sequence of {logits.shape[0]} tokens")
-                return TokenResult(logits=logits)
+                if it.purpose is Purpose.EMBED:
+                    check_logits(rows, f"(final hidden states) for a sequence of {rows.shape[0]} tokens")
+                    return TokenResult(hidden=rows)
+                check_logits(rows, f"for a sequence of {rows.shape[0]} tokens")
+                return TokenResult(logits=rows)
             tok = st.sample(out, r.history, r.output_ids)
             n_lp = st.params.logprobs
             lp, top = token_logprob(out, tok, n_lp) if n_lp is not None else (None, None)

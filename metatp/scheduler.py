@@ -1,6 +1,6 @@
 """Continuous batching: many requests share every engine step (vLLM's scheduler, llama-server's slots).
 
-A `Request` is one sample being generated (or one prompt being scored). Requests wait in a
+A `Request` is one sample being generated (or one prompt being scored or embedded). Requests wait in a
 FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
 (`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
@@ -62,7 +62,12 @@ from metatp.sampling import SamplingParams
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
 
-__all__ = ["Request", "RequestState", "TokenEvent", "Scheduler", "QueueFullError", "Metrics", "context_budget"]
+__all__ = ["Request", "RequestState", "TokenEvent", "Scheduler", "QueueFullError", "Metrics", "context_budget",
+           "PROMPT_KINDS"]
+
+# request kinds that run their prompt only and end with what it gives: "score" (the logits of every
+# position) and "embed" (the final hidden state of every position, `metatp.embeddings` pools them)
+PROMPT_KINDS = ("score", "embed")
 
 
 class QueueFullError(MetatpError):
@@ -102,7 +107,7 @@ _request_ids = itertools.count()
 
 
 class Request:
-    """One sample of one prompt (or one prompt to score): its token ids, counts and state.
+    """One sample of one prompt (or one prompt to score or embed, `PROMPT_KINDS`): its token ids, counts and state.
 
     `eog_ids`: the model's end-of-generation tokens (ignored with ignore_eos). `sink`: where its
     `TokenEvent`s go (from the stepping thread, outside the state lock); without one they queue
@@ -124,7 +129,7 @@ class Request:
         self.sink = sink
         self.cache_namespace = Namespace(tenant, params.cache_salt)   # whose cached prefixes it may reuse
         self.max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        if kind == "score":
+        if kind in PROMPT_KINDS:
             self.max_new = 0
         self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
         self.stop_ids = frozenset(params.stop_token_ids)
@@ -242,7 +247,7 @@ class Scheduler:
             if req.n_cells > self.engine.n_ctx:
                 raise ContextOverflowError(f"{req.n_cells} tokens do not fit in the context of {self.engine.n_ctx}")
             with self._state:
-                ended = req.kind != "score" and req.max_new == 0
+                ended = req.kind not in PROMPT_KINDS and req.max_new == 0
                 if ended:
                     self.metrics.accept(req.cache_namespace.tenant, len(req.prompt_ids))
                     self._finish(req, TokenEvent(None, "length"))
@@ -385,7 +390,7 @@ class Scheduler:
             preempted = self._make_room()
             while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
                 r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
-                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind != "score",
+                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind not in PROMPT_KINDS,
                                         namespace=r.cache_namespace)
                 if seq is None:
                     break
@@ -404,8 +409,9 @@ class Scheduler:
                     continue
                 chunk = r.prefill_chunk(budget, self.engine.small_rows)
                 ends = r.n_fed + len(chunk) == len(r.prompt_ids)
-                if r.kind == "score":
-                    work.append(ScheduledItem(r, r.seq, chunk, Purpose.SCORE, first=r.n_fed == 0, last=ends))
+                if r.kind in PROMPT_KINDS:
+                    purpose = Purpose.SCORE if r.kind == "score" else Purpose.EMBED
+                    work.append(ScheduledItem(r, r.seq, chunk, purpose, first=r.n_fed == 0, last=ends))
                 else:                                   # a refill samples nothing
                     last = r.refill is None and ends
                     work.append(ScheduledItem(r, r.seq, chunk, Purpose.SAMPLE if last else Purpose.FEED))
@@ -450,13 +456,13 @@ class Scheduler:
                     r.refill, r.state = None, RequestState.DECODE
                 return
             self.metrics.prompt_tokens += len(w.tokens)
-            if r.kind == "score":
+            if r.kind in PROMPT_KINDS:
                 if r.n_fed == len(r.prompt_ids):
                     if res is None or res.error is not None:
                         self._fail(r, res.error if res is not None else
-                                   RequestStateError("a scored prompt got no logits"))
+                                   RequestStateError(f"a prompt to {r.kind} got no result"))
                     else:
-                        self._finish(r, TokenEvent(None, "stop", logits=res.logits))
+                        self._finish(r, TokenEvent(None, "stop", logits=res.logits, hidden=res.hidden))
                 return
             if r.n_fed < len(r.prompt_ids):
                 return
@@ -517,7 +523,10 @@ class Scheduler:
         self._emit(r, TokenEvent(None, "error", error=e))
 
     def _release(self, r: Request, keep: bool = False) -> None:
-        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail)."""
+        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail).
+        An embedded input's never do: embedding inputs are rarely prompts again, and would push
+        out prefixes that are."""
+        keep = keep and r.kind != "embed"
         if r.seq is not None:
             self.demand.free(r.seq, r.history if keep else None, r.cache_namespace)
 

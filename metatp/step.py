@@ -49,7 +49,8 @@ class StepItem:
     gathering it, `backends.logits_read`; its logits come back only where one is not finite),
     or a `CandidateSpec` (the last row sampled from its candidates: a vocabulary split comes
     back as `RowCandidates` where they cover the request's pick, `backends.candidates`; else,
-    and without a split, as the row)."""
+    and without a split, as the row); or "hidden" (embedding: every row's final normed hidden
+    state, [len(tokens), n_embd], from passes of their own whose graphs end before the lm head)."""
 
     seq: SeqCells
     tokens: list[int]
@@ -125,7 +126,8 @@ class Pass:
             pos[i], ids[i] = r.pos, r.token
         cells[T:] = scratch
         hi = max(int(cells.max()), max((int(items[r.item].seq.cells[: r.pos + 1].max()) for r in rows), default=0))
-        spec = BatchSpec(T_pad, host.kv_span(hi + 1, T_pad), n_out_pad)
+        hidden = items[rows[0].item].logits == "hidden"     # the engine never mixes them with logits rows
+        spec = BatchSpec(T_pad, host.kv_span(hi + 1, T_pad), n_out_pad, hidden)
         slot = 0
         if in_flight is not None:
             key = spec.key()
@@ -153,7 +155,7 @@ class Pass:
         host, rows = self.host, self.rows
         if not n_out:
             return []
-        t = plan.graph.meta["logits"]
+        t = plan.graph.meta["output"]             # the logits, or an embedding pass's hidden states
         at = {row: k for k, row in reversed(list(enumerate(sel)))}
         got: dict[int, object] = {}                 # out row -> its greedy token or RowCandidates
         if any(rows[i].greedy for i in out_rows):

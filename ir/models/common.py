@@ -23,14 +23,18 @@ KV_PAD = 256   # attended KV length is padded to a multiple of this, so decode g
 @dataclass(frozen=True)
 class BatchSpec:
     """What one forward pass computes: `n_tokens` new tokens attending over `n_kv` cache rows
-    (a multiple of KV_PAD, masked beyond the filled part), logits for `n_outputs` of them."""
+    (a multiple of KV_PAD, masked beyond the filled part), logits for `n_outputs` of them; with
+    `hidden`, their final hidden states (after the output norm, before the lm head: embeddings)
+    instead of logits."""
 
     n_tokens: int
     n_kv: int
     n_outputs: int
+    hidden: bool = False
 
-    def key(self) -> tuple[int, int, int]:
-        return (self.n_tokens, self.n_kv, self.n_outputs)
+    def key(self) -> tuple:
+        base = (self.n_tokens, self.n_kv, self.n_outputs)
+        return (*base, "hidden") if self.hidden else base
 
 
 @dataclass(frozen=True)
@@ -137,12 +141,20 @@ class ModelTensors:
         return self.aliases.get(name, name)
 
 
-def output_graph(t: ModelTensors, spec: BatchSpec, inp: StepInputs[Tensor], logits: Tensor) -> Graph:
-    """The finished forward graph; the engine finds its inputs and logits in `meta`."""
+def output_graph(t: ModelTensors, spec: BatchSpec, inp: StepInputs[Tensor], logits: Tensor,
+                 hidden: Tensor | None = None) -> Graph:
+    """The finished forward graph; the engine finds its inputs and what it reads (`output`) in
+    `meta`. Its output is `logits`, or with `spec.hidden` the final normed hidden state `hidden`
+    (the lm head is then left out of the graph: nothing reads it)."""
     from metatp.ir.graph import Graph
 
-    return Graph([logits], name=f"{t.hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
-                 meta={"inputs": inp, "logits": logits, "spec": spec})
+    if not spec.hidden:
+        return Graph([logits], name=f"{t.hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}",
+                     meta={"inputs": inp, "logits": logits, "output": logits, "spec": spec})
+    if hidden is None:
+        raise ConfigError(f"the {t.hp.arch} graph builder gives no hidden state to embed with")
+    return Graph([hidden], name=f"{t.hp.arch}-T{spec.n_tokens}-kv{spec.n_kv}-hidden",
+                 meta={"inputs": inp, "hidden": hidden, "output": hidden, "spec": spec})
 
 
 def select_outputs(inp: StepInputs[Tensor], il: int, n_layer: int, *xs: Tensor) -> tuple[Tensor, ...]:

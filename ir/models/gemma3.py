@@ -111,4 +111,4 @@ def build_gemma3(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
         cur = rms_norm_weighted(t, cur, f"{p}.post_ffw_norm.weight", f"ffn_post_norm-{il}")
         x = ops.add(cur, sa_out, name=f"l_out-{il}")
     x = rms_norm_weighted(t, x, "output_norm.weight", "result_norm")
-    return output_graph(t, spec, inp, lm_head(t, x))
+    return output_graph(t, spec, inp, lm_head(t, x), hidden=x)

@@ -58,4 +58,4 @@ def build_llama(t: ModelTensors, spec: BatchSpec, arch: ArchSpec, attention: Att
         cur = ffn(t, il, cur)
         x = ops.add(cur, x, name=f"l_out-{il}")
     x = rms_norm_weighted(t, x, "output_norm.weight", "result_norm")
-    return output_graph(t, spec, inp, lm_head(t, x))
+    return output_graph(t, spec, inp, lm_head(t, x), hidden=x)

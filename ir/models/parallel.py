@@ -63,4 +63,4 @@ def build_command_r(t: ModelTensors, spec: BatchSpec, arch: ArchSpec) -> Graph:
     s = hp.logit_scale
     if s:
         logits = ops.scale(logits, s, name="result_output_scaled")
-    return output_graph(t, spec, inp, logits)
+    return output_graph(t, spec, inp, logits, hidden=x)

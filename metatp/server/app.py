@@ -15,6 +15,7 @@ from metatp.openai_messages import chat_prompt_ids
 from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
 from metatp.server.chat_page import add_chat_page
+from metatp.server.embeddings_route import embeddings_answer
 from metatp.server.fields import (BadRequest, as_bad_request, bool_field, check_constraint, is_int, read,
                                   refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
@@ -222,6 +223,15 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         stream = read(body, rf.STREAM, False)
         await check_constraint(body, llm.tokenizer)      # off the event loop; a 400 naming the field
         return body, model, stream, stream_usage(body, stream)
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings(request: HttpRequest):
+        """OpenAI's embeddings: pooled final hidden states, one request per input (metatp.server.embeddings_route)."""
+        body = await body_of(request)
+        model = srv.check_model(body)
+        answer = await embeddings_answer(request, srv, body, model, offload)
+        return await offload(json_answer, answer)
 
     @app.get("/metrics")
     async def metrics(request: HttpRequest):

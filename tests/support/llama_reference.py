@@ -28,8 +28,10 @@ def _rope(x: np.ndarray, pos: np.ndarray, base: float, neox: bool) -> np.ndarray
 
 
 def llama_forward(w: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_head_kv: int, head_dim: int,
-                  eps: float, rope_base: float, ids: list[int], neox: bool = False) -> np.ndarray:
-    """Logits (T, n_vocab) in float64 for a fresh sequence of token ids."""
+                  eps: float, rope_base: float, ids: list[int], neox: bool = False,
+                  final_hidden: bool = False) -> np.ndarray:
+    """Logits (T, n_vocab) in float64 for a fresh sequence of token ids; `final_hidden`: the
+    final normed hidden states (T, n_embd) instead, the rows embeddings pool."""
     W = {k: v.astype(np.float64) for k, v in w.items()}
     T = len(ids)
     pos = np.arange(T, dtype=np.float64)
@@ -58,5 +60,7 @@ def llama_forward(w: dict[str, np.ndarray], *, n_layer: int, n_head: int, n_head
         gate, up = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ W[p + "ffn_down.weight"].T
     x = _rmsnorm(x, W["output_norm.weight"], eps)
+    if final_hidden:
+        return x
     out = W.get("output.weight", W["token_embd.weight"])
     return x @ out.T
