@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import metatp
 from metatp import request_fields as rf
+from metatp import responses_api
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
 from metatp.sampling import SamplingParams
@@ -277,6 +278,39 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         reqs, queue = await srv.start([ids], params, streamed=stream, run=offload)
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
                              reqs, queue, stream)
+
+    def responses_prompt(parsed: responses_api.ResponsesRequest) -> tuple[SamplingParams, list[int]]:
+        """A /v1/responses request's SamplingParams and prompt ids (its messages rendered by the
+        chat template), checked by the chat route's checks; a refusal names the Responses field."""
+        try:
+            params = sampling_params(parsed.chat_body, None, None)
+            srv.check_chat_chars(parsed.messages)
+            ids = chat_prompt_ids(llm.tokenizer, parsed.messages)
+            srv.check_max_tokens(parsed.chat_body, [ids])
+        except FieldError as e:
+            raise responses_api.renamed(as_bad_request(e)) from None
+        except BadRequest as e:
+            raise responses_api.renamed(e) from None
+        return params, ids
+
+    @app.post("/v1/responses")
+    async def responses(request: HttpRequest):
+        """OpenAI's Responses API (metatp.responses_api): a response object, or its typed events."""
+        body = await body_of(request)
+        model = srv.check_model(body)
+        parsed = await offload(responses_api.responses_request, body)
+        try:
+            await check_constraint(parsed.chat_body, llm.tokenizer)
+        except BadRequest as e:
+            raise responses_api.renamed(e) from None
+        params, ids = await offload(responses_prompt, parsed)
+        reqs, queue = await srv.start([ids], params, streamed=parsed.stream, run=offload)
+        answer = responses_api.ResponsesAnswer(model, parsed, len(ids))
+        if not parsed.stream:
+            per = await collect(request, srv, reqs, queue)
+            return await offload(lambda: json_answer(answer.whole(per[0])))
+        return StreamingResponse(responses_api.stream_events(answer, lambda: outputs(request, srv, reqs, queue)),
+                                 media_type="text/event-stream")
 
     async def respond(request: HttpRequest, answer, reqs, queue, stream: bool):
         """The answer as server-sent events, or whole once every choice has finished (built and
