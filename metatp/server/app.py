@@ -15,12 +15,13 @@ from metatp.openai_answers import ChatAnswer, TextAnswer
 from metatp.openai_messages import chat_prompt_ids
 from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
-from metatp.server.fields import (BadRequest, as_bad_request, bool_field, check_constraint, is_int, read,
+from metatp.server.fields import (BadRequest, as_bad_request, check_constraint, read,
                                   refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
 from metatp.server.metrics import prometheus_text
-from metatp.server.offload import Offload, json_array_in_slices
+from metatp.server.offload import Offload
 from metatp.server.ranks import served_world
+from metatp.server import tokenization
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
 from metatp.structured import prepare as prepare_constraints
@@ -74,7 +75,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         from fastapi import FastAPI
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
@@ -182,32 +183,20 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         """vLLM's /version: the package's version."""
         return {"version": metatp.__version__}
 
-    def tokenize_answer(body: dict) -> Response:
-        """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise BadRequest("'content' must be a string", "content")
-        # llama-server: add_special adds BOS (and the like) where the model asks for it
-        ids = llm.tokenize(content, add_bos=None if bool_field(body, "add_special", False) else False)
-        if bool_field(body, "with_pieces", False):
-            tokens = json_array_in_slices([{"id": t, "piece": srv.piece(t)} for t in ids])
-        else:
-            tokens = json_array_in_slices(ids)
-        return Response('{"tokens":' + tokens + "}", media_type="application/json")
-
-    def detokenize_answer(body: dict) -> JSONResponse:
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
-            raise BadRequest("'tokens' must be a list of token ids", "tokens")
-        return JSONResponse({"content": llm.detokenize(rf.vocabulary_ids("tokens", tokens, llm.n_vocab, HTTP))})
-
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest):
-        return await offload(tokenize_answer, await body_of(request))
+        """llama-server's and vLLM's bodies (metatp.server.tokenization)."""
+        return await offload(tokenization.tokenize_answer, srv, await body_of(request))
 
     @app.post("/detokenize")
     async def detokenize(request: HttpRequest):
-        return await offload(detokenize_answer, await body_of(request))
+        return JSONResponse(await offload(tokenization.detokenize_answer, srv, await body_of(request)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HttpRequest):
+        """vLLM's: what lm-evaluation-harness's remote tokenizer reads (eos/bos tokens, chat template)."""
+        check_auth(request)
+        return tokenization.tokenizer_info(srv)
 
     async def generation_body(request: HttpRequest, required: str) -> tuple[dict, str, bool, bool]:
         """A generation route's body, the model it names, whether it streams and whether the
