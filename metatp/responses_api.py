@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from metatp import openai_api as oai
 from metatp import request_fields as rf
 from metatp.server.fields import BadRequest, read
 
@@ -27,6 +28,8 @@ __all__ = ["ResponsesRequest", "ResponsesAnswer", "responses_request", "renamed"
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")      # a message's text parts (earlier outputs too)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # the sampling fields passed on to the chat route's checks: OpenAI's, and vLLM's extras (stop, top_k...)
 _SAMPLING_FIELDS = ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "ignore_eos", "frequency_penalty",
@@ -45,6 +48,7 @@ class ResponsesRequest:
     chat_body: dict
     stream: bool
     echo: dict = field(default_factory=dict)
+    logprobs: int | None = None         # include message.output_text.logprobs: top_logprobs alternatives each
 
 
 def renamed(e: BadRequest) -> BadRequest:
@@ -139,8 +143,9 @@ def _text_format(body: dict) -> dict | None:
 
 def refuse_unsupported(body: dict) -> None:
     """Fields that would change the answer and that this route does not implement, refused by
-    name: tools (the hook for tool calling), background mode, logprobs in the output, and a
-    previous response (nothing is stored: 404, as vLLM answers an id it does not hold)."""
+    name: tools (the hook for tool calling), background mode, and a previous response or
+    conversation (nothing is stored: a previous_response_id is a 404, as vLLM answers an id it
+    does not hold)."""
     if body.get("tools") not in (None, []):
         raise BadRequest("'tools': tool calling through /v1/responses is not supported yet; use "
                          "/v1/chat/completions", "tools")
@@ -157,11 +162,18 @@ def refuse_unsupported(body: dict) -> None:
     if body.get("conversation") is not None:
         raise BadRequest("'conversation': this server stores no conversations (send the conversation in 'input')",
                          "conversation")
-    if body.get("top_logprobs") not in (None, 0) or "message.output_text.logprobs" in (body.get("include") or []):
-        raise BadRequest("'top_logprobs': logprobs are not supported on /v1/responses; use /v1/chat/completions",
-                         "top_logprobs")
     if body.get("reasoning") not in (None, {}) and (body["reasoning"] or {}).get("effort") not in (None, "none"):
         raise BadRequest("'reasoning': reasoning effort is not supported by this model", "reasoning")
+
+
+def _logprobs(body: dict) -> int | None:
+    """The output's logprobs, when `include` asks for message.output_text.logprobs: `top_logprobs`
+    (0-20) alternatives each (vLLM's reading of the two fields)."""
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(v, str) for v in include)):
+        raise BadRequest(f"'include' must be a list of strings, got {_short(include)}", "include")
+    top = read(body, rf.TOP_LOGPROBS, 0)
+    return top if LOGPROBS_INCLUDE in (include or []) else None
 
 
 def responses_request(body: dict) -> ResponsesRequest:
@@ -183,8 +195,9 @@ def responses_request(body: dict) -> ResponsesRequest:
     echo = {"instructions": body.get("instructions"), "max_output_tokens": max_out, "metadata": metadata or {},
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "store": False}         # never stored, whatever the request says (vLLM without its store)
-    return ResponsesRequest(messages, chat_body, stream, echo)
+            "store": False,         # never stored, whatever the request says (vLLM without its store)
+            "top_logprobs": body.get("top_logprobs")}
+    return ResponsesRequest(messages, chat_body, stream, echo, _logprobs(body))
 
 
 def sse_event(event: dict) -> str:
@@ -197,23 +210,29 @@ class ResponsesAnswer:
     events in order (created, in_progress, the message and its text part added, a delta per output,
     the text and the part and the message done, completed / incomplete), each numbered."""
 
-    def __init__(self, model: str, request: ResponsesRequest, n_prompt: int) -> None:
-        self.model, self.request, self.n_prompt = model, request, n_prompt
+    def __init__(self, model: str, request: ResponsesRequest, n_prompt: int, piece: Callable[[int], str]) -> None:
+        self.model, self.request, self.n_prompt, self.piece = model, request, n_prompt, piece
         self.id = f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.seq = 0
         self.text = ""
+        self.lps: list[dict] = []           # the text's tokens' logprobs so far (when asked for)
         self.n_gen = 0
 
     # ------------------------------------------------------------ the objects
     def _message(self, text: str | None, status: str) -> dict:
-        content = [] if text is None else [self._part(text)]
+        content = [] if text is None else [self._part(text, self.lps)]
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
-    def _part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def _part(text: str, logprobs: list[dict]) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _logprobs(self, outs: list) -> list[dict]:
+        """The logprobs of the tokens these outputs' text is made of (chat's entries: token, logprob,
+        bytes, top_logprobs); none unless asked for."""
+        return [] if self.request.logprobs is None else oai.chat_logprobs(outs, self.piece)["content"]
 
     def _usage(self) -> dict:
         return {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0},
@@ -238,6 +257,7 @@ class ResponsesAnswer:
     def whole(self, outs: list) -> dict:
         """The whole response from its request's outputs (the last one carries finish_reason)."""
         self.text = "".join(o.text for o in outs)
+        self.lps = self._logprobs(outs)
         self.n_gen = sum(o.token is not None for o in outs)
         status = self.status_of(outs[-1].finish_reason)
         return self.response(status, [self._message(self.text, status)])
@@ -257,24 +277,28 @@ class ResponsesAnswer:
                 self._event("response.in_progress", response=self.response("in_progress", [])),
                 self._event("response.output_item.added", output_index=0,
                             item=self._message(None, "in_progress")),
-                self._event("response.content_part.added", **self._at(), content_index=0, part=self._part(""))]
+                self._event("response.content_part.added", **self._at(), content_index=0, part=self._part("", []))]
 
     def chunk(self, out) -> list[dict]:
-        """The events of one output: a text delta when it carries text."""
+        """The events of one output: a text delta when it carries text (or tokens' logprobs)."""
         self.n_gen += out.token is not None
-        if not out.text:
+        lps = self._logprobs([out])
+        if not (out.text or lps):
             return []
         self.text += out.text
+        self.lps += lps
         return [self._event("response.output_text.delta", **self._at(), content_index=0, delta=out.text,
-                            logprobs=[])]
+                            logprobs=lps)]
 
     def tail(self, finish: str | None) -> list[dict]:
         """The stream's last events: the text, part and message done, then the response completed
         (or incomplete: max_output_tokens ran out, as OpenAI ends such a stream)."""
         status = self.status_of(finish)
         message = self._message(self.text, status)
-        return [self._event("response.output_text.done", **self._at(), content_index=0, text=self.text, logprobs=[]),
-                self._event("response.content_part.done", **self._at(), content_index=0, part=self._part(self.text)),
+        return [self._event("response.output_text.done", **self._at(), content_index=0, text=self.text,
+                            logprobs=self.lps),
+                self._event("response.content_part.done", **self._at(), content_index=0,
+                            part=self._part(self.text, self.lps)),
                 self._event("response.output_item.done", output_index=0, item=message),
                 self._event(f"response.{status}", response=self.response(status, [message]))]
 

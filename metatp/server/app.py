@@ -272,7 +272,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         """A /v1/responses request's SamplingParams and prompt ids (its messages rendered by the
         chat template), checked by the chat route's checks; a refusal names the Responses field."""
         try:
-            params = sampling_params(parsed.chat_body, None, None)
+            params = sampling_params(parsed.chat_body, parsed.logprobs, None)
             srv.check_chat_chars(parsed.messages)
             ids = chat_prompt_ids(llm.tokenizer, parsed.messages)
             srv.check_max_tokens(parsed.chat_body, [ids])
@@ -294,7 +294,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
             raise responses_api.renamed(e) from None
         params, ids = await offload(responses_prompt, parsed)
         reqs, queue = await srv.start([ids], params, streamed=parsed.stream, run=offload)
-        answer = responses_api.ResponsesAnswer(model, parsed, len(ids))
+        answer = responses_api.ResponsesAnswer(model, parsed, len(ids), srv.piece)
         if not parsed.stream:
             per = await collect(request, srv, reqs, queue)
             return await offload(lambda: json_answer(answer.whole(per[0])))

@@ -2,7 +2,7 @@
 the official `openai` client: `responses.create` plain (`output_text`) and streamed (the typed
 events, numbered, their deltas spelling the text), `responses.stream`, instructions and input
 items as the chat route's messages (greedy: the same text), max_output_tokens (incomplete),
-text.format json_schema, and the fields refused by name."""
+text.format json_schema, logprobs (include), and the fields refused by name."""
 
 from __future__ import annotations
 
@@ -115,6 +115,22 @@ def test_responses_stream_helper_gives_the_final_response(responses_client):
     assert deltas == final.output_text == whole.output_text
 
 
+def test_logprobs_included_spell_the_text_whole_and_streamed(responses_client):
+    kw = dict(model=MODEL, input="Words.", max_output_tokens=10, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    part = responses_client.responses.create(**kw).output[0].content[0]
+    assert "".join(lp.token for lp in part.logprobs) == part.text and part.logprobs
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    assert all(lp.logprob == max(t.logprob for t in lp.top_logprobs) for lp in part.logprobs)     # greedy
+    events = list(responses_client.responses.create(**kw, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in part.logprobs]
+    final = events[-1].response.output[0].content[0].logprobs
+    assert [(lp.token, lp.logprob) for lp in final] == [(lp.token, lp.logprob) for lp in part.logprobs]
+    plain = responses_client.responses.create(model=MODEL, input="Words.", max_output_tokens=3, temperature=0)
+    assert plain.output[0].content[0].logprobs == []               # not asked for: none
+
+
 @requires("structured")
 def test_text_format_json_schema_constrains_the_output(responses_client):
     jsonschema = optional_import("jsonschema")
@@ -144,6 +160,8 @@ def test_text_format_json_schema_constrains_the_output(responses_client):
     ({"text": {"format": {"type": "xml"}}}, 400, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text"),
     ({"metadata": {"k": 1}}, 400, "metadata"),
+    ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, 400, "top_logprobs"),
+    ({"include": "message.output_text.logprobs"}, 400, "include"),
     ({"model": "gpt-4o"}, 404, "model"),
 ])
 def test_a_field_it_cannot_honour_is_refused_by_name(responses_http, extra, status, param):
