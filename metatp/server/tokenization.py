@@ -13,6 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from metatp import request_fields as rf
+from metatp.ir.errors import ConfigError
 from metatp.openai_messages import chat_messages
 from metatp.request_fields import HTTP, FieldError
 from metatp.server.fields import BadRequest, as_bad_request, bool_field, is_int
@@ -56,6 +57,8 @@ def _vllm_ids(srv: "Frontend", body: dict) -> list[int]:
                                            add_generation_prompt=bool_field(body, "add_generation_prompt", True))
         except FieldError as e:
             raise as_bad_request(e) from None
+        except ConfigError as e:            # no chat template, or the template refuses these messages
+            raise BadRequest(str(e), "messages") from None
         add = bool_field(body, "add_special_tokens", False)
     else:
         text = body.get("prompt")

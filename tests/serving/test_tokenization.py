@@ -93,6 +93,20 @@ def test_bad_vllm_bodies_are_refused_by_name(tok_http, route, body, status, para
     assert post(tok_http, route, body, status)["error"]["param"] == param
 
 
+def test_messages_without_a_chat_template_are_refused_naming_messages(path, tmp_path):
+    from metatp.server import create_app
+    from metatp.testing.synth import write_synthetic_gguf
+
+    testclient = optional_import("fastapi.testclient")
+    bare = tmp_path / "bare.gguf"
+    write_synthetic_gguf(bare, SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=50))
+    with testclient.TestClient(create_app(LLM(str(bare), backend="numpy", n_ctx=N_CTX))) as http:
+        r = http.post("/tokenize", json={"messages": MSGS})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "chat template" in r.json()["error"]["message"]
+        assert "chat_template" not in http.get("/tokenizer_info").json()
+
+
 def test_tokenizer_info_is_what_the_remote_tokenizer_reads(tok_http, tok_llm):
     tok = tok_llm.tokenizer
     info = tok_http.get("/tokenizer_info", headers=AUTH).json()
