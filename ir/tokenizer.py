@@ -491,6 +491,11 @@ class StreamDecoder:
             return ""
         return self._dec.decode(self.tok.token_bytes(token_id))
 
+    @property
+    def holds_partial(self) -> bool:
+        """Bytes of an unfinished character are held (the last token's text is not whole yet)."""
+        return bool(self._dec.getstate()[0])
+
     def flush(self) -> str:
         """Return what is left; an unfinished character at the end becomes U+FFFD."""
         out = self._dec.decode(b"", final=True)

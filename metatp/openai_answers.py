@@ -42,11 +42,11 @@ class _Answer:
         return [self._chunk([], self.usage(self.n_gen))] if self.stream_usage else []
 
     def chunk(self, choice: int, out) -> dict | None:
-        """The stream chunk of one output (None when it carries nothing to send). A token whose
-        text is not whole yet (part of a UTF-8 character) still sends its logprobs when they were
-        asked for, with empty text, so the stream carries every token the whole answer lists."""
+        """The stream chunk of one output (None when it carries nothing to send): its text and
+        the logprobs of the tokens that text is made of (a token with no text, a special one,
+        still sends its logprobs), so the stream carries every token the whole answer lists."""
         self.n_gen += out.token is not None
-        if not (out.text or out.finish_reason or (self._wants_lp() and out.token is not None)):
+        if not (out.text or out.finish_reason or (self._wants_lp() and out.tokens)):
             return None
         return self._chunk([self._delta(choice, out)])
 

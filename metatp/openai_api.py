@@ -66,14 +66,16 @@ def top_by_piece(top: dict[int, float] | None, piece: Piece) -> dict[str, float]
 
 def completion_logprobs(outs: Iterable, piece: Piece) -> dict:
     """The completions logprobs object of these outputs (tokens, token_logprobs, top_logprobs,
-    text_offset within this piece of text)."""
-    toks = [o for o in outs if o.token is not None]
+    text_offset within this piece of text): the tokens of their text (`StepOutput.tokens`), each
+    named by the text it adds, so the tokens spell the text (an end token adds "", a stop string's
+    tokens are not listed)."""
+    toks = [t for o in outs for t in o.tokens]
     offsets, at = [], 0
-    for o in toks:
+    for t in toks:
         offsets.append(at)
-        at += len(o.text)
-    return {"tokens": [piece(o.token) for o in toks], "token_logprobs": [o.logprob for o in toks],
-            "top_logprobs": [top_by_piece(o.top_logprobs, piece) for o in toks], "text_offset": offsets}
+        at += len(t.text)
+    return {"tokens": [t.text for t in toks], "token_logprobs": [t.logprob for t in toks],
+            "top_logprobs": [top_by_piece(t.top_logprobs, piece) for t in toks], "text_offset": offsets}
 
 
 def echo_logprobs(ids: list[int], entries: list, piece: Piece) -> dict:
@@ -143,10 +145,11 @@ def chat_chunk(cid: str, created: int, model: str, choices: list[dict], use: dic
 
 
 def chat_logprobs(outs: Sequence, piece: Piece) -> dict:
-    """The chat logprobs object: per generated token its text, logprob, bytes and alternatives."""
-    def entry(token: int, logprob: float) -> dict:
-        p = piece(token)
-        return {"token": p, "logprob": logprob, "bytes": list(p.encode())}
-    return {"content": [{**entry(o.token, o.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in (o.top_logprobs or {}).items()]}
-                        for o in outs if o.token is not None]}
+    """The chat logprobs object: per token of the message's text (`StepOutput.tokens`: an end
+    token adds "", a stop string's tokens are not listed) the text it adds, its logprob, bytes and
+    alternatives."""
+    def entry(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**entry(t.text, t.logprob),
+                         "top_logprobs": [entry(piece(a), v) for a, v in (t.top_logprobs or {}).items()]}
+                        for o in outs for t in o.tokens]}

@@ -8,18 +8,27 @@ a completed constraint) -- to the request's one sink. The consumer's side of the
 (detokenized as a stream, so a character split over tokens comes out whole), stop strings, and
 the logprobs as the answers carry them. A stop string ends the request on this side: the handle
 cancels it, as vLLM's output processor aborts one. None of this runs under the scheduler's lock.
+
+Logprobs list exactly the tokens of the returned text: each output's `tokens` are the tokens its
+text is made of, their texts joined being that text. Text is given out a whole token at a time
+(a token whose character is unfinished, or whose text could start a stop string, waits with its
+text). An end-of-generation or stop token adds no text: it is listed with the empty text (its
+logprob is the answer's last, as vLLM and OpenAI list it: lm-evaluation-harness reads a scored
+prompt's logprobs as the prompt's plus exactly one generated token's). The tokens of a matched
+stop string are not listed; one that begins inside a token cuts the text there (as vLLM does) and
+that token is listed with its text before the stop: the logprob is the whole token's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from metatp.penalties import release_unstopped
 
-__all__ = ["OutputProcessor", "StepOutput", "StopMatcher", "TokenEvent"]
+__all__ = ["OutputProcessor", "StepOutput", "StopMatcher", "TokenEvent", "TokenText"]
 
 
 class StopMatcher:
@@ -57,9 +66,22 @@ class StopMatcher:
 
 
 @dataclass
+class TokenText:
+    """A generated token as the returned text holds it: the text it adds there, and its logprob
+    and top alternatives (when asked for). What logprobs list, one entry each."""
+
+    token: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
 class StepOutput:
     """What one request got from one step: a token and its text, or the end (finish_reason),
-    or an error; `logprob`/`top_logprobs` when asked for; `logits` for a scored prompt."""
+    or an error; `logprob`/`top_logprobs` when asked for; `logits` for a scored prompt.
+    `tokens`: the tokens this output's text is made of (their texts join to `text`; the step's
+    own token may wait for a later output; an end token is listed with "", a stop string's not)."""
 
     token: int | None
     text: str
@@ -70,6 +92,7 @@ class StepOutput:
     logits: np.ndarray | None = None
     error: BaseException | None = None
     hidden: np.ndarray | None = None        # an embedded prompt's final hidden states
+    tokens: list[TokenText] = field(default_factory=list)
 
 
 @dataclass
@@ -91,7 +114,8 @@ class TokenEvent:
 
 
 class OutputProcessor:
-    """One request's outputs: its stream decoder, stop matcher and token count."""
+    """One request's outputs: its stream decoder, stop matcher, token count, and the tokens whose
+    text is not given out yet."""
 
     def __init__(self, params: Any, tokenizer: Any) -> None:
         from metatp.ir.tokenizer import StreamDecoder
@@ -100,6 +124,8 @@ class OutputProcessor:
         self.decoder = StreamDecoder(tokenizer, skip_special=True)
         self.min_tokens = params.min_tokens
         self.n = 0                      # tokens processed so far
+        self.held: list[TokenText] = []     # tokens whose text is not all given out yet, in order
+        self.ready = ""                 # text the stop matcher released, not given out yet (held tokens' start)
 
     def process(self, ev: TokenEvent) -> StepOutput:
         """The output of one event. A stop string found in the text ends the output here
@@ -111,16 +137,52 @@ class OutputProcessor:
         tok, lp, top = ev.token, ev.logprob, ev.top_logprobs
         self.n += 1
         dec, stops = self.decoder, self.stops
-        if ev.end_token:
-            return StepOutput(tok, stops.feed(dec.flush())[0] + stops.flush(), "stop", ev.stop_reason, lp, top)
-        text, hit = self._feed(dec.push(tok), self.n)
+        if ev.end_token:                        # adds no text of its own: listed with ""
+            text, hit = stops.feed(self._tail())
+            out = self._give(tok, text + (stops.flush() if hit is None else ""), "stop", ev.stop_reason, lp, top)
+            if hit is None:                     # after a stop string it is one of the tokens dropped
+                out.tokens.append(TokenText(tok, "", lp, top))
+            return out
+        piece = dec.push(tok)
+        self.held.append(TokenText(tok, piece, lp, top))
+        text, hit = self._feed(piece, self.n)
         if hit is not None:
-            return StepOutput(tok, text, "stop", hit, lp, top)
+            return self._give(tok, text, "stop", hit, lp, top)
         if ev.finish_reason is not None:          # max_tokens, or the constraint is complete
-            tail, hit = self._feed(dec.flush(), self.n)
-            return StepOutput(tok, text + tail + (stops.flush() if hit is None else ""),
+            tail, hit = self._feed(self._tail(), self.n)
+            return self._give(tok, text + tail + (stops.flush() if hit is None else ""),
                               "stop" if hit is not None else ev.finish_reason, hit, lp, top)
-        return StepOutput(tok, text, None, None, lp, top)
+        return self._give(tok, text, None, None, lp, top)
+
+    def _tail(self) -> str:
+        """The decoder's last text (an unfinished character as U+FFFD), the last held token's."""
+        tail = self.decoder.flush()
+        if tail and self.held:          # held: the token whose character was unfinished waits (_give)
+            self.held[-1].text += tail
+        return tail
+
+    def _give(self, tok: int, released: str, finish: str | None, reason: str | int | None, lp: float | None,
+              top: dict[int, float] | None) -> StepOutput:
+        """The output of `released` text (the stop matcher's), given out a whole token at a time:
+        the held tokens whose text it covers go out with theirs, the rest waits (a token whose
+        character is unfinished waits too). At the end (`finish`), what was released goes out:
+        a token it ends inside of (a stop string begins there) with its part before the stop;
+        the tokens after (the stop string's) are dropped."""
+        ready, held = self.ready + released, self.held
+        at = k = 0
+        while k < len(held) and at + len(held[k].text) <= len(ready):
+            if finish is None and k == len(held) - 1 and self.decoder.holds_partial:
+                break
+            at += len(held[k].text)
+            k += 1
+        given = held[:k]
+        if finish is None:
+            self.held, self.ready = held[k:], ready[at:]
+            return StepOutput(tok, ready[:at], None, None, lp, top, tokens=given)
+        if at < len(ready) and k < len(held):       # the text ends inside this token: a stop string begins there
+            given.append(replace(held[k], text=ready[at:]))
+        self.held, self.ready = [], ""
+        return StepOutput(tok, ready, finish, reason, lp, top, tokens=given)
 
     def _feed(self, piece: str, n: int) -> tuple[str, str | None]:
         """The stop matcher's answer for the text of token n; none stops before min_tokens (vLLM)."""

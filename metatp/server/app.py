@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import metatp
 from metatp import request_fields as rf
+from metatp import responses_api
 from metatp.ir.errors import ConfigError, MetatpError
 from metatp.logprobs import prompt_logprobs
 from metatp.sampling import SamplingParams
@@ -16,12 +17,13 @@ from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
 from metatp.server.chat_page import add_chat_page
 from metatp.server.embeddings_route import embeddings_answer
-from metatp.server.fields import (BadRequest, as_bad_request, bool_field, check_constraint, is_int, read,
+from metatp.server.fields import (BadRequest, as_bad_request, check_constraint, read,
                                   refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
 from metatp.server.metrics import prometheus_text
-from metatp.server.offload import Offload, json_array_in_slices
+from metatp.server.offload import Offload
 from metatp.server.ranks import served_world
+from metatp.server import tokenization
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
 from metatp.structured import prepare as prepare_constraints
@@ -76,7 +78,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         from fastapi import FastAPI
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
@@ -186,32 +188,20 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         """vLLM's /version: the package's version."""
         return {"version": metatp.__version__}
 
-    def tokenize_answer(body: dict) -> Response:
-        """/tokenize's answer (llama-server's shape), its token list rendered a slice at a time."""
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise BadRequest("'content' must be a string", "content")
-        # llama-server: add_special adds BOS (and the like) where the model asks for it
-        ids = llm.tokenize(content, add_bos=None if bool_field(body, "add_special", False) else False)
-        if bool_field(body, "with_pieces", False):
-            tokens = json_array_in_slices([{"id": t, "piece": srv.piece(t)} for t in ids])
-        else:
-            tokens = json_array_in_slices(ids)
-        return Response('{"tokens":' + tokens + "}", media_type="application/json")
-
-    def detokenize_answer(body: dict) -> JSONResponse:
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
-            raise BadRequest("'tokens' must be a list of token ids", "tokens")
-        return JSONResponse({"content": llm.detokenize(rf.vocabulary_ids("tokens", tokens, llm.n_vocab, HTTP))})
-
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest):
-        return await offload(tokenize_answer, await body_of(request))
+        """llama-server's and vLLM's bodies (metatp.server.tokenization)."""
+        return await offload(tokenization.tokenize_answer, srv, await body_of(request))
 
     @app.post("/detokenize")
     async def detokenize(request: HttpRequest):
-        return await offload(detokenize_answer, await body_of(request))
+        return JSONResponse(await offload(tokenization.detokenize_answer, srv, await body_of(request)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HttpRequest):
+        """vLLM's: what lm-evaluation-harness's remote tokenizer reads (eos/bos tokens, chat template)."""
+        check_auth(request)
+        return tokenization.tokenizer_info(srv)
 
     async def generation_body(request: HttpRequest, required: str) -> tuple[dict, str, bool, bool]:
         """A generation route's body, the model it names, whether it streams and whether the
@@ -291,6 +281,39 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         reqs, queue = await srv.start([ids], params, streamed=stream, run=offload)
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
                              reqs, queue, stream)
+
+    def responses_prompt(parsed: responses_api.ResponsesRequest) -> tuple[SamplingParams, list[int]]:
+        """A /v1/responses request's SamplingParams and prompt ids (its messages rendered by the
+        chat template), checked by the chat route's checks; a refusal names the Responses field."""
+        try:
+            params = sampling_params(parsed.chat_body, parsed.logprobs, None)
+            srv.check_chat_chars(parsed.messages)
+            ids = chat_prompt_ids(llm.tokenizer, parsed.messages)
+            srv.check_max_tokens(parsed.chat_body, [ids])
+        except FieldError as e:
+            raise responses_api.renamed(as_bad_request(e)) from None
+        except BadRequest as e:
+            raise responses_api.renamed(e) from None
+        return params, ids
+
+    @app.post("/v1/responses")
+    async def responses(request: HttpRequest):
+        """OpenAI's Responses API (metatp.responses_api): a response object, or its typed events."""
+        body = await body_of(request)
+        model = srv.check_model(body)
+        parsed = await offload(responses_api.responses_request, body)
+        try:
+            await check_constraint(parsed.chat_body, llm.tokenizer)
+        except BadRequest as e:
+            raise responses_api.renamed(e) from None
+        params, ids = await offload(responses_prompt, parsed)
+        reqs, queue = await srv.start([ids], params, streamed=parsed.stream, run=offload)
+        answer = responses_api.ResponsesAnswer(model, parsed, len(ids), srv.piece)
+        if not parsed.stream:
+            per = await collect(request, srv, reqs, queue)
+            return await offload(lambda: json_answer(answer.whole(per[0])))
+        return StreamingResponse(responses_api.stream_events(answer, lambda: outputs(request, srv, reqs, queue)),
+                                 media_type="text/event-stream")
 
     async def respond(request: HttpRequest, answer, reqs, queue, stream: bool):
         """The answer as server-sent events, or whole once every choice has finished (built and

@@ -61,14 +61,22 @@ _CONSTRAINT_FIELDS = {"guided_json": "json_schema", "guided_regex": "guided_rege
 
 
 def _response_format(v: Any) -> dict[str, Any]:
-    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+    """OpenAI's response_format: text (no constraint), json_object (llama-server's: with an optional
+    `schema` it is enforced), or json_schema {name, schema, strict}."""
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
         raise BadRequest("'response_format' must be an object with 'type' one of text, json_object, json_schema; "
                          f"got {json.dumps(v)[:80]}", "response_format")
     if v["type"] == "text":
         return {}
     if v["type"] == "json_object":
-        return {"json_object": True}
+        # llama-server's form: json_object with a "schema" constrains to that schema (not any object)
+        schema = v.get("schema")
+        if schema is None:
+            return {"json_object": True}
+        if not isinstance(schema, (dict, str)):
+            raise BadRequest("'response_format.schema' must be a JSON schema (an object), got "
+                             f"{json.dumps(schema)[:80]}", "response_format")
+        return {"json_schema": schema}
     spec = v.get("json_schema")
     if not isinstance(spec, dict):
         raise BadRequest("'response_format.json_schema' must be an object {name, schema, strict}, got "

@@ -185,7 +185,7 @@ def test_the_event_loop_only_routes(llm, monkeypatch):
                                                       "max_tokens": 2})
         assert r.status_code == 200, r.text
         ids = client.post("/tokenize", json={"content": "hi there", "with_pieces": True}).json()["tokens"]
-        assert client.post("/detokenize", json={"tokens": [t["id"] for t in ids]}).json() == {"content": "hi there"}
+        assert client.post("/detokenize", json={"tokens": [t["id"] for t in ids]}).json() == {"content": "hi there", "prompt": "hi there"}
         assert client.app.state.offload.pending == 0
     assert set(seen) == {"parse_object", "sampling_params", "chat_prompt_ids", "TextAnswer", "prompt_logprobs",
                          "encode", "apply_chat_template", "decode", "submit"}

@@ -237,7 +237,7 @@ def test_detokenize_refuses_ids_outside_the_vocabulary_naming_tokens(llm, http):
     assert r.json()["error"]["message"] == f"token id {llm.n_vocab} is out of range for a vocabulary of {llm.n_vocab}"
     with pytest.raises(FieldError, match=f"^ids: token id {llm.n_vocab} is out of range"):
         llm.detokenize([1, llm.n_vocab])
-    assert http.post("/detokenize", json={"tokens": []}).json() == {"content": ""}
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"content": "", "prompt": ""}
 
 
 def test_the_routes_call_no_private_name_of_the_frontend():

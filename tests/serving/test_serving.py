@@ -349,6 +349,7 @@ def test_real_model_chat_and_parallel_requests(real):
     text = r.choices[0].message.content
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant" and text
     assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens <= 12
+    assert "".join(e.token for e in r.choices[0].logprobs.content) == text       # the tokens spell the text
     chunks = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
