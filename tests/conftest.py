@@ -27,6 +27,7 @@ The names:
 - `graphviz`: Graphviz's `dot`; `cpp`: a C preprocessor; `git`: git and a git checkout;
   `ssh`: an ssh client (MPICH reaches other hosts through it);
 - `browser`: headless Chromium for the chat page's tests (chromium and chromedriver on PATH, selenium).
+- `lm_eval`: lm-evaluation-harness's local-completions model (tests/serving/test_tokenization.py).
 An unknown name is a usage error (a typo must not turn the switch off).
 """
 

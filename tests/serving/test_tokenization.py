@@ -139,10 +139,10 @@ def tok_server(path, tmp_path_factory):
 
 
 @requires("serve")
+@requires("lm_eval")
 def test_lm_eval_local_completions_scores_a_task_with_the_remote_tokenizer(tok_server, tok_llm):
     """`local-completions` with tokenizer_backend=remote, no tokenizer files: each (context,
     continuation)'s loglikelihood is the sum of the model's log-softmax over the continuation."""
-    pytest.importorskip("lm_eval.models.openai_completions")
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 

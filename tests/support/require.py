@@ -43,6 +43,7 @@ NAMES: dict[str, str] = {
     "git": "git on PATH and a git checkout of the project",
     "ssh": "an ssh client on PATH (MPICH's launcher reaches other hosts through it)",
     "browser": "headless Chromium: chromium and chromedriver on PATH, and selenium (the test extra)",
+    "lm_eval": "lm-evaluation-harness's local-completions model (lm-eval installed --no-deps, and the eval extra)",
 }
 
 ENV = "METATP_REQUIRE"
@@ -166,6 +167,18 @@ def _browser() -> str | None:
     return None
 
 
+def _lm_eval() -> str | None:
+    """lm-evaluation-harness's API models run without torch: .ci/run installs lm-eval with --no-deps
+    (its declared dependencies bring torch, datasets, evaluate) and the eval extra brings what they
+    import at run time."""
+    try:
+        import lm_eval.models.openai_completions  # noqa: F401
+    except ImportError as e:
+        return (f"lm_eval's local-completions model is not importable ({e}; pip install --no-deps lm-eval "
+                f"and pip install 'metatp[eval]')")
+    return None
+
+
 def _git() -> str | None:
     from pathlib import Path
 
@@ -193,6 +206,7 @@ _CHECKS: dict[str, Callable[[], str | None]] = {
     "git": _git,
     "ssh": _on_path("ssh", "ssh client"),
     "browser": _browser,
+    "lm_eval": _lm_eval,
 }
 assert set(_CHECKS) == set(NAMES)
 
