@@ -22,7 +22,8 @@ jsonschema = optional_import("jsonschema")
 pytestmark = [requires("serve"), requires("structured")]
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=47, chat_template=TEMPLATE)
+SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=False, seed=47, chat_template=TEMPLATE,
+                 n_ctx_train=1024)
 KEY = "sk-tools"
 
 WEATHER = {"type": "function", "function": {
