@@ -108,7 +108,7 @@ def takes_tool_role(tokenizer: "Tokenizer") -> bool:
     """Does the chat template render a message of role "tool" (its content appears)? Probed once
     per template, as llama.cpp probes a template's capabilities; else tool results are sent as
     user messages."""
-    template = tokenizer.chat_template or ""
+    template = getattr(tokenizer, "chat_template", None) or ""
     if template not in _tool_role:
         probe = "metatp-tool-result-probe"
         try:
@@ -129,7 +129,7 @@ def chat_prompt_ids(tokenizer: "Tokenizer", messages: Any, tools: "ToolPlan | No
     naming "messages" too."""
     from metatp.tool_calls import detect_format, render_messages
 
-    fmt = tool_format or detect_format(tokenizer.chat_template)
+    fmt = tool_format or detect_format(getattr(tokenizer, "chat_template", None))
     msgs = chat_messages(messages)
     try:
         tool_role = fmt.native or not any(m["role"] == "tool" for m in msgs) or takes_tool_role(tokenizer)

@@ -284,3 +284,30 @@ def test_instructor_tools_mode(tools_client):
     p = client.chat.completions.create(model="m", response_model=Person, max_retries=0, temperature=0, max_tokens=64,
                                        messages=[{"role": "user", "content": "John is 30 years old."}])
     assert isinstance(p, Person) and isinstance(p.age, int) and p.name
+
+
+def test_the_tool_call_parser_flag_overrides_the_detected_format(path):
+    from metatp.cli import _build_parser
+    from metatp.ir.errors import ConfigError
+    from metatp.server import create_app
+
+    args = _build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        _build_parser().parse_args(["serve", "--tool-call-parser", "nonsense"])
+    llm = LLM(path, backend="numpy", n_ctx=1024)
+    with pytest.raises(ConfigError, match="--tool-call-parser"):
+        create_app(llm, tool_call_parser="nonsense")
+    body = {"model": "m", "messages": USER, "tools": [FORECAST], "max_tokens": 1}
+    with _app_client(llm) as generic, _app_client(llm, tool_call_parser="hermes") as hermes:
+        n_generic = _openai(generic).chat.completions.create(**body).usage.prompt_tokens
+        n_hermes = _openai(hermes).chat.completions.create(**body).usage.prompt_tokens
+    # hermes: the tools go to the template, which (this one) does not print them; generic: the system prompt
+    plain = _openai_plain_prompt_tokens(llm)
+    assert n_hermes == plain < n_generic
+
+
+def _openai_plain_prompt_tokens(llm) -> int:
+    from metatp.openai_messages import chat_prompt_ids
+
+    return len(chat_prompt_ids(llm.tokenizer, USER))
