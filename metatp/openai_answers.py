@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from metatp import openai_api as oai
-from metatp.tool_calls import tool_answer
+from metatp.tool_calls import ToolStream, tool_answer
 
 if TYPE_CHECKING:
     from metatp.tool_calls import ToolPlan
@@ -140,8 +140,9 @@ class TextAnswer(_Answer):
 class ChatAnswer(_Answer):
     """A chat completion: the assistant's message per choice, with OpenAI's chat logprobs
     (`logprobs`: whether to report them). With a tool plan (`tools`, metatp.tool_calls) each
-    choice's text is read for tool calls once it is whole: a stream holds a choice's outputs back
-    until it finishes, then sends its content or its tool calls (name first, then arguments)."""
+    choice's text is read for tool calls once it is whole; a stream sends the content that cannot
+    turn into a call as it comes (`ToolStream`), holds the rest, and at the end sends the rest of
+    the content or the tool calls (a call's id and name first, then its arguments)."""
 
     kind = "chatcmpl"
 
@@ -150,18 +151,25 @@ class ChatAnswer(_Answer):
         super().__init__(model, [ids], n, piece, stream_usage)
         self.want_lp = logprobs
         self.tools = tools
-        self.held: dict[int, list] = {}          # choice -> its outputs so far (tools: read once whole)
+        self.held: dict[int, list] = {}          # choice -> its outputs not sent yet (with tools)
+        self.streams: dict[int, ToolStream] = {}     # choice -> what of its text has gone out (with tools)
 
     def chunks(self, choice: int, out) -> list[dict]:
         if self.tools is None:
             return super().chunks(choice, out)
         self.n_gen += out.token is not None
-        outs = self.held.setdefault(choice, [])
+        stream = self.streams.setdefault(choice, ToolStream(self.tools))
+        outs = self.held.setdefault(choice, [])          # outputs whose logprobs have not gone out yet
         outs.append(out)
+        piece = stream.push(out.text)
         if out.finish_reason is None:
-            return []
-        del self.held[choice]
-        content, calls, finish = tool_answer(self.tools, "".join(o.text for o in outs), out.finish_reason)
+            if not piece:
+                return []
+            self.held[choice] = []
+            return [self._chunk([oai.chat_delta(choice, piece, None, self._choice_lp(outs))])]
+        del self.held[choice], self.streams[choice]
+        content, calls, finish = stream.finish(out.finish_reason)
+        content = (piece + (content or "")) or None
         lp = self._choice_lp(outs)
         pieces = [oai.chat_delta(choice, content, None, lp)] if content else []
         pieces += [oai.chat_delta(choice, None, None, tool_calls=d) for d in oai.tool_call_deltas(calls)]

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from metatp.request_fields import API, HTTP, FieldError, Where, short, type_name
 
 __all__ = ["Tool", "ToolRequest", "ToolPlan", "FORMATS", "PARSER_NAMES", "tool_request", "detect_format",
-           "plan_tools", "constrain", "render_messages", "ParsedCalls", "tool_answer", "call_id", "format_named"]
+           "plan_tools", "constrain", "render_messages", "ParsedCalls", "tool_answer", "call_id", "format_named", "ToolStream"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")            # OpenAI's rule for a function's name
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -217,7 +217,30 @@ def _call(obj: Any, args_keys: tuple[str, ...] = ("arguments",)) -> tuple[Any, A
 
 
 def _content(text: str) -> str | None:
-    return text.strip() or None
+    """The text beside the calls as written (so a stream that sent it already agrees); None if blank."""
+    return text if text.strip() else None
+
+
+def _before(marker: str) -> Callable[[str], str]:
+    """What of a text can be content for sure: all before `marker`, holding back an end that
+    may be the start of it."""
+    def visible(text: str) -> str:
+        i = text.find(marker)
+        if i >= 0:
+            return text[:i]
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
+                return text[:-k]
+        return text
+    return visible
+
+
+def _llama3_visible(text: str) -> str:
+    """Llama 3's calls are the whole answer: nothing is content while it may still become one."""
+    s = text.lstrip()
+    if not s or s.startswith("{") or s.startswith("<|python_tag|>") or "<|python_tag|>".startswith(s):
+        return ""
+    return text
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -306,14 +329,15 @@ class ToolFormat:
     parse: Callable[[str], ParsedCalls | None]
     native: bool
     detect: Callable[[str], bool]
+    visible: Callable[[str], str]        # the part of a text so far that is content whatever follows
 
 
 FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
-    ToolFormat("hermes", parse_hermes, True, lambda t: "<tool_call>" in t),
-    ToolFormat("mistral", parse_mistral, True, lambda t: "[TOOL_CALLS]" in t),
+    ToolFormat("hermes", parse_hermes, True, lambda t: "<tool_call>" in t, _before("<tool_call>")),
+    ToolFormat("mistral", parse_mistral, True, lambda t: "[TOOL_CALLS]" in t, _before("[TOOL_CALLS]")),
     ToolFormat("llama3_json", parse_llama3_json, True,
-               lambda t: "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t)),
-    ToolFormat("generic", parse_generic, False, lambda t: True),
+               lambda t: "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t), _llama3_visible),
+    ToolFormat("generic", parse_generic, False, lambda t: True, lambda t: ""),
 )}
 ALIASES = {"qwen": "hermes", "qwen25": "hermes", "llama3": "llama3_json", "llama": "llama3_json"}
 PARSER_NAMES = (*FORMATS, *ALIASES)
@@ -525,19 +549,59 @@ def _valid(req: ToolRequest, name: Any, args: Any) -> dict | None:
 _RESPONSE_HEAD = re.compile(r'^\s*\{\s*"response"\s*:\s*"')
 
 
-def _cut_response(text: str) -> str:
-    """The generic format's {"response": "..."} cut short (max_tokens): the reply's text so far
-    (an escape cut in half is left out); any other text as it is."""
+def _partial_response(text: str) -> str | None:
+    """The reply's text so far in the generic format's {"response": "...": the JSON string decoded
+    up to its last whole character (an escape cut in half, the closing quote and brace left out);
+    None when the text is not a response."""
     m = _RESPONSE_HEAD.match(text)
     if not m:
-        return text
+        return None
     body = text[m.end():]
     for end in range(len(body), max(len(body) - 12, -1), -1):
         try:
             return json.loads(f'"{body[:end]}"')
         except ValueError:
             continue
-    return text
+    return None
+
+
+def _cut_response(text: str) -> str:
+    """The generic format's {"response": "..."} cut short (max_tokens): the reply's text so far;
+    any other text as it is."""
+    reply = _partial_response(text)
+    return text if reply is None else reply
+
+
+class ToolStream:
+    """One choice's answer under a tool plan, as a stream sends it: the content the model writes
+    goes out as it comes wherever it cannot still turn into a call (before a `<tool_call>` or
+    `[TOOL_CALLS]`, an answer that does not open with Llama 3's JSON, the generic format's
+    `{"response": "...`); the rest is held until the end, when the whole text is read
+    (`tool_answer`) and what is left of the content, the calls and the finish reason go out."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan, self.text, self.sent = plan, "", ""
+        self.replies = plan.schema is not None and plan.request.choice == "auto"   # {"response"} is possible
+
+    def _visible(self) -> str:
+        if self.plan.schema is None:
+            return self.plan.format.visible(self.text)
+        return (_partial_response(self.text) or "") if self.replies else ""
+
+    def push(self, piece: str) -> str:
+        """Add a piece of generated text; the content that may go out now ("" when none)."""
+        self.text += piece
+        visible = self._visible()
+        if len(visible) <= len(self.sent) or not visible.startswith(self.sent):
+            return ""
+        new, self.sent = visible[len(self.sent):], visible
+        return new
+
+    def finish(self, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:
+        """The end: (the content not sent yet, or None; the tool calls; the finish reason)."""
+        content, calls, finish = tool_answer(self.plan, self.text, finish_reason)
+        rest = content[len(self.sent):] if content and content.startswith(self.sent) else ""
+        return rest or None, calls, finish
 
 
 def tool_answer(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:

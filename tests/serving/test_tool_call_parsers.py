@@ -32,7 +32,7 @@ TOOLS = [WEATHER, TIME]
 def test_hermes_reads_each_tool_call_block_and_the_content_before_them():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>')
-    assert parse_hermes(text) == ParsedCalls("Let me look.", [("get_weather", {"city": "Paris"}),
+    assert parse_hermes(text) == ParsedCalls("Let me look.\n", [("get_weather", {"city": "Paris"}),
                                                                ("get_time", {"city": "Rome"})])
     assert parse_hermes("no calls here") == ParsedCalls("no calls here", [])
     assert parse_hermes('<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}') == \
@@ -53,7 +53,7 @@ def test_llama3_json_reads_name_and_parameters_with_or_without_the_python_tag():
 def test_mistral_reads_the_array_and_the_newer_name_args_form():
     text = 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
            '{"name": "get_time", "arguments": {"city": "Paris"}}]'
-    assert parse_mistral(text) == ParsedCalls("Sure.", [("get_weather", {"city": "Paris"}),
+    assert parse_mistral(text) == ParsedCalls("Sure. ", [("get_weather", {"city": "Paris"}),
                                                         ("get_time", {"city": "Paris"})])
     assert parse_mistral('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{"city": "Oslo"}'
                          ).calls == [("get_weather", {"city": "Oslo"}), ("get_time", {"city": "Oslo"})]
@@ -261,15 +261,21 @@ def _reassemble(chunks: list[dict]) -> tuple[str, dict[int, dict], str | None]:
     return content, calls, finish
 
 
-@pytest.mark.parametrize("text, expect_calls", [
-    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-     '<tool_call>{"name": "get_time", "arguments": {"city": "Paris"}}</tool_call>', 2),
-    ("It is sunny.", 0),
+@pytest.mark.parametrize("fmt, text, expect_calls", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+               '<tool_call>{"name": "get_time", "arguments": {"city": "Paris"}}</tool_call>', 2),
+    ("hermes", 'Checking both. <tool_call>{"name": "get_time", "arguments": {"city": "Paris"}}</tool_call>', 1),
+    ("hermes", "It is sunny.", 0),
+    ("hermes", 'Almost <tool_call>{"name": "get_time", "arguments": {"city": 5}}</tool_call>', 0),    # invalid
+    ("llama3_json", '{"name": "get_time", "parameters": {"city": "Oslo"}}', 1),
+    ("mistral", 'On it.[TOOL_CALLS][{"name": "get_time", "arguments": {"city": "Oslo"}}]', 1),
+    ("generic", '{"response": "Fine, \\"thanks\\" \\u00e9t\\u00e9!"}', 0),
+    ("generic", '{"tool_calls": [{"name": "get_time", "arguments": {"city": "Oslo"}}]}', 1),
 ])
-def test_streamed_tool_calls_reassemble_to_the_whole_answers(text, expect_calls):
+def test_streamed_tool_calls_reassemble_to_the_whole_answers(fmt, text, expect_calls):
     from metatp.openai_answers import ChatAnswer
 
-    plan = _plan()
+    plan = _plan(fmt=fmt)
     whole = ChatAnswer("m", [1, 2], 1, str, tools=plan).whole([_outputs(text)])["choices"][0]
     answer = ChatAnswer("m", [1, 2], 1, str, tools=plan)
     chunks = answer.head() + [c for o in _outputs(text) for c in answer.chunks(0, o)]
@@ -283,3 +289,33 @@ def test_streamed_tool_calls_reassemble_to_the_whole_answers(text, expect_calls)
     assert all(c["id"].startswith("call_") for c in calls.values())
     assert (content or None) == whole["message"]["content"]
     assert ("tool_calls" in whole["message"]) == bool(expect_calls)
+
+
+@pytest.mark.parametrize("fmt, text, early", [
+    ("hermes", "It is sunny in Paris today, with a light breeze.", "It is sunny in Paris today"),
+    ("hermes", 'Let me check that for you. <tool_call>{"name": "get_time", "arguments": {"city": "A"}}</tool_call>',
+     "Let me check that for you"),
+    ("generic", '{"response": "It is sunny in Paris today, with a light breeze."}', "It is sunny in Paris today"),
+    ("llama3_json", "It is sunny in Paris today, with a light breeze.", "It is sunny in Paris today"),
+])
+def test_content_that_cannot_become_a_call_streams_as_it_comes(fmt, text, early):
+    """Content goes out before the answer ends where it cannot turn into a call."""
+    from metatp.openai_answers import ChatAnswer
+
+    answer = ChatAnswer("m", [1], 1, str, tools=_plan(fmt=fmt))
+    outs = _outputs(text)
+    before_end = "".join(c["choices"][0]["delta"].get("content") or ""
+                         for o in outs[:-1] for c in answer.chunks(0, o))
+    assert before_end.startswith(early), before_end
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("hermes", "I will call <tool_ca"), ("llama3_json", '  {"name": "get_ti'), ("llama3_json", "<|python_"),
+    ("generic", '{"tool_calls": [{"name": "get_ti'), ("mistral", "[TOOL_CA"),
+])
+def test_what_may_still_become_a_call_is_held_back(fmt, text):
+    from metatp.tool_calls import ToolStream
+
+    s = ToolStream(_plan(fmt=fmt))
+    sent = "".join(s.push(text[i:i + 3]) for i in range(0, len(text), 3))
+    assert not any(m in sent for m in ("<tool", "{", "<|", "[TOOL")), sent

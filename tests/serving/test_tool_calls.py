@@ -213,6 +213,22 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(tools_client, ch
 
 
 @pytest.mark.slow
+def test_a_streamed_reply_under_auto_comes_in_pieces_as_plain_content(tools_client):
+    question = "Hi! How are you?"
+    whole = _ask(tools_client, question)
+    pieces, finish = [], None
+    for chunk in tools_client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
+                                                      tools=TOOLS, temperature=0, max_tokens=96, stream=True):
+        for ch in chunk.choices:
+            assert not ch.delta.tool_calls
+            if ch.delta.content:
+                pieces.append(ch.delta.content)
+            finish = ch.finish_reason or finish
+    assert "".join(pieces) == whole.message.content and len(pieces) > 2      # the reply unwrapped, as it came
+    assert finish == whole.finish_reason == "stop"
+
+
+@pytest.mark.slow
 def test_tool_results_round_trip(tools_client, tools_http):
     question = [{"role": "user", "content": "What is the weather like in Paris?"}]
     first = _ask(tools_client, question[0]["content"], tool_choice="required", parallel_tool_calls=False)
