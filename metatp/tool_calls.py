@@ -201,7 +201,7 @@ def _decode_all(text: str) -> list[Any] | None:
     while i < len(text):
         try:
             v, i = dec.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         out.append(v)
         while i < len(text) and text[i] in " \t\r\n;,":
@@ -462,7 +462,7 @@ def _arguments(v: Any) -> Any:
     if isinstance(v, str):
         try:
             return json.loads(v)
-        except ValueError:
+        except (ValueError, RecursionError):
             return v
     return v
 
@@ -527,11 +527,49 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+REGEX_BUDGET_S = 0.1     # one `pattern` matched against one value: a client's regex may backtrack forever
+
+
+def _search(pattern: str, text: str) -> bool:
+    """Does the client's `pattern` match in `text`, decided within REGEX_BUDGET_S? Python's `re`
+    cannot be stopped (and holds the GIL: `(a+)+$` on 40 characters would stall the server), so
+    the `regex` module's timeout decides; too slow or not a regex: no match (the call is refused)."""
+    try:
+        import regex
+    except ImportError:
+        from metatp.ir.errors import ConfigError
+
+        raise ConfigError("tools: a schema's 'pattern' is checked with the regex package: pip install "
+                          "'metatp[structured]'") from None
+    try:
+        return regex.search(pattern, text, timeout=REGEX_BUDGET_S) is not None
+    except (TimeoutError, regex.error):
+        return False
+
+
+def _validator(schema: dict) -> Any:
+    """jsonschema's validator of `schema`, its regex keywords (pattern, patternProperties) matched
+    within a time budget (`_search`)."""
+    jsonschema = _jsonschema()
+
+    def pattern(validator, patrn, instance, schema):
+        if validator.is_type(instance, "string") and not _search(patrn, instance):
+            yield jsonschema.ValidationError(f"{short(instance)} does not match {short(patrn)}")
+
+    def pattern_properties(validator, patterns, instance, schema):
+        if validator.is_type(instance, "object"):
+            for patrn, subschema in patterns.items():
+                for k, v in instance.items():
+                    if _search(patrn, k):
+                        yield from validator.descend(v, subschema, path=k, schema_path=patrn)
+
+    base = jsonschema.validators.validator_for(schema)
+    return jsonschema.validators.extend(base, {"pattern": pattern, "patternProperties": pattern_properties})(schema)
+
+
 def _valid(req: ToolRequest, name: Any, args: Any) -> dict | None:
     """The OpenAI tool call of (name, arguments) when the name is a callable tool and the
     arguments validate against its schema; None otherwise (it never reaches the client)."""
-    jsonschema = _jsonschema()
-
     tool = req.tool(name) if isinstance(name, str) else None
     if tool is None or tool not in req.callable_tools:
         return None
@@ -539,8 +577,9 @@ def _valid(req: ToolRequest, name: Any, args: Any) -> dict | None:
     if args is None:
         args = {}
     try:
-        jsonschema.validate(args, tool.parameters)
-    except jsonschema.ValidationError:
+        if not _validator(tool.parameters).is_valid(args):
+            return None
+    except RecursionError:                      # arguments nested past Python's recursion: not a call
         return None
     return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}

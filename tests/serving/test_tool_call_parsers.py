@@ -97,6 +97,27 @@ def test_invalid_calls_never_reach_the_client_the_text_is_plain_content(text):
     assert tool_answer(_plan(), text, "stop") == (text, [], "stop")
 
 
+def test_a_backtracking_pattern_is_judged_within_its_budget():
+    """A client's `pattern` that backtracks exponentially ((a+)+$ on 40 a's and a '!' is 2^40 steps
+    for Python's re, which cannot be stopped) is cut off and the call refused, in well under a second."""
+    import time
+
+    evil = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$"}}}}}
+    keyed = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "patternProperties": {"^(a+)+$": {"type": "integer"}}}}}
+    plan = plan_tools(tool_request([evil, keyed]), FORMATS["hermes"])
+    t = time.perf_counter()
+    bad = '<tool_call>{"name": "f", "arguments": {"s": "' + "a" * 40 + '!"}}</tool_call>'
+    assert tool_answer(plan, bad, "stop") == (bad, [], "stop")
+    assert time.perf_counter() - t < 2
+    good = '<tool_call>{"name": "f", "arguments": {"s": "aaaa"}}</tool_call>'
+    assert tool_answer(plan, good, "stop")[2] == "tool_calls"
+    typed = '<tool_call>{"name": "g", "arguments": {"aaa": "not an integer"}}</tool_call>'
+    assert tool_answer(plan, typed, "stop") == (typed, [], "stop")              # patternProperties still apply
+    assert tool_answer(plan, typed.replace('"not an integer"', "3"), "stop")[2] == "tool_calls"
+
+
 def test_a_named_choice_only_accepts_the_named_function():
     plan = _plan({"type": "function", "function": {"name": "get_time"}}, fmt="generic")
     ok = '{"tool_calls": [{"name": "get_time", "arguments": {"city": "Oslo"}}]}'
