@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from metatp.request_fields import API, HTTP, FieldError, Where, short, type_name
+from metatp.request_fields import API, HTTP, MAX_CONSTRAINT_BYTES, FieldError, Where, short, type_name
 
 __all__ = ["Tool", "ToolRequest", "ToolPlan", "FORMATS", "PARSER_NAMES", "tool_request", "detect_format",
            "plan_tools", "constrain", "render_messages", "ParsedCalls", "tool_answer", "call_id", "format_named", "ToolStream"]
@@ -150,6 +150,10 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any =
         raise FieldError("tools", f"{_say(where, 'tools')} must be a list of tools, got {type_name(tools)} "
                                   f"{short(tools)}")
     checked = tuple(_tool(i, t, where) for i, t in enumerate(tools))
+    size = sum(len(json.dumps(t.openai(), ensure_ascii=False).encode("utf-8", "surrogatepass")) for t in checked)
+    if size > MAX_CONSTRAINT_BYTES:           # they all go into the prompt (or one constraint): far past any context
+        raise FieldError("tools", f"{_say(where, 'tools')} are {size} bytes of JSON together, over the limit of "
+                                  f"{MAX_CONSTRAINT_BYTES} bytes")
     names = [t.name for t in checked]
     for i, n in enumerate(names):
         if n in names[:i]:

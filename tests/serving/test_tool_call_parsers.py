@@ -167,6 +167,14 @@ def test_bad_tool_fields_are_field_errors_naming_the_field(tools, choice, field,
     assert field.split(".")[0].split("[")[0] in str(e.value)
 
 
+def test_tools_together_are_bounded_in_size():
+    many = [{"type": "function", "function": {"name": f"f{i}", "description": "x" * 1000}} for i in range(300)]
+    with pytest.raises(FieldError, match="over the limit") as e:
+        tool_request(many, "auto", None, HTTP)
+    assert e.value.field == "tools"
+    assert len(tool_request(many[:100]).tools) == 100
+
+
 def test_parallel_tool_calls_must_be_a_boolean():
     with pytest.raises(FieldError) as e:
         tool_request(TOOLS, "auto", "yes", HTTP)
