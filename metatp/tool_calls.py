@@ -31,7 +31,7 @@ from metatp.request_fields import API, HTTP, MAX_CONSTRAINT_BYTES, FieldError, W
 __all__ = ["Tool", "ToolRequest", "ToolPlan", "FORMATS", "PARSER_NAMES", "tool_request", "detect_format",
            "plan_tools", "constrain", "render_messages", "ParsedCalls", "tool_answer", "call_id", "format_named", "ToolStream"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")            # OpenAI's rule for a function's name
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")            # OpenAI's rule for a function's name
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -119,7 +119,7 @@ def _tool(i: int, t: Any, where: Where) -> Tool:
         raise FieldError("tools", f"{_say(where, at + '.function')} must be an object {{name, description, "
                                   f"parameters}}, got {short(fn)}")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise FieldError(f"{at}.function.name", f"{_say(where, at + '.function.name')} must be 1 to 64 letters, "
                                                 f"digits, '_' or '-', got {short(name)}")
     desc = fn.get("description")
@@ -155,10 +155,12 @@ def tool_request(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any =
         raise FieldError("tools", f"{_say(where, 'tools')} are {size} bytes of JSON together, over the limit of "
                                   f"{MAX_CONSTRAINT_BYTES} bytes")
     names = [t.name for t in checked]
+    seen: set[str] = set()
     for i, n in enumerate(names):
-        if n in names[:i]:
+        if n in seen:
             raise FieldError(f"tools[{i}].function.name", f"{_say(where, f'tools[{i}].function.name')}: two tools "
                                                           f"are named {n!r}")
+        seen.add(n)
     choice, forced = _choice(tool_choice, names, where)
     if choice == "none" or (not checked and choice == "auto"):
         return None
@@ -379,14 +381,16 @@ class ToolPlan:
         return parse_generic if self.schema is not None else self.format.parse
 
 
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref")     # an object made of other schemas: its keys are theirs too
 
 
 def closed(schema: Any) -> Any:
     """`schema` with every object that does not say otherwise closed (additionalProperties
     false), for generating: llama.cpp's grammars do the same (a small model given an open object
-    keeps inventing keys). The answer is still validated against the client's own schema."""
+    keeps inventing keys). Objects composed with allOf / anyOf / oneOf / $ref are left open (their
+    keys come from the parts). The answer is still validated against the client's own schema."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -399,14 +403,31 @@ def closed(schema: Any) -> Any:
     if isinstance(out.get("items"), dict):
         out["items"] = closed(out["items"])
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out \
-            and "patternProperties" not in out:
+            and "patternProperties" not in out and not any(k in out for k in _COMPOSED):
         out["additionalProperties"] = False
     return out
 
 
+def _moved_refs(schema: Any, prefix: str) -> Any:
+    """`schema` with its local references ("#/$defs/X", "#") pointing under `prefix` (a JSON
+    pointer), where it is moved to in a bigger schema."""
+    if isinstance(schema, list):
+        return [_moved_refs(s, prefix) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: (prefix + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _moved_refs(v, prefix))
+            for k, v in schema.items()}
+
+
+def _arguments_defs(tools: tuple[Tool, ...]) -> dict:
+    """Each tool's arguments schema (closed) as a definition of the combined schema, named
+    "tool_<name>", its own references ($defs of a pydantic model) moved with it."""
+    return {f"tool_{t.name}": _moved_refs(closed(t.parameters), f"#/$defs/tool_{t.name}") for t in tools}
+
+
 def _call_schema(t: Tool) -> dict:
     return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": t.name}, "arguments": closed(t.parameters)}}
+            "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool_{t.name}"}}}
 
 
 MAX_PARALLEL_CALLS = 4     # calls one constrained answer may hold (a small model may repeat a call until cut)
@@ -421,7 +442,7 @@ def calls_schema(req: ToolRequest) -> dict:
     most = 1 if req.forced is not None or not req.parallel else MAX_PARALLEL_CALLS
     array = {"type": "array", "items": items, "minItems": 1, "maxItems": most}
     return {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
-            "properties": {"tool_calls": array}}
+            "properties": {"tool_calls": array}, "$defs": _arguments_defs(req.callable_tools)}
 
 
 RESPONSE_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["response"],
@@ -437,7 +458,9 @@ def plan_tools(req: ToolRequest | None, fmt: ToolFormat) -> ToolPlan | None:
     if req.choice in ("required", "named"):
         return ToolPlan(req, fmt, calls_schema(req))
     if not fmt.native:
-        return ToolPlan(req, fmt, {"anyOf": [calls_schema(req), RESPONSE_SCHEMA]})
+        calls = calls_schema(req)
+        defs = calls.pop("$defs")                 # references resolve from the root
+        return ToolPlan(req, fmt, {"anyOf": [calls, RESPONSE_SCHEMA], "$defs": defs})
     return ToolPlan(req, fmt, None)
 
 

@@ -348,3 +348,34 @@ def test_what_may_still_become_a_call_is_held_back(fmt, text):
     s = ToolStream(_plan(fmt=fmt))
     sent = "".join(s.push(text[i:i + 3]) for i in range(0, len(text), 3))
     assert not any(m in sent for m in ("<tool", "{", "<|", "[TOOL")), sent
+
+
+def test_a_pydantic_models_refs_resolve_in_the_combined_schema_and_it_compiles():
+    """Nested models come as $defs + $ref (pydantic, instructor, langchain); inside the combined
+    schema they must still resolve, and the structured-output engine must take it."""
+    import jsonschema
+    from pydantic import BaseModel
+
+    from metatp.sampling import SamplingParams
+    from metatp.tool_calls import constrain
+
+    class Address(BaseModel):
+        city: str
+        zip: int
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+        friends: list["Person"] = []
+
+    tool = {"type": "function", "function": {"name": "save_person", "parameters": Person.model_json_schema()}}
+    assert "$defs" in tool["function"]["parameters"]
+    good = {"name": "Ann", "home": {"city": "Oslo", "zip": 150},
+            "friends": [{"name": "Bo", "home": {"city": "Rome", "zip": 1}}]}
+    bad = {"name": "Ann", "home": {"city": "Oslo", "zip": "x"}}
+    for choice, fmt in (("required", "hermes"), ("auto", "generic")):
+        plan = plan_tools(tool_request([tool, TIME], choice), FORMATS[fmt])
+        jsonschema.validate({"tool_calls": [{"name": "save_person", "arguments": good}]}, plan.schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"tool_calls": [{"name": "save_person", "arguments": bad}]}, plan.schema)
+        assert constrain(SamplingParams(max_tokens=8), plan).constraint is not None
