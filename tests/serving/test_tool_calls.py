@@ -257,6 +257,13 @@ def test_create_chat_completion_takes_tools_as_llama_cpp_python_does(tools_http)
     [call] = c["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == ("get_time", {"city": "Tokyo"})
+    chunks = list(llm.create_chat_completion([{"role": "user", "content": "What time is it in Tokyo?"}], tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                             temperature=0, max_tokens=96, stream=True))
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_time"
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Tokyo"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     from metatp.ir.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tool_choice"):
