@@ -466,7 +466,8 @@ class LLM:
         alternatives, as OpenAI's chat answers carry them. `tools` / `tool_choice` /
         `parallel_tool_calls`: OpenAI's tool calling (metatp.tool_calls), the answer's
         `message.tool_calls` as llama-cpp-python returns them."""
-        from metatp.tool_calls import constrain, detect_format, plan_tools, tool_request
+        from metatp.tool_calls import constrain, plan_tools, tool_request
+        from metatp.tool_formats import detect_format
 
         plan = plan_tools(tool_request(tools, tool_choice, parallel_tool_calls), detect_format(self.tokenizer.chat_template))
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)

@@ -15,7 +15,7 @@ from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_b
 from metatp.cli_run import check_args as _check_args
 from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
-from metatp.tool_calls import PARSER_NAMES
+from metatp.tool_formats import PARSER_NAMES
 
 # the argument builders live in metatp.cli_args (the tools import them from there); named here too
 __all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout",

@@ -19,7 +19,8 @@ from metatp.request_fields import FieldError, short, type_name
 
 if TYPE_CHECKING:
     from metatp.ir.tokenizer import Tokenizer
-    from metatp.tool_calls import ToolFormat, ToolPlan
+    from metatp.tool_calls import ToolPlan
+    from metatp.tool_formats import ToolFormat
 
 __all__ = ["chat_messages", "chat_prompt_ids"]
 
@@ -127,7 +128,8 @@ def chat_prompt_ids(tokenizer: "Tokenizer", messages: Any, tools: "ToolPlan | No
     plan; `tool_format`: the template's tool syntax (default: detected from the template). A
     missing template, or one that refuses these messages (raise_exception), is a FieldError
     naming "messages" too."""
-    from metatp.tool_calls import detect_format, render_messages
+    from metatp.tool_calls import render_messages
+    from metatp.tool_formats import detect_format
 
     fmt = tool_format or detect_format(getattr(tokenizer, "chat_template", None))
     msgs = chat_messages(messages)

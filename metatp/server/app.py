@@ -23,8 +23,9 @@ from metatp.server.ranks import served_world
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
 from metatp.structured import prepare as prepare_constraints
-from metatp.tool_calls import ToolPlan, detect_format, format_named
+from metatp.tool_calls import ToolPlan
 from metatp.tool_calls import constrain as constrain_to_tools
+from metatp.tool_formats import detect_format, format_named
 
 if TYPE_CHECKING:
     from metatp.api import LLM

@@ -15,7 +15,8 @@ from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError
 from metatp.request_fields import HTTP, FieldError, Flag, Integer, Number
 from metatp.sampling import SamplingParams
-from metatp.tool_calls import ToolFormat, ToolPlan, plan_tools, tool_request
+from metatp.tool_calls import ToolPlan, plan_tools, tool_request
+from metatp.tool_formats import ToolFormat
 
 
 class BadRequest(Exception):

@@ -1,4 +1,4 @@
-"""metatp.tool_calls without a model: each format's parser on hand-written model texts, the
+"""metatp.tool_calls and metatp.tool_formats without a model: each format's parser on hand-written model texts, the
 request fields' checks (the FieldError names the field), format detection from chat templates,
 the constraint schemas, the answer's validation (a call whose arguments do not validate never
 becomes a tool call), the prompt rendering of tools and tool messages, and the streamed answer's
@@ -12,9 +12,9 @@ import pytest
 
 from metatp.output_processor import StepOutput
 from metatp.request_fields import HTTP, FieldError
-from metatp.tool_calls import (FORMATS, ParsedCalls, calls_schema, closed, detect_format, format_named,
-                               parse_generic, parse_hermes, parse_llama3_json, parse_mistral, plan_tools,
-                               render_messages, tool_answer, tool_request)
+from metatp.tool_calls import calls_schema, closed, plan_tools, render_messages, tool_answer, tool_request
+from metatp.tool_formats import (FORMATS, ParsedCalls, detect_format, format_named, parse_generic, parse_hermes,
+                                 parse_llama3_json, parse_mistral)
 from support.require import requires
 
 pytestmark = requires("structured")

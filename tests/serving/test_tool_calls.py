@@ -108,7 +108,8 @@ def test_tool_choice_none_and_no_tools_answer_plain_content(tools_synthetic_clie
 
 def test_a_template_that_takes_tools_renders_them_and_the_tool_messages(synth_factory):
     from metatp.openai_messages import chat_prompt_ids
-    from metatp.tool_calls import FORMATS, plan_tools, tool_request
+    from metatp.tool_calls import plan_tools, tool_request
+    from metatp.tool_formats import FORMATS
 
     hermes = ("{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
               "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
