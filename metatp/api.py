@@ -463,19 +463,27 @@ class LLM:
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
                                repeat_penalty: float = 1.0, logprobs: bool = False, top_logprobs: int | None = None,
-                               **penalties: Any) -> dict | Iterator[dict]:
+                               tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                               parallel_tool_calls: bool | None = None, **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style chat completion using the GGUF's chat template.
 
         Message content may be a string, None, or OpenAI content parts of type "text". `logprobs`:
         each generated token's log-probability, with the `top_logprobs` (0-20) most likely
-        alternatives, as OpenAI's chat answers carry them."""
+        alternatives, as OpenAI's chat answers carry them. `tools` / `tool_choice` /
+        `parallel_tool_calls`: OpenAI's tool calling (metatp.tool_calls), the answer's
+        `message.tool_calls` as llama-cpp-python returns them."""
+        from metatp.tool_calls import constrain, plan_tools, tool_request
+        from metatp.tool_formats import detect_format
+
+        plan = plan_tools(tool_request(tools, tool_choice, parallel_tool_calls), detect_format(self.tokenizer.chat_template))
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, logprobs = request_fields.STREAM.check(stream), request_fields.CHAT_LOGPROBS.check(logprobs)
         count = request_fields.chat_logprobs(logprobs, request_fields.TOP_LOGPROBS.check(top_logprobs))
         if count is not None:
             params = dataclasses.replace(params, logprobs=count)
-        ids = chat_prompt_ids(self.tokenizer, messages)
-        answer = ChatAnswer(str(self.model_path), ids, 1, self.tokenizer.token_text, logprobs=logprobs)
+        params = constrain(params, plan)
+        ids = chat_prompt_ids(self.tokenizer, messages, plan)
+        answer = ChatAnswer(str(self.model_path), ids, 1, self.tokenizer.token_text, logprobs=logprobs, tools=plan)
         return self._answer(answer, ids, params, stream)
 
     def _answer(self, answer: Any, ids: list[int], params: SamplingParams, stream: bool) -> dict | Iterator[dict]:
@@ -486,9 +494,7 @@ class LLM:
         def gen() -> Iterator[dict]:
             yield from answer.head()
             for step in self._stream(ids, params):
-                c = answer.chunk(0, step)
-                if c is not None:
-                    yield c
+                yield from answer.chunks(0, step)
             yield from answer.tail()
         return gen()
 

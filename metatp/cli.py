@@ -16,6 +16,7 @@ from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_b
 from metatp.cli_run import check_args as _check_args
 from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
+from metatp.tool_formats import PARSER_NAMES
 
 # the argument builders live in metatp.cli_args (the tools import them from there); named here too
 __all__ = ["main", "add_model_args", "add_layout_args", "add_split_args", "layout_kwargs", "stage_layout",
@@ -80,7 +81,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               f"(n_ctx {llm.n_ctx}, {args.parallel} parallel sequences, "
               f"max_model_len {llm.max_model_len or max(1, llm.n_ctx // args.parallel)})", file=sys.stderr, flush=True)
     serve(llm, host=args.host, port=args.port, model_name=args.alias, api_key=tenants, log_level=args.log_level,
-          allowed_origins=args.allowed_origins or (), webui=args.webui)
+          allowed_origins=args.allowed_origins or (), webui=args.webui, tool_call_parser=args.tool_call_parser)
     return 0
 
 
@@ -150,6 +151,11 @@ def _build_parser() -> argparse.ArgumentParser:
                          "default: none, no CORS headers)")
     add_webui_arg(sv)
     add_pooling_arg(sv)
+    sv.add_argument("--tool-call-parser", default=None, choices=PARSER_NAMES, metavar="NAME",
+                    help="tool-call format of the model's answers: " + ", ".join(PARSER_NAMES) +
+                         " (default: detected from the chat template; generic for a template with no tool syntax)")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="accepted for vLLM's command lines: tool_choice 'auto' is always enabled")
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -10,9 +10,13 @@ themselves are `metatp.openai_api`'s.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from metatp import openai_api as oai
+from metatp.tool_calls import ToolStream, tool_answer
+
+if TYPE_CHECKING:
+    from metatp.tool_calls import ToolPlan
 
 __all__ = ["TextAnswer", "ChatAnswer"]
 
@@ -40,6 +44,11 @@ class _Answer:
     def tail(self) -> list[dict]:
         """The stream's last chunk before [DONE]: usage, when the client asked for it."""
         return [self._chunk([], self.usage(self.n_gen))] if self.stream_usage else []
+
+    def chunks(self, choice: int, out) -> list[dict]:
+        """The stream chunks of one output, in order (none when it carries nothing to send)."""
+        c = self.chunk(choice, out)
+        return [] if c is None else [c]
 
     def chunk(self, choice: int, out) -> dict | None:
         """The stream chunk of one output (None when it carries nothing to send): its text and
@@ -130,14 +139,42 @@ class TextAnswer(_Answer):
 
 class ChatAnswer(_Answer):
     """A chat completion: the assistant's message per choice, with OpenAI's chat logprobs
-    (`logprobs`: whether to report them)."""
+    (`logprobs`: whether to report them). With a tool plan (`tools`, metatp.tool_calls) each
+    choice's text is read for tool calls once it is whole; a stream sends the content that cannot
+    turn into a call as it comes (`ToolStream`), holds the rest, and at the end sends the rest of
+    the content or the tool calls (a call's id and name first, then its arguments)."""
 
     kind = "chatcmpl"
 
     def __init__(self, model: str, ids: list[int], n: int, piece: Callable[[int], str], stream_usage: bool = False,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, tools: "ToolPlan | None" = None) -> None:
         super().__init__(model, [ids], n, piece, stream_usage)
         self.want_lp = logprobs
+        self.tools = tools
+        self.held: dict[int, list] = {}          # choice -> its outputs not sent yet (with tools)
+        self.streams: dict[int, ToolStream] = {}     # choice -> what of its text has gone out (with tools)
+
+    def chunks(self, choice: int, out) -> list[dict]:
+        if self.tools is None:
+            return super().chunks(choice, out)
+        self.n_gen += out.token is not None
+        stream = self.streams.setdefault(choice, ToolStream(self.tools))
+        outs = self.held.setdefault(choice, [])          # outputs whose logprobs have not gone out yet
+        outs.append(out)
+        piece = stream.push(out.text)
+        if out.finish_reason is None:
+            if not piece:
+                return []
+            self.held[choice] = []
+            return [self._chunk([oai.chat_delta(choice, piece, None, self._choice_lp(outs))])]
+        del self.held[choice], self.streams[choice]
+        content, calls, finish = stream.finish(out.finish_reason)
+        content = (piece + (content or "")) or None
+        lp = self._choice_lp(outs)
+        pieces = [oai.chat_delta(choice, content, None, lp)] if content else []
+        pieces += [oai.chat_delta(choice, None, None, tool_calls=d) for d in oai.tool_call_deltas(calls)]
+        pieces.append(oai.chat_delta(choice, None, finish, None if content else lp))
+        return [self._chunk([p]) for p in pieces]
 
     def _chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         return oai.chat_chunk(self.cid, self.created, self.model, choices, use, stream_usage=self.stream_usage)
@@ -155,9 +192,15 @@ class ChatAnswer(_Answer):
         """The stream's first chunks: the assistant role, once per choice."""
         return [self._chunk([oai.chat_delta(i, None, None, role=True)]) for i in range(self.n_choices)]
 
+    def _choice(self, i: int, outs: list) -> dict:
+        text, finish = "".join(o.text for o in outs), outs[-1].finish_reason
+        if self.tools is None:
+            return oai.chat_choice(i, text, finish, self._choice_lp(outs))
+        content, calls, finish = tool_answer(self.tools, text, finish)
+        return oai.chat_choice(i, content, finish, self._choice_lp(outs), calls)
+
     def whole(self, per: list[list]) -> dict:
-        choices = [oai.chat_choice(i, "".join(o.text for o in outs), outs[-1].finish_reason, self._choice_lp(outs))
-                   for i, outs in enumerate(per)]
+        choices = [self._choice(i, outs) for i, outs in enumerate(per)]
         n_gen = sum(o.token is not None for outs in per for o in outs)
         return oai.chat_completion(self.cid, self.created, self.model, choices, self.usage(n_gen))
 

@@ -14,7 +14,7 @@ import uuid
 from typing import Callable, Iterable, Sequence
 
 __all__ = ["response_id", "usage", "text_choice", "text_completion", "chat_delta", "chat_choice",
-           "chat_completion", "chat_chunk", "completion_logprobs", "chat_logprobs", "top_by_piece",
+           "chat_completion", "chat_chunk", "tool_call_deltas", "completion_logprobs", "chat_logprobs", "top_by_piece",
            "echo_logprobs", "join_logprobs", "vllm_prompt_logprobs"]
 
 Piece = Callable[[int], str]
@@ -123,15 +123,35 @@ def vllm_prompt_logprobs(ids: list[int], entries: list, piece: Piece) -> list[di
 
 # ---------------------------------------------------------------- chat
 def chat_delta(index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
-               role: bool = False) -> dict:
-    """A stream chunk's choice: the role first (`role`), then content pieces, then the finish."""
+               role: bool = False, tool_calls: list[dict] | None = None) -> dict:
+    """A stream chunk's choice: the role first (`role`), then content pieces or tool-call pieces
+    (`tool_call_deltas`), then the finish."""
     delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish}
+def tool_call_deltas(calls: list[dict]) -> list[list[dict]]:
+    """Tool calls as a stream sends them, one delta after another (OpenAI's shape): a call's
+    first delta has its index, id, type and name with empty arguments; its arguments follow."""
+    out = []
+    for k, c in enumerate(calls):
+        fn = c["function"]
+        out.append([{"index": k, "id": c["id"], "type": "function", "function": {"name": fn["name"],
+                                                                                "arguments": ""}}])
+        out.append([{"index": k, "function": {"arguments": fn["arguments"]}}])
+    return out
+
+
+def chat_choice(index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """A whole answer's choice; with tool calls, `message.tool_calls` (content None when the
+    model wrote nothing beside them)."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_completion(cid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:

@@ -216,6 +216,7 @@ JSON_OBJECT = Flag("json_object", says_type=False)
 STREAM = Flag("stream")
 ECHO = Flag("echo")
 CHAT_LOGPROBS = Flag("logprobs")      # chat's logprobs: yes or no (the count is top_logprobs)
+PARALLEL_TOOL_CALLS = Flag("parallel_tool_calls")     # may one answer hold several tool calls (metatp.tool_calls)
 CACHE_SALT = Text("cache_salt", MAX_CACHE_SALT)   # vLLM's: prefix-cache hits only among requests with this salt
 
 

@@ -17,7 +17,7 @@ from metatp.request_fields import HTTP, FieldError
 from metatp.server.body import parse_object, read_body
 from metatp.server.chat_page import add_chat_page
 from metatp.server.embeddings_route import embeddings_answer
-from metatp.server.fields import (BadRequest, as_bad_request, check_constraint, read,
+from metatp.server.fields import (BadRequest, as_bad_request, check_constraint, read, tool_plan,
                                   refuse_unimplemented_chat, refuse_unimplemented_completion, sampling_params)
 from metatp.server.frontend import DeviceUnavailable, Frontend
 from metatp.server.metrics import prometheus_text
@@ -27,6 +27,9 @@ from metatp.server import tokenization
 from metatp.server.sse import collect, outputs, sse, sse_errors, stream_usage
 from metatp.server.tenants import AuthError, Tenants, bind_request_tenant, tenants_of
 from metatp.structured import prepare as prepare_constraints
+from metatp.tool_calls import ToolPlan
+from metatp.tool_calls import constrain as constrain_to_tools
+from metatp.tool_formats import detect_format, format_named
 
 if TYPE_CHECKING:
     from metatp.api import LLM
@@ -57,7 +60,8 @@ def allow_cors(app, origins: Sequence[str]) -> None:
 
 
 def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequence[str] | Tenants | None" = None,
-               max_model_len: int | None = None, allowed_origins: Sequence[str] = (), webui: bool = True):
+               max_model_len: int | None = None, allowed_origins: Sequence[str] = (), webui: bool = True,
+               tool_call_parser: str | None = None):
     """The FastAPI app serving `llm` (its scheduler's driver thread runs while the app is up),
     with `api_key`: one key, several or `Tenants` (each key a tenant: `metatp.server.tenants`;
     None: no key, one anonymous tenant),
@@ -66,7 +70,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     arranges both); its shutdown posts STOP to them. `max_model_len`: one request's cap (prompt +
     completion); default the LLM's, else n_ctx // max_num_seqs (llama-server's slot).
     `allowed_origins`: the browser origins ("*": any) that may call it (CORS); none: no CORS headers.
-    `webui`: serve the chat page at / and /chat (`metatp.server.chat_page`; off: `--no-webui`)."""
+    `webui`: serve the chat page at / and /chat (`metatp.server.chat_page`; off: `--no-webui`).
+    `tool_call_parser`: the tool-call format (metatp.tool_calls.FORMATS; vLLM's --tool-call-parser);
+    default: detected from the model's chat template."""
     from contextlib import asynccontextmanager
 
     world = served_world(llm)
@@ -81,6 +87,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    tool_format = format_named(tool_call_parser) if tool_call_parser else detect_format(llm.tokenizer.chat_template)
     srv = Frontend(llm, model_name or os.path.basename(str(llm.model_path)), max_model_len)
     offload = Offload()         # what grows with a request's size runs there: the event loop only routes
 
@@ -262,24 +269,27 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         per = await collect(request, srv, handles, queue)
         return await offload(lambda: [prompt_logprobs(outs[-1].logits, ids, k) for ids, outs in zip(ids_list, per)])
 
-    def chat_request(body: dict) -> tuple[SamplingParams, list[int], bool]:
+    def chat_request(body: dict) -> tuple[SamplingParams, list[int], bool, ToolPlan | None]:
         """A chat body's fields checked, its SamplingParams built (a constraint checked) and its
-        messages rendered by the chat template and tokenized: (params, prompt ids, logprobs)."""
+        messages rendered by the chat template and tokenized: (params, prompt ids, logprobs,
+        the tool plan)."""
         refuse_unimplemented_chat(body)
+        tools = tool_plan(body, tool_format)                      # a 400 naming the tool field
         want_lp = read(body, rf.CHAT_LOGPROBS, False)
         params = sampling_params(body, rf.chat_logprobs(want_lp, read(body, rf.TOP_LOGPROBS, 0), HTTP), None)
+        params = constrain_to_tools(params, tools)               # a schema llguidance refuses: 400 naming tools
         srv.check_chat_chars(body["messages"])                   # megabytes of text are refused unrendered
-        ids = chat_prompt_ids(llm.tokenizer, body["messages"])   # a FieldError names "messages"
+        ids = chat_prompt_ids(llm.tokenizer, body["messages"], tools, tool_format)   # a FieldError names "messages"
         srv.check_max_tokens(body, [ids])                         # a max_tokens past the context: 400
-        return params, ids, want_lp
+        return params, ids, want_lp, tools
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
     async def chat(request: HttpRequest):
         body, model, stream, usage_in_stream = await generation_body(request, "messages")
-        params, ids, want_lp = await offload(chat_request, body)
+        params, ids, want_lp, tools = await offload(chat_request, body)
         reqs, queue = await srv.start([ids], params, streamed=stream, run=offload)
-        return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp),
+        return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp, tools),
                              reqs, queue, stream)
 
     def responses_prompt(parsed: responses_api.ResponsesRequest) -> tuple[SamplingParams, list[int]]:
@@ -327,8 +337,7 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
             for c in answer.head():
                 yield sse(c)
             async for choice, out in outputs(request, srv, reqs, queue):
-                c = answer.chunk(choice, out)
-                if c is not None:
+                for c in answer.chunks(choice, out):
                     yield sse(c)
             for c in answer.tail():
                 yield sse(c)

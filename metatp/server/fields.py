@@ -15,6 +15,8 @@ from metatp import request_fields as rf
 from metatp.ir.errors import ConfigError
 from metatp.request_fields import HTTP, FieldError, Flag, Integer, Number
 from metatp.sampling import SamplingParams
+from metatp.tool_calls import ToolPlan, plan_tools, tool_request
+from metatp.tool_formats import ToolFormat
 
 
 class BadRequest(Exception):
@@ -145,16 +147,16 @@ def refuse_unimplemented_completion(body: dict) -> None:
 
 
 def refuse_unimplemented_chat(body: dict) -> None:
-    """/v1/chat/completions fields metatp does not implement, refused by name: tools, functions,
-    audio output and predicted outputs. Their neutral values (tool_choice "none"/"auto" without
-    tools, modalities ["text"]) pass; metadata fields are left alone, as for completions."""
-    for name in ("tools", "functions"):
-        if _given(body, name):
-            raise BadRequest(f"'{name}': tool and function calling is not supported", name)
-    for name in ("tool_choice", "function_call"):
-        if _given(body, name) and body[name] not in ("none", "auto"):
-            raise BadRequest(f"'{name}': tool and function calling is not supported, got {json.dumps(body[name])[:60]}",
-                             name)
+    """/v1/chat/completions fields metatp does not implement, refused by name: the deprecated
+    functions / function_call (send tools / tool_choice: `tool_plan`), audio output and
+    predicted outputs. Their neutral values (function_call "none"/"auto" without functions,
+    modalities ["text"]) pass; metadata fields are left alone, as for completions."""
+    if _given(body, "functions"):
+        raise BadRequest("'functions' (deprecated by OpenAI) is not supported: send the functions as 'tools'",
+                         "functions")
+    if _given(body, "function_call") and body["function_call"] not in ("none", "auto"):
+        raise BadRequest("'function_call' (deprecated by OpenAI) is not supported: use 'tool_choice', got "
+                         f"{json.dumps(body['function_call'])[:60]}", "function_call")
     if _given(body, "audio"):
         raise BadRequest("'audio': audio output is not supported", "audio")
     if _given(body, "modalities") and body["modalities"] != ["text"]:
@@ -162,6 +164,23 @@ def refuse_unimplemented_chat(body: dict) -> None:
                          f"{json.dumps(body['modalities'])[:60]}", "modalities")
     if _given(body, "prediction"):
         raise BadRequest("'prediction' (predicted outputs) is not supported", "prediction")
+
+
+def tool_plan(body: dict, fmt: ToolFormat) -> ToolPlan | None:
+    """The body's tools, tool_choice and parallel_tool_calls checked (a 400 naming the field:
+    tools[i].function.parameters for a bad schema, tool_choice for an unknown name) and planned
+    for the chat template's tool format `fmt`; None when the answer calls no tool. A plan that
+    constrains the output cannot be combined with the body's own constraint: a 400 naming it."""
+    try:
+        plan = plan_tools(tool_request(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                       HTTP), fmt)
+    except FieldError as e:
+        raise as_bad_request(e) from None
+    source = constraint_fields(body)[1]
+    if plan is not None and plan.schema is not None and source is not None:
+        raise BadRequest(f"'{source}' cannot be combined with tools under tool_choice {plan.request.choice!r} (or "
+                         "the generic tool format, which constrains the answer to tool calls or a response)", source)
+    return plan
 
 
 def sampling_params(body: dict, logprobs: int | None, default_max: int | None) -> SamplingParams:

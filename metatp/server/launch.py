@@ -17,13 +17,15 @@ if TYPE_CHECKING:
 
 def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str | None = None,
           api_key: "str | Sequence[str] | Tenants | None" = None, log_level: str = "warning",
-          max_model_len: int | None = None, allowed_origins: Sequence[str] = (), webui: bool = True) -> None:
+          max_model_len: int | None = None, allowed_origins: Sequence[str] = (), webui: bool = True,
+          tool_call_parser: str | None = None) -> None:
     """Run the server until interrupted. Under MPI every rank calls this: rank 0 serves HTTP and
     leads the steps, the other ranks follow them (`follow_steps`); an interrupt or the server
     exiting ends every rank cleanly (returns normally; SystemExit from uvicorn still propagates).
     `api_key`: one key, several, or `Tenants` (`metatp.server.tenants`: each key a tenant);
     `allowed_origins`: browser origins answered with CORS headers (`create_app`); `webui`: the chat
-    page at / (`metatp.server.chat_page`)."""
+    page at / (`metatp.server.chat_page`); `tool_call_parser`: the tool-call format, default detected
+    from the chat template (`create_app`)."""
     world = served_world(llm)
     if world is not None and not world.is_root:
         follow_steps(llm)
@@ -32,7 +34,7 @@ def serve(llm: "LLM", host: str = "127.0.0.1", port: int = 8080, model_name: str
         import uvicorn
     except ImportError:
         raise ConfigError("metatp serve needs FastAPI and uvicorn: pip install 'metatp[serve]'") from None
-    app = create_app(llm, model_name, api_key, max_model_len, allowed_origins, webui)
+    app = create_app(llm, model_name, api_key, max_model_len, allowed_origins, webui, tool_call_parser)
     if world is None:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
         return

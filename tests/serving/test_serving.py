@@ -211,10 +211,7 @@ def test_neutral_values_of_unimplemented_fields_pass(server, extra):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"function_call": {"name": "f"}}, "function_call"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
@@ -225,6 +222,15 @@ def test_chat_fields_metatp_does_not_implement_are_refused_by_name(server, extra
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "not supported" in err["message"] and "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_choice_that_needs_tools_without_tools_is_refused_by_name(server, choice):
+    """Tool calling is implemented (tests/serving/test_tool_calls.py); a choice it cannot honour is a 400."""
+    r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice" and "tool" in err["message"] and "Traceback" not in r.text
 
 
 def test_chat_errors_without_template_and_bad_messages(server):
