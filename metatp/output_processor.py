@@ -95,7 +95,7 @@ class OutputProcessor:
         from metatp.ir.tokenizer import StreamDecoder
 
         self.stops = StopMatcher(params.stop or [])
-        self.decoder = StreamDecoder(tokenizer, skip_special=True)
+        self.decoder = StreamDecoder(tokenizer, skip_special=params.skip_special_tokens)
         self.min_tokens = params.min_tokens
         self.n = 0                      # tokens processed so far
 

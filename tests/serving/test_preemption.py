@@ -181,7 +181,7 @@ def test_a_huge_request_no_longer_reserves_the_cache(llm):
 def test_a_request_that_alone_cannot_fit_is_refused_at_submit(llm):
     """Preemption makes room for what fits the cache alone; a prompt past it never waits."""
     with pytest.raises(ContextOverflowError):
-        llm.generate([[1] * (llm.n_ctx + 1)], SamplingParams(max_tokens=4))
+        llm.generate([[1] * (llm.n_ctx + 1)], SamplingParams(temperature=0.0, max_tokens=4))
     assert not llm.scheduler.waiting and not llm.scheduler.running and llm.engine.cells.n_used == 0
 
 
