@@ -96,6 +96,7 @@ class OutputProcessor:
 
         self.stops = StopMatcher(params.stop or [])
         self.decoder = StreamDecoder(tokenizer, skip_special=params.skip_special_tokens)
+        self.token_text = tokenizer.token_text      # one token's text, for logprobs
         self.min_tokens = params.min_tokens
         self.n = 0                      # tokens processed so far
 

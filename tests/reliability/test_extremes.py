@@ -61,7 +61,7 @@ def test_sampling_parameter_at_its_extremes_works_or_names_itself(llm, name, val
         assert all(0 <= t < llm.n_vocab for t in o.token_ids)
         assert len(o.token_ids) == (min(value, room) if name == "max_tokens" else 3)
         if name == "logprobs":
-            assert all(math.isfinite(lp) for d in o.logprobs for lp in d.values())
+            assert all(math.isfinite(lp.logprob) for d in o.logprobs for lp in d.values())
 
 
 def test_negative_zero_is_zero():

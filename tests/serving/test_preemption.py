@@ -155,7 +155,7 @@ def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatc
     outs = [_tokens_and_logprobs(sched, r) for r in (a, c, b)]
     assert seen and seen[0][0] == "prefill" and 0 < seen[0][1] < 200, seen     # b, between two chunks
     for got, w in zip(outs, want):
-        assert got == (w.token_ids, [lp[t] for lp, t in zip(w.logprobs, w.token_ids)])
+        assert got == (w.token_ids, [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)])
     m = sched.metrics
     assert m.prompt_tokens == 2 * (3 + 2 + 200) and m.recomputed_tokens >= 124
     assert llm.engine.cells.n_used == 0

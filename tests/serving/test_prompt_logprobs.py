@@ -139,9 +139,9 @@ def test_generate_reports_prompt_logprobs(path, want):
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(PROMPT)
     for i in range(1, len(PROMPT)):
-        assert plp[i][PROMPT[i]] == pytest.approx(want[i - 1, PROMPT[i]], rel=1e-6, abs=1e-7)
+        assert plp[i][PROMPT[i]].logprob == pytest.approx(want[i - 1, PROMPT[i]], rel=1e-6, abs=1e-7)
         best = sorted(want[i - 1])[::-1][:2]
-        others = sorted(plp[i].values(), reverse=True)
+        others = sorted((v.logprob for v in plp[i].values()), reverse=True)
         assert others[:2] == pytest.approx(best, rel=1e-6, abs=1e-7)               # the top 2 are there
     assert llm.engine.cells.n_used == 0
     for bad in (-1, 21, 1.5, "2"):
