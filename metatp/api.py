@@ -158,10 +158,10 @@ class LLM:
         for name, v in (("backend", backend), ("numerics", numerics), ("allreduce", allreduce)):
             if not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string, got {_type_name(v)} {_short(v)}")
+        split_mode = split_mode_name(split_mode)         # llama-cpp-python's 0 / 1 / 2
         if split_mode is not None and not isinstance(split_mode, str):
             raise ConfigError(f"split_mode must be 'none', 'tensor', 'layer' or None, got {_short(split_mode)}")
         seed = check_seed("seed", None if request_fields.is_integer(seed) and seed == -1 else seed)  # -1: random
-        split_mode = split_mode_name(split_mode)
         backend = check_gpu_layers(n_gpu_layers, backend)
         check_main_gpu(main_gpu)
         self.embedding, self.logits_all = _check_bool("embedding", embedding), _check_bool("logits_all", logits_all)

@@ -38,7 +38,7 @@ def split_mode_name(split_mode: Any) -> Any:
         if int(split_mode) not in LLAMA_SPLIT_MODES:
             raise ConfigError(f"split_mode {split_mode} is not one of llama.cpp's 0 (none), 1 (layer), 2 (row)")
         return LLAMA_SPLIT_MODES[int(split_mode)]
-    return LLAMA_SPLIT_MODES.get(split_mode, split_mode)
+    return LLAMA_SPLIT_MODES.get(split_mode, split_mode) if isinstance(split_mode, str) else split_mode
 
 
 def check_gpu_layers(n_gpu_layers: Any, backend: str) -> str:

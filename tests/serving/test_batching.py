@@ -31,7 +31,7 @@ PROMPTS = ["hello there", "the other one", "a", "xyz xyz", "0123456789", "batch"
 
 
 def greedy(n: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 def decode_logits(llm: LLM, k_before: int, k_with: int, steps: int = 3) -> list[np.ndarray]:

@@ -50,7 +50,7 @@ def reference_greedy(llm, ids: list[int], n: int, freq=0.0, pres=0.0, bias=None,
 
 
 def greedy(llm, prompt=PROMPT, n=16, **kw):
-    return llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=kw.pop("ignore_eos", True), **kw))[0].outputs[0]
+    return llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw))[0].outputs[0]
 
 
 def repeats(tokens) -> int:
