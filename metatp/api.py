@@ -10,7 +10,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -21,13 +21,17 @@ from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.sampling import SamplingParams, check_seed
 from metatp.logprobs import prompt_logprob_dicts, prompt_logprobs
-from metatp.chat_formats import with_chat_format, with_chat_template
-from metatp.llama_compat import Count, response_format_constraint
+from metatp.chat_formats import with_chat_format
+from metatp.llama_compat import (Count, check_gpu_layers, check_layer_count, check_main_gpu, check_threads,
+                                 response_format_constraint, split_mode_name)
 from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.output_processor import OutputProcessor, StepOutput
 from metatp.runner import ModelRunner
 from metatp.scheduler import Request, Scheduler, context_budget
+
+if TYPE_CHECKING:
+    from metatp.vllm_compat import TokenizerView
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
@@ -120,8 +124,6 @@ class LLM:
         from metatp.ir.loader import load_model
         from metatp.models import resolve_model
         from metatp.passes.plan import DeviceLayout
-
-        from metatp.llama_compat import check_gpu_layers, check_layer_count, check_main_gpu, check_threads, split_mode_name
 
         if model_path is not None:
             if model is not None:

@@ -16,7 +16,7 @@ __all__ = ["Count", "split_mode_name", "check_gpu_layers", "check_layer_count", 
            "response_format_constraint", "LLAMA_SPLIT_MODES"]
 
 # llama.cpp's enum llama_split_mode: NONE, LAYER, ROW (rows of each matrix across GPUs: metatp's tensor split)
-LLAMA_SPLIT_MODES = {0: "none", 1: "layer", 2: "tensor", "row": "tensor"}
+LLAMA_SPLIT_MODES = {0: "none", 1: "layer", 2: "tensor"}
 
 
 class Count(int):
@@ -32,13 +32,13 @@ def _is_int(v: Any) -> bool:
 
 
 def split_mode_name(split_mode: Any) -> Any:
-    """llama-cpp-python's split_mode (0 none, 1 layer, 2 row; or "row") as metatp's name; metatp's
-    own names pass through for `DeviceLayout` to check."""
+    """llama-cpp-python's split_mode (0 none, 1 layer, 2 row) as metatp's name; metatp's own
+    names pass through for `DeviceLayout` to check."""
     if _is_int(split_mode):
         if int(split_mode) not in LLAMA_SPLIT_MODES:
             raise ConfigError(f"split_mode {split_mode} is not one of llama.cpp's 0 (none), 1 (layer), 2 (row)")
         return LLAMA_SPLIT_MODES[int(split_mode)]
-    return LLAMA_SPLIT_MODES.get(split_mode, split_mode) if isinstance(split_mode, str) else split_mode
+    return split_mode
 
 
 def check_gpu_layers(n_gpu_layers: Any, backend: str) -> str:

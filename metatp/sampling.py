@@ -25,7 +25,8 @@ _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_t
 class SamplingParams:
     """How to pick tokens, with vLLM's defaults: temperature 1.0 (plain sampling), top_p 1,
     top_k -1 (off), max_tokens 16 -- so `SamplingParams(n=3)` gives three different samples, as
-    in vLLM; pass temperature=0 for greedy decoding. temperature 0 is greedy (argmax; the first index wins a tie); a tiny
+    in vLLM; pass temperature=0 for greedy decoding.
+    temperature 0 is greedy (argmax; the first index wins a tie); a tiny
     one (even a denormal) is the limit of the softmax: the maximal logits, ties drawn uniformly.
 
     `n`: samples per prompt (vLLM), at most MAX_N; with a seed, sample i > 0 draws from its own
