@@ -362,7 +362,7 @@ class LLM:
         if isinstance(prompt, bytes):
             raise ConfigError("a prompt must be text (str) or token ids, got bytes; decode it first")
         if isinstance(prompt, str):
-            ids = self.tokenize(prompt)
+            ids = self.tokenizer.encode(prompt)       # special tokens parsed (not `tokenize`: Llama's differs)
             if not ids:
                 bos = self.tokenizer.bos_id
                 if bos is None:

@@ -179,3 +179,13 @@ def test_chat_response_format_constrains_the_answer(dropin_llama):
     for bad in ({"type": "xml"}, "json", {"type": "json_schema"}):
         with pytest.raises(ConfigError, match="response_format"):
             dropin_llama.create_chat_completion(messages, response_format=bad)
+
+
+def test_prompts_parse_special_tokens_as_llama_cpp_python_does(dropin_llama, llm):
+    """create_completion tokenizes its prompt with special=True in llama-cpp-python too: the
+    same ids as LLM's, whatever Llama.tokenize's own default."""
+    prompt = "<|bos|>hello"
+    out = dropin_llama.create_completion(prompt, max_tokens=1, temperature=0)
+    assert out["usage"]["prompt_tokens"] == len(llm.prompt_ids(prompt)) < len(dropin_llama.tokenize(prompt))
+    assert dropin_llama.prompt_ids(prompt) == llm.prompt_ids(prompt) == dropin_llama.tokenize(prompt.encode(),
+                                                                                             special=True)
