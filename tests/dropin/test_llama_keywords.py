@@ -13,6 +13,7 @@ import pytest
 from metatp import LLM, Llama
 from metatp.ir.errors import ConfigError
 from metatp.testing.synth import SynthSpec
+from support.require import requires
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SPEC = SynthSpec(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=47, chat_template=TEMPLATE)
@@ -40,6 +41,21 @@ def test_n_threads_sets_the_cpu_kernels_threads(path, dropin_llama):
             LLM(path, n_ctx=32, backend="numpy", n_threads=bad)
     with pytest.raises(ConfigError, match="n_threads=2 contradicts"):
         LLM(path, n_ctx=32, backend="numpy", n_threads=2, backend_options={"kernel_threads": 3})
+
+
+@requires("emulator")
+def test_n_threads_is_accepted_by_a_gpu_backend(path, monkeypatch):
+    """The cupy backend computes nothing on CPU threads: n_threads asks nothing of it (and is
+    not passed on as the numpy backend's kernel_threads, which cupy would refuse)."""
+    import metatp.backends as backends
+    import metatp.backends.cuda.backend as cuda_backend
+    from metatp.testing import EmuRuntime
+
+    rt = EmuRuntime()
+    monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "CupyRuntime", lambda: rt)
+    llm = Llama(model_path=path, backend="cupy", n_ctx=64, n_batch=32, n_threads=8, n_gpu_layers=-1)
+    assert llm.backend.name == "cupy" and llm.tokenize(b"hi") == llm.model.tokenizer.encode("hi")
 
 
 def test_n_gpu_layers_covering_the_model_or_cpu_only(path):
