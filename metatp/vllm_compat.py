@@ -82,8 +82,14 @@ class TokenizerView:
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
         """The vocabulary's token strings (as stored in the GGUF, e.g. 'Ġthe' for byte-level BPE)."""
         if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
-            return self._tok.tokens[self._tok._check_id(ids)]
-        return [self._tok.tokens[self._tok._check_id(i)] for i in ids]
+            return self._token(ids)
+        return [self._token(i) for i in ids]
+
+    def _token(self, token_id: Any) -> str:
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral) \
+                or not 0 <= token_id < self._tok.n_vocab:
+            raise ConfigError(f"token id {short(token_id)} is outside the vocabulary (0..{self._tok.n_vocab - 1})")
+        return self._tok.tokens[int(token_id)]
 
     def apply_chat_template(self, conversation: list[dict], tokenize: bool = True, add_generation_prompt: bool = False,
                             chat_template: str | None = None, **kwargs: Any) -> str | list[int]:

@@ -160,3 +160,10 @@ def test_use_tqdm_takes_a_bar_factory(llm):
     assert len(llm.generate(["a", "b"], greedy(max_tokens=1), use_tqdm=True)) == 2     # a bar if tqdm is installed
     with pytest.raises(ConfigError, match="use_tqdm"):
         llm.generate("a", greedy(max_tokens=1), use_tqdm="yes")
+
+
+def test_tokenizer_view_names_a_bad_token_id(llm):
+    tok = llm.get_tokenizer()
+    for bad in (300, -1, 2.0, True):
+        with pytest.raises(ConfigError, match="outside the vocabulary"):
+            tok.convert_ids_to_tokens([bad])
