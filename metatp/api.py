@@ -10,7 +10,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 
@@ -21,12 +21,18 @@ from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
 from metatp.embeddings import check_lengths, check_pooling, embedding_answer, embedding_inputs, model_pooling, pooled
 from metatp.sampling import SamplingParams, check_seed
-from metatp.logprobs import prompt_logprob_dicts
+from metatp.logprobs import prompt_logprob_dicts, prompt_logprobs
+from metatp.chat_formats import with_chat_format
+from metatp.llama_compat import (Count, check_gpu_layers, check_layer_count, check_main_gpu, check_threads,
+                                 response_format_constraint, split_mode_name)
 from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.output_processor import OutputProcessor, StepOutput
 from metatp.runner import ModelRunner
 from metatp.scheduler import Request, Scheduler, context_budget
+
+if TYPE_CHECKING:
+    from metatp.vllm_compat import TokenizerView
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
@@ -93,6 +99,15 @@ class LLM:
     `pooling`: how `embed` / `create_embedding` pool a prompt's final hidden states: "mean",
     "cls" or "last" (llama.cpp's --pooling names; "none" and "rank" are refused); None: the GGUF's
     `{arch}.pooling_type`, "last" where it has none (`metatp.embeddings`).
+
+    llama-cpp-python's constructor keywords (`metatp.llama_compat`), so `Llama(model_path=...,
+    n_ctx=..., n_gpu_layers=-1, ...)` runs unchanged: `model_path` is `model`; `n_threads` the
+    compiled CPU kernels' threads (numpy backend's kernel_threads; the cupy backend computes
+    nothing on CPU threads); `n_gpu_layers` -1 or a count covering every layer (0: the numpy
+    backend; a partial offload is refused); `split_mode` 0/1/2 (none/layer/row = tensor);
+    `main_gpu` 0 (others: use CUDA_VISIBLE_DEVICES); `chat_format` None (the GGUF's template) or
+    one of `metatp.chat_formats.CHAT_FORMATS`; `seed` -1 a random seed; `embedding` and
+    `logits_all` True or False (metatp computes embeddings and every logit on demand either way).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
@@ -104,14 +119,21 @@ class LLM:
                  cache_type_v: str | None = None, max_model_len: int | None = None,
                  max_waiting: int | None = None, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None,
-                 pooling: str | None = None) -> None:
-        from metatp.backends import create_backend
+                 pooling: str | None = None,
+                 model_path: str | os.PathLike | None = None, n_threads: int | None = None,
+                 n_gpu_layers: int | None = None, main_gpu: int | None = None, chat_format: str | None = None,
+                 embedding: bool = False, logits_all: bool = False) -> None:
+        from metatp.backends import create_backend, resolve_backend_name
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
         from metatp.models import resolve_model
         from metatp.passes.plan import DeviceLayout
 
+        if model_path is not None:
+            if model is not None:
+                raise ConfigError(f"model={_short(model)} and model_path={_short(model_path)}: give the model once")
+            model = model_path
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f"model must be a GGUF path or a known model name (str or path), got "
                               f"{_type_name(model)} {_short(model)}")
@@ -144,9 +166,13 @@ class LLM:
         for name, v in (("backend", backend), ("numerics", numerics), ("allreduce", allreduce)):
             if not isinstance(v, str):
                 raise ConfigError(f"{name} must be a string, got {_type_name(v)} {_short(v)}")
+        split_mode = split_mode_name(split_mode)         # llama-cpp-python's 0 / 1 / 2
         if split_mode is not None and not isinstance(split_mode, str):
             raise ConfigError(f"split_mode must be 'none', 'tensor', 'layer' or None, got {_short(split_mode)}")
-        seed = check_seed("seed", seed)
+        seed = check_seed("seed", None if request_fields.is_integer(seed) and seed == -1 else seed)  # -1: random
+        backend = check_gpu_layers(n_gpu_layers, backend)
+        check_main_gpu(main_gpu)
+        self.embedding, self.logits_all = _check_bool("embedding", embedding), _check_bool("logits_all", logits_all)
         fit_context = _check_bool("fit_context", fit_context)
         verbose = _check_bool("verbose", verbose)
         cpu_kernels = _check_opt_bool("cpu_kernels", cpu_kernels)
@@ -175,7 +201,9 @@ class LLM:
         if backend_options is not None and not isinstance(backend_options, Mapping):
             raise ConfigError(f"backend_options must be a dict of option names to values, got "
                               f"{_type_name(backend_options)} {_short(backend_options)}")
-        options = dict(backend_options or {})
+        options = check_threads(n_threads, dict(backend_options or {}))
+        if n_threads is not None and self.world is None and resolve_backend_name(backend) != "numpy":
+            options.pop("kernel_threads")       # a GPU backend: no compute on CPU threads to count
         options.update(numerics=numerics, cpu_kernels=cpu_kernels, allreduce=allreduce)
         if cpu_kernels is None:
             options.pop("cpu_kernels")          # the numpy default; not an option of other backends
@@ -186,6 +214,7 @@ class LLM:
             self.world.check_model(self.model_path)
         self.model = load_model(self.model_path)
         hp = self.model.hparams
+        check_layer_count(n_gpu_layers, hp.n_layer, self.backend.name)
         if n_ctx is None:        # default: 2048, capped at what the model was trained for
             n_ctx = min(DEFAULT_N_CTX, hp.n_ctx_train)
         elif n_ctx > hp.n_ctx_train:
@@ -194,8 +223,8 @@ class LLM:
         if self.layout.split_mode == "tensor" and n_devices > min(hp.n_head_kv):
             warnings.warn(f"{n_devices} devices but only {min(hp.n_head_kv)} KV heads: "
                           "some devices get zero attention slices", stacklevel=2)
-        self.tokenizer = self.model.tokenizer
-        self.n_ctx = n_ctx
+        self.tokenizer = with_chat_format(self.model.tokenizer, chat_format)
+        self.n_ctx = Count(n_ctx)             # llm.n_ctx, and llama-cpp-python's llm.n_ctx()
         self._cache_types = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
                              **self._cache_types)
@@ -261,7 +290,7 @@ class LLM:
 
         fitted = fit_context(self.engine.memory_plan, fits, self.n_ctx)
         if fit and fitted > 0:
-            self.n_ctx = fitted
+            self.n_ctx = Count(fitted)
             self.engine = Engine(self.model, fitted, self.layout, self.backend, n_batch=n_batch, world=self.world,
                                  **self._cache_types)
             return self.engine.memory_plan()
@@ -280,8 +309,31 @@ class LLM:
 
     # ---------------------------------------------------------------- tokens
     @property
-    def n_vocab(self) -> int:
-        return self.model.hparams.n_vocab
+    def n_vocab(self) -> Count:
+        """The vocabulary size: `llm.n_vocab`, or llama-cpp-python's `llm.n_vocab()`."""
+        return Count(self.model.hparams.n_vocab)
+
+    def token_eos(self) -> int | None:
+        """The end-of-sequence token id (llama-cpp-python's name); None if the model has none."""
+        return self.tokenizer.eos_id
+
+    def token_bos(self) -> int | None:
+        """The beginning-of-sequence token id (llama-cpp-python's name); None if the model has none."""
+        return self.tokenizer.bos_id
+
+    def token_nl(self) -> int:
+        """The newline token id (llama-cpp-python's name: llama.cpp's linefeed token, "\n" alone)."""
+        ids = self.tokenizer.encode("\n", add_bos=False, special=False)
+        if len(ids) != 1:
+            raise ConfigError(f"this vocabulary has no single newline token (\"\\n\" encodes as {ids})")
+        return ids[0]
+
+    def get_tokenizer(self) -> "TokenizerView":
+        """The model's tokenizer with the Hugging Face methods vLLM scripts call on
+        `LLM.get_tokenizer()` (encode, decode, apply_chat_template, eos_token_id, ...)."""
+        from metatp.vllm_compat import TokenizerView
+
+        return TokenizerView(self.tokenizer)
 
     def tokenize(self, text: str, special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; honours the model's add_bos flag unless add_bos is given."""
@@ -316,7 +368,7 @@ class LLM:
         if isinstance(prompt, bytes):
             raise ConfigError("a prompt must be text (str) or token ids, got bytes; decode it first")
         if isinstance(prompt, str):
-            ids = self.tokenize(prompt)
+            ids = self.tokenizer.encode(prompt)       # special tokens parsed (not `tokenize`: Llama's differs)
             if not ids:
                 bos = self.tokenizer.bos_id
                 if bos is None:
@@ -366,12 +418,16 @@ class LLM:
     # ---------------------------------------------------------------- vLLM-style
     @mirrored
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | None = None, use_tqdm: Any = False) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); vLLM-shaped results.
 
         All prompts (and the `n` samples of each) run as sequences of one continuous batch;
         each result is what that prompt gives alone. `sampling_params`: one SamplingParams for
-        every prompt, or a list of one per prompt."""
+        every prompt, or a list of one per prompt; None: `SamplingParams()`, vLLM's defaults
+        (temperature 1.0). `use_tqdm` (vLLM's; default False here): a progress bar over the
+        prompts when tqdm is installed, or a tqdm-like callable."""
+        from metatp.vllm_compat import progress_bar
+
         prompts = self._prompt_list(prompts)
         if sampling_params is None:
             per_prompt = [SamplingParams()] * len(prompts)
@@ -386,6 +442,7 @@ class LLM:
             raise ConfigError(f"sampling_params must be a SamplingParams (or a list of one per prompt), got "
                               f"{_type_name(sampling_params)} {_short(sampling_params)}{hint}")
         all_ids = [self.prompt_ids(p) for p in prompts]      # every prompt checked before any work
+        bar = progress_bar(use_tqdm, len(prompts))
         t0 = time.perf_counter()
         groups: list[list[RequestHandle]] = []
         scoring: list[RequestHandle | None] = []     # prompt_logprobs: a scoring pass beside the samples
@@ -397,10 +454,17 @@ class LLM:
                 groups.append([])
                 for i in range(params.n):
                     groups[-1].append(self.submit(ids, params, i))
-            outs = [[h.result() for h in group] for group in groups]
-            prompt_lps = [None if h is None else prompt_logprob_dicts(h.logits(), ids, params.prompt_logprobs)
-                          for h, ids, params in zip(scoring, all_ids, per_prompt)]
+            outs = []
+            for group, params in zip(groups, per_prompt):
+                outs.append([_vllm_output(h.result(), params) for h in group])
+                if bar is not None:
+                    bar.update(1)
+            prompt_lps = [None if h is None else prompt_logprob_dicts(
+                h.logits(), ids, params.prompt_logprobs, self.tokenizer.token_text if params.detokenize else None)
+                for h, ids, params in zip(scoring, all_ids, per_prompt)]
         finally:
+            if bar is not None:
+                bar.close()
             for h in [h for group in groups for h in group] + [h for h in scoring if h is not None]:
                 if not h.done:
                     h.cancel()
@@ -413,6 +477,29 @@ class LLM:
                                       "time_to_first_token": None if first is None else first - group[0].request.t_submit},
                 prompt_logprobs=plp))
         return results
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: Any = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered with the model's chat template (or `chat_template`, a Jinja string;
+        `chat_template_kwargs` go to it) and generated as `generate` does; each result's `prompt`
+        is the rendered text. (Not mirrored itself: every rank renders alike, `generate` is.)"""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not convs:
+            raise ConfigError("messages is empty: pass a conversation (a list of message dicts) or a list of them")
+        view = self.get_tokenizer()
+        add_generation_prompt = _check_bool("add_generation_prompt", add_generation_prompt)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ConfigError(f"chat_template_kwargs must be a dict, got {_short(chat_template_kwargs)}")
+        texts = [view.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+                 for conv in convs]
+        outs = self.generate([self.tokenizer.encode(t, add_bos=None, special=True) for t in texts], sampling_params,
+                             use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     @staticmethod
     def _prompt_list(prompts: Any) -> list:
@@ -442,18 +529,21 @@ class LLM:
                           echo: bool = False, logprobs: int | None = None, **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns.
         `logprobs`: each generated token's log-probability and the `logprobs` most likely
-        alternatives (0-20; the server's `echo` with `logprobs` scores the prompt too, here that
-        pair is refused)."""
+        alternatives (0-20); with `echo`, the prompt's tokens' too (the first has none), as
+        llama-cpp-python and the server's /v1/completions give them."""
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
         stream, echo = request_fields.STREAM.check(stream), request_fields.ECHO.check(echo)
         if logprobs is not None:
             params = dataclasses.replace(params, logprobs=logprobs)         # SamplingParams checks the count
-            if echo:
-                raise ConfigError("echo with logprobs (the prompt's own logprobs) is not supported by "
-                                  "create_completion; metatp serve's /v1/completions gives them")
         ids = self.prompt_ids(prompt)
-        answer = TextAnswer(str(self.model_path), [ids], 1, self.tokenizer.token_text, self.detokenize, echo=echo,
-                            logprobs=params.logprobs, echo_text=[prompt] if isinstance(prompt, str) else None)
+        scored = None           # echo with logprobs: the prompt's tokens scored too (first: None), as the server does
+        if echo and params.logprobs is not None:
+            context_budget(len(ids), self.n_ctx, self.max_model_len)
+            logits = self.submit(ids, SamplingParams(max_tokens=0), kind="score").logits()
+            scored = [prompt_logprobs(logits, ids, params.logprobs)]
+        answer = TextAnswer(str(self.model_path), [ids], 1, self.tokenizer.token_text, self.tokenizer.decode,
+                            echo=echo, logprobs=params.logprobs, scored=scored,
+                            echo_text=[prompt] if isinstance(prompt, str) else None)
         return self._answer(answer, ids, params, stream)
 
     __call__ = create_completion
@@ -464,19 +554,25 @@ class LLM:
                                stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
                                repeat_penalty: float = 1.0, logprobs: bool = False, top_logprobs: int | None = None,
                                tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                               parallel_tool_calls: bool | None = None, **penalties: Any) -> dict | Iterator[dict]:
+                               parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+                               **penalties: Any) -> dict | Iterator[dict]:
         """OpenAI-style chat completion using the GGUF's chat template.
 
         Message content may be a string, None, or OpenAI content parts of type "text". `logprobs`:
         each generated token's log-probability, with the `top_logprobs` (0-20) most likely
-        alternatives, as OpenAI's chat answers carry them. `tools` / `tool_choice` /
+        alternatives, as OpenAI's chat answers carry them. `response_format`: {"type": "json_object"}
+        (with llama-cpp-python's "schema": that JSON schema) or OpenAI's {"type": "json_schema",
+        "json_schema": {"schema": ...}}, enforced by the structured-output engine. `tools` / `tool_choice` /
         `parallel_tool_calls`: OpenAI's tool calling (metatp.tool_calls), the answer's
-        `message.tool_calls` as llama-cpp-python returns them."""
+        `message.tool_calls` as llama-cpp-python returns them; not with a `response_format`."""
         from metatp.tool_calls import constrain, plan_tools, tool_request
         from metatp.tool_formats import detect_format
 
         plan = plan_tools(tool_request(tools, tool_choice, parallel_tool_calls), detect_format(self.tokenizer.chat_template))
         params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
+        constraint = response_format_constraint(response_format)
+        if constraint:
+            params = dataclasses.replace(params, **constraint)
         stream, logprobs = request_fields.STREAM.check(stream), request_fields.CHAT_LOGPROBS.check(logprobs)
         count = request_fields.chat_logprobs(logprobs, request_fields.TOP_LOGPROBS.check(top_logprobs))
         if count is not None:
@@ -561,3 +657,13 @@ def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed,
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
                           repetition_penalty=repeat_penalty)
+
+
+def _vllm_output(out: CompletionOutput, params: SamplingParams) -> CompletionOutput:
+    """A generation's output with vLLM's output options applied: the matched stop string kept
+    (include_stop_str_in_output), no text at all (detokenize=False)."""
+    if not params.detokenize:
+        return dataclasses.replace(out, text="")
+    if params.include_stop_str_in_output and out.finish_reason == "stop" and isinstance(out.stop_reason, str):
+        return dataclasses.replace(out, text=out.text + out.stop_reason)
+    return out

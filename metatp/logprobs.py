@@ -7,17 +7,56 @@ A row sampled from vocabulary-split logits without gathering them comes as `RowC
 (`metatp.backends.candidates`): its log-softmax is a candidate's logit minus the row's
 log-sum-exp, combined from each device's max and sum (equal to the gathered row's within float
 rounding: the sums add in another order), and its top alternatives are the merged candidates'
-(`CandidateSpec.covers` has checked they lie above every other logit)."""
+(`CandidateSpec.covers` has checked they lie above every other logit).
+
+The Python API reports them as vLLM does: per token a dict {token id: `Logprob`} holding the
+chosen token and the top alternatives (`CompletionOutput.logprobs`, `RequestOutput.prompt_logprobs`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from metatp.backends.candidates import RowCandidates
 
-__all__ = ["token_logprob", "prompt_logprobs", "prompt_logprob_dicts"]
+__all__ = ["Logprob", "token_logprob", "prompt_logprobs", "prompt_logprob_dicts", "logprob_dict"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability as vLLM reports it: `rank` 1 is the likeliest token (None
+    where the top alternatives asked for do not reach this token: its rank is past them and
+    metatp does not count the rest of the row for a generated token); `decoded_token` its text
+    (None when SamplingParams(detokenize=False))."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_dict(token: int, logprob: float, top: dict[int, float] | None,
+                 token_text: Callable[[int], str] | None, rank: int | None = None) -> dict[int, Logprob]:
+    """{token: its Logprob, each top alternative: its Logprob}, vLLM's per-position logprobs. The
+    ranks come from the top values (a value's rank: 1 + how many are larger), exact wherever the
+    top reaches the value; `rank` (the token's, where the caller counted it) wins over that."""
+    top = top or {}
+    values = sorted(top.values(), reverse=True)
+
+    def rank_of(v: float) -> int | None:
+        above = sum(1 for x in values if x > v)
+        return above + 1 if above < len(values) else None
+
+    def entry(t: int, v: float, r: int | None) -> Logprob:
+        return Logprob(float(v), r, None if token_text is None else token_text(t))
+
+    out = {token: entry(token, logprob, rank if rank is not None else rank_of(logprob))}
+    for t, v in top.items():
+        if t != token:
+            out[t] = entry(t, v, rank_of(v))
+    return out
 
 
 def token_logprob(logits: np.ndarray | RowCandidates, token: int, k: int) -> tuple[float, dict[int, float]]:
@@ -68,7 +107,9 @@ def prompt_logprobs(logits: np.ndarray, ids: list[int], k: int) -> list[tuple[fl
     return out
 
 
-def prompt_logprob_dicts(logits: np.ndarray, ids: list[int], k: int) -> list[dict[int, float] | None]:
+def prompt_logprob_dicts(logits: np.ndarray, ids: list[int], k: int,
+                         token_text: Callable[[int], str] | None = None) -> list[dict[int, Logprob] | None]:
     """`prompt_logprobs` in the shape of `CompletionOutput.logprobs`: per prompt token (None for
-    the first) {its id: its logprob, and each of the top `k`: theirs} (vLLM's RequestOutput.prompt_logprobs)."""
-    return [None if e is None else {t: e[0], **e[1]} for t, e in zip(ids, prompt_logprobs(logits, ids, k))]
+    the first) {its id: its Logprob, and each of the top `k`: theirs} (vLLM's RequestOutput.prompt_logprobs)."""
+    return [None if e is None else logprob_dict(t, e[0], e[1], token_text, rank=e[2])
+            for t, e in zip(ids, prompt_logprobs(logits, ids, k))]

@@ -121,7 +121,8 @@ class OutputProcessor:
         from metatp.ir.tokenizer import StreamDecoder
 
         self.stops = StopMatcher(params.stop or [])
-        self.decoder = StreamDecoder(tokenizer, skip_special=True)
+        self.decoder = StreamDecoder(tokenizer, skip_special=params.skip_special_tokens)
+        self.token_text = tokenizer.token_text      # one token's text, for logprobs
         self.min_tokens = params.min_tokens
         self.n = 0                      # tokens processed so far
         self.held: list[TokenText] = []     # tokens whose text is not all given out yet, in order

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from metatp.ir.errors import ConfigError
+from metatp.logprobs import Logprob, logprob_dict
 
 if TYPE_CHECKING:
     from metatp.output_processor import OutputProcessor, StepOutput, TokenEvent
@@ -35,7 +36,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None       # "stop" (EOS / stop string) or "length"
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None      # per token: its log-probability and the top ones
+    logprobs: list[dict[int, Logprob]] | None = None      # per token: its Logprob and the top ones' (vLLM's)
     cumulative_logprob: float | None = None
 
 
@@ -47,7 +48,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     metrics: dict = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # with SamplingParams(prompt_logprobs=k)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # with SamplingParams(prompt_logprobs=k)
 
 
 class RequestHandle:
@@ -115,17 +116,19 @@ class RequestHandle:
         """Wait for the whole generation: its text, tokens, finish reason and logprobs."""
         ids: list[int] = []
         pieces: list[str] = []
-        lps: list[dict[int, float]] | None = [] if self.request.params.logprobs is not None else None
+        params = self.request.params
+        lps: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        token_text = self._output.token_text if params.detokenize else None
         finish, reason = "length", None
         for step in self:
             if step.token is not None:
                 ids.append(step.token)
                 if lps is not None:
-                    lps.append({step.token: step.logprob, **(step.top_logprobs or {})})
+                    lps.append(logprob_dict(step.token, step.logprob, step.top_logprobs, token_text))
             pieces.append(step.text)
             if step.finish_reason:
                 finish, reason = step.finish_reason, step.stop_reason
-        cum = None if lps is None else float(sum(d[t] for d, t in zip(lps, ids)))
+        cum = None if lps is None else float(sum(d[t].logprob for d, t in zip(lps, ids)))
         return CompletionOutput(self.index, "".join(pieces), ids, finish, reason, lps, cum)
 
     def logits(self) -> np.ndarray:

@@ -23,7 +23,10 @@ _KEYWORD_EXTRAS = ("frequency_penalty", "presence_penalty", "logit_bias", "min_t
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy (argmax; the first index wins a tie); a tiny
+    """How to pick tokens, with vLLM's defaults: temperature 1.0 (plain sampling), top_p 1,
+    top_k -1 (off), max_tokens 16 -- so `SamplingParams(n=3)` gives three different samples, as
+    in vLLM; pass temperature=0 for greedy decoding.
+    temperature 0 is greedy (argmax; the first index wins a tie); a tiny
     one (even a denormal) is the limit of the softmax: the maximal logits, ties drawn uniformly.
 
     `n`: samples per prompt (vLLM), at most MAX_N; with a seed, sample i > 0 draws from its own
@@ -43,10 +46,15 @@ class SamplingParams:
     A bad constraint is a ConfigError naming its field.
     `cache_salt` (vLLM's): a request reuses prefix-cache blocks only from requests with the same
     salt (and, in a server, the same API-key tenant): an unguessable salt keeps others from timing
-    whether its prompt was seen. None: the tenant's unsalted blocks. Never shown in repr."""
+    whether its prompt was seen. None: the tenant's unsalted blocks. Never shown in repr.
+    vLLM's output options (`LLM.generate`): `skip_special_tokens` (True: control tokens leave no
+    text; False: they show as the model writes them, which needs
+    `spaces_between_special_tokens=False` -- metatp adds no spaces around them, so True with
+    False is refused by name), `include_stop_str_in_output` (the matched stop string ends the
+    text), `detokenize` (False: token ids only, no text; stop strings need text and are refused)."""
 
     max_tokens: int | None = 16
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
     min_p: float = 0.0
@@ -68,6 +76,10 @@ class SamplingParams:
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: str | None = field(default=None, repr=False)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
     constraint: str | None = field(default=None, init=False, repr=False, compare=False)   # llguidance's grammar
 
     def __post_init__(self) -> None:
@@ -92,10 +104,25 @@ class SamplingParams:
         self.min_tokens = request_fields.min_tokens(self.min_tokens, self.max_tokens)
         self.json_object = request_fields.JSON_OBJECT.check(self.json_object)
         self.cache_salt = request_fields.CACHE_SALT.check(self.cache_salt)
+        self._check_output_options()
         if self.json_object or self.json_schema is not None or self.guided_regex is not None \
                 or self.guided_choice is not None or self.guided_grammar is not None:
             from metatp.structured import grammar_of
             self.constraint = grammar_of(self)
+
+    def _check_output_options(self) -> None:
+        """vLLM's detokenization options: each a bool, and only the combinations metatp honours."""
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
+            setattr(self, name, request_fields.Flag(name).check(getattr(self, name)))
+        if not self.skip_special_tokens and self.spaces_between_special_tokens:
+            raise request_fields.FieldError(
+                "spaces_between_special_tokens", "spaces_between_special_tokens=True is not supported with "
+                "skip_special_tokens=False: metatp writes special tokens as the model's text, without spaces "
+                "around them; pass spaces_between_special_tokens=False")
+        if not self.detokenize and self.stop:
+            raise request_fields.FieldError("detokenize", "stop strings need text: detokenize=False cannot be "
+                                                          "combined with stop (use stop_token_ids)")
 
     @property
     def penalized(self) -> bool:

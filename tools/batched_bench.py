@@ -101,7 +101,7 @@ def _ttft(llm, pp: int, b: int, rng: np.random.Generator) -> tuple[float, float]
     from metatp import SamplingParams
 
     prompts = [[int(t) for t in rng.integers(1, llm.n_vocab, max(pp, 1))] for _ in range(b)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     ttfts = [o.metrics["time_to_first_token"] for o in outs]
     return statistics.median(ttfts), max(ttfts)
 

@@ -147,7 +147,7 @@ def test_quantized_kv_cache_under_layer_split(path, cache):
     one = LLM(path, **opts)
     split = LLM(path, n_devices=3, split_mode="layer", tensor_split=[1, 1, 1], **opts)
     assert _rel(split.score(IDS), one.score(IDS)) < 1e-5
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert split.generate([IDS[:4]], params)[0].outputs[0].token_ids == \
         one.generate([IDS[:4]], params)[0].outputs[0].token_ids
     plan = _plan(split.model, split.layout, cache=cache)
@@ -319,7 +319,7 @@ def test_a_weight_every_layer_reads_is_held_by_every_device():
 def test_several_sequences_in_one_step_match_one_device(path):
     """The engine's batched steps (several prompts, then their decode tokens together)."""
     prompts = [IDS[:3], IDS[2:7], IDS[1:2]]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     one = LLM(path, backend="numpy", **LLM_OPTIONS).generate(prompts, params)
     split = LLM(path, backend="numpy", n_devices=4, split_mode="layer", tensor_split=[1, 1, 2, 1],
                 **LLM_OPTIONS).generate(prompts, params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from metatp import LLM
+from metatp import LLM, SamplingParams
 from metatp.ir.errors import ConfigError, MemoryPlanError
 from metatp.passes.memory import parse_bytes
 from metatp.testing.synth import SynthSpec
@@ -15,7 +15,7 @@ def test_plan_matches_numpy_allocation_within_10_percent(synth_factory):
     path, _ = synth_factory(SynthSpec(n_vocab=2000, n_embd=128, n_ff=256, seed=21))
     llm = LLM(str(path), n_ctx=256, backend="numpy", n_batch=64)
     llm.score(list(range(2, 66)))                      # runs the largest (n_batch) plan
-    llm.generate("hi", )
+    llm.generate("hi", SamplingParams(temperature=0.0))
     planned = sum(llm.memory.totals())
     actual = sum(llm.backend.allocated_bytes())
     assert abs(planned - actual) / actual < 0.10, (planned, actual)
@@ -30,7 +30,7 @@ def test_plan_matches_allocation_with_int8_coded_weights(synth_factory):
     for n_devices in (1, 2):
         llm = LLM(str(path), n_ctx=256, backend="numpy", n_batch=64, n_devices=n_devices)
         llm.score(list(range(2, 66)))                  # the largest plan: long-prompt matmuls use the slab
-        llm.generate("hi")
+        llm.generate("hi", SamplingParams(temperature=0.0))
         assert llm.backend._encoded_only                # some weights are kept as codes only
         planned = sum(llm.memory.totals())
         actual = sum(llm.backend.allocated_bytes())

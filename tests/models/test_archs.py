@@ -254,5 +254,5 @@ def test_gemma3_270m_greedy_matches_llamacpp():
         require("model", f"gemma3-270m is not in the model cache ({path}); `metatp info -m gemma3-270m` fetches it")
     llm = LLM(str(path), n_ctx=64, backend="numpy")
     for prompt, (n, want) in GEMMA3_LLAMACPP_GREEDY.items():
-        out = llm.generate(prompt, SamplingParams(max_tokens=n))[0].outputs[0]
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n))[0].outputs[0]
         assert out.text == want, prompt

@@ -73,7 +73,7 @@ def test_incremental_decode_equals_batched(synth_factory):
 def test_graphs_are_reused_per_bucket(synth_factory):
     path, _ = synth_factory(SynthSpec(seed=8))
     llm = LLM(str(path), n_ctx=512, backend="numpy")
-    out = llm.generate([0, 5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+    out = llm.generate([0, 5, 6], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 40
     # one prefill graph + decode graphs per 256-token bucket, not one per token
     assert len(llm.engine._plans) <= 3
@@ -82,8 +82,8 @@ def test_graphs_are_reused_per_bucket(synth_factory):
 def test_greedy_generation_is_deterministic_and_seeded_sampling_repeats(synth_factory):
     path, _ = synth_factory(SynthSpec(seed=9))
     llm = LLM(str(path), n_ctx=128, backend="numpy")
-    a = llm.generate("hello there", SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
-    b = llm.generate("hello there", SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0]
+    a = llm.generate("hello there", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    b = llm.generate("hello there", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     assert a.token_ids == b.token_ids and a.finish_reason == "length"
     p = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=123, ignore_eos=True)
     c = llm.generate("hello", p)[0].outputs[0].token_ids
@@ -96,7 +96,7 @@ def test_context_limits(synth_factory):
     llm = LLM(str(path), n_ctx=16, backend="numpy")
     with pytest.raises(ContextOverflowError, match="n_ctx"):
         llm.generate(list(range(2, 30)))
-    out = llm.generate(list(range(2, 12)), SamplingParams(max_tokens=100, ignore_eos=True))[0].outputs[0]
+    out = llm.generate(list(range(2, 12)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 16 - 10 + 1
 
 
@@ -127,10 +127,10 @@ def test_unsupported_architecture_lists_supported(tmp_path, synth_factory):
 def test_stop_strings_and_streaming_chunks(synth_factory):
     path, _ = synth_factory(SynthSpec(seed=13))
     llm = LLM(str(path), n_ctx=128, backend="numpy")
-    full = llm.generate("ab", SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    full = llm.generate("ab", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
     if len(full) >= 4:
         stop = full[2:4]
-        cut = llm.generate("ab", SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))[0].outputs[0]
+        cut = llm.generate("ab", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))[0].outputs[0]
         assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
     chunks = list(llm("ab", max_tokens=12, temperature=0.0, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks).startswith(full[:1])

@@ -42,7 +42,7 @@ def single(synth_factory):
 
 
 def _greedy(llm: LLM) -> list[int]:
-    return llm.generate([IDS[:4]], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    return llm.generate([IDS[:4]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("n", list(SPLITS))
@@ -62,7 +62,7 @@ def test_default_model_layer_split_matches_single_device(default_llm):
     """The default model (30 layers) over 2, 3 and 4 devices, equal and uneven shares."""
     ids = default_llm.tokenizer.encode("The capital of France is a city where")
     ref = default_llm.score(ids)
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ref_ids = default_llm.generate([ids], params)[0].outputs[0].token_ids
     for n_devices, tensor_split in [(2, None), (3, [1, 2, 1]), (4, [2, 1, 1, 3])]:
         llm = LLM(str(default_llm.model_path), n_ctx=512, backend="numpy", n_devices=n_devices, split_mode="layer",

@@ -93,7 +93,7 @@ def test_teacher_forced_greedy_agrees_where_margin_is_clear(default_llm):
 
 
 def test_capital_of_france_and_two_plus_two(default_llm):
-    out = default_llm.generate("The capital of France is", SamplingParams(max_tokens=4))[0].outputs[0]
+    out = default_llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
     assert "Paris" in out.text
     chat = default_llm.create_chat_completion([{"role": "user", "content": "What is 2+2?"}], max_tokens=24,
                                               temperature=0.0)
@@ -117,7 +117,7 @@ def test_tensor_parallel_matches_single_device(default_llm, n_devices, tensor_sp
     ref = default_llm.score(ids)
     got = tp.score(ids)
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got_ids = tp.generate([ids], params)[0].outputs[0].token_ids
     assert got_ids == default_llm.generate([ids], params)[0].outputs[0].token_ids
     plan, _ = tp.engine.plan_for(BatchSpec(1, padded_kv(len(ids) + 1, 512), 1))

@@ -50,7 +50,7 @@ def main(path: str, out: str) -> int:
     early = [next(left)["choices"][0]["text"] for _ in range(2)]
     del left                                              # closed: rank 0 cancels it, every rank frees its cells
     try:
-        llm.generate([[1, 10 ** 6]] if rank == 0 else [[1, 2]], SamplingParams(max_tokens=3))
+        llm.generate([[1, 10 ** 6]] if rank == 0 else [[1, 2]], SamplingParams(temperature=0.0, max_tokens=3))
         refused = None
     except ConfigError as e:
         refused = [type(e).__name__, str(e), bool(getattr(e, "every_rank", False))]

@@ -35,7 +35,7 @@ for mode in ("candidates", "gathered"):
     if mode == "gathered":
         Sampler.candidate_spec = lambda self, n_vocab: None     # every row read whole (rank 0 decides)
     before, rows = llm.engine.logits_bytes, llm.engine.candidate_rows
-    outs = [[(c.token_ids, [{str(k): v for k, v in d.items()} for d in c.logprobs or []])
+    outs = [[(c.token_ids, [{str(k): v.logprob for k, v in d.items()} for d in c.logprobs or []])
              for o in llm.generate(prompts, p) for c in o.outputs] for p in params]
     runs[mode] = {"outs": outs, "bytes": llm.engine.logits_bytes - before,
                   "candidate_rows": llm.engine.candidate_rows - rows}

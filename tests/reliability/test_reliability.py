@@ -60,9 +60,9 @@ def test_generation_limits(path):
     llm = LLM(path, n_ctx=32, backend="numpy")
     with pytest.raises(ContextOverflowError, match="prompt has 40 tokens"):
         llm.generate([list(range(2, 42))])
-    out = llm.generate([list(range(2, 22))], SamplingParams(max_tokens=1000, ignore_eos=True))[0].outputs[0]
+    out = llm.generate([list(range(2, 22))], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))[0].outputs[0]
     assert out.finish_reason == "length" and 20 + len(out.token_ids) == 33
-    empty = llm.generate("", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    empty = llm.generate("", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
     assert empty.prompt_token_ids == [0] and len(empty.outputs[0].token_ids) == 3
     assert llm.generate("abc", SamplingParams(max_tokens=0))[0].outputs[0].token_ids == []
 

@@ -118,8 +118,8 @@ def test_numpy_values_are_accepted(llm):
 
 
 def test_one_sampling_params_per_prompt(llm):
-    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=1, ignore_eos=True),
-                                     SamplingParams(max_tokens=3, ignore_eos=True)])
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                                     SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)])
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 3]
 
 

@@ -31,7 +31,7 @@ PROMPTS = ["hello there", "the other one", "a", "xyz xyz", "0123456789", "batch"
 
 
 def greedy(n: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 def decode_logits(llm: LLM, k_before: int, k_with: int, steps: int = 3) -> list[np.ndarray]:
@@ -124,8 +124,8 @@ def test_n_samples_seeds_and_stops(llm):
     for o in a[0].outputs:
         assert len(o.logprobs) == len(o.token_ids)
         for tok, d in zip(o.token_ids, o.logprobs):
-            assert tok in d and len(d) <= 3 and all(v <= 0 for v in d.values())
-        assert o.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(o.logprobs, o.token_ids)))
+            assert tok in d and len(d) <= 3 and all(v.logprob <= 0 for v in d.values())
+        assert o.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in zip(o.logprobs, o.token_ids)))
     # per-sequence stop strings and limits in one batch
     text = llm.generate("hello", greedy(12))[0].outputs[0].text
     stop = text[3:5]

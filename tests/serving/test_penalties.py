@@ -50,7 +50,7 @@ def reference_greedy(llm, ids: list[int], n: int, freq=0.0, pres=0.0, bias=None,
 
 
 def greedy(llm, prompt=PROMPT, n=16, **kw):
-    return llm.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=kw.pop("ignore_eos", True), **kw))[0].outputs[0]
+    return llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw))[0].outputs[0]
 
 
 def repeats(tokens) -> int:
@@ -92,11 +92,11 @@ def test_presence_penalty_decides_a_near_tie(llm):
 
 def test_a_batch_with_penalties_gives_each_request_what_it_gives_alone(llm):
     prompts = [PROMPT, "once upon a time", PROMPT, "Hello, my name is"]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0),
-              SamplingParams(max_tokens=12, ignore_eos=True),
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=3, presence_penalty=1.0,
                              logit_bias={103: -100}),
-              SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={200: 5.0}, frequency_penalty=-0.5)]
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={200: 5.0}, frequency_penalty=-0.5)]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     alone = [llm.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone

@@ -77,7 +77,7 @@ def test_a_penalty_worked_by_hand():
 def test_frequency_and_presence_count_only_generated_tokens():
     """The prompt is repetition_penalty's (history), never frequency/presence's."""
     logits = np.array([3.0, 2.9, 0.0], np.float32)
-    s = Sampler(SamplingParams(frequency_penalty=2.0), np.random.default_rng(0))
+    s = Sampler(SamplingParams(temperature=0.0, frequency_penalty=2.0), np.random.default_rng(0))
     assert s(logits, history=[0, 0, 0]) == 0                  # token 0 only in the prompt: no penalty
     assert s(logits, history=[0, 0, 0], generated=[0]) == 1   # generated once: 3 - 2 < 2.9
 
@@ -94,7 +94,7 @@ def test_a_banned_token_is_never_sampled_even_when_it_is_the_likeliest(temperatu
 
 def test_min_tokens_bans_the_end_tokens_until_then():
     logits = np.array([0.0, 9.0, 1.0, 8.0], np.float32)          # 1: EOS, 3: a stop id, both likeliest
-    s = Sampler(SamplingParams(min_tokens=2, stop_token_ids=[3]), None, end_ids=(1, 3), n_vocab=4)
+    s = Sampler(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), None, end_ids=(1, 3), n_vocab=4)
     assert [s(logits, generated=g) for g in ([], [2], [2, 2])] == [2, 2, 1]
 
 

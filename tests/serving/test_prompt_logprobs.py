@@ -139,9 +139,9 @@ def test_generate_reports_prompt_logprobs(path, want):
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(PROMPT)
     for i in range(1, len(PROMPT)):
-        assert plp[i][PROMPT[i]] == pytest.approx(want[i - 1, PROMPT[i]], rel=1e-6, abs=1e-7)
+        assert plp[i][PROMPT[i]].logprob == pytest.approx(want[i - 1, PROMPT[i]], rel=1e-6, abs=1e-7)
         best = sorted(want[i - 1])[::-1][:2]
-        others = sorted(plp[i].values(), reverse=True)
+        others = sorted((v.logprob for v in plp[i].values()), reverse=True)
         assert others[:2] == pytest.approx(best, rel=1e-6, abs=1e-7)               # the top 2 are there
     assert llm.engine.cells.n_used == 0
     for bad in (-1, 21, 1.5, "2"):
@@ -153,7 +153,7 @@ def test_generate_reports_prompt_logprobs(path, want):
 def test_python_create_completion_logprobs_are_the_servers(path, plp_server):
     """llama-cpp-python's `logprobs` on `LLM.create_completion`: the same entries as the server's
     /v1/completions for the same request (tokens, logprobs, alternatives, offsets), streamed or
-    whole; echo with logprobs and bad counts are refused by name."""
+    whole, and with echo (the prompt's tokens scored too); bad counts are refused by name."""
     served = plp_server.client().completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
                                                     logprobs=3).choices[0]
     llm = LLM(path, n_ctx=N_CTX, backend="numpy")
@@ -171,8 +171,12 @@ def test_python_create_completion_logprobs_are_the_servers(path, plp_server):
     assert [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] \
         == lp["tokens"]
     assert llm.create_completion(PROMPT, max_tokens=2, temperature=0)["choices"][0]["logprobs"] is None
-    with pytest.raises(ConfigError, match="echo with logprobs"):
-        llm.create_completion(PROMPT, max_tokens=2, logprobs=1, echo=True)
+    echoed = llm.create_completion(PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)["choices"][0]
+    served = plp_server.client().completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0,
+                                                    logprobs=1, echo=True).choices[0]     # issue 47: as the server
+    assert echoed["text"] == served.text and echoed["logprobs"]["tokens"] == served.logprobs.tokens
+    assert echoed["logprobs"]["token_logprobs"] == pytest.approx(served.logprobs.token_logprobs, rel=1e-6, abs=1e-7)
+    assert echoed["logprobs"]["top_logprobs"][0] is None and served.logprobs.top_logprobs[0] is None
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ConfigError, match="logprobs must be"):
             llm.create_completion(PROMPT, max_tokens=2, logprobs=bad)

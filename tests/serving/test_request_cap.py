@@ -43,10 +43,10 @@ def test_generation_ends_with_length_at_the_cap_and_equals_the_uncapped_run(path
 def test_a_prompt_past_the_cap_is_refused_naming_its_length_and_the_cap(path):
     llm = LLM(path, n_ctx=512, backend="numpy", max_model_len=64)
     with pytest.raises(ContextOverflowError, match=r"prompt has 65 tokens.*at most 64 \(max_model_len\)"):
-        llm.generate([list(range(2, 67))], SamplingParams(max_tokens=1))
+        llm.generate([list(range(2, 67))], SamplingParams(temperature=0.0, max_tokens=1))
     with pytest.raises(ContextOverflowError, match="65 tokens"):
         llm.score(list(range(2, 67)))
-    at = llm.generate([list(range(2, 66))], SamplingParams(max_tokens=5))[0].outputs[0]
+    at = llm.generate([list(range(2, 66))], SamplingParams(temperature=0.0, max_tokens=5))[0].outputs[0]
     assert at.finish_reason == "length" and at.token_ids == []     # a prompt of exactly the cap: no room left
     assert llm.score(list(range(2, 66))).shape[0] == 64
     assert llm.engine.cells.n_used == 0

@@ -57,13 +57,13 @@ def test_sampler_never_picks_a_masked_token():
     logits = np.array([5.0, 1.0, 4.0, 3.0], dtype=np.float32)
     allowed = np.array([False, True, False, True])
     rng = np.random.default_rng(0)
-    assert Sampler(SamplingParams(), rng)(logits, allowed=allowed) == 3               # greedy: the best allowed
+    assert Sampler(SamplingParams(temperature=0.0), rng)(logits, allowed=allowed) == 3               # greedy: the best allowed
     hot = Sampler(SamplingParams(temperature=5.0, seed=1), rng)
     assert {hot(logits, allowed=allowed) for _ in range(200)} == {1, 3}
-    assert Sampler(SamplingParams(), rng)(logits) == 0                                # no mask: untouched
+    assert Sampler(SamplingParams(temperature=0.0), rng)(logits) == 0                                # no mask: untouched
     padded = np.append(logits, np.float32(9.0))                                      # an id past the mask
-    assert Sampler(SamplingParams(), rng)(padded, allowed=allowed) == 3
-    bans = SamplingParams(logit_bias={1: -100, 3: -100})                             # bans meet the mask
+    assert Sampler(SamplingParams(temperature=0.0), rng)(padded, allowed=allowed) == 3
+    bans = SamplingParams(temperature=0.0, logit_bias={1: -100, 3: -100})                             # bans meet the mask
     assert Sampler(bans, rng)(logits, allowed=allowed) in (1, 3)
 
 
@@ -110,14 +110,14 @@ def test_bad_constraints_are_config_errors_naming_the_field():
 
 def test_gbnf_and_lark_grammars(llm):
     for grammar in ('root ::= "yes" | "no"', 'start: "yes" | "no"'):
-        out = llm.generate("hi", SamplingParams(guided_grammar=grammar, max_tokens=8))[0].outputs[0]
+        out = llm.generate("hi", SamplingParams(temperature=0.0, guided_grammar=grammar, max_tokens=8))[0].outputs[0]
         assert out.text in ("yes", "no") and out.finish_reason == "stop"
 
 
 # ---------------------------------------------------------------- the default model, Python API
 def test_python_api_json_object(default_llm):
     outs = default_llm.generate([_chat(default_llm, q, JSON_SYSTEM) for q in JSON_PROMPTS[:4]],
-                                SamplingParams(max_tokens=64, json_object=True))
+                                SamplingParams(temperature=0.0, max_tokens=64, json_object=True))
     for o in outs:
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         assert isinstance(json.loads(o.outputs[0].text), dict)
@@ -125,17 +125,17 @@ def test_python_api_json_object(default_llm):
 
 def test_python_api_json_schema(default_llm):
     question, schema = SCHEMAS[0]
-    out = default_llm.generate(_chat(default_llm, question), SamplingParams(max_tokens=64, json_schema=schema))[0]
+    out = default_llm.generate(_chat(default_llm, question), SamplingParams(temperature=0.0, max_tokens=64, json_schema=schema))[0]
     assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
     jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
 def test_python_api_choice_and_regex(default_llm):
     prompt = _chat(default_llm, "Is the sky blue?")
-    out = default_llm.generate(prompt, SamplingParams(max_tokens=8, guided_choice=CHOICES))[0].outputs[0]
+    out = default_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, guided_choice=CHOICES))[0].outputs[0]
     assert out.text in CHOICES and out.finish_reason == "stop"
     out = default_llm.generate(_chat(default_llm, "A name and an age?"),
-                               SamplingParams(max_tokens=16, guided_regex=REGEX))[0].outputs[0]
+                               SamplingParams(temperature=0.0, max_tokens=16, guided_regex=REGEX))[0].outputs[0]
     assert re.fullmatch(REGEX, out.text) and out.finish_reason == "stop", out.text
 
 

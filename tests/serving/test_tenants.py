@@ -155,7 +155,7 @@ def test_python_api_honours_cache_salt(path):
     assert hits("s1") == 0
     assert hits("s2") == 0 and hits(None) == 0           # another salt, and none: their own namespaces
     assert hits("s1") == HIT and hits("s2") == HIT and hits(None) == HIT
-    assert llm.submit(LONG, SamplingParams(max_tokens=1, cache_salt="s1"), tenant="bob").result() is not None
+    assert llm.submit(LONG, SamplingParams(temperature=0.0, max_tokens=1, cache_salt="s1"), tenant="bob").result() is not None
     assert m.tenants["bob"].prefix_hit_tokens == 0 and m.tenants["bob"].requests == 1
     assert m.tenants[None].prefix_hit_tokens == 3 * HIT and m.tenants[None].requests == 6
 
