@@ -25,7 +25,7 @@ MMQ_TILE_TOKENS = (16, 32, 64)
 #: Below: the matvec kernel (its own limit, MATVEC_MAX_TOKENS, with its fusions). Above: dequantize
 #: + cuBLAS when cuBLAS is there (the f32 tile product runs on CUDA cores, cuBLAS's f16 GEMM on
 #: tensor cores: an estimate puts the crossover near 16 tokens for 1B-sized weights; measure it with
-#: ``python -m scripts.gpu_kernels_check --mmq-crossover`` on the GPU and set these). Without
+#: ``python -m scripts.mmq_crossover`` on the GPU and set these). Without
 #: cuBLAS every count above MATVEC_MAX_TOKENS takes this kernel.
 MMQ_MIN_TOKENS = MATVEC_MAX_TOKENS + 1
 MMQ_MAX_TOKENS = 16
