@@ -246,7 +246,8 @@ extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, 
 // grid (ceil(n_tokens*G / 16), n_head_kv), block (128). A block owns 16 "rows"
 // (query token, head-in-group) pairs r = t*G + g of one KV head, so K/V tiles of 32 keys
 // are read once per 16 rows. Scores: a warp per 4 rows x 32 keys (lane = key);
-// online softmax per row by one warp; P.V with dims tid and tid+128 per thread.
+// online softmax per row by one warp; P.V with dims tid and tid+128 per thread. With a mask,
+// a key tile no query of the block sees is skipped (no K/V read, no scores).
 // dynamic smem floats: 16*D (q) + 32*(D+1) (K or V tile, padded) + 16*32 (P) + 3*16.
 #define MT_PF_NR 16
 #define MT_PF_BK 32
@@ -298,9 +299,30 @@ __device__ __forceinline__ void attn_prefill_impl(
     }
     const typename KT::T* kh = k + (mt_i64)kvh * k_s1;
     const typename VT::T* vh = v + (mt_i64)kvh * v_s1;
+    // the tile's query tokens (rows r0.. are (token, head-in-group) pairs)
+    const int t_first = r0 / G, t_last = min(n_rows - 1, r0 + MT_PF_NR - 1) / G;
+    __shared__ int visible_s;
     __syncthreads();
 
     for (int kb = 0; kb < kv_end; kb += MT_PF_BK) {
+        // ---- with a mask: skip a key tile no query of this tile sees (the causal upper
+        // triangle given as a mask, other sequences' cells in a step of several). Exact: a
+        // masked key adds exp(-inf) = 0 and leaves the running maximum alone.
+        if (mask) {
+            if (tid == 0) visible_s = 0;
+            __syncthreads();
+            const int n_t = t_last - t_first + 1;
+            for (int e = tid; e < n_t * MT_PF_BK; e += MT_PF_NTH) {
+                const int t = t_first + e / MT_PF_BK, j = kb + (e & (MT_PF_BK - 1));
+                if (j < kv_end && (!causal || j <= t + causal_offset) &&
+                    mask[(mt_i64)t * mask_s1 + j] != -MT_INF)
+                    visible_s = 1;
+            }
+            __syncthreads();
+            const int visible = visible_s;
+            __syncthreads();  // everyone has read the flag before thread 0 clears it again
+            if (!visible) continue;
+        }
         // ---- K tile -> smem (f32, rows padded to D+1 against bank conflicts)
         for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
             const int kk = e / D, d = e - kk * D;
