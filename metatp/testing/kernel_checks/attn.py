@@ -12,7 +12,8 @@ from metatp.testing.kernel_checks.harness import Checker
 from metatp.backends.cuda.launch import KV_QUANT_TYPES
 from metatp.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention
 
-CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant', 'attn_prefill_tiles', 'attn_prefill_seqs')
+CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant', 'attn_prefill_tiles', 'attn_prefill_seqs',
+          'attn_decode_cells')
 
 
 def _kv(c: Checker, kvt, n_ctx, hkv, D):
@@ -268,3 +269,44 @@ def check_attn_prefill_seqs(c: Checker) -> None:
     # cells 64..79 (seq 2's, no query) fill the last key tile: it is skipped, never read
     _prefill_case(c, "interleaved pages, unseen tile NaN", "f16", 64, 4, 2, len(toks), n_kv, mask_inter, False, 0,
                   poison=np.arange(64, 80))
+
+
+def check_attn_decode_cells(c: Checker) -> None:
+    """Decode of several sequences, each token reading its own cells through a cell list: lists of
+    0, 1, 31..33 and 100 cells (across the 64-key tile and the splits), cells out of order and
+    shared by no one else, the cells nobody lists NaN (never read); every cache type, several head
+    groupings and split counts."""
+    from metatp.backends.cuda.launch import CACHE_TYPES
+
+    n_ctx = 260
+    lens = (1, 33, 0, 100, 31, 32)
+    perm = c.rng.permutation(n_ctx - 20)          # the last 20 cells belong to no list
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cells = perm[: offs[-1]].astype(np.int32)
+    T = len(lens)
+    configs = [("f16", 64, 9, 3, None), ("f16", 64, 9, 3, 1), ("f32", 80, 4, 4, 3), ("bf16", 128, 16, 2, None)]
+    configs += [(qt, 64, 8, 2, 2) for qt in KV_QUANT_TYPES]
+    for kvt, D, H, hkv, splits in configs:
+        ks, vs, k64, v64, strides = _any_kv(c, kvt, n_ctx, hkv, D)
+        if strides is None:             # cells no token lists: NaN, so a stray read shows
+            ks, vs = ks.copy(), vs.copy()
+            nan = 0x7FC0 if ks.dtype == np.uint16 else np.nan      # bf16 is stored as its bits
+            ks[n_ctx - 20:] = nan
+            vs[n_ctx - 20:] = nan
+        q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+        scale = 1.0 / math.sqrt(D)
+        ref = np.zeros((T, H, D))
+        for t in range(T):
+            rows = cells[offs[t]:offs[t + 1]]
+            if len(rows):
+                ref[t] = ref_attention(q[t:t + 1].astype(np.float64), k64[rows], v64[rows], scale, None, 0.0,
+                                       False)[0]
+        dq, dk, dv, dc, do = c.dev(q), c.dev(ks), c.dev(vs), c.dev(cells), c.dev(offs)
+        out = c.nan((T, H, D))
+        quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+        c.case("attn_decode_cells", f"{kvt} G={H // hkv} splits={splits or 'auto'}", (D, H, hkv, n_ctx, T),
+               lambda dq=dq, dk=dk, dv=dv, dc=dc, do=do, out=out, D=D, H=H, hkv=hkv, scale=scale, splits=splits,
+               quant=quant: c.ck.flash_attn_decode_cells(
+                   dq, dk, dv, out, dc, do, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, max_cells=max(lens),
+                   scale=scale, n_splits=splits, **quant),
+               lambda out=out: c.host(out), ref, 1e-4)
