@@ -135,6 +135,8 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
         Option("kv_dtype", ("f16", "bf16", "f32"), "f16", "KV cache storage type"),
         Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),
+        Option("mmq_min_tokens", int, None, "fewest tokens a MUL_MAT runs the tiled many-token kernel for"),
+        Option("mmq_max_tokens", int, None, "most tokens a MUL_MAT runs the tiled many-token kernel for"),
         Option("multi_gpu_graphs", ("whole", "segments"), "whole",
                "one CUDA graph across GPUs, or per-subgraph segments"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),

@@ -32,7 +32,11 @@ __device__ __forceinline__ float mt_attn_score(float dot, float scale, float sof
 // keys [split*chunk, split*chunk + chunk). Keys go in tiles of nth, one key per thread
 // for q.k (K row read with 16-byte loads), an online softmax per head by one warp,
 // then P.V with one output dim per thread.
-// dynamic smem floats: NG*D (q) + NG*nth (scores) + 3*NG (m, l, alpha).
+// dynamic smem floats: NG*D (q) + NG*nth (scores) + 3*NG (m, l, alpha) (+ nth ints of cell ids
+// with a cell list).
+// cells / cell_off (or null): token t attends to the cache rows cells[cell_off[t] + i],
+// i < cell_off[t + 1] - cell_off[t] (its own sequence's cells, all visible: no mask, no causal
+// limit, n_kv and kv_len unused); the splits cut the token's list.
 template <typename KT, typename VT, int NG>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const typename KT::T* __restrict__ k,
@@ -40,7 +44,7 @@ __device__ __forceinline__ void attn_decode_impl(
     const int* __restrict__ kv_len, float* __restrict__ out, float* __restrict__ part, int D,
     int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2,
     int v_s1, int v_s2, int mask_s1, int chunk, float scale, float softcap, int causal,
-    int causal_offset) {
+    int causal_offset, const int* __restrict__ cells = 0, const int* __restrict__ cell_off = 0) {
     const int nth = blockDim.x;
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, nwarps = nth >> 5;
@@ -57,6 +61,7 @@ __device__ __forceinline__ void attn_decode_impl(
     float* m_s = s_s + NG * nth;     // [NG]
     float* l_s = m_s + NG;           // [NG]
     float* a_s = l_s + NG;           // [NG]
+    int* c_s = (int*)(a_s + NG);     // [nth] the tile's cache rows (with a cell list)
 
     for (int e = tid; e < NG * D; e += nth) {
         const int g = e / D, d = e - g * D;
@@ -70,7 +75,13 @@ __device__ __forceinline__ void attn_decode_impl(
 #pragma unroll
     for (int g = 0; g < NG; ++g) acc[g] = 0.0f;
 
-    if (kv_len != 0) n_kv = max(0, min(n_kv, *kv_len));
+    const int* tcells = 0;  // this token's cell list
+    if (cells != 0) {
+        tcells = cells + cell_off[tok];
+        n_kv = cell_off[tok + 1] - cell_off[tok];
+    } else if (kv_len != 0) {
+        n_kv = max(0, min(n_kv, *kv_len));
+    }
     const int start = split * chunk;
     int end = min(n_kv, start + chunk);
     if (causal) end = min(end, tok + causal_offset + 1);
@@ -85,11 +96,12 @@ __device__ __forceinline__ void attn_decode_impl(
     for (int t0 = start; t0 < end; t0 += nth) {
         // ---- scores, one key per thread
         const int j = t0 + tid;
+        if (tcells != 0) c_s[tid] = j < end ? tcells[j] : 0;
         if (j < end) {
             float dot[NG];
 #pragma unroll
             for (int g = 0; g < NG; ++g) dot[g] = 0.0f;
-            const typename KT::T* kr = kh + (mt_i64)j * k_s2;
+            const typename KT::T* kr = kh + (mt_i64)(tcells != 0 ? c_s[tid] : j) * k_s2;
             for (int d = 0; d < D8; d += 8) {
                 float kf[8];
                 KT::get8(kr, d, kvec, kf);
@@ -151,7 +163,7 @@ __device__ __forceinline__ void attn_decode_impl(
             const int nk = min(nth, end - t0);
             const typename VT::T* vr = vh + (mt_i64)t0 * v_s2;
             for (int i = 0; i < nk; ++i) {
-                const float vv = VT::get(vr + (mt_i64)i * v_s2, tid);
+                const float vv = VT::get(tcells != 0 ? vh + (mt_i64)c_s[i] * v_s2 : vr + (mt_i64)i * v_s2, tid);
 #pragma unroll
                 for (int g = 0; g < NG; ++g)
                     if (g < ng) acc[g] = fmaf(s_s[g * nth + i], vv, acc[g]);
@@ -220,6 +232,38 @@ MT_DECODE_ENTRIES(q4_1, KvQ4_1)
 MT_DECODE_ENTRIES(q5_0, KvQ5_0)
 MT_DECODE_ENTRIES(q5_1, KvQ5_1)
 
+// attn_decode_cells_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const int32 *cells,
+//     const int32 *cell_off, float *out, float *part, int32 D, int32 n_head, int32 n_head_kv,
+//     int32 n_tokens, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2,
+//     int32 chunk, float32 scale, float32 softcap)
+// Decode of many sequences, each token reading only its own cells: token t attends to the cache
+// rows cells[cell_off[t] .. cell_off[t + 1]) (any rows, any order; an empty list gives 0).
+// Launch as attn_decode_* with n_split * chunk >= the longest list, dynamic smem
+// 4*(NG*D + NG*nth + 3*NG + nth) bytes.
+#define MT_DECODE_CELLS_ENTRY(kvname, KV, NG)                                                     \
+    extern "C" __global__ void __launch_bounds__(256) attn_decode_cells_##kvname##_g##NG(        \
+        const float* q, const KV::T* k, const KV::T* v, const int* cells, const int* cell_off,    \
+        float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int q_s1,         \
+        int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int chunk, float scale, float softcap) { \
+        attn_decode_impl<KV, KV, NG>(q, k, v, 0, 0, out, part, D, n_head, n_head_kv, n_tokens, 0,  \
+                                     q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, 0, chunk, scale, softcap, \
+                                     0, 0, cells, cell_off);                                      \
+    }
+#define MT_DECODE_CELLS_ENTRIES(kvname, KV) \
+    MT_DECODE_CELLS_ENTRY(kvname, KV, 1)    \
+    MT_DECODE_CELLS_ENTRY(kvname, KV, 2)    \
+    MT_DECODE_CELLS_ENTRY(kvname, KV, 4)    \
+    MT_DECODE_CELLS_ENTRY(kvname, KV, 8)
+
+MT_DECODE_CELLS_ENTRIES(f16, KvF16)
+MT_DECODE_CELLS_ENTRIES(bf16, KvBF16)
+MT_DECODE_CELLS_ENTRIES(f32, KvF32)
+MT_DECODE_CELLS_ENTRIES(q8_0, KvQ8_0)
+MT_DECODE_CELLS_ENTRIES(q4_0, KvQ4_0)
+MT_DECODE_CELLS_ENTRIES(q4_1, KvQ4_1)
+MT_DECODE_CELLS_ENTRIES(q5_0, KvQ5_0)
+MT_DECODE_CELLS_ENTRIES(q5_1, KvQ5_1)
+
 // attn_merge_f32(const float *part, float *out, int32 D, int32 n_head, int32 n_tokens,
 //                int32 n_split)
 // Combines the n_split partials (acc, m, l) of attn_decode_* with log-sum-exp weights:
@@ -246,7 +290,8 @@ extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, 
 // grid (ceil(n_tokens*G / 16), n_head_kv), block (128). A block owns 16 "rows"
 // (query token, head-in-group) pairs r = t*G + g of one KV head, so K/V tiles of 32 keys
 // are read once per 16 rows. Scores: a warp per 4 rows x 32 keys (lane = key);
-// online softmax per row by one warp; P.V with dims tid and tid+128 per thread.
+// online softmax per row by one warp; P.V with dims tid and tid+128 per thread. With a mask,
+// a key tile no query of the block sees is skipped (no K/V read, no scores).
 // dynamic smem floats: 16*D (q) + 32*(D+1) (K or V tile, padded) + 16*32 (P) + 3*16.
 #define MT_PF_NR 16
 #define MT_PF_BK 32
@@ -298,9 +343,30 @@ __device__ __forceinline__ void attn_prefill_impl(
     }
     const typename KT::T* kh = k + (mt_i64)kvh * k_s1;
     const typename VT::T* vh = v + (mt_i64)kvh * v_s1;
+    // the tile's query tokens (rows r0.. are (token, head-in-group) pairs)
+    const int t_first = r0 / G, t_last = min(n_rows - 1, r0 + MT_PF_NR - 1) / G;
+    __shared__ int visible_s;
     __syncthreads();
 
     for (int kb = 0; kb < kv_end; kb += MT_PF_BK) {
+        // ---- with a mask: skip a key tile no query of this tile sees (the causal upper
+        // triangle given as a mask, other sequences' cells in a step of several). Exact: a
+        // masked key adds exp(-inf) = 0 and leaves the running maximum alone.
+        if (mask) {
+            if (tid == 0) visible_s = 0;
+            __syncthreads();
+            const int n_t = t_last - t_first + 1;
+            for (int e = tid; e < n_t * MT_PF_BK; e += MT_PF_NTH) {
+                const int t = t_first + e / MT_PF_BK, j = kb + (e & (MT_PF_BK - 1));
+                if (j < kv_end && (!causal || j <= t + causal_offset) &&
+                    mask[(mt_i64)t * mask_s1 + j] != -MT_INF)
+                    visible_s = 1;
+            }
+            __syncthreads();
+            const int visible = visible_s;
+            __syncthreads();  // everyone has read the flag before thread 0 clears it again
+            if (!visible) continue;
+        }
         // ---- K tile -> smem (f32, rows padded to D+1 against bank conflicts)
         for (int e = tid; e < MT_PF_BK * D; e += MT_PF_NTH) {
             const int kk = e / D, d = e - kk * D;

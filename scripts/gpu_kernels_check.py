@@ -6,7 +6,8 @@
 
 The checks, one module per kernel family, and the references live in test support
 (`metatp.testing.kernel_checks`, `metatp.testing.oracles`); this is their
-command line. `tests/test_cuda_kernels.py` runs the same checks.
+command line. `tests/test_cuda_kernels.py` runs the same checks. `scripts/mmq_crossover.py` beside it
+times the three MUL_MAT paths (matvec, the tiled mmq kernel, dequantize + cuBLAS) over token counts.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.faults import allocating
+from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
@@ -80,7 +81,9 @@ class CupyBackend(Backend):
     exactness). gpus: the GPU ids to use (default all visible). multi_gpu_graphs: how a step
     over several GPUs is captured: "whole" (one graph spanning the GPUs, NCCL calls captured
     inside it; falls back to "segments" when that capture fails) or "segments" (one graph per
-    subgraph and device, collectives run eagerly between them).
+    subgraph and device, collectives run eagerly between them). mmq_min_tokens / mmq_max_tokens:
+    the token counts (inclusive) a MUL_MAT runs the tiled many-token kernel for (default
+    kernels.mmq.MMQ_MIN_TOKENS / MMQ_MAX_TOKENS; a max below the min turns it off).
 
     devices: the devices this process owns (default: all of the layout's); a strict subset
     needs a `collective` spanning the processes that own the others (its `prepare_allreduce`
@@ -97,7 +100,7 @@ class CupyBackend(Backend):
                  wire_thresholds: WireThresholds = WireThresholds(), kv_dtype: str = "f16",
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
-                 collective=None) -> None:
+                 collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -112,6 +115,9 @@ class CupyBackend(Backend):
         self.wire_thresholds = wire_thresholds
         self.kv_dtype = kv_dtype
         self.matmul_dtype = matmul_dtype
+        # the token counts a MUL_MAT runs the tiled many-token kernel for (kernels/mmq.py)
+        self.mmq_min_tokens = MMQ_MIN_TOKENS if mmq_min_tokens is None else int(mmq_min_tokens)
+        self.mmq_max_tokens = MMQ_MAX_TOKENS if mmq_max_tokens is None else int(mmq_max_tokens)
         self.multi_gpu_graphs = multi_gpu_graphs
         self.rt = runtime if runtime is not None else CupyRuntime()
         n_gpus = self.rt.n_gpus()

@@ -197,3 +197,27 @@ def test_kv_rows_oracle(cache_type):
         assert stored.dtype == np.uint8 and stored.shape == (3, 2, 64 // qk * nbytes)
     tol = {"f32": 0, "f16": 1e-3, "bf16": 1e-2, "q8_0": 2e-2, "q5_0": 0.1, "q5_1": 0.1}.get(cache_type, 0.2)
     assert np.abs(val - x).max() <= tol * np.abs(x).max()
+
+
+@requires_cxx
+def test_mmq_crossover_script_runs_the_three_paths_on_the_emulator(capsys):
+    """scripts/mmq_crossover (the GPU session's timing of matvec / mmq / dequantize + cuBLAS):
+    on the emulator every path's product matches the reference and nothing is timed."""
+    from scripts import mmq_crossover
+
+    assert mmq_crossover.main(["--emulate"]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny q4_k 20x256 | q4_k | 17 |" in out and "no suggestion" in out
+
+
+def test_mmq_crossover_suggests_where_the_tiled_kernel_wins_everywhere():
+    from scripts.mmq_crossover import suggest
+
+    def row(shape, t, mv, mq, gm):
+        return {"shape": shape, "tokens": t, "matvec_us": mv, "mmq_us": mq, "gemm_us": gm}
+    rows = [row("a", 4, 1.0, 2.0, 9.0), row("a", 16, 5.0, 3.0, 9.0), row("a", 64, 20.0, 8.0, 9.0),
+            row("a", 256, 80.0, 30.0, 10.0), row("b", 16, 5.0, 3.0, 9.0), row("b", 64, 20.0, 9.5, 9.0)]
+    assert suggest(rows) == (16, 16)            # at 64 tokens cuBLAS wins for shape b
+    assert suggest(rows[:4]) == (16, 64)
+    assert suggest([row("a", 4, 1.0, 2.0, 9.0)]) is None
+    assert suggest([{**row("a", 4, 1.0, 2.0, 9.0), "gemm_us": None}]) is None

@@ -14,6 +14,7 @@ from metatp.backends.cuda import fusion as cuda_fusion, kernels as ck, ops
 from metatp.backends.cuda.kernels.attn import ATTN_DECODE_MAX_TOKENS, attention_splits, decode_splits
 from metatp.backends.cuda.kernels.handler import FusionRow
 from metatp.backends.cuda.kernels.matvec import MATVEC_MAX_TOKENS, matmul_path
+from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
 from metatp.backends.cuda.launch import FAMILIES, using
 from metatp.backends.fusion import FusionKind
 from metatp.ir import ops as ir_ops
@@ -80,8 +81,17 @@ def _mul_mat(tokens: int, weight: bool = True, batched: bool = False):
 def test_matmul_path_is_the_one_decision():
     assert matmul_path(_mul_mat(1), gemm_available=True) == "matvec"
     assert matmul_path(_mul_mat(MATVEC_MAX_TOKENS), gemm_available=True) == "matvec"
-    assert matmul_path(_mul_mat(MATVEC_MAX_TOKENS + 1), gemm_available=True) == "gemm"
-    assert matmul_path(_mul_mat(MATVEC_MAX_TOKENS + 1), gemm_available=False) == "matvec"
+    assert matmul_path(_mul_mat(MMQ_MIN_TOKENS), gemm_available=True) == "mmq"
+    assert matmul_path(_mul_mat(MMQ_MAX_TOKENS), gemm_available=True) == "mmq"
+    assert matmul_path(_mul_mat(MMQ_MAX_TOKENS + 1), gemm_available=True) == "gemm"
+    assert matmul_path(_mul_mat(MMQ_MAX_TOKENS + 1), gemm_available=False) == "mmq"
+    # the backend's range: wider, narrower, or empty (the matvec / cuBLAS split as before)
+    assert matmul_path(_mul_mat(512), gemm_available=True, mmq_tokens=(2, 512)) == "mmq"
+    assert matmul_path(_mul_mat(2), gemm_available=True, mmq_tokens=(2, 512)) == "mmq"
+    assert matmul_path(_mul_mat(1), gemm_available=True, mmq_tokens=(2, 512)) == "matvec"
+    assert matmul_path(_mul_mat(MATVEC_MAX_TOKENS + 1), gemm_available=True, mmq_tokens=(9, 8)) == "gemm"
+    assert matmul_path(_mul_mat(MATVEC_MAX_TOKENS + 1), gemm_available=False, mmq_tokens=(9, 8)) == "matvec"
+    assert matmul_path(_mul_mat(MMQ_MIN_TOKENS, weight=False), gemm_available=True) == "general"
     assert matmul_path(_mul_mat(4, weight=False), gemm_available=True) == "general"
     assert matmul_path(_mul_mat(64, batched=True), gemm_available=True) == "general"
 

@@ -1,5 +1,7 @@
 """Flash attention (``cuda/attn.cu``): split-KV decode kernel plus merge for a few query tokens, a
-query-tiled prefill kernel; the attended KV length is read from device memory. The cache may be
+query-tiled prefill kernel (skipping key tiles its mask hides), and a decode kernel reading each
+token's own cells from a cell list (`flash_attn_decode_cells`, not used by the handler yet); the
+attended KV length is read from device memory. The cache may be
 f16 / bf16 / f32 or quantized (q8_0, q4_0, q4_1, q5_0, q5_1: uint8 blocks dequantized in
 registers, strides in bytes); K and V share one type.
 
@@ -16,7 +18,7 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import Scratch, array_of, record
 from metatp.backends.cuda.launch import (CACHE_TYPES, KV_QUANT_TYPES, head_strides, launch, empty, sm_count, i32, f32,
-                                         cdiv, cache_type_of, estrides, check_f32, check_i32)
+                                         cdiv, cache_type_of, estrides, check_f32, check_i32, check_contig)
 from metatp.backends.cuda.storage import graph_itemsize, quant_cache_type
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
@@ -28,11 +30,13 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits',
-           'attention_splits', 'flash_attn_decode', 'flash_attn_prefill', 'HANDLERS', 'FUSIONS', 'workspace']
+           'attention_splits', 'flash_attn_decode', 'flash_attn_decode_cells', 'flash_attn_prefill', 'HANDLERS',
+           'FUSIONS', 'workspace']
 
 _ATTN_NG = (1, 2, 4, 8)
 ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
-                + [f"attn_prefill_{t}" for t in CACHE_TYPES])
+                + [f"attn_prefill_{t}" for t in CACHE_TYPES]
+                + [f"attn_decode_cells_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG])
 
 
 def _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv, head_dim, n_tokens, n_kv,
@@ -130,6 +134,50 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
             i32(n_head), i32(n_head_kv), i32(n_tokens), i32(n_kv), i32(qs[0]),
             i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]), i32(vs[1]), i32(ms),
             i32(chunk), f32(scale), f32(softcap), i32(c), i32(co)),
+           shared_mem=smem)
+    if n_splits > 1:
+        launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
+               (workspace, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+
+
+def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_head_kv: int, head_dim: int,
+                            n_tokens: int, max_cells: int, scale: float, softcap: float = 0.0,
+                            n_splits: int | None = None, workspace=None, q_strides=None, k_strides=None,
+                            v_strides=None, kv_type: str | None = None) -> None:
+    """Decode of many sequences, each query token reading only its own cells (paged attention
+    over the engine's cell layout) instead of a mask over every cell.
+
+    ``cells``: int32, the cache rows of every token's list, concatenated; ``cell_off``: int32
+    [n_tokens + 1], token t's list is ``cells[cell_off[t]:cell_off[t + 1]]`` (any rows, any
+    order, all visible; an empty list gives 0). ``max_cells``: a bound on the longest list (it
+    sizes the splits; the lists may change between launches up to it, as a CUDA graph
+    replays). Other arguments as flash_attn_decode."""
+    if cells is None or cell_off is None:
+        raise ValueError("flash_attn_decode_cells needs cells and cell_off")
+    check_i32(cells, cell_off)
+    check_contig(cells, cell_off)
+    if cell_off.size < n_tokens + 1:
+        raise ValueError(f"cell_off has {cell_off.size} entries for {n_tokens} tokens (need n_tokens + 1)")
+    kvt, qs, ks, vs, _, _, _ = _attn_common(q, k, v, out, None, None, n_head, n_head_kv, head_dim, n_tokens,
+                                            max_cells, q_strides, k_strides, v_strides, None, False, 0, kv_type)
+    if n_tokens == 0:
+        return
+    g = n_head // n_head_kv
+    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
+    n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, max_cells, n_splits)
+    nth = max(64, cdiv(head_dim, 32) * 32)
+    smem = 4 * (ng * head_dim + ng * nth + 3 * ng + nth)
+    if n_splits > 1:
+        need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
+        if workspace is None:
+            workspace = empty((need,), np.float32)
+        elif workspace.size < need:
+            raise ValueError(f"workspace has {workspace.size} floats, need {need}")
+        check_f32(workspace)
+    launch("attn", f"attn_decode_cells_{kvt}_g{ng}", (n_splits, n_head_kv * cdiv(g, ng), n_tokens), (nth,),
+           (q, k, v, cells, cell_off, out, workspace if n_splits > 1 else None, i32(head_dim), i32(n_head),
+            i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]),
+            i32(vs[1]), i32(chunk), f32(scale), f32(softcap)),
            shared_mem=smem)
     if n_splits > 1:
         launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),

@@ -1,9 +1,9 @@
 """Weight x activation for a few tokens (``cuda/matvec.cu``): plain, with an add epilogue, q/k/v in one
 launch, gate/up + GLU, and MUL_MAT_ID (experts); an RMS norm of x can be folded into the prologue.
 
-The family's decisions: a MUL_MAT runs the matvec kernel, the prefill GEMM path (dequantize +
-cuBLAS, with scratch for the f16/f32 operands) or a cupy matmul, as `matmul_path` says (the
-handler and `workspace` both ask it); MUL_MAT_ID runs `matvec_id`; three fusions of one-token
+The family's decisions: a MUL_MAT runs the matvec kernel, the tiled many-token kernel (the mmq
+family), the prefill GEMM path (dequantize + cuBLAS, with scratch for the f16/f32 operands) or a
+cupy matmul, as `matmul_path` says (the handler and `workspace` both ask it); MUL_MAT_ID runs `matvec_id`; three fusions of one-token
 matvecs (`FUSIONS`: gate/up + GLU, the add epilogue, q/k/v in one launch) with x's RMS norm
 folded in where only they read it.
 """
@@ -19,6 +19,7 @@ from metatp.backends.cuda.kernels.dequant import dequantize
 from metatp.backends.cuda.kernels.elementwise import copy
 from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, record, rows_view, unfused_in_order,
                                                   weight_operand)
+from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS, mmq
 from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv, estrides,
                                          check_f32, check_i32, tail, check_block_type, device_ptr)
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'NORM_FOLD_MAX_ROWS', 'matvec', 'matvec_multi', 'matvec_glu',
-           'matvec_id', 'matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
+           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _MATVEC_NT = (1, 2, 4, 8)
 _GLU_ACTS = ("swiglu", "geglu")
@@ -204,15 +205,29 @@ def _plain_weight(w: Tensor) -> bool:
     return bool(w.flags & Flag.WEIGHT) and w.view_src is None and w.ne[2] == 1 and w.ne[3] == 1
 
 
-def matmul_path(node: Tensor, gemm_available: bool) -> str:
-    """How a MUL_MAT runs: "matvec" (a plain weight, up to MATVEC_MAX_TOKENS tokens, or no
-    cuBLAS), "gemm" (dequantize + cuBLAS above that) or "general" (two activations or a
-    batched weight: a cupy matmul)."""
+def matmul_path(node: Tensor, gemm_available: bool,
+                mmq_tokens: tuple[int, int] = (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS)) -> str:
+    """How a MUL_MAT runs: "general" (two activations or a batched weight: a cupy matmul);
+    for a plain weight by its token count: "mmq" (the tiled kernel) within `mmq_tokens`
+    (inclusive; the backend's mmq_min_tokens / mmq_max_tokens options), else "matvec" up to
+    MATVEC_MAX_TOKENS, "gemm" (dequantize + cuBLAS) above, or without cuBLAS the tiled
+    kernel ("matvec" when the range is empty)."""
     if not _plain_weight(node.src[0]):
         return "general"
-    if matmul_tokens(node) <= MATVEC_MAX_TOKENS or not gemm_available:
+    tokens = matmul_tokens(node)
+    lo, hi = mmq_tokens
+    if lo <= tokens <= hi:
+        return "mmq"
+    if tokens <= MATVEC_MAX_TOKENS:
         return "matvec"
-    return "gemm"
+    if gemm_available:
+        return "gemm"
+    return "mmq" if lo <= hi else "matvec"
+
+
+def backend_mmq_tokens(backend: CupyBackend) -> tuple[int, int]:
+    """The token range the backend runs the tiled kernel for (its options, or the defaults)."""
+    return backend.mmq_min_tokens, backend.mmq_max_tokens
 
 
 def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
@@ -223,7 +238,8 @@ def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
     """A MUL_MAT on the GEMM path needs its operand copies on device d."""
-    if node.op is not Op.MUL_MAT or matmul_path(node, backend.rt.gemm_available()) != "gemm":
+    if node.op is not Op.MUL_MAT or matmul_path(node, backend.rt.gemm_available(),
+                                                backend_mmq_tokens(backend)) != "gemm":
         return {}
     lw = plan.of(node.src[0]).local[d]
     return _gemm_scratch(lw.ne[0], lw.ne[1], matmul_tokens(node), backend.matmul_dtype)
@@ -231,7 +247,7 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
 
 # ---------------------------------------------------------------- handlers
 def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
-    path = matmul_path(node, ex.rt.gemm_available())
+    path = matmul_path(node, ex.rt.gemm_available(), backend_mmq_tokens(ex.backend))
     if path == "general":
         return _matmul_general(ex, d, node)
     w, x = node.src
@@ -241,6 +257,8 @@ def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
     xr, yr = rows_view(ex, array_of(ex, d, x)), rows_view(ex, array_of(ex, d, node))
     if path == "matvec":
         return record(matvec, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
+    if path == "mmq":
+        return record(mmq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
     return _gemm_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
 
 

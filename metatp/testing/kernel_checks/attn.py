@@ -12,7 +12,8 @@ from metatp.testing.kernel_checks.harness import Checker
 from metatp.backends.cuda.launch import KV_QUANT_TYPES
 from metatp.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention
 
-CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant')
+CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant', 'attn_prefill_tiles', 'attn_prefill_seqs',
+          'attn_decode_cells')
 
 
 def _kv(c: Checker, kvt, n_ctx, hkv, D):
@@ -181,3 +182,131 @@ def check_attn_quant(c: Checker) -> None:
                    fn(dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, n_kv=n_kv, scale=scale,
                       mask=dm, k_strides=strides, v_strides=strides, kv_type=qt, **extra),
                    lambda out=out: c.host(out), ref, 1e-4)
+
+
+def _any_kv(c: Checker, kvt: str, n_ctx: int, hkv: int, D: int):
+    """K, V of any cache type, their float64 values, and the byte strides a quantized one needs."""
+    if kvt in KV_QUANT_TYPES:
+        return _quant_kv(c, kvt, n_ctx, hkv, D)
+    return (*_kv(c, kvt, n_ctx, hkv, D), None)
+
+
+def _prefill_case(c: Checker, label: str, kvt: str, D: int, H: int, hkv: int, T: int, n_kv: int, mask, causal: bool,
+                  causal_offset: int, poison=None) -> None:
+    """One prefill launch; `poison`: cells (of a float cache) set to NaN on the device only, cells
+    no query may read (the reference reads the clean values and never sees them either)."""
+    ks, vs, k64, v64, strides = _any_kv(c, kvt, n_kv + 2, hkv, D)
+    if poison is not None:
+        ks, vs = ks.copy(), vs.copy()
+        ks[poison] = np.nan
+        vs[poison] = np.nan
+    q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+    scale = 1.0 / math.sqrt(D)
+    ref = ref_attention(q.astype(np.float64), k64[:n_kv], v64[:n_kv], scale, mask, 0.0, causal, causal_offset)
+    dq, dk, dv = c.dev(q), c.dev(ks), c.dev(vs)
+    dm = c.dev(mask) if mask is not None else None
+    out = c.nan((T, H, D))
+    quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+    c.case("attn_prefill", f"{kvt} G={H // hkv} {label}", (D, H, hkv, n_kv, T),
+           lambda: c.ck.flash_attn_prefill(dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T,
+                                           n_kv=n_kv, scale=scale, mask=dm, causal=causal,
+                                           causal_offset=causal_offset, **quant),
+           lambda: c.host(out), ref, 1e-4)
+
+
+def check_attn_prefill_tiles(c: Checker) -> None:
+    """Query rows (token x head-in-group) on both sides of the 16-row tile and keys on both sides of
+    the 32-key tile, with the causal flag and with the same causal triangle given as a mask (the
+    engine's form: fully masked key tiles are skipped)."""
+    D, H = 64, 3
+    for hkv, T in ((3, 15), (3, 16), (3, 17), (3, 53), (1, 5), (1, 6), (1, 11)):    # G=3: 15, 18, 33 rows
+        for past in (0, 16, 17):
+            n_kv = T + past
+            _prefill_case(c, f"T={T} past={past} causal", "f16", D, H, hkv, T, n_kv, None, True, past)
+    for T, n_kv in ((31, 31), (32, 32), (33, 33), (40, 101)):
+        j, t = np.arange(n_kv)[None, :], np.arange(T)[:, None]
+        mask = np.where(j <= t + n_kv - T, 0.0, -np.inf).astype(np.float32)
+        _prefill_case(c, f"T={T} n_kv={n_kv} causal mask", "f32", D, H, 3, T, n_kv, mask, False, 0)
+
+
+def _seqs_mask(seq_of_cell: np.ndarray, pos_of_cell: np.ndarray, seq_of_tok, pos_of_tok) -> np.ndarray:
+    """The mask of a step of several sequences: a query sees the cells of its own sequence at
+    positions up to its own (what the engine builds over its cells)."""
+    see = (seq_of_cell[None, :] == np.asarray(seq_of_tok)[:, None]) & (pos_of_cell[None, :] <= np.asarray(pos_of_tok)[:, None])
+    return np.where(see, 0.0, -np.inf).astype(np.float32)
+
+
+def check_attn_prefill_seqs(c: Checker) -> None:
+    """Several sequences in one prefill step, each seeing only its own cells (a general mask, no
+    causal flag), on every cache type: prompt chunks of 3 sequences after different pasts, cells
+    in contiguous runs; and cells interleaved between two sequences (pages handed out in turn),
+    with a sequence that has no query in the step."""
+    from metatp.backends.cuda.launch import CACHE_TYPES
+
+    # run layout: sequence s owns cells [start_s, start_s + past_s + new_s); its new tokens are queries
+    runs = ((0, 20, 5), (1, 0, 40), (2, 33, 2))      # (seq, past, new)
+    seq_c, pos_c, seq_t, pos_t = [], [], [], []
+    for s, past, new in runs:
+        seq_c += [s] * (past + new)
+        pos_c += list(range(past + new))
+        seq_t += [s] * new
+        pos_t += list(range(past, past + new))
+    mask_runs = _seqs_mask(np.array(seq_c), np.array(pos_c), seq_t, pos_t)
+    # interleaved pages of 8 cells: seq 0, 1, 0, 1, ... (seq 2 owns the last 16 cells, no queries)
+    n_kv = 80
+    page = np.arange(n_kv) // 8
+    seq_i = np.where(page < 8, page % 2, 2)
+    pos_i = np.zeros(n_kv, int)
+    for s in (0, 1, 2):
+        pos_i[seq_i == s] = np.arange((seq_i == s).sum())
+    toks = [(0, 27), (0, 28), (1, 31), (1, 5), (0, 3)]
+    mask_inter = _seqs_mask(seq_i, pos_i, [s for s, _ in toks], [p for _, p in toks])
+    for kvt in CACHE_TYPES:
+        _prefill_case(c, "3 sequences in runs", kvt, 64, 4, 2, mask_runs.shape[0], mask_runs.shape[1], mask_runs,
+                      False, 0)
+    for kvt in ("f16", "q4_0"):
+        _prefill_case(c, "interleaved pages", kvt, 64, 4, 2, len(toks), n_kv, mask_inter, False, 0)
+    # cells 64..79 (seq 2's, no query) fill the last key tile: it is skipped, never read
+    _prefill_case(c, "interleaved pages, unseen tile NaN", "f16", 64, 4, 2, len(toks), n_kv, mask_inter, False, 0,
+                  poison=np.arange(64, 80))
+
+
+def check_attn_decode_cells(c: Checker) -> None:
+    """Decode of several sequences, each token reading its own cells through a cell list: lists of
+    0, 1, 31..33 and 100 cells (across the 64-key tile and the splits), cells out of order and
+    shared by no one else, the cells nobody lists NaN (never read); every cache type, several head
+    groupings and split counts."""
+    from metatp.backends.cuda.launch import CACHE_TYPES
+
+    n_ctx = 260
+    lens = (1, 33, 0, 100, 31, 32)
+    perm = c.rng.permutation(n_ctx - 20)          # the last 20 cells belong to no list
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cells = perm[: offs[-1]].astype(np.int32)
+    T = len(lens)
+    configs = [("f16", 64, 9, 3, None), ("f16", 64, 9, 3, 1), ("f32", 80, 4, 4, 3), ("bf16", 128, 16, 2, None)]
+    configs += [(qt, 64, 8, 2, 2) for qt in KV_QUANT_TYPES]
+    for kvt, D, H, hkv, splits in configs:
+        ks, vs, k64, v64, strides = _any_kv(c, kvt, n_ctx, hkv, D)
+        if strides is None:             # cells no token lists: NaN, so a stray read shows
+            ks, vs = ks.copy(), vs.copy()
+            nan = 0x7FC0 if ks.dtype == np.uint16 else np.nan      # bf16 is stored as its bits
+            ks[n_ctx - 20:] = nan
+            vs[n_ctx - 20:] = nan
+        q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+        scale = 1.0 / math.sqrt(D)
+        ref = np.zeros((T, H, D))
+        for t in range(T):
+            rows = cells[offs[t]:offs[t + 1]]
+            if len(rows):
+                ref[t] = ref_attention(q[t:t + 1].astype(np.float64), k64[rows], v64[rows], scale, None, 0.0,
+                                       False)[0]
+        dq, dk, dv, dc, do = c.dev(q), c.dev(ks), c.dev(vs), c.dev(cells), c.dev(offs)
+        out = c.nan((T, H, D))
+        quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+        c.case("attn_decode_cells", f"{kvt} G={H // hkv} splits={splits or 'auto'}", (D, H, hkv, n_ctx, T),
+               lambda dq=dq, dk=dk, dv=dv, dc=dc, do=do, out=out, D=D, H=H, hkv=hkv, scale=scale, splits=splits,
+               quant=quant: c.ck.flash_attn_decode_cells(
+                   dq, dk, dv, out, dc, do, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, max_cells=max(lens),
+                   scale=scale, n_splits=splits, **quant),
+               lambda out=out: c.host(out), ref, 1e-4)
