@@ -88,7 +88,7 @@ class LLM:
     whose -sm tensor needs an unquantized cache); its head size must be whole quant blocks.
     `backend_options`: further options of the chosen backend, checked against its table in
     `metatp.backends.registry` (cupy: cuda_graphs, wire, kv_dtype, matmul_dtype,
-    multi_gpu_graphs; numpy: parallel_devices, kernel_threads, the compiled kernels' thread
+    multi_gpu_graphs, mmq_min_tokens, mmq_max_tokens; numpy: parallel_devices, kernel_threads, the compiled kernels' thread
     count, default $METATP_NUM_THREADS).
     `distributed`: "auto" (one process per device when started by `mpiexec -n N`, N > 1), "mpi"
     (even for one process) or "none". Under MPI the world size is the device count (`n_devices`
