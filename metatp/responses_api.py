@@ -245,6 +245,14 @@ def _text_format(body: dict) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+def _forces_a_call(body: dict) -> bool:
+    """Does tool_choice force a function call (required, or a named function)? Then the answer
+    holds no text, and text.format has nothing to shape: it is checked and left out (instructor's
+    RESPONSES_TOOLS mode sends the tool's schema as both, and OpenAI takes them together)."""
+    return bool(body.get("tools")) and (body.get("tool_choice") == "required"
+                                        or isinstance(body.get("tool_choice"), dict))
+
+
 def refuse_unsupported(body: dict) -> None:
     """Fields that would change the answer and that this route does not implement, refused by
     name: max_tool_calls, background mode, and a previous response or conversation (nothing is
@@ -291,7 +299,7 @@ def responses_request(body: dict) -> ResponsesRequest:
     chat_body["max_tokens"] = max_out
     chat_body.update(_tool_fields(body))
     fmt = _text_format(body)
-    if fmt is not None:
+    if fmt is not None and not _forces_a_call(body):
         chat_body["response_format"] = fmt
     echo = {"instructions": body.get("instructions"), "max_output_tokens": max_out, "metadata": metadata or {},
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),

@@ -272,8 +272,7 @@ def test_a_call_whose_arguments_do_not_validate_stays_text():
     ({"tools": [FORECAST], "tool_choice": {"type": "file_search"}}, "tool_choice", "file_search"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
     ({"tools": [FORECAST], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls"),
-    ({"tools": [FORECAST], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text",
-     "text.format"),
+    ({"tools": [FORECAST], "text": {"format": {"type": "json_object"}}}, "text", "text.format"),   # auto: a conflict
     ({"tools": [FORECAST], "max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input", "call_9"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "forecast"}]}, "input", "input[0].arguments"),
@@ -286,6 +285,17 @@ def test_bad_tool_fields_are_a_400_naming_the_field(resptools_http, extra, param
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
+
+
+def test_text_format_beside_a_forced_call_is_left_out(resptools_client):
+    """A forced call holds no text for text.format to shape (instructor sends both): the call, as without it."""
+    fmt = {"type": "json_schema", "name": "alarm", "schema": ALARM["parameters"], "strict": True}
+    kw = dict(model="m", input="x", tools=[FORECAST, ALARM], tool_choice={"type": "function", "name": "alarm"},
+              max_output_tokens=60, temperature=0)
+    resp = resptools_client.responses.create(**kw, text={"format": fmt})
+    [call] = _function_calls(resp)
+    assert call.arguments == _function_calls(resptools_client.responses.create(**kw))[0].arguments
+    assert resp.text.format.type == "json_schema"                 # echoed as sent
 
 
 def test_the_openai_client_sees_a_bad_tool_type_as_bad_request(resptools_client):
@@ -301,17 +311,54 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Get the cu
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-@pytest.mark.slow
-def test_the_default_model_calls_the_named_function_and_reads_its_result(default_model):
+@pytest.fixture(scope="module")
+def resptools_default_client(default_model):
+    """The app on the default model (SmolLM2: no tool syntax, the generic format)."""
     with _app_client(LLM(str(default_model), backend="numpy", n_ctx=1024)) as http:
-        client = _openai(http)
-        question = {"role": "user", "content": "What time is it in Tokyo?"}
-        resp = client.responses.create(model="m", input=[question], tools=[TIME, WEATHER], temperature=0,
-                                       tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=96)
-        [call] = _function_calls(resp)
-        assert (call.name, json.loads(call.arguments)) == ("get_time", {"city": "Tokyo"})
-        answer = client.responses.create(
-            model="m", tools=[TIME, WEATHER], tool_choice="none", temperature=0, max_output_tokens=32,
-            input=[question, call.model_dump(exclude_none=True),
-                   {"type": "function_call_output", "call_id": call.call_id, "output": "It is 12:00 in Tokyo."}])
-        assert answer.output_text and not _function_calls(answer)
+        yield _openai(http)
+
+
+@pytest.mark.slow
+def test_the_default_model_calls_the_named_function_and_reads_its_result(resptools_default_client):
+    client = resptools_default_client
+    question = {"role": "user", "content": "What time is it in Tokyo?"}
+    resp = client.responses.create(model="m", input=[question], tools=[TIME, WEATHER], temperature=0,
+                                   tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=96)
+    [call] = _function_calls(resp)
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {"city": "Tokyo"})
+    answer = client.responses.create(
+        model="m", tools=[TIME, WEATHER], tool_choice="none", temperature=0, max_output_tokens=32,
+        input=[question, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "It is 12:00 in Tokyo."}])
+    assert answer.output_text and not _function_calls(answer)
+
+
+@pytest.mark.slow
+def test_responses_parse_gives_pydantic_parsed_arguments(resptools_default_client):
+    """The openai client's own tool helper: pydantic_function_tool (strict), parsed_arguments."""
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    resp = resptools_default_client.responses.parse(model="m", input="John is 30 years old.", temperature=0,
+                                                     tools=[openai.pydantic_function_tool(Person)],
+                                                     tool_choice="required", max_output_tokens=64)
+    [call] = _function_calls(resp)
+    assert call.name == "Person" and isinstance(call.parsed_arguments, Person) and call.parsed_arguments.name
+
+
+@pytest.mark.slow
+def test_instructor_responses_tools_mode(resptools_default_client):
+    instructor = pytest.importorskip("instructor")
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    client = instructor.from_openai(resptools_default_client, mode=instructor.Mode.RESPONSES_TOOLS)
+    p = client.responses.create(model="m", response_model=Person, max_retries=0, temperature=0, max_output_tokens=64,
+                                input=[{"role": "user", "content": "John is 30 years old."}])
+    assert isinstance(p, Person) and isinstance(p.age, int) and p.name
