@@ -107,15 +107,18 @@ def test_tool_choice_none_answers_a_plain_message(resptools_client):
 
 
 ROUND_TRIP = [{"role": "user", "content": "forecast please"},
-              {"type": "function_call", "call_id": "call_1", "name": "forecast", "arguments": '{"unit": "c", "days": 2}'},
+              {"type": "function_call", "call_id": "call_1", "name": "forecast",
+               "arguments": '{"unit": "c", "days": 2}'},
               {"type": "function_call", "call_id": "call_2", "name": "alarm", "arguments": '{"on": true}'},
               {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 18 C"},
-              {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "set"}]}]
+              {"type": "function_call_output", "call_id": "call_2",
+               "output": [{"type": "input_text", "text": "set"}]}]
 CHAT_ROUND_TRIP = [{"role": "user", "content": "forecast please"},
                    {"role": "assistant", "content": None, "tool_calls": [
                        {"id": "call_1", "type": "function", "function": {"name": "forecast",
                                                                          "arguments": '{"unit": "c", "days": 2}'}},
-                       {"id": "call_2", "type": "function", "function": {"name": "alarm", "arguments": '{"on": true}'}}]},
+                       {"id": "call_2", "type": "function",
+                        "function": {"name": "alarm", "arguments": '{"on": true}'}}]},
                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 18 C"},
                    {"role": "tool", "tool_call_id": "call_2", "content": "set"}]
 
