@@ -110,6 +110,7 @@ def _message(i: int, item: dict) -> dict:
 
 
 def _strings(i: int, item: dict, names: tuple[str, ...]) -> list[str]:
+    """The item's string fields `names`, each required (a 400 naming input[i].<name> otherwise)."""
     for name in names:
         if not isinstance(item.get(name), str):
             raise BadRequest(f"'input[{i}].{name}' must be a string ({item['type']} items have "
