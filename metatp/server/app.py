@@ -292,19 +292,21 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
         return await respond(request, ChatAnswer(model, ids, params.n, srv.piece, usage_in_stream, want_lp, tools),
                              reqs, queue, stream)
 
-    def responses_prompt(parsed: responses_api.ResponsesRequest) -> tuple[SamplingParams, list[int]]:
-        """A /v1/responses request's SamplingParams and prompt ids (its messages rendered by the
-        chat template), checked by the chat route's checks; a refusal names the Responses field."""
+    def responses_prompt(parsed: responses_api.ResponsesRequest) -> tuple[SamplingParams, list[int], ToolPlan | None]:
+        """A /v1/responses request's SamplingParams, prompt ids (its messages rendered by the chat
+        template) and tool plan, checked by the chat route's checks; a refusal names the Responses field."""
         try:
+            tools = tool_plan(parsed.chat_body, tool_format)
             params = sampling_params(parsed.chat_body, parsed.logprobs, None)
+            params = constrain_to_tools(params, tools)
             srv.check_chat_chars(parsed.messages)
-            ids = chat_prompt_ids(llm.tokenizer, parsed.messages)
+            ids = chat_prompt_ids(llm.tokenizer, parsed.messages, tools, tool_format)
             srv.check_max_tokens(parsed.chat_body, [ids])
         except FieldError as e:
             raise responses_api.renamed(as_bad_request(e)) from None
         except BadRequest as e:
             raise responses_api.renamed(e) from None
-        return params, ids
+        return params, ids, tools
 
     @app.post("/v1/responses")
     async def responses(request: HttpRequest):
@@ -316,9 +318,9 @@ def create_app(llm: "LLM", model_name: str | None = None, api_key: "str | Sequen
             await check_constraint(parsed.chat_body, llm.tokenizer)
         except BadRequest as e:
             raise responses_api.renamed(e) from None
-        params, ids = await offload(responses_prompt, parsed)
+        params, ids, tools = await offload(responses_prompt, parsed)
         reqs, queue = await srv.start([ids], params, streamed=parsed.stream, run=offload)
-        answer = responses_api.ResponsesAnswer(model, parsed, len(ids), srv.piece)
+        answer = responses_api.ResponsesAnswer(model, parsed, len(ids), srv.piece, tools)
         if not parsed.stream:
             per = await collect(request, srv, reqs, queue)
             return await offload(lambda: json_answer(answer.whole(per[0])))

@@ -144,7 +144,7 @@ def test_text_format_json_schema_constrains_the_output(responses_client):
 
 
 @pytest.mark.parametrize("extra, status, param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
     ({"tool_choice": "required"}, 400, "tool_choice"),
     ({"previous_response_id": "resp_123"}, 404, "previous_response_id"),
     ({"background": True}, 400, "background"),
