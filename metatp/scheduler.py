@@ -58,6 +58,7 @@ from metatp.output_processor import TokenEvent
 from metatp.prefix_cache import Namespace
 from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
 from metatp.sampling import SamplingParams
+from metatp.speculative import Speculator
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -195,7 +196,8 @@ class Scheduler:
     """Admits, batches and steps requests over one model runner (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int = 16, max_waiting: int | None = None,
-                 n_batch: int | None = None, prefix_caching: bool = True) -> None:
+                 n_batch: int | None = None, prefix_caching: bool = True,
+                 speculator: Speculator | None = None) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.runner = runner
@@ -216,6 +218,8 @@ class Scheduler:
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
         # KV cells on demand (metatp.kv_demand); which request waits or is preempted is decided here
         self.demand = CellDemand(engine.cells, self.metrics, prefix_caching)
+        # speculative decoding (metatp.speculative): decode steps carry drafted tokens to verify
+        self.speculator = speculator
 
     def lead(self, world: "World") -> Leader:
         """Drive every rank of `world` from here (rank 0; `LLM` calls it): each step is posted to
@@ -255,7 +259,7 @@ class Scheduler:
                     self.waiting.append(req)
                     self._changed.notify_all()
         except BaseException:
-            self.runner.forget(req.id)
+            self._forget(req)
             raise
         if ended:
             self._deliver()
@@ -289,7 +293,7 @@ class Scheduler:
             self.metrics.requests_finished += 1
         else:
             self.metrics.requests_cancelled += 1
-        self.runner.forget(r.id)
+        self._forget(r)
 
     def abandon(self, err: BaseException, timeout: float = 1.0) -> int:
         """Fail every request now, from another thread, leaving the engine alone (a step may be
@@ -304,7 +308,7 @@ class Scheduler:
             for r in reqs:
                 r.state, r.finish_reason = RequestState.DONE, "error"
                 self.metrics.requests_failed += 1
-                self.runner.forget(r.id)
+                self._forget(r)
                 self._emit(r, TokenEvent(None, "error", error=err))
             self._changed.notify_all()
         finally:
@@ -395,10 +399,13 @@ class Scheduler:
                 self.running.append(r)
             work: list[ScheduledItem] = []
             budget = self.n_batch
-            for r in self.running:
-                if r.state is RequestState.DECODE:
-                    work.append(ScheduledItem(r, r.seq, [r.pending], Purpose.SAMPLE))
-                    budget -= 1
+            decoding = [r for r in self.running if r.state is RequestState.DECODE]
+            spare = budget - len(decoding)          # rows left for drafted tokens
+            for r in decoding:
+                draft = self._draft(r, spare)
+                spare -= len(draft)
+                work.append(ScheduledItem(r, r.seq, [r.pending, *draft], Purpose.VERIFY if draft else Purpose.SAMPLE))
+                budget -= 1 + len(draft)
             for r in self.running:
                 if r.state is not RequestState.PREFILL or budget <= 0:
                     continue
@@ -411,6 +418,27 @@ class Scheduler:
                     work.append(ScheduledItem(r, r.seq, chunk, Purpose.SAMPLE if last else Purpose.FEED))
                 budget -= len(chunk)
             return work
+
+    def _draft(self, r: Request, spare: int) -> list[int]:
+        """The tokens drafted after `r`'s pending one this step (none without a speculator, for
+        structured output, which never speculates, or where the cache has no room now): at
+        most k, as many as it may still generate after the pending one, rows of the batch
+        left, and a pass of the few-token path holds (so the verified rows compute the bits a
+        plain decode step would)."""
+        spec = self.speculator
+        if spec is None or r.kind != "generate" or self.runner.state(r.id).guide is not None:
+            return []
+        k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
+        draft = spec.propose(r.id, r.history, k)[:max(k, 0)]
+        if draft and not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1, ahead=1 + len(draft)):
+            return []
+        return draft
+
+    def _forget(self, r: Request) -> None:
+        """`r` has ended: its sampling state (and a draft model's sequence) go."""
+        self.runner.forget(r.id)
+        if self.speculator is not None:
+            self.speculator.forget(r.id)
 
     def _make_room(self) -> bool:
         """Give every decoding request (oldest first) a cell for the token it feeds this step;
@@ -461,9 +489,21 @@ class Scheduler:
             if r.n_fed < len(r.prompt_ids):
                 return
             r.state = RequestState.DECODE
+        if isinstance(res, list):                   # a verified draft: its accepted run and one more
+            drafted = len(w.tokens) - 1
+            self.demand.rewind(r.seq, r.seq.n_past - (drafted + 1 - len(res)))    # rejected positions
+            self.speculator.stats.count(drafted, len(res))
+            for one in res:
+                if self._take(r, one, now):
+                    return
+            return
+        self._take(r, res, now)
+
+    def _take(self, r: Request, res: TokenResult | None, now: float) -> bool:
+        """Take one token for a decoding request (or the error in its place); whether it ended."""
         if res is None or res.error is not None:
             self._fail(r, res.error if res is not None else RequestStateError("a request due a token got none this step"))
-            return
+            return True
         r.history.append(res.token)
         r.output_ids.append(res.token)
         self.metrics.generated(r.cache_namespace.tenant)
@@ -473,9 +513,10 @@ class Scheduler:
         ev = r.event_for(res)
         if ev.finish_reason is not None:
             self._finish(r, ev)
-        else:
-            r.pending = res.token
-            self._emit(r, ev)
+            return True
+        r.pending = res.token
+        self._emit(r, ev)
+        return False
 
     def _emit(self, r: Request, ev: TokenEvent) -> None:
         """Queue an event (under the state lock); `_deliver` sends it once the lock is released."""
@@ -502,7 +543,7 @@ class Scheduler:
         self._release(r, keep=True)
         r.state, r.finish_reason = RequestState.DONE, ev.finish_reason
         self.metrics.requests_finished += 1
-        self.runner.forget(r.id)
+        self._forget(r)
         self._emit(r, ev)
 
     def _fail(self, r: Request, e: BaseException) -> None:
@@ -513,7 +554,7 @@ class Scheduler:
         self._release(r)
         r.state, r.finish_reason = RequestState.DONE, "error"
         self.metrics.requests_failed += 1
-        self.runner.forget(r.id)
+        self._forget(r)
         self._emit(r, TokenEvent(None, "error", error=e))
 
     def _release(self, r: Request, keep: bool = False) -> None:

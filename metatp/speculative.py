@@ -32,7 +32,7 @@ import numpy as np
 from metatp.ir.errors import ConfigError
 
 __all__ = ["Proposer", "NgramProposer", "SpecConfig", "spec_config", "accept_greedy", "accept_sampled",
-           "SpecStats", "MAX_DRAFT", "METHODS"]
+           "SpecStats", "Speculator", "MAX_DRAFT", "METHODS"]
 
 MAX_DRAFT = 32              # drafted tokens per step at most (one verification pass of k+1 rows)
 METHODS = ("ngram", "draft")
@@ -224,3 +224,31 @@ def _positive(name: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
         raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     return int(v)
+
+
+class Speculator:
+    """What a scheduler speculates with (`metatp.scheduler`): the proposer its config names
+    (`proposer`, any `Proposer`), `k`, and the counts (`stats`). A draft model (`draft`, `metatp.draft.DraftModel`) keeps a sequence
+    per request, given back by `forget`."""
+
+    def __init__(self, config: SpecConfig, draft: Any = None) -> None:
+        if config.method == "draft" and draft is None:
+            raise ConfigError("speculative method 'draft' needs its draft model loaded (metatp.draft)")
+        self.config = config
+        self.k = config.k
+        self.stats = SpecStats()
+        self.draft = draft
+        self.proposer: Proposer | None = config.ngram() if config.method == "ngram" else None
+
+    def propose(self, request_id: int, context_ids: Sequence[int], k: int) -> list[int]:
+        """At most `k` drafted tokens after `context_ids` (request `request_id`'s tokens)."""
+        if k <= 0:
+            return []
+        if self.draft is not None:
+            return self.draft.propose(request_id, context_ids, k)
+        return self.proposer.propose(context_ids, k)
+
+    def forget(self, request_id: int) -> None:
+        """The request has ended: a draft model's sequence for it goes."""
+        if self.draft is not None:
+            self.draft.forget(request_id)

@@ -1,0 +1,151 @@
+"""Speculative decoding through the scheduler (issue 47 item 3): drafted tokens verified in one
+pass give the tokens (greedy) and logprobs of plain decoding, under every split mode, with stop
+tokens, stop strings and max_tokens inside an accepted run, after rejected drafts (rolled back),
+and structured output does not speculate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metatp import LLM, SamplingParams
+from metatp.ir.errors import ConfigError
+from metatp.testing.synth import SynthSpec
+
+SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=47, default_type="Q8_0")
+LLM_OPTIONS = {"n_ctx": 256}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 3], [9, 10, 11, 12, 13, 9, 10]]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(path):
+    return LLM(path, backend="numpy", speculative_config=NGRAM, **LLM_OPTIONS)
+
+
+def ids_of(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def stats(llm):
+    s = llm.scheduler.speculator.stats
+    return s.drafted, s.accepted
+
+
+def test_greedy_tokens_are_those_of_plain_decoding(llm, spec_llm):
+    before = stats(spec_llm)
+    assert ids_of(spec_llm.generate(PROMPTS, GREEDY)) == ids_of(llm.generate(PROMPTS, GREEDY))
+    drafted, accepted = (a - b for a, b in zip(stats(spec_llm), before))
+    assert 0 < accepted < drafted           # both accepted and rejected drafts were exercised
+
+
+class WrongProposer:
+    """Drafts tokens the target never picks (each the pick + 1 of nothing: a fixed odd run)."""
+
+    def propose(self, context_ids, k):
+        return [(int(context_ids[-1]) * 7 + 3 + i) % 300 for i in range(k)]
+
+
+def test_rejected_drafts_never_influence_later_tokens(path, llm):
+    """Every draft rejected: its rows were written to the cache and rolled back, and the tokens
+    are still plain decoding's."""
+    spec = LLM(path, backend="numpy", speculative_config=NGRAM, **LLM_OPTIONS)
+    spec.scheduler.speculator.proposer = WrongProposer()
+    want = ids_of(llm.generate(PROMPTS, GREEDY))
+    assert ids_of(spec.generate(PROMPTS, GREEDY)) == want
+    s = spec.scheduler.speculator.stats
+    assert s.drafted > 0 and s.accepted < s.drafted / 4
+
+
+def test_stop_tokens_max_tokens_and_stop_strings_inside_an_accepted_run(llm, spec_llm):
+    plain = ids_of(llm.generate(PROMPTS, GREEDY))
+    for i, out in enumerate(plain):
+        stop_tok = out[9]
+        p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[stop_tok])
+        a, b = llm.generate([PROMPTS[i]], p)[0].outputs[0], spec_llm.generate([PROMPTS[i]], p)[0].outputs[0]
+        assert (b.token_ids, b.finish_reason, b.text) == (a.token_ids, a.finish_reason, a.text)
+        for n in (1, 2, 7, 13):
+            p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            assert ids_of(spec_llm.generate([PROMPTS[i]], p)) == [out[:n]]
+        text = llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].text
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        a, b = llm.generate([PROMPTS[i]], p)[0].outputs[0], spec_llm.generate([PROMPTS[i]], p)[0].outputs[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+
+
+def test_logprobs_are_those_of_plain_decoding(llm, spec_llm):
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    for a, b in zip(llm.generate(PROMPTS, p), spec_llm.generate(PROMPTS, p)):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert [x[k] for k in x] == pytest.approx([y[k] for k in x], abs=1e-5)
+
+
+def test_penalties_apply_to_drafted_tokens_as_to_generated_ones(llm, spec_llm):
+    p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, frequency_penalty=0.5,
+                       repetition_penalty=1.1, logit_bias={7: 3.0}, min_tokens=5)
+    assert ids_of(spec_llm.generate(PROMPTS, p)) == ids_of(llm.generate(PROMPTS, p))
+
+
+def test_sampled_output_is_deterministic_under_a_seed_and_stays_in_top_k(spec_llm):
+    p = SamplingParams(max_tokens=30, temperature=0.8, top_k=3, seed=11, ignore_eos=True)
+    a = ids_of(spec_llm.generate(PROMPTS, p))
+    assert a == ids_of(spec_llm.generate(PROMPTS, p))
+    p2 = SamplingParams(max_tokens=30, temperature=0.8, top_k=3, seed=12, ignore_eos=True)
+    assert a != ids_of(spec_llm.generate(PROMPTS, p2))
+    # every token is among the target's top 3 after what precedes it
+    for prompt, out in zip(PROMPTS, a):
+        logits = spec_llm.score(prompt + out)
+        for j, tok in enumerate(out):
+            row = logits[len(prompt) + j - 1]
+            assert tok in np.argsort(-row)[:3]
+
+
+def test_structured_output_does_not_speculate(llm, spec_llm):
+    pytest.importorskip("llguidance")
+    p = SamplingParams(max_tokens=20, temperature=0, guided_regex="[a-c]{3,12}")
+    before = stats(spec_llm)
+    assert ids_of(spec_llm.generate(PROMPTS, p)) == ids_of(llm.generate(PROMPTS, p))
+    assert stats(spec_llm) == before
+
+
+def test_bad_speculative_settings_are_config_errors(path):
+    for kw, word in [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_speculative_tokens"),
+                     ({"speculative_config": {"method": "medusa", "num_speculative_tokens": 2}}, "medusa"),
+                     ({"num_speculative_tokens": 2, "speculative_config": {"method": "ngram", "k": 2}}, "'k'"),
+                     ({"speculative_config": {"method": "draft", "num_speculative_tokens": 2}}, "draft model")]:
+        with pytest.raises(ConfigError, match=word):
+            LLM(path, backend="numpy", **kw, **LLM_OPTIONS)
+
+
+@pytest.mark.parametrize("split", ["tensor", "layer"])
+def test_greedy_tokens_are_plain_decodings_under_a_split(path, llm, split):
+    spec = LLM(path, backend="numpy", n_devices=2, split_mode=split, speculative_config=NGRAM, **LLM_OPTIONS)
+    assert ids_of(spec.generate(PROMPTS, GREEDY)) == ids_of(llm.generate(PROMPTS, GREEDY))
+    assert stats(spec)[1] > 0
+
+
+def test_preempted_speculating_requests_keep_their_tokens(path, llm):
+    """A cache too small for every request: preemptions happen and the tokens stay plain's."""
+    spec = LLM(path, backend="numpy", n_ctx=96, max_num_seqs=4, speculative_config=NGRAM)
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + [[4, 4, 4, 4]]
+    assert ids_of(spec.generate(prompts, p)) == ids_of(llm.generate(prompts, p))
+    assert spec.scheduler.metrics.preemptions > 0
+
+
+@pytest.mark.slow
+def test_default_model_greedy_tokens_are_plain_decodings(default_llm, default_model):
+    spec = LLM(str(default_model), n_ctx=512, backend="numpy", speculative_config=NGRAM)
+    text = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+            "Repeat the sentence: The quick brown")
+    p = SamplingParams(max_tokens=48, temperature=0)
+    a = default_llm.generate([text, "Once upon a time"], p)
+    b = spec.generate([text, "Once upon a time"], p)
+    assert ids_of(a) == ids_of(b)
+    assert stats(spec)[1] > 0
