@@ -139,6 +139,39 @@ def test_preempted_speculating_requests_keep_their_tokens(path, llm):
     assert spec.scheduler.metrics.preemptions > 0
 
 
+DRAFT_SPEC = SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, tied=True, seed=5)
+
+
+@pytest.mark.parametrize("split", ["none", "tensor"])
+def test_a_model_drafting_for_itself_is_always_accepted(path, llm, split):
+    spec = LLM(path, backend="numpy", speculative_model=path, num_speculative_tokens=4,
+               n_devices=2 if split != "none" else 1, split_mode=split, **LLM_OPTIONS)
+    assert spec.scheduler.speculator.draft.engine.layout.n_devices == 1    # the draft runs whole on one device
+    assert ids_of(spec.generate(PROMPTS, GREEDY)) == ids_of(llm.generate(PROMPTS, GREEDY))
+    drafted, accepted = stats(spec)
+    assert drafted > 30 and accepted == drafted
+    assert spec.scheduler.speculator.draft.engine.cells.n_used == 0       # every request's draft sequence freed
+
+
+def test_a_smaller_draft_model_keeps_the_targets_tokens(path, llm, synth_factory):
+    draft = str(synth_factory(DRAFT_SPEC)[0])
+    spec = LLM(path, backend="numpy", speculative_config={"model": draft, "num_speculative_tokens": 3}, **LLM_OPTIONS)
+    p = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    a, b = llm.generate(PROMPTS, p), spec.generate(PROMPTS, p)
+    assert ids_of(a) == ids_of(b)
+    assert [len(o.outputs[0].logprobs) for o in b] == [30] * len(PROMPTS)
+    assert stats(spec)[0] > 0
+    s = SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)
+    assert ids_of(spec.generate(PROMPTS, s)) == ids_of(spec.generate(PROMPTS, s))
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(path, synth_factory):
+    other = str(synth_factory(SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=280, seed=6))[0])
+    with pytest.raises(ConfigError, match="different vocabularies") as e:
+        LLM(path, backend="numpy", speculative_model=other, num_speculative_tokens=2, **LLM_OPTIONS)
+    assert other in str(e.value) and path in str(e.value)
+
+
 @pytest.mark.slow
 def test_default_model_greedy_tokens_are_plain_decodings(default_llm, default_model):
     spec = LLM(str(default_model), n_ctx=512, backend="numpy", speculative_config=NGRAM)
@@ -149,3 +182,13 @@ def test_default_model_greedy_tokens_are_plain_decodings(default_llm, default_mo
     b = spec.generate([text, "Once upon a time"], p)
     assert ids_of(a) == ids_of(b)
     assert stats(spec)[1] > 0
+
+
+@pytest.mark.slow
+def test_default_model_drafting_for_itself(default_llm, default_model):
+    spec = LLM(str(default_model), n_ctx=512, backend="numpy", speculative_model=str(default_model),
+               num_speculative_tokens=4)
+    p = SamplingParams(max_tokens=24, temperature=0)
+    assert ids_of(spec.generate(["Once upon a time"], p)) == ids_of(default_llm.generate(["Once upon a time"], p))
+    drafted, accepted = stats(spec)
+    assert drafted > 0 and accepted >= 0.9 * drafted
