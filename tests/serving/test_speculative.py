@@ -192,3 +192,57 @@ def test_default_model_drafting_for_itself(default_llm, default_model):
     assert ids_of(spec.generate(["Once upon a time"], p)) == ids_of(default_llm.generate(["Once upon a time"], p))
     drafted, accepted = stats(spec)
     assert drafted > 0 and accepted >= 0.9 * drafted
+
+
+def test_generate_flags_speculate_with_the_same_text(path, capsys):
+    from metatp.cli import main
+
+    base = ["generate", "-m", path, "--backend", "numpy", "-c", "128", "-p", "abcabcabc", "-n", "24", "--temp", "0"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--spec", "ngram", "--draft-max", "4", "--lookup-ngram-max", "2"], ["-md", path, "--draft-max", "3"]):
+        assert main(base + extra) == 0
+        assert capsys.readouterr().out == plain
+
+
+def test_speculative_flags_are_checked_by_name():
+    from metatp.cli import _build_parser
+    from metatp.cli_args import speculative_kwargs
+
+    parse = _build_parser().parse_args
+    assert speculative_kwargs(parse(["serve", "--spec", "ngram", "--draft-max", "5"])) == {"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
+    assert speculative_kwargs(parse(["generate", "-md", "d.gguf"])) == {"speculative_config": {
+        "method": "draft", "num_speculative_tokens": 8, "model": "d.gguf"}}
+    assert speculative_kwargs(parse(["serve"])) == {}
+    for argv, word in [(["serve", "--draft-max", "3"], "--draft-max"), (["serve", "--spec", "draft"], "-md"),
+                       (["generate", "--spec", "ngram", "-md", "x"], "ngram")]:
+        with pytest.raises(ConfigError, match=word):
+            speculative_kwargs(parse(argv))
+
+
+@pytest.fixture(scope="module")
+def spec_server(path, tmp_path_factory):
+    from support.serving import MetatpServe
+
+    s = MetatpServe(path, "-c", "512", "-np", "4", "--spec", "ngram", "--draft-max", "4",
+                    log=tmp_path_factory.mktemp("spec-serve") / "serve.log")
+    yield s
+    s.stop()
+
+
+def test_the_server_speculates_for_concurrent_requests(spec_server, llm):
+    """Four requests at once, each speculating: each gets plain decoding's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pytest.importorskip("openai")
+    prompts = ["abcabcabcabc", "hello hello hello", "xyz", "one two one two one"]
+    client = spec_server.client()
+
+    def ask(prompt):
+        return client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, prompts))
+    want = [llm(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
+    assert got == want
