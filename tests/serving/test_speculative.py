@@ -246,3 +246,17 @@ def test_the_server_speculates_for_concurrent_requests(spec_server, llm):
         got = list(pool.map(ask, prompts))
     want = [llm(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
     assert got == want
+
+
+def test_bench_speculative_prints_both_rows_with_the_same_tokens(path, capsys):
+    from metatp.cli import main
+
+    assert main(["bench", "-m", path, "--backend", "numpy", "--speculative", "ngram", "--draft-max", "4",
+                 "-n", "12", "-r", "1", "-o", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("prompt,method,k,n_gen,plain_ts,spec_ts,speedup,acceptance")
+    rows = [line.split(",") for line in lines[1:]]
+    assert [r[0] for r in rows] == ["quote", "free"]
+    assert all(r[-1] == "True" for r in rows)
+    with pytest.raises(ConfigError, match="-md"):
+        main(["bench", "-m", path, "--backend", "numpy", "--speculative", "draft", "-n", "4", "-r", "1"])
