@@ -491,7 +491,9 @@ class Scheduler:
             r.state = RequestState.DECODE
         if isinstance(res, list):                   # a verified draft: its accepted run and one more
             drafted = len(w.tokens) - 1
-            self.demand.rewind(r.seq, r.seq.n_past - (drafted + 1 - len(res)))    # rejected positions
+            rejected = drafted + 1 - len(res)
+            if rejected:                            # their positions are written again next
+                self.demand.rewind(r.seq, r.seq.n_past - rejected)
             self.speculator.stats.count(drafted, len(res))
             for one in res:
                 if self._take(r, one, now):

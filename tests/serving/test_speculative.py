@@ -260,3 +260,28 @@ def test_bench_speculative_prints_both_rows_with_the_same_tokens(path, capsys):
     assert all(r[-1] == "True" for r in rows)
     assert main(["bench", "-m", path, "--backend", "numpy", "--speculative", "draft", "-n", "4", "-r", "1"]) != 0
     assert "needs a draft model: -md PATH" in capsys.readouterr().err
+
+
+def test_a_follower_replays_speculative_steps_and_their_rewinds(path, llm):
+    """Under MPI rank 0 posts each step with its cell operations: a follower replaying them
+    (rewinds of rejected drafts included) runs the same passes on the same cells."""
+    from metatp.lockstep import STOP, StepBatch, follow
+    from support.serving import LoopbackPosts, record_steps
+
+    def make(**kw) -> LLM:
+        return LLM(path, backend="numpy", n_devices=2, split_mode="tensor", distributed="none", **kw, **LLM_OPTIONS)
+
+    lead, rest = make(speculative_config=NGRAM), make()
+    lead.scheduler.speculator.proposer = WrongProposer()      # rejections: rewinds to replay
+    posts: list = []
+    lead.scheduler.lead(LoopbackPosts(0, posts))
+    logs = record_steps(lead.engine, rest.engine)
+    outs = lead.generate(PROMPTS, GREEDY)
+    assert all(isinstance(b, StepBatch) for b in posts)
+    assert "rewind" in [op[0] for b in posts for op in b.ops]
+    assert follow(rest.engine, LoopbackPosts(1, posts + [STOP])) == len(logs[0])
+    for (own_a, outs_a), (own_b, outs_b) in zip(*logs):
+        assert np.array_equal(own_a, own_b)
+        assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(outs_a, outs_b))
+    assert rest.engine.cells.n_used == 0 and lead.engine.cells.n_used == 0
+    assert ids_of(outs) == ids_of(llm.generate(PROMPTS, GREEDY))
