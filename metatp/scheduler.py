@@ -494,7 +494,7 @@ class Scheduler:
             rejected = drafted + 1 - len(res)
             if rejected:                            # their positions are written again next
                 self.demand.rewind(r.seq, r.seq.n_past - rejected)
-            self.speculator.stats.count(drafted, len(res))
+            self.speculator.record(r.id, drafted, len(res))
             for one in res:
                 if self._take(r, one, now):
                     return

@@ -239,16 +239,30 @@ class Speculator:
         self.stats = SpecStats()
         self.draft = draft
         self.proposer: Proposer | None = config.ngram() if config.method == "ngram" else None
+        self._length: dict[int, int] = {}     # request id -> its draft length now (`record`)
 
     def propose(self, request_id: int, context_ids: Sequence[int], k: int) -> list[int]:
-        """At most `k` drafted tokens after `context_ids` (request `request_id`'s tokens)."""
+        """At most `k` drafted tokens after `context_ids` (request `request_id`'s tokens), and
+        at most the request's current draft length."""
+        k = min(k, self._length.get(request_id, self.k))
         if k <= 0:
             return []
         if self.draft is not None:
             return self.draft.propose(request_id, context_ids, k)
         return self.proposer.propose(context_ids, k)
 
+    def record(self, request_id: int, n_drafted: int, n_tokens: int) -> None:
+        """A verification of `n_drafted` tokens gave `n_tokens`. The request's draft length
+        follows its acceptance: doubled (up to k) when every drafted token was kept, else one
+        past what was kept -- a request whose drafts miss stops paying for k rows a step. The
+        draft depends only on tokens already decided, so the output distribution is unchanged."""
+        self.stats.count(n_drafted, n_tokens)
+        accepted = n_tokens - 1
+        now = self._length.get(request_id, self.k)
+        self._length[request_id] = min(self.k, 2 * now) if accepted >= n_drafted else min(self.k, accepted + 1)
+
     def forget(self, request_id: int) -> None:
-        """The request has ended: a draft model's sequence for it goes."""
+        """The request has ended: its draft length (and a draft model's sequence) go."""
+        self._length.pop(request_id, None)
         if self.draft is not None:
             self.draft.forget(request_id)

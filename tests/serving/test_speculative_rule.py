@@ -167,3 +167,22 @@ def test_stats_count_accepted_tokens():
     s.count(0, 1)
     assert (s.steps, s.drafted, s.accepted, s.emitted) == (3, 8, 4, 7)
     assert s.acceptance == 0.5
+
+
+def test_a_requests_draft_length_follows_its_acceptance():
+    from metatp.speculative import Speculator
+
+    spec = Speculator(SpecConfig("ngram", 8))
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1]
+    assert len(spec.propose(7, ctx, 8)) == 8
+    spec.record(7, 8, 3)                    # 2 kept: 3 next time
+    assert len(spec.propose(7, ctx, 8)) == 3
+    spec.record(7, 3, 1)                    # none kept: 1
+    assert len(spec.propose(7, ctx, 8)) == 1
+    spec.record(7, 1, 2)                    # all kept: doubled
+    assert len(spec.propose(7, ctx, 8)) == 2
+    assert len(spec.propose(8, ctx, 8)) == 8        # another request starts at k
+    assert len(spec.propose(7, ctx, 1)) == 1        # the caller's cap holds
+    spec.forget(7)
+    assert len(spec.propose(7, ctx, 8)) == 8
+    assert (spec.stats.drafted, spec.stats.accepted) == (12, 3)
