@@ -172,15 +172,18 @@ def test_a_draft_with_another_vocabulary_is_refused_naming_both(path, synth_fact
     assert other in str(e.value) and path in str(e.value)
 
 
+QUOTE = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+         "Repeat the sentence: The quick brown")
+
+
 @pytest.mark.slow
-def test_default_model_greedy_tokens_are_plain_decodings(default_llm, default_model):
-    spec = LLM(str(default_model), n_ctx=512, backend="numpy", speculative_config=NGRAM)
-    text = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-            "Repeat the sentence: The quick brown")
+@pytest.mark.parametrize("split", ["none", "tensor", "layer"])
+def test_default_model_greedy_tokens_are_plain_decodings(default_llm, default_model, split):
+    layout = {} if split == "none" else {"n_devices": 2, "split_mode": split}
+    plain = default_llm if split == "none" else LLM(str(default_model), n_ctx=512, backend="numpy", **layout)
+    spec = LLM(str(default_model), n_ctx=512, backend="numpy", speculative_config=NGRAM, **layout)
     p = SamplingParams(max_tokens=48, temperature=0)
-    a = default_llm.generate([text, "Once upon a time"], p)
-    b = spec.generate([text, "Once upon a time"], p)
-    assert ids_of(a) == ids_of(b)
+    assert ids_of(spec.generate([QUOTE, "Once upon a time"], p)) == ids_of(plain.generate([QUOTE, "Once upon a time"], p))
     assert stats(spec)[1] > 0
 
 
