@@ -108,7 +108,8 @@ def spec_config(speculative_config: Mapping[str, Any] | None = None, speculative
     """The speculation `LLM(...)` asks for, from vLLM's `speculative_config` dict ({"method":
     "ngram" | "draft", "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min":
     m, "model": draft path}) and/or the `speculative_model` / `num_speculative_tokens`
-    keywords; None: no speculation. A wrong or contradictory value is a ConfigError naming it."""
+    keywords ("draft_model", vLLM's method name, is "draft"); None: no speculation. A wrong or
+    contradictory value is a ConfigError naming it."""
     if speculative_config is None and speculative_model is None and num_speculative_tokens is None:
         return None
     cfg: dict[str, Any] = {}
@@ -131,6 +132,7 @@ def spec_config(speculative_config: Mapping[str, Any] | None = None, speculative
     if model is not None and not isinstance(model, str):
         model = str(model)
     method = cfg.get("method") or ("draft" if model is not None else "ngram")
+    method = "draft" if method == "draft_model" else method        # vLLM's name for it
     if method == "ngram" and model is not None:
         raise ConfigError("speculative method 'ngram' takes no draft model (speculative_model)")
     if "num_speculative_tokens" not in cfg:

@@ -142,6 +142,7 @@ def test_spec_config_spellings_and_errors():
         SpecConfig("ngram", 4, 5, 1)
     assert spec_config(speculative_model="d.gguf", num_speculative_tokens=3) == SpecConfig("draft", 3, draft_model="d.gguf")
     assert spec_config({"model": "d.gguf"}, num_speculative_tokens=2).method == "draft"
+    assert spec_config({"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 2}).method == "draft"
     for bad, word in [({"method": "eagle", "num_speculative_tokens": 2}, "eagle"),
                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                       ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
