@@ -288,3 +288,38 @@ def test_a_follower_replays_speculative_steps_and_their_rewinds(path, llm):
         assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(outs_a, outs_b))
     assert rest.engine.cells.n_used == 0 and lead.engine.cells.n_used == 0
     assert ids_of(outs) == ids_of(llm.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.requires("emulator")
+def test_greedy_tokens_are_plain_decodings_on_the_cupy_backend(path, monkeypatch):
+    """The cupy backend (on the CPU emulator), split over two devices: a verification pass of
+    k+1 rows gives plain decoding's tokens."""
+    import metatp.backends as backends
+    import metatp.backends.cuda.backend as cuda_backend
+    from metatp.testing import EmuRuntime
+
+    rt = EmuRuntime()
+    monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "CupyRuntime", lambda: rt)
+    kw = dict(backend="cupy", n_ctx=128, n_batch=64, n_devices=2, split_mode="tensor")
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = ids_of(LLM(path, **kw).generate(PROMPTS[:2], p))
+    spec = LLM(path, speculative_config=NGRAM, **kw)
+    spec.scheduler.speculator.proposer = OracleProposer(PROMPTS[:2], plain)
+    assert ids_of(spec.generate(PROMPTS[:2], p)) == plain
+    drafted, accepted = stats(spec)
+    assert 0 < accepted < drafted
+
+
+class OracleProposer:
+    """Drafts the known continuation with its last drafted token wrong: long accepted runs and a
+    rejection every step."""
+
+    def __init__(self, prompts, outputs):
+        self.full = [list(a) + list(b) for a, b in zip(prompts, outputs)]
+
+    def propose(self, context_ids, k):
+        ctx = list(context_ids)
+        full = next(f for f in self.full if f[:len(ctx)] == ctx)
+        draft = full[len(ctx):len(ctx) + k]
+        return draft[:-1] + [(draft[-1] + 1) % 300] if len(draft) > 1 else draft
