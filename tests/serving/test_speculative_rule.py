@@ -187,3 +187,32 @@ def test_a_requests_draft_length_follows_its_acceptance():
     spec.forget(7)
     assert len(spec.propose(7, ctx, 8)) == 8
     assert (spec.stats.drafted, spec.stats.accepted) == (12, 3)
+
+
+def test_the_runners_verification_samples_each_position_as_a_plain_step_would():
+    """ModelRunner's VERIFY on explicit logits, with a frequency penalty and top-k: the first
+    token is distributed as a plain step's draw from row 0, and after an accepted drafted token
+    the next as a plain step's draw from row 1 with that token counted as generated."""
+    from types import SimpleNamespace
+
+    from metatp.runner import ModelRunner, Purpose, SamplingState, ScheduledItem
+
+    rows = np.log(np.array([[0.1, 0.3, 0.2, 0.25, 0.15, 1e-9],
+                            [0.3, 0.1, 0.3, 0.1, 0.1, 0.1],
+                            [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=5, frequency_penalty=1.0, seed=9)
+    state = SamplingState(params, np.random.default_rng(0), (), SimpleNamespace(n_vocab=6))
+    req = SimpleNamespace(history=[0, 1], output_ids=[1])
+    item = ScheduledItem(req, None, [1, 2, 4], Purpose.VERIFY)
+    want0 = dict(zip(*Sampler(params, np.random.default_rng(0)).distribution(rows[0], [0, 1], [1])))
+    want1 = dict(zip(*Sampler(params, np.random.default_rng(0)).distribution(rows[1], [0, 1, 2], [1, 2])))
+    first, second = np.zeros(6), np.zeros(6)
+    for _ in range(20000):
+        out = [r.token for r in ModelRunner._verify(item, state, rows)]
+        first[out[0]] += 1
+        if out[0] == 2:
+            second[out[1]] += 1
+    for counts, want in ((first, want0), (second, want1)):
+        p = np.array([want.get(i, 0.0) for i in range(6)])
+        assert counts[p == 0].sum() == 0
+        assert chi_square(counts[p > 0], p[p > 0]) < CHI2_999[(p > 0).sum() - 1]
