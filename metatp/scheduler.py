@@ -18,7 +18,9 @@ not depend on who shares its steps. The scheduler works on token ids and request
 model runner (`metatp.runner`) runs each step and samples its tokens, the scheduler ends requests
 on token-level rules (max_tokens, end-of-generation and stop tokens, a complete constraint) and
 delivers each request's `TokenEvent`s to its one sink, outside the state lock that other threads
-wait on. Text, stop strings and logprobs formatting run on the consumer's side of the request
+wait on. With a speculator (`metatp.speculative`) a decode item also carries the tokens drafted
+after its pending one, verified in the same pass; the accepted run is taken token by token (the
+same rules end it) and the rejected positions are rewound (`CellDemand.rewind`). Text, stop strings and logprobs formatting run on the consumer's side of the request
 handle (`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
 
 Steps are driven cooperatively: a caller waiting for its request's next output runs a step
@@ -359,6 +361,7 @@ class Scheduler:
             work = self._compose()
             if not work:
                 return False
+            self._speculate(work)
             try:
                 results = self.runner.execute(work)
             except Exception as e:                  # the pass is lost: its requests fail, others go on
@@ -399,13 +402,10 @@ class Scheduler:
                 self.running.append(r)
             work: list[ScheduledItem] = []
             budget = self.n_batch
-            decoding = [r for r in self.running if r.state is RequestState.DECODE]
-            spare = budget - len(decoding)          # rows left for drafted tokens
-            for r in decoding:
-                draft = self._draft(r, spare)
-                spare -= len(draft)
-                work.append(ScheduledItem(r, r.seq, [r.pending, *draft], Purpose.VERIFY if draft else Purpose.SAMPLE))
-                budget -= 1 + len(draft)
+            for r in self.running:
+                if r.state is RequestState.DECODE:
+                    work.append(ScheduledItem(r, r.seq, [r.pending], Purpose.SAMPLE))
+                    budget -= 1
             for r in self.running:
                 if r.state is not RequestState.PREFILL or budget <= 0:
                     continue
@@ -419,19 +419,36 @@ class Scheduler:
                 budget -= len(chunk)
             return work
 
+    def _speculate(self, work: list[ScheduledItem]) -> None:
+        """With a speculator, each decode item carries the tokens drafted after its pending one
+        (`Purpose.VERIFY`), in the rows the step's batch has left after the prompt chunks.
+        Drafting runs outside the state lock (a draft model's passes do not hold up submits);
+        the step lock keeps the requests' tokens still."""
+        if self.speculator is None:
+            return
+        spare = self.n_batch - sum(len(w.tokens) for w in work)
+        for w in work:
+            if w.purpose is Purpose.SAMPLE and w.request.state is RequestState.DECODE and spare > 0:
+                draft = self._draft(w.request, spare)
+                if draft:
+                    w.tokens, w.purpose = [*w.tokens, *draft], Purpose.VERIFY
+                    spare -= len(draft)
+
     def _draft(self, r: Request, spare: int) -> list[int]:
-        """The tokens drafted after `r`'s pending one this step (none without a speculator, for
-        structured output, which never speculates, or where the cache has no room now): at
-        most k, as many as it may still generate after the pending one, rows of the batch
-        left, and a pass of the few-token path holds (so the verified rows compute the bits a
-        plain decode step would)."""
+        """The tokens drafted after `r`'s pending one this step (none for structured output,
+        which never speculates, or where the cache has no room now): at most k, as many as it
+        may still generate after the pending one, the batch's `spare` rows, and what a pass of
+        the few-token path holds (so the verified rows compute the bits a plain decode step
+        would)."""
         spec = self.speculator
-        if spec is None or r.kind != "generate" or self.runner.state(r.id).guide is not None:
+        if r.kind != "generate" or self.runner.state(r.id).guide is not None:
             return []
         k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
         draft = spec.propose(r.id, r.history, k)[:max(k, 0)]
-        if draft and not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1, ahead=1 + len(draft)):
-            return []
+        if draft:
+            with self._state:
+                if not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1, ahead=1 + len(draft)):
+                    return []
         return draft
 
     def _forget(self, r: Request) -> None:
