@@ -20,8 +20,9 @@ on token-level rules (max_tokens, end-of-generation and stop tokens, a complete 
 delivers each request's `TokenEvent`s to its one sink, outside the state lock that other threads
 wait on. With a speculator (`metatp.speculative`) a decode item also carries the tokens drafted
 after its pending one, verified in the same pass; the accepted run is taken token by token (the
-same rules end it) and the rejected positions are rewound (`CellDemand.rewind`). Text, stop strings and logprobs formatting run on the consumer's side of the request
-handle (`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
+same rules end it) and the rejected positions are rewound (`CellDemand.rewind`). Text, stop
+strings and logprobs formatting run on the consumer's side of the request handle
+(`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
 
 Steps are driven cooperatively: a caller waiting for its request's next output runs a step
 itself (one thread at a time; the others wait for the step lock, then find their outputs
