@@ -162,6 +162,8 @@ def speculative_kwargs(args: argparse.Namespace) -> dict:
         if args.draft_max is not None:
             raise ConfigError("--draft-max needs --spec ngram or -md PATH (a draft model)")
         return {}
+    if args.draft_max is not None and args.draft_max < 1:
+        raise ConfigError(f"--draft-max must be >= 1, got {args.draft_max}")
     cfg = {"method": method, "num_speculative_tokens": 8 if args.draft_max is None else args.draft_max}
     if method == "ngram":
         cfg.update(prompt_lookup_max=args.lookup_max, prompt_lookup_min=args.lookup_min)

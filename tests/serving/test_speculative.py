@@ -219,7 +219,8 @@ def test_speculative_flags_are_checked_by_name():
         "method": "draft", "num_speculative_tokens": 8, "model": "d.gguf"}}
     assert speculative_kwargs(parse(["serve"])) == {}
     for argv, word in [(["serve", "--draft-max", "3"], "--draft-max"), (["serve", "--spec", "draft"], "-md"),
-                       (["generate", "--spec", "ngram", "-md", "x"], "ngram")]:
+                       (["generate", "--spec", "ngram", "-md", "x"], "ngram"),
+                       (["generate", "--spec", "ngram", "--draft-max", "0"], "--draft-max")]:
         with pytest.raises(ConfigError, match=word):
             speculative_kwargs(parse(argv))
 
