@@ -68,33 +68,55 @@ class DraftModel:
 
     def propose(self, request_id: int, context_ids: Sequence[int], k: int) -> list[int]:
         """k greedy tokens after `context_ids` ([] where the draft's cache or context is full)."""
-        context = [int(t) for t in context_ids]
-        if k <= 0 or not context or len(context) + k > self.engine.n_ctx:
-            return []
-        seq, held = self._seqs.get(request_id) or (None, [])
+        return self.propose_many([(request_id, context_ids, k)])[0]
+
+    def propose_many(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """Per (request id, context, k): k greedy tokens after the context, every request's
+        draft decoded in the same passes (a step of the draft engine per drafted position).
+        [] for a request whose context or cells the draft's cache cannot hold now."""
+        out: list[list[int]] = [[] for _ in asks]
+        live = []                                   # [index, request id, seq, context, tokens to feed, k]
+        for i, (request_id, context_ids, k) in enumerate(asks):
+            context = [int(t) for t in context_ids]
+            if k <= 0 or not context or len(context) + k > self.engine.n_ctx:
+                continue
+            seq = self._sequence(request_id, context, k)
+            if seq is not None:
+                live.append([i, request_id, seq, context, context[seq.n_past:], k])
+        done = list(live)
+        try:
+            while live:
+                outs = self.engine.run([StepItem(seq, feed, "argmax") for _, _, seq, _, feed, _ in live])
+                for entry, got in zip(live, outs):
+                    tok = int(got) if isinstance(got, (int, np.integer)) else int(np.argmax(got))
+                    out[entry[0]].append(tok)
+                    entry[4] = [tok]
+                live = [e for e in live if len(out[e[0]]) < e[5]]
+        finally:                # what each sequence holds (a failed pass committed nothing)
+            for i, request_id, seq, context, _, _ in done:
+                self._seqs[request_id] = (seq, (context + out[i][:-1])[:seq.n_past])
+        return out
+
+    def _sequence(self, request_id: int, context: list[int], k: int) -> SeqCells | None:
+        """The request's draft sequence, rewound to the longest prefix of `context` it holds (the
+        last token is always fed again), with cells for k more positions; None (its cells
+        given back) where the draft's cache cannot hold them now."""
+        seq, held = self._seqs.pop(request_id, (None, []))
         try:
             if seq is None:
                 seq = self.engine.new_sequence(0)
             same = 0
-            for a, b in zip(held, context[:-1]):        # at least the last token is fed again
+            for a, b in zip(held, context[:-1]):
                 if a != b:
                     break
                 same += 1
             self.engine.cells.rewind(seq, min(same, seq.n_past))
-            feed = context[seq.n_past:]
-            drafted: list[int] = []
-            for _ in range(k):
-                (out,) = self.engine.run([StepItem(seq, feed, "argmax")])
-                tok = int(out) if isinstance(out, (int, np.integer)) else int(np.argmax(out))
-                drafted.append(tok)
-                feed = [tok]
+            self.engine.cells.grow(seq, len(context) + k - 1)
         except ContextOverflowError:        # the draft's cache is full: no proposal this step
             if seq is not None:
                 self.engine.free(seq)
-            self._seqs.pop(request_id, None)
-            return []
-        self._seqs[request_id] = (seq, context + drafted[:-1])
-        return drafted
+            return None
+        return seq
 
     def forget(self, request_id: int) -> None:
         """The request has ended: its draft sequence's cells go back."""

@@ -362,8 +362,8 @@ class Scheduler:
             work = self._compose()
             if not work:
                 return False
-            self._speculate(work)
             try:
+                self._speculate(work)
                 results = self.runner.execute(work)
             except Exception as e:                  # the pass is lost: its requests fail, others go on
                 with self._state:
@@ -422,35 +422,39 @@ class Scheduler:
 
     def _speculate(self, work: list[ScheduledItem]) -> None:
         """With a speculator, each decode item carries the tokens drafted after its pending one
-        (`Purpose.VERIFY`), in the rows the step's batch has left after the prompt chunks.
-        Drafting runs outside the state lock (a draft model's passes do not hold up submits);
-        the step lock keeps the requests' tokens still."""
-        if self.speculator is None:
+        (`Purpose.VERIFY`), in the rows the step's batch has left after the prompt chunks: at
+        most k, as many as the request may still generate after the pending one, and what a
+        pass of the few-token path holds (so the verified rows compute the bits a plain decode
+        step would). Structured output never speculates; a request whose cells cannot grow now
+        does not this step. Drafting runs outside the state lock (a draft model's passes do not
+        hold up submits); the step lock keeps the requests' tokens still."""
+        spec = self.speculator
+        if spec is None:
             return
         spare = self.n_batch - sum(len(w.tokens) for w in work)
+        asks: list[tuple[ScheduledItem, int]] = []
         for w in work:
-            if w.purpose is Purpose.SAMPLE and w.request.state is RequestState.DECODE and spare > 0:
-                draft = self._draft(w.request, spare)
-                if draft:
+            r = w.request
+            if (w.purpose is not Purpose.SAMPLE or r.state is not RequestState.DECODE or r.kind != "generate"
+                    or self.runner.state(r.id).guide is not None):
+                continue
+            k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
+            if k > 0:
+                asks.append((w, k))
+                spare -= k
+        if not asks:
+            return
+        try:
+            drafts = spec.propose_many([(w.request.id, w.request.history, k) for w, k in asks])
+        except MetatpError:                 # a draft model's failed pass: this step does not speculate
+            return
+        with self._state:
+            shared = len(self.running) > 1
+            for (w, k), draft in zip(asks, drafts):
+                draft = draft[:k]
+                r = w.request
+                if draft and self.demand.grow(r.seq, r.n_cells, shared, ahead=1 + len(draft)):
                     w.tokens, w.purpose = [*w.tokens, *draft], Purpose.VERIFY
-                    spare -= len(draft)
-
-    def _draft(self, r: Request, spare: int) -> list[int]:
-        """The tokens drafted after `r`'s pending one this step (none for structured output,
-        which never speculates, or where the cache has no room now): at most k, as many as it
-        may still generate after the pending one, the batch's `spare` rows, and what a pass of
-        the few-token path holds (so the verified rows compute the bits a plain decode step
-        would)."""
-        spec = self.speculator
-        if r.kind != "generate" or self.runner.state(r.id).guide is not None:
-            return []
-        k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
-        draft = spec.propose(r.id, r.history, k)[:max(k, 0)]
-        if draft:
-            with self._state:
-                if not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1, ahead=1 + len(draft)):
-                    return []
-        return draft
 
     def _forget(self, r: Request) -> None:
         """`r` has ended: its sampling state (and a draft model's sequence) go."""

@@ -253,6 +253,14 @@ class Speculator:
             return self.draft.propose(request_id, context_ids, k)
         return self.proposer.propose(context_ids, k)
 
+    def propose_many(self, asks: Sequence[tuple[int, Sequence[int], int]]) -> list[list[int]]:
+        """`propose` for several requests (request id, context, k): a draft model decodes them
+        in the same passes."""
+        asks = [(rid, ctx, min(k, self._length.get(rid, self.k))) for rid, ctx, k in asks]
+        if self.draft is not None:
+            return self.draft.propose_many(asks)
+        return [self.proposer.propose(ctx, k) if k > 0 else [] for _, ctx, k in asks]
+
     def record(self, request_id: int, n_drafted: int, n_tokens: int) -> None:
         """A verification of `n_drafted` tokens gave `n_tokens`. The request's draft length
         follows its acceptance: doubled (up to k) when every drafted token was kept, else one

@@ -165,6 +165,19 @@ def test_a_smaller_draft_model_keeps_the_targets_tokens(path, llm, synth_factory
     assert ids_of(spec.generate(PROMPTS, s)) == ids_of(spec.generate(PROMPTS, s))
 
 
+def test_a_draft_whose_cache_is_full_drafts_nothing_and_the_tokens_stay(path, llm, synth_factory):
+    """A draft with a 40-token context: three requests overflow its cache and pass its context;
+    those drafts are skipped, never wrong, and its cells all come back."""
+    draft = str(synth_factory(SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, seed=5,
+                                        n_ctx_train=40))[0])
+    spec = LLM(path, backend="numpy", speculative_model=draft, num_speculative_tokens=4,
+               **LLM_OPTIONS)
+    assert spec.scheduler.speculator.draft.engine.n_ctx == 40
+    assert ids_of(spec.generate(PROMPTS, GREEDY)) == ids_of(llm.generate(PROMPTS, GREEDY))
+    assert stats(spec)[0] > 0
+    assert spec.scheduler.speculator.draft.engine.cells.n_used == 0
+
+
 def test_a_draft_with_another_vocabulary_is_refused_naming_both(path, synth_factory):
     other = str(synth_factory(SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=280, seed=6))[0])
     with pytest.raises(ConfigError, match="different vocabularies") as e:
