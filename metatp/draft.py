@@ -78,6 +78,8 @@ class DraftModel:
         live = []                                   # [index, request id, seq, context, tokens to feed, k]
         for i, (request_id, context_ids, k) in enumerate(asks):
             context = [int(t) for t in context_ids]
+            if len(context) + k > self.engine.n_ctx:
+                self.forget(request_id)             # past the draft's context: its cells go now
             if k <= 0 or not context or len(context) + k > self.engine.n_ctx:
                 continue
             seq = self._sequence(request_id, context, k)
