@@ -90,6 +90,11 @@ class LLM:
     `metatp.backends.registry` (cupy: cuda_graphs, wire, kv_dtype, matmul_dtype,
     multi_gpu_graphs, mmq_min_tokens, mmq_max_tokens; numpy: parallel_devices, kernel_threads, the compiled kernels' thread
     count, default $METATP_NUM_THREADS).
+    `speculative_config` (vLLM's dict: {"method": "ngram" | "draft", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m, "model": draft}) or `speculative_model` with
+    `num_speculative_tokens`: speculative decoding (`metatp.speculative`): k tokens drafted by
+    prompt lookup or a draft model, verified in one pass; the same tokens greedy, the same
+    distribution sampled. Structured-output requests do not speculate.
     `distributed`: "auto" (one process per device when started by `mpiexec -n N`, N > 1), "mpi"
     (even for one process) or "none". Under MPI the world size is the device count (`n_devices`
     None means it) and every rank holds only its device's slices; every rank makes the same
@@ -122,18 +127,22 @@ class LLM:
                  pooling: str | None = None,
                  model_path: str | os.PathLike | None = None, n_threads: int | None = None,
                  n_gpu_layers: int | None = None, main_gpu: int | None = None, chat_format: str | None = None,
-                 embedding: bool = False, logits_all: bool = False) -> None:
+                 embedding: bool = False, logits_all: bool = False,
+                 speculative_config: Mapping[str, Any] | None = None, speculative_model: str | os.PathLike | None = None,
+                 num_speculative_tokens: int | None = None) -> None:
         from metatp.backends import create_backend, resolve_backend_name
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
         from metatp.ir.loader import load_model
         from metatp.models import resolve_model
         from metatp.passes.plan import DeviceLayout
+        from metatp.speculative import spec_config
 
         if model_path is not None:
             if model is not None:
                 raise ConfigError(f"model={_short(model)} and model_path={_short(model_path)}: give the model once")
             model = model_path
+        speculation = spec_config(speculative_config, speculative_model, num_speculative_tokens)
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise ConfigError(f"model must be a GGUF path or a known model name (str or path), got "
                               f"{_type_name(model)} {_short(model)}")
@@ -237,10 +246,27 @@ class LLM:
         self._rng_lock = threading.Lock()
         self.scheduler = Scheduler(ModelRunner(self.engine, self.tokenizer), max_num_seqs=max_num_seqs,
                                    max_waiting=None if max_waiting is None else int(max_waiting),
-                                   prefix_caching=enable_prefix_caching)
+                                   prefix_caching=enable_prefix_caching,
+                                   speculator=self._speculator(speculation, verbose))
         # several ranks: rank 0 leads every call, the others follow it (None in one process)
         self._mpi_calls = MpiCalls(self, self.world) if self.world is not None and self.world.size > 1 else None
         self.verbose = verbose
+
+    def _speculator(self, config, verbose: bool):
+        """Speculative decoding's proposer for this model (`metatp.speculative`), or None."""
+        from metatp.speculative import Speculator
+
+        if config is None:
+            return None
+        draft = None
+        if config.method == "draft":
+            from metatp.draft import DraftModel
+
+            if self.world is not None:
+                raise ConfigError("a draft model (speculative_model) is not supported under MPI; use "
+                                  "speculative_config={'method': 'ngram', ...} there")
+            draft = DraftModel.load(config.draft_model, self, verbose)
+        return Speculator(config, draft)
 
     @staticmethod
     def _tensor_split(tensor_split: Any) -> tuple[float, ...] | None:

@@ -11,8 +11,8 @@ import sys
 from typing import Sequence
 
 from metatp.cli_args import (SPLIT_CHOICES, Parser, add_layout_args, add_micro_batches_arg, add_model_args,
-                             add_numerics_arg, add_pooling_arg, add_split_args, add_webui_arg, layout_kwargs,
-                             pooling_option, stage_layout)
+                             add_numerics_arg, add_pooling_arg, add_speculative_args, add_split_args, add_webui_arg,
+                             layout_kwargs, pooling_option, speculative_kwargs, stage_layout)
 from metatp.cli_run import check_args as _check_args
 from metatp.cli_run import run_command
 from metatp.ir.errors import ConfigError
@@ -28,7 +28,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     seed = None if args.seed == -1 else args.seed          # llama.cpp: -s -1 is a random seed
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, seed=seed, verbose=True, numerics=args.numerics,
-              **layout_kwargs(args))
+              **layout_kwargs(args), **speculative_kwargs(args))
     if args.prompt is None:
         raise ConfigError("no prompt: pass -p TEXT (or -f FILE)")
     if args.n_predict < -1:
@@ -72,7 +72,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     options["pooling"] = pooling_option(args)
     llm = LLM(args.model, n_ctx=args.n_ctx, backend=args.backend, max_num_seqs=args.parallel,
               max_waiting=args.max_waiting, n_batch=args.batch_size, max_model_len=args.max_model_len,
-              enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options)
+              enable_prefix_caching=args.prefix_caching, numerics=args.numerics, verbose=True, **options,
+              **speculative_kwargs(args))
     if args.warmup and llm.world is None:
         # the plans of decode steps and of prompts arriving together, now, not in the first burst
         llm.engine.warm_up(args.parallel)
@@ -122,6 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, default=0, help="random seed (-1: a different one every run)")
     g.add_argument("-r", "--reverse-prompt", dest="stop", action="append", help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_speculative_args(g)
     g.set_defaults(func=_cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
@@ -159,6 +161,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("-a", "--alias", default=None, help="model name clients use (default: the GGUF file name)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="numpy backend: threads of the compiled kernels (option kernel_threads; default $METATP_NUM_THREADS)")
     sv.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_speculative_args(sv)
     sv.set_defaults(func=_cmd_serve)
 
     i = sub.add_parser("info", help="print metadata, tensor types and sizes")

@@ -17,7 +17,8 @@ from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.parallel import FLAGS, parallel_layout
 
 __all__ = ["Parser", "first_rank", "add_model_args", "add_layout_args", "add_split_args", "add_micro_batches_arg",
-           "add_numerics_arg", "add_webui_arg", "layout_kwargs", "stage_layout", "SPLIT_CHOICES"]
+           "add_numerics_arg", "add_webui_arg", "layout_kwargs", "stage_layout", "SPLIT_CHOICES", "add_speculative_args",
+           "speculative_kwargs"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -158,3 +159,39 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
             "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
             "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
             "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
+
+
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (`metatp.speculative`): llama.cpp's -md / --draft-max and lookup
+    decoding's n-gram sizes; `--spec ngram|draft` names the method (-md alone means draft)."""
+    p.add_argument("--spec", "--speculative", dest="spec", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram (prompt lookup, no draft model) | draft (with -md)")
+    p.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="PATH",
+                   help="draft model for speculative decoding (GGUF path or known name; implies --spec draft)")
+    p.add_argument("--draft-max", "--draft", "--draft-n", dest="draft_max", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default 8)")
+    p.add_argument("--lookup-ngram-max", dest="lookup_max", type=int, default=3, metavar="N",
+                   help="--spec ngram: longest n-gram looked up (vLLM's prompt_lookup_max; default 3)")
+    p.add_argument("--lookup-ngram-min", dest="lookup_min", type=int, default=1, metavar="N",
+                   help="--spec ngram: shortest n-gram looked up (vLLM's prompt_lookup_min; default 1)")
+
+
+def speculative_kwargs(args: argparse.Namespace) -> dict:
+    """LLM's speculative_config from the flags ({} without --spec / -md)."""
+    method = args.spec or ("draft" if args.model_draft else None)
+    if method is None:
+        if args.draft_max is not None:
+            raise ConfigError("--draft-max needs --spec ngram or -md PATH (a draft model)")
+        return {}
+    if args.draft_max is not None and args.draft_max < 1:
+        raise ConfigError(f"--draft-max must be >= 1, got {args.draft_max}")
+    cfg = {"method": method, "num_speculative_tokens": 8 if args.draft_max is None else args.draft_max}
+    if method == "ngram":
+        cfg.update(prompt_lookup_max=args.lookup_max, prompt_lookup_min=args.lookup_min)
+        if args.model_draft:
+            raise ConfigError("--spec ngram takes no draft model (-md); use --spec draft")
+    else:
+        if not args.model_draft:
+            raise ConfigError("--spec draft needs a draft model: -md PATH")
+        cfg["model"] = args.model_draft
+    return {"speculative_config": cfg}

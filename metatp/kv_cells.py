@@ -29,8 +29,8 @@ after the prefix cache gave it back (`uncache`).
 Under MPI rank 0 chooses every cell and the other ranks mirror its choices. The cache tells its
 `listener` (installed by `metatp.lockstep.Leader`) each operation the others must replay, as a
 tuple: ("take", seq id, cells, positions it begins with) for `try_reserve`, ("grow", seq id,
-cells) for cells `try_grow` added, ("free", seq id) for a sequence taken so, ("cache", cells) and
-("uncache", cells). The engine's own `reserve` and `grow` are told to nobody: every rank makes
+cells) for cells `try_grow` added, ("free", seq id) for a sequence taken so, ("rewind", seq id,
+n_past) for `rewind`, ("cache", cells) and ("uncache", cells). The engine's own `reserve` and `grow` are told to nobody: every rank makes
 those alike.
 """
 
@@ -233,6 +233,18 @@ class KVCells:
             self._told.discard(seq.id)
         if told:
             self._tell(("free", seq.id))
+
+    def rewind(self, seq: SeqCells, n_past: int) -> None:
+        """Set `seq` back to its first `n_past` positions (speculative decoding's rejected
+        tokens, `metatp.speculative`): it keeps its cells, and the positions past `n_past` are
+        written again before anything reads them (a row attends only to positions up to its own)."""
+        with self._lock:
+            if not 0 <= n_past <= seq.n_past:
+                raise ConfigError(f"sequence {seq.id} cannot rewind from {seq.n_past} to {n_past} positions")
+            seq.n_past = n_past
+            told = seq.id in self._told
+        if told:
+            self._tell(("rewind", seq.id, n_past))
 
     def scratch_cells(self, limit: int, keep: dict[int, int]) -> np.ndarray:
         """Up to `limit` cells a padding row may overwrite, lowest first: free cells, then cells a

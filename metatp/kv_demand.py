@@ -77,17 +77,22 @@ class CellDemand:
             self.metrics.count_prefix(namespace.tenant, n, reused)
         return seq
 
-    def grow(self, seq: SeqCells, n_cells: int, shared: bool) -> bool:
-        """Room for the token `seq` feeds next (position n_past), a page at a time, evicting the
-        prefix cache's unused blocks as needed; `shared`: other sequences run beside it, so its
-        pages must stay in order. False when the cache cannot supply it now."""
-        need = seq.n_past + 1
+    def grow(self, seq: SeqCells, n_cells: int, shared: bool, ahead: int = 1) -> bool:
+        """Room for the `ahead` tokens `seq` feeds next (positions n_past..; more than one: a
+        speculative step's drafted tokens), a page at a time, evicting the prefix cache's unused
+        blocks as needed; `shared`: other sequences run beside it, so its pages must stay in
+        order. False when the cache cannot supply them now."""
+        need = seq.n_past + ahead
         if seq.capacity >= need:
             return True
         nxt = int(seq.cells[-1]) + 1 if seq.capacity else 0
         added = self._placed(lambda pg: self.cells.try_grow(seq, need, self.want(n_cells, need), paged=pg),
                              self.paged and shared, (nxt, nxt + self.cells.page))
         return added is not None
+
+    def rewind(self, seq: SeqCells, n_past: int) -> None:
+        """`seq` back to `n_past` positions, its cells kept (`KVCells.rewind`)."""
+        self.cells.rewind(seq, n_past)
 
     def free(self, seq: SeqCells, ids: Sequence[int] | None = None, namespace: Namespace = ANONYMOUS) -> None:
         """Return `seq`'s cells. `ids`: its tokens, given when its written cells are good (it

@@ -225,6 +225,8 @@ def _apply_ops(engine: Engine, seqs: dict[int, SeqCells], ops: tuple, rank: int)
             seqs[op[1]].n_past = op[3]          # positions it begins with (a prefix cache hit)
         elif op[0] == "grow" and op[1] in seqs:
             engine.cells.extend(seqs[op[1]], op[2])
+        elif op[0] == "rewind" and op[1] in seqs:      # speculative decoding's rejected positions
+            seqs[op[1]].n_past = op[2]
         elif op[0] == "free" and op[1] in seqs:
             engine.free(seqs.pop(op[1]))
         elif op[0] == "cache":              # the prefix cache keeps these cells (metatp.prefix_cache)

@@ -26,6 +26,7 @@ from metatp.ir.errors import NumericalError
 from metatp.kv_cells import SeqCells
 from metatp.logprobs import token_logprob
 from metatp.sampling import CandidateSpec, Sampler, SamplingParams
+from metatp.speculative import accept_greedy, accept_sampled
 from metatp.structured import Guide, MaskPrefetch, make_guide
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ class Purpose(enum.Enum):
     SAMPLE = "sample"       # a decode token or a prompt's last chunk: the next token
     SCORE = "score"         # a scoring request's prompt chunk: the logits of every position
     EMBED = "embed"         # an embedding request's prompt chunk: the final hidden state of every position
+    VERIFY = "verify"       # a decode token and the tokens drafted after it: the accepted run
+                            # and one token of the target's own (metatp.speculative)
 
 
 @dataclass
@@ -156,9 +159,11 @@ class ModelRunner:
     def state(self, request_id: int) -> SamplingState:
         return self._states[request_id]
 
-    def execute(self, items: list[ScheduledItem]) -> list[TokenResult | None]:
+    def execute(self, items: list[ScheduledItem]) -> list[TokenResult | list[TokenResult] | None]:
         """Run one step: per item its TokenResult, or None where it gives nothing (a fed chunk,
-        a scored prompt's chunk before its last). A failed pass raises (its requests fail)."""
+        a scored prompt's chunk before its last), or for a VERIFY item the TokenResults of its
+        accepted tokens and the target's own (a TokenResult with an error where it failed). A
+        failed pass raises (its requests fail)."""
         states = [self._states[it.request.id] for it in items]
         steps = [StepItem(it.seq, it.tokens, self._mode(it, st)) for it, st in zip(items, states)]
         self.masks.start([st.guide for it, st in zip(items, states)
@@ -171,19 +176,21 @@ class ModelRunner:
 
     @staticmethod
     def _mode(it: ScheduledItem, st: SamplingState) -> str | CandidateSpec:
-        if it.purpose is Purpose.SCORE:
+        if it.purpose in (Purpose.SCORE, Purpose.VERIFY):
             return "all"
         if it.purpose is Purpose.EMBED:
             return "hidden"
         return st.logits_mode(it.request.output_ids) if it.purpose is Purpose.SAMPLE else "none"
 
     @staticmethod
-    def _result(it: ScheduledItem, st: SamplingState, out: Any) -> TokenResult | None:
+    def _result(it: ScheduledItem, st: SamplingState, out: Any) -> TokenResult | list[TokenResult] | None:
         """One item's result; an error sampling or reading it fails that request alone."""
         if it.purpose is Purpose.FEED:
             return None
         r = it.request
         try:
+            if it.purpose is Purpose.VERIFY:
+                return ModelRunner._verify(it, st, out)
             if it.purpose in (Purpose.SCORE, Purpose.EMBED):
                 if it.first:
                     st.score_rows.clear()
@@ -204,3 +211,28 @@ class ModelRunner:
             return TokenResult(tok, lp, top, complete)
         except Exception as e:  # noqa: BLE001 -- e.g. a broken model's logits: this request fails
             return TokenResult(error=e)
+
+    @staticmethod
+    def _verify(it: ScheduledItem, st: SamplingState, rows: np.ndarray) -> list[TokenResult]:
+        """The tokens a VERIFY item gives (`metatp.speculative`): row i's logits follow the
+        pending token and draft[:i], processed as a plain step would process them with those
+        tokens generated; the acceptance rule keeps the target's distribution (greedy: its
+        tokens). Structured output never speculates (the scheduler drafts nothing for it)."""
+        r = it.request
+        draft = [int(t) for t in it.tokens[1:]]
+        check_logits(rows, f"after {len(r.history)} tokens and {len(draft)} drafted")
+        history, generated = list(r.history), list(r.output_ids)
+
+        def context(i: int) -> tuple[list[int], list[int]]:
+            return history + draft[:i], generated + draft[:i]
+
+        if st.params.greedy:
+            tokens = accept_greedy(draft, lambda i: st.sampler(rows[i], *context(i)))
+        else:
+            tokens = accept_sampled(draft, lambda i: st.sampler.distribution(rows[i], *context(i)), st.sampler.rng)
+        n_lp = st.params.logprobs
+        out = []
+        for i, tok in enumerate(tokens):
+            lp, top = token_logprob(rows[i], tok, n_lp) if n_lp is not None else (None, None)
+            out.append(TokenResult(tok, lp, top))
+        return out

@@ -243,6 +243,15 @@ class Sampler:
         """`history`: prompt and generated tokens (repetition_penalty's); `generated`: the
         generated ones alone (frequency/presence penalties and min_tokens count these);
         `allowed`: structured output's mask (bool per token id; ids past it are banned too)."""
+        x = self.processed(logits, history, generated, allowed)
+        if self.p.greedy:
+            return int(np.argmax(x))
+        return self._draw(*_support(x, self.p, x.size))
+
+    def processed(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
+                  allowed: np.ndarray | None = None) -> np.ndarray:
+        """The logits after repetition_penalty, the penalties and logit_bias, and the mask: what
+        temperature and truncation then work on (arguments as `__call__`)."""
         p = self.p
         x = np.asarray(logits, dtype=np.float32)
         if p.repetition_penalty != 1.0 and len(history):
@@ -251,9 +260,18 @@ class Sampler:
             x = self.penalties(x, generated)
         if allowed is not None:
             x = _masked(x, allowed)
-        if p.greedy:
-            return int(np.argmax(x))
-        return self._draw(*_support(x, p, x.size))
+        return x
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = (), generated: Sequence[int] = (),
+                     allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution `__call__` draws from, as (token ids ascending, probabilities): the
+        same processing and truncation, so speculative decoding's acceptance rule
+        (`metatp.speculative`) preserves what a plain draw would give. Greedy: the argmax, 1."""
+        x = self.processed(logits, history, generated, allowed)
+        if self.p.greedy:
+            return np.array([int(np.argmax(x))]), np.ones(1)
+        ids, w = self._top_p(*_support(x, self.p, x.size))
+        return ids, w / w.sum()
 
     def from_candidates(self, rc: RowCandidates) -> int:
         """The token `__call__` would draw from the whole row, drawn from a row's candidates
@@ -276,13 +294,18 @@ class Sampler:
         cut is made already), then one draw: the same arithmetic on the same arrays whether they
         came from the whole row or from its candidates, so the two draw the same token from the
         same random state."""
+        ids, w = self._top_p(ids, w, nucleus)
+        return int(ids[int(self.rng.choice(w.size, p=w / w.sum()))])
+
+    def _top_p(self, ids: np.ndarray, w: np.ndarray, nucleus: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """top-p's cut of the kept tokens (`ids` ascending, weights `w`), unless made already."""
         if self.p.top_p < 1.0 and not nucleus:
             order = np.argsort(-w, kind="stable")
             cum = np.cumsum(w[order])
             cut = int(np.searchsorted(cum, self.p.top_p * cum[-1])) + 1
             sel = np.sort(order[:cut])
             ids, w = ids[sel], w[sel]
-        return int(ids[int(self.rng.choice(w.size, p=w / w.sum()))])
+        return ids, w
 
 
 def _support(x: np.ndarray, p: SamplingParams, n_vocab: int, ids: np.ndarray | None = None,

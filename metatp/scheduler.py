@@ -18,8 +18,11 @@ not depend on who shares its steps. The scheduler works on token ids and request
 model runner (`metatp.runner`) runs each step and samples its tokens, the scheduler ends requests
 on token-level rules (max_tokens, end-of-generation and stop tokens, a complete constraint) and
 delivers each request's `TokenEvent`s to its one sink, outside the state lock that other threads
-wait on. Text, stop strings and logprobs formatting run on the consumer's side of the request
-handle (`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
+wait on. With a speculator (`metatp.speculative`) a decode item also carries the tokens drafted
+after its pending one, verified in the same pass; the accepted run is taken token by token (the
+same rules end it) and the rejected positions are rewound (`CellDemand.rewind`). Text, stop
+strings and logprobs formatting run on the consumer's side of the request handle
+(`metatp.requests`, `metatp.output_processor`); a stop string there cancels the request.
 
 Steps are driven cooperatively: a caller waiting for its request's next output runs a step
 itself (one thread at a time; the others wait for the step lock, then find their outputs
@@ -58,6 +61,7 @@ from metatp.output_processor import TokenEvent
 from metatp.prefix_cache import Namespace
 from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
 from metatp.sampling import SamplingParams
+from metatp.speculative import Speculator
 
 if TYPE_CHECKING:
     from metatp.backends.distributed import World
@@ -200,7 +204,8 @@ class Scheduler:
     """Admits, batches and steps requests over one model runner (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int = 16, max_waiting: int | None = None,
-                 n_batch: int | None = None, prefix_caching: bool = True) -> None:
+                 n_batch: int | None = None, prefix_caching: bool = True,
+                 speculator: Speculator | None = None) -> None:
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.runner = runner
@@ -221,6 +226,8 @@ class Scheduler:
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
         # KV cells on demand (metatp.kv_demand); which request waits or is preempted is decided here
         self.demand = CellDemand(engine.cells, self.metrics, prefix_caching)
+        # speculative decoding (metatp.speculative): decode steps carry drafted tokens to verify
+        self.speculator = speculator
 
     def lead(self, world: "World") -> Leader:
         """Drive every rank of `world` from here (rank 0; `LLM` calls it): each step is posted to
@@ -260,7 +267,7 @@ class Scheduler:
                     self.waiting.append(req)
                     self._changed.notify_all()
         except BaseException:
-            self.runner.forget(req.id)
+            self._forget(req)
             raise
         if ended:
             self._deliver()
@@ -294,7 +301,7 @@ class Scheduler:
             self.metrics.requests_finished += 1
         else:
             self.metrics.requests_cancelled += 1
-        self.runner.forget(r.id)
+        self._forget(r)
 
     def abandon(self, err: BaseException, timeout: float = 1.0) -> int:
         """Fail every request now, from another thread, leaving the engine alone (a step may be
@@ -309,7 +316,7 @@ class Scheduler:
             for r in reqs:
                 r.state, r.finish_reason = RequestState.DONE, "error"
                 self.metrics.requests_failed += 1
-                self.runner.forget(r.id)
+                self._forget(r)
                 self._emit(r, TokenEvent(None, "error", error=err))
             self._changed.notify_all()
         finally:
@@ -361,6 +368,7 @@ class Scheduler:
             if not work:
                 return False
             try:
+                self._speculate(work)
                 results = self.runner.execute(work)
             except Exception as e:                  # the pass is lost: its requests fail, others go on
                 with self._state:
@@ -418,6 +426,48 @@ class Scheduler:
                 budget -= len(chunk)
             return work
 
+    def _speculate(self, work: list[ScheduledItem]) -> None:
+        """With a speculator, each decode item carries the tokens drafted after its pending one
+        (`Purpose.VERIFY`), in the rows the step's batch has left after the prompt chunks: at
+        most k, as many as the request may still generate after the pending one, and what a
+        pass of the few-token path holds (so the verified rows compute the bits a plain decode
+        step would). Structured output never speculates; a request whose cells cannot grow now
+        does not this step. Drafting runs outside the state lock (a draft model's passes do not
+        hold up submits); the step lock keeps the requests' tokens still."""
+        spec = self.speculator
+        if spec is None:
+            return
+        spare = self.n_batch - sum(len(w.tokens) for w in work)
+        asks: list[tuple[ScheduledItem, int]] = []
+        for w in work:
+            r = w.request
+            if (w.purpose is not Purpose.SAMPLE or r.state is not RequestState.DECODE or r.kind != "generate"
+                    or self.runner.state(r.id).guide is not None):
+                continue
+            k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
+            if k > 0:
+                asks.append((w, k))
+                spare -= k
+        if not asks:
+            return
+        try:
+            drafts = spec.propose_many([(w.request.id, w.request.history, k) for w, k in asks])
+        except MetatpError:                 # a draft model's failed pass: this step does not speculate
+            return
+        with self._state:
+            shared = len(self.running) > 1
+            for (w, k), draft in zip(asks, drafts):
+                draft = draft[:k]
+                r = w.request
+                if draft and self.demand.grow(r.seq, r.n_cells, shared, ahead=1 + len(draft)):
+                    w.tokens, w.purpose = [*w.tokens, *draft], Purpose.VERIFY
+
+    def _forget(self, r: Request) -> None:
+        """`r` has ended: its sampling state (and a draft model's sequence) go."""
+        self.runner.forget(r.id)
+        if self.speculator is not None:
+            self.speculator.forget(r.id)
+
     def _make_room(self) -> bool:
         """Give every decoding request (oldest first) a cell for the token it feeds this step;
         while the cache has none, preempt the most recently admitted running request (possibly
@@ -467,9 +517,23 @@ class Scheduler:
             if r.n_fed < len(r.prompt_ids):
                 return
             r.state = RequestState.DECODE
+        if isinstance(res, list):                   # a verified draft: its accepted run and one more
+            drafted = len(w.tokens) - 1
+            rejected = drafted + 1 - len(res)
+            if rejected:                            # their positions are written again next
+                self.demand.rewind(r.seq, r.seq.n_past - rejected)
+            self.speculator.record(r.id, drafted, len(res))
+            for one in res:
+                if self._take(r, one, now):
+                    return
+            return
+        self._take(r, res, now)
+
+    def _take(self, r: Request, res: TokenResult | None, now: float) -> bool:
+        """Take one token for a decoding request (or the error in its place); whether it ended."""
         if res is None or res.error is not None:
             self._fail(r, res.error if res is not None else RequestStateError("a request due a token got none this step"))
-            return
+            return True
         r.history.append(res.token)
         r.output_ids.append(res.token)
         self.metrics.generated(r.cache_namespace.tenant)
@@ -479,9 +543,10 @@ class Scheduler:
         ev = r.event_for(res)
         if ev.finish_reason is not None:
             self._finish(r, ev)
-        else:
-            r.pending = res.token
-            self._emit(r, ev)
+            return True
+        r.pending = res.token
+        self._emit(r, ev)
+        return False
 
     def _emit(self, r: Request, ev: TokenEvent) -> None:
         """Queue an event (under the state lock); `_deliver` sends it once the lock is released."""
@@ -508,7 +573,7 @@ class Scheduler:
         self._release(r, keep=True)
         r.state, r.finish_reason = RequestState.DONE, ev.finish_reason
         self.metrics.requests_finished += 1
-        self.runner.forget(r.id)
+        self._forget(r)
         self._emit(r, ev)
 
     def _fail(self, r: Request, e: BaseException) -> None:
@@ -519,7 +584,7 @@ class Scheduler:
         self._release(r)
         r.state, r.finish_reason = RequestState.DONE, "error"
         self.metrics.requests_failed += 1
-        self.runner.forget(r.id)
+        self._forget(r)
         self._emit(r, TokenEvent(None, "error", error=e))
 
     def _release(self, r: Request, keep: bool = False) -> None:

@@ -42,6 +42,15 @@ def add_parser(sub) -> None:
     b.add_argument("--interleave", action="store_true",
                    help="load every layout first and alternate repetitions between them (steadier ratios "
                         "on a machine whose speed drifts; peak memory is then the whole run's)")
+    b.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="instead of the tests: one sequence's greedy tokens/s with and without speculative "
+                        "decoding (ngram lookup, or draft with -md), a quoting and a free-writing prompt, -n "
+                        "tokens, with the acceptance rate (tools/bench/speculative.py)")
+    b.add_argument("-md", "--model-draft", dest="model_draft", default=None, metavar="PATH",
+                   help="--speculative draft: the draft model")
+    b.add_argument("--draft-max", type=int, default=8, metavar="K", help="--speculative: tokens drafted a step (default 8)")
+    b.add_argument("--lookup-ngram-max", dest="lookup_max", type=int, default=3, metavar="N",
+                   help="--speculative ngram: longest n-gram looked up (default 3)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -81,6 +90,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from metatp.backends.distributed import every_rank, init_world
     from metatp.ir.errors import MetatpError
 
+    if args.speculative is not None:
+        return cmd_speculative(args)
     world = init_world("auto")          # None in one process; under mpiexec -n N (N > 1), this rank
     try:
         cfg = config_from_args(args, world)
@@ -99,4 +110,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.output == "md":             # tg at depth minus tg at depth 0, when both were run
             from metatp.tools.attn_depth import attention_table
             print(attention_table(rows))
+    return 0
+
+
+def cmd_speculative(args: argparse.Namespace) -> int:
+    """`--speculative`: plain vs speculative decoding rows (`tools/bench/speculative.py`), on the
+    first of --devices / -sm, one process (not under mpiexec)."""
+    from metatp.backends.distributed import launched_world_size
+    from metatp.ir.errors import ConfigError
+    from metatp.tools.bench.speculative import format_speculative, run_speculative
+
+    if (launched_world_size() or 1) > 1:
+        raise ConfigError("--speculative runs in one process; start it without mpiexec")
+    if args.repetitions < 1:
+        raise ConfigError("-r must be >= 1")
+    n_gen = int_list(args.n_gen)[0] if int_list(args.n_gen) else 128
+    cfg = {"method": args.speculative, "num_speculative_tokens": args.draft_max}
+    if args.speculative == "draft":
+        if not args.model_draft:
+            raise ConfigError("--speculative draft needs a draft model: -md PATH")
+        cfg["model"] = args.model_draft
+    else:
+        cfg["prompt_lookup_max"] = args.lookup_max
+    devices = int_list(args.devices)[0] if args.devices else 1
+    mode = (args.split_mode or ("tensor" if devices > 1 else "none")).split(",")[0]
+    llm_kwargs = dict(model=args.model, backend=args.backend, n_ctx=max(512, n_gen + 320), n_devices=devices,
+                      split_mode=mode)
+    rows = run_speculative(llm_kwargs, cfg, n_gen, args.repetitions,
+                           progress=lambda r: print(f"  {r['prompt']}: {r['plain_ts']:.2f} -> {r['spec_ts']:.2f} t/s, "
+                                                    f"acceptance {r['acceptance']:.2f}", file=sys.stderr))
+    print(format_speculative(rows, args.output))
     return 0
