@@ -101,3 +101,15 @@ def test_padding_rows_do_not_change_the_real_rows(gpuengine_engines):
             graphs.free(s)
     _, padded, full = got
     assert all(np.array_equal(p, f) for p, f in zip(padded, full[:5]))
+
+
+def test_warm_up_compiles_every_bucket_and_keeps_them(synth_model):
+    """A server's warm-up for 64 sequences: decode steps of every bucket up to 64 and prompt passes
+    of every bucket up to 256 rows, more plans than the engine's default cache holds; none evicted."""
+    require("emulator")
+    lay = DeviceLayout()
+    eng = Engine(synth_model, 512, lay, CupyBackend(lay, runtime=EmuRuntime(gemm=False)), n_batch=256)
+    made = eng.warm_up(64)
+    assert made == len(eng._plans) > 32
+    assert {key[0] for key in eng._plans} == set(GRAPH_BUCKETS)
+    assert {key[2] for key in eng._plans} == {b for b in GRAPH_BUCKETS if b <= 64}     # logits of 1..64 rows
