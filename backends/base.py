@@ -155,6 +155,11 @@ class Backend(LeafStore, ABC):
         of many sequences into passes of at most this many rows)."""
         return 16
 
+    def row_buckets(self) -> tuple[int, ...]:
+        """Row counts a few-token pass is padded up to (one plan, and on a GPU one captured
+        graph, per bucket), ascending; empty: the engine's own buckets (`metatp.step.bucket_rows`)."""
+        return ()
+
     def kv_page(self) -> int:
         """A sequence's KV cells should start on a multiple of this many cells: attention that
         tiles the cache at absolute positions then meets the sequence as it does alone."""

@@ -77,6 +77,7 @@ class Engine:
         # rows per pass on the backend's few-token path, and the cell alignment that keeps a
         # sequence's attention at the phase it has alone (both from the backend: batch invariance)
         self.small_rows = backend.step_rows()
+        self.row_buckets = tuple(backend.row_buckets())     # the sizes few-token passes pad to
         self.cells = KVCells(n_ctx, page=backend.kv_page())
         self._plans: OrderedDict[tuple[int, int, int], tuple[Plan, object]] = OrderedDict()
         self.max_plans = 32
@@ -128,9 +129,11 @@ class Engine:
         covers the cache (`kv_span_floor`) these are the plans of every depth. Returns the
         number of plans compiled."""
         cap = min(self.small_rows, self.n_batch)
-        buckets = sorted({bucket_rows(n, cap, self.small_rows) for n in range(1, min(max_seqs, cap) + 1)})
-        passes = sorted({bucket_rows(n, cap, self.small_rows) for n in range(16, cap + 1)})
+        rows = functools.partial(bucket_rows, cap=cap, small=self.small_rows, buckets=self.row_buckets)
+        buckets = sorted({rows(n) for n in range(1, min(max_seqs, cap) + 1)})
+        passes = sorted({rows(n) for n in range(16, cap + 1)})
         shapes = [(T, T) for T in buckets] + [(T, n) for T in passes for n in buckets if n < T]
+        self.max_plans = max(self.max_plans, len(shapes) + 8)    # warmed plans must not evict each other
         made = 0
         for T, n_out in shapes:
             spec = BatchSpec(T, self.kv_span(1, T), n_out)

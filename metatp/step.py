@@ -12,7 +12,7 @@ it needs (plans, the cell table, the row limits and the statistics it counts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -27,9 +27,14 @@ from metatp.sampling import CandidateSpec
 __all__ = ["StepItem", "Row", "Pass", "PassHost", "bucket_rows"]
 
 
-def bucket_rows(n: int, cap: int, small: int) -> int:
+def bucket_rows(n: int, cap: int, small: int, buckets: Sequence[int] = ()) -> int:
     """Rows a pass of `n` real rows is padded to (one plan per bucket): 1, 2, 4, then multiples
-    of 4 up to 16, of 16 up to `small` (the few-token path), then of 32, at most `cap`."""
+    of 4 up to 16, of 16 up to `small` (the few-token path), then of 32, at most `cap`. A
+    backend's own `buckets` (`Backend.row_buckets`, e.g. the CUDA graph sizes) replace those up
+    to `small`: the first that holds `n`."""
+    fit = [b for b in buckets if b >= n] if n <= small else []
+    if fit:
+        return max(n, min(fit[0], cap))
     if n <= 2:
         b = n
     elif n <= 16:
@@ -75,6 +80,7 @@ class PassHost(Protocol):
     model: Model
     n_batch: int
     small_rows: int         # rows of the few-token path (`Backend.step_rows`)
+    row_buckets: tuple[int, ...]    # ... and the sizes its passes pad to (`Backend.row_buckets`)
     cells: KVCells
     passes: int             # statistics a pass adds to: passes run,
     logits_bytes: int       # logits bytes gathered to this process,
@@ -111,13 +117,13 @@ class Pass:
         host, items, rows = self.host, self.items, self.rows
         T = len(rows)
         cap = min(host.small_rows, host.n_batch) if T <= host.small_rows else host.n_batch
-        T_pad = bucket_rows(T, max(cap, T), host.small_rows)
+        T_pad = bucket_rows(T, max(cap, T), host.small_rows, host.row_buckets)
         scratch = host.cells.scratch_cells(T_pad - T, self.keep) if T_pad > T else np.zeros(0, np.int32)
         if scratch.size < T_pad - T:            # a full cache: no room for padding rows
             T_pad, scratch = T, scratch[:0]
         out_rows = [i for i, r in enumerate(rows) if r.out]
         n_out = len(out_rows)
-        n_out_pad = min(bucket_rows(n_out, T_pad, host.small_rows), T_pad) if n_out else 1
+        n_out_pad = min(bucket_rows(n_out, T_pad, host.small_rows, host.row_buckets), T_pad) if n_out else 1
         cells = np.empty(T_pad, dtype=np.int32)
         pos = np.zeros(T_pad, dtype=np.int32)
         ids = np.zeros(T_pad, dtype=np.int32)

@@ -41,10 +41,16 @@ from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor, block_size, type_size
 from metatp.passes.plan import DeviceLayout, Plan
 
-__all__ = ["CupyBackend", "RAW_READERS"]
+__all__ = ["CupyBackend", "GRAPH_BUCKETS", "RAW_READERS"]
 
 #: the ops whose kernels read a weight's raw GGUF blocks (as src0; MUL_MAT needs it 2-D)
 RAW_READERS = (Op.MUL_MAT, Op.MUL_MAT_ID, Op.GET_ROWS)
+
+#: the row counts a few-token pass pads to, as vLLM's cudagraph capture sizes (powers of two: few
+#: plans to compile and graphs to keep; a decode step of B sequences replays the graph of the
+#: first size >= B, its padding rows on scratch cells). The largest is `step_rows`: decode steps
+#: of up to 256 sequences, and prompt chunks beside them, are one pass.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Device:
@@ -71,8 +77,8 @@ class CupyBackend(Backend):
     """N devices on CuPy: one GPU each when there are enough, else virtual devices (several
     logical devices with their own stream and buffers on one GPU).
 
-    cuda_graphs: capture the decode step (plans whose matmuls all use matvec) on its second
-    run and replay it. allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
+    cuda_graphs: capture a plan whose steps are all kernel launches (no cuBLAS call) on its
+    second run and replay it: one graph per row bucket (GRAPH_BUCKETS). allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
     works, else the butterfly), "nccl", "butterfly", "ring" (or llama.cpp's "none" /
     "internal": the butterfly). wire: "auto" (FP32 below `wire_thresholds`, BF16 above),
     "f32" (exact), "bf16". kv_dtype: storage of an F32 graph KV cache ("f16"; a cache of
@@ -173,6 +179,16 @@ class CupyBackend(Backend):
     def fault(self) -> DeviceFaultError | None:
         """The sticky fault (a kernel's, an NCCL call's) after which the runtime refuses all work."""
         return self.rt.faults.failed
+
+    # ---------------------------------------------------------------- steps
+    def step_rows(self) -> int:
+        """Decode steps of up to GRAPH_BUCKETS[-1] sequences run as one pass (the weights stream
+        once a step, whatever B is)."""
+        return GRAPH_BUCKETS[-1]
+
+    def row_buckets(self) -> tuple[int, ...]:
+        """One plan, one captured CUDA graph, per bucket (see GRAPH_BUCKETS)."""
+        return GRAPH_BUCKETS
 
     # ---------------------------------------------------------------- leaf data
     def _store(self, d: int, host: np.ndarray):

@@ -14,7 +14,9 @@ goes and the whole run stays inside --budget seconds, about 7 minutes):
 3. `model`: a synthetic GGUF with SmolLM2-135M's shapes (the real model does not travel to the
    GPU machine), logits vs the numpy backend for N=1 and N=3 virtual devices, greedy tokens;
 4. `speed`: decode tokens/s eager vs CUDA graph at two KV lengths, graph replay == eager,
-   N=3 virtual devices, prefill;
+   N=3 virtual devices, prefill; `profile` (the decode step's kernels timed) and `shapes` (decode
+   at three model sizes); `throughput` (batched-bench rows B = 1..256, pp512 / pp4096, and
+   `metatp serve --backend cupy` with 64 concurrent openai clients vs one after another);
 5. `nccl`: a 1-rank communicator, f32 and bf16 all-reduce, eagerly and inside a CUDA graph;
 6. `mpi`: one GPU rank under mpiexec with NCCL, in a subprocess bounded in time.
 

@@ -2,7 +2,9 @@
 
 Run as a folder (`python3 scripts/gpu_check`) from a source tree, the tree's root goes on the
 path and `import scripts` maps the metatp packages onto their folders (`scripts/_source_tree.py`);
-`--pytest ARGS` runs pytest under that same mapping and `--mpi-rank ARGS` is one rank of step 6.
+`--pytest ARGS` runs pytest under that same mapping, `--mpi-rank ARGS` is one rank of step 6 and
+`--serve [--emulate] ARGS` is `metatp serve ARGS` (the throughput section's server; on the kernel
+emulator with --emulate).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from metatp.testing import mpi_rank
 
         return mpi_rank.main(argv[1:])
+    if argv[:1] == ["--serve"]:           # `metatp serve` from this tree (the throughput section's server)
+        from scripts.gpu_check.throughput import serve_main
+
+        return serve_main(argv[1:])
     args = _parser().parse_args(argv)
     from scripts.gpu_check.config import Budget, Config
 
@@ -51,9 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="markdown file for the results (a .json copy too)")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds the whole run may take (about 7 minutes)")
     ap.add_argument("--layers", type=int, default=30, help="layers of the synthetic model (30 = SmolLM2-135M)")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: kernels,model,speed,profile,shapes,nccl,mpi")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated sections to skip: kernels,model,speed,profile,shapes,throughput,nccl,mpi")
     ap.add_argument("--big", action="store_true",
-                    help="the shapes section also runs Llama-3-8B shapes in Q4_K (a 4.5 GB file, ~2.5 minutes)")
+                    help="the shapes and throughput sections also run Llama-3-8B shapes in Q4_K (a 4.5 GB file, "
+                         "~2.5 minutes each)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic GGUF goes (default: a temp dir)")
     ap.add_argument("--emulate", action="store_true",
                     help="dry run without a GPU: the CPU kernel emulator and a tiny model")
@@ -62,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from scripts.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, shapes, speed
+    from scripts.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, shapes, speed, throughput
     from scripts.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -96,6 +104,9 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
     if have_gpu and "shapes" not in skip:
         step("speed", "model sizes", lambda: shapes.section_shapes(
             rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-shapes-"))))
+    if have_gpu and "throughput" not in skip:
+        step("throughput", "throughput", lambda: throughput.section_throughput(
+            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-throughput-"))))
     if have_gpu and "nccl" not in skip and not cfg.emulate:
         step("nccl", "NCCL checks", allreduce.section_nccl, rep)
     if have_gpu and "mpi" not in skip:

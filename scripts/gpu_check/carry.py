@@ -3,7 +3,8 @@
 The lent machine has no network: whatever gpu_check and the GPU tests import that its image
 lacks travels with the working tree, as wheels in the git-ignored folder `.whl/` (named in the
 call's `carry`). The image (see docs/gpu-results.md) has Python 3.12, numpy, networkx, CuPy,
-pytest, hypothesis, PyYAML, tqdm, requests and an mpi4py, but no gguf and no MPI library.
+pytest, hypothesis, PyYAML, tqdm, requests and an mpi4py, but no gguf, no MPI library and no
+serving stack (fastapi, uvicorn, the openai client).
 
     python3 scripts/gpu_check/carry.py              # the table: tree + wheels vs the budget
     python3 scripts/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
@@ -46,7 +47,31 @@ WHEELS = (
     Wheel("mpi4py", "4.1.2", "step 6 and tests/mpi/test_mpi_gpu.py; the version known to load the carried MPICH",
           1.30),
     Wheel("mpich", "5.0.2", "the MPI library and mpiexec (its bin/): the image has none", 12.67),
-)
+) + tuple(Wheel(name, version, why, mib) for name, version, mib, why in (
+    # the throughput section's `metatp serve` and its official openai client (issue 46): the image has
+    # neither; the versions the CPU machine's tests ran with, and everything they need (sizes estimated)
+    ("fastapi", "0.165.0", 0.11, "metatp serve"),
+    ("starlette", "1.10.0", 0.08, "fastapi"),
+    ("annotated-doc", "0.0.7", 0.01, "fastapi"),
+    ("opentelemetry-api", "1.45.2", 0.07, "fastapi"),
+    ("pydantic", "2.13.4", 0.45, "fastapi, openai"),
+    ("pydantic-core", "2.46.4", 2.00, "pydantic (cp312 manylinux)"),
+    ("annotated-types", "0.7.0", 0.01, "pydantic"),
+    ("typing-inspection", "0.4.2", 0.02, "pydantic, fastapi"),
+    ("typing-extensions", "4.16.0", 0.05, "pydantic, openai"),
+    ("uvicorn", "0.55.0", 0.07, "metatp serve"),
+    ("click", "8.5.1", 0.10, "uvicorn"),
+    ("h11", "0.16.0", 0.04, "uvicorn, httpcore2"),
+    ("anyio", "4.16.0", 0.11, "starlette, openai"),
+    ("sniffio", "1.3.1", 0.01, "openai"),
+    ("idna", "3.20", 0.07, "anyio, httpx2"),
+    ("openai", "3.3.0", 1.10, "the official client of the serve comparison"),
+    ("httpx2", "2.16.2", 0.08, "openai"),
+    ("httpcore2", "2.16.2", 0.08, "httpx2"),
+    ("truststore", "0.10.5", 0.02, "httpx2"),
+    ("jiter", "0.14.0", 0.35, "openai (cp312 manylinux)"),
+    ("distro", "1.9.0", 0.02, "openai"),
+))
 
 
 @dataclass(frozen=True)

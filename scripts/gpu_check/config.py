@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 SMOLLM2_TYPES = {r: "Q4_1" for r in ("q", "k", "v", "o", "gate", "up", "down")} | {"embd": "Q8_0"}
@@ -25,13 +26,22 @@ class Config:
     greedy_steps: int = 15
     prefill_len: int = 512
     profile_copies: tuple[int, int] = (4, 36)     # a launch's copies in the profile's two graphs
+    # the throughput section (throughput.py): batched-bench rows, long prompts, `metatp serve`
+    bench_batches: tuple[int, ...] = (1, 8, 64, 256)
+    bench_pp: int = 128
+    bench_tg: int = 32
+    prompt_lengths: tuple[int, ...] = (512, 4096)
+    serve_clients: int = 64
+    serve_tokens: int = 128
 
     @classmethod
     def dry_run(cls, n_layer: int = 2) -> Config:
         """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
                    shape_decode_steps=2, decode_steps=4,
-                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2))
+                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2),
+                   bench_batches=(1, 2, 4), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
+                   serve_tokens=4)
 
     def spec(self):
         """The synthetic model: SmolLM2-135M's shapes (the real model cannot travel to the GPU
@@ -88,6 +98,31 @@ def cupy_engine(cfg: Config, model, n_ctx: int, n: int = 1, ts=None, cache: str 
         warnings.simplefilter("ignore")
         return Engine(model, n_ctx, lay, backend_entry("cupy").create(lay, kw, runtime=cfg.runtime()),
                       cache_type_k=cache, cache_type_v=cache)
+
+
+@contextmanager
+def on_emulator():
+    """`LLM(backend="cupy")` built inside runs on a fresh `EmuRuntime` (the GPU probe answers yes):
+    the dry run's stand-in for a GPU where the section builds an LLM, not an Engine."""
+    import metatp.backends as backends
+    import metatp.backends.cuda.backend as cuda_backend
+    from metatp.testing import EmuRuntime
+
+    saved = backends.gpu_probe, cuda_backend.CupyRuntime
+    backends.gpu_probe, cuda_backend.CupyRuntime = (lambda: (True, "")), EmuRuntime
+    try:
+        yield
+    finally:
+        backends.gpu_probe, cuda_backend.CupyRuntime = saved
+
+
+def cupy_llm(cfg: Config, path, **kw):
+    """An `LLM` on the cupy backend (on the emulator with `cfg.emulate`); `kw` go to LLM."""
+    from metatp import LLM
+
+    with (on_emulator() if cfg.emulate else nullcontext()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return LLM(str(path), backend="cupy", **kw)
 
 
 def numpy_engine(model, n_ctx: int, cache: str = "f32"):

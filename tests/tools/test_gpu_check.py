@@ -177,7 +177,8 @@ def test_emulated_dry_run_writes_the_model_size_rows(tmp_path):
 
     out = tmp_path / "r.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--big", "--skip",
-                        "kernels,model,speed,profile,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
+                        "kernels,model,speed,profile,throughput,nccl,mpi", "--workdir", str(tmp_path),
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
@@ -190,3 +191,38 @@ def test_emulated_dry_run_writes_the_model_size_rows(tmp_path):
             row = rows[f"decode {name} KV {kv} CUDA graph"]
             assert row["status"] == "pass" and re.fullmatch(pattern, row["result"]), row
     assert not list(tmp_path.glob("shape-*.gguf"))          # each file removed after its rows
+
+
+@requires("emulator", "serve")
+def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
+    """`python3 scripts/gpu_check --emulate`, the throughput section alone: batched-bench rows per B
+    with S_PP/S_TG/S, the S_TG ratios named as the issue names them, which plans replay a graph
+    (every decode bucket does), the long-prompt rows, and the serve comparison through `metatp serve
+    --backend cupy` (emulated) and the openai client."""
+    import json
+    import re
+
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--skip",
+                        "kernels,model,speed,profile,shapes,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    rate = r"[\d,.]+(e[-+]\d+)?"
+    for b in (1, 2, 4):
+        row = rows[f"batched-bench 1B Q8_0 PP 4 TG 3 B={b}"]
+        want = rf"S_PP {rate} t/s, S_TG {rate} t/s, S {rate} t/s \(T_PP .*N_KV {b * 7}\)"
+        assert re.fullmatch(want, row["result"]), row
+    for b in (2, 4):
+        assert re.fullmatch(r"\d+\.\dx", rows[f"S_TG B={b} / B=1, 1B Q8_0"]["result"])
+    graphs = dict(part.split(": ") for part in rows["plans by rows, 1B Q8_0"]["result"].split(", "))
+    assert all(graphs[str(b)] == "whole" for b in (1, 2, 4))          # each decode bucket replays its graph
+    for n in (16, 40):
+        assert re.fullmatch(rf"{rate} tok/s \(.*\)", rows[f"pp{n} 1B Q8_0"]["result"])
+    serve = rows["serve 4 concurrent vs serial, 1B Q8_0"]
+    assert serve["status"] == "info" and re.fullmatch(
+        rf"\d+\.\dx \({rate} tok/s for 4 at once, {rate} tok/s one after another over 4 of them; 4 tokens each\)",
+        serve["result"]), serve
+    assert rows["pp 8B Q4_K"]["result"] == "not run (needs --big)"
+    assert not [row for row in rows.values() if row["status"] == "FAIL"]
+    assert not list(tmp_path.glob("throughput-*"))          # each file removed after its rows

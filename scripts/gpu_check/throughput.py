@@ -1,0 +1,281 @@
+"""Throughput (issue 46 item 4): many sequences a step, long prompts, and `metatp serve` on the GPU.
+
+On the Llama-3.2-1B shapes in Q8_0 (a synthetic GGUF written here, `fast_gguf`), rows named as
+the issue names them:
+
+- `batched-bench 1B Q8_0 PP 128 TG 32 B=b` for B = 1, 8, 64, 256: llama-batched-bench's S_PP,
+  S_TG and S (`metatp.tools.batched_bench.run_config`, every plan compiled in an untimed run
+  first), then `S_TG B=64 / B=1, 1B Q8_0` and `S_TG B=256 / B=1, 1B Q8_0` (targets 25x, 60x);
+- `pp512 1B Q8_0` and `pp4096 1B Q8_0`: one prompt's prefill tokens/s (target 50k for pp512);
+  with --big the same for the Llama-3-8B shapes in Q4_K (`pp512 8B Q4_K`, target 10k);
+- `serve 64 concurrent vs serial, 1B Q8_0`: 64 greedy 128-token completions through `metatp serve
+  --backend cupy` (a subprocess: `python3 scripts/gpu_check --serve ...`) with the official
+  `openai` client, all at once and one after another; aggregate completion tokens/s of each and
+  their ratio (target 20x). One after another runs as many of the 64 as the time left allows (its
+  rate is per request, the same for 16 as for 64); the row says how many.
+
+Nothing is asserted: the rows are measurements (`info`), a failure is a FAIL row. Every part
+checks the time left first and says `skipped (time budget ...)` when it does not fit.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from scripts.gpu_check.config import Budget, Config, cupy_llm
+from scripts.gpu_check.fast_gguf import write_fast_gguf
+from scripts.gpu_check.report import Report
+from scripts.gpu_check.shapes import SHAPES
+
+__all__ = ["section_throughput", "serve_command", "serve_main"]
+
+SECTION = "throughput"
+#: seconds each part needs on the H200 (estimates; the budget guard skips a part that does not fit)
+NEED_S = {"bench": 120, "prompts": 40, "prompts 8B": 150, "serve": 90}
+
+
+def _shape(name: str):
+    return next(s for s in SHAPES if s.name == name)
+
+
+def _model_file(cfg: Config, shape, folder: Path) -> Path:
+    """The shape's GGUF; on the emulator a one-layer stand-in narrower than `shape.small` (the
+    section runs hundreds of steps there)."""
+    path = folder / f"throughput-{shape.name}-{shape.qtype}{'-emu' if cfg.emulate else ''}.gguf"
+    small = shape.small
+    spec = replace(small, n_layer=1, n_embd=small.n_embd // 2, n_ff=small.n_ff // 2) if cfg.emulate else shape.spec
+    write_fast_gguf(path, spec)
+    return path
+
+
+def _rate(x: float) -> str:
+    """Tokens a second: thousands separated on a GPU, three digits on the emulator."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path) -> None:
+    """The 1B shapes' batched-bench rows, long prompts and the serve comparison, then (--big) the
+    8B shapes' long prompts; each part skipped with a row when the time left is short."""
+    one_b = _shape("1B")
+    label = f"{one_b.name} {one_b.qtype}"
+    if not _fits(rep, cfg, budget, f"throughput {label}", NEED_S["bench"]):
+        return
+    path = _model_file(cfg, one_b, folder)
+    try:
+        _bench_rows(rep, cfg, budget, path, label)
+        _free_device_memory(cfg)
+        _prompt_rows(rep, cfg, budget, path, label, NEED_S["prompts"])
+        _free_device_memory(cfg)
+        _serve_rows(rep, cfg, budget, path, label)
+    finally:
+        path.unlink(missing_ok=True)
+    big = _shape("8B")
+    label = f"{big.name} {big.qtype}"
+    if not cfg.big:
+        rep.add(SECTION, f"pp {label}", "not run (needs --big)", None)
+        return
+    if not _fits(rep, cfg, budget, f"pp {label}", NEED_S["prompts 8B"]):
+        return
+    path = _model_file(cfg, big, folder)
+    try:
+        _prompt_rows(rep, cfg, budget, path, label, 30)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _fits(rep: Report, cfg: Config, budget: Budget, what: str, need: float) -> bool:
+    if cfg.emulate or budget.left() >= need:
+        return True
+    rep.add(SECTION, what, f"skipped (time budget: {budget.left():.0f} s left, needs ~{need:.0f})", None)
+    return False
+
+
+# ---------------------------------------------------------------- batched-bench
+def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str) -> None:
+    from metatp.tools.batched_bench import run_config
+
+    pp, tg = cfg.bench_pp, cfg.bench_tg
+    n_ctx = max(cfg.bench_batches) * (pp + tg)
+    try:
+        llm = cupy_llm(cfg, path, n_ctx=n_ctx, n_batch=512, max_num_seqs=max(cfg.bench_batches),
+                       enable_prefix_caching=False)
+    except Exception as e:  # noqa: BLE001
+        rep.fail(SECTION, f"batched-bench {label} LLM", e)
+        return
+    # a prompt pass attends over the cells in use rounded up to 256: B=256 prompts of 128 tokens make
+    # 64 passes of 512 rows, each a plan of its own span; all are kept, so the timed run compiles none
+    llm.engine.max_plans = max(llm.engine.max_plans, 2 * n_ctx // 512 + 32)
+    s_tg: dict[int, float] = {}
+    for b in cfg.bench_batches:
+        row = f"batched-bench {label} PP {pp} TG {tg} B={b}"
+        if not _fits(rep, cfg, budget, row, 15 + b / 8):
+            continue
+        try:
+            r = run_config(llm, pp, tg, b)
+            s_tg[b] = r.s_tg
+            rep.add(SECTION, row, f"S_PP {_rate(r.s_pp)} t/s, S_TG {_rate(r.s_tg)} t/s, S {_rate(r.s)} t/s "
+                    f"(T_PP {r.t_pp:.3f} s, T_TG {r.t_tg:.3f} s, N_KV {r.n_kv:,})", None)
+        except Exception as e:  # noqa: BLE001
+            rep.fail(SECTION, row, e)
+    one = s_tg.get(1)
+    for b in cfg.bench_batches[1:]:
+        if one and b in s_tg:
+            rep.add(SECTION, f"S_TG B={b} / B=1, {label}", f"{s_tg[b] / one:.1f}x", None)
+    _graph_note(rep, llm, label)
+
+
+def _graph_note(rep: Report, llm, label: str) -> None:
+    """Which of the engine's plans replay a CUDA graph (one per row bucket once captured)."""
+    ex_by_rows: dict[int, str] = {}
+    for key, (_, ex) in llm.engine._plans.items():
+        mode = ex.graph_mode or "eager"
+        ex_by_rows[key[0]] = mode if ex_by_rows.get(key[0], mode) == mode else "mixed"
+    text = ", ".join(f"{rows}: {mode}" for rows, mode in sorted(ex_by_rows.items()))
+    rep.add(SECTION, f"plans by rows, {label}", text or "none", None)
+
+
+def _free_device_memory(cfg: Config) -> None:
+    """After a part's LLM is gone: its device memory back from CuPy's pool (the next part, or the
+    server process, needs it)."""
+    gc.collect()
+    if not cfg.emulate:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+# ---------------------------------------------------------------- long prompts
+def _prompt_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str, need: float) -> None:
+    from metatp.tools.batched_bench import run_config
+
+    longest = max(cfg.prompt_lengths)
+    try:
+        llm = cupy_llm(cfg, path, n_ctx=longest + 16, n_batch=512, max_num_seqs=1, enable_prefix_caching=False)
+    except Exception as e:  # noqa: BLE001
+        rep.fail(SECTION, f"pp {label} LLM", e)
+        return
+    for n in cfg.prompt_lengths:
+        row = f"pp{n} {label}"
+        if not _fits(rep, cfg, budget, row, need):
+            continue
+        try:
+            r = run_config(llm, n, 0, 1)
+            rep.add(SECTION, row, f"{_rate(r.s_pp)} tok/s ({r.t_pp * 1e3:,.1f} ms, prompt in steps of "
+                    f"{llm.engine.n_batch} tokens)", None)
+        except Exception as e:  # noqa: BLE001
+            rep.fail(SECTION, row, e)
+
+
+# ---------------------------------------------------------------- metatp serve
+def serve_command(cfg: Config, path: Path, port: int, parallel: int, n_ctx: int) -> list[str]:
+    """`metatp serve --backend cupy` through this folder (`python3 scripts/gpu_check --serve`,
+    on the emulator with `cfg.emulate`), so it runs from the source tree as the rest does. No prefix
+    cache: a finished request's cells are free again, so the serial requests all attend over the
+    same span (one plan), and the concurrent ones over the spans of the warm-up round."""
+    folder = Path(__file__).resolve().parent
+    return [sys.executable, str(folder), "--serve", *(["--emulate"] if cfg.emulate else []),
+            "-m", str(path), "--backend", "cupy", "--port", str(port), "-a", "m", "-np", str(parallel),
+            "-c", str(n_ctx), "--max-waiting", str(max(64, parallel)), "--no-prefix-caching"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> None:
+    end = time.perf_counter() + timeout
+    while time.perf_counter() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"metatp serve exited with {proc.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"metatp serve did not answer /health within {timeout:.0f} s")
+
+
+def _serve_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str) -> None:
+    row = f"serve {cfg.serve_clients} concurrent vs serial, {label}"
+    if not _fits(rep, cfg, budget, row, NEED_S["serve"]):
+        return
+    try:
+        import openai
+    except ImportError as e:
+        rep.add(SECTION, row, f"not run ({e}: carry the serve wheels, scripts/gpu_check/carry.py)", None)
+        return
+    n, tokens = cfg.serve_clients, cfg.serve_tokens
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = path.with_suffix(".serve.log")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(serve_command(cfg, path, port, n, n * (tokens + 32)), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(proc, base, timeout=max(30.0, min(240.0, budget.left() - 30)))
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", timeout=600, max_retries=0)
+        prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 250, 8)] for i in range(n)]
+
+        def complete(p: list[int], max_tokens: int = tokens) -> int:
+            r = client.completions.create(model="m", prompt=p, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        # warm-up: the same round once untimed, so every plan it meets (the decode step of n at each
+        # span its growing cells reach, one per 256 cells) is compiled and its graph captured
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(complete, prompts))
+        complete(prompts[0])                           # ... and the one-sequence step
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            done = sum(pool.map(complete, prompts))
+        concurrent = done / (time.perf_counter() - t0)
+        t0, done, serial_n = time.perf_counter(), 0, 0
+        for p in prompts:
+            done += complete(p)
+            serial_n += 1
+            spent = time.perf_counter() - t0
+            if not cfg.emulate and budget.left() < 20 + spent / serial_n:
+                break
+        serial = done / (time.perf_counter() - t0)
+        rep.add(SECTION, row, f"{concurrent / serial:.1f}x ({_rate(concurrent)} tok/s for {n} at once, "
+                f"{_rate(serial)} tok/s one after another over {serial_n} of them; {tokens} tokens each)", None)
+    except Exception as e:  # noqa: BLE001
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        rep.fail(SECTION, row, RuntimeError(f"{type(e).__name__}: {e}; server log: {tail}"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+        log.unlink(missing_ok=True)
+
+
+def serve_main(argv: list[str]) -> int:
+    """`python3 scripts/gpu_check --serve [--emulate] ARGS`: `metatp serve ARGS` from this source
+    tree; with --emulate its cupy backend runs on the CPU kernel emulator (the dry run's server)."""
+    from metatp.cli import main
+
+    if "--emulate" in argv:
+        from scripts.gpu_check.config import on_emulator
+
+        with on_emulator():
+            return main(["serve", *[a for a in argv if a != "--emulate"]])
+    return main(["serve", *argv])
+
