@@ -265,6 +265,40 @@ def test_the_server_speculates_for_concurrent_requests(spec_server, llm):
     assert got == want
 
 
+def test_metrics_count_drafted_and_accepted_tokens(spec_server):
+    """/metrics: vLLM's spec_decode counters (as metatp_...) after speculating requests."""
+    import httpx
+
+    client = spec_server.client()
+    client.completions.create(model="m", prompt="abcabcabcabcabc", max_tokens=24, temperature=0)
+    text = httpx.get(f"http://127.0.0.1:{spec_server.port}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("metatp_spec_decode_")}
+    drafted = values["metatp_spec_decode_num_draft_tokens_total"]
+    accepted = values["metatp_spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert values["metatp_spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert values["metatp_spec_decode_num_emitted_tokens_total"] == accepted + values["metatp_spec_decode_num_drafts_total"]
+    assert "# TYPE metatp_spec_decode_num_draft_tokens_total counter" in text
+
+
+def test_metrics_lines_follow_the_stats():
+    from metatp.server.metrics import speculative_lines
+    from metatp.speculative import SpecStats
+
+    assert speculative_lines(None) == []
+
+    class Fake:
+        stats = SpecStats()
+    Fake.stats.count(4, 3)           # 4 drafted, 2 accepted + the target's own
+    Fake.stats.count(4, 5)           # all 4 accepted + 1
+    lines = speculative_lines(Fake())
+    assert "metatp_spec_decode_num_draft_tokens_total 8" in lines
+    assert "metatp_spec_decode_num_accepted_tokens_total 6" in lines
+    assert "metatp_spec_decode_num_drafts_total 2" in lines
+    assert "metatp_spec_decode_draft_acceptance_rate 0.75" in lines
+
+
 def test_bench_speculative_prints_both_rows_with_the_same_tokens(path, capsys):
     from metatp.cli import main
 
