@@ -258,7 +258,10 @@ class LLM:
         self._cache_types = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
                              **self._cache_types)
-        self.memory = self._check_memory(memory_budget, fit_context, n_batch)
+        # a draft model is read (its weights not yet on a device) before the check: its bytes count too
+        speculator = self._speculator(speculation, verbose)
+        self.memory = self._check_memory(memory_budget, fit_context, n_batch,
+                                         None if speculator is None else speculator.draft)
         if max_model_len is not None and max_model_len > self.n_ctx:
             raise ConfigError(f"max_model_len={max_model_len} is more than the cache holds (n_ctx={self.n_ctx}); "
                               "raise n_ctx or lower max_model_len")
@@ -268,7 +271,7 @@ class LLM:
         self.scheduler = Scheduler(ModelRunner(self.engine, self.tokenizer), max_num_seqs=max_num_seqs,
                                    max_waiting=None if max_waiting is None else int(max_waiting),
                                    prefix_caching=enable_prefix_caching,
-                                   speculator=self._speculator(speculation, verbose))
+                                   speculator=speculator)
         # several ranks: rank 0 leads every call, the others follow it (None in one process)
         self._mpi_calls = MpiCalls(self, self.world) if self.world is not None and self.world.size > 1 else None
         self.verbose = verbose
@@ -310,8 +313,10 @@ class LLM:
             out.append(float(x))
         return tuple(out)
 
-    def _check_memory(self, budget, fit: bool, n_batch: int):
-        """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget."""
+    def _check_memory(self, budget, fit: bool, n_batch: int, draft=None):
+        """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget.
+        A `draft` model (`metatp.draft.DraftModel`, whole on device 0) counts there, with a cache
+        as large as the target's context (shrunk with it)."""
         from metatp.engine import Engine
         from metatp.ir.errors import MemoryPlanError
         from metatp.passes.memory import fit_context, format_bytes, parse_bytes
@@ -330,9 +335,17 @@ class LLM:
 
         host = self.backend.name == "numpy"   # its devices are host memory: the engine's tables count too
 
+        def draft_need(m) -> int:          # the draft's bytes beside a target plan of m.n_ctx cells
+            if draft is None:
+                return 0
+            dm = draft.memory_plan(m.n_ctx)
+            return dm.total(0) + (dm.host if host else 0)
+
         def need(m) -> list[int]:          # simulated devices share one pool: compare the sum
             extra = m.host if host else 0
-            return [sum(m.totals()) + extra] if shared else [t + extra for t in m.totals()]
+            if shared:
+                return [sum(m.totals()) + extra + draft_need(m)]
+            return [t + extra + (draft_need(m) if d == 0 else 0) for d, t in enumerate(m.totals())]
 
         def fits(m) -> bool:
             return max(need(m)) <= limit
@@ -345,17 +358,22 @@ class LLM:
             self.n_ctx = Count(fitted)
             self.engine = Engine(self.model, fitted, self.layout, self.backend, n_batch=n_batch, world=self.world,
                                  **self._cache_types)
+            if draft is not None:
+                draft.fit_context(fitted)
             return self.engine.memory_plan()
         totals = need(mem)
         d = max(range(len(totals)), key=lambda j: totals[j])
         where = "in all" if shared else f"on device {d}"
         parts = (f"weights {format_bytes(mem.weights[d])}, KV cache {format_bytes(mem.kv[d])} for "
                  f"n_ctx={self.n_ctx}, buffers {format_bytes(mem.compute[d])}"
-                 + (f", host cell tables and masks {format_bytes(mem.host)}" if host else ""))
+                 + (f", host cell tables and masks {format_bytes(mem.host)}" if host else "")
+                 + (f", draft model {draft.name} {format_bytes(draft_need(mem))}" if draft is not None and
+                    (shared or d == 0) else ""))
         if shared and mem.n_devices > 1:
             parts = f"{mem.n_devices} simulated devices; device 0: " + parts
         advice = (f"n_ctx={fitted} would fit (or pass fit_context=True / --fit)" if fitted > 0 else
-                  "even the smallest context does not fit: use more devices or a smaller model")
+                  "even the smallest context does not fit: use more devices or a smaller model"
+                  + (" or draft model" if draft is not None else ""))
         raise MemoryPlanError(f"does not fit: needs {format_bytes(totals[d])} {where} ({parts}) but the budget is "
                               f"{format_bytes(limit)}; {advice}")
 

@@ -178,6 +178,30 @@ def test_a_draft_whose_cache_is_full_drafts_nothing_and_the_tokens_stay(path, ll
     assert spec.scheduler.speculator.draft.engine.cells.n_used == 0
 
 
+def test_the_draft_models_memory_counts_in_the_budget(path, synth_factory):
+    """A budget that holds the target but not target + draft is a MemoryPlanError naming the
+    draft; fit_context shrinks both caches."""
+    import re
+
+    from metatp.ir.errors import MemoryPlanError
+
+    draft = str(synth_factory(DRAFT_SPEC)[0])
+    opts = dict(backend="numpy", n_ctx=512)
+    spec = LLM(path, speculative_model=draft, num_speculative_tokens=3, **opts)
+    target = spec.memory.total(0) + spec.memory.host
+    d = spec.scheduler.speculator.draft.memory_plan(512)
+    extra = d.total(0) + d.host
+    assert extra > 0 and spec.scheduler.speculator.draft.engine.n_ctx == 512
+    LLM(path, memory_budget=target, **opts)                                       # the target alone fits
+    with pytest.raises(MemoryPlanError, match=f"draft model {re.escape(draft)}"):
+        LLM(path, memory_budget=target + extra - 1, speculative_model=draft, num_speculative_tokens=3, **opts)
+    LLM(path, memory_budget=target + extra, speculative_model=draft, num_speculative_tokens=3, **opts)
+    fitted = LLM(path, memory_budget=target + extra - 1, fit_context=True, speculative_model=draft,
+                 num_speculative_tokens=3, **opts)
+    assert fitted.n_ctx == 256 and fitted.scheduler.speculator.draft.engine.n_ctx == 256
+    assert ids_of(fitted.generate(PROMPTS, GREEDY)) == ids_of(LLM(path, **opts).generate(PROMPTS, GREEDY))
+
+
 def test_a_draft_with_another_vocabulary_is_refused_naming_both(path, synth_factory):
     other = str(synth_factory(SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=280, seed=6))[0])
     with pytest.raises(ConfigError, match="different vocabularies") as e:
