@@ -29,6 +29,7 @@ from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
 from metatp.output_processor import OutputProcessor, StepOutput
 from metatp.runner import ModelRunner
+from metatp.vllm_compat import check_tokenizer, engine_keywords
 from metatp.scheduler import Request, Scheduler, context_budget
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "chat_messages"]
 
 DEFAULT_N_CTX = 2048
+DEFAULT_N_BATCH = 512        # the most tokens one pass feeds (vLLM's max_num_batched_tokens)
 MAX_N_CTX = 2**31 - 1        # cells and positions are int32 (the kv_idxs and pos inputs)
 
 
@@ -113,11 +115,18 @@ class LLM:
     `main_gpu` 0 (others: use CUDA_VISIBLE_DEVICES); `chat_format` None (the GGUF's template) or
     one of `metatp.chat_formats.CHAT_FORMATS`; `seed` -1 a random seed; `embedding` and
     `logits_all` True or False (metatp computes embeddings and every logit on demand either way).
+
+    vLLM's engine keywords (`metatp.vllm_compat.engine_keywords`), each honoured or refused by
+    name: `dtype` ("auto"; "float32"; "float16" on cupy; "bfloat16" refused), `gpu_memory_utilization`
+    (the fraction of the backend's free memory the memory plan may use), `enforce_eager` (cupy:
+    no CUDA graphs), `trust_remote_code` (a GGUF runs no code), `tokenizer` (None or the model
+    itself), `quantization` (None or "gguf"), `swap_space` (accepted: preemption recomputes),
+    `max_num_batched_tokens` (n_batch, default 512), `disable_log_stats` (True only), `seed`.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, n_ctx: int | None = None, backend: str = "auto",
                  n_devices: int | None = None, split_mode: str | None = None, tensor_split: Sequence[float] | None = None,
-                 seed: int = 0, n_batch: int = 512, numerics: str = "exact", memory_budget: int | str | None = None,
+                 seed: int = 0, n_batch: int | None = None, numerics: str = "exact", memory_budget: int | str | None = None,
                  fit_context: bool = False, verbose: bool = False, cpu_kernels: bool | None = None,
                  allreduce: str = "auto", backend_options: Mapping[str, Any] | None = None,
                  max_num_seqs: int = 16, distributed: str = "auto", cache_type_k: str = "f32",
@@ -129,7 +138,11 @@ class LLM:
                  n_gpu_layers: int | None = None, main_gpu: int | None = None, chat_format: str | None = None,
                  embedding: bool = False, logits_all: bool = False,
                  speculative_config: Mapping[str, Any] | None = None, speculative_model: str | os.PathLike | None = None,
-                 num_speculative_tokens: int | None = None) -> None:
+                 num_speculative_tokens: int | None = None, dtype: str = "auto",
+                 gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
+                 trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
+                 quantization: str | None = None, swap_space: float | None = None,
+                 max_num_batched_tokens: int | None = None, disable_log_stats: bool = True) -> None:
         from metatp.backends import create_backend, resolve_backend_name
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -151,9 +164,9 @@ class LLM:
         if n_ctx is not None and n_ctx > MAX_N_CTX:
             raise ConfigError(f"n_ctx must be at most {MAX_N_CTX} (KV cells and positions are 32-bit), got {n_ctx}")
         n_ctx = None if n_ctx is None else int(n_ctx)
-        if isinstance(n_batch, bool) or not isinstance(n_batch, numbers.Integral) or n_batch <= 0:
+        if n_batch is not None and (isinstance(n_batch, bool) or not isinstance(n_batch, numbers.Integral)
+                                    or n_batch <= 0):
             raise ConfigError(f"n_batch must be a positive integer, got {n_batch!r}")
-        n_batch = int(n_batch)
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, numbers.Integral) or max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         max_num_seqs = int(max_num_seqs)
@@ -211,6 +224,13 @@ class LLM:
             raise ConfigError(f"backend_options must be a dict of option names to values, got "
                               f"{_type_name(backend_options)} {_short(backend_options)}")
         options = check_threads(n_threads, dict(backend_options or {}))
+        vllm = engine_keywords(
+            lambda: resolve_backend_name(backend) if self.world is None else ("numpy" if backend == "auto" else backend),
+            options, n_batch, memory_budget, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, trust_remote_code=trust_remote_code, quantization=quantization,
+            swap_space=swap_space, max_num_batched_tokens=max_num_batched_tokens, disable_log_stats=disable_log_stats)
+        options, self._memory_fraction = vllm.backend_options, vllm.memory_fraction
+        n_batch = int(vllm.n_batch or n_batch or DEFAULT_N_BATCH)
         if n_threads is not None and self.world is None and resolve_backend_name(backend) != "numpy":
             options.pop("kernel_threads")       # a GPU backend: no compute on CPU threads to count
         options.update(numerics=numerics, cpu_kernels=cpu_kernels, allreduce=allreduce)
@@ -219,6 +239,7 @@ class LLM:
         # options are checked (and the backend set up) before the model file is read
         self.backend = create_backend(backend, self.layout, world=self.world, **options)
         self.model_path = resolve_model(model, quiet=not verbose)
+        check_tokenizer(tokenizer, model, self.model_path)
         if self.world is not None:
             self.world.check_model(self.model_path)
         self.model = load_model(self.model_path)
@@ -237,7 +258,10 @@ class LLM:
         self._cache_types = {"cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
         self.engine = Engine(self.model, n_ctx, self.layout, self.backend, n_batch=n_batch, world=self.world,
                              **self._cache_types)
-        self.memory = self._check_memory(memory_budget, fit_context, n_batch)
+        # a draft model is read (its weights not yet on a device) before the check: its bytes count too
+        speculator = self._speculator(speculation, verbose)
+        self.memory = self._check_memory(memory_budget, fit_context, n_batch,
+                                         None if speculator is None else speculator.draft)
         if max_model_len is not None and max_model_len > self.n_ctx:
             raise ConfigError(f"max_model_len={max_model_len} is more than the cache holds (n_ctx={self.n_ctx}); "
                               "raise n_ctx or lower max_model_len")
@@ -247,7 +271,7 @@ class LLM:
         self.scheduler = Scheduler(ModelRunner(self.engine, self.tokenizer), max_num_seqs=max_num_seqs,
                                    max_waiting=None if max_waiting is None else int(max_waiting),
                                    prefix_caching=enable_prefix_caching,
-                                   speculator=self._speculator(speculation, verbose))
+                                   speculator=speculator)
         # several ranks: rank 0 leads every call, the others follow it (None in one process)
         self._mpi_calls = MpiCalls(self, self.world) if self.world is not None and self.world.size > 1 else None
         self.verbose = verbose
@@ -289,8 +313,10 @@ class LLM:
             out.append(float(x))
         return tuple(out)
 
-    def _check_memory(self, budget, fit: bool, n_batch: int):
-        """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget."""
+    def _check_memory(self, budget, fit: bool, n_batch: int, draft=None):
+        """Refuse (or shrink n_ctx) before loading when weights + KV + buffers exceed the budget.
+        A `draft` model (`metatp.draft.DraftModel`, whole on device 0) counts there, with a cache
+        as large as the target's context (shrunk with it)."""
         from metatp.engine import Engine
         from metatp.ir.errors import MemoryPlanError
         from metatp.passes.memory import fit_context, format_bytes, parse_bytes
@@ -299,14 +325,27 @@ class LLM:
         limit, shared = self.backend.memory_budget()
         if budget is not None:
             limit, shared = parse_bytes(budget), False
+        if self._memory_fraction is not None:
+            if limit is None:
+                raise ConfigError(f"gpu_memory_utilization={self._memory_fraction}: the {self.backend.name} backend "
+                                  "reports no free memory here to take a fraction of; pass memory_budget instead")
+            limit = int(limit * self._memory_fraction)
         if limit is None:
             return mem
 
         host = self.backend.name == "numpy"   # its devices are host memory: the engine's tables count too
 
+        def draft_need(m) -> int:          # the draft's bytes beside a target plan of m.n_ctx cells
+            if draft is None:
+                return 0
+            dm = draft.memory_plan(m.n_ctx)
+            return dm.total(0) + (dm.host if host else 0)
+
         def need(m) -> list[int]:          # simulated devices share one pool: compare the sum
             extra = m.host if host else 0
-            return [sum(m.totals()) + extra] if shared else [t + extra for t in m.totals()]
+            if shared:
+                return [sum(m.totals()) + extra + draft_need(m)]
+            return [t + extra + (draft_need(m) if d == 0 else 0) for d, t in enumerate(m.totals())]
 
         def fits(m) -> bool:
             return max(need(m)) <= limit
@@ -319,17 +358,22 @@ class LLM:
             self.n_ctx = Count(fitted)
             self.engine = Engine(self.model, fitted, self.layout, self.backend, n_batch=n_batch, world=self.world,
                                  **self._cache_types)
+            if draft is not None:
+                draft.fit_context(fitted)
             return self.engine.memory_plan()
         totals = need(mem)
         d = max(range(len(totals)), key=lambda j: totals[j])
         where = "in all" if shared else f"on device {d}"
         parts = (f"weights {format_bytes(mem.weights[d])}, KV cache {format_bytes(mem.kv[d])} for "
                  f"n_ctx={self.n_ctx}, buffers {format_bytes(mem.compute[d])}"
-                 + (f", host cell tables and masks {format_bytes(mem.host)}" if host else ""))
+                 + (f", host cell tables and masks {format_bytes(mem.host)}" if host else "")
+                 + (f", draft model {draft.name} {format_bytes(draft_need(mem))}" if draft is not None and
+                    (shared or d == 0) else ""))
         if shared and mem.n_devices > 1:
             parts = f"{mem.n_devices} simulated devices; device 0: " + parts
         advice = (f"n_ctx={fitted} would fit (or pass fit_context=True / --fit)" if fitted > 0 else
-                  "even the smallest context does not fit: use more devices or a smaller model")
+                  "even the smallest context does not fit: use more devices or a smaller model"
+                  + (" or draft model" if draft is not None else ""))
         raise MemoryPlanError(f"does not fit: needs {format_bytes(totals[d])} {where} ({parts}) but the budget is "
                               f"{format_bytes(limit)}; {advice}")
 

@@ -25,6 +25,7 @@ from metatp.kv_cells import SeqCells
 
 if TYPE_CHECKING:
     from metatp.api import LLM
+    from metatp.passes.memory import MemoryPlan
 
 __all__ = ["DraftModel", "check_vocab"]
 
@@ -65,6 +66,22 @@ class DraftModel:
         backend = create_backend(target.backend.name, layout)
         n_ctx = min(target.n_ctx, loaded.hparams.n_ctx_train)
         return cls(Engine(loaded, n_ctx, layout, backend, n_batch=target.engine.n_batch), str(model))
+
+    def memory_plan(self, target_n_ctx: int) -> "MemoryPlan":
+        """The draft's bytes (one device) with the cache it keeps beside a target of
+        `target_n_ctx` cells: the target's LLM counts them in its memory check."""
+        return self.engine.memory_plan(self._n_ctx_for(target_n_ctx))
+
+    def fit_context(self, target_n_ctx: int) -> None:
+        """The target's context was shrunk to fit the memory budget: the draft's cache follows
+        (before any sequence holds cells in it)."""
+        n_ctx = self._n_ctx_for(target_n_ctx)
+        if n_ctx != self.engine.n_ctx:
+            e = self.engine
+            self.engine = Engine(e.model, n_ctx, e.layout, e.backend, n_batch=e.n_batch)
+
+    def _n_ctx_for(self, target_n_ctx: int) -> int:
+        return min(target_n_ctx, self.engine.model.hparams.n_ctx_train)
 
     def propose(self, request_id: int, context_ids: Sequence[int], k: int) -> list[int]:
         """k greedy tokens after `context_ids` ([] where the draft's cache or context is full)."""

@@ -10,10 +10,11 @@ themselves are `metatp.openai_api`'s.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from metatp import openai_api as oai
-from metatp.tool_calls import ToolStream, tool_answer
+from metatp.tool_calls import ReplyTokens, ToolStream, tool_answer
 
 if TYPE_CHECKING:
     from metatp.tool_calls import ToolPlan
@@ -153,6 +154,7 @@ class ChatAnswer(_Answer):
         self.tools = tools
         self.held: dict[int, list] = {}          # choice -> its outputs not sent yet (with tools)
         self.streams: dict[int, ToolStream] = {}     # choice -> what of its text has gone out (with tools)
+        self.replies: dict[int, ReplyTokens] = {}    # choice -> its tokens' logprobs listed (a generic reply)
 
     def chunks(self, choice: int, out) -> list[dict]:
         if self.tools is None:
@@ -161,16 +163,19 @@ class ChatAnswer(_Answer):
         stream = self.streams.setdefault(choice, ToolStream(self.tools))
         outs = self.held.setdefault(choice, [])          # outputs whose logprobs have not gone out yet
         outs.append(out)
+        if stream.replies:
+            self.replies.setdefault(choice, ReplyTokens()).add(out.tokens)
         piece = stream.push(out.text)
         if out.finish_reason is None:
             if not piece:
                 return []
             self.held[choice] = []
-            return [self._chunk([oai.chat_delta(choice, piece, None, self._choice_lp(outs))])]
+            return [self._chunk([oai.chat_delta(choice, piece, None, self._held_lp(choice, outs))])]
         del self.held[choice], self.streams[choice]
         content, calls, finish = stream.finish(out.finish_reason)
         content = (piece + (content or "")) or None
-        lp = self._choice_lp(outs)
+        lp = self._held_lp(choice, outs, final=True)
+        self.replies.pop(choice, None)
         pieces = [oai.chat_delta(choice, content, None, lp)] if content else []
         pieces += [oai.chat_delta(choice, None, None, tool_calls=d) for d in oai.tool_call_deltas(calls)]
         pieces.append(oai.chat_delta(choice, None, finish, None if content else lp))
@@ -185,6 +190,17 @@ class ChatAnswer(_Answer):
     def _choice_lp(self, outs: list) -> dict | None:
         return oai.chat_logprobs(outs, self.piece) if self.want_lp else None
 
+    def _held_lp(self, choice: int, outs: list, final: bool = False) -> dict | None:
+        """The logprobs going out with a tool plan's content: the held outputs' tokens, or for a
+        generic-format reply its tokens not listed yet (`ReplyTokens`)."""
+        reply = self.replies.get(choice)
+        if reply is None:
+            return self._choice_lp(outs)
+        return self._tokens_lp(reply.take(final))
+
+    def _tokens_lp(self, tokens: list) -> dict | None:
+        return oai.chat_logprobs([SimpleNamespace(tokens=tokens)], self.piece) if self.want_lp else None
+
     def _delta(self, choice: int, out) -> dict:
         return oai.chat_delta(choice, out.text, out.finish_reason, self._choice_lp([out]))
 
@@ -197,7 +213,12 @@ class ChatAnswer(_Answer):
         if self.tools is None:
             return oai.chat_choice(i, text, finish, self._choice_lp(outs))
         content, calls, finish = tool_answer(self.tools, text, finish)
-        return oai.chat_choice(i, content, finish, self._choice_lp(outs), calls)
+        lp = self._choice_lp(outs)
+        if self.want_lp and ToolStream(self.tools).replies:      # a generic reply: its string's tokens
+            reply = ReplyTokens()
+            reply.add([t for o in outs for t in o.tokens])
+            lp = self._tokens_lp(reply.take(final=True))
+        return oai.chat_choice(i, content, finish, lp, calls)
 
     def whole(self, per: list[list]) -> dict:
         choices = [self._choice(i, outs) for i, outs in enumerate(per)]

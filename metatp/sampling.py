@@ -48,9 +48,11 @@ class SamplingParams:
     salt (and, in a server, the same API-key tenant): an unguessable salt keeps others from timing
     whether its prompt was seen. None: the tenant's unsalted blocks. Never shown in repr.
     vLLM's output options (`LLM.generate`): `skip_special_tokens` (True: control tokens leave no
-    text; False: they show as the model writes them, which needs
-    `spaces_between_special_tokens=False` -- metatp adds no spaces around them, so True with
-    False is refused by name), `include_stop_str_in_output` (the matched stop string ends the
+    text; False: they show as the model writes them), `spaces_between_special_tokens` (either
+    value: special tokens are written with no spaces around them, as vLLM's V1 fast
+    detokenizer writes them -- True leaves the tokenizer's text as it is, False only strips a
+    space a decoder prefixed to a special token after another, and metatp's prefixes none),
+    `include_stop_str_in_output` (the matched stop string ends the
     text), `detokenize` (False: token ids only, no text; stop strings need text and are refused)."""
 
     max_tokens: int | None = 16
@@ -115,11 +117,6 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
             setattr(self, name, request_fields.Flag(name).check(getattr(self, name)))
-        if not self.skip_special_tokens and self.spaces_between_special_tokens:
-            raise request_fields.FieldError(
-                "spaces_between_special_tokens", "spaces_between_special_tokens=True is not supported with "
-                "skip_special_tokens=False: metatp writes special tokens as the model's text, without spaces "
-                "around them; pass spaces_between_special_tokens=False")
         if not self.detokenize and self.stop:
             raise request_fields.FieldError("detokenize", "stop strings need text: detokenize=False cannot be "
                                                           "combined with stop (use stop_token_ids)")

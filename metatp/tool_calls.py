@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from types import SimpleNamespace
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from metatp.request_fields import API, HTTP, MAX_CONSTRAINT_BYTES, FieldError, Where, short, type_name
 from metatp.tool_formats import ParsedCalls, ToolFormat, parse_generic
 
-__all__ = ["Tool", "ToolRequest", "ToolPlan", "ToolStream", "tool_request", "plan_tools", "calls_schema", "closed",
+__all__ = ["Tool", "ToolRequest", "ToolPlan", "ToolStream", "ReplyTokens", "tool_request", "plan_tools", "calls_schema", "closed",
            "constrain", "render_messages", "tool_answer", "call_id"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")            # OpenAI's rule for a function's name
@@ -489,6 +490,102 @@ class ToolStream:
         content, calls, finish = tool_answer(self.plan, self.text, finish_reason)
         rest = content[len(self.sent):] if content and content.startswith(self.sent) else ""
         return rest or None, calls, finish
+
+
+def _reply_body(text: str) -> tuple[int, int | None] | None:
+    """Where the generic format's {"response": "..."} string lies in `text`: (the offset after its
+    opening quote, the offset of its closing quote or None while it is open); None when `text`
+    is not a response."""
+    m = _RESPONSE_HEAD.match(text)
+    if not m:
+        return None
+    i = m.end()
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return m.end(), i
+        else:
+            i += 1
+    return m.end(), None
+
+
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _decoded_units(text: str, start: int, end: int) -> list[tuple[int, str]]:
+    """The JSON string body text[start:end] as (offset just past a unit, the text it decodes to):
+    a character, or a whole escape (a surrogate pair of \\u escapes is one unit). An escape
+    not whole by `end` (a stream's text so far) ends the list."""
+    units, i = [], start
+    while i < end:
+        if text[i] != "\\":
+            units.append((i + 1, text[i]))
+            i += 1
+            continue
+        if i + 1 >= end:
+            break
+        if text[i + 1] != "u":
+            units.append((i + 2, _ESCAPES.get(text[i + 1], text[i + 1])))
+            i += 2
+            continue
+        if i + 6 > end:
+            break
+        code = int(text[i + 2:i + 6], 16)
+        if 0xD800 <= code < 0xDC00:                  # a high surrogate: the pair is one character
+            if i + 12 > end:
+                break
+            if text[i + 6:i + 8] == "\\u" and 0xDC00 <= int(text[i + 8:i + 12], 16) < 0xE000:
+                low = int(text[i + 8:i + 12], 16)
+                units.append((i + 12, chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00))))
+                i += 12
+                continue
+        units.append((i + 6, chr(code)))
+        i += 6
+    return units
+
+
+class ReplyTokens:
+    """Which generated tokens a chat answer's logprobs list, and the text each adds, under a
+    generic-format plan that may reply (`tool_choice` auto). For a {"response": "..."} reply:
+    the tokens that overlap its JSON string, each with the content it adds (the decoded
+    characters and escapes that end inside it: a token of the wrapper left out, one straddling
+    a quote trimmed, one holding half an escape ""), so their texts spell the returned content;
+    for tool calls, every token as it is. A stream `take`s the new ones as its content goes
+    out; a whole answer takes them all at once: both list the same entries."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.spans: list[tuple[int, int, Any]] = []      # (start, end, token entry) in the text
+        self.n_sent = 0
+
+    def add(self, tokens: Sequence[Any]) -> None:
+        """Generated token entries (each with the `.text` it adds, `.logprob`, `.top_logprobs`)."""
+        for t in tokens:
+            start = len(self.text)
+            self.text += t.text
+            self.spans.append((start, len(self.text), t))
+
+    def take(self, final: bool = False) -> list:
+        """The token entries to list now that were not listed yet: the reply's tokens so far
+        (their text the content each adds); at the end (`final`) of an answer that is no reply,
+        every token."""
+        body = _reply_body(self.text)
+        if body is None:
+            kept = [t for _, _, t in self.spans] if final else []
+        else:
+            start, end = body[0], len(self.text) if body[1] is None else body[1]
+            units = _decoded_units(self.text, start, end)
+            kept = [_with_text(t, "".join(u for at, u in units if s < at <= e))
+                    for s, e, t in self.spans if e > start and s < end]
+            if body[1] is None and not final:
+                kept = kept[:-1] if kept and self.spans[-1][1] > (units[-1][0] if units else start) else kept
+        new, self.n_sent = kept[self.n_sent:], max(self.n_sent, len(kept))
+        return new
+
+
+def _with_text(token: Any, text: str) -> Any:
+    return SimpleNamespace(text=text, logprob=token.logprob, top_logprobs=token.top_logprobs)
 
 
 def tool_answer(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str | None]:

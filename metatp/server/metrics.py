@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metatp.metrics import Metrics, TenantCounters
 from metatp.server.frontend import Frontend
+from metatp.speculative import Speculator
 
 ANONYMOUS_LABEL = "anonymous"          # the tenant of a server without API keys (and of the Python API)
 
@@ -54,6 +55,7 @@ def prometheus_text(srv: Frontend) -> str:
     metric("kv_cells_cached", "gauge", "KV cells the prefix cache holds (evicted when needed).", cells.n_cached)
     metric("kv_cells_total", "gauge", "KV cells in the cache (n_ctx).", cells.n_cells)
     lines += tenant_lines(m)
+    lines += speculative_lines(s.speculator)
     hist = dict(m.step_seqs_hist)
     lines += ["# HELP metatp_step_sequences Sequences per engine step.", "# TYPE metatp_step_sequences histogram"]
     total = 0
@@ -70,6 +72,27 @@ def prometheus_text(srv: Frontend) -> str:
               f"metatp_time_to_first_token_seconds_sum {m.ttft_sum}",
               f"metatp_time_to_first_token_seconds_count {m.ttft_count}"]
     return "\n".join(lines) + "\n"
+
+
+def speculative_lines(speculator: Speculator | None) -> list[str]:
+    """Speculative decoding's counts (`metatp.speculative.SpecStats`) under vLLM's
+    spec_decode_* names: absent where the server does not speculate, as in vLLM."""
+    if speculator is None:
+        return []
+    stats = speculator.stats
+    rows = (("spec_decode_num_drafts_total", "counter", "Verification steps of speculating sequences.", stats.steps),
+            ("spec_decode_num_draft_tokens_total", "counter", "Tokens drafted (n-gram lookup or the draft model).",
+             stats.drafted),
+            ("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens the target model accepted.",
+             stats.accepted),
+            ("spec_decode_num_emitted_tokens_total", "counter",
+             "Tokens given by verification steps (accepted drafts + the target's own token).", stats.emitted),
+            ("spec_decode_draft_acceptance_rate", "gauge", "Accepted / drafted tokens so far (0 before any draft).",
+             stats.acceptance))
+    lines: list[str] = []
+    for name, kind, help_, value in rows:
+        lines += [f"# HELP metatp_{name} {help_}", f"# TYPE metatp_{name} {kind}", f"metatp_{name} {value}"]
+    return lines
 
 
 def tenant_lines(m: Metrics) -> list[str]:

@@ -178,6 +178,30 @@ def test_a_draft_whose_cache_is_full_drafts_nothing_and_the_tokens_stay(path, ll
     assert spec.scheduler.speculator.draft.engine.cells.n_used == 0
 
 
+def test_the_draft_models_memory_counts_in_the_budget(path, synth_factory):
+    """A budget that holds the target but not target + draft is a MemoryPlanError naming the
+    draft; fit_context shrinks both caches."""
+    import re
+
+    from metatp.ir.errors import MemoryPlanError
+
+    draft = str(synth_factory(DRAFT_SPEC)[0])
+    opts = dict(backend="numpy", n_ctx=512)
+    spec = LLM(path, speculative_model=draft, num_speculative_tokens=3, **opts)
+    target = spec.memory.total(0) + spec.memory.host
+    d = spec.scheduler.speculator.draft.memory_plan(512)
+    extra = d.total(0) + d.host
+    assert extra > 0 and spec.scheduler.speculator.draft.engine.n_ctx == 512
+    LLM(path, memory_budget=target, **opts)                                       # the target alone fits
+    with pytest.raises(MemoryPlanError, match=f"draft model {re.escape(draft)}"):
+        LLM(path, memory_budget=target + extra - 1, speculative_model=draft, num_speculative_tokens=3, **opts)
+    LLM(path, memory_budget=target + extra, speculative_model=draft, num_speculative_tokens=3, **opts)
+    fitted = LLM(path, memory_budget=target + extra - 1, fit_context=True, speculative_model=draft,
+                 num_speculative_tokens=3, **opts)
+    assert fitted.n_ctx == 256 and fitted.scheduler.speculator.draft.engine.n_ctx == 256
+    assert ids_of(fitted.generate(PROMPTS, GREEDY)) == ids_of(LLM(path, **opts).generate(PROMPTS, GREEDY))
+
+
 def test_a_draft_with_another_vocabulary_is_refused_naming_both(path, synth_factory):
     other = str(synth_factory(SynthSpec(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=280, seed=6))[0])
     with pytest.raises(ConfigError, match="different vocabularies") as e:
@@ -263,6 +287,40 @@ def test_the_server_speculates_for_concurrent_requests(spec_server, llm):
         got = list(pool.map(ask, prompts))
     want = [llm(p, max_tokens=24, temperature=0)["choices"][0]["text"] for p in prompts]
     assert got == want
+
+
+def test_metrics_count_drafted_and_accepted_tokens(spec_server):
+    """/metrics: vLLM's spec_decode counters (as metatp_...) after speculating requests."""
+    import httpx
+
+    client = spec_server.client()
+    client.completions.create(model="m", prompt="abcabcabcabcabc", max_tokens=24, temperature=0)
+    text = httpx.get(f"http://127.0.0.1:{spec_server.port}/metrics", timeout=30).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("metatp_spec_decode_")}
+    drafted = values["metatp_spec_decode_num_draft_tokens_total"]
+    accepted = values["metatp_spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert values["metatp_spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert values["metatp_spec_decode_num_emitted_tokens_total"] == accepted + values["metatp_spec_decode_num_drafts_total"]
+    assert "# TYPE metatp_spec_decode_num_draft_tokens_total counter" in text
+
+
+def test_metrics_lines_follow_the_stats():
+    from metatp.server.metrics import speculative_lines
+    from metatp.speculative import SpecStats
+
+    assert speculative_lines(None) == []
+
+    class Fake:
+        stats = SpecStats()
+    Fake.stats.count(4, 3)           # 4 drafted, 2 accepted + the target's own
+    Fake.stats.count(4, 5)           # all 4 accepted + 1
+    lines = speculative_lines(Fake())
+    assert "metatp_spec_decode_num_draft_tokens_total 8" in lines
+    assert "metatp_spec_decode_num_accepted_tokens_total 6" in lines
+    assert "metatp_spec_decode_num_drafts_total 2" in lines
+    assert "metatp_spec_decode_draft_acceptance_rate 0.75" in lines
 
 
 def test_bench_speculative_prints_both_rows_with_the_same_tokens(path, capsys):

@@ -229,6 +229,62 @@ def test_a_streamed_reply_under_auto_comes_in_pieces_as_plain_content(tools_clie
     assert finish == whole.finish_reason == "stop"
 
 
+def test_reply_logprobs_list_the_tokens_of_the_reply_string():
+    """A generic-format reply's logprobs: the tokens overlapping its JSON string, each with the
+    content it adds (a quote-straddling token trimmed, escapes decoded where they end), so they
+    spell the content; a tool-call answer lists every token; a stream takes what a whole answer does."""
+    from types import SimpleNamespace
+
+    from metatp.tool_calls import ReplyTokens
+
+    def tokens(*texts):
+        return [SimpleNamespace(text=t, logprob=-0.5, top_logprobs=None) for t in texts]
+
+    def whole(toks):
+        r = ReplyTokens()
+        r.add(toks)
+        return [t.text for t in r.take(final=True)]
+
+    def streamed(toks):
+        r, taken = ReplyTokens(), []
+        for t in toks:
+            r.add([t])
+            taken += [x.text for x in r.take()]
+        return taken + [x.text for x in r.take(final=True)]
+
+    cases = [
+        (tokens('{"', "response", '":', ' "', "Hello", " there", '"', "}", ""), ["Hello", " there"]),
+        (tokens('{"', "response", '":', ' "', "Hi", '."}'), ["Hi", "."]),                 # straddles the quote
+        (tokens('{"response": "I', "'m", ' \\"ok', '\\"', "\\n", '"}'), ["I", "'m", ' "ok', '"', "\n"]),
+        (tokens('{"', "response", '":', ' "', "a", "\\", '"b', "\\u00", "e9", "\\ud83d\\ude00", '!"}'),
+         ["a", "", '"b', "", "\u00e9", "\U0001f600", "!"]),                      # escapes cut across tokens
+    ]
+    for toks, want in cases:
+        assert whole(toks) == want and streamed(toks) == want
+        text = "".join(t.text for t in toks)
+        assert "".join(want) == json.loads(text[:text.rindex("}") + 1])["response"]
+    calls = tokens('{"', "tool_calls", '":', " [", "]}")
+    assert whole(calls) == streamed(calls) == [t.text for t in calls]
+    cut = tokens('{"', "response", '":', ' "', "Hel", "lo\\")        # max_tokens: an escape cut in half
+    assert whole(cut) == ["Hel", "lo"]
+
+
+@pytest.mark.slow
+def test_a_replys_logprobs_spell_its_content_whole_and_streamed(tools_client):
+    question = "Hi! How are you?"
+    whole = _ask(tools_client, question, logprobs=True, top_logprobs=1)
+    content, listed = whole.message.content, [e.token for e in whole.logprobs.content]
+    assert whole.message.tool_calls is None and "".join(listed) == content
+    streamed = []
+    for chunk in tools_client.chat.completions.create(model="m", messages=[{"role": "user", "content": question}],
+                                                      tools=TOOLS, temperature=0, max_tokens=96, stream=True,
+                                                      logprobs=True, top_logprobs=1):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                streamed += [e.token for e in ch.logprobs.content]
+    assert streamed == listed
+
+
 @pytest.mark.slow
 def test_tool_results_round_trip(tools_client, tools_http):
     question = [{"role": "user", "content": "What is the weather like in Paris?"}]
