@@ -25,12 +25,13 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from metatp import openai_api as oai
 from metatp import request_fields as rf
 from metatp.server.fields import BadRequest, read
-from metatp.tool_calls import ToolPlan, ToolStream, tool_answer
+from metatp.tool_calls import ReplyTokens, ToolPlan, ToolStream, tool_answer
 
 __all__ = ["ResponsesRequest", "ResponsesAnswer", "responses_request", "renamed", "sse_event"]
 
@@ -366,6 +367,16 @@ class ResponsesAnswer:
         bytes, top_logprobs); none unless asked for."""
         return [] if self.request.logprobs is None else oai.chat_logprobs(outs, self.piece)["content"]
 
+    def _answer_logprobs(self, outs: list) -> list[dict]:
+        """The whole answer's logprobs: under a generic-format plan that may reply (tool_choice
+        auto), only the tokens of the {"response": ...} string, each with the content it adds
+        (`ReplyTokens`, as chat's answers list them), so they spell the message's text."""
+        if self.request.logprobs is None or self.tools is None or not ToolStream(self.tools).replies:
+            return self._logprobs(outs)
+        reply = ReplyTokens()
+        reply.add([t for o in outs for t in o.tokens])
+        return oai.chat_logprobs([SimpleNamespace(tokens=reply.take(final=True))], self.piece)["content"]
+
     def _usage(self) -> dict:
         return {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": self.n_gen, "output_tokens_details": {"reasoning_tokens": 0},
@@ -389,7 +400,7 @@ class ResponsesAnswer:
     def whole(self, outs: list) -> dict:
         """The whole response from its request's outputs (the last one carries finish_reason)."""
         text, finish = "".join(o.text for o in outs), outs[-1].finish_reason
-        self.lps = self._logprobs(outs)
+        self.lps = self._answer_logprobs(outs)
         self.n_gen = sum(o.token is not None for o in outs)
         calls: list[dict] = []
         if self.tools is not None:
@@ -449,7 +460,7 @@ class ResponsesAnswer:
         events = self._delta(content, []) if content else []
         if self.opened or not calls:
             events += self._open()
-            self.lps = self._logprobs(self.outs)
+            self.lps = self._answer_logprobs(self.outs)
         return events, calls, finish
 
     def tail(self, finish: str | None) -> list[dict]:

@@ -365,3 +365,18 @@ def test_instructor_responses_tools_mode(resptools_default_client):
     p = client.responses.create(model="m", response_model=Person, max_retries=0, temperature=0, max_output_tokens=64,
                                 input=[{"role": "user", "content": "John is 30 years old."}])
     assert isinstance(p, Person) and isinstance(p.age, int) and p.name
+
+
+@pytest.mark.slow
+def test_a_replys_logprobs_spell_the_output_text_whole_and_streamed(resptools_default_client):
+    """Under tool_choice auto the generic format answers {"response": ...}: the output_text's
+    logprobs are the reply string's tokens (not the JSON wrapper's), whole and streamed."""
+    kw = dict(model="m", input="Hi! How are you?", tools=[TIME, WEATHER], temperature=0, max_output_tokens=96,
+              include=["message.output_text.logprobs"], top_logprobs=1)
+    resp = resptools_default_client.responses.create(**kw)
+    assert not _function_calls(resp) and resp.output_text
+    [part] = [c for item in resp.output if item.type == "message" for c in item.content]
+    assert "".join(lp.token for lp in part.logprobs) == resp.output_text
+    done = [ev for ev in resptools_default_client.responses.create(stream=True, **kw)
+            if ev.type == "response.output_text.done"]
+    assert [lp.token for lp in done[0].logprobs] == [lp.token for lp in part.logprobs]
