@@ -24,19 +24,16 @@ import pytest
 from metatp import LLM
 from metatp.api import batch_invariant_requested
 from metatp.backends.cuda.kernels.attn import BATCH_INVARIANT_KV_CHUNK
-from metatp.engine import StepItem
 from metatp.ir.errors import ConfigError
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from support.batch_invariance import PROMPT, STEPS, sequence_logits
 from support.require import requires
 
 pytestmark = requires("emulator")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
-PROMPT = [5, 17, 3, 99, 42, 8, 61, 7, 23, 150, 11]
-OTHERS = [[3 + i] * (2 + 4 * i) for i in range(7)]       # 2..26 tokens: the batch's other lengths
-STEPS = 8
 
 
 @contextmanager
@@ -76,32 +73,6 @@ def counting(rt: EmuRuntime):
         yield seen
     finally:
         rt.emu.before_launch, rt.gemm = trip, gemm
-
-
-def sequence_logits(llm: LLM, batched: bool, at: int = 3) -> list[np.ndarray]:
-    """PROMPT's logits (every row), then STEPS greedy decode steps' logits: alone, or with the 7
-    OTHERS prefilled in the same pass and decoding beside it (it at place `at` among them)."""
-    eng = llm.engine
-    before = [eng.new_sequence() for _ in OTHERS[:at]] if batched else []     # cells before its own
-    seq = eng.new_sequence()
-    others = before + ([eng.new_sequence() for _ in OTHERS[at:]] if batched else [])
-    items = [StepItem(o, list(p), "last") for o, p in zip(others, OTHERS)]
-    items.insert(at if batched else 0, StepItem(seq, list(PROMPT), "all"))
-    mine = at if batched else 0
-    got = [eng.run(items)[mine]]
-    token = int(np.argmax(got[0][-1]))
-    for t in range(STEPS):
-        step = [StepItem(o, [7 + (t + i) % 50], "last") for i, o in enumerate(others)]
-        step.insert(mine, StepItem(seq, [token], "last"))
-        out = eng.run(step)[mine]
-        got.append(out)
-        token = int(np.argmax(out))
-    if batched and at:
-        assert int(seq.cells[0]) >= at * BATCH_INVARIANT_KV_CHUNK * (llm.backend.kv_page() > 1)
-    for s in [seq] + others:
-        eng.free(s)
-    assert eng.cells.n_used == 0
-    return got
 
 
 @pytest.fixture(scope="module")
