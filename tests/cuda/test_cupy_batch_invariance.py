@@ -134,3 +134,33 @@ def test_the_environment_spellings_turn_it_on(monkeypatch):
         assert batch_invariant_requested(None) is False
     with pytest.raises(ConfigError, match="batch_invariant"):
         batch_invariant_requested("yes")
+
+
+def _mul_mat(tokens: int, weight: bool = True):
+    from metatp.ir import ops as ir_ops
+    from metatp.ir.tensor import Flag, GGMLType
+
+    w = ir_ops.new_tensor("w", (64, 32, 1), GGMLType.F32, Flag.WEIGHT if weight else Flag.INPUT)
+    return ir_ops.mul_mat(w, ir_ops.new_tensor("x", (64, tokens, 1), GGMLType.F32, Flag.INPUT))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 9, 16, 17, 64, 512])
+def test_every_token_count_takes_the_tiled_kernel(tokens):
+    from metatp.backends.cuda.kernels.matvec import matmul_path
+
+    assert matmul_path(_mul_mat(tokens), gemm_available=True, batch_invariant=True) == "mmq"
+    assert matmul_path(_mul_mat(tokens), gemm_available=True, mmq_tokens=(9, 8), batch_invariant=True) == "mmq"
+    assert matmul_path(_mul_mat(tokens, weight=False), gemm_available=True, batch_invariant=True) == "general"
+
+
+@pytest.mark.parametrize("n_kv", [1, 127, 128, 129, 256, 300, 4096])
+@pytest.mark.parametrize("tokens", [1, 4, 5, 64])
+def test_attention_chunks_are_fixed_and_always_merged(n_kv, tokens):
+    from metatp.backends.cuda.kernels.attn import attention_splits, decode_splits
+
+    splits = attention_splits(8, 2, tokens, n_kv, batch_invariant=True)
+    assert splits is not None and splits >= 2                  # the decode kernel, merged, for any row count
+    got, chunk = decode_splits(2, 8, tokens, n_kv, splits, BATCH_INVARIANT_KV_CHUNK)
+    assert chunk == BATCH_INVARIANT_KV_CHUNK and got == splits and got * chunk >= n_kv
+    if tokens > 4:
+        assert attention_splits(8, 2, tokens, n_kv) is None      # the default: the prefill kernel
