@@ -123,7 +123,9 @@ class CupyBackend(Backend):
                               f"with its collective ({getattr(collective, 'name', '?')}); leave allreduce='auto'")
         self.numerics = numerics
         self.cuda_graphs = bool(cuda_graphs)
-        self.wire = wire
+        # "auto" picks the wire type by message size, which grows with the pass's rows: a row's
+        # all-reduced sums would then depend on its batch-mates (an explicit "bf16" rounds alike)
+        self.wire = "f32" if batch_invariant and wire == "auto" else wire
         self.wire_thresholds = wire_thresholds
         self.kv_dtype = kv_dtype
         self.matmul_dtype = matmul_dtype

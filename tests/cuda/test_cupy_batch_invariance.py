@@ -122,6 +122,17 @@ def test_batch_invariant_pages_the_cache_at_the_attention_chunk(path):
     assert llm.backend.kv_page() == 1 and llm.backend.batch_invariant is False
 
 
+def test_batch_invariant_keeps_the_wire_type_fixed():
+    """wire "auto" chooses by message size (the pass's rows): under batch invariance it is f32."""
+    from metatp.backends import create_backend
+    from metatp.passes.plan import DeviceLayout
+
+    with on_emulator(EmuRuntime(n_gpus=2)):
+        assert create_backend("cupy", DeviceLayout(2, "tensor"), batch_invariant=True).wire == "f32"
+        assert create_backend("cupy", DeviceLayout(2, "tensor"), batch_invariant=True, wire="bf16").wire == "bf16"
+        assert create_backend("cupy", DeviceLayout(2, "tensor")).wire == "auto"
+
+
 def test_the_environment_spellings_turn_it_on(monkeypatch):
     for name in ("METATP_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"):
         monkeypatch.delenv("METATP_BATCH_INVARIANT", raising=False)
@@ -164,3 +175,12 @@ def test_attention_chunks_are_fixed_and_always_merged(n_kv, tokens):
     assert chunk == BATCH_INVARIANT_KV_CHUNK and got == splits and got * chunk >= n_kv
     if tokens > 4:
         assert attention_splits(8, 2, tokens, n_kv) is None      # the default: the prefill kernel
+
+
+def test_two_devices_tensor_split_alone_equals_batched(path):
+    """-sm tensor over 2 emulated GPUs: the all-reduces sum per element in a fixed order on an f32
+    wire, so a row's bits stay its own there too."""
+    llm = emulated_llm(path, EmuRuntime(n_gpus=2), batch_invariant=True, n_devices=2)
+    alone = sequence_logits(llm, batched=False)
+    batched = sequence_logits(llm, batched=True)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(alone, batched))
