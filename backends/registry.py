@@ -129,6 +129,9 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("parallel_devices", bool, False, "run the simulated devices side by side in threads"),
         Option("kernel_threads", int, None,
                "threads of the compiled kernels; None: $METATP_NUM_THREADS, else the CPUs shared among local ranks"),
+        Option("batch_invariant", bool, False,
+               "a sequence's bits do not depend on its batch-mates (the compiled kernels already give that: "
+               "True insists on them)"),
     ), renamed={"threads": "parallel_devices"}, rank_wiring="metatp.backends.distributed:mpi_wiring"),
     "cupy": BackendEntry("cupy", "metatp.backends.cuda.backend:CupyBackend", _opts(
         _EXACT, _ALLREDUCE, _WIRE,
@@ -139,6 +142,8 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("mmq_max_tokens", int, None, "most tokens a MUL_MAT runs the tiled many-token kernel for"),
         Option("multi_gpu_graphs", ("whole", "segments"), "whole",
                "one CUDA graph across GPUs, or per-subgraph segments"),
+        Option("batch_invariant", bool, False,
+               "a sequence's bits do not depend on its batch-mates (one matmul kernel, fixed KV chunks)"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 

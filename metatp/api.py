@@ -54,6 +54,17 @@ def _check_opt_bool(name: str, v: Any) -> bool | None:
     return None if v is None else _check_bool(name, v)
 
 
+BATCH_INVARIANT_ENV = ("METATP_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+
+
+def batch_invariant_requested(value: Any) -> bool:
+    """`LLM(batch_invariant=...)`: True/False as given; None: is $METATP_BATCH_INVARIANT or vLLM's
+    $VLLM_BATCH_INVARIANT "1"?"""
+    if value is not None:
+        return _check_bool("batch_invariant", value)
+    return any(os.environ.get(name, "").strip() == "1" for name in BATCH_INVARIANT_ENV)
+
+
 class LLM:
     """A GGUF model on one or more (simulated or real) devices.
 
@@ -97,6 +108,11 @@ class LLM:
     `num_speculative_tokens`: speculative decoding (`metatp.speculative`): k tokens drafted by
     prompt lookup or a draft model, verified in one pass; the same tokens greedy, the same
     distribution sampled. Structured-output requests do not speculate.
+    `batch_invariant`: a sequence's greedy tokens and logits do not depend on what shares its steps,
+    bitwise (vLLM's VLLM_BATCH_INVARIANT=1; None: $METATP_BATCH_INVARIANT or $VLLM_BATCH_INVARIANT
+    set to 1). The cupy backend then runs one matmul kernel and fixed KV chunks for every row count
+    (slower: docs/gpu-results.md); the numpy backend's compiled kernels are so already (it insists
+    on them).
     `distributed`: "auto" (one process per device when started by `mpiexec -n N`, N > 1), "mpi"
     (even for one process) or "none". Under MPI the world size is the device count (`n_devices`
     None means it) and every rank holds only its device's slices; every rank makes the same
@@ -142,7 +158,8 @@ class LLM:
                  gpu_memory_utilization: float | None = None, enforce_eager: bool = False,
                  trust_remote_code: bool = False, tokenizer: str | os.PathLike | None = None,
                  quantization: str | None = None, swap_space: float | None = None,
-                 max_num_batched_tokens: int | None = None, disable_log_stats: bool = True) -> None:
+                 max_num_batched_tokens: int | None = None, disable_log_stats: bool = True,
+                 batch_invariant: bool | None = None) -> None:
         from metatp.backends import create_backend, resolve_backend_name
         from metatp.backends.distributed import init_world
         from metatp.engine import Engine
@@ -233,6 +250,8 @@ class LLM:
         n_batch = int(vllm.n_batch or n_batch or DEFAULT_N_BATCH)
         if n_threads is not None and self.world is None and resolve_backend_name(backend) != "numpy":
             options.pop("kernel_threads")       # a GPU backend: no compute on CPU threads to count
+        if batch_invariant_requested(batch_invariant):
+            options["batch_invariant"] = True
         options.update(numerics=numerics, cpu_kernels=cpu_kernels, allreduce=allreduce)
         if cpu_kernels is None:
             options.pop("cpu_kernels")          # the numpy default; not an option of other backends

@@ -61,6 +61,10 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a sequence's tokens and logits do not depend on its batch-mates, bitwise (also "
+                        "$METATP_BATCH_INVARIANT=1 or vLLM's $VLLM_BATCH_INVARIANT=1; cupy: one matmul kernel, "
+                        "fixed KV chunks, slower; numpy: the compiled kernels, as by default)")
     add_micro_batches_arg(p)
 
 
@@ -135,7 +139,7 @@ def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, 
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
     under `mpiexec -n N` without either, the world size does), and the backend options the
-    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads)."""
+    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads; `--batch-invariant`)."""
     from metatp.backends.distributed import every_rank, launched_world_size
     from metatp.passes.plan import DeviceLayout
 
@@ -155,6 +159,8 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
     options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
     if getattr(args, "threads", None):
         options["kernel_threads"] = args.threads
+    if getattr(args, "batch_invariant", False):
+        options["batch_invariant"] = True
     return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
             "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
             "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,

@@ -28,6 +28,7 @@ from metatp.backends.collectives.wire import WireThresholds, wire_dtype
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.faults import allocating
+from metatp.backends.cuda.kernels.attn import BATCH_INVARIANT_KV_CHUNK
 from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
@@ -90,6 +91,10 @@ class CupyBackend(Backend):
     subgraph and device, collectives run eagerly between them). mmq_min_tokens / mmq_max_tokens:
     the token counts (inclusive) a MUL_MAT runs the tiled many-token kernel for (default
     kernels.mmq.MMQ_MIN_TOKENS / MMQ_MAX_TOKENS; a max below the min turns it off).
+    batch_invariant: a row's bits do not depend on its batch-mates: every MUL_MAT runs the tiled
+    kernel (no cuBLAS, no one-token fusions), attention the split-KV decode kernel over
+    BATCH_INVARIANT_KV_CHUNK-key chunks at absolute cells, and sequences start on such a chunk
+    (`kv_page`).
 
     devices: the devices this process owns (default: all of the layout's); a strict subset
     needs a `collective` spanning the processes that own the others (its `prepare_allreduce`
@@ -106,7 +111,8 @@ class CupyBackend(Backend):
                  wire_thresholds: WireThresholds = WireThresholds(), kv_dtype: str = "f16",
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
-                 collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None) -> None:
+                 collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None,
+                 batch_invariant: bool = False) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -117,7 +123,9 @@ class CupyBackend(Backend):
                               f"with its collective ({getattr(collective, 'name', '?')}); leave allreduce='auto'")
         self.numerics = numerics
         self.cuda_graphs = bool(cuda_graphs)
-        self.wire = wire
+        # "auto" picks the wire type by message size, which grows with the pass's rows: a row's
+        # all-reduced sums would then depend on its batch-mates (an explicit "bf16" rounds alike)
+        self.wire = "f32" if batch_invariant and wire == "auto" else wire
         self.wire_thresholds = wire_thresholds
         self.kv_dtype = kv_dtype
         self.matmul_dtype = matmul_dtype
@@ -125,6 +133,8 @@ class CupyBackend(Backend):
         self.mmq_min_tokens = MMQ_MIN_TOKENS if mmq_min_tokens is None else int(mmq_min_tokens)
         self.mmq_max_tokens = MMQ_MAX_TOKENS if mmq_max_tokens is None else int(mmq_max_tokens)
         self.multi_gpu_graphs = multi_gpu_graphs
+        # one matmul kernel and fixed KV chunks for every row count (kernels/matvec.py, attn.py)
+        self.batch_invariant = bool(batch_invariant)
         self.rt = runtime if runtime is not None else CupyRuntime()
         n_gpus = self.rt.n_gpus()
         if n_gpus < 1:
@@ -173,7 +183,8 @@ class CupyBackend(Backend):
                            kernels="cuda (nvrtc)", kernel_threads=None,
                            options=(("cuda_graphs", self.cuda_graphs), ("kv_dtype", self.kv_dtype),
                                     ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
-                                    ("gpus", tuple(self.gpus)), ("virtual", self.virtual)))
+                                    ("gpus", tuple(self.gpus)), ("virtual", self.virtual),
+                                    ("batch_invariant", self.batch_invariant)))
 
     @property
     def fault(self) -> DeviceFaultError | None:
@@ -189,6 +200,10 @@ class CupyBackend(Backend):
     def row_buckets(self) -> tuple[int, ...]:
         """One plan, one captured CUDA graph, per bucket (see GRAPH_BUCKETS)."""
         return GRAPH_BUCKETS
+
+    def kv_page(self) -> int:
+        """Under batch invariance a sequence starts on an attention chunk, as it does alone."""
+        return BATCH_INVARIANT_KV_CHUNK if self.batch_invariant else 1
 
     # ---------------------------------------------------------------- leaf data
     def _store(self, d: int, host: np.ndarray):

@@ -65,8 +65,12 @@ class NumpyBackend(Backend):
 
     def __init__(self, layout: DeviceLayout | None = None, numerics: str = "exact", parallel_devices: bool = False,
                  cpu_kernels: bool | None = None, allreduce: str = "auto", kernel_threads: int | None = None,
-                 devices: Sequence[int] | None = None, collective=None) -> None:
+                 devices: Sequence[int] | None = None, collective=None, batch_invariant: bool = False) -> None:
         self.numerics = numerics
+        if batch_invariant and cpu_kernels is False:     # pure numpy: BLAS sums depend on the pass's rows
+            raise ConfigError("batch_invariant=True needs the compiled CPU kernels (cpu_kernels=False was given)")
+        if batch_invariant:
+            cpu_kernels = True          # their per-row sums are what makes a row's bits its own
         self.parallel_devices = parallel_devices
         # few-token matmuls read int8-coded weights through the compiled kernel (None: when it builds)
         if cpu_kernels and not native.available():

@@ -6,6 +6,8 @@ the issue names them:
 - `batched-bench 1B Q8_0 PP 128 TG 32 B=b` for B = 1, 8, 64, 256: llama-batched-bench's S_PP,
   S_TG and S (`metatp.tools.batched_bench.run_config`, every plan compiled in an untimed run
   first), then `S_TG B=64 / B=1, 1B Q8_0` and `S_TG B=256 / B=1, 1B Q8_0` (targets 25x, 60x);
+- the same row at B=64 with `LLM(batch_invariant=True)` (`... B=64 batch_invariant`) and
+  `S_TG B=64 batch_invariant / default, 1B Q8_0`: what batch invariance costs (issue 46 item 5);
 - `pp512 1B Q8_0` and `pp4096 1B Q8_0`: one prompt's prefill tokens/s (target 50k for pp512);
   with --big the same for the Llama-3-8B shapes in Q4_K (`pp512 8B Q4_K`, target 10k);
 - `serve 64 concurrent vs serial, 1B Q8_0`: 64 greedy 128-token completions through `metatp serve
@@ -40,7 +42,7 @@ __all__ = ["section_throughput", "serve_command", "serve_main"]
 
 SECTION = "throughput"
 #: seconds each part needs on the H200 (estimates; the budget guard skips a part that does not fit)
-NEED_S = {"bench": 120, "prompts": 40, "prompts 8B": 150, "serve": 90}
+NEED_S = {"bench": 120, "invariant": 45, "prompts": 40, "prompts 8B": 150, "serve": 90}
 
 
 def _shape(name: str):
@@ -71,7 +73,9 @@ def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path) -
         return
     path = _model_file(cfg, one_b, folder)
     try:
-        _bench_rows(rep, cfg, budget, path, label)
+        s_tg = _bench_rows(rep, cfg, budget, path, label)
+        _free_device_memory(cfg)
+        _invariant_rows(rep, cfg, budget, path, label, s_tg)
         _free_device_memory(cfg)
         _prompt_rows(rep, cfg, budget, path, label, NEED_S["prompts"])
         _free_device_memory(cfg)
@@ -100,7 +104,8 @@ def _fits(rep: Report, cfg: Config, budget: Budget, what: str, need: float) -> b
 
 
 # ---------------------------------------------------------------- batched-bench
-def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str) -> None:
+def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str) -> dict[int, float]:
+    """The batched-bench rows; returns S_TG by B (the ones that ran)."""
     from metatp.tools.batched_bench import run_config
 
     pp, tg = cfg.bench_pp, cfg.bench_tg
@@ -110,7 +115,7 @@ def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str
                        enable_prefix_caching=False)
     except Exception as e:  # noqa: BLE001
         rep.fail(SECTION, f"batched-bench {label} LLM", e)
-        return
+        return {}
     # a prompt pass attends over the cells in use rounded up to 256: B=256 prompts of 128 tokens make
     # 64 passes of 512 rows, each a plan of its own span; all are kept, so the timed run compiles none
     llm.engine.max_plans = max(llm.engine.max_plans, 2 * n_ctx // 512 + 32)
@@ -131,6 +136,34 @@ def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str
         if one and b in s_tg:
             rep.add(SECTION, f"S_TG B={b} / B=1, {label}", f"{s_tg[b] / one:.1f}x", None)
     _graph_note(rep, llm, label)
+    return s_tg
+
+
+def _invariant_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str,
+                    s_tg: dict[int, float]) -> None:
+    """The batched-bench row at B=64 (the largest B up to 64) under `batch_invariant=True`, and its
+    S_TG against the default run's: every matmul on the tiled kernel, the decode attention over
+    128-key chunks, each sequence on 128-cell pages (so the cache holds B * 2 pages here)."""
+    from metatp.tools.batched_bench import run_config
+
+    b = max((n for n in cfg.bench_batches if n <= 64), default=1)
+    pp, tg = cfg.bench_pp, cfg.bench_tg
+    row = f"batched-bench {label} PP {pp} TG {tg} B={b} batch_invariant"
+    if not _fits(rep, cfg, budget, row, NEED_S["invariant"]):
+        return
+    page = 128
+    try:
+        llm = cupy_llm(cfg, path, n_ctx=b * -(-(pp + tg) // page) * page, n_batch=512, max_num_seqs=b,
+                       enable_prefix_caching=False, batch_invariant=True)
+        llm.engine.max_plans = max(llm.engine.max_plans, 64)
+        r = run_config(llm, pp, tg, b)
+        rep.add(SECTION, row, f"S_PP {_rate(r.s_pp)} t/s, S_TG {_rate(r.s_tg)} t/s, S {_rate(r.s)} t/s "
+                f"(T_PP {r.t_pp:.3f} s, T_TG {r.t_tg:.3f} s, N_KV {r.n_kv:,})", None)
+    except Exception as e:  # noqa: BLE001
+        rep.fail(SECTION, row, e)
+        return
+    if s_tg.get(b):
+        rep.add(SECTION, f"S_TG B={b} batch_invariant / default, {label}", f"{r.s_tg / s_tg[b]:.2f}x", None)
 
 
 def _graph_note(rep: Report, llm, label: str) -> None:

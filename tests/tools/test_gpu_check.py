@@ -215,6 +215,9 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
         assert re.fullmatch(want, row["result"]), row
     for b in (2, 4):
         assert re.fullmatch(r"\d+\.\dx", rows[f"S_TG B={b} / B=1, 1B Q8_0"]["result"])
+    row = rows["batched-bench 1B Q8_0 PP 4 TG 3 B=4 batch_invariant"]        # what batch invariance costs
+    assert re.fullmatch(rf"S_PP {rate} t/s, S_TG {rate} t/s, S {rate} t/s \(T_PP .*N_KV 28\)", row["result"]), row
+    assert re.fullmatch(r"\d+\.\d\dx", rows["S_TG B=4 batch_invariant / default, 1B Q8_0"]["result"])
     graphs = dict(part.split(": ") for part in rows["plans by rows, 1B Q8_0"]["result"].split(", "))
     assert all(graphs[str(b)] == "whole" for b in (1, 2, 4))          # each decode bucket replays its graph
     for n in (16, 40):

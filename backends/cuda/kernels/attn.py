@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'attn_workspace_floats', 'choose_splits', 'decode_splits',
+__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'BATCH_INVARIANT_KV_CHUNK', 'attn_workspace_floats', 'choose_splits', 'decode_splits',
            'attention_splits', 'flash_attn_decode', 'flash_attn_decode_cells', 'flash_attn_prefill', 'HANDLERS',
            'FUSIONS', 'workspace']
 
@@ -84,8 +84,13 @@ def choose_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int) -> int:
 
 
 def decode_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int,
-                  n_splits: int | None = None) -> tuple[int, int]:
-    """(n_splits, chunk) flash_attn_decode will use (chunk = keys per split)."""
+                  n_splits: int | None = None, chunk: int | None = None) -> tuple[int, int]:
+    """(n_splits, chunk) flash_attn_decode will use (chunk = keys per split). A given `chunk`
+    is kept as it is (batch invariance: chunks at absolute cell positions), with at least
+    `n_splits` splits (the extra ones empty: see `attention_splits`)."""
+    if chunk is not None:
+        chunk = max(1, int(chunk))
+        return max(cdiv(max(n_kv, 1), chunk), int(n_splits or 1)), chunk
     if n_splits is None:
         n_splits = choose_splits(n_head_kv, n_head, n_tokens, n_kv)
     n_splits = max(1, int(n_splits))
@@ -98,7 +103,7 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
                       causal: bool = True, causal_offset: int | None = None,
                       n_splits: int | None = None, workspace=None, q_strides=None,
                       k_strides=None, v_strides=None, mask_stride: int | None = None,
-                      kv_len=None, kv_type: str | None = None) -> None:
+                      kv_len=None, kv_type: str | None = None, chunk: int | None = None) -> None:
     """Split-KV flash attention for a few query tokens (decode).
 
     ``q``: f32 [n_tokens, n_head, head_dim]; ``k``/``v``: cache [n_ctx, n_head_kv, head_dim]
@@ -108,7 +113,8 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     (additive). ``causal``: key j visible to token t iff j <= t + causal_offset (default
     n_kv - n_tokens). ``kv_len``: optional int32 device scalar; keys at or beyond it are
     skipped. ``workspace``: f32 scratch of ``attn_workspace_floats`` (allocated when None
-    and n_splits > 1). Strides: (head, row) in elements.
+    and n_splits > 1). Strides: (head, row) in elements. ``chunk``: keys per split, fixed
+    (batch invariance; at least ``n_splits`` splits); None: the span cut into n_splits.
     """
     kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
@@ -118,7 +124,7 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     g = n_head // n_head_kv
     ng = next(n for n in _ATTN_NG if n >= min(g, 8))
     n_qgroup = cdiv(g, ng)
-    n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, n_kv, n_splits)
+    n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, n_kv, n_splits, chunk)
     nth = max(64, cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng)
     if n_splits > 1:
@@ -208,11 +214,24 @@ def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: i
 #: FLASH_ATTN_EXT runs the split-KV decode kernel up to this many query tokens.
 ATTN_DECODE_MAX_TOKENS = 4
 
+#: Under batch invariance: keys per split-KV chunk, at absolute cell positions (the cupy backend's
+#: kv_page then, so a sequence's cells start on a chunk as they do alone).
+BATCH_INVARIANT_KV_CHUNK = 128
 
-def attention_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int) -> int | None:
+
+def attention_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int,
+                     batch_invariant: bool = False) -> int | None:
     """Which attention kernel a shape runs: None for the prefill kernel (more than
     ATTN_DECODE_MAX_TOKENS query tokens), else the decode kernel's split-KV count (1 for a
-    head layout the kernel refuses by name)."""
+    head layout the kernel refuses by name).
+
+    `batch_invariant`: the decode kernel for every token count (one query row's sums never
+    depend on the others'), over chunks of BATCH_INVARIANT_KV_CHUNK keys at absolute cell
+    positions (a row's chunk boundaries depend only on where its cells are, not on the span),
+    at least two splits so that every row goes through the merge kernel (one split would divide
+    in the decode kernel instead: other bits). Chunks a row does not see add exact zeros."""
+    if batch_invariant:
+        return max(2, cdiv(max(n_kv, 1), BATCH_INVARIANT_KV_CHUNK))
     if n_tokens > ATTN_DECODE_MAX_TOKENS:
         return None
     if n_head_kv <= 0 or n_head % n_head_kv:
@@ -255,12 +274,14 @@ def _run_flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
               mask_stride=(ex.plan.of(mask).local[d].nb[1] // 4) if mask is not None else None,
               kv_len=ex.kv_len_view(d, mask) if mask is not None else None, kv_type=kq)
     out = array_of(ex, d, node)
-    n_splits = attention_splits(H, Hkv, T, n_kv)
+    invariant = ex.backend.batch_invariant
+    n_splits = attention_splits(H, Hkv, T, n_kv, invariant)
     if n_splits is None:
         return record(flash_attn_prefill, qa, ka, va, out, **kw)
     for key, (n, dtype) in _scratch(H, D, T, n_splits).items():
         kw["workspace"] = ex.scratch_buffer(d, key, n, dtype)
-    return record(flash_attn_decode, qa, ka, va, out, n_splits=n_splits, **kw)
+    return record(flash_attn_decode, qa, ka, va, out, n_splits=n_splits,
+                  chunk=BATCH_INVARIANT_KV_CHUNK if invariant else None, **kw)
 
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
@@ -272,7 +293,8 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
     D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
     need: Scratch = {}
     for tok in sorted({T, 1} if one_token_too else {T}):
-        for key, (n, dtype) in _scratch(H, D, tok, attention_splits(H, Hkv, tok, n_kv)).items():
+        splits = attention_splits(H, Hkv, tok, n_kv, backend.batch_invariant)
+        for key, (n, dtype) in _scratch(H, D, tok, splits).items():
             if n > need.get(key, (0, None))[0]:
                 need[key] = (n, dtype)
     return need

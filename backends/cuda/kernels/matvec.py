@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'NORM_FOLD_MAX_ROWS', 'matvec', 'matvec_multi', 'matvec_glu',
-           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'HANDLERS', 'FUSIONS', 'workspace']
+           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'backend_matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _MATVEC_NT = (1, 2, 4, 8)
 _GLU_ACTS = ("swiglu", "geglu")
@@ -206,14 +206,25 @@ def _plain_weight(w: Tensor) -> bool:
 
 
 def matmul_path(node: Tensor, gemm_available: bool,
-                mmq_tokens: tuple[int, int] = (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS)) -> str:
+                mmq_tokens: tuple[int, int] = (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS),
+                batch_invariant: bool = False) -> str:
     """How a MUL_MAT runs: "general" (two activations or a batched weight: a cupy matmul);
     for a plain weight by its token count: "mmq" (the tiled kernel) within `mmq_tokens`
     (inclusive; the backend's mmq_min_tokens / mmq_max_tokens options), else "matvec" up to
     MATVEC_MAX_TOKENS, "gemm" (dequantize + cuBLAS) above, or without cuBLAS the tiled
-    kernel ("matvec" when the range is empty)."""
+    kernel ("matvec" when the range is empty).
+
+    `batch_invariant`: "mmq" for every token count, 1 included. Its per-(row, token) sum is one
+    thread's FMA chain over the row length in a fixed order (steps of MMQ_KS elements, each in
+    the weight's chunk order), the same whatever the tile size (16/32/64 tokens) or the token's
+    place in it; matvec's sum is a block reduction whose shape is fixed too, but it comes with
+    the one-token fusions (an RMS norm folded into the prologue computes the norm in another
+    order than the norm kernel a pass of several rows runs), and cuBLAS picks its algorithm by
+    shape. So one kernel, no fusion that depends on the token count, no cuBLAS."""
     if not _plain_weight(node.src[0]):
         return "general"
+    if batch_invariant:
+        return "mmq"
     tokens = matmul_tokens(node)
     lo, hi = mmq_tokens
     if lo <= tokens <= hi:
@@ -230,6 +241,11 @@ def backend_mmq_tokens(backend: CupyBackend) -> tuple[int, int]:
     return backend.mmq_min_tokens, backend.mmq_max_tokens
 
 
+def backend_matmul_path(backend: CupyBackend, node: Tensor) -> str:
+    """`matmul_path` with the backend's cuBLAS, tiled-kernel range and batch invariance."""
+    return matmul_path(node, backend.rt.gemm_available(), backend_mmq_tokens(backend), backend.batch_invariant)
+
+
 def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
     """The GEMM path's operand copies: the weight dequantized, x converted (f16 or f32)."""
     dt = np.float16 if matmul_dtype == "f16" else np.float32
@@ -238,8 +254,7 @@ def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
     """A MUL_MAT on the GEMM path needs its operand copies on device d."""
-    if node.op is not Op.MUL_MAT or matmul_path(node, backend.rt.gemm_available(),
-                                                backend_mmq_tokens(backend)) != "gemm":
+    if node.op is not Op.MUL_MAT or backend_matmul_path(backend, node) != "gemm":
         return {}
     lw = plan.of(node.src[0]).local[d]
     return _gemm_scratch(lw.ne[0], lw.ne[1], matmul_tokens(node), backend.matmul_dtype)
@@ -247,7 +262,7 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
 
 # ---------------------------------------------------------------- handlers
 def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
-    path = matmul_path(node, ex.rt.gemm_available(), backend_mmq_tokens(ex.backend))
+    path = backend_matmul_path(ex.backend, node)
     if path == "general":
         return _matmul_general(ex, d, node)
     w, x = node.src
@@ -352,9 +367,11 @@ def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
 
 
 # ---------------------------------------------------------------- fusion finders
-def _is_matvec(mm: Tensor) -> bool:
-    """A MUL_MAT the matvec kernels take (a plain weight, a few tokens)."""
-    return mm.op is Op.MUL_MAT and _plain_weight(mm.src[0]) and matmul_tokens(mm) <= MATVEC_MAX_TOKENS
+def _is_matvec(ex: CupyExecutable, mm: Tensor) -> bool:
+    """A MUL_MAT the matvec kernels take (a plain weight, a few tokens; never under batch
+    invariance, where every MUL_MAT runs the tiled kernel and nothing is fused into it)."""
+    return (mm.op is Op.MUL_MAT and not ex.backend.batch_invariant and _plain_weight(mm.src[0])
+            and matmul_tokens(mm) <= MATVEC_MAX_TOKENS)
 
 
 def _norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tensor, Tensor] | None:
@@ -394,7 +411,7 @@ def _find_glu(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     if node.op is not Op.GLU or len(node.src) != 2 or node.src[1] is None:
         return []
     gate, up = node.src
-    if not (_is_matvec(gate) and _is_matvec(up)) or matmul_tokens(gate) != 1:
+    if not (_is_matvec(ex, gate) and _is_matvec(ex, up)) or matmul_tokens(gate) != 1:
         return []
     if gate.src[1] is not up.src[1] or gate is up or gate.src[0].ne != up.src[0].ne:
         return []
@@ -417,7 +434,7 @@ def _find_add(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
         return []
     for i in (0, 1):
         mm, other = node.src[i], node.src[1 - i]
-        if mm is other or mm in taken or not _is_matvec(mm) or not ex.facts.sole_reader(mm, node):
+        if mm is other or mm in taken or not _is_matvec(ex, mm) or not ex.facts.sole_reader(mm, node):
             continue
         if other.type == GGMLType.F32 and (other.ne == mm.ne or other.ne == (mm.ne[0], 1, 1, 1)):
             if not any(isinstance(ex.arrays[d].get(other), RawWeight) for d in ex.devices):
@@ -431,7 +448,7 @@ def _find_multi(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     the first one's position (later ones' outputs detached); x's RMS norm folded in when
     only they read it. A lone matvec is fused only to fold a norm in (the lm head)."""
     idx = ex.plan.graph.index
-    readers = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(r) and matmul_tokens(r) == 1)
+    readers = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
     if not readers:
         return []
     if not _same_weight_layout(ex, [r.src[0] for r in readers]):

@@ -3,8 +3,9 @@ decoded once per tile of up to 64 tokens into shared memory and used for all of 
 
 The family owns no op: ``matvec.matmul_path`` decides when a MUL_MAT runs it (between the matvec
 kernel's few tokens and the dequantize + cuBLAS path, `MMQ_MIN_TOKENS`..`MMQ_MAX_TOKENS` by
-default, the backend's ``mmq_min_tokens`` / ``mmq_max_tokens`` options override them), and the
-matvec handler launches `mmq`.
+default, the backend's ``mmq_min_tokens`` / ``mmq_max_tokens`` options override them; every count
+under ``batch_invariant``: a (row, token) sum is one thread's FMA chain in a fixed order, whatever
+the tile or the token count), and the matvec handler launches `mmq`.
 """
 
 from __future__ import annotations
