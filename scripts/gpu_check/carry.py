@@ -8,6 +8,7 @@ pytest, hypothesis, PyYAML, tqdm, requests and an mpi4py, but no gguf and no MPI
     python3 scripts/gpu_check/carry.py              # the table: tree + wheels vs the budget
     python3 scripts/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
     python3 scripts/gpu_check/carry.py --with llama-cpp   # the same with the llama-cpp section's wheels
+    python3 scripts/gpu_check/carry.py --with llama-cpp-src   # ... or its source, built there
 
 Standard library only, so it runs as a file from a bare source tree. Exit status 1 when what
 would travel is over the budget or `.whl/` holds two versions of one package.
@@ -53,10 +54,17 @@ WHEELS = (
 EXTRAS = {
     "llama-cpp": (
         Wheel("llama-cpp-python", "0.3.36", "the llama-cpp section: llama.cpp's CUDA build for sm_90 (no cuBLAS in "
-              "it: the image's is used)", 30.0, built_by="scripts/gpu_check/build_llama_cpp.sh"),
+              "it: the image's is used)", 30.0, built_by="scripts/gpu_check/build_llama_cpp.sh wheel"),
+        Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
+    ),
+    # or its trimmed source, built on the GPU machine's 16 cores (`build_llama_cpp.sh device`)
+    "llama-cpp-src": (
+        Wheel("llama-cpp-python-src", "0.3.36", "llama.cpp's trimmed source, built there in one call",
+              4.0, built_by="scripts/gpu_check/build_llama_cpp.sh pack"),
         Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
     ),
 }
+SOURCE_SUFFIX = "-src.tar.gz"     # a source archive in the wheel folder: NAME-VERSION-src.tar.gz
 
 
 def plan(extras: tuple[str, ...] = ()) -> tuple[Wheel, ...]:
@@ -104,6 +112,8 @@ def measure(root: Path = ROOT, wheel_dir: Path | None = None,
     found: dict[str, list[Path]] = {}
     for f in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
         found.setdefault(_dist_name(f.name), []).append(f)
+    for f in sorted(wheel_dir.glob(f"*{SOURCE_SUFFIX}")) if wheel_dir.is_dir() else []:
+        found.setdefault(_dist_name(f.name) + "-src", []).append(f)
     problems = [f"{name}: {len(fs)} wheels in {wheel_dir} ({', '.join(f.name for f in fs)}); keep one"
                 for name, fs in found.items() if len(fs) > 1]
     for w in wheels:
@@ -155,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--download", action="store_true", help="fetch the wheels not yet there first (needs a network)")
     ap.add_argument("--budget", type=float, default=BUDGET_MIB, help="MiB one call may carry in all")
     ap.add_argument("--with", dest="extras", action="append", default=[], choices=sorted(EXTRAS),
-                    help="also the wheels of this section (llama-cpp: the llama.cpp build and diskcache)")
+                    help="also the wheels of this section (llama-cpp: the llama.cpp build and diskcache; llama-cpp-src: "
+                         "its source to build there, and diskcache)")
     args = ap.parse_args(argv)
     wheel_dir = args.wheels or args.root / WHEEL_DIR
     wheels = plan(tuple(args.extras))

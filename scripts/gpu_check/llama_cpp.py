@@ -31,7 +31,8 @@ from scripts.gpu_check.report import Report
 
 SECTION = "llama-cpp"
 CHILD = Path(__file__).with_name("llama_cpp_child.py")
-BUILD_HINT = "build the wheel with scripts/gpu_check/build_llama_cpp.sh and carry .whl/ (docs/gpu-results.md)"
+BUILD_HINT = ("scripts/gpu_check/build_llama_cpp.sh: `wheel` here, or `pack` here and `device` there; "
+              "docs/gpu-results.md")
 SHAPE_NAMES = ("135M", "1B")          # the shapes section's sizes llama.cpp runs too (8B needs --big there)
 NEED_S = {"135M": 60.0, "1B": 100.0}  # write, load, two KV depths and pp512 on an H200, with margin
 _RATE = re.compile(r"^([\d,]+(?:\.\d+)?) tok/s")
@@ -56,7 +57,7 @@ class Comparison:
 def skip_reason(cfg: Config, budget: Budget, importable: bool) -> str | None:
     """Why the section cannot run (None: it can): no llama_cpp, or not enough time left."""
     if not importable:
-        where = "its CPU build is not installed here" if cfg.emulate else "its wheel is not in .whl/"
+        where = "its CPU build is not installed here" if cfg.emulate else "not carried in .whl/ nor built there"
         return f"skipped: llama-cpp-python is not importable ({where}; {BUILD_HINT})"
     need = 10.0 if cfg.emulate else min(NEED_S.values()) + 20
     if budget.left() < need:

@@ -173,13 +173,25 @@ def test_the_carry_plan_with_the_llama_cpp_wheel_fits_the_budget(tmp_path, capsy
     assert {w.name for w in wheels[len(carry.WHEELS):]} == {"llama-cpp-python", "diskcache"}
     items, problems = carry.measure(ROOT, tmp_path, wheels)
     assert not problems and carry.total_mib(items) < carry.BUDGET_MIB
-    assert any(re.search(r"llama-cpp-python==0\.3\.36 \(not built: .*build_llama_cpp\.sh\)", i.what) for i in items)
+    assert any(re.search(r"llama-cpp-python==0\.3\.36 \(not built: .*build_llama_cpp\.sh wheel\)", i.what) for i in items)
     assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path), "--with", "llama-cpp"]) == 0
     (tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl").write_bytes(b"x" * 2**20)
     items, _ = carry.measure(ROOT, tmp_path, wheels)
     assert {i.what: i.how for i in items}["llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"] == "measured"
     with pytest.raises(KeyError):
         carry.plan(("llama-cp",))
+
+
+@requires("git")
+def test_the_carry_plan_with_llama_cpp_s_source_counts_the_archive(tmp_path):
+    wheels = carry.plan(("llama-cpp-src",))
+    items, _ = carry.measure(ROOT, tmp_path, wheels)
+    assert any(i.what.startswith("llama-cpp-python-src==0.3.36 (not built: ") and i.how == "estimate" for i in items)
+    (tmp_path / "llama_cpp_python-0.3.36-src.tar.gz").write_bytes(b"x" * 3 * 2**20)
+    items, problems = carry.measure(ROOT, tmp_path, wheels)
+    src = {i.what: i for i in items}["llama_cpp_python-0.3.36-src.tar.gz"]
+    assert not problems and src.how == "measured" and src.nbytes == 3 * 2**20
+    assert carry.total_mib(items) < carry.BUDGET_MIB
 
 
 def test_download_leaves_the_built_wheel_to_its_script(tmp_path, capsys, monkeypatch):
@@ -195,3 +207,12 @@ def test_the_build_script_parses_and_pins_the_version_and_sm_90_only():
     text = script.read_text()
     assert "VERSION=0.3.36" in text and "-DCMAKE_CUDA_ARCHITECTURES=90 " in text
     assert "-DGGML_CUDA_FA_ALL_QUANTS=off" in text and "install.strip=true" in text
+
+
+def test_the_build_script_refuses_an_unknown_mode_and_a_device_build_without_the_source(tmp_path):
+    script = ROOT / "scripts" / "gpu_check" / "build_llama_cpp.sh"
+    env = {"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
+    bad = subprocess.run(["bash", str(script), "install"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "usage:" in bad.stdout
+    device = subprocess.run(["bash", str(script), "device"], capture_output=True, text=True, env=env)
+    assert device.returncode == 1 and "llama_cpp_python-0.3.36-src.tar.gz: run" in device.stdout
