@@ -7,7 +7,7 @@
 #   scripts/gpu_check/build_llama_cpp.sh pack                # here: the trimmed source into .whl/ (a few MiB)
 #   scripts/gpu_check/build_llama_cpp.sh device              # there: build that source on its 16 cores and
 #                                                            # install into /tmp/site (no network needed)
-#   (WORK=... OUT=... JOBS=... PYTHON=... override the defaults below)
+#   (WORK=... WHEEL_DIR=... JOBS=... PYTHON=... override the defaults below)
 #
 # Why each choice:
 # - only sm_90, GGML_NATIVE off, no FA all-quants, no llava/mtmd, no tests/examples/tools, no NCCL:
@@ -29,12 +29,12 @@ SDIST=llama_cpp_python-$VERSION
 CUBLAS_SPEC='nvidia-cublas>=13.0,<13.1'
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${WORK:-/tmp/llama-cpp-build}
-OUT=${OUT:-$ROOT/.whl}
+WHEEL_DIR=${WHEEL_DIR:-$ROOT/.whl}
 PYTHON=${PYTHON:-python3}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-SRC_TAR=$OUT/$SDIST-src.tar.gz
+SRC_TAR=$WHEEL_DIR/$SDIST-src.tar.gz
 start=$(date +%s)
-mkdir -p "$WORK" "$OUT"
+mkdir -p "$WORK" "$WHEEL_DIR"
 cd "$WORK"
 
 fetch_sdist() {
@@ -111,8 +111,8 @@ report() {
 case $MODE in
   wheel)
     fetch_sdist
-    build_wheel "$WORK/$SDIST" "$OUT"
-    report "$OUT"
+    build_wheel "$WORK/$SDIST" "$WHEEL_DIR"
+    report "$WHEEL_DIR"
     ;;
   pack)
     # What the build with the options above reads: the bindings, and of llama.cpp its CMake files,

@@ -53,8 +53,9 @@ WHEELS = (
 # Carried only for the calls that run them (`--with NAME`): gpu_check's llama-cpp section.
 EXTRAS = {
     "llama-cpp": (
+        # not built yet: 40 MiB is the estimate from one compiled object of each kind (docs/gpu-results.md)
         Wheel("llama-cpp-python", "0.3.36", "the llama-cpp section: llama.cpp's CUDA build for sm_90 (no cuBLAS in "
-              "it: the image's is used)", 30.0, built_by="scripts/gpu_check/build_llama_cpp.sh wheel"),
+              "it: the image's is used)", 40.0, built_by="scripts/gpu_check/build_llama_cpp.sh wheel"),
         Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
     ),
     # or its trimmed source, built on the GPU machine's 16 cores (`build_llama_cpp.sh device`)
@@ -165,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--download", action="store_true", help="fetch the wheels not yet there first (needs a network)")
     ap.add_argument("--budget", type=float, default=BUDGET_MIB, help="MiB one call may carry in all")
     ap.add_argument("--with", dest="extras", action="append", default=[], choices=sorted(EXTRAS),
-                    help="also the wheels of this section (llama-cpp: the llama.cpp build and diskcache; llama-cpp-src: "
-                         "its source to build there, and diskcache)")
+                    help="also the wheels of this section (llama-cpp: the llama.cpp build and diskcache; "
+                         "llama-cpp-src: its source to build there, and diskcache)")
     args = ap.parse_args(argv)
     wheel_dir = args.wheels or args.root / WHEEL_DIR
     wheels = plan(tuple(args.extras))

@@ -173,7 +173,8 @@ def test_the_carry_plan_with_the_llama_cpp_wheel_fits_the_budget(tmp_path, capsy
     assert {w.name for w in wheels[len(carry.WHEELS):]} == {"llama-cpp-python", "diskcache"}
     items, problems = carry.measure(ROOT, tmp_path, wheels)
     assert not problems and carry.total_mib(items) < carry.BUDGET_MIB
-    assert any(re.search(r"llama-cpp-python==0\.3\.36 \(not built: .*build_llama_cpp\.sh wheel\)", i.what) for i in items)
+    built_by = r"llama-cpp-python==0\.3\.36 \(not built: .*build_llama_cpp\.sh wheel\)"
+    assert any(re.search(built_by, i.what) for i in items)
     assert carry.main(["--root", str(ROOT), "--wheels", str(tmp_path), "--with", "llama-cpp"]) == 0
     (tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl").write_bytes(b"x" * 2**20)
     items, _ = carry.measure(ROOT, tmp_path, wheels)
@@ -211,7 +212,7 @@ def test_the_build_script_parses_and_pins_the_version_and_sm_90_only():
 
 def test_the_build_script_refuses_an_unknown_mode_and_a_device_build_without_the_source(tmp_path):
     script = ROOT / "scripts" / "gpu_check" / "build_llama_cpp.sh"
-    env = {"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out")}
+    env = {"PATH": "/usr/bin:/bin", "WORK": str(tmp_path / "work"), "WHEEL_DIR": str(tmp_path / "out")}
     bad = subprocess.run(["bash", str(script), "install"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "usage:" in bad.stdout
     device = subprocess.run(["bash", str(script), "device"], capture_output=True, text=True, env=env)
