@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -217,3 +218,22 @@ def test_the_build_script_refuses_an_unknown_mode_and_a_device_build_without_the
     assert bad.returncode == 2 and "usage:" in bad.stdout
     device = subprocess.run(["bash", str(script), "device"], capture_output=True, text=True, env=env)
     assert device.returncode == 1 and "llama_cpp_python-0.3.36-src.tar.gz: run" in device.stdout
+
+
+def test_the_command_line_runs_the_section_after_shapes_in_an_emulated_dry_run(tmp_path):
+    """`python3 scripts/gpu_check --emulate` with the other sections skipped: the llama-cpp rows
+    come (its skip row without llama-cpp-python; with a CPU build, a load row per shape and the
+    comparisons), and the run passes."""
+    import json
+
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--skip",
+                        "kernels,model,speed,profile,shapes,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [row for row in json.loads(out.with_suffix(".json").read_text())["rows"] if row["section"] == "llama-cpp"]
+    if section.llama_cpp_importable():
+        checks = {row["check"] for row in rows}
+        assert {"llama.cpp 135M Q4_1 load", "llama.cpp 1B Q8_0 load", "decode 1B Q8_0 KV 64"} <= checks, rows
+    else:
+        assert len(rows) == 1 and rows[0]["result"].startswith("skipped: llama-cpp-python is not importable")
