@@ -237,3 +237,62 @@ def test_the_command_line_runs_the_section_after_shapes_in_an_emulated_dry_run(t
         assert {"llama.cpp 135M Q4_1 load", "llama.cpp 1B Q8_0 load", "decode 1B Q8_0 KV 64"} <= checks, rows
     else:
         assert len(rows) == 1 and rows[0]["result"].startswith("skipped: llama-cpp-python is not importable")
+
+
+def _fake_llama_wheel(path: Path) -> None:
+    """A wheel laid out as scikit-build-core writes llama-cpp-python's: each library three times
+    (libX.so, .so.0, .so.0.25.3) in llama_cpp/lib and again under a top-level lib/."""
+    import zipfile
+
+    dist = "llama_cpp_python-0.3.36.dist-info"
+    libs = {"libllama.so": b"L" * 3000, "libggml.so": b"G" * 100, "libggml-base.so": b"B" * 500,
+            "libggml-cuda.so": b"C" * 9000}
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("llama_cpp/__init__.py", '__version__ = "0.3.36"\n')
+        z.writestr("llama_cpp/py.typed", "")
+        for name, data in libs.items():
+            for suffix in ("", ".0", ".0.25.3"):
+                z.writestr(f"llama_cpp/lib/{name}{suffix}", data)
+                z.writestr(f"lib/{name}{suffix}", data)
+        z.writestr("include/llama.h", "/* header */")
+        z.writestr("lib/cmake/llama/llama-config.cmake", "")
+        z.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: 0.3.36\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\n"
+                                    "Tag: py3-none-linux_x86_64\n")
+        z.writestr(f"{dist}/RECORD", "stale,,\n")
+
+
+def test_slim_wheel_keeps_one_copy_of_each_library_and_a_true_record(tmp_path):
+    import base64
+    import hashlib
+    import zipfile
+
+    from scripts.gpu_check import slim_wheel
+
+    src, dst = tmp_path / "in.whl", tmp_path / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    _fake_llama_wheel(src)
+    before, after = slim_wheel.slim(src, dst)
+    assert after < before
+    with zipfile.ZipFile(dst) as z:
+        names = set(z.namelist())
+        assert {n for n in names if n.startswith("llama_cpp/lib/")} == {
+            "llama_cpp/lib/libllama.so", "llama_cpp/lib/libllama.so.0", "llama_cpp/lib/libggml.so",
+            "llama_cpp/lib/libggml.so.0", "llama_cpp/lib/libggml-base.so.0", "llama_cpp/lib/libggml-cuda.so.0"}
+        assert not [n for n in names if n.startswith(("lib/", "include/"))]
+        assert {"llama_cpp/__init__.py", "llama_cpp/py.typed"} <= names
+        record = z.read("llama_cpp_python-0.3.36.dist-info/RECORD").decode().splitlines()
+        assert len(record) == len(names) and "llama_cpp_python-0.3.36.dist-info/RECORD,," in record
+        for line in record:
+            name, digest, size = line.rsplit(",", 2)
+            if digest:
+                data = z.read(name)
+                assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(
+                    b"=").decode() and int(size) == len(data)
+    site = tmp_path / "site"              # pip takes it as it is
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target",
+                        str(site), str(dst)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (site / "llama_cpp" / "lib" / "libggml-cuda.so.0").read_bytes() == b"C" * 9000
+    with pytest.raises(ValueError, match="not a wheel"):
+        zipfile.ZipFile(tmp_path / "bare.zip", "w").close()
+        slim_wheel.slim(tmp_path / "bare.zip", tmp_path / "out.whl")
