@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds the whole run may take (about 7 minutes)")
     ap.add_argument("--layers", type=int, default=30, help="layers of the synthetic model (30 = SmolLM2-135M)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated sections to skip: kernels,model,speed,profile,shapes,throughput,nccl,mpi")
+                    help="comma-separated sections to skip: kernels,model,speed,profile,shapes,llama-cpp,throughput,nccl,mpi")
     ap.add_argument("--big", action="store_true",
                     help="the shapes and throughput sections also run Llama-3-8B shapes in Q4_K (a 4.5 GB file, "
                          "~2.5 minutes each)")
@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from scripts.gpu_check import allreduce, env, kernels, model, preflight, profile, ranks, shapes, speed, throughput
+    from scripts.gpu_check import (allreduce, env, kernels, llama_cpp, model, preflight, profile, ranks, shapes, speed,
+                                   throughput)
     from scripts.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -104,6 +105,9 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
     if have_gpu and "shapes" not in skip:
         step("speed", "model sizes", lambda: shapes.section_shapes(
             rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-shapes-"))))
+    if have_gpu and "llama-cpp" not in skip:          # after shapes: its rows hold metatp's numbers
+        step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
+            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-llama-cpp-"))))
     if have_gpu and "throughput" not in skip:
         step("throughput", "throughput", lambda: throughput.section_throughput(
             rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-throughput-"))))

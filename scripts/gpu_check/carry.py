@@ -8,6 +8,8 @@ serving stack (fastapi, uvicorn, the openai client).
 
     python3 scripts/gpu_check/carry.py              # the table: tree + wheels vs the budget
     python3 scripts/gpu_check/carry.py --download   # fetch the wheels not yet in .whl/ (once)
+    python3 scripts/gpu_check/carry.py --with llama-cpp   # the same with the llama-cpp section's wheels
+    python3 scripts/gpu_check/carry.py --with llama-cpp-src   # ... or its source, built there
 
 Standard library only, so it runs as a file from a bare source tree. Exit status 1 when what
 would travel is over the budget or `.whl/` holds two versions of one package.
@@ -38,6 +40,7 @@ class Wheel:
     version: str
     why: str
     mib: float
+    built_by: str = ""       # not on PyPI as a wheel: the script that builds it into .whl/
 
 
 WHEELS = (
@@ -72,6 +75,27 @@ WHEELS = (
     ("jiter", "0.14.0", 0.35, "openai (cp312 manylinux)"),
     ("distro", "1.9.0", 0.02, "openai"),
 ))
+# Carried only for the calls that run them (`--with NAME`): gpu_check's llama-cpp section.
+EXTRAS = {
+    "llama-cpp": (
+        # not built yet: 41 MiB is the estimate from the objects compiled here (docs/gpu-results.md)
+        Wheel("llama-cpp-python", "0.3.36", "the llama-cpp section: llama.cpp's CUDA build for sm_90 (no cuBLAS in "
+              "it: the image's is used)", 41.0, built_by="scripts/gpu_check/build_llama_cpp.sh wheel"),
+        Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
+    ),
+    # or its trimmed source, built on the GPU machine's 16 cores (`build_llama_cpp.sh device`)
+    "llama-cpp-src": (
+        Wheel("llama-cpp-python-src", "0.3.36", "llama.cpp's trimmed source, built there in one call",
+              4.0, built_by="scripts/gpu_check/build_llama_cpp.sh pack"),
+        Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
+    ),
+}
+SOURCE_SUFFIX = "-src.tar.gz"     # a source archive in the wheel folder: NAME-VERSION-src.tar.gz
+
+
+def plan(extras: tuple[str, ...] = ()) -> tuple[Wheel, ...]:
+    """The wheels one call carries: the base ones and those of each extra named (a KeyError names a wrong one)."""
+    return WHEELS + tuple(w for name in extras for w in EXTRAS[name])
 
 
 @dataclass(frozen=True)
@@ -94,9 +118,14 @@ def tree_files(root: Path = ROOT) -> list[Path]:
     return [root / p for p in sorted(set(out.decode().split("\0"))) if p and (root / p).is_file()]
 
 
+def _norm(name: str) -> str:
+    """A distribution name normalised: llama_cpp_python, llama-cpp-python and Llama.Cpp-Python are one."""
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
 def _dist_name(filename: str) -> str:
     """A wheel file's distribution name, normalised (PyYAML-6.0.3-... and pyyaml-6.0.3-... are one)."""
-    return filename.split("-")[0].lower().replace("_", "-").replace(".", "-")
+    return _norm(filename.split("-")[0])
 
 
 def measure(root: Path = ROOT, wheel_dir: Path | None = None,
@@ -109,14 +138,17 @@ def measure(root: Path = ROOT, wheel_dir: Path | None = None,
     found: dict[str, list[Path]] = {}
     for f in sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []:
         found.setdefault(_dist_name(f.name), []).append(f)
+    for f in sorted(wheel_dir.glob(f"*{SOURCE_SUFFIX}")) if wheel_dir.is_dir() else []:
+        found.setdefault(_dist_name(f.name) + "-src", []).append(f)
     problems = [f"{name}: {len(fs)} wheels in {wheel_dir} ({', '.join(f.name for f in fs)}); keep one"
                 for name, fs in found.items() if len(fs) > 1]
     for w in wheels:
-        have = found.pop(_dist_name(w.name), [])
+        have = found.pop(_norm(w.name), [])
         if have:
             items.append(Item(have[0].name, sum(f.stat().st_size for f in have), "measured"))
         else:
-            items.append(Item(f"{w.name}=={w.version} (not downloaded)", int(w.mib * 2**20), "estimate"))
+            state = f"not built: {w.built_by}" if w.built_by else "not downloaded"
+            items.append(Item(f"{w.name}=={w.version} ({state})", int(w.mib * 2**20), "estimate"))
     for fs in found.values():
         items.extend(Item(f.name, f.stat().st_size, "measured, not in the plan") for f in fs)
     return items, problems
@@ -140,7 +172,10 @@ def download(wheel_dir: Path, wheels: tuple[Wheel, ...] = WHEELS) -> None:
     wheel not already in `wheel_dir`: each is fetched once."""
     wheel_dir.mkdir(parents=True, exist_ok=True)
     present = {_dist_name(f.name) for f in wheel_dir.glob("*.whl")}
-    missing = [f"{w.name}=={w.version}" for w in wheels if _dist_name(w.name) not in present]
+    for w in wheels:
+        if w.built_by and _norm(w.name) not in present:
+            print(f"{w.name}=={w.version} is not on PyPI as a wheel: build it with {w.built_by}", file=sys.stderr)
+    missing = [f"{w.name}=={w.version}" for w in wheels if _norm(w.name) not in present and not w.built_by]
     if not missing:
         return
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
@@ -155,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", type=Path, default=None, help=f"the wheel folder (default: ROOT/{WHEEL_DIR})")
     ap.add_argument("--download", action="store_true", help="fetch the wheels not yet there first (needs a network)")
     ap.add_argument("--budget", type=float, default=BUDGET_MIB, help="MiB one call may carry in all")
+    ap.add_argument("--with", dest="extras", action="append", default=[], choices=sorted(EXTRAS),
+                    help="also the wheels of this section (llama-cpp: the llama.cpp build and diskcache; "
+                         "llama-cpp-src: its source to build there, and diskcache)")
     args = ap.parse_args(argv)
     wheel_dir = args.wheels or args.root / WHEEL_DIR
+    wheels = plan(tuple(args.extras))
     if args.download:
-        download(wheel_dir)
-    items, problems = measure(args.root, wheel_dir)
+        download(wheel_dir, wheels)
+    items, problems = measure(args.root, wheel_dir, wheels)
     print(table(items, args.budget))
     for p in problems:
         print(f"problem: {p}", file=sys.stderr)
