@@ -90,12 +90,18 @@ EXTRAS = {
         Wheel("diskcache", "5.6.3", "llama_cpp imports it at once: not in the image", 0.04),
     ),
 }
+# What a call with an extra leaves out of .whl/ to stay under the budget: the llama.cpp wheel (~41 MiB)
+# beside every base wheel is ~64.3 MiB, so that call carries no MPI (its `mpi` section is skipped).
+LEAVES_OUT = {"llama-cpp": ("mpich", "mpi4py")}
 SOURCE_SUFFIX = "-src.tar.gz"     # a source archive in the wheel folder: NAME-VERSION-src.tar.gz
 
 
 def plan(extras: tuple[str, ...] = ()) -> tuple[Wheel, ...]:
-    """The wheels one call carries: the base ones and those of each extra named (a KeyError names a wrong one)."""
-    return WHEELS + tuple(w for name in extras for w in EXTRAS[name])
+    """The wheels one call carries: the base ones, less what an extra leaves out (`LEAVES_OUT`), and
+    those of each extra named (a KeyError names a wrong one)."""
+    added = tuple(w for name in extras for w in EXTRAS[name])
+    left = {n for name in extras for n in LEAVES_OUT.get(name, ())}
+    return tuple(w for w in WHEELS if w.name not in left) + added
 
 
 @dataclass(frozen=True)

@@ -170,8 +170,9 @@ def test_the_real_child_runs_llama_cpp_on_a_synthetic_gguf(tmp_path):
 @requires("git")
 def test_the_carry_plan_with_the_llama_cpp_wheel_fits_the_budget(tmp_path, capsys):
     wheels = carry.plan(("llama-cpp",))
-    assert wheels[:len(carry.WHEELS)] == carry.WHEELS
-    assert {w.name for w in wheels[len(carry.WHEELS):]} == {"llama-cpp-python", "diskcache"}
+    base = tuple(w for w in carry.WHEELS if w.name not in {"mpich", "mpi4py"})    # that call runs no MPI
+    assert wheels[:len(base)] == base and len(base) == len(carry.WHEELS) - 2
+    assert {w.name for w in wheels[len(base):]} == {"llama-cpp-python", "diskcache"}
     items, problems = carry.measure(ROOT, tmp_path, wheels)
     assert not problems and carry.total_mib(items) < carry.BUDGET_MIB
     built_by = r"llama-cpp-python==0\.3\.36 \(not built: .*build_llama_cpp\.sh wheel\)"
