@@ -121,3 +121,15 @@ def test_every_kv_type_gives_the_dense_tokens(path, cache_type):
     assert not off.ran_any_cells_kernel() and on.ran_cells_path()
     assert any(n.startswith(f"attn_decode_cells_{cache_type}_") for n in on.names)
     assert paged == dense
+
+
+def test_mask_cells_refuses_buffers_smaller_than_rows_times_span():
+    import numpy as np
+
+    from metatp.backends.cuda.kernels.attn import mask_cells
+
+    mask = np.zeros((4, 10), np.float32)
+    with EmuRuntime().kernels(), pytest.raises(ValueError, match="4 rows x 10 cells"):
+        mask_cells(mask, np.zeros(39, np.int32), np.zeros(5, np.int32), np.zeros(4, np.int32), n_rows=4, n_kv=10)
+    with EmuRuntime().kernels(), pytest.raises(ValueError, match="4 rows x 10 cells"):
+        mask_cells(mask, np.zeros(40, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32), n_rows=4, n_kv=10)
