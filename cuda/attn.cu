@@ -35,8 +35,8 @@ __device__ __forceinline__ float mt_attn_score(float dot, float scale, float sof
 // dynamic smem floats: NG*D (q) + NG*nth (scores) + 3*NG (m, l, alpha) (+ nth ints of cell ids
 // with a cell list).
 // cells / cell_off (or null): token t attends to the cache rows cells[cell_off[t] + i],
-// i < cell_off[t + 1] - cell_off[t] (its own sequence's cells, all visible: no mask, no causal
-// limit, n_kv and kv_len unused); the splits cut the token's list.
+// i < cell_off[t + 1] - cell_off[t] (its own sequence's cells: no causal limit, n_kv and kv_len
+// unused; a mask is read at the listed cells); the splits cut the token's list.
 template <typename KT, typename VT, int NG>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const typename KT::T* __restrict__ k,
@@ -120,7 +120,7 @@ __device__ __forceinline__ void attn_decode_impl(
                 for (int g = 0; g < NG; ++g)
                     if (g < ng) dot[g] = fmaf(q_s[g * D + d], kf, dot[g]);
             }
-            const float mv = mask ? mask[(mt_i64)tok * mask_s1 + j] : 0.0f;
+            const float mv = mask ? mask[(mt_i64)tok * mask_s1 + (tcells != 0 ? c_s[tid] : j)] : 0.0f;
 #pragma unroll
             for (int g = 0; g < NG; ++g)
                 if (g < ng) s_s[g * nth + tid] = mt_attn_score(dot[g], scale, softcap) + mv;
@@ -233,21 +233,25 @@ MT_DECODE_ENTRIES(q5_0, KvQ5_0)
 MT_DECODE_ENTRIES(q5_1, KvQ5_1)
 
 // attn_decode_cells_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const int32 *cells,
-//     const int32 *cell_off, float *out, float *part, int32 D, int32 n_head, int32 n_head_kv,
-//     int32 n_tokens, int32 q_s1, int32 q_s2, int32 k_s1, int32 k_s2, int32 v_s1, int32 v_s2,
-//     int32 chunk, float32 scale, float32 softcap)
+//     const int32 *cell_off, const float *mask /* or null */, float *out, float *part, int32 D,
+//     int32 n_head, int32 n_head_kv, int32 n_tokens, int32 q_s1, int32 q_s2, int32 k_s1,
+//     int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1, int32 chunk, float32 scale,
+//     float32 softcap)
 // Decode of many sequences, each token reading only its own cells: token t attends to the cache
 // rows cells[cell_off[t] .. cell_off[t + 1]) (any rows, any order; an empty list gives 0).
+// mask (optional): the dense additive mask the lists came from; a listed cell c of token t adds
+// mask[t * mask_s1 + c] to its score (0 for the engine's masks: kept so any finite bias is exact).
 // Launch as attn_decode_* with n_split * chunk >= the longest list, dynamic smem
 // 4*(NG*D + NG*nth + 3*NG + nth) bytes.
 #define MT_DECODE_CELLS_ENTRY(kvname, KV, NG)                                                     \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_cells_##kvname##_g##NG(        \
         const float* q, const KV::T* k, const KV::T* v, const int* cells, const int* cell_off,    \
-        float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int q_s1,         \
-        int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int chunk, float scale, float softcap) { \
-        attn_decode_impl<KV, KV, NG>(q, k, v, 0, 0, out, part, D, n_head, n_head_kv, n_tokens, 0,  \
-                                     q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, 0, chunk, scale, softcap, \
-                                     0, 0, cells, cell_off);                                      \
+        const float* mask, float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, \
+        int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,        \
+        float scale, float softcap) {                                                              \
+        attn_decode_impl<KV, KV, NG>(q, k, v, mask, 0, out, part, D, n_head, n_head_kv, n_tokens, \
+                                     0, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, chunk, scale, \
+                                     softcap, 0, 0, cells, cell_off);                             \
     }
 #define MT_DECODE_CELLS_ENTRIES(kvname, KV) \
     MT_DECODE_CELLS_ENTRY(kvname, KV, 1)    \
@@ -479,3 +483,79 @@ MT_PREFILL_ENTRY(q4_0, KvQ4_0)
 MT_PREFILL_ENTRY(q4_1, KvQ4_1)
 MT_PREFILL_ENTRY(q5_0, KvQ5_0)
 MT_PREFILL_ENTRY(q5_1, KvQ5_1)
+
+// ------------------------------------------------------------------ mask -> cell lists
+// A step of several sequences gives FLASH_ATTN_EXT a dense mask (rows x span) that hides the
+// other sequences' cells. These two kernels turn it into each row's cell list, in cell order,
+// for attn_decode_cells_*: a key j of row r is listed when j < min(n_kv, *kv_len) and
+// mask[r * mask_s1 + j] != -inf. Everything stays on the device (no host sync) and the buffers
+// have fixed sizes (cells: n_rows * n_kv ints), so a captured CUDA graph replays them.
+
+// The sum of v over the block (every thread gets it); nth % 32 == 0, nth <= 1024.
+__device__ __forceinline__ int mt_attn_block_sum_i(int v, int* w_s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) w_s[warp] = v;
+    __syncthreads();
+    int s = 0;
+    for (int w = 0; w < nwarps; ++w) s += w_s[w];
+    __syncthreads();  // w_s may be reused by the caller
+    return s;
+}
+
+__device__ __forceinline__ bool mt_attn_visible(const float* mrow, int j, int n) {
+    return j < n && mrow[j] != -MT_INF;
+}
+
+// attn_mask_count(const float *mask, const int32 *kv_len /* or null */, int32 *counts,
+//     int32 n_kv, int32 mask_s1)
+// grid (n_rows), block (nth), nth % 32 == 0, nth <= 1024: counts[r] = row r's visible keys.
+extern "C" __global__ void attn_mask_count(const float* mask, const int* kv_len, int* counts, int n_kv,
+                                           int mask_s1) {
+    __shared__ int w_s[32];
+    const int row = blockIdx.x;
+    const int n = kv_len != 0 ? max(0, min(n_kv, *kv_len)) : n_kv;
+    const float* mrow = mask + (mt_i64)row * mask_s1;
+    int c = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) c += mt_attn_visible(mrow, j, n) ? 1 : 0;
+    c = mt_attn_block_sum_i(c, w_s);
+    if (threadIdx.x == 0) counts[row] = c;
+}
+
+// attn_mask_cells(const float *mask, const int32 *kv_len /* or null */, const int32 *counts,
+//     int32 *cells, int32 *cell_off, int32 n_kv, int32 mask_s1)
+// After attn_mask_count (same grid): cell_off[r] = counts[0] + .. + counts[r - 1] (and
+// cell_off[n_rows] the total), row r's visible keys in increasing order at cells[cell_off[r]..].
+// grid (n_rows), block (nth), nth a power of two, 32 <= nth <= 1024.
+extern "C" __global__ void attn_mask_cells(const float* mask, const int* kv_len, const int* counts, int* cells,
+                                           int* cell_off, int n_kv, int mask_s1) {
+    __shared__ int w_s[32];
+    __shared__ int s_s[1024];
+    const int tid = threadIdx.x, nth = blockDim.x;
+    const int row = blockIdx.x;
+    const int n = kv_len != 0 ? max(0, min(n_kv, *kv_len)) : n_kv;
+    const float* mrow = mask + (mt_i64)row * mask_s1;
+    int before = 0;  // the rows before this one: where its list starts
+    for (int i = tid; i < row; i += nth) before += counts[i];
+    int o = mt_attn_block_sum_i(before, w_s);
+    if (tid == 0) {
+        cell_off[row] = o;
+        if (row == gridDim.x - 1) cell_off[row + 1] = o + counts[row];
+    }
+    for (int t0 = 0; t0 < n; t0 += nth) {
+        const int j = t0 + tid;
+        const bool vis = mt_attn_visible(mrow, j, n);
+        s_s[tid] = vis ? 1 : 0;
+        __syncthreads();
+        for (int d = 1; d < nth; d <<= 1) {  // inclusive scan of the tile's flags
+            const int x = tid >= d ? s_s[tid - d] : 0;
+            __syncthreads();
+            s_s[tid] += x;
+            __syncthreads();
+        }
+        if (vis) cells[o + s_s[tid] - 1] = j;
+        o += s_s[nth - 1];
+        __syncthreads();  // everyone has read s_s before the next tile writes it
+    }
+}

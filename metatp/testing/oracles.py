@@ -14,7 +14,7 @@ import numpy as np
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 - re-exported for the checks
 
 __all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "kv_quantize", "kv_dequantize",
-           "kv_rows", "ref_rope", "ref_attention", "ref_q8_quantize", "gelu", "silu"]
+           "kv_rows", "ref_rope", "ref_attention", "ref_mask_cells", "ref_q8_quantize", "gelu", "silu"]
 
 
 def _gguf():
@@ -135,6 +135,16 @@ def ref_rope(x, pos, n_dims, freq_base, freq_scale, neox, freq_factors=None, att
     y[:, :, a] = x0 * c - x1 * s
     y[:, :, b] = x0 * s + x1 * c
     return y
+
+
+def ref_mask_cells(mask: np.ndarray, n_used: int) -> tuple[np.ndarray, np.ndarray]:
+    """The cell lists a dense attention mask [rows, n_kv] stands for: row r sees key j < n_used
+    whose entry is not -inf. Returns (cells, cell_off): row r's keys, increasing, at
+    cells[cell_off[r]:cell_off[r + 1]] (int32)."""
+    lists = [np.flatnonzero(row[:n_used] != -np.inf) for row in np.asarray(mask)]
+    off = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
+    cells = np.concatenate(lists).astype(np.int32) if lists else np.zeros(0, np.int32)
+    return cells, off
 
 
 def ref_attention(q, k, v, scale, mask=None, softcap=0.0, causal=True, causal_offset=0, sinks=None):

@@ -1,17 +1,20 @@
 """Flash attention (``cuda/attn.cu``): split-KV decode kernel plus merge for a few query tokens, a
 query-tiled prefill kernel (skipping key tiles its mask hides), and a decode kernel reading each
-token's own cells from a cell list (`flash_attn_decode_cells`, not used by the handler yet); the
-attended KV length is read from device memory. The cache may be
+token's own cells from a cell list (`flash_attn_decode_cells`), the lists made from the mask on
+the device (`mask_cells`); the attended KV length is read from device memory. The cache may be
 f16 / bf16 / f32 or quantized (q8_0, q4_0, q4_1, q5_0, q5_1: uint8 blocks dequantized in
 registers, strides in bytes); K and V share one type.
 
-The family's decisions, in one function (`attention_splits`): FLASH_ATTN_EXT over a few query
-tokens runs the decode kernel split over the KV (with a merge and a scratch workspace when it
-splits), over more tokens the prefill kernel. The handler and `workspace` both ask it.
+The family's decisions, in two functions side by side: `attention_cells_splits` (a masked step
+of several rows reads each row's own cells: mask -> cell lists -> the cell-list decode kernel),
+else `attention_splits`: FLASH_ATTN_EXT over a few query tokens runs the decode kernel split over
+the KV (with a merge and a scratch workspace when it splits), over more tokens the prefill
+kernel. The handler and `workspace` both ask them.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,14 +32,15 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'BATCH_INVARIANT_KV_CHUNK', 'attn_workspace_floats', 'choose_splits', 'decode_splits',
-           'attention_splits', 'flash_attn_decode', 'flash_attn_decode_cells', 'flash_attn_prefill', 'HANDLERS',
-           'FUSIONS', 'workspace']
+__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'BATCH_INVARIANT_KV_CHUNK', 'attn_workspace_floats', 'choose_splits',
+           'decode_splits', 'ATTN_CELLS_MAX_TOKENS', 'attention_splits', 'attention_cells_splits', 'flash_attn_decode',
+           'flash_attn_decode_cells', 'mask_cells', 'flash_attn_prefill', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _ATTN_NG = (1, 2, 4, 8)
 ENTRY_POINTS = ([f"attn_decode_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG] + ["attn_merge_f32"]
                 + [f"attn_prefill_{t}" for t in CACHE_TYPES]
-                + [f"attn_decode_cells_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG])
+                + [f"attn_decode_cells_{t}_g{g}" for t in CACHE_TYPES for g in _ATTN_NG]
+                + ["attn_mask_count", "attn_mask_cells"])
 
 
 def _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv, head_dim, n_tokens, n_kv,
@@ -149,7 +153,8 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
 def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_head_kv: int, head_dim: int,
                             n_tokens: int, max_cells: int, scale: float, softcap: float = 0.0,
                             n_splits: int | None = None, workspace=None, q_strides=None, k_strides=None,
-                            v_strides=None, kv_type: str | None = None) -> None:
+                            v_strides=None, kv_type: str | None = None, mask=None,
+                            mask_stride: int | None = None) -> None:
     """Decode of many sequences, each query token reading only its own cells (paged attention
     over the engine's cell layout) instead of a mask over every cell.
 
@@ -157,15 +162,17 @@ def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_hea
     [n_tokens + 1], token t's list is ``cells[cell_off[t]:cell_off[t + 1]]`` (any rows, any
     order, all visible; an empty list gives 0). ``max_cells``: a bound on the longest list (it
     sizes the splits; the lists may change between launches up to it, as a CUDA graph
-    replays). Other arguments as flash_attn_decode."""
+    replays). ``mask``: optional, the dense additive mask the lists came from (its value at a
+    listed cell is added to the score). Other arguments as flash_attn_decode."""
     if cells is None or cell_off is None:
         raise ValueError("flash_attn_decode_cells needs cells and cell_off")
     check_i32(cells, cell_off)
     check_contig(cells, cell_off)
     if cell_off.size < n_tokens + 1:
         raise ValueError(f"cell_off has {cell_off.size} entries for {n_tokens} tokens (need n_tokens + 1)")
-    kvt, qs, ks, vs, _, _, _ = _attn_common(q, k, v, out, None, None, n_head, n_head_kv, head_dim, n_tokens,
-                                            max_cells, q_strides, k_strides, v_strides, None, False, 0, kv_type)
+    kvt, qs, ks, vs, ms, _, _ = _attn_common(q, k, v, out, mask, None, n_head, n_head_kv, head_dim, n_tokens,
+                                             max_cells, q_strides, k_strides, v_strides, mask_stride, False, 0,
+                                             kv_type)
     if n_tokens == 0:
         return
     g = n_head // n_head_kv
@@ -181,13 +188,39 @@ def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_hea
             raise ValueError(f"workspace has {workspace.size} floats, need {need}")
         check_f32(workspace)
     launch("attn", f"attn_decode_cells_{kvt}_g{ng}", (n_splits, n_head_kv * cdiv(g, ng), n_tokens), (nth,),
-           (q, k, v, cells, cell_off, out, workspace if n_splits > 1 else None, i32(head_dim), i32(n_head),
-            i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]),
-            i32(vs[1]), i32(chunk), f32(scale), f32(softcap)),
+           (q, k, v, cells, cell_off, mask, out, workspace if n_splits > 1 else None, i32(head_dim),
+            i32(n_head), i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]),
+            i32(vs[0]), i32(vs[1]), i32(ms), i32(chunk), f32(scale), f32(softcap)),
            shared_mem=smem)
     if n_splits > 1:
         launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
                (workspace, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+
+
+def mask_cells(mask, cells, cell_off, counts, *, n_rows: int, n_kv: int, mask_stride: int | None = None,
+               kv_len=None) -> None:
+    """Each mask row's cell list, on the device: row r's visible keys (j below n_kv and the
+    device scalar ``kv_len`` when given, mask entry not -inf), in increasing order, at
+    ``cells[cell_off[r]:cell_off[r + 1]]``, for flash_attn_decode_cells.
+
+    ``mask``: f32 [n_rows, n_kv] (row stride ``mask_stride`` elements); ``cells``: int32 of at
+    least n_rows * n_kv; ``cell_off``: int32 [n_rows + 1]; ``counts``: int32 [n_rows] scratch.
+    Fixed sizes and no host sync, so a captured CUDA graph replays it with new masks."""
+    check_f32(mask)
+    check_i32(cells, cell_off, counts)
+    if kv_len is not None:
+        check_i32(kv_len)
+    if mask_stride is None:
+        mask_stride = estrides(mask)[0] if mask.ndim == 2 else n_kv
+    if cells.size < n_rows * n_kv or cell_off.size < n_rows + 1 or counts.size < n_rows:
+        raise ValueError(f"mask_cells: buffers of {cells.size}, {cell_off.size}, {counts.size} ints for "
+                         f"{n_rows} rows x {n_kv} cells")
+    if n_rows == 0:
+        return
+    args = (mask, kv_len, counts, i32(n_kv), i32(mask_stride))
+    launch("attn", "attn_mask_count", (n_rows,), (_MASK_CELLS_THREADS,), args)
+    launch("attn", "attn_mask_cells", (n_rows,), (_MASK_CELLS_THREADS,),
+           (mask, kv_len, counts, cells, cell_off, i32(n_kv), i32(mask_stride)))
 
 
 def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
@@ -213,6 +246,10 @@ def flash_attn_prefill(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: i
 
 #: FLASH_ATTN_EXT runs the split-KV decode kernel up to this many query tokens.
 ATTN_DECODE_MAX_TOKENS = 4
+#: ... and, with a mask, the cell-list decode kernel from 2 up to this many (the row buckets).
+ATTN_CELLS_MAX_TOKENS = 256
+#: threads of the mask -> cell list kernels (a power of two)
+_MASK_CELLS_THREADS = 256
 
 #: Under batch invariance: keys per split-KV chunk, at absolute cell positions (the cupy backend's
 #: kv_page then, so a sequence's cells start on a chunk as they do alone).
@@ -239,11 +276,42 @@ def attention_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int,
     return decode_splits(n_head_kv, n_head, n_tokens, n_kv)[0]
 
 
-def _scratch(n_head: int, head_dim: int, n_tokens: int, n_splits: int | None) -> Scratch:
-    """The decode kernel's per-split partial results, when it splits the KV."""
-    if n_splits is None or n_splits <= 1:
-        return {}
-    return {"attn": (attn_workspace_floats(n_head, head_dim, n_tokens, n_splits), np.float32)}
+def attention_cells_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int, masked: bool,
+                           batch_invariant: bool = False) -> int | None:
+    """Whether a masked step reads each row's own cells (the mask turned into cell lists on the
+    device, then the cell-list decode kernel), and its split-KV count; None: `attention_splits`
+    decides. The rule: a mask and 2..ATTN_CELLS_MAX_TOKENS rows (a decode step of several
+    sequences, a prompt chunk up to a row bucket). The dense kernels make every row read every
+    cell in use (rows x span K/V reads); the lists make a row read its own (sum of lengths).
+    One row (single-sequence decode) keeps the dense decode kernel: its mask hides nothing of
+    its own sequence, so the lists would save nothing. ``METATP_ATTN_CELLS=0`` turns the rule
+    off (the dense kernels everywhere: the comparison a GPU run makes), read as plans compile.
+    `batch_invariant`: never (its split count follows the step's rows; the fixed-chunk decode
+    kernel of `attention_splits` keeps a row's bits whatever shares its step)."""
+    if batch_invariant or os.environ.get("METATP_ATTN_CELLS", "1") == "0":
+        return None
+    if not masked or not 2 <= n_tokens <= ATTN_CELLS_MAX_TOKENS or n_head_kv <= 0 or n_head % n_head_kv:
+        return None
+    return decode_splits(n_head_kv, n_head, n_tokens, n_kv)[0]
+
+
+def _scratch(n_head: int, head_dim: int, n_tokens: int, n_splits: int | None, cells_kv: int = 0,
+             mask: Tensor | None = None) -> Scratch:
+    """The decode kernel's per-split partial results, when it splits the KV; with cell lists
+    (`cells_kv`: the span they index) the lists of `mask`, their offsets and the per-row counts
+    (buffers of their own per mask: every layer reading that mask reads the same lists)."""
+    need: Scratch = {}
+    if n_splits is not None and n_splits > 1:
+        need["attn"] = (attn_workspace_floats(n_head, head_dim, n_tokens, n_splits), np.float32)
+    if cells_kv and mask is not None:
+        need[_cells_key("attn_cells", mask)] = (n_tokens * cells_kv, np.int32)
+        need[_cells_key("attn_cell_off", mask)] = (n_tokens + 1, np.int32)
+        need[_cells_key("attn_cell_counts", mask)] = (n_tokens, np.int32)
+    return need
+
+
+def _cells_key(what: str, mask: Tensor) -> str:
+    return f"{what}@{mask.name}"
 
 
 # ---------------------------------------------------------------- handler
@@ -275,6 +343,9 @@ def _run_flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
               kv_len=ex.kv_len_view(d, mask) if mask is not None else None, kv_type=kq)
     out = array_of(ex, d, node)
     invariant = ex.backend.batch_invariant
+    cell_splits = attention_cells_splits(H, Hkv, T, n_kv, mask is not None, invariant)
+    if cell_splits is not None:
+        return _cells_steps(ex, d, node, (qa, ka, va, out), kw, cell_splits)
     n_splits = attention_splits(H, Hkv, T, n_kv, invariant)
     if n_splits is None:
         return record(flash_attn_prefill, qa, ka, va, out, **kw)
@@ -282,6 +353,27 @@ def _run_flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
         kw["workspace"] = ex.scratch_buffer(d, key, n, dtype)
     return record(flash_attn_decode, qa, ka, va, out, n_splits=n_splits,
                   chunk=BATCH_INVARIANT_KV_CHUNK if invariant else None, **kw)
+
+
+def _cells_steps(ex: CupyExecutable, d: int, node: Tensor, arrays: tuple, kw: dict, n_splits: int) -> list:
+    """The mask turned into cell lists, then the cell-list decode kernel (kw: the dense call's).
+    The lists are made once per mask and device, by the first node reading it (steps run in
+    the order they are made; the other layers read the same mask, so the same lists)."""
+    H, D, T, n_kv = kw["n_head"], kw["head_dim"], kw["n_tokens"], kw["n_kv"]
+    mask = node.src[3]
+    buf = {key.split("@")[0]: ex.scratch_buffer(d, key, n, dtype)
+           for key, (n, dtype) in _scratch(H, D, T, n_splits, cells_kv=n_kv, mask=mask).items()}
+    makers = ex.__dict__.setdefault("attn_cell_list_makers", {})     # (device, mask) -> the node making its lists
+    steps = []
+    if makers.setdefault((d, mask), node) is node:
+        steps = record(mask_cells, kw["mask"], buf["attn_cells"], buf["attn_cell_off"], buf["attn_cell_counts"],
+                       n_rows=T, n_kv=n_kv, mask_stride=kw["mask_stride"], kv_len=kw["kv_len"])
+    return steps + record(flash_attn_decode_cells, *arrays, buf["attn_cells"], buf["attn_cell_off"],
+                          n_head=H, n_head_kv=kw["n_head_kv"], head_dim=D, n_tokens=T, max_cells=n_kv,
+                          scale=kw["scale"], softcap=kw["softcap"], n_splits=n_splits,
+                          workspace=buf.get("attn"), q_strides=kw["q_strides"], k_strides=kw["k_strides"],
+                          v_strides=kw["v_strides"], kv_type=kw["kv_type"], mask=kw["mask"],
+                          mask_stride=kw["mask_stride"])
 
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
@@ -292,9 +384,12 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
     q, k = plan.of(node.src[0]).local[d], plan.of(node.src[1]).local[d]
     D, T, H, n_kv, Hkv = q.ne[0], q.ne[1], q.ne[2], k.ne[1], k.ne[2]
     need: Scratch = {}
+    masked = len(node.src) > 3 and node.src[3] is not None
     for tok in sorted({T, 1} if one_token_too else {T}):
-        splits = attention_splits(H, Hkv, tok, n_kv, backend.batch_invariant)
-        for key, (n, dtype) in _scratch(H, D, tok, splits).items():
+        cell_splits = attention_cells_splits(H, Hkv, tok, n_kv, masked, backend.batch_invariant)
+        scratch = (_scratch(H, D, tok, cell_splits, cells_kv=n_kv, mask=node.src[3]) if cell_splits is not None
+                   else _scratch(H, D, tok, attention_splits(H, Hkv, tok, n_kv, backend.batch_invariant)))
+        for key, (n, dtype) in scratch.items():
             if n > need.get(key, (0, None))[0]:
                 need[key] = (n, dtype)
     return need

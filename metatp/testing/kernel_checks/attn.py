@@ -10,10 +10,10 @@ import numpy as np
 
 from metatp.testing.kernel_checks.harness import Checker
 from metatp.backends.cuda.launch import KV_QUANT_TYPES
-from metatp.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention
+from metatp.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention, ref_mask_cells
 
 CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant', 'attn_prefill_tiles', 'attn_prefill_seqs',
-          'attn_decode_cells')
+          'attn_decode_cells', 'attn_mask_cells')
 
 
 def _kv(c: Checker, kvt, n_ctx, hkv, D):
@@ -310,3 +310,79 @@ def check_attn_decode_cells(c: Checker) -> None:
                    dq, dk, dv, out, dc, do, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, max_cells=max(lens),
                    scale=scale, n_splits=splits, **quant),
                lambda out=out: c.host(out), ref, 1e-4)
+
+
+def _exact(a, ref) -> float:
+    """0 when two integer arrays are equal, else inf (the harness's error for a mismatch)."""
+    a, ref = np.asarray(a), np.asarray(ref)
+    return 0.0 if a.shape == ref.shape and np.array_equal(a, ref) else float("inf")
+
+
+def check_attn_mask_cells(c: Checker) -> None:
+    """Mask rows -> cell lists on the device (`mask_cells`) against numpy: rows crossing the
+    256-key tile, a padded row stride, the device kv_len cutting the rows, a row seeing nothing,
+    one seeing everything, finite biases counted as visible; then the handler's path (lists ->
+    the cell-list decode kernel, the mask's values added) against the dense decode and prefill
+    kernels and float64, on every cache type, for a step of interleaved sequences."""
+    from metatp.backends.cuda.launch import CACHE_TYPES
+
+    ck = c.ck
+    n_kv, stride, used = 300, 320, 290
+    mask = np.full((6, stride), -np.inf, dtype=np.float32)
+    mask[0, : n_kv] = 0.0                                     # everything (kv_len cuts it)
+    mask[2, c.rng.random(stride) < 0.3] = 0.0                 # scattered, past n_kv too (never listed)
+    mask[3, 250:270] = 0.0                                     # a run across the tile edge
+    mask[4, 7] = -1e30                                         # finite: visible
+    mask[5, ::3] = c.rng.standard_normal(len(mask[5, ::3])).astype(np.float32)
+    for n_used, kv_len in ((used, c.dev(np.array([used], np.int32))), (n_kv, None)):
+        ref_cells, ref_off = ref_mask_cells(mask[:, :n_kv], n_used)
+        cells, off, counts = c.dev(np.full(6 * n_kv, -7, np.int32)), c.dev(np.full(7, -7, np.int32)), \
+            c.dev(np.zeros(6, np.int32))
+        dm = c.dev(mask)
+        run = (lambda dm=dm, cells=cells, off=off, counts=counts, kv_len=kv_len: ck.mask_cells(
+            dm, cells, off, counts, n_rows=6, n_kv=n_kv, mask_stride=stride, kv_len=kv_len))
+        c.case("attn_mask_cells", f"offsets kv_len={n_used}", (6, n_kv), run, lambda off=off: c.host(off), ref_off,
+               0.0, err_fn=_exact)
+        c.case("attn_mask_cells", f"cells kv_len={n_used}", (6, n_kv), run,
+               lambda cells=cells, m=len(ref_cells): c.host(cells)[:m], ref_cells, 0.0, err_fn=_exact)
+
+    # a decode step of 5 sequences (one token each) over interleaved pages of 8 cells, plus 3 padded rows
+    n_ctx, T, D, H, hkv = 200, 8, 64, 8, 2
+    page_seq = c.rng.integers(0, 5, size=n_ctx // 8)
+    seq_c = np.repeat(page_seq, 8)
+    pos_c = np.zeros(n_ctx, int)
+    for s in range(5):
+        pos_c[seq_c == s] = np.arange((seq_c == s).sum())
+    pos_t = [max(0, (seq_c == s).sum() - 1 - 3 * s) for s in range(5)]
+    mask = np.full((T, n_ctx), -np.inf, np.float32)
+    mask[:5] = _seqs_mask(seq_c, pos_c, list(range(5)), pos_t)
+    seen = mask == 0.0                                         # a finite bias on what is seen: added too
+    mask[seen] = 0.5 * c.rng.standard_normal(int(seen.sum())).astype(np.float32)
+    cells_ref, off_ref = ref_mask_cells(mask, n_ctx)
+    q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+    scale = 1.0 / math.sqrt(D)
+    for kvt in CACHE_TYPES:
+        ks, vs, k64, v64, strides = _any_kv(c, kvt, n_ctx, hkv, D)
+        ref = ref_attention(q.astype(np.float64), k64, v64, scale, mask, 0.0, False)
+        quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+        dq, dk, dv, dm = c.dev(q), c.dev(ks), c.dev(vs), c.dev(mask)
+        outs = {}
+        for path in ("cells", "decode", "prefill"):
+            out = outs[path] = c.nan((T, H, D))
+            if path == "cells":
+                def run(dq=dq, dk=dk, dv=dv, dm=dm, out=out, quant=quant):
+                    cells, off = c.dev(np.zeros(T * n_ctx, np.int32)), c.dev(np.zeros(T + 1, np.int32))
+                    ck.mask_cells(dm, cells, off, c.dev(np.zeros(T, np.int32)), n_rows=T, n_kv=n_ctx)
+                    ck.flash_attn_decode_cells(dq, dk, dv, out, cells, off, n_head=H, n_head_kv=hkv, head_dim=D,
+                                               n_tokens=T, max_cells=n_ctx, scale=scale, mask=dm, **quant)
+            else:
+                fn = ck.flash_attn_decode if path == "decode" else ck.flash_attn_prefill
+
+                def run(fn=fn, dq=dq, dk=dk, dv=dv, dm=dm, out=out, quant=quant):
+                    fn(dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T, n_kv=n_ctx, scale=scale,
+                       mask=dm, causal=False, **quant)
+            c.case("attn_mask_cells", f"{kvt} {path} vs f64", (D, H, hkv, n_ctx, T), run,
+                   lambda out=out: c.host(out), ref, 1e-4)
+        for path in ("decode", "prefill"):
+            c.case("attn_mask_cells", f"{kvt} cells vs {path}", (D, H, hkv, n_ctx, T), lambda: None,
+                   lambda: c.host(outs["cells"]), c.host(outs[path]), 1e-5)
