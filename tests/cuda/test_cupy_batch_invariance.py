@@ -28,6 +28,7 @@ from metatp.ir.errors import ConfigError
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
 from support.batch_invariance import PROMPT, STEPS, sequence_logits
+from support.emulated_gpu import on_emulator
 from support.require import requires
 
 pytestmark = requires("emulator")
@@ -36,16 +37,6 @@ SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=Fal
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
 
 
-@contextmanager
-def on_emulator(rt: EmuRuntime):
-    """`LLM(backend="cupy")` runs on `rt` inside (the GPU probe answers yes, the runtime is `rt`)."""
-    import metatp.backends as backends
-    import metatp.backends.cuda.backend as cuda_backend
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "gpu_probe", lambda: (True, ""))
-        mp.setattr(cuda_backend, "CupyRuntime", lambda: rt)
-        yield
 
 
 def emulated_llm(path: str, rt: EmuRuntime, **options) -> LLM:

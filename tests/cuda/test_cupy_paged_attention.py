@@ -13,7 +13,6 @@ The kernels themselves are checked against numpy in `metatp.testing.kernel_check
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 
 import pytest
 
@@ -21,6 +20,7 @@ from metatp import LLM, SamplingParams
 from metatp.backends.cuda.kernels.attn import attention_cells_splits, attention_splits
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import on_emulator
 from support.require import requires
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, tied=False, seed=11, default_type="Q8_0",
@@ -31,17 +31,9 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 CELLS_KERNELS = ("attn_mask_count", "attn_mask_cells", "attn_decode_cells_")
 
 
-@contextmanager
 def paged_on_emulator(rt: EmuRuntime, cells: bool):
     """`LLM(backend="cupy")` runs on `rt` inside, with the cell-list path on or off."""
-    import metatp.backends as backends
-    import metatp.backends.cuda.backend as cuda_backend
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "gpu_probe", lambda: (True, ""))
-        mp.setattr(cuda_backend, "CupyRuntime", lambda: rt)
-        mp.setenv("METATP_ATTN_CELLS", "1" if cells else "0")
-        yield
+    return on_emulator(rt, {"METATP_ATTN_CELLS": "1" if cells else "0"})
 
 
 class Launched:

@@ -13,7 +13,6 @@ batch-mates (a pass of more rows takes other kernels); `batch_invariant` is what
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from metatp import LLM, SamplingParams
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import on_emulator
 from support.require import requires
 
 pytestmark = requires("emulator")
@@ -31,16 +31,6 @@ PROMPTS = [[3 + i, 40 + 2 * i, 7] for i in range(16)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-@contextmanager
-def on_emulator(rt: EmuRuntime):
-    """`LLM(backend="cupy")` runs on `rt` inside (the GPU probe answers yes, the runtime is `rt`)."""
-    import metatp.backends as backends
-    import metatp.backends.cuda.backend as cuda_backend
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(backends, "gpu_probe", lambda: (True, ""))
-        mp.setattr(cuda_backend, "CupyRuntime", lambda: rt)
-        yield
 
 
 def emulated_llm(path: str, rt: EmuRuntime | None = None, **options) -> LLM:
