@@ -175,7 +175,9 @@ def test_python_create_completion_logprobs_are_the_servers(path, plp_server):
     served = plp_server.client().completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0,
                                                     logprobs=1, echo=True).choices[0]     # issue 47: as the server
     assert echoed["text"] == served.text and echoed["logprobs"]["tokens"] == served.logprobs.tokens
-    assert echoed["logprobs"]["token_logprobs"] == pytest.approx(served.logprobs.token_logprobs, rel=1e-6, abs=1e-7)
+    mine_lp, served_lp = echoed["logprobs"]["token_logprobs"], served.logprobs.token_logprobs
+    assert mine_lp[0] is None and served_lp[0] is None      # the first prompt token has no logprob
+    assert mine_lp[1:] == pytest.approx(served_lp[1:], rel=1e-6, abs=1e-7)
     assert echoed["logprobs"]["top_logprobs"][0] is None and served.logprobs.top_logprobs[0] is None
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ConfigError, match="logprobs must be"):
