@@ -11,6 +11,7 @@ import pytest
 from metatp import LLM, SamplingParams
 from metatp.ir.errors import ConfigError
 from metatp.testing.synth import SynthSpec
+from support.require import require
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=47, default_type="Q8_0")
 LLM_OPTIONS = {"n_ctx": 256}
@@ -107,7 +108,7 @@ def test_sampled_output_is_deterministic_under_a_seed_and_stays_in_top_k(spec_ll
 
 
 def test_structured_output_does_not_speculate(llm, spec_llm):
-    pytest.importorskip("llguidance")
+    require("structured")
     p = SamplingParams(max_tokens=20, temperature=0, guided_regex="[a-c]{3,12}")
     before = stats(spec_llm)
     assert ids_of(spec_llm.generate(PROMPTS, p)) == ids_of(llm.generate(PROMPTS, p))
@@ -276,7 +277,7 @@ def test_the_server_speculates_for_concurrent_requests(spec_server, llm):
     """Four requests at once, each speculating: each gets plain decoding's text."""
     from concurrent.futures import ThreadPoolExecutor
 
-    pytest.importorskip("openai")
+    require("serve")
     prompts = ["abcabcabcabc", "hello hello hello", "xyz", "one two one two one"]
     client = spec_server.client()
 

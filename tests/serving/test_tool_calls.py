@@ -330,7 +330,7 @@ def test_create_chat_completion_takes_tools_as_llama_cpp_python_does(tools_http)
 
 @pytest.mark.slow
 def test_langchain_bind_tools_and_structured_output(tools_http):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     from pydantic import BaseModel, Field
 
     def get_time(city: str) -> str:
@@ -353,7 +353,7 @@ def test_langchain_bind_tools_and_structured_output(tools_http):
 
 @pytest.mark.slow
 def test_instructor_tools_mode(tools_client):
-    instructor = pytest.importorskip("instructor")
+    import instructor
     from pydantic import BaseModel
 
     class Person(BaseModel):

@@ -102,6 +102,17 @@ def decode_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int,
     return max(1, cdiv(max(n_kv, 1), chunk)), chunk
 
 
+def _split_workspace(workspace, n_head: int, head_dim: int, n_tokens: int, n_splits: int):
+    """The split-KV partial results' buffer of a decode launch: the one given (checked) or a new one."""
+    need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
+    if workspace is None:
+        return empty((need,), np.float32)
+    if workspace.size < need:
+        raise ValueError(f"workspace has {workspace.size} floats, need {need}")
+    check_f32(workspace)
+    return workspace
+
+
 def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
                       n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
                       causal: bool = True, causal_offset: int | None = None,
@@ -132,12 +143,7 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     nth = max(64, cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng)
     if n_splits > 1:
-        need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
-        if workspace is None:
-            workspace = empty((need,), np.float32)
-        elif workspace.size < need:
-            raise ValueError(f"workspace has {workspace.size} floats, need {need}")
-        check_f32(workspace)
+        workspace = _split_workspace(workspace, n_head, head_dim, n_tokens, n_splits)
     launch("attn", f"attn_decode_{kvt}_g{ng}", (n_splits, n_head_kv * n_qgroup, n_tokens),
            (nth,),
            (q, k, v, mask, kv_len, out, workspace if n_splits > 1 else None, i32(head_dim),
@@ -181,12 +187,7 @@ def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_hea
     nth = max(64, cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng + nth)
     if n_splits > 1:
-        need = attn_workspace_floats(n_head, head_dim, n_tokens, n_splits)
-        if workspace is None:
-            workspace = empty((need,), np.float32)
-        elif workspace.size < need:
-            raise ValueError(f"workspace has {workspace.size} floats, need {need}")
-        check_f32(workspace)
+        workspace = _split_workspace(workspace, n_head, head_dim, n_tokens, n_splits)
     launch("attn", f"attn_decode_cells_{kvt}_g{ng}", (n_splits, n_head_kv * cdiv(g, ng), n_tokens), (nth,),
            (q, k, v, cells, cell_off, mask, out, workspace if n_splits > 1 else None, i32(head_dim),
             i32(n_head), i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]),
