@@ -87,7 +87,8 @@ class FaultJob:
 
     def fault_time(self) -> float | None:
         f = self.out / "fault"
-        return float(f.read_text()) if f.exists() else None
+        text = f.read_text().strip() if f.exists() else ""      # empty: the rank is still writing it
+        return float(text) if text else None
 
     def wait_fault(self, timeout: float) -> float:
         """The time the fault was injected (waits for it; fails the test with the log if it never comes)."""
