@@ -144,6 +144,13 @@ BACKENDS: dict[str, BackendEntry] = {
                "one CUDA graph across GPUs, or per-subgraph segments"),
         Option("batch_invariant", bool, False,
                "a sequence's bits do not depend on its batch-mates (one matmul kernel, fixed KV chunks)"),
+        Option("attn_merge", bool, True,
+               "merge the split-KV partials of decode attention inside its own launch (False: a merge kernel after it)"),
+        Option("fuse_qkv_rope", bool, True,
+               "one launch for a layer's norm, q/k/v products, RoPE and KV-cache write (False: the kernels apart)"),
+        Option("int8_dot", bool, False,
+               "decode products of quantized weights as int8 dot products of Q8-rounded activations "
+               "(dp4a, as llama.cpp's mmvq; changes the rounding)"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 
