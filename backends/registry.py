@@ -148,9 +148,6 @@ BACKENDS: dict[str, BackendEntry] = {
                "merge the split-KV partials of decode attention inside its own launch (False: a merge kernel after it)"),
         Option("fuse_qkv_rope", bool, True,
                "one launch for a layer's norm, q/k/v products, RoPE and KV-cache write (False: the kernels apart)"),
-        Option("int8_dot", bool, False,
-               "decode products of quantized weights as int8 dot products of Q8-rounded activations "
-               "(dp4a, as llama.cpp's mmvq; changes the rounding)"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 

@@ -91,7 +91,7 @@ class CupyBackend(Backend):
     subgraph and device, collectives run eagerly between them). mmq_min_tokens / mmq_max_tokens:
     the token counts (inclusive) a MUL_MAT runs the tiled many-token kernel for (default
     kernels.mmq.MMQ_MIN_TOKENS / MMQ_MAX_TOKENS; a max below the min turns it off).
-    attn_merge / fuse_qkv_rope / int8_dot: decode kernel choices (see backends/registry.py).
+    attn_merge / fuse_qkv_rope: decode kernel choices (see backends/registry.py).
     batch_invariant: a row's bits do not depend on its batch-mates: every MUL_MAT runs the tiled
     kernel (no cuBLAS, no one-token fusions), attention the split-KV decode kernel over
     BATCH_INVARIANT_KV_CHUNK-key chunks at absolute cells, and sequences start on such a chunk
@@ -113,8 +113,7 @@ class CupyBackend(Backend):
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
                  collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None,
-                 batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True,
-                 int8_dot: bool = False) -> None:
+                 batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -140,7 +139,6 @@ class CupyBackend(Backend):
         # decode kernel choices the GPU profile decides between (kernels/attn.py, matvec.py)
         self.attn_merge = bool(attn_merge)
         self.fuse_qkv_rope = bool(fuse_qkv_rope)
-        self.int8_dot = bool(int8_dot)
         self.rt = runtime if runtime is not None else CupyRuntime()
         n_gpus = self.rt.n_gpus()
         if n_gpus < 1:
@@ -191,7 +189,7 @@ class CupyBackend(Backend):
                                     ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
                                     ("gpus", tuple(self.gpus)), ("virtual", self.virtual),
                                     ("batch_invariant", self.batch_invariant), ("attn_merge", self.attn_merge),
-                                    ("fuse_qkv_rope", self.fuse_qkv_rope), ("int8_dot", self.int8_dot)))
+                                    ("fuse_qkv_rope", self.fuse_qkv_rope)))
 
     @property
     def fault(self) -> DeviceFaultError | None:
