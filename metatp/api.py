@@ -1,4 +1,9 @@
-"""The public Python API: `LLM` with vLLM-style `generate` and llama-cpp-python-style completions."""
+"""The public Python API: `LLM` with vLLM-style `generate` and llama-cpp-python-style completions.
+
+Construction, tokens, scoring, the request entry point (`submit`) and vLLM's generate / chat are
+here; llama-cpp-python's completions come from `metatp.llama_completions` and the embedding
+methods from `metatp.embedding_methods` (mixins `LLM` inherits).
+"""
 
 from __future__ import annotations
 
@@ -10,24 +15,24 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from metatp import request_fields
-from metatp.openai_answers import ChatAnswer, TextAnswer
-from metatp.openai_messages import chat_messages, chat_prompt_ids
+from metatp.openai_messages import chat_messages
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import cache_type
-from metatp.embeddings import check_lengths, check_pooling, embedding_answer, embedding_inputs, model_pooling, pooled
+from metatp.embedding_methods import EmbeddingMethods
+from metatp.embeddings import check_pooling
 from metatp.sampling import SamplingParams, check_seed
-from metatp.logprobs import prompt_logprob_dicts, prompt_logprobs
+from metatp.logprobs import prompt_logprob_dicts
 from metatp.chat_formats import with_chat_format
-from metatp.llama_compat import (Count, check_gpu_layers, check_layer_count, check_main_gpu, check_threads,
-                                 response_format_constraint, split_mode_name)
+from metatp.llama_completions import CompletionMethods
+from metatp.llama_compat import Count, check_gpu_layers, check_layer_count, check_main_gpu, check_threads, split_mode_name
 from metatp.mpi_calls import MpiCalls, mirrored
 from metatp.requests import CompletionOutput, RequestHandle, RequestOutput
-from metatp.output_processor import OutputProcessor, StepOutput
+from metatp.output_processor import OutputProcessor
 from metatp.runner import ModelRunner
 from metatp.vllm_compat import check_tokenizer, engine_keywords
 from metatp.scheduler import Request, Scheduler, context_budget
@@ -65,7 +70,7 @@ def batch_invariant_requested(value: Any) -> bool:
     return any(os.environ.get(name, "").strip() == "1" for name in BATCH_INVARIANT_ENV)
 
 
-class LLM:
+class LLM(CompletionMethods, EmbeddingMethods):
     """A GGUF model on one or more (simulated or real) devices.
 
     `model`: a GGUF path or a known model name; None is the default small model.
@@ -499,11 +504,6 @@ class LLM:
         self.scheduler.submit(req)
         return handle
 
-    def _stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        """Yields text pieces as tokens are generated; the last step carries finish_reason.
-        The stream is a sequence of its own in the shared batch (closing it frees its cells)."""
-        yield from self.submit(prompt_ids, params)
-
     # ---------------------------------------------------------------- vLLM-style
     @mirrored
     def generate(self, prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
@@ -609,143 +609,6 @@ class LLM:
         if isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool):
             return [prompts]
         return list(prompts)
-
-    # ---------------------------------------------------------------- llama-cpp-python-style
-    @mirrored
-    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16, temperature: float = 0.8,
-                          top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05, stop: str | list[str] | None = None,
-                          stream: bool = False, seed: int | None = None, repeat_penalty: float = 1.0,
-                          echo: bool = False, logprobs: int | None = None, **penalties: Any) -> dict | Iterator[dict]:
-        """OpenAI-style text completion (a dict, or chunks when stream=True), as llama-cpp-python returns.
-        `logprobs`: each generated token's log-probability and the `logprobs` most likely
-        alternatives (0-20); with `echo`, the prompt's tokens' too (the first has none), as
-        llama-cpp-python and the server's /v1/completions give them."""
-        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
-        stream, echo = request_fields.STREAM.check(stream), request_fields.ECHO.check(echo)
-        if logprobs is not None:
-            params = dataclasses.replace(params, logprobs=logprobs)         # SamplingParams checks the count
-        ids = self.prompt_ids(prompt)
-        scored = None           # echo with logprobs: the prompt's tokens scored too (first: None), as the server does
-        if echo and params.logprobs is not None:
-            context_budget(len(ids), self.n_ctx, self.max_model_len)
-            logits = self.submit(ids, SamplingParams(max_tokens=0), kind="score").logits()
-            scored = [prompt_logprobs(logits, ids, params.logprobs)]
-        answer = TextAnswer(str(self.model_path), [ids], 1, self.tokenizer.token_text, self.tokenizer.decode,
-                            echo=echo, logprobs=params.logprobs, scored=scored,
-                            echo_text=[prompt] if isinstance(prompt, str) else None)
-        return self._answer(answer, ids, params, stream)
-
-    __call__ = create_completion
-
-    @mirrored
-    def create_chat_completion(self, messages: list[dict], max_tokens: int | None = None, temperature: float = 0.2,
-                               top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
-                               stop: str | list[str] | None = None, stream: bool = False, seed: int | None = None,
-                               repeat_penalty: float = 1.0, logprobs: bool = False, top_logprobs: int | None = None,
-                               tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                               parallel_tool_calls: bool | None = None, response_format: dict | None = None,
-                               **penalties: Any) -> dict | Iterator[dict]:
-        """OpenAI-style chat completion using the GGUF's chat template.
-
-        Message content may be a string, None, or OpenAI content parts of type "text". `logprobs`:
-        each generated token's log-probability, with the `top_logprobs` (0-20) most likely
-        alternatives, as OpenAI's chat answers carry them. `response_format`: {"type": "json_object"}
-        (with llama-cpp-python's "schema": that JSON schema) or OpenAI's {"type": "json_schema",
-        "json_schema": {"schema": ...}}, enforced by the structured-output engine. `tools` / `tool_choice` /
-        `parallel_tool_calls`: OpenAI's tool calling (metatp.tool_calls), the answer's
-        `message.tool_calls` as llama-cpp-python returns them; not with a `response_format`."""
-        from metatp.tool_calls import constrain, plan_tools, tool_request
-        from metatp.tool_formats import detect_format
-
-        plan = plan_tools(tool_request(tools, tool_choice, parallel_tool_calls), detect_format(self.tokenizer.chat_template))
-        params = _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty).with_keywords(penalties)
-        constraint = response_format_constraint(response_format)
-        if constraint:
-            params = dataclasses.replace(params, **constraint)
-        stream, logprobs = request_fields.STREAM.check(stream), request_fields.CHAT_LOGPROBS.check(logprobs)
-        count = request_fields.chat_logprobs(logprobs, request_fields.TOP_LOGPROBS.check(top_logprobs))
-        if count is not None:
-            params = dataclasses.replace(params, logprobs=count)
-        params = constrain(params, plan)
-        ids = chat_prompt_ids(self.tokenizer, messages, plan)
-        answer = ChatAnswer(str(self.model_path), ids, 1, self.tokenizer.token_text, logprobs=logprobs, tools=plan)
-        return self._answer(answer, ids, params, stream)
-
-    def _answer(self, answer: Any, ids: list[int], params: SamplingParams, stream: bool) -> dict | Iterator[dict]:
-        """One request's OpenAI answer (`metatp.openai_answers`): whole, or its stream chunks."""
-        if not stream:
-            return answer.whole([list(self._stream(ids, params))])
-
-        def gen() -> Iterator[dict]:
-            yield from answer.head()
-            for step in self._stream(ids, params):
-                yield from answer.chunks(0, step)
-            yield from answer.tail()
-        return gen()
-
-    # ---------------------------------------------------------------- embeddings
-    @property
-    def pooling(self) -> str:
-        """How embeddings pool a prompt's hidden states: the `pooling` given, else the model's."""
-        return self._pooling or model_pooling(self.model.metadata, self.model.hparams.arch)
-
-    def embed_ids(self, ids_list: Sequence[Sequence[int]], normalize: bool = True,
-                  max_model_len: int | None = None) -> list[np.ndarray]:
-        """The embedding (float64 [n_embd]) of each token id list: one "embed" request each, all
-        in one continuous batch, pooled by `pooling`, L2-normalized unless `normalize` is False.
-        An input past a request's length is a ContextOverflowError naming it."""
-        how = self.pooling
-        check_lengths(ids_list, self.n_ctx, self.max_model_len if max_model_len is None else max_model_len)
-        handles: list[RequestHandle] = []
-        try:
-            for ids in ids_list:               # every input queued before any step runs: they share steps
-                handles.append(self.submit(list(ids), SamplingParams(max_tokens=0), kind="embed",
-                                           max_model_len=max_model_len))
-            hidden = [h.hidden_states() for h in handles]
-        finally:
-            for h in handles:
-                if not h.done:
-                    h.cancel()
-        return pooled(hidden, how, normalize)
-
-    @mirrored
-    def embed(self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]], normalize: bool = True,
-              truncate: bool = False, return_count: bool = False) -> Any:
-        """Embeddings of text or token ids (llama-cpp-python's `embed`): one input (a string or
-        one list of ids) gives one vector (list[float]), a list of inputs a list of vectors.
-        Pooled final hidden states (`pooling`), L2-normalized unless `normalize` is False.
-        `truncate`: cut inputs past a request's length (else a ContextOverflowError naming the
-        input); `return_count`: also return the number of tokens embedded."""
-        normalize, truncate = _check_bool("normalize", normalize), _check_bool("truncate", truncate)
-        return_count = _check_bool("return_count", return_count)
-        ids_list, single = embedding_inputs(input, self.tokenize, self.n_vocab)
-        if truncate:
-            limit = self.n_ctx if self.max_model_len is None else min(self.n_ctx, self.max_model_len)
-            ids_list = [ids[:limit] for ids in ids_list]
-        vectors = [v.tolist() for v in self.embed_ids(ids_list, normalize)]
-        result = vectors[0] if single else vectors
-        return (result, sum(len(ids) for ids in ids_list)) if return_count else result
-
-    @mirrored
-    def create_embedding(self, input: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
-                         model: str | None = None) -> dict:
-        """OpenAI's embeddings answer for `input` (llama-cpp-python's `create_embedding`): one
-        L2-normalized vector per input, with the tokens counted in `usage`."""
-        if model is not None and not isinstance(model, str):
-            raise ConfigError(f"model must be a string or None, got {_type_name(model)} {_short(model)}")
-        ids_list, _ = embedding_inputs(input, self.tokenize, self.n_vocab)
-        vectors = [v.tolist() for v in self.embed_ids(ids_list)]
-        return embedding_answer(vectors, model or str(self.model_path), sum(len(ids) for ids in ids_list))
-
-
-def _completion_params(max_tokens, temperature, top_p, top_k, min_p, stop, seed, repeat_penalty) -> SamplingParams:
-    """llama-cpp-python's keyword arguments as SamplingParams (top_k <= 0: disabled; seed -1: random)."""
-    top_k = request_fields.TOP_K_LLAMA.check(top_k)
-    if request_fields.is_integer(seed) and seed == -1:
-        seed = None          # llama.cpp's "random seed"
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k if top_k > 0 else -1, min_p=min_p, stop=stop, seed=seed,
-                          repetition_penalty=repeat_penalty)
 
 
 def _vllm_output(out: CompletionOutput, params: SamplingParams) -> CompletionOutput:

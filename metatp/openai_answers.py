@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from metatp import openai_api as oai
-from metatp.tool_calls import ReplyTokens, ToolStream, tool_answer
+from metatp.tool_answers import ReplyTokens, ToolStream, tool_answer
 
 if TYPE_CHECKING:
     from metatp.tool_calls import ToolPlan

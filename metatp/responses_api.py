@@ -31,7 +31,8 @@ from typing import Any, Callable
 from metatp import openai_api as oai
 from metatp import request_fields as rf
 from metatp.server.fields import BadRequest, read
-from metatp.tool_calls import ReplyTokens, ToolPlan, ToolStream, tool_answer
+from metatp.tool_answers import ReplyTokens, ToolStream, tool_answer
+from metatp.tool_calls import ToolPlan
 
 __all__ = ["ResponsesRequest", "ResponsesAnswer", "responses_request", "renamed", "sse_event"]
 

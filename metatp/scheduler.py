@@ -427,40 +427,31 @@ class Scheduler:
             return work
 
     def _speculate(self, work: list[ScheduledItem]) -> None:
-        """With a speculator, each decode item carries the tokens drafted after its pending one
-        (`Purpose.VERIFY`), in the rows the step's batch has left after the prompt chunks: at
-        most k, as many as the request may still generate after the pending one, and what a
-        pass of the few-token path holds (so the verified rows compute the bits a plain decode
-        step would). Structured output never speculates; a request whose cells cannot grow now
-        does not this step. Drafting runs outside the state lock (a draft model's passes do not
-        hold up submits); the step lock keeps the requests' tokens still."""
-        spec = self.speculator
-        if spec is None:
+        """With a speculator, each decode item it may draft for carries the tokens drafted after
+        its pending one (`Purpose.VERIFY`): the speculator drafts them (`Speculator.drafts`) in
+        the rows the step's batch has left after the prompt chunks, outside the state lock (a
+        draft model's passes do not hold up submits; the step lock keeps the requests' tokens
+        still); here each drafted request's cells grow for them, and one whose cells cannot grow
+        now does not speculate this step."""
+        if self.speculator is None:
             return
         spare = self.n_batch - sum(len(w.tokens) for w in work)
-        asks: list[tuple[ScheduledItem, int]] = []
-        for w in work:
-            r = w.request
-            if (w.purpose is not Purpose.SAMPLE or r.state is not RequestState.DECODE or r.kind != "generate"
-                    or self.runner.state(r.id).guide is not None):
-                continue
-            k = min(spec.k, r.max_new - len(r.output_ids) - 1, spare, self.engine.small_rows - 1)
-            if k > 0:
-                asks.append((w, k))
-                spare -= k
-        if not asks:
-            return
-        try:
-            drafts = spec.propose_many([(w.request.id, w.request.history, k) for w, k in asks])
-        except MetatpError:                 # a draft model's failed pass: this step does not speculate
+        drafted = self.speculator.drafts([w for w in work if self._may_speculate(w)], spare, self.engine.small_rows)
+        if not drafted:
             return
         with self._state:
             shared = len(self.running) > 1
-            for (w, k), draft in zip(asks, drafts):
-                draft = draft[:k]
+            for w, draft in drafted:
                 r = w.request
-                if draft and self.demand.grow(r.seq, r.n_cells, shared, ahead=1 + len(draft)):
+                if self.demand.grow(r.seq, r.n_cells, shared, ahead=1 + len(draft)):
                     w.tokens, w.purpose = [*w.tokens, *draft], Purpose.VERIFY
+
+    def _may_speculate(self, w: ScheduledItem) -> bool:
+        """Is `w` a generating request's decode item without structured output (which never
+        speculates)?"""
+        r = w.request
+        return (w.purpose is Purpose.SAMPLE and r.state is RequestState.DECODE and r.kind == "generate"
+                and self.runner.state(r.id).guide is None)
 
     def _forget(self, r: Request) -> None:
         """`r` has ended: its sampling state (and a draft model's sequence) go."""
@@ -518,11 +509,9 @@ class Scheduler:
                 return
             r.state = RequestState.DECODE
         if isinstance(res, list):                   # a verified draft: its accepted run and one more
-            drafted = len(w.tokens) - 1
-            rejected = drafted + 1 - len(res)
+            rejected = self.speculator.verified(r.id, len(w.tokens) - 1, len(res))
             if rejected:                            # their positions are written again next
                 self.demand.rewind(r.seq, r.seq.n_past - rejected)
-            self.speculator.record(r.id, drafted, len(res))
             for one in res:
                 if self._take(r, one, now):
                     return

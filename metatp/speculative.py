@@ -25,11 +25,14 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from metatp.ir.errors import ConfigError
+from metatp.ir.errors import ConfigError, MetatpError
+
+if TYPE_CHECKING:
+    from metatp.runner import ScheduledItem
 
 __all__ = ["Proposer", "NgramProposer", "SpecConfig", "spec_config", "accept_greedy", "accept_sampled",
            "SpecStats", "Speculator", "MAX_DRAFT", "METHODS"]
@@ -230,8 +233,10 @@ def _positive(name: str, v: Any) -> int:
 
 class Speculator:
     """What a scheduler speculates with (`metatp.scheduler`): the proposer its config names
-    (`proposer`, any `Proposer`), `k`, and the counts (`stats`). A draft model (`draft`, `metatp.draft.DraftModel`) keeps a sequence
-    per request, given back by `forget`."""
+    (`proposer`, any `Proposer`), `k`, and the counts (`stats`). The scheduler hands it a step's
+    decode items and spare rows (`drafts`: what to verify) and each verification's outcome
+    (`verified`: what to rewind). A draft model (`draft`, `metatp.draft.DraftModel`) keeps a
+    sequence per request, given back by `forget`."""
 
     def __init__(self, config: SpecConfig, draft: Any = None) -> None:
         if config.method == "draft" and draft is None:
@@ -260,6 +265,35 @@ class Speculator:
         if self.draft is not None:
             return self.draft.propose_many(asks)
         return [self.proposer.propose(ctx, k) if k > 0 else [] for _, ctx, k in asks]
+
+    def drafts(self, items: Sequence[ScheduledItem], spare_rows: int,
+               pass_rows: int) -> list[tuple[ScheduledItem, list[int]]]:
+        """The tokens to verify after the pending token of each decode item (in order, while
+        rows are left): at most k (the request's draft length), as many as its request may still
+        generate after the pending one, what is left of the step's `spare_rows`, and what a pass
+        of `pass_rows` rows holds with the pending token (so the verified rows compute the bits a
+        plain decode step would). Only items given a draft come back. A draft model's failed pass
+        (a MetatpError) drafts nothing this step."""
+        asks: list[tuple[ScheduledItem, int]] = []
+        for w in items:
+            r = w.request
+            k = min(self.k, r.max_new - len(r.output_ids) - 1, spare_rows, pass_rows - 1)
+            if k > 0:
+                asks.append((w, k))
+                spare_rows -= k
+        if not asks:
+            return []
+        try:
+            drafted = self.propose_many([(w.request.id, w.request.history, k) for w, k in asks])
+        except MetatpError:
+            return []
+        return [(w, draft[:k]) for (w, k), draft in zip(asks, drafted) if draft[:k]]
+
+    def verified(self, request_id: int, n_drafted: int, n_tokens: int) -> int:
+        """A verification of `n_drafted` tokens gave `n_tokens` (`record`); returns how many of
+        the verified positions were rejected, whose cells the scheduler rewinds."""
+        self.record(request_id, n_drafted, n_tokens)
+        return n_drafted + 1 - n_tokens
 
     def record(self, request_id: int, n_drafted: int, n_tokens: int) -> None:
         """A verification of `n_drafted` tokens gave `n_tokens`. The request's draft length

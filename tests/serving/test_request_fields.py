@@ -255,8 +255,9 @@ def test_the_field_wordings_are_written_once():
     """The wording of a field's refusal lives in metatp/request_fields.py alone: none of the
     modules a request passes through on its way in words a bound of its own."""
     root = Path(metatp.server.__file__).parent.parent
-    modules = [root / "api.py", root / "sampling.py", root / "openai_api.py", root / "openai_answers.py",
-               root / "openai_messages.py", *sorted((root / "server").glob("*.py"))]
+    modules = [root / "api.py", root / "llama_completions.py", root / "embedding_methods.py", root / "sampling.py",
+               root / "openai_api.py", root / "openai_answers.py", root / "openai_messages.py",
+               *sorted((root / "server").glob("*.py"))]
     phrases = ("must be a finite number", "must be a number", "must be an integer from", "or an integer from 0 to 20",
                "must be a string or a list of", "(integers >= 0)", "from -100 to 100")
     found = []

@@ -12,7 +12,8 @@ import pytest
 
 from metatp.output_processor import StepOutput
 from metatp.request_fields import HTTP, FieldError
-from metatp.tool_calls import calls_schema, closed, plan_tools, render_messages, tool_answer, tool_request
+from metatp.tool_answers import tool_answer
+from metatp.tool_calls import calls_schema, closed, plan_tools, render_messages, tool_request
 from metatp.tool_formats import (FORMATS, ParsedCalls, detect_format, format_named, parse_generic, parse_hermes,
                                  parse_llama3_json, parse_mistral)
 from support.require import requires
@@ -343,7 +344,7 @@ def test_content_that_cannot_become_a_call_streams_as_it_comes(fmt, text, early)
     ("generic", '{"tool_calls": [{"name": "get_ti'), ("mistral", "[TOOL_CA"),
 ])
 def test_what_may_still_become_a_call_is_held_back(fmt, text):
-    from metatp.tool_calls import ToolStream
+    from metatp.tool_answers import ToolStream
 
     s = ToolStream(_plan(fmt=fmt))
     sent = "".join(s.push(text[i:i + 3]) for i in range(0, len(text), 3))

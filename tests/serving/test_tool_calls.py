@@ -235,7 +235,7 @@ def test_reply_logprobs_list_the_tokens_of_the_reply_string():
     spell the content; a tool-call answer lists every token; a stream takes what a whole answer does."""
     from types import SimpleNamespace
 
-    from metatp.tool_calls import ReplyTokens
+    from metatp.tool_answers import ReplyTokens
 
     def tokens(*texts):
         return [SimpleNamespace(text=t, logprob=-0.5, top_logprobs=None) for t in texts]
