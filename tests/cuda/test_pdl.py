@@ -237,6 +237,11 @@ def test_decode_with_pdl_gives_the_same_bits(synth_model):
         assert np.array_equal(a, b)
     launches = _launches(pdl.backend)
     assert launches and all(la.programmatic for la in launches)
+    # the cuLaunchKernelEx packing of every launch fits its kernel's C parameter list (the emulator
+    # reads it from the compiled kernel: p pointer, i int, l long long, f float)
+    size = {"p": 8, "i": 4, "l": 8, "f": 4}
+    for la in launches:
+        assert pack_args(la.args).sizes == tuple(size[c] for c in la.kernel.raw.signature), la.name
     assert not any(la.programmatic for la in _launches(plain.backend))
     assert sum(plain.backend.rt.emu.programmatic.values()) == 0
     assert pdl.backend.rt.graph_launches >= 1                   # decode replayed the captured graph
