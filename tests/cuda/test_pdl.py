@@ -195,6 +195,49 @@ def test_programmatic_kernel_routes_by_the_flag():
     assert raw.max_dynamic_shared_size_bytes == 65536
 
 
+@requires("nvrtc")
+@requires("cuda_bindings")
+def test_cupy_runtime_hands_out_programmatic_kernels(monkeypatch):
+    """CupyRuntime.enable_pdl on a stand-in for CuPy's device calls: refused on sm_80; on sm_90 the
+    kernels it hands out launch programmatically through cuLaunchKernelEx with the kernel's
+    CUfunction and CuPy's current stream, and plainly through the RawKernel otherwise."""
+    from metatp.backends.cuda.runtime import CupyRuntime
+
+    plain = []
+
+    class Raw:
+        kernel = SimpleNamespace(ptr=0xBEEF)
+        max_dynamic_shared_size_bytes = 0
+
+        def __call__(self, *a, **k):
+            plain.append(a)
+    cc = {"value": "80"}
+
+    class Device:
+        def __init__(self, gpu: int) -> None:
+            self.compute_capability = cc["value"]
+    rt = CupyRuntime()
+    rt.cp = SimpleNamespace(
+        cuda=SimpleNamespace(Device=Device, runtime=SimpleNamespace(getDevice=lambda: 0),
+                             get_current_stream=lambda: SimpleNamespace(ptr=0x99)),
+        RawModule=lambda code, options: SimpleNamespace(get_function=lambda name: Raw()))
+    monkeypatch.setattr(rt, "gpu_name", lambda gpu: "stand-in")
+    with pytest.raises(BackendUnavailableError, match=r"GPU 0 \(stand-in\) is 8\.0"):
+        rt.enable_pdl([0])
+    assert not rt.programmatic
+    cc["value"] = "90"
+    rt.enable_pdl([0])
+    assert rt.programmatic
+    k = rt.kernel("norm", "rms_norm_f32")
+    drv = _FakeDriver()
+    k.raw.launcher.driver = drv
+    k((3,), (64,), (np.int32(8),), programmatic=True)
+    k((3,), (64,), (np.int32(8),))
+    (_, cfg, f, first_arg, _) = drv.calls[-1]
+    assert f == ("function", 0xBEEF) and cfg.hStream == ("stream", 0x99) and first_arg == 8
+    assert plain == [((3,), (64,), (np.int32(8),))]
+
+
 # ------------------------------------------------------------------ the option
 def test_option_is_checked_and_refused_below_sm90():
     entry = backend_entry("cupy")
