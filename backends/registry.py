@@ -148,6 +148,9 @@ BACKENDS: dict[str, BackendEntry] = {
                "merge the split-KV partials of decode attention inside its own launch (False: a merge kernel after it)"),
         Option("fuse_qkv_rope", bool, True,
                "one launch for a layer's norm, q/k/v products, RoPE and KV-cache write (False: the kernels apart)"),
+        Option("pdl", bool, False,
+               "programmatic dependent launch: each kernel may start while the one before it ends (sm_90+, "
+               "the pdl extra's cuda-bindings)"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 

@@ -213,6 +213,7 @@ __device__ __forceinline__ void attn_decode_impl(
         float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,     \
         int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,    \
         float scale, float softcap, int causal, int causal_offset) {                          \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
         attn_decode_impl<KV, KV, NG>(q, k, v, mask, kv_len, out, part, D, n_head, n_head_kv,      \
                                  n_tokens, n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2,         \
                                  mask_s1, chunk, scale, softcap, causal, causal_offset);     \
@@ -249,6 +250,7 @@ MT_DECODE_ENTRIES(q5_1, KvQ5_1)
         const float* mask, float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, \
         int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,        \
         float scale, float softcap) {                                                              \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                                 \
         attn_decode_impl<KV, KV, NG>(q, k, v, mask, 0, out, part, D, n_head, n_head_kv, n_tokens, \
                                      0, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, chunk, scale, \
                                      softcap, 0, 0, cells, cell_off);                             \
@@ -275,6 +277,7 @@ MT_DECODE_CELLS_ENTRIES(q5_1, KvQ5_1)
 // grid (n_head, n_tokens), block (bx), bx % 32 == 0 (any size; threads loop over D).
 extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, int n_head,
                                           int n_tokens, int n_split) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     const mt_i64 row = (mt_i64)blockIdx.y * n_head + blockIdx.x;
     const float* ml = part + (mt_i64)n_tokens * n_head * n_split * D + row * n_split * 2;
     float M = MT_NEG_BIG;
@@ -470,6 +473,7 @@ __device__ __forceinline__ void attn_prefill_impl(
         float* out, int D, int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1,        \
         int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, float scale,            \
         float softcap, int causal, int causal_offset) {                                       \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
         attn_prefill_impl<KV, KV>(q, k, v, mask, kv_len, out, D, n_head, n_head_kv, n_tokens,     \
                               n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, scale,   \
                               softcap, causal, causal_offset);                                \
@@ -513,6 +517,7 @@ __device__ __forceinline__ bool mt_attn_visible(const float* mrow, int j, int n)
 // grid (n_rows), block (nth), nth % 32 == 0, nth <= 1024: counts[r] = row r's visible keys.
 extern "C" __global__ void attn_mask_count(const float* mask, const int* kv_len, int* counts, int n_kv,
                                            int mask_s1) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ int w_s[32];
     const int row = blockIdx.x;
     const int n = kv_len != 0 ? max(0, min(n_kv, *kv_len)) : n_kv;
@@ -530,6 +535,7 @@ extern "C" __global__ void attn_mask_count(const float* mask, const int* kv_len,
 // grid (n_rows), block (nth), nth a power of two, 32 <= nth <= 1024.
 extern "C" __global__ void attn_mask_cells(const float* mask, const int* kv_len, const int* counts, int* cells,
                                            int* cell_off, int n_kv, int mask_s1) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ int w_s[32];
     __shared__ int s_s[1024];
     const int tid = threadIdx.x, nth = blockDim.x;

@@ -34,11 +34,13 @@ __device__ __forceinline__ void dequant_rows(const mt_u8* __restrict__ src,
     extern "C" __global__ void dequant_##name##_f32(const mt_u8* src, float* dst, int ne0, \
                                                     int n_rows, int src_row_bytes,         \
                                                     int dst_row_stride) {                  \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                         \
         dequant_rows<W, MtF32>(src, dst, ne0, n_rows, src_row_bytes, dst_row_stride);      \
     }                                                                                      \
     extern "C" __global__ void dequant_##name##_f16(const mt_u8* src, mt_u16* dst, int ne0, \
                                                     int n_rows, int src_row_bytes,          \
                                                     int dst_row_stride) {                   \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                          \
         dequant_rows<W, MtF16>(src, dst, ne0, n_rows, src_row_bytes, dst_row_stride);       \
     }
 

@@ -57,6 +57,7 @@ __device__ __forceinline__ void binary_impl(const float* a, const float* b, floa
         const float* a, const float* b, float* y, int ne0, int ne1, int ne2, int ne3,        \
         int a_s0, int a_s1, int a_s2, int a_s3, int b_ne0, int b_ne1, int b_ne2, int b_ne3,  \
         int b_s0, int b_s1, int b_s2, int b_s3, int y_s0, int y_s1, int y_s2, int y_s3) {    \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                           \
         binary_impl<OP>(a, b, y, ne0, ne1, ne2, ne3, a_s0, a_s1, a_s2, a_s3, b_ne0, b_ne1,  \
                         b_ne2, b_ne3, b_s0, b_s1, b_s2, b_s3, y_s0, y_s1, y_s2, y_s3);      \
     }
@@ -67,19 +68,23 @@ MT_BINARY_ENTRY(div, OpDiv)
 
 // add_inplace_f32(float *y, const float *x, int32 n): y[i] += x[i]
 extern "C" __global__ void add_inplace_f32(float* y, const float* x, int n) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] += x[i];
 }
 // add_inplace_f32_bf16(float *y, const uint16 *x /* bf16 */, int32 n): y[i] += float(x[i])
 extern "C" __global__ void add_inplace_f32_bf16(float* y, const mt_u16* x, int n) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] += mt_bf2f(x[i]);
 }
 // add_inplace_bf16(uint16 *y, const uint16 *x, int32 n): y = bf16(float(y) + float(x))
 extern "C" __global__ void add_inplace_bf16(mt_u16* y, const mt_u16* x, int n) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_f2bf(mt_bf2f(y[i]) + mt_bf2f(x[i]));
 }
 
 // fill_f32(float *y, int32 n, float32 value)
 extern "C" __global__ void fill_f32(float* y, int n, float value) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = value;
 }
 
@@ -131,6 +136,7 @@ __device__ __forceinline__ void unary_impl(const float* x, float* y, int ne0, in
     extern "C" __global__ void unary_##name##_f32(                                             \
         const float* x, float* y, int ne0, int ne1, int ne2, int ne3, int x_s0, int x_s1,      \
         int x_s2, int x_s3, int y_s0, int y_s1, int y_s2, int y_s3, float p0, float p1) {      \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
         unary_impl<MAP>(x, y, ne0, ne1, ne2, ne3, x_s0, x_s1, x_s2, x_s3, y_s0, y_s1, y_s2,    \
                         y_s3, p0, p1);                                                         \
     }
@@ -148,6 +154,7 @@ MT_UNARY_ENTRY(softplus, MapSoftplus)
     extern "C" __global__ void name##_f32(const float* gate, const float* up, float* y,     \
                                           int ne0, int n_rows, int gate_row_stride,          \
                                           int up_row_stride, int y_row_stride) {             \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                           \
         const mt_i64 total = (mt_i64)ne0 * n_rows;                                           \
         MT_GRID_STRIDE(i, total) {                                                           \
             const int r = (int)(i / ne0);                                                    \
@@ -170,6 +177,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     soft_max_f32(const float* x, const float* mask, float* y, int ne0, int n_rows,
                  int x_row_stride, int mask_row_stride, int y_row_stride, int mask_rows,
                  float scale) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     if (r >= n_rows) return;
@@ -204,6 +212,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // Launch: grid (n_rows), block (bx), bx % 32 == 0, <= 1024.
 extern "C" __global__ void __launch_bounds__(1024)
     argmax_f32(const float* x, int* y, int ne0, int n_rows, int x_row_stride) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int r = blockIdx.x;
@@ -291,6 +300,7 @@ __device__ __forceinline__ void get_rows_impl(const mt_u8* __restrict__ src,
         const mt_u8* src, const int* idx, float* dst, int ne0, int n_idx, int ne2, int ne3,    \
         int src_nb1, mt_i64 src_nb2, mt_i64 src_nb3, int idx_s0, int idx_s1, int idx_s2,       \
         int dst_s1, int dst_s2, int dst_s3) {                                                  \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
         get_rows_impl<W>(src, idx, dst, ne0, n_idx, ne2, ne3, src_nb1, src_nb2, src_nb3,       \
                          idx_s0, idx_s1, idx_s2, dst_s1, dst_s2, dst_s3);                      \
     }
@@ -306,6 +316,7 @@ MT_FOR_ALL_WTYPES(MT_GET_ROWS_ENTRY)
 extern "C" __global__ void add_id_f32(const float* a, const float* b, const int* ids, float* y,
                                       int ne0, int n_used, int n_tok, int a_s1, int a_s2,
                                       int b_s1, int ids_s0, int ids_s1, int y_s1, int y_s2) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     const mt_i64 total = (mt_i64)ne0 * n_used * n_tok;
     MT_GRID_STRIDE(i, total) {
         mt_i64 r = i / ne0;
@@ -337,6 +348,7 @@ __device__ __forceinline__ bool mt_topk_better(float v, int i, float bv, int bi)
 extern "C" __global__ void __launch_bounds__(1024)
     top_k_f32(const float* x, int* y, int ne0, int n_rows, int k, int x_row_stride,
               int y_row_stride) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ int sel[MT_TOPK_MAX];
     __shared__ float wv[32];
     __shared__ int wi[32];
@@ -406,6 +418,7 @@ __device__ __forceinline__ void cpy_impl(const typename S::T* src, typename D::T
     extern "C" __global__ void cpy_##sname##_##dname(                                         \
         const S::T* src, D::T* dst, int ne0, int ne1, int ne2, int ne3, int s0, int s1,      \
         int s2, int s3, int d0, int d1, int d2, int d3) {                                     \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
         cpy_impl<S, D>(src, dst, ne0, ne1, ne2, ne3, s0, s1, s2, s3, d0, d1, d2, d3);         \
     }
 MT_CPY_ENTRY(f32, MtF32, f32, MtF32)
@@ -417,9 +430,11 @@ MT_CPY_ENTRY(bf16, MtBF16, f32, MtF32)
 
 // f32_to_bf16(const float *x, uint16 *y, int32 n)  (round to nearest even, as ggml)
 extern "C" __global__ void f32_to_bf16(const float* x, mt_u16* y, int n) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_f2bf(x[i]);
 }
 // bf16_to_f32(const uint16 *x, float *y, int32 n)
 extern "C" __global__ void bf16_to_f32(const mt_u16* x, float* y, int n) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_bf2f(x[i]);
 }

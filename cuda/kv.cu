@@ -40,6 +40,7 @@ __device__ __forceinline__ void set_rows_impl(const float* __restrict__ src,
         const float* src, O::T* dst, const int* idx, int ne0, int n_rows, int src_row_stride, \
         int dst_row_stride, const float* src2, O::T* dst2, int ne0_2, int src2_row_stride,    \
         int dst2_row_stride) {                                                               \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                           \
         set_rows_impl<O>(src, dst, idx, ne0, n_rows, src_row_stride, dst_row_stride, src2,   \
                          dst2, ne0_2, src2_row_stride, dst2_row_stride);                     \
     }
@@ -95,6 +96,7 @@ __device__ __forceinline__ void set_rows_q_impl(const float* __restrict__ src, m
         const float* src, mt_u8* dst, const int* idx, int ne0, int n_rows, int src_row_stride, \
         int dst_row_bytes, const float* src2, mt_u8* dst2, int ne0_2, int src2_row_stride,    \
         int dst2_row_bytes) {                                                                \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                           \
         set_rows_q_impl<Q>(src, dst, idx, ne0, n_rows, src_row_stride, dst_row_bytes, src2,  \
                            dst2, ne0_2, src2_row_stride, dst2_row_bytes);                    \
     }

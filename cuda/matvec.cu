@@ -148,6 +148,7 @@ __device__ __forceinline__ void mt_matvec(const mt_u8* w, const float* x, float*
         matvec_##name##_t##NT(const mt_u8* w, const float* x, float* y, int ne0,            \
                               int n_rows, int row_bytes, int n_tokens, int x_stride,        \
                               int y_stride, const float* add, int add_stride) {             \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                          \
         mt_matvec<W, NT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride, add, \
                          add_stride);                                                        \
     }
@@ -198,6 +199,7 @@ __device__ __forceinline__ void mt_matvec_multi(const mt_u8* w0, const mt_u8* w1
         const mt_u8* w0, const mt_u8* w1, const mt_u8* w2, float* y0, float* y1, float* y2,     \
         int rows0, int rows1, int rows2, int rb0, int rb1, int rb2, const float* x, int ne0,    \
         const float* norm_w, float eps, int norm) {                                            \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
         mt_matvec_multi<W>(w0, w1, w2, y0, y1, y2, rows0, rows1, rows2, rb0, rb1, rb2, x, ne0,  \
                            norm_w, eps, norm);                                                 \
     }
@@ -232,12 +234,14 @@ __device__ __forceinline__ void mt_matvec_glu(const mt_u8* wg, const mt_u8* wu, 
         matvec_swiglu_##name(const mt_u8* wg, const mt_u8* wu, const float* x, float* y,      \
                              int ne0, int n_rows, int row_bytes, const float* norm_w,         \
                              float eps, int norm) {                                           \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
         mt_matvec_glu<W, GluSilu>(wg, wu, x, y, ne0, n_rows, row_bytes, norm_w, eps, norm);   \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         matvec_geglu_##name(const mt_u8* wg, const mt_u8* wu, const float* x, float* y,       \
                             int ne0, int n_rows, int row_bytes, const float* norm_w,          \
                             float eps, int norm) {                                            \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
         mt_matvec_glu<W, GluGelu>(wg, wu, x, y, ne0, n_rows, row_bytes, norm_w, eps, norm);   \
     }
 
@@ -270,6 +274,7 @@ __device__ __forceinline__ void mt_matvec_id(const mt_u8* w, const float* x, flo
         matvec_id_##name(const mt_u8* w, const float* x, float* y, const int* ids, int ne0,    \
                          int n_rows, int row_bytes, int expert_bytes, int n_b, int x_s1,       \
                          int x_s2, int y_s1, int y_s2, int ids_s0, int ids_s1) {               \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
         mt_matvec_id<W>(w, x, y, ids, ne0, n_rows, row_bytes, expert_bytes, n_b, x_s1, x_s2,   \
                         y_s1, y_s2, ids_s0, ids_s1);                                           \
     }

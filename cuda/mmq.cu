@@ -120,6 +120,7 @@ __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float*
     extern "C" __global__ void __launch_bounds__(MT_MMQ_NTH)                                  \
         mmq_##name##_t##TT(const mt_u8* w, const float* x, float* y, int ne0, int n_rows,      \
                            int row_bytes, int n_tokens, int x_stride, int y_stride) {          \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
         mt_mmq<W, NTT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride);         \
     }
 #define MT_MMQ_ENTRY(name, W)         \

@@ -48,6 +48,7 @@ __device__ __forceinline__ void mt_norm_row(const float* __restrict__ xr, const 
     extern "C" __global__ void __launch_bounds__(1024)                                           \
         name(const float* x, const float* w, float* y, int ne0, int ne1, int ne2, int n_rows,    \
              int xs1, int xs2, int xs3, int ys1, int ys2, int ys3, float eps) {                   \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                                \
         __shared__ float scratch[32];                                                            \
         const int r = blockIdx.x;                                                                \
         if (r >= n_rows) return; /* uniform over the block */                                   \
@@ -64,6 +65,7 @@ MT_NORM_ENTRY(norm_f32, false)
 extern "C" __global__ void __launch_bounds__(1024)
     sum_rows_f32(const float* x, float* y, int ne0, int ne1, int ne2, int n_rows, int xs1,
                  int xs2, int xs3, int ys1, int ys2, int ys3) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     if (r >= n_rows) return;

@@ -333,4 +333,34 @@ struct WQ6_K {
     M(q5_k, WQ5_K)           \
     M(q6_k, WQ6_K)
 
+// ---------------------------------------------------------------- programmatic dependent launch
+// With the cupy backend's pdl option a kernel is launched with the programmatic stream
+// serialization attribute (cuLaunchKernelEx): it may start while the kernel before it in the
+// stream is still running. Every kernel therefore begins with
+//     mt_pdl_wait(); mt_pdl_launch_dependents();
+// before it reads or writes anything another kernel touches: griddepcontrol.wait returns once the
+// kernels it depends on have completed and their writes are visible (at once for a kernel
+// launched without the attribute), and launch_dependents lets the next kernel's blocks be
+// scheduled while this one runs. The wait must come before any early return: a block that exits
+// without waiting could complete the grid before its predecessor, and its successor's wait would
+// then not cover the predecessor. Only weights and constants may be read before the wait.
+// Below sm_90 both are no-ops; the emulator counts the waits (a programmatic launch there checks
+// that every thread waited).
+#ifdef MT_HOST_EMU
+__device__ __forceinline__ void mt_pdl_wait() { mt_emu::note_pdl_wait(); }
+__device__ __forceinline__ void mt_pdl_launch_dependents() {}
+#else
+__device__ __forceinline__ void mt_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void mt_pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+#endif
+
 #endif  // METATP_QUANT_CUH

@@ -77,6 +77,7 @@ __device__ __forceinline__ void rope_impl(const float* x, float* y, const float*
         const float* freq_factors, int head_dim, int n_head, int n_head2, int n_tokens,      \
         int n_dims, int x_s1, int x_s2, int y_s1, int y_s2, int x2_s1, int x2_s2, int y2_s1,  \
         int y2_s2, float freq_base, float freq_scale, float attn_factor) {                   \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                           \
         rope_impl<NEOX>(x, y, x2, y2, pos, freq_factors, head_dim, n_head, n_head2, n_tokens, \
                         n_dims, x_s1, x_s2, y_s1, y_s2, x2_s1, x2_s2, y2_s1, y2_s2,          \
                         freq_base, freq_scale, attn_factor);                                 \

@@ -17,6 +17,8 @@ The names:
 - `serve`: fastapi, uvicorn, openai and httpx (the `serve` and `test` extras);
 - `nvrtc`: cupy with a loadable NVRTC (the `nvrtc` extra; no GPU needed);
 - `nvcc`: the CUDA toolkit's nvcc (CI requires it where its image has one on PATH);
+- `cuda_bindings`: NVIDIA's cuda-bindings, the cupy backend's pdl launch path (the `pdl` and `nvrtc`
+  extras; no GPU needed);
 - `gpu`: a usable CUDA GPU (not in CI's list: CI has none);
 - `nccl`: cupy with NCCL (not in CI's list);
 - `model`: the real models read from the model cache, the default model and gemma3-270m (not in

@@ -92,6 +92,10 @@ class CupyBackend(Backend):
     the token counts (inclusive) a MUL_MAT runs the tiled many-token kernel for (default
     kernels.mmq.MMQ_MIN_TOKENS / MMQ_MAX_TOKENS; a max below the min turns it off).
     attn_merge / fuse_qkv_rope: decode kernel choices (see backends/registry.py).
+    pdl: programmatic dependent launch (`cuda.pdl`): every PDL-ready kernel is launched with the
+    programmatic stream serialization attribute, so it starts while the kernel before it ends
+    (sm_90 and later, cuda-bindings' cuLaunchKernelEx; refused with BackendUnavailableError
+    otherwise). Same kernels, same results; CUDA graphs capture the programmatic edges.
     batch_invariant: a row's bits do not depend on its batch-mates: every MUL_MAT runs the tiled
     kernel (no cuBLAS, no one-token fusions), attention the split-KV decode kernel over
     BATCH_INVARIANT_KV_CHUNK-key chunks at absolute cells, and sequences start on such a chunk
@@ -113,7 +117,8 @@ class CupyBackend(Backend):
                  matmul_dtype: str = "f16", gpus: Sequence[int] | None = None,
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
                  collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None,
-                 batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True) -> None:
+                 batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True,
+                 pdl: bool = False) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -158,6 +163,9 @@ class CupyBackend(Backend):
         if requested.device_only and self.n > 1 and self.collective is None:
             self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
         used = sorted({dev.gpu for dev in self.local_devices})
+        self.pdl = bool(pdl)
+        if self.pdl:              # before any kernel is compiled: the runtime hands out launch-capable ones
+            self.rt.enable_pdl(used)
         if len(used) > 1:        # also for virtual devices spread over several GPUs (gpus=[0, 1], 4 devices)
             self.rt.enable_peer_access(used)
         self._requested = requested
@@ -189,7 +197,7 @@ class CupyBackend(Backend):
                                     ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
                                     ("gpus", tuple(self.gpus)), ("virtual", self.virtual),
                                     ("batch_invariant", self.batch_invariant), ("attn_merge", self.attn_merge),
-                                    ("fuse_qkv_rope", self.fuse_qkv_rope)))
+                                    ("fuse_qkv_rope", self.fuse_qkv_rope), ("pdl", self.pdl)))
 
     @property
     def fault(self) -> DeviceFaultError | None:

@@ -164,12 +164,17 @@ class CheckedKernel:
     def max_dynamic_shared_size_bytes(self, n: int) -> None:
         self.raw.max_dynamic_shared_size_bytes = n
 
-    def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
+    def __call__(self, grid, block, args, shared_mem: int = 0, programmatic: bool = False) -> None:
+        """Launch; `programmatic`: with the programmatic stream serialization attribute (the raw
+        kernel must take it: the runtime hands out such kernels once pdl is enabled)."""
         faults = self.faults
         if faults.failed is not None:
             raise faults.failed.again()
         try:
-            self.raw(grid, block, args, shared_mem=shared_mem)
+            if programmatic:
+                self.raw(grid, block, args, shared_mem=shared_mem, programmatic=True)
+            else:
+                self.raw(grid, block, args, shared_mem=shared_mem)
         except faults.types as e:
             raise faults.translate(e, self.gpu, kernel=self.name) from e
 

@@ -12,6 +12,13 @@ instead of running it, and ``Launch.frozen()`` swaps arrays for raw pointers. A 
 CUDA graph replays the same arguments, so per-step values (positions, KV length) are read
 from device memory.
 
+Programmatic dependent launch (the cupy backend's ``pdl`` option): an engine whose
+``programmatic`` attribute is true launches every kernel that is *PDL-ready* with the programmatic
+stream serialization attribute (`Launch.programmatic`; the engine's kernels take
+``programmatic=True``), so it may start while the kernel before it still runs. A kernel is
+PDL-ready when its body begins with ``mt_pdl_wait();`` (quant.cuh), read from the source
+(`pdl_ready`): one that does not (a kernel added without it) is launched the ordinary way.
+
 Scalars go to kernels as ``np.int32`` / ``np.int64`` / ``np.float32`` (a Python float given
 to a ``float`` parameter would be passed as a double); an absent pointer as ``NULL`` (CuPy 13
 passes ``None`` as a pointer to garbage).
@@ -38,7 +45,7 @@ __all__ = [
     "FAMILIES", "MATVEC_MAX_TOKENS", "WEIGHT_TYPES", "KV_TYPES", "KV_QUANT_TYPES", "CACHE_TYPES", "CHUNK_ELEMS", "COMPILE_OPTIONS",
     "BLOCK_1D", "NULL", "KernelEngine", "cache_type_of",
     "kernel_sources", "module_source", "using", "current_engine", "get_kernel", "launch", "recording",
-    "Launch", "device_ptr", "is_array", "empty", "sm_count",
+    "Launch", "pdl_ready", "device_ptr", "is_array", "empty", "sm_count",
     "i32", "i64", "f32", "cdiv", "grid1d", "wtype", "act_type", "estrides", "rows2d", "as4", "nd",
     "check_f32", "check_i32", "check_contig", "tail", "head_strides", "row_block", "check_block_type",
 ]
@@ -221,16 +228,21 @@ class Launch:
     args: tuple
     shared_mem: int = 0
     keep: tuple = field(default=(), repr=False)   # arrays whose pointers `args` hold
+    programmatic: bool = False                    # with the programmatic stream serialization attribute
 
     def __call__(self) -> None:
-        self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem)
+        if self.programmatic:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem, programmatic=True)
+        else:
+            self.kernel(self.grid, self.block, self.args, shared_mem=self.shared_mem)
 
     def frozen(self) -> "Launch":
         """The same launch with arrays replaced by raw pointers (np.uint64): cheaper to replay.
         The arrays are kept alive by the Launch."""
         arrays = tuple(a for a in self.args if is_array(a))
         args = tuple(np.uint64(device_ptr(a)) if (a is None or is_array(a)) else a for a in self.args)
-        return Launch(self.kernel, self.name, self.grid, self.block, args, self.shared_mem, self.keep + arrays)
+        return Launch(self.kernel, self.name, self.grid, self.block, args, self.shared_mem, self.keep + arrays,
+                      self.programmatic)
 
 
 _recorder = threading.local()
@@ -250,19 +262,80 @@ def recording() -> Iterator[list[Launch]]:
 
 def launch(family: str, name: str, grid, block, args, shared_mem: int = 0) -> None:
     """Launch a kernel on the current stream (grid/block tuples, args already typed), or
-    record it inside ``recording()``."""
-    k = get_kernel(family, name)
+    record it inside ``recording()``; programmatically when the engine asks for it and the kernel
+    is PDL-ready."""
+    engine = current_engine()
+    k = engine.kernel(family, name)
     if shared_mem > 48 * 1024 and k.max_dynamic_shared_size_bytes < shared_mem:
         k.max_dynamic_shared_size_bytes = int(shared_mem)
     # CuPy 13 passes a None argument as a pointer to garbage, not as NULL (fixed in 14.0):
     # every absent pointer goes to the kernel as an explicit 0.
     args = tuple(NULL if a is None else a for a in args)
-    item = Launch(k, name, tuple(int(g) for g in grid), tuple(int(b) for b in block), args, int(shared_mem))
+    programmatic = bool(getattr(engine, "programmatic", False)) and pdl_ready(family, name)
+    item = Launch(k, name, tuple(int(g) for g in grid), tuple(int(b) for b in block), args, int(shared_mem),
+                  programmatic=programmatic)
     rec = getattr(_recorder, "launches", None)
     if rec is not None:
         rec.append(item)
     else:
         item()
+
+
+# --------------------------------------------------------------------------- PDL-ready kernels
+#: what a PDL-ready kernel's body begins with (quant.cuh): wait for the kernels before it
+PDL_FIRST_STATEMENT = "mt_pdl_wait();"
+_KERNEL_DEF_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?([\w#]+)\s*\(')
+_DEFINE_RE = re.compile(r"[ \t]*#[ \t]*define[ \t]+\w+\(([^)]*)\)")
+_COMMENTS_RE = re.compile(r"(?:\s+|//[^\n]*|/\*.*?\*/)*", re.DOTALL)
+_pdl_cache: dict[str, tuple[list[re.Pattern[str]], list[re.Pattern[str]]]] = {}
+
+
+def _name_pattern(token: str, params: set[str]) -> re.Pattern[str]:
+    """The entry-point names a kernel definition's name token makes: ``matvec_##name##_t##NT`` in
+    a macro of parameters (name, W, NT) matches ``matvec_q4_0_t1``."""
+    parts = token.split("##")
+    return re.compile("".join(r"\w+" if p in params else re.escape(p) for p in parts))
+
+
+def _body_start(text: str, open_paren: int) -> int:
+    """Index just past the ``{`` that opens the body of the function whose parameter list opens at
+    `open_paren`."""
+    depth, i = 0, open_paren
+    while True:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+        if depth == 0:
+            break
+    brace = text.index("{", i)
+    if text[i:brace].strip():
+        raise ValueError(f"unexpected text between a kernel's parameters and its body: {text[i:brace]!r}")
+    return brace + 1
+
+
+def kernel_definitions(source: str) -> list[tuple[re.Pattern[str], bool]]:
+    """(names the definition makes, does its body begin with mt_pdl_wait()) for every
+    ``extern "C" __global__`` definition of a CUDA source (macro definitions included)."""
+    text = source.replace("\\\n", " ")          # a macro's continued lines as one logical line
+    out = []
+    for m in _KERNEL_DEF_RE.finditer(text):
+        line_start = text.rfind("\n", 0, m.start()) + 1
+        macro = _DEFINE_RE.match(text, line_start)
+        params = {p.strip() for p in macro.group(1).split(",")} if macro else set()
+        body = _body_start(text, m.end() - 1)
+        first = _COMMENTS_RE.match(text, body).end()
+        out.append((_name_pattern(m.group(1), params), text.startswith(PDL_FIRST_STATEMENT, first)))
+    return out
+
+
+def pdl_ready(family: str, name: str) -> bool:
+    """May kernel `name` of `family` be launched programmatically: does every definition that can
+    make this name begin with ``mt_pdl_wait();`` (and is there one)?"""
+    defs = _pdl_cache.get(family)
+    if defs is None:
+        found = kernel_definitions(module_source(family))
+        defs = _pdl_cache[family] = ([p for p, ok in found if ok], [p for p, ok in found if not ok])
+    ready, not_ready = defs
+    return any(p.fullmatch(name) for p in ready) and not any(p.fullmatch(name) for p in not_ready)
 
 
 # --------------------------------------------------------------------------- argument helpers

@@ -24,6 +24,7 @@ import numpy as np
 
 from metatp.backends.cuda.faults import CheckedKernel, DeviceFaults, cupy_errors
 from metatp.backends.cuda.launch import COMPILE_OPTIONS, module_source, using
+from metatp.backends.cuda.pdl import PdlLauncher, ProgrammaticKernel, require_capable
 
 __all__ = ["CupyRuntime", "DeviceContext", "gpu_probe", "gpu_available", "PROBE_SOURCE"]
 
@@ -71,6 +72,8 @@ class CupyRuntime:
         self._kernels: dict[tuple[str, str, int], Any] = {}
         self._sms: dict[int, int] = {}
         self._comm_gpus: dict[int, int] = {}        # id(NCCL communicator) -> its GPU (for errors)
+        self.programmatic = False     # launch PDL-ready kernels programmatically (`enable_pdl`, launch.launch)
+        self._pdl = None              # pdl.PdlLauncher once enabled
         self.faults = DeviceFaults(cupy_errors(), self.current_gpu,
                                    lambda gpu: self.mem_info(gpu)[0] + self.pool_free_bytes(gpu))
 
@@ -110,8 +113,28 @@ class CupyRuntime:
                 if mod is None:
                     mod = self._modules[(family, gpu)] = self.cp.RawModule(code=module_source(family),
                                                                            options=COMPILE_OPTIONS)
-                k = self._kernels[key] = CheckedKernel(mod.get_function(name), name, gpu, self.faults)
+                raw = mod.get_function(name)
+                if self._pdl is not None:
+                    raw = ProgrammaticKernel(raw, self._pdl, self._current_stream_handle)
+                k = self._kernels[key] = CheckedKernel(raw, name, gpu, self.faults)
         return k
+
+    def enable_pdl(self, gpus: Sequence[int]) -> None:
+        """Launch every PDL-ready kernel with the programmatic stream serialization attribute from
+        now on (cuLaunchKernelEx of cuda-bindings, `pdl`). BackendUnavailableError when the binding
+        is missing or a GPU is below sm_90."""
+        from cupy_backends.cuda.api.driver import CUDADriverError
+
+        for gpu in gpus:
+            cc = int(self.cp.cuda.Device(gpu).compute_capability)
+            require_capable(gpu, cc, self.gpu_name(gpu))
+        with _lock:
+            self._pdl = PdlLauncher(error=CUDADriverError)
+            self._kernels.clear()             # kernels handed out before: plain RawKernels
+            self.programmatic = True
+
+    def _current_stream_handle(self) -> int:
+        return int(self.cp.cuda.get_current_stream().ptr)
 
     def sm_count(self) -> int:
         gpu = int(self.cp.cuda.runtime.getDevice())

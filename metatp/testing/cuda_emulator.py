@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,6 +69,9 @@ inline unsigned char xch[1024 * 8];
 inline unsigned char* dyn_smem = nullptr;
 inline void (*launch_tramp)(void**) = nullptr;
 inline void** launch_args = nullptr;
+
+inline long pdl_waits = 0;   // mt_pdl_wait() calls of the current launch (quant.cuh)
+inline void note_pdl_wait() { ++pdl_waits; }
 
 inline void yield_to_scheduler() { swapcontext(&cur->ctx, &sched); }
 inline void sync_block() { cur->wait = 1; yield_to_scheduler(); }
@@ -199,6 +203,7 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
     dyn_smem = (unsigned char*)(((uintptr_t)smem_buf.data() + 63) & ~(uintptr_t)63);
     launch_tramp = tramp;
     launch_args = args;
+    pdl_waits = 0;
     block_dim = {bx, by, bz};
     grid_dim = {gx, gy, gz};
     for (unsigned z = 0; z < gz; ++z)
@@ -221,6 +226,9 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
             }
     return 0;
 }
+
+// mt_pdl_wait() calls of the last launch: every thread of a programmatic launch must wait
+extern "C" long mt_emu_pdl_waits() { return mt_emu::pdl_waits; }
 """
 
 _SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
@@ -270,6 +278,8 @@ class _EmuKernel:
         self.signature = sig_fn().decode()
         self._launch = lib.mt_emu_launch
         self._launch.restype = ctypes.c_int
+        self._pdl_waits = lib.mt_emu_pdl_waits
+        self._pdl_waits.restype = ctypes.c_long
         self.max_dynamic_shared_size_bytes = 0
 
     def _convert(self, args) -> list:
@@ -300,7 +310,10 @@ class _EmuKernel:
                 raise TypeError(f"{self.name}: parameter {i} has a type the emulator cannot pass")
         return out
 
-    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None) -> None:
+    def __call__(self, grid, block, args, shared_mem: int = 0, stream=None, programmatic: bool = False) -> None:
+        """Launch as ``cupy.RawKernel`` does; `programmatic`: with the programmatic stream serialization
+        attribute (what the pdl option's cuLaunchKernelEx sets), recorded in the emulator's
+        `programmatic` count, and refused at run time unless every thread called mt_pdl_wait()."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         if shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes:
@@ -309,9 +322,9 @@ class _EmuKernel:
         if shared_mem > 227 * 1024:
             raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory exceed the device limit")
         vals = self._convert(args)
-        self.emu.dispatch(lambda: self._run(grid, block, vals, shared_mem))
+        self.emu.dispatch(lambda: self._run(grid, block, vals, shared_mem, programmatic))
 
-    def _run(self, grid, block, vals, shared_mem) -> None:
+    def _run(self, grid, block, vals, shared_mem, programmatic: bool = False) -> None:
         if self.emu.before_launch is not None:        # a test's injected fault (EmuRuntime.inject)
             self.emu.before_launch(self.name)
         ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
@@ -320,6 +333,19 @@ class _EmuKernel:
                           ctypes.c_ulong(shared_mem), err, ctypes.c_int(len(err)))
         if rc != 0:
             raise RuntimeError(f"{self.name}: {err.value.decode()}")
+        if programmatic:
+            self._check_programmatic(grid, block)
+
+    def _check_programmatic(self, grid, block) -> None:
+        """A kernel launched programmatically may start before its predecessor ends: each of its
+        threads must have waited (mt_pdl_wait) before touching what other kernels write."""
+        threads = int(np.prod(grid)) * int(np.prod(block))
+        waits = int(self._pdl_waits())
+        if waits != threads:
+            raise RuntimeError(f"{self.name}: launched with programmatic stream serialization, but {waits} "
+                               f"mt_pdl_wait() calls for {threads} threads (each thread must wait once, "
+                               "before any early return)")
+        self.emu.programmatic[self.name] += 1
 
 
 class _EmuModule:
@@ -337,7 +363,8 @@ class Emulator:
     ``dispatch`` runs work at once, or appends it to ``capture`` while one is active
     (what a backend's emulated CUDA-graph capture records and replays). ``before_launch(name)``,
     when set, is called as each kernel runs, eagerly or in a replayed graph (an emulated
-    runtime's fault injection)."""
+    runtime's fault injection). ``programmatic`` counts, per kernel, the launches that ran with
+    the programmatic stream serialization attribute (the backend's pdl option)."""
 
     name = "emulator"
     _libs: dict[Path, Any] = {}         # compiled library (by source hash) -> loaded ctypes handle
@@ -347,6 +374,7 @@ class Emulator:
         self.current_device = 0
         self.capture: list | None = None
         self.launches = 0
+        self.programmatic: Counter[str] = Counter()    # programmatic launches run, per kernel
         self.before_launch: Callable[[str], None] | None = None
         self._kernels: dict[tuple[str, str], _EmuKernel] = {}
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from metatp.backends.cuda.faults import CheckedKernel, DeviceFaults
 from metatp.backends.cuda.launch import using
+from metatp.backends.cuda.pdl import require_capable
 from metatp.backends.cuda.runtime import DeviceContext
 from metatp.testing.cuda_emulator import Emulator
 from metatp.testing.emulated_faults import EMULATED_ERRORS, FaultPlan, Injection
@@ -89,12 +90,16 @@ class EmuRuntime:
     "GPUs". `n_gpus` pretends to have that many GPUs (each its own memory, all host RAM).
     `nccl_capture=False` makes NCCL refuse to run inside a graph capture (as an old NCCL
     does), `mem_free` / `pool_free` are what the memory queries report; `peer_access` records
-    the GPU sets peer access was enabled for. `inject` arms a device fault (tests only)."""
+    the GPU sets peer access was enabled for. `inject` arms a device fault (tests only).
+    `compute_capability` is every emulated GPU's (90: sm_90, which `enable_pdl` needs); after
+    `enable_pdl` the launchers launch PDL-ready kernels programmatically, and the emulator counts
+    those launches (`emu.programmatic`) and checks that every thread waited."""
 
     name = "emulator"
 
     def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True,
-                 nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0) -> None:
+                 nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0,
+                 compute_capability: int = 90) -> None:
         self.emu = Emulator(sm_count=sm_count)
         self._n_gpus = n_gpus
         self._nccl = nccl
@@ -105,6 +110,8 @@ class EmuRuntime:
         self.graph_launches = 0
         self.nccl_calls = 0
         self.peer_access: list[list[int]] = []
+        self.compute_capability = compute_capability
+        self.programmatic = False          # launch PDL-ready kernels programmatically (`enable_pdl`)
         self._capture_id = 0           # which capture events were recorded in (`_EmuEvent`)
         self._kernels: dict[tuple[str, str, int], CheckedKernel] = {}
         self.fault_plan = FaultPlan()
@@ -152,6 +159,13 @@ class EmuRuntime:
 
     def sm_count(self) -> int:
         return self.emu.sm_count()
+
+    def enable_pdl(self, gpus: Sequence[int]) -> None:
+        """As the real runtime's: refused below sm_90; the emulator's kernels take the attribute
+        themselves (no binding needed)."""
+        for gpu in gpus:
+            require_capable(gpu, self.compute_capability, self.gpu_name(gpu))
+        self.programmatic = True
 
     def record(self, stream, event) -> None:
         self.faults.check()
