@@ -9,7 +9,8 @@ round's old kernels, int8 products, PDL) on the same loaded file, the default's 
 under the names docs/gpu-results.md and issue 44 use, the others suffixed `[name]`; the profile
 section's kernel tables (`profile.py`) are taken on the same engines. Every engine and row is
 guarded by its estimated seconds on an H200 (`Shape`; `plan.py` adds them up for a whole call):
-a variant runs only when the time left also covers the default rows of the shapes still to come.
+a variant runs only when the time left also covers the default rows of the shapes still to come
+(the first of `--variants` counts as the default there).
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def _skip_text(budget: Budget, need: float) -> str:
 
 def _one_shape(rep: Report, cfg: Config, budget: Budget, folder: Path, shape: Shape, variants: tuple[Variant, ...],
                decode: bool, profile: bool, copy_bps: float, later: float) -> None:
-    """One shape's file, then its variants in order; a non-default variant runs only when the time
-    left also covers `later`, the default rows of the shapes still to come."""
+    """One shape's file, then its variants in order; after the first (the default, unless --variants
+    says otherwise) a variant runs only when the time left also covers `later`, the first variant's
+    part of the shapes still to come."""
     from metatp.ir.loader import load_model
 
     spec = shape.small if cfg.emulate else shape.spec
@@ -214,7 +216,7 @@ def _one_shape(rep: Report, cfg: Config, budget: Budget, folder: Path, shape: Sh
             need = variant_need(shape, cfg, variant, decode, profile)
             if not need:
                 continue
-            reserve = 0.0 if variant.name == DEFAULT else later
+            reserve = 0.0 if variant is variants[0] else later
             if budget.left() < need + reserve:
                 rep.add("speed", f"{shape.label}{variant.suffix()}", _skip_text(budget, need + reserve), None)
                 continue

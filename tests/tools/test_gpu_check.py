@@ -407,3 +407,29 @@ def test_virtual_device_rows_compare_with_n1_on_the_emulator(tmp_path):
         assert row["status"] == "info" and re.fullmatch(
             rf"\d+ tok/s \([\d]+ µs/token, \d+ launches over {n} devices, whole.*\); \d+\.\d\dx N=1 \(\d+ tok/s\): "
             rf"(meets|below) the {bar}x bar", row["result"]), row
+
+
+def test_each_variant_s_logits_are_checked_against_numpy_on_the_emulator(tmp_path):
+    """The model section's variant rows: N=1 logits and greedy tokens of each non-default variant the
+    tree takes against numpy (a pass here), one skip row naming the reason for each it refuses."""
+    import numpy as np
+
+    from scripts.gpu_check.config import Budget, Config
+    from scripts.gpu_check.model import variant_logits, write_model
+    from scripts.gpu_check.report import Report
+    from scripts.gpu_check.variants import VARIANTS, refusal
+
+    cfg = Config.dry_run()
+    cfg.greedy_steps = 2
+    rep = Report()
+    model = write_model(rep, cfg, tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(300, cfg.vocab, 6)]
+    variant_logits(rep, cfg, model, Budget(1e6), prompt, {})
+    rows = {r["check"]: r for r in rep.rows[1:]}
+    assert len(rows) == len(VARIANTS) - 1
+    for v in VARIANTS[1:]:
+        row = next(r for check, r in rows.items() if check.startswith(f"logits vs numpy, N=1 [{v.name}] ("))
+        why = refusal(v)
+        assert (row["status"], row["result"]) == (("info", f"skipped: {why}") if why else ("pass", row["result"])), row
+        if not why:
+            assert row["result"].startswith("3/3 same greedy token"), row
