@@ -13,9 +13,11 @@ goes and the whole run stays inside --budget seconds, about 7 minutes):
 2. `kernels`: every CUDA kernel against numpy on fresh random inputs;
 3. `model`: a synthetic GGUF with SmolLM2-135M's shapes (the real model does not travel to the
    GPU machine), logits vs the numpy backend for N=1 and N=3 virtual devices, greedy tokens;
-4. `speed`: decode tokens/s eager vs CUDA graph at two KV lengths, graph replay == eager,
-   N=3 virtual devices, prefill; `profile` (the decode step's kernels timed) and `shapes` (decode
-   at three model sizes: 135M Q4_1, 1B Q8_0, 8B Q4_K with --big); `llama_cpp`: llama.cpp on the 135M
+4. `speed`: decode tokens/s eager vs CUDA graph at two KV lengths, graph replay == eager, prefill,
+   N=2 / N=3 virtual devices (-sm tensor) and N=2 -sm layer against N=1; `shapes` (decode at three
+   model sizes: 135M Q4_1, 1B Q8_0, 8B Q4_K with --big) under each kernel variant of `variants`
+   (defaults, this round's old kernels, q8, pdl: the ones the tree's backend takes), and on the same
+   engines `profile` (the 135M and 1B decode steps' kernels timed one by one); `llama_cpp`: llama.cpp on the 135M
    and 1B files beside those rows, with the ratio (built by build_llama_cpp.sh: a wheel carried in
    .whl/, or its source built there; skipped with a row saying why without it); `throughput`
    (batched-bench rows B = 1..256, pp512 / pp4096, and `metatp serve --backend cupy` with 64
@@ -24,7 +26,7 @@ goes and the whole run stays inside --budget seconds, about 7 minutes):
 6. `mpi`: one GPU rank under mpiexec with NCCL, in a subprocess bounded in time.
 
 `report` holds the table (printed, and written to --out with a JSON copy); `config` the run's
-settings and the engines; `carry` what travels to the GPU machine (docs/gpu-results.md);
+settings and the engines; `plan` the estimated seconds of each section (`--plan`: sizes a call); `carry` what travels to the GPU machine (docs/gpu-results.md);
 `build_llama_cpp.sh` and `slim_wheel.py` make llama.cpp's wheel.
 ``--emulate`` is a dry run without a GPU: the same steps on the CPU kernel emulator with a tiny
 model, to catch mistakes before a GPU session spends its time on them.

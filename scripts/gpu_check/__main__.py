@@ -46,10 +46,44 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from scripts.gpu_check.config import Budget, Config
 
+    skip = set(filter(None, args.skip.split(",")))
+    if args.plan:                          # the real GPU's estimates, whatever --emulate says
+        return print_plan(Config(n_layer=args.layers, big=args.big, variants=variant_names(args.variants),
+                                 shapes=shape_names(args.shapes)), skip, args.budget)
     cfg = Config.dry_run(args.layers) if args.emulate else Config(n_layer=args.layers)
     cfg.big = args.big
+    cfg.variants = variant_names(args.variants)
+    cfg.shapes = shape_names(args.shapes)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return run(cfg, Budget(args.budget), set(filter(None, args.skip.split(","))), args.workdir, args.out)
+    return run(cfg, Budget(args.budget), skip, args.workdir, args.out)
+
+
+def variant_names(text: str) -> tuple[str, ...]:
+    """`--variants default,before`: the names, checked against variants.VARIANTS (a ConfigError names them)."""
+    from scripts.gpu_check.variants import by_names
+
+    return tuple(v.name for v in by_names([n for n in text.split(",") if n]))
+
+
+def shape_names(text: str) -> tuple[str, ...]:
+    """`--shapes 135M,1B`: the names, checked against shapes.SHAPES."""
+    from metatp.ir.errors import ConfigError
+    from scripts.gpu_check.shapes import SHAPES
+
+    names = tuple(n for n in text.split(",") if n)
+    known = [s.name for s in SHAPES]
+    if unknown := [n for n in names if n not in known]:
+        raise ConfigError(f"unknown shape {', '.join(unknown)}; gpu_check knows {', '.join(known)}")
+    return names
+
+
+def print_plan(cfg, skip: set[str], budget_s: float) -> int:
+    """`--plan`: the estimated seconds of each section on the GPU against the budget; 0 when it fits."""
+    from scripts.gpu_check.plan import estimate, plan_text
+
+    estimates = estimate(cfg, skip)
+    print(plan_text(estimates, budget_s))
+    return 0 if sum(e.seconds for e in estimates) <= budget_s else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,13 +99,20 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic GGUF goes (default: a temp dir)")
     ap.add_argument("--emulate", action="store_true",
                     help="dry run without a GPU: the CPU kernel emulator and a tiny model")
+    ap.add_argument("--variants", default="default,before,q8,pdl",
+                    help="the decode kernel variants the shapes and profile sections compare (variants.py); one "
+                         "the tree's cupy backend does not take is skipped with a row saying so")
+    ap.add_argument("--shapes", default="135M,1B,8B",
+                    help="the model sizes the shapes and profile sections run (8B only with --big)")
+    ap.add_argument("--plan", action="store_true",
+                    help="print each section's estimated seconds on the H200 for these flags against --budget, "
+                         "and stop (exit 1 when over)")
     return ap
 
 
 def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
     """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from scripts.gpu_check import (allreduce, env, kernels, llama_cpp, model, preflight, profile, ranks, shapes, speed,
-                                   throughput)
+    from scripts.gpu_check import allreduce, env, kernels, llama_cpp, model, preflight, ranks, shapes, speed, throughput
     from scripts.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -92,7 +133,7 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
     if have_gpu and "kernels" not in skip:
         step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
     loaded = None
-    if have_gpu and ({"model", "speed", "profile"} - skip):
+    if have_gpu and ({"model", "speed"} - skip):
         loaded = step("model", "synthetic GGUF", lambda: model.write_model(
             rep, cfg, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-"))))
     if loaded is not None and "model" not in skip:
@@ -100,11 +141,10 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
         step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
     if loaded is not None and "speed" not in skip:
         step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
-    if loaded is not None and "profile" not in skip:
-        step("profile", "decode step profile", profile.section_profile, rep, cfg, loaded, budget)
-    if have_gpu and "shapes" not in skip:
+    if have_gpu and ({"shapes", "profile"} - skip):   # the model sizes' decode rows and kernel profiles
         step("speed", "model sizes", lambda: shapes.section_shapes(
-            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-shapes-"))))
+            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-shapes-")),
+            decode="shapes" not in skip, profile="profile" not in skip))
     if have_gpu and "llama-cpp" not in skip:          # after shapes: its rows hold metatp's numbers
         step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
             rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-llama-cpp-"))))

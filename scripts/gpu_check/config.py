@@ -21,11 +21,18 @@ class Config:
     shape_kv_lengths: tuple[int, ...] = (128, 4096)   # the three model sizes' rows (shapes.py)
     shape_decode_steps: int = 64
     big: bool = False                                # shapes.py: the 8B shapes too
+    shapes: tuple[str, ...] = ("135M", "1B", "8B")   # shapes.py: the model sizes run (8B only with `big`)
     decode_steps: int = 64
     prompt_len: int = 16
     greedy_steps: int = 15
     prefill_len: int = 512
     profile_copies: tuple[int, int] = (4, 36)     # a launch's copies in the profile's two graphs
+    profile_shapes: tuple[str, ...] = ("135M", "1B")  # the shapes whose decode step the profile times
+    profile_kv_lengths: tuple[int, ...] = (128,)
+    # the kernel variants the shapes and profile sections compare (variants.py), in this order
+    variants: tuple[str, ...] = ("default", "before", "q8", "pdl")
+    # the speed section's virtual devices on one GPU (issue 44 item 6): (N, split mode, the issue's bar)
+    virtual_cases: tuple[tuple[int, str, float], ...] = ((2, "tensor", 0.8), (3, "tensor", 0.8), (2, "layer", 0.95))
     # the throughput section (throughput.py): batched-bench rows, long prompts, `metatp serve`
     bench_batches: tuple[int, ...] = (1, 8, 64, 256)
     bench_pp: int = 128
@@ -39,7 +46,7 @@ class Config:
         """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
                    shape_decode_steps=2, decode_steps=4,
-                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2),
+                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2), profile_kv_lengths=(16,),
                    bench_batches=(1, 2, 4), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
                    serve_tokens=4)
 

@@ -1,6 +1,6 @@
 """Step 3: a synthetic GGUF with the default model's shapes, and the cupy backend's logits
-against the numpy backend's (N=1, N=3 virtual devices, uneven splits, a q8_0 KV cache), greedy
-tokens compared; and -sm layer over 2 devices (a peer copy between two GPUs where there are two,
+against the numpy backend's (N=1, N=3 virtual devices, uneven splits, a q8_0 KV cache, and N=1
+under each kernel variant the speed rows compare), greedy tokens compared; and -sm layer over 2 devices (a peer copy between two GPUs where there are two,
 else a device copy between virtual devices) against one cupy device, exact storage, 1e-5."""
 
 from __future__ import annotations
@@ -69,6 +69,37 @@ def section_model(rep: Report, cfg: Config, model, budget: Budget) -> None:
             got, want = teacher_forced(eng, ref, prompt, cfg.greedy_steps)
             res, ok = greedy_report(got, want)
             rep.add("model", f"logits vs numpy, {label}", res, ok)
+            del eng
+        except Exception as e:  # noqa: BLE001
+            rep.fail("model", label, e)
+    variant_logits(rep, cfg, model, budget, prompt, refs)
+
+
+def variant_logits(rep: Report, cfg: Config, model, budget: Budget, prompt: list[int], refs: dict) -> None:
+    """N=1 logits and greedy tokens of each non-default kernel variant the run measures (variants.py)
+    against numpy, as the default's: a variant's speed rows mean nothing if its tokens are wrong. A
+    variant the tree's backend refuses is one info row."""
+    from scripts.gpu_check.variants import DEFAULT, by_names, refusal
+
+    for variant in by_names(cfg.variants):
+        if variant.name == DEFAULT:
+            continue
+        label = f"logits vs numpy, N=1 [{variant.name}] ({', '.join(f'{k}={v}' for k, v in variant.options.items())})"
+        if (why := refusal(variant)) is not None:
+            rep.add("model", label, f"skipped: {why}", None)
+            continue
+        if budget.left() < 120:
+            rep.add("model", label, "skipped (time budget)", None)
+            continue
+        try:
+            if "f32" not in refs:
+                refs["f32"] = numpy_engine(model, 512)
+            ref = refs["f32"]
+            ref.reset()
+            eng = cupy_engine(cfg, model, 512, 1, **variant.options)
+            got, want = teacher_forced(eng, ref, prompt, cfg.greedy_steps)
+            res, ok = greedy_report(got, want)
+            rep.add("model", label, res, ok)
             del eng
         except Exception as e:  # noqa: BLE001
             rep.fail("model", label, e)

@@ -1,4 +1,5 @@
-"""Step 4b: where a decode step's time goes, kernel by kernel (N=1, the speed section's engine).
+"""Where a decode step's time goes, kernel by kernel (N=1; driven by the shapes section, per model
+shape and kernel variant: `shapes.py`).
 
 The first GPU run timed whole steps only (792 tokens/s with the CUDA graph, 5.2 us a launch
 on average), which cannot say which kernels hold the step. Here each launch of the decode
@@ -18,11 +19,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from scripts.gpu_check.config import Budget, Config, cupy_engine
+from scripts.gpu_check.config import Budget, Config
 from scripts.gpu_check.report import Report
 from scripts.gpu_check.speed import time_decode
 
-TOP = 12                # kernels listed as rows (all of them go to the written table)
 
 
 @dataclass
@@ -90,42 +90,45 @@ def by_kernel(times: list[LaunchTime]) -> list[tuple[str, int, float, LaunchTime
     return sorted(rows, key=lambda r: -r[2])
 
 
-def table(times: list[LaunchTime]) -> str:
-    """Markdown: every kernel with its launches, total, and its slowest launch's geometry."""
+def table(times: list[LaunchTime], step_seconds: float | None = None) -> str:
+    """Markdown: every kernel with its launches, total, share of the kernels' sum (and, given the
+    step's replay time, of the step), and its slowest launch's geometry."""
     total = sum(t.seconds for t in times) or 1.0
-    lines = ["| kernel | launches | µs a step | share | slowest launch µs | its grid | its block |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    step_col = step_seconds is not None and step_seconds > 0
+    lines = ["| kernel | launches | µs a step | share |" + (" of the step |" if step_col else "") +
+             " slowest launch µs | its grid | its block |",
+             "| --- | ---: | ---: | ---: |" + (" ---: |" if step_col else "") + " ---: | --- | --- |"]
     for name, n, s, worst in by_kernel(times):
-        lines.append(f"| {name} | {n} | {s * 1e6:.1f} | {100 * s / total:.1f}% | {worst.seconds * 1e6:.2f} | "
+        of_step = f" {100 * s / step_seconds:.1f}% |" if step_col else ""
+        lines.append(f"| {name} | {n} | {s * 1e6:.1f} | {100 * s / total:.1f}% |{of_step} {worst.seconds * 1e6:.2f} | "
                      f"{worst.grid} | {worst.block} |")
     return "\n".join(lines)
 
 
-def section_profile(rep: Report, cfg: Config, model, budget: Budget) -> None:
-    """Rows: per KV length, the sum of the step's launches against the step's replay, then the
-    kernels taking most of it; the full table goes to the written report."""
-    for kv_len in cfg.kv_lengths:
-        label = f"decode step kernels, KV {kv_len}"
-        if budget.left() < 60:
-            rep.add("profile", label, "skipped (time budget)", None)
-            continue
-        try:
-            eng = cupy_engine(cfg, model, 4096, cuda_graphs=True)
-            step = time_decode(cfg, eng, kv_len, max(4, cfg.decode_steps // 4))
-            ex = step["executable"]
-            times = launch_times(ex, budget, *cfg.profile_copies)
-            total = sum(t.seconds for t in times)
-            n_all = sum(len(per_dev[ex.devices[0]]) for per_dev in ex.steps)
-            part = "" if len(times) == n_all else f" (time budget: the first {len(times)} of {n_all} launches)"
-            rep.add("profile", label, f"{len(times)} launches sum to {total * 1e6:.0f} µs alone in graphs; the "
-                    f"step's replay {step['us']:.0f} µs ({step['graph']}){part}", None)
-            for name, n, s, worst in by_kernel(times)[:TOP]:
-                rep.add("profile", f"KV {kv_len}: {name}", f"{n} launches, {s * 1e6:.1f} µs ({100 * s / max(total, 1e-12):.0f}%), "
-                        f"slowest {worst.seconds * 1e6:.2f} µs at grid {worst.grid} block {worst.block}", None)
-            rep.extra.append(f"### Decode step at KV {kv_len}: kernels one by one\n\n{table(times)}\n")
-            del eng, ex
-        except Exception as e:  # noqa: BLE001
-            rep.fail("profile", label, e)
+def summary(times: list[LaunchTime], step_us: float, graph: str, n_all: int, n_layer: int, top: int = 3) -> str:
+    """`kernels sum 410 µs of a 620 µs step (whole); top 3: matvec_q4_1 55%, attn_decode_f16_g3 12%, ...;
+    243 launches/token, 8.1/layer` (with a note when the budget cut the timing short)."""
+    total = sum(t.seconds for t in times)
+    tops = ", ".join(f"{name} {100 * s / max(total, 1e-12):.0f}%" for name, _, s, _ in by_kernel(times)[:top])
+    part = "" if len(times) == n_all else f" (time budget: the first {len(times)} of {n_all} launches)"
+    return (f"kernels sum {total * 1e6:,.0f} µs of a {step_us:,.0f} µs step ({graph}); top {top}: {tops}; "
+            f"{n_all} launches/token, {n_all / max(n_layer, 1):.1f}/layer{part}")
 
 
-__all__ = ["LaunchTime", "launch_times", "by_kernel", "table", "section_profile"]
+def profile_engine(rep: Report, cfg: Config, budget: Budget, eng, label: str, kv_len: int, n_layer: int,
+                   vocab: int) -> None:
+    """One summary row for `eng`'s decode step at `kv_len` (section "profile", check `label`) and its
+    whole kernel table in the written report. The engine's buffers are overwritten by the repeated
+    launches: throw it away afterwards."""
+    step = time_decode(cfg, eng, kv_len, max(2, cfg.shape_decode_steps // 4), vocab=vocab)
+    ex = step["executable"]
+    times = launch_times(ex, budget, *cfg.profile_copies)
+    n_all = sum(len(per_dev[ex.devices[0]]) for per_dev in ex.steps)
+    rep.add("profile", label, summary(times, step["us"], step["graph"], n_all, n_layer), None)
+    rep.extra.append(f"### {label}: kernels one by one\n\n{n_all} launches a token, {n_all / max(n_layer, 1):.1f} a "
+                     f"layer ({n_layer} layers); the step's replay {step['us']:,.0f} µs ({step['graph']}), its "
+                     f"launches alone in graphs {sum(t.seconds for t in times) * 1e6:,.0f} µs.\n\n"
+                     f"{table(times, step['us'] / 1e6)}\n")
+
+
+__all__ = ["LaunchTime", "launch_times", "by_kernel", "table", "summary", "profile_engine"]

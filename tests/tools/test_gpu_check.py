@@ -169,16 +169,16 @@ def test_bytes_read_per_token_of_the_1b_shapes():
 
 
 def test_emulated_dry_run_writes_the_model_size_rows(tmp_path):
-    """`python3 scripts/gpu_check --emulate --big`, the shapes section alone: a copy-bandwidth row,
+    """`python3 scripts/gpu_check --emulate --big --variants default`, the shapes section alone: a copy-bandwidth row,
     then per shape a model row and a CUDA-graph decode row at each KV length, each with tok/s,
     launches and bytes a token and the fraction of the copy bandwidth."""
     import json
     import re
 
     out = tmp_path / "r.md"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--big", "--skip",
-                        "kernels,model,speed,profile,llama-cpp,throughput,nccl,mpi", "--workdir", str(tmp_path),
-                        "--out", str(out)],
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--big", "--variants",
+                        "default", "--budget", "100000", "--skip", "kernels,model,speed,profile,llama-cpp,throughput,"
+                        "nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
@@ -229,3 +229,207 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
     assert rows["pp 8B Q4_K"]["result"] == "not run (needs --big)"
     assert not [row for row in rows.values() if row["status"] == "FAIL"]
     assert not list(tmp_path.glob("throughput-*"))          # each file removed after its rows
+
+
+def test_emulated_dry_run_compares_the_kernel_variants(tmp_path):
+    """The shapes and profile sections on the 135M stand-in with every variant: each one this tree's
+    cupy backend takes has its decode rows (the default's under the usual names, the others suffixed
+    and with their ratio to the default) and, when profiled, its kernel summary row and table; each
+    one it refuses (an option that did not land) is one info row saying why, never a crash."""
+    import json
+    import re
+
+    from scripts.gpu_check.variants import VARIANTS, refusal
+
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--budget", "100000",
+                        "--shapes", "135M", "--variants", "default,before,q8,pdl", "--skip",
+                        "kernels,model,speed,llama-cpp,throughput,nccl,mpi", "--workdir", str(tmp_path), "--out",
+                        str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    written = out.read_text()
+    variant_row = (r"[\d,]+ tok/s \([\d,]+ µs/token, 18 launches, 9\.0 launches/layer, \d+% of copy bandwidth; "
+                   r"whole\); \d+\.\d\dx \[default\]")
+    summary = (r"kernels sum [\d,]+ µs of a [\d,]+ µs step \(whole\); top 3: \S+ \d+%, \S+ \d+%, \S+ \d+%; "
+               r"18 launches/token, 9\.0/layer")
+    ran = 0
+    for v in VARIANTS:
+        why = refusal(v)
+        if why is not None:
+            assert rows[f"decode variant [{v.name}]"] == {"section": "speed", "check": f"decode variant [{v.name}]",
+                                                          "result": f"skipped: {why}", "status": "info"}
+            assert not [c for c in rows if c.endswith(f"[{v.name}]") and "KV" in c]
+            continue
+        ran += 1
+        for kv in (16, 64):
+            row = rows[f"decode 135M Q4_1 KV {kv} CUDA graph{v.suffix()}"]
+            assert row["status"] == "pass", row
+            if v.name != "default":
+                assert re.fullmatch(variant_row, row["result"]), row
+        if v.profiled:
+            label = f"decode 135M Q4_1 KV 16 kernels{v.suffix()}"
+            assert re.fullmatch(summary, rows[label]["result"]), rows[label]
+            assert f"### {label}: kernels one by one\n\n18 launches a token, 9.0 a layer (2 layers)" in written
+    assert ran >= 2                                  # default and before exist on every tree of this round
+    assert "| kernel | launches | µs a step | share | of the step |" in written
+    assert "decode 1B Q8_0 model" not in rows and "decode 8B Q4_K" not in rows      # --shapes 135M
+    assert not [row for row in rows.values() if row["status"] == "FAIL"]
+
+
+class _SimulatedBudget:
+    """A Budget whose clock moves only when a stubbed variant 'runs' for its estimated seconds."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds
+
+
+def _run_shapes_on_a_simulated_clock(monkeypatch, tmp_path, seconds: float):
+    """section_shapes over 135M and 1B with all four variants taken, each variant's work replaced by
+    spending its estimate; returns (the (shape, variant) pairs run, the report)."""
+    from scripts.gpu_check import shapes
+    from scripts.gpu_check.config import Config
+    from scripts.gpu_check.report import Report
+
+    cfg = Config.dry_run()
+    cfg.shapes = ("135M", "1B")
+    budget, ran = _SimulatedBudget(seconds), []
+
+    def fake_variant(rep, cfg, budget, shape, spec, model, variant, decode, profile, copy_bps, rates):
+        ran.append((shape.name, variant.name))
+        budget.seconds -= shapes.variant_need(shape, cfg, variant, decode, profile)
+
+    monkeypatch.setattr(shapes, "runnable", lambda vs: (vs, {}))
+    monkeypatch.setattr(shapes, "_one_variant", fake_variant)
+    rep = Report()
+    shapes.section_shapes(rep, cfg, budget, tmp_path, decode=True, profile=True)
+    return ran, rep
+
+
+def test_shapes_keep_the_default_rows_of_later_shapes_inside_the_budget(monkeypatch, tmp_path):
+    """With time for the default variant of each shape and no more, the other variants of the first
+    shape are skipped with a row (the time is kept for the next shape's default rows); with time for
+    everything, every shape runs every variant, in the table's order."""
+    from scripts.gpu_check import shapes
+    from scripts.gpu_check.config import Config
+    from scripts.gpu_check.variants import VARIANTS
+
+    cfg = Config.dry_run()
+    small, big = (s for s in shapes.SHAPES if s.name in ("135M", "1B"))
+    defaults = shapes.shape_need(small, cfg, VARIANTS[:1], True, True) + shapes.shape_need(big, cfg, VARIANTS[:1],
+                                                                                            True, True)
+    ran, rep = _run_shapes_on_a_simulated_clock(monkeypatch, tmp_path, defaults)
+    assert ran == [("135M", "default"), ("1B", "default")]
+    skipped = {r["check"]: r["result"] for r in rep.rows if r["result"].startswith("skipped (time budget")}
+    assert set(skipped) == {f"decode {s} [{v}]" for s in ("135M Q4_1", "1B Q8_0") for v in ("before", "q8", "pdl")}
+    ran, rep = _run_shapes_on_a_simulated_clock(monkeypatch, tmp_path, 1e6)
+    assert ran == [(s, v.name) for s in ("135M", "1B") for v in VARIANTS]
+    assert not [r for r in rep.rows if "skipped" in r["result"]]
+    ran, rep = _run_shapes_on_a_simulated_clock(monkeypatch, tmp_path, 5.0)       # not even the first file
+    assert ran == [] and [r["check"] for r in rep.rows if "skipped" in r["result"]] == ["decode 135M Q4_1",
+                                                                                          "decode 1B Q8_0"]
+    assert not list(tmp_path.glob("shape-*.gguf"))
+
+
+def test_plan_of_the_issue_44_call_fits_its_budget(monkeypatch):
+    """The plan docs/gpu-results.md gives for issue 44's call (every variant taken, as on a tree where
+    q8 and pdl landed) fits its --budget 420 with the machine's start inside the 8-minute call, and a
+    plan that does not fit says so and exits 1."""
+    from scripts.gpu_check import plan, variants
+    from scripts.gpu_check.__main__ import main
+    from scripts.gpu_check.config import Config
+
+    monkeypatch.setattr(variants, "runnable", lambda vs: (vs, {}))
+    skip = {"llama-cpp", "throughput", "nccl", "mpi"}
+    estimates = plan.estimate(Config(), skip)
+    assert [e.section for e in estimates] == ["preflight", "env", "kernels", "model", "speed", "shapes 135M",
+                                              "shapes 1B"]
+    total = sum(e.seconds for e in estimates)
+    assert 200 < total <= 420
+    text = plan.plan_text(estimates, 420)
+    assert f"| **total** | **{total:.0f}** | against --budget 420: fits |" in text
+    assert "timeout_s 480" in text
+    assert main(["--emulate", "--plan", "--skip", ",".join(skip), "--budget", "420"]) == 0
+    assert main(["--plan", "--budget", "100"]) == 1
+    assert "OVER by" in plan.plan_text(plan.estimate(Config(), set()), 100)
+
+
+def test_variants_are_refused_by_the_registry_not_assumed():
+    """A variant whose option the backend does not declare, or whose value it refuses, is named with
+    the reason; an unknown variant name is a ConfigError."""
+    from metatp.ir.errors import ConfigError
+    from scripts.gpu_check.variants import Variant, by_names, refusal
+
+    assert refusal(Variant("before", {"attn_merge": False, "fuse_qkv_rope": False})) is None
+    assert refusal(Variant("x", {"no_such_option": True})) == "this tree's cupy backend has no option no_such_option"
+    assert "not one of" in refusal(Variant("x", {"kv_dtype": "f8"}))
+    assert [v.name for v in by_names(["q8", "default"])] == ["default", "q8"]
+    with pytest.raises(ConfigError, match="unknown variant nope"):
+        by_names(["nope"])
+
+
+def test_profile_summary_names_the_top_kernels_and_launches_per_layer():
+    from scripts.gpu_check.profile import LaunchTime, summary, table
+
+    times = [LaunchTime("matvec_q4_1", (72,), (32, 8), 3e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6),
+             LaunchTime("matvec_q4_1", (192,), (32, 8), 5e-6), LaunchTime("attn_decode", (9, 4), (128,), 1e-6)]
+    assert summary(times, 20.0, "whole", 4, 2) == ("kernels sum 10 µs of a 20 µs step (whole); top 3: matvec_q4_1 "
+                                                   "80%, rms_norm 10%, attn_decode 10%; 4 launches/token, 2.0/layer")
+    assert "(time budget: the first 4 of 9 launches)" in summary(times, 20.0, "whole", 9, 2)
+    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 40.0% | 5.00 | (192,) | (32, 8) |" in table(times, 20e-6)
+
+
+def test_virtual_device_rows_compare_with_n1_on_the_emulator(tmp_path):
+    """Issue 44 item 6's rows: N=2 and N=3 -sm tensor and N=2 -sm layer on one (emulated) GPU, each
+    with its ratio to the run's N=1 rate and the issue's bar; without an N=1 rate it is measured first."""
+    import re
+
+    from scripts.gpu_check.config import Budget, Config
+    from scripts.gpu_check.model import write_model
+    from scripts.gpu_check.report import Report
+    from scripts.gpu_check.speed import ratio_text, virtual_device_rows
+
+    assert ratio_text(600.0, 792.0, 0.8) == "0.76x N=1 (792 tok/s): below the 0.8x bar"
+    assert ratio_text(780.0, 792.0, 0.95) == "0.98x N=1 (792 tok/s): meets the 0.95x bar"
+    cfg = Config.dry_run()
+    cfg.decode_steps, cfg.kv_lengths = 1, (8, 16)
+    rep = Report()
+    model = write_model(rep, cfg, tmp_path)
+    virtual_device_rows(rep, cfg, model, Budget(1e6), None)
+    rows = {r["check"]: r for r in rep.rows}
+    assert re.fullmatch(r"\d+ tok/s \(.*whole\)", rows["decode N=1 KV 8 CUDA graph (the virtual-device rows' "
+                                                     "reference)"]["result"])
+    for n, mode, bar in cfg.virtual_cases:
+        row = rows[f"decode N={n} virtual devices -sm {mode} KV 8 CUDA graph"]
+        assert row["status"] == "info" and re.fullmatch(
+            rf"\d+ tok/s \([\d]+ µs/token, \d+ launches over {n} devices, whole.*\); \d+\.\d\dx N=1 \(\d+ tok/s\): "
+            rf"(meets|below) the {bar}x bar", row["result"]), row
+
+
+def test_each_variant_s_logits_are_checked_against_numpy_on_the_emulator(tmp_path):
+    """The model section's variant rows: N=1 logits and greedy tokens of each non-default variant the
+    tree takes against numpy (a pass here), one skip row naming the reason for each it refuses."""
+    import numpy as np
+
+    from scripts.gpu_check.config import Budget, Config
+    from scripts.gpu_check.model import variant_logits, write_model
+    from scripts.gpu_check.report import Report
+    from scripts.gpu_check.variants import VARIANTS, refusal
+
+    cfg = Config.dry_run()
+    cfg.greedy_steps = 2
+    rep = Report()
+    model = write_model(rep, cfg, tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(300, cfg.vocab, 6)]
+    variant_logits(rep, cfg, model, Budget(1e6), prompt, {})
+    rows = {r["check"]: r for r in rep.rows[1:]}
+    assert len(rows) == len(VARIANTS) - 1
+    for v in VARIANTS[1:]:
+        row = next(r for check, r in rows.items() if check.startswith(f"logits vs numpy, N=1 [{v.name}] ("))
+        why = refusal(v)
+        assert (row["status"], row["result"]) == (("info", f"skipped: {why}") if why else ("pass", row["result"])), row
+        if not why:
+            assert row["result"].startswith("3/3 same greedy token"), row
