@@ -50,6 +50,8 @@ WHEELS = (
     Wheel("mpi4py", "4.1.2", "step 6 and tests/mpi/test_mpi_gpu.py; the version known to load the carried MPICH",
           1.30),
     Wheel("mpich", "5.0.2", "the MPI library and mpiexec (its bin/): the image has none", 12.67),
+    Wheel("cuda-bindings", "12.9.10", "the pdl option's cuLaunchKernelEx (the pdl variant, tests/cuda/test_pdl.py): "
+          "CuPy cannot set launch attributes; cuda-pathfinder comes with the image's cupy", 7.3),
 ) + tuple(Wheel(name, version, why, mib) for name, version, mib, why in (
     # the throughput section's `metatp serve` and its official openai client (issue 46): the image has
     # neither; the versions the CPU machine's tests ran with, and everything they need (sizes estimated)
