@@ -307,13 +307,17 @@ _SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s
 
 def emulator_source(family: str) -> str:
     """One family as host C++: prelude, the kernels (shared memory made static), trampolines."""
-    src = module_source(family)
+    return _host_source(module_source(family), expected_entry_points()[family])
+
+
+def _host_source(src: str, entries) -> str:
+    """CUDA source text (includes expanded) as host C++ with trampolines for `entries`."""
     src = _SHARED_EXTERN_RE.sub(lambda m: f"#define {m.group(2)} (({m.group(1)}*)mt_emu::dyn_smem)", src)
     src = re.sub(r"\b__shared__\b", "static", src)
     tramps = "\n".join(
         f'extern "C" void mt_tramp_{n}(void** a) {{ mt_emu::invoke(&{n}, a); }}\n'
         f'extern "C" const char* mt_sig_{n}() {{ return mt_emu::sig(&{n}); }}'
-        for n in expected_entry_points()[family])
+        for n in entries)
     return _EMU_PRELUDE + src + _EMU_LAUNCHER + tramps + "\n"
 
 
@@ -439,6 +443,20 @@ class Emulator:
             if lib is None:
                 lib = Emulator._libs[path] = ctypes.CDLL(str(path))
         return _EmuModule(self, lib)
+
+    def probe_kernel(self, source: str, name: str) -> _EmuKernel:
+        """A test's own kernel `name` from CUDA `source` (no includes) on this emulator: for
+        checking the emulator's intrinsics and collectives alone."""
+        from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+        with _lock:
+            path = build_shared_library(f"probe_{name}", _host_source(source, [name]), ".cpp",
+                                        os.environ.get("CXX", "g++"), _EMU_FLAGS,
+                                        host_cache_dir("METATP_EMU_CACHE", "metatp-emu"))
+            lib = Emulator._libs.get(path)
+            if lib is None:
+                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
+        return _EmuKernel(self, lib, name)
 
     def kernel(self, family: str, name: str) -> _EmuKernel:
         """launch.KernelEngine: one emulated kernel serves every emulated GPU (host memory)."""
