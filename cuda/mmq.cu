@@ -136,7 +136,7 @@ MT_FOR_ALL_WTYPES(MT_MMQ_ENTRY)
 //    metatp/testing/oracles.py ref_q8_quantize) round them: codes int8 [n][K], scales f32
 //    [n][K/32] (Q8_0, Q8_1; kept as f16 values) or [n][K/256] (Q8_K), Q8_1's s f32 [n][K/32],
 //    int32 sums of every 16 codes [n][K/16].
-// 2. mmq_q8_<type>_t<TT>: a block owns 64 weight rows x TT tokens, 4 warps of 16 rows each. Each
+// 2. mmq_i8_<type>_t<TT>: a block owns 64 weight rows x TT tokens, 4 warps of 16 rows each. Each
 //    step takes 4 units of 32 elements: the weight tile's codes are unpacked ONCE into int8
 //    shared memory (in natural element order, beside each (row, unit)'s f32 scale, second
 //    scale and offset), the activation codes are copied beside them, and every warp multiplies
@@ -256,7 +256,7 @@ __device__ __forceinline__ void mt_mma_s8(int (&c)[4], const int (&a)[4], const 
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-    __trap();  // int8 mma needs sm_80+ (the launcher refuses older devices)
+    __trap();  // int8 mma needs sm_80+: an older GPU gets a launch error, never a wrong sum
 #endif
 #else
     mt_emu::mma_m16n8k32_s8(c, a, b, c);
@@ -479,7 +479,7 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
         }
 }
 
-// mmq_q8_<type>_t<TT>(const uint8 *w, const int8 *xq, const float *xd, const float *xs,
+// mmq_i8_<type>_t<TT>(const uint8 *w, const int8 *xq, const float *xd, const float *xs,
 //                     const int32 *xisum, float *y, int32 ne0, int32 n_rows, int32 row_bytes,
 //                     int32 n_tokens, int32 y_stride)
 // y[t*y_stride + r] = sum over the row of W[r] times token t's Q8 activations (q8_quantize_*
@@ -488,7 +488,7 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
 // ne0 a multiple of the type's block; sm_80+.
 #define MT_MMQ8_ENTRY_T(name, Q, TT)                                                                     \
     extern "C" __global__ void __launch_bounds__(MT_MMQ8_NTH)                                           \
-        mmq_q8_##name##_t##TT(const mt_u8* w, const mt_i8* xq, const float* xd, const float* xs,        \
+        mmq_i8_##name##_t##TT(const mt_u8* w, const mt_i8* xq, const float* xd, const float* xs,        \
                               const int* xisum, float* y, int ne0, int n_rows, int row_bytes,           \
                               int n_tokens, int y_stride) {                                             \
         mt_mmq8<Q, TT>(w, xq, xd, xs, xisum, y, ne0, n_rows, row_bytes, n_tokens, y_stride);            \

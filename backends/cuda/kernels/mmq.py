@@ -10,19 +10,27 @@ the tile or the token count), and the matvec handler launches `mmq`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from metatp.backends.cuda.kernels.handler import Scratch
+from metatp.backends.cuda.kernels.handler import Scratch, record
+from metatp.backends.cuda.storage import matmul_tokens
 from metatp.ir.errors import UnsupportedOpError
+from metatp.ir.tensor import Tensor
+from metatp.passes.plan import Plan
+
+if TYPE_CHECKING:
+    from metatp.backends.cuda.backend import CupyBackend
+    from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, NULL, WEIGHT_TYPES, cdiv, check_block_type, check_f32,
                                          empty, estrides, i32, launch)
 
 __all__ = ['ENTRY_POINTS', 'MMQ_TILE_ROWS', 'MMQ_TILE_TOKENS', 'MMQ_MIN_TOKENS', 'MMQ_MAX_TOKENS', 'mmq',
            'mmq_tile_tokens', 'HANDLERS', 'FUSIONS', 'workspace', 'Q8_0', 'Q8_1', 'Q8_K', 'MMQ_Q8_KIND',
            'MMQ_Q8_TILE_TOKENS', 'Q8Acts', 'q8_acts_shapes', 'q8_acts_empty', 'q8_quantize', 'mmq_q8', 'mmq_q8_tile_tokens',
-           'mmq_q8_scratch', 'q8_acts_from_scratch', 'use_int8_mmq']
+           'mmq_q8_scratch', 'q8_acts_from_scratch', 'use_int8_mmq', 'backend_int8_mmq',
+           'int8_mmq_workspace', 'int8_mmq_steps']
 
 #: output rows per block (MT_MMQ_TR in mmq.cu)
 MMQ_TILE_ROWS = 64
@@ -41,14 +49,14 @@ MMQ_MAX_TOKENS = 16
 #: How llama.cpp rounds the activations a weight type's integer products take (its vec_dot_type;
 #: the numpy backend's `_Q8_KIND_OF_TYPE`): Q8_0 / Q8_1 blocks of 32, Q8_K blocks of 256.
 Q8_0, Q8_1, Q8_K = 0, 1, 2
-#: The weight types the int8 tensor-core kernel (mmq_q8_<type>_t<TT>) takes, with their activation kind.
+#: The weight types the int8 tensor-core kernel (mmq_i8_<type>_t<TT>) takes, with their activation kind.
 MMQ_Q8_KIND = {"q8_0": Q8_0, "q4_0": Q8_0, "q4_1": Q8_1, "q4_k": Q8_K, "q5_k": Q8_K, "q6_k": Q8_K}
 #: the token tiles of the int8 entries
 MMQ_Q8_TILE_TOKENS = (16, 32, 64, 128)
 _Q8_QUANTIZE_ENTRY = {Q8_0: "q8_quantize_0", Q8_1: "q8_quantize_1", Q8_K: "q8_quantize_k"}
 
 ENTRY_POINTS = ([f"mmq_{t}_t{n}" for t in WEIGHT_TYPES for n in MMQ_TILE_TOKENS] + list(_Q8_QUANTIZE_ENTRY.values())
-                + [f"mmq_q8_{t}_t{n}" for t in MMQ_Q8_KIND for n in MMQ_Q8_TILE_TOKENS])
+                + [f"mmq_i8_{t}_t{n}" for t in MMQ_Q8_KIND for n in MMQ_Q8_TILE_TOKENS])
 
 
 def mmq_tile_tokens(n_tokens: int) -> int:
@@ -180,21 +188,49 @@ def mmq_q8(w, qtype, x, y, acts: Q8Acts, *, ne0: int, n_rows: int, n_tokens: int
     if n_rows == 0 or n_tokens == 0:
         return
     tt = mmq_q8_tile_tokens(n_tokens)
-    launch("mmq", f"mmq_q8_{t}_t{tt}", (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (128,),
+    launch("mmq", f"mmq_i8_{t}_t{tt}", (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (128,),
            (w, acts.q, acts.d, NULL if acts.s is None else acts.s, acts.isum, y, i32(ne0), i32(n_rows),
             i32(w_row_bytes), i32(n_tokens), i32(y_stride)))
 
 
-# JOIN POINT (numerics): the dp4a engineer's `numerics` option lands in the backend; the coordinator
-# joins this function with theirs. Until then `numerics` is whatever the caller passes ("exact" keeps
-# today's paths).
-def use_int8_mmq(numerics: str, wtype: str, n_tokens: int, ne0: int) -> bool:
+# ============================================================================================
+# JOIN POINT (numerics "q8"): the cupy backend's `numerics` option (values, registry, the dp4a
+# decode kernels) is another engineer's; the coordinator joins `use_int8_mmq` with their decision
+# for few tokens. Here the backend's `numerics` attribute is read as it is ("exact" keeps today's
+# paths; the registry does not let "q8" through yet, a CupyBackend built directly does).
+# ============================================================================================
+def use_int8_mmq(numerics: str, wtype: str, n_tokens: int, ne0: int, batch_invariant: bool = False) -> bool:
     """True when a MUL_MAT runs quantize + int8 mmq: llama.cpp numerics ("q8" / "llamacpp"), more
-    than MATVEC_MAX_TOKENS tokens (fewer take the dp4a matvec), a type with an integer kernel and a
-    row of whole activation blocks."""
-    if numerics not in ("q8", "llamacpp") or n_tokens <= MATVEC_MAX_TOKENS or wtype not in MMQ_Q8_KIND:
+    than MATVEC_MAX_TOKENS tokens (fewer take the dp4a matvec) or any count under batch invariance
+    (one kernel for every count: a (row, token) sum is one lane's chain over the units in order,
+    whatever the tile), a type with an integer kernel and a row of whole activation blocks."""
+    if numerics not in ("q8", "llamacpp") or wtype not in MMQ_Q8_KIND:
+        return False
+    if n_tokens <= MATVEC_MAX_TOKENS and not batch_invariant:
         return False
     return ne0 % (256 if MMQ_Q8_KIND[wtype] == Q8_K else 32) == 0
+
+
+def backend_int8_mmq(backend: CupyBackend, wtype: str, n_tokens: int, ne0: int) -> bool:
+    """`use_int8_mmq` with the backend's numerics and batch invariance."""
+    return use_int8_mmq(getattr(backend, "numerics", "exact"), wtype, n_tokens, ne0, backend.batch_invariant)
+
+
+def int8_mmq_workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int) -> Scratch:
+    """The Q8 activations' scratch of a MUL_MAT that takes the int8 path on device d (else none)."""
+    w = node.src[0]
+    wt, k, n_tok = w.type.name.lower(), plan.of(w).local[d].ne[0], matmul_tokens(node)
+    if not backend_int8_mmq(backend, wt, n_tok, k):
+        return {}
+    return mmq_q8_scratch(MMQ_Q8_KIND[wt], n_tok, k)
+
+
+def int8_mmq_steps(ex: CupyExecutable, d: int, data, wtype: str, row_bytes: int, k: int, m: int, xr, yr) -> list:
+    """A MUL_MAT's steps on the int8 path: quantize x into the scratch, then mmq_q8."""
+    kind, n_tok = MMQ_Q8_KIND[wtype], xr.shape[0]
+    bufs = {key: ex.scratch_buffer(d, key, n, dt) for key, (n, dt) in mmq_q8_scratch(kind, n_tok, k).items()}
+    acts = q8_acts_from_scratch(bufs, kind, n_tok, k)
+    return record(mmq_q8, data, wtype, xr, yr, acts, ne0=k, n_rows=m, w_row_bytes=row_bytes)
 
 
 def workspace(backend, plan, node, d: int, one_token_too: bool = False) -> Scratch:
