@@ -6,6 +6,12 @@ kernel's few tokens and the dequantize + cuBLAS path, `MMQ_MIN_TOKENS`..`MMQ_MAX
 default, the backend's ``mmq_min_tokens`` / ``mmq_max_tokens`` options override them; every count
 under ``batch_invariant``: a (row, token) sum is one thread's FMA chain in a fixed order, whatever
 the tile or the token count), and the matvec handler launches `mmq`.
+
+The int8 path (numerics "q8", llama.cpp's rounding): `q8_quantize` rounds the activations to Q8
+blocks as `oracles.ref_q8_quantize` does, bit for bit, and `mmq_q8` multiplies them with the weight's
+codes on the tensor cores (``mmq_i8_<type>_t<TT>``, mma.sync m16n8k32 s8, sm_80+). `use_int8_mmq`
+says which MUL_MATs take it (the join point with the numerics option's other kernels), and
+`int8_mmq_steps` / `int8_mmq_workspace` are what the matvec handler and its workspace call.
 """
 
 from __future__ import annotations

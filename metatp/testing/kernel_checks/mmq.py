@@ -146,18 +146,19 @@ def _q4_1_offsets(raw: np.ndarray, rows: int, ne0: int) -> np.ndarray:
     return raw.reshape(rows, ne0 // 32, 20)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
 
 
-def ref_mmq_q8(wt: str, kind: int, raw, deq, x) -> np.ndarray:
-    """float64 y = W . q8(x) as llama.cpp forms it: x rounded by ref_q8_quantize, times the
-    dequantized weight; q4_1's offsets multiply Q8_1's s (f16(d * sum q)), not d * sum q."""
+def ref_mmq_q8(wt: str, kind: int, raw, deq, x, xp=np):
+    """float64 y = W . q8(x) as llama.cpp forms it: x (host) rounded by ref_q8_quantize, times the
+    dequantized weight `deq` (an `xp` array: numpy, or CuPy for the GPU script's big shapes); q4_1's
+    offsets (from the host `raw` blocks) multiply Q8_1's s (f16(d * sum q)), not d * sum q."""
     q, d, s, _ = ref_q8_quantize(x, kind)
     nt, ne0 = x.shape
     qb = 256 if kind == 2 else 32
     xd = q.astype(np.float64) * np.repeat(d.astype(np.float64), qb, axis=1)
-    y = xd @ deq.astype(np.float64).T
+    y = xp.asarray(xd) @ deq.astype(np.float64).T
     if wt == "q4_1":
-        m = _q4_1_offsets(raw, deq.shape[0], ne0)
+        m = _q4_1_offsets(np.asarray(raw), deq.shape[0], ne0)
         exact_sums = d.astype(np.float64) * q.reshape(nt, ne0 // 32, 32).astype(np.float64).sum(axis=-1)
-        y += (s.astype(np.float64) - exact_sums) @ m.T
+        y += xp.asarray((s.astype(np.float64) - exact_sums) @ m.T)
     return y
 
 
