@@ -80,3 +80,27 @@ def test_q8_matches_numpy_llamacpp_numerics(synth_model, prompt):
     want, exact = _numpy(synth_model, "llamacpp").forward(prompt), _numpy(synth_model, "exact").forward(prompt)
     assert _rel_err(got, want) < 1e-5
     assert _rel_err(exact, want) > 1e-3
+
+
+def test_int8_decision_and_refusals():
+    """Which MUL_MATs take the int8 path, and what its launchers refuse (typed, by name)."""
+    from metatp.backends.cuda.kernels import mmq
+    from metatp.backends.cuda.launch import using
+    from metatp.ir.errors import UnsupportedOpError
+    from metatp.testing.cuda_emulator import Emulator
+
+    use = mmq.use_int8_mmq
+    assert not use("exact", "q4_k", 64, 256)
+    assert not use("q8", "q4_k", 8, 256) and use("q8", "q4_k", 9, 256) and use("llamacpp", "q8_0", 512, 32)
+    assert use("q8", "q6_k", 1, 256, batch_invariant=True)
+    assert not use("q8", "f16", 64, 256) and not use("q8", "bf16", 64, 256)
+    assert not use("q8", "q4_k", 64, 288) and use("q8", "q4_0", 64, 288)   # Q8_K needs whole 256-blocks
+    with using(Emulator()):
+        x, y = np.zeros((9, 256), np.float32), np.zeros((9, 4), np.float32)
+        acts = mmq.q8_acts_empty(mmq.Q8_K, 9, 256)
+        with pytest.raises(UnsupportedOpError, match="f16"):
+            mmq.mmq_q8(np.zeros((4, 512), np.uint8), "f16", x, y, acts, ne0=256, n_rows=4)
+        with pytest.raises(ValueError, match="isum"):
+            mmq.q8_quantize(x, mmq.Q8_K, acts._replace(isum=np.zeros((9, 15), np.int32)), k=256)
+        with pytest.raises(ValueError, match="256-blocks"):
+            mmq.q8_acts_empty(mmq.Q8_K, 9, 288)

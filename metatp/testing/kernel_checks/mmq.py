@@ -222,3 +222,24 @@ def check_mmq_q8_tiles(c: Checker) -> None:
         for rows in (63, 64, 65, 197):
             x = c.rng.standard_normal((20, ne0)).astype(np.float32)
             _case_q8(c, "mmq_q8 rows", wt, raw[:rows], deq[:rows], x, ne0=ne0, rows=rows)
+    _case_q8_same_bits(c, "q6_k", 70, 512, 150)
+
+
+def _case_q8_same_bits(c: Checker, wt: str, rows: int, ne0: int, nt: int) -> None:
+    """Batch invariance: each token's outputs are the same bits in a launch of 1, 17, 40 or `nt`
+    tokens (other tiles, other places in them), what batch_invariant relies on."""
+    mm = c.ck.mmq
+    raw, _ = make_weight(c.rng, wt, rows, ne0)
+    x = c.rng.standard_normal((nt, ne0)).astype(np.float32)
+    d_raw = c.dev(raw)
+
+    def run(n: int, start: int) -> np.ndarray:
+        y = c.nan((n, rows))
+        acts = mm.q8_acts_empty(mm.MMQ_Q8_KIND[wt], n, ne0)
+        mm.mmq_q8(d_raw, wt, c.dev(x[start:start + n]), y, acts, ne0=ne0, n_rows=rows)
+        return c.host(y).view(np.int32)
+
+    full = run(nt, 0)
+    for n, start in ((1, nt - 1), (17, 5), (40, 100)):
+        c.case("mmq_q8 same bits in any batch", wt, (rows, ne0, n), lambda: None,
+               lambda n=n, start=start: run(n, start), full[start:start + n], 0.0, err_fn=_bits_mismatch)
