@@ -39,9 +39,10 @@ def _rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _cupy(model, **kw):
-    """A cupy engine on the emulator, and the set of kernel names it launches (filled as it runs)."""
-    lay = DeviceLayout(1, "none", None)
+def _cupy(model, n_devices: int = 1, **kw):
+    """A cupy engine on the emulator (n_devices: tensor parallel), and the set of kernel names it
+    launches (filled as it runs)."""
+    lay = DeviceLayout(n_devices, "tensor" if n_devices > 1 else "none", None)
     rt = EmuRuntime()
     launched: set[str] = set()
     trip = rt.emu.before_launch
@@ -69,12 +70,14 @@ def test_q8_prefill_runs_the_int8_kernels_exact_mode_does_not(synth_model):
     assert ran and not {n for n in ran if n.startswith(("mmq_i8_", "q8_quantize_"))}
 
 
-@pytest.mark.parametrize("prompt", [PROMPT[:1], PROMPT], ids=["1 token", "12 tokens"])
-def test_q8_matches_numpy_llamacpp_numerics(synth_model, prompt):
+@pytest.mark.parametrize("prompt, n_devices", [(PROMPT[:1], 1), (PROMPT, 1), (PROMPT, 2)],
+                         ids=["1 token", "12 tokens", "12 tokens on 2 devices"])
+def test_q8_matches_numpy_llamacpp_numerics(synth_model, prompt, n_devices):
     """Batch invariance puts every count on the int8 kernel (one token too), so each product is
     the numpy backend's integer one: logits within f32 rounding of its llama.cpp numerics, while
-    the exact numerics differ by the activation rounding (1e-2 here)."""
-    eng, ran = _cupy(synth_model, numerics="q8", batch_invariant=True)
+    the exact numerics differ by the activation rounding (1e-2 here). Two devices: weights split
+    along rows or along ne0 (each slice whole activation blocks: the same rounding, partial sums)."""
+    eng, ran = _cupy(synth_model, n_devices, numerics="q8", batch_invariant=True)
     got = eng.forward(prompt)
     assert INT8_KERNELS <= ran
     want, exact = _numpy(synth_model, "llamacpp").forward(prompt), _numpy(synth_model, "exact").forward(prompt)
