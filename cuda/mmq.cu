@@ -14,10 +14,9 @@
 // chunk u%NCHUNK, CW elements at W::idx): both tiles use the same order, so the products
 // are those of the natural order, and one step may take part of a K-quant super-block.
 //
-// The tile product (mt_mmq_tile_f32: f32 FMAs, 4 rows x NTT tokens per thread) is the one
-// function an int8 tensor-core version replaces: activations quantized per 32-element block
-// (q8_1, as llama.cpp's MMQ and the CPU path's q8 activations), weights kept as int8 + scales,
-// mma.sync.m16n8k32.s8 on the two tiles. That version is not written yet (see docs/kernels.md).
+// The int8 path (numerics "q8", at the end of this file): activations rounded to llama.cpp's Q8
+// blocks by q8_quantize_*, weights unpacked to int8 tiles, products on the tensor cores with
+// mma.sync.m16n8k32 s8, scales applied in f32 per 32-element block.
 #include "quant.cuh"
 
 #define MT_MMQ_TR 64    // output rows per block
@@ -129,3 +128,385 @@ __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float*
     MT_MMQ_ENTRY_T(name, W, 4, 64)
 
 MT_FOR_ALL_WTYPES(MT_MMQ_ENTRY)
+
+
+// =============================================================================================
+// The int8 path (numerics "q8": llama.cpp's rounding of activations, its MMQ on tensor cores).
+//
+// 1. q8_quantize_{0,1,k}: each activation row rounded to Q8 blocks exactly as ggml-cpu (and
+//    metatp/testing/oracles.py ref_q8_quantize) round them: codes int8 [n][K], scales f32
+//    [n][K/32] (Q8_0, Q8_1; kept as f16 values) or [n][K/256] (Q8_K), Q8_1's s f32 [n][K/32],
+//    int32 sums of every 16 codes [n][K/16].
+// 2. mmq_i8_<type>_t<TT>: a block owns 64 weight rows x TT tokens, 4 warps of 16 rows each. Each
+//    step takes 4 units of 32 elements: the weight tile's codes are unpacked ONCE into int8
+//    shared memory (in natural element order, beside each (row, unit)'s f32 scale, second
+//    scale and offset), the activation codes are copied beside them, and every warp multiplies
+//    its 16 rows by all TT tokens with mma.sync.m16n8k32 s8 (int32 per unit), then applies
+//    y += xd * (wd * isum) + wm * xs in f32, as the CPU's integer kernels do:
+//      q8_0, q4_0 (Q8_0 acts):  wd = d, codes q or n - 8;           wm = 0
+//      q4_1 (Q8_1):             wd = d, codes n;                    wm = m, xs = s
+//      q4_k, q5_k (Q8_K):       wd = d * sc_j, codes n (4/5 bits);  wm = -dmin * m_j, xs = xd * sum q
+//      q6_k (Q8_K):             two products per unit (16-element scales: A's columns 0..15 and
+//                               16..31 are separate registers), wd0 = d * sc, wd1 = d * sc'
+// =============================================================================================
+#define MT_Q8_0 0
+#define MT_Q8_1 1
+#define MT_Q8_K 2
+
+// ---- the activation rounding: one warp per block of 32 (Q8_0 / Q8_1) or 256 (Q8_K) elements.
+// Launch: block (256) = 8 warps, grid (ceil(blocks per row / 8), n_tokens).
+template <int KIND>
+__device__ __forceinline__ void mt_q8_quantize_32(const float* __restrict__ x, mt_i8* __restrict__ q,
+                                                  float* __restrict__ d, float* __restrict__ s,
+                                                  int* __restrict__ isum, int k, int x_stride) {
+    const int lane = threadIdx.x & 31, b = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (b >= k / 32) return;  // the whole warp
+    const float v = x[(mt_i64)t * x_stride + 32 * b + lane];
+    const float amax = mt_warp_max(fabsf(v));
+    const float db = __fdiv_rn(amax, 127.0f);
+    const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const int qv = (int)rintf(__fmul_rn(v, id));
+    int s16 = qv;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) s16 += __shfl_xor_sync(0xffffffffu, s16, o);
+    const int s32 = s16 + __shfl_xor_sync(0xffffffffu, s16, 16);
+    q[(mt_i64)t * k + 32 * b + lane] = (mt_i8)qv;
+    if ((lane & 15) == 0) isum[(mt_i64)t * (k / 16) + 2 * b + (lane >> 4)] = s16;
+    if (lane == 0) {
+        d[(mt_i64)t * (k / 32) + b] = mt_h2f(mt_f2h(db));
+        if (KIND == MT_Q8_1) s[(mt_i64)t * (k / 32) + b] = mt_h2f(mt_f2h(__fmul_rn(db, (float)s32)));
+    }
+}
+
+// Q8_K: max = the first element of largest |x| (lane l holds elements 8l..8l+7), iscale =
+// -127/max, q = min(127, rint(iscale * x)), d = 1/iscale.
+__device__ __forceinline__ void mt_q8_quantize_256(const float* __restrict__ x, mt_i8* __restrict__ q,
+                                                   float* __restrict__ d, int* __restrict__ isum, int k,
+                                                   int x_stride) {
+    const int lane = threadIdx.x & 31, b = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (b >= k / 256) return;  // the whole warp
+    const float* xb = x + (mt_i64)t * x_stride + 256 * b + 8 * lane;
+    float v[8];
+    float best = 0.0f, bestv = 0.0f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        v[i] = xb[i];
+        const float ax = fabsf(v[i]);
+        if (ax > best) {
+            best = ax;
+            bestv = v[i];
+            bi = 8 * lane + i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        const float ov = __shfl_xor_sync(0xffffffffu, bestv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) {
+            best = ob;
+            bestv = ov;
+            bi = oi;
+        }
+    }
+    const float iscale = best != 0.0f ? __fdiv_rn(-127.0f, bestv) : 0.0f;
+    int sum = 0;
+    mt_i8* qb = q + (mt_i64)t * k + 256 * b + 8 * lane;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int qi = best != 0.0f ? min(127, (int)rintf(__fmul_rn(iscale, v[i]))) : 0;
+        qb[i] = (mt_i8)qi;
+        sum += qi;
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if ((lane & 1) == 0) isum[(mt_i64)t * (k / 16) + 16 * b + (lane >> 1)] = sum;
+    if (lane == 0) d[(mt_i64)t * (k / 256) + b] = best != 0.0f ? __fdiv_rn(1.0f, iscale) : 0.0f;
+}
+
+// q8_quantize_<0|1|k>(const float *x, int8 *q, float *d, float *s, int32 *isum, int32 k,
+//                     int32 n_tokens, int32 x_stride): token t's K floats at x + t*x_stride;
+// outputs packed per token (q + t*k, d + t*k/32 or t*k/256, s + t*k/32 (Q8_1 only; else not
+// touched), isum + t*k/16). k a multiple of 32 (256 for Q8_K). Block (256), grid
+// (ceil(k / 32 / 8) or ceil(k / 256 / 8), n_tokens).
+extern "C" __global__ void __launch_bounds__(256)
+    q8_quantize_0(const float* x, mt_i8* q, float* d, float* s, int* isum, int k, int n_tokens, int x_stride) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
+    mt_q8_quantize_32<MT_Q8_0>(x, q, d, s, isum, k, x_stride);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    q8_quantize_1(const float* x, mt_i8* q, float* d, float* s, int* isum, int k, int n_tokens, int x_stride) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
+    mt_q8_quantize_32<MT_Q8_1>(x, q, d, s, isum, k, x_stride);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    q8_quantize_k(const float* x, mt_i8* q, float* d, float* s, int* isum, int k, int n_tokens, int x_stride) {
+    mt_pdl_wait(); mt_pdl_launch_dependents();
+    mt_q8_quantize_256(x, q, d, isum, k, x_stride);
+}
+
+// ---- the tensor-core product: D (16 x 8 s32) += A (16 x 32 s8, row) B (32 x 8 s8, col).
+// Fragments as the PTX ISA lays them out (g = lane >> 2, t = lane & 3): a[0] = A[g][4t..4t+3],
+// a[1] = A[g+8][4t..], a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]; b[0] = B[4t..4t+3][g],
+// b[1] = B[16+4t..][g]; c[0..1] = D[g][2t, 2t+1], c[2..3] = D[g+8][2t, 2t+1].
+__device__ __forceinline__ void mt_mma_s8(int (&c)[4], const int (&a)[4], const int (&b)[2]) {
+#ifndef MT_HOST_EMU
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // int8 mma needs sm_80+: an older GPU gets a launch error, never a wrong sum
+#endif
+#else
+    mt_emu::mma_m16n8k32_s8(c, a, b, c);
+#endif
+}
+
+// ---- weights as int8 units of 32 elements (natural order), one struct per type:
+//   KIND   the activation rounding its products take (llama.cpp's vec_dot_type)
+//   SPLIT  1: the unit's two halves of 16 have scales of their own (q6_k)
+//   load(row, u, q, wd0, wd1, wm): unit u of the row -> 8 words of 4 int8 codes, scales, offset.
+// (n + 0x78) ^ 0x80 per byte is n - 8 for n in 0..15, (n + 0x60) ^ 0x80 is n - 32 for 0..63.
+struct Q8WQ8_0 {
+    enum { KIND = MT_Q8_0, SPLIT = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const mt_u8* b = row + (mt_i64)u * 34;
+        *wd0 = mt_ldh(b);
+        *wd1 = 0.0f;
+        *wm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = (int)mt_ld32(b + 2 + 4 * i);
+    }
+};
+struct Q8WQ4_0 {
+    enum { KIND = MT_Q8_0, SPLIT = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const mt_u8* b = row + (mt_i64)u * 18;
+        *wd0 = mt_ldh(b);
+        *wd1 = 0.0f;
+        *wm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const mt_u32 v = mt_ld32(b + 2 + 4 * i);
+            q[i] = (int)(((v & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u);
+            q[4 + i] = (int)((((v >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u);
+        }
+    }
+};
+struct Q8WQ4_1 {
+    enum { KIND = MT_Q8_1, SPLIT = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const mt_u8* b = row + (mt_i64)u * 20;
+        *wd0 = mt_ldh(b);
+        *wd1 = 0.0f;
+        *wm = mt_ldh(b + 2);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const mt_u32 v = mt_ld32(b + 4 + 4 * i);
+            q[i] = (int)(v & 0x0F0F0F0Fu);
+            q[4 + i] = (int)((v >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+// Q4_K / Q5_K: unit u = sub-block j = u % 8 of super-block u / 8.
+template <int BITS5>
+__device__ __forceinline__ void mt_q8w_k45(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+    const int j = u & 7;
+    const mt_u8* b = row + (mt_i64)(u >> 3) * (BITS5 ? 176 : 144);
+    int sc, mn;
+    mt_scale_min_k4(j, b + 4, &sc, &mn);
+    *wd0 = __fmul_rn(mt_ldh(b), (float)sc);
+    *wd1 = 0.0f;
+    *wm = -__fmul_rn(mt_ldh(b + 2), (float)mn);
+    const mt_u8* qs = b + (BITS5 ? 48 : 16) + 32 * (j >> 1);
+    const int sh = 4 * (j & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        mt_u32 v = (mt_ld32(qs + 4 * i) >> sh) & 0x0F0F0F0Fu;
+        if (BITS5) v |= ((mt_ld32(b + 16 + 4 * i) >> j) & 0x01010101u) << 4;
+        q[i] = (int)v;
+    }
+}
+struct Q8WQ4_K {
+    enum { KIND = MT_Q8_K, SPLIT = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        mt_q8w_k45<0>(row, u, q, wd0, wd1, wm);
+    }
+};
+struct Q8WQ5_K {
+    enum { KIND = MT_Q8_K, SPLIT = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        mt_q8w_k45<1>(row, u, q, wd0, wd1, wm);
+    }
+};
+// Q6_K: unit u = 32 elements 128h + 32k + l (j = u % 8 = 4h + k, l = 0..31) of super-block u / 8;
+// scales[8h + 2k] for l < 16, scales[8h + 2k + 1] for l >= 16.
+struct Q8WQ6_K {
+    enum { KIND = MT_Q8_K, SPLIT = 1 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const int j = u & 7, h = j >> 2, k = j & 3;
+        const mt_u8* b = row + (mt_i64)(u >> 3) * 210;
+        const float d = mt_ldh(b + 208);
+        *wd0 = __fmul_rn(d, (float)(mt_i8)b[192 + 8 * h + 2 * k]);
+        *wd1 = __fmul_rn(d, (float)(mt_i8)b[192 + 8 * h + 2 * k + 1]);
+        *wm = 0.0f;
+        const mt_u8* ql = b + 64 * h + 32 * (k & 1);
+        const mt_u8* qh = b + 128 + 32 * h;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const mt_u32 lo = (mt_ld32(ql + 4 * i) >> (4 * (k >> 1))) & 0x0F0F0F0Fu;
+            const mt_u32 hi = ((mt_ld32(qh + 4 * i) >> (2 * k)) & 0x03030303u) << 4;
+            q[i] = (int)(((lo | hi) + 0x60606060u) ^ 0x80808080u);
+        }
+    }
+};
+
+#define MT_MMQ8_TR 64                     // weight rows per block (4 warps x 16)
+#define MT_MMQ8_UPS 4                     // 32-element units per step
+#define MT_MMQ8_NTH 128
+#define MT_MMQ8_WS (MT_MMQ8_UPS * 8 + 4)  // int32 words per tile row: +4 makes fragment loads conflict-free
+
+template <typename Q, int TT>
+__device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8* __restrict__ xq,
+                                        const float* __restrict__ xd, const float* __restrict__ xs1,
+                                        const int* __restrict__ xisum, float* __restrict__ y, int ne0,
+                                        int n_rows, int row_bytes, int n_tok, int y_stride) {
+    enum { NT = TT / 8, UPS = MT_MMQ8_UPS, TR = MT_MMQ8_TR };
+    __shared__ int w_s[TR][MT_MMQ8_WS];
+    __shared__ float wd0_s[TR][UPS], wd1_s[TR][UPS], wm_s[TR][UPS];
+    __shared__ int x_s[TT][MT_MMQ8_WS];
+    __shared__ float xd_s[TT][UPS], xs_s[TT][UPS];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, tg = lane & 3;
+    const int row0 = blockIdx.x * TR, tok0 = blockIdx.y * TT;
+    const int units = ne0 / 32;
+    const int r0 = 16 * warp + g, r1 = r0 + 8;  // this lane's rows in the tile
+
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+    for (int u0 = 0; u0 < units; u0 += UPS) {
+        // ---- the weight tile: each (row, unit) unpacked once (zeros past the edges)
+        for (int e = tid; e < TR * UPS; e += MT_MMQ8_NTH) {
+            const int r = e / UPS, uu = e - r * UPS;
+            const int row = row0 + r, u = u0 + uu;
+            int qv[8];
+            float d0 = 0.0f, d1 = 0.0f, m = 0.0f;
+            if (row < n_rows && u < units) {
+                Q::load(w + (mt_i64)row * row_bytes, u, qv, &d0, &d1, &m);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) qv[i] = 0;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) w_s[r][8 * uu + i] = qv[i];
+            wd0_s[r][uu] = d0;
+            wd1_s[r][uu] = d1;
+            wm_s[r][uu] = m;
+        }
+        // ---- the activation tile: codes (words of 4) and each (token, unit)'s scale and offset sum
+        for (int e = tid; e < TT * UPS * 8; e += MT_MMQ8_NTH) {
+            const int t = e / (UPS * 8), p = e - t * (UPS * 8);
+            const int tok = tok0 + t, u = u0 + (p >> 3);
+            int v = 0;
+            if (tok < n_tok && u < units) v = *(const int*)(xq + (mt_i64)tok * ne0 + 32 * u + 4 * (p & 7));
+            x_s[t][p] = v;
+        }
+        for (int e = tid; e < TT * UPS; e += MT_MMQ8_NTH) {
+            const int t = e / UPS, uu = e - t * UPS;
+            const int tok = tok0 + t, u = u0 + uu;
+            float dv = 0.0f, sv = 0.0f;
+            if (tok < n_tok && u < units) {
+                if (Q::KIND == MT_Q8_K) {
+                    dv = xd[(mt_i64)tok * (ne0 / 256) + (u >> 3)];
+                    const int* is = xisum + (mt_i64)tok * (ne0 / 16) + 2 * u;
+                    sv = __fmul_rn(dv, (float)(is[0] + is[1]));
+                } else {
+                    dv = xd[(mt_i64)tok * units + u];
+                    if (Q::KIND == MT_Q8_1) sv = xs1[(mt_i64)tok * units + u];
+                }
+            }
+            xd_s[t][uu] = dv;
+            xs_s[t][uu] = sv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int uu = 0; uu < UPS; ++uu) {
+            int a[4];
+            a[0] = w_s[r0][8 * uu + tg];
+            a[1] = w_s[r1][8 * uu + tg];
+            a[2] = w_s[r0][8 * uu + 4 + tg];
+            a[3] = w_s[r1][8 * uu + 4 + tg];
+            const float wd0[2] = {wd0_s[r0][uu], wd0_s[r1][uu]};
+            const float wd1[2] = {wd1_s[r0][uu], wd1_s[r1][uu]};
+            const float wm[2] = {wm_s[r0][uu], wm_s[r1][uu]};
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                int b[2];
+                b[0] = x_s[8 * j + g][8 * uu + tg];
+                b[1] = x_s[8 * j + g][8 * uu + 4 + tg];
+                int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+                if (Q::SPLIT) {
+                    const int alo[4] = {a[0], a[1], 0, 0}, ahi[4] = {0, 0, a[2], a[3]};
+                    mt_mma_s8(c0, alo, b);
+                    mt_mma_s8(c1, ahi, b);
+                } else {
+                    mt_mma_s8(c0, a, b);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int t = 8 * j + 2 * tg + (i & 1), h = i >> 1;
+                    float dot = wd0[h] * (float)c0[i];
+                    if (Q::SPLIT) dot = fmaf(wd1[h], (float)c1[i], dot);
+                    acc[j][i] = fmaf(xd_s[t][uu], dot, acc[j][i]);
+                    if (Q::KIND != MT_Q8_0) acc[j][i] = fmaf(wm[h], xs_s[t][uu], acc[j][i]);
+                }
+            }
+        }
+        __syncthreads();  // the tiles are rewritten by the next step
+    }
+
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + (i < 2 ? r0 : r1), tok = tok0 + 8 * j + 2 * tg + (i & 1);
+            if (row < n_rows && tok < n_tok) y[(mt_i64)tok * y_stride + row] = acc[j][i];
+        }
+}
+
+// mmq_i8_<type>_t<TT>(const uint8 *w, const int8 *xq, const float *xd, const float *xs,
+//                     const int32 *xisum, float *y, int32 ne0, int32 n_rows, int32 row_bytes,
+//                     int32 n_tokens, int32 y_stride)
+// y[t*y_stride + r] = sum over the row of W[r] times token t's Q8 activations (q8_quantize_*
+// of the type's KIND, packed per token as that kernel writes them; xs: Q8_1's s, else not read).
+// TT in {16, 32, 64, 128}. Launch: block (128), grid (ceil(n_rows / 64), ceil(n_tokens / TT)).
+// ne0 a multiple of the type's block; sm_80+.
+#define MT_MMQ8_ENTRY_T(name, Q, TT)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MT_MMQ8_NTH)                                           \
+        mmq_i8_##name##_t##TT(const mt_u8* w, const mt_i8* xq, const float* xd, const float* xs,        \
+                              const int* xisum, float* y, int ne0, int n_rows, int row_bytes,           \
+                              int n_tokens, int y_stride) {                                             \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                                      \
+        mt_mmq8<Q, TT>(w, xq, xd, xs, xisum, y, ne0, n_rows, row_bytes, n_tokens, y_stride);            \
+    }
+#define MT_MMQ8_ENTRY(name, Q)       \
+    MT_MMQ8_ENTRY_T(name, Q, 16)     \
+    MT_MMQ8_ENTRY_T(name, Q, 32)     \
+    MT_MMQ8_ENTRY_T(name, Q, 64)     \
+    MT_MMQ8_ENTRY_T(name, Q, 128)
+
+MT_MMQ8_ENTRY(q8_0, Q8WQ8_0)
+MT_MMQ8_ENTRY(q4_0, Q8WQ4_0)
+MT_MMQ8_ENTRY(q4_1, Q8WQ4_1)
+MT_MMQ8_ENTRY(q4_k, Q8WQ4_K)
+MT_MMQ8_ENTRY(q5_k, Q8WQ5_K)
+MT_MMQ8_ENTRY(q6_k, Q8WQ6_K)

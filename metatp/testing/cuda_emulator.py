@@ -89,6 +89,75 @@ template <class T> inline T shfl_xor(T v, int o) {
     return r;
 }
 
+// ---- mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 as a warp collective (PTX ISA, "Matrix
+// Fragments for mma.m16n8k32", integer types). groupID = lane >> 2, tig = lane % 4 (threadID_in_group).
+//   A (16 x 32 s8, row): a0..a15 (bytes of 4 .b32 registers, a0 = low byte of register 0):
+//     row = groupID for i < 4 or 8 <= i < 12, else groupID + 8;
+//     col = tig * 4 + (i & 3) for i < 8, else tig * 4 + (i & 3) + 16.
+//   B (32 x 8 s8, col): b0..b7 (bytes of 2 .b32 registers): row = tig * 4 + (i & 3) for i < 4,
+//     else tig * 4 + (i & 3) + 16; col = groupID.
+//   C, D (16 x 8 s32): c0..c3: row = groupID for i < 2, else groupID + 8; col = tig * 2 + (i & 1).
+// Strict: every one of the warp's 32 lanes must take part (the .aligned form); a lane missing,
+// or lanes at different calls, is a fault the launch reports. Integer accumulation wraps as s32
+// (no .satfinite).
+struct MmaLane { int a[4]; int b[2]; int c[4]; int d[4]; };
+inline MmaLane mma_lane[1024];
+inline unsigned mma_calls[1024];        // per lane: mma calls in this launch
+inline unsigned mma_done[32];           // per warp: the call number whose product is in mma_lane[].d
+inline char fault[256];                 // set by a collective that cannot complete (reported by the launch)
+
+inline int mma_a_row(int lane, int i) { return (lane >> 2) + ((i < 4 || (i >= 8 && i < 12)) ? 0 : 8); }
+inline int mma_a_col(int lane, int i) { return (lane % 4) * 4 + (i & 3) + (i < 8 ? 0 : 16); }
+inline int mma_b_row(int lane, int i) { return (lane % 4) * 4 + (i & 3) + (i < 4 ? 0 : 16); }
+inline int mma_b_col(int lane, int) { return lane >> 2; }
+inline int mma_c_row(int lane, int i) { return (lane >> 2) + (i < 2 ? 0 : 8); }
+inline int mma_c_col(int lane, int i) { return (lane % 4) * 2 + (i & 1); }
+inline int s8_of(const int* regs, int i) { return (int)(signed char)(((unsigned)regs[i / 4] >> (8 * (i % 4))) & 0xffu); }
+
+// The warp's product once, from all 32 lanes' fragments: D = A B + C.
+inline void mma_warp_product(int w0) {
+    int A[16][32], B[32][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const MmaLane& f = mma_lane[w0 + l];
+        for (int i = 0; i < 16; ++i) A[mma_a_row(l, i)][mma_a_col(l, i)] = s8_of(f.a, i);
+        for (int i = 0; i < 8; ++i) B[mma_b_row(l, i)][mma_b_col(l, i)] = s8_of(f.b, i);
+        for (int i = 0; i < 4; ++i) C[mma_c_row(l, i)][mma_c_col(l, i)] = f.c[i];
+    }
+    for (int l = 0; l < 32; ++l)
+        for (int i = 0; i < 4; ++i) {
+            const int r = mma_c_row(l, i), n = mma_c_col(l, i);
+            unsigned acc = (unsigned)C[r][n];
+            for (int k = 0; k < 32; ++k) acc += (unsigned)(A[r][k] * B[k][n]);
+            mma_lane[w0 + l].d[i] = (int)acc;
+        }
+}
+
+inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
+    const int lin = cur->lin, w0 = lin & ~31;
+    MmaLane& me = mma_lane[lin];
+    memcpy(me.a, a, sizeof me.a);
+    memcpy(me.b, b, sizeof me.b);
+    memcpy(me.c, c, sizeof me.c);
+    const unsigned call = ++mma_calls[lin];
+    sync_warp();
+    const long nth = (long)block_dim.x * block_dim.y * block_dim.z;
+    bool whole = w0 + 32 <= nth;
+    for (int l = 0; whole && l < 32; ++l) whole = mma_calls[w0 + l] == call;
+    if (!whole) {
+        if (!fault[0])
+            snprintf(fault, sizeof fault, "mma.sync.aligned in block (%u,%u,%u) warp %d without all 32 lanes "
+                     "at the same call", block_idx.x, block_idx.y, block_idx.z, w0 / 32);
+        for (int i = 0; i < 4; ++i) d[i] = 0;
+    } else {
+        if (mma_done[w0 / 32] != call) {
+            mma_warp_product(w0);
+            mma_done[w0 / 32] = call;
+        }
+        memcpy(d, me.d, sizeof me.d);
+    }
+    sync_warp();
+}
+
 template <class T> constexpr char kind() {
     if constexpr (std::is_pointer_v<T>) return 'p';
     else if constexpr (std::is_same_v<T, int>) return 'i';
@@ -120,6 +189,7 @@ template <class T> inline T __ldg(const T* p) { return *p; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
@@ -204,6 +274,9 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
     launch_tramp = tramp;
     launch_args = args;
     pdl_waits = 0;
+    memset(mma_calls, 0, sizeof mma_calls);
+    memset(mma_done, 0, sizeof mma_done);
+    fault[0] = 0;
     block_dim = {bx, by, bz};
     grid_dim = {gx, gy, gz};
     for (unsigned z = 0; z < gz; ++z)
@@ -223,6 +296,12 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
                     makecontext(&f.ctx, (void (*)())fiber_main, 0);
                 }
                 if (!run_block((int)nth, err, err_len)) return 2;
+                if (fault[0]) {
+                    snprintf(err, err_len, "%s", fault);
+                    return 3;
+                }
+                memset(mma_calls, 0, sizeof mma_calls);
+                memset(mma_done, 0, sizeof mma_done);
             }
     return 0;
 }
@@ -236,13 +315,17 @@ _SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s
 
 def emulator_source(family: str) -> str:
     """One family as host C++: prelude, the kernels (shared memory made static), trampolines."""
-    src = module_source(family)
+    return _host_source(module_source(family), expected_entry_points()[family])
+
+
+def _host_source(src: str, entries) -> str:
+    """CUDA source text (includes expanded) as host C++ with trampolines for `entries`."""
     src = _SHARED_EXTERN_RE.sub(lambda m: f"#define {m.group(2)} (({m.group(1)}*)mt_emu::dyn_smem)", src)
     src = re.sub(r"\b__shared__\b", "static", src)
     tramps = "\n".join(
         f'extern "C" void mt_tramp_{n}(void** a) {{ mt_emu::invoke(&{n}, a); }}\n'
         f'extern "C" const char* mt_sig_{n}() {{ return mt_emu::sig(&{n}); }}'
-        for n in expected_entry_points()[family])
+        for n in entries)
     return _EMU_PRELUDE + src + _EMU_LAUNCHER + tramps + "\n"
 
 
@@ -388,6 +471,20 @@ class Emulator:
             if lib is None:
                 lib = Emulator._libs[path] = ctypes.CDLL(str(path))
         return _EmuModule(self, lib)
+
+    def probe_kernel(self, source: str, name: str) -> _EmuKernel:
+        """A test's own kernel `name` from CUDA `source` (no includes) on this emulator: for
+        checking the emulator's intrinsics and collectives alone."""
+        from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+        with _lock:
+            path = build_shared_library(f"probe_{name}", _host_source(source, [name]), ".cpp",
+                                        os.environ.get("CXX", "g++"), _EMU_FLAGS,
+                                        host_cache_dir("METATP_EMU_CACHE", "metatp-emu"))
+            lib = Emulator._libs.get(path)
+            if lib is None:
+                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
+        return _EmuKernel(self, lib, name)
 
     def kernel(self, family: str, name: str) -> _EmuKernel:
         """launch.KernelEngine: one emulated kernel serves every emulated GPU (host memory)."""

@@ -221,3 +221,16 @@ def test_mmq_crossover_suggests_where_the_tiled_kernel_wins_everywhere():
     assert suggest(rows[:4]) == (16, 64)
     assert suggest([row("a", 4, 1.0, 2.0, 9.0)]) is None
     assert suggest([{**row("a", 4, 1.0, 2.0, 9.0), "gemm_us": None}]) is None
+    assert suggest([{**row("a", 16, 5.0, 3.0, 9.0), "mmq_i8_us": 1.0}]) == (16, 16)   # q8 numerics' path apart
+
+
+def test_mmq_crossover_int8_range_is_where_it_beats_cublas_and_the_f32_tiles_everywhere():
+    from scripts.mmq_crossover import suggest_int8
+
+    def row(shape, t, mq, gm, i8):
+        return {"shape": shape, "tokens": t, "matvec_us": 0.1, "mmq_us": mq, "gemm_us": gm, "mmq_i8_us": i8}
+    rows = [row("a", 16, 3.0, 9.0, 2.0), row("a", 64, 8.0, 9.0, 4.0), row("a", 256, 30.0, 10.0, 12.0),
+            row("b", 16, 3.0, 9.0, 2.0), row("b", 64, 9.0, 5.0, 6.0)]
+    assert suggest_int8(rows) == (16, 16)       # at 64 tokens cuBLAS wins for shape b; at 256 for a
+    assert suggest_int8(rows[:2]) == (16, 64)
+    assert suggest_int8([row("a", 16, 3.0, 9.0, None)]) is None

@@ -19,7 +19,8 @@ from metatp.backends.cuda.kernels.dequant import dequantize
 from metatp.backends.cuda.kernels.elementwise import copy
 from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, record, rows_view, unfused_in_order,
                                                   weight_operand)
-from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS, mmq
+from metatp.backends.cuda.kernels.mmq import (MMQ_MAX_TOKENS, MMQ_MIN_TOKENS, backend_int8_mmq, int8_mmq_steps,
+                                              int8_mmq_workspace, mmq)
 from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv, estrides,
                                          check_f32, check_i32, tail, check_block_type, device_ptr)
@@ -253,8 +254,16 @@ def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
 
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
-    """A MUL_MAT on the GEMM path needs its operand copies on device d."""
-    if node.op is not Op.MUL_MAT or backend_matmul_path(backend, node) != "gemm":
+    """A MUL_MAT on the GEMM path needs its operand copies on device d; one on the int8 path
+    (numerics "q8", mmq.py) its Q8 activations."""
+    if node.op is not Op.MUL_MAT:
+        return {}
+    path = backend_matmul_path(backend, node)
+    if path in ("mmq", "gemm"):
+        int8 = int8_mmq_workspace(backend, plan, node, d)
+        if int8:
+            return int8
+    if path != "gemm":
         return {}
     lw = plan.of(node.src[0]).local[d]
     return _gemm_scratch(lw.ne[0], lw.ne[1], matmul_tokens(node), backend.matmul_dtype)
@@ -270,6 +279,8 @@ def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
     loc_w = ex.plan.of(w).local[d]
     k, m = loc_w.ne[0], loc_w.ne[1]
     xr, yr = rows_view(ex, array_of(ex, d, x)), rows_view(ex, array_of(ex, d, node))
+    if path in ("mmq", "gemm") and backend_int8_mmq(ex.backend, wtype, xr.shape[0], k):    # numerics "q8"
+        return int8_mmq_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
     if path == "matvec":
         return record(matvec, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
     if path == "mmq":

@@ -1,0 +1,105 @@
+"""The emulator's mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 alone, against numpy.
+
+The fragments are laid out here from the PTX ISA's tables ("Matrix Fragments for mma.m16n8k32",
+integer types), written apart from both the emulator and cuda/mmq.cu: a wrong lane / register /
+byte mapping in the emulator fails this test, and one in the kernel fails the mmq_q8 checks
+(whose products go through this emulated instruction).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from metatp.testing.cuda_emulator import Emulator
+from support.require import requires
+
+requires_cxx = requires("emulator")
+
+# Each lane loads its fragments (a: 4 words, b: 2, c: 4) from global memory, runs the mma and
+# stores its 4 outputs; lanes >= `active` leave before the mma (which must then fault).
+_PROBE = r"""
+extern "C" __global__ void mma_probe(const int* a, const int* b, const int* c, int* d, int active) {
+    const int lane = threadIdx.x;
+    if (lane >= active) return;
+    int av[4], bv[2], cv[4], dv[4];
+    for (int i = 0; i < 4; ++i) av[i] = a[4 * lane + i];
+    for (int i = 0; i < 2; ++i) bv[i] = b[2 * lane + i];
+    for (int i = 0; i < 4; ++i) cv[i] = c[4 * lane + i];
+    mt_emu::mma_m16n8k32_s8(dv, av, bv, cv);
+    for (int i = 0; i < 4; ++i) d[4 * lane + i] = dv[i];
+}
+"""
+
+
+def _fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray):
+    """Per lane (groupID = lane // 4, t = lane % 4), as the PTX ISA tables give them:
+    a_i (i < 16): row groupID (+8 for i in 4..7 and 12..15), col 4t + i % 4 (+16 for i >= 8);
+    b_i (i < 8): row 4t + i % 4 (+16 for i >= 4), col groupID;
+    c_i (i < 4): row groupID (+8 for i >= 2), col 2t + i % 2.
+    Element i of a / b is byte i % 4 (little-endian) of register i // 4."""
+    a = np.zeros((32, 16), np.int8)
+    b = np.zeros((32, 8), np.int8)
+    c = np.zeros((32, 4), np.int32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(16):
+            row = g + (8 if (4 <= i < 8 or i >= 12) else 0)
+            a[lane, i] = A[row, 4 * t + i % 4 + (16 if i >= 8 else 0)]
+        for i in range(8):
+            b[lane, i] = B[4 * t + i % 4 + (16 if i >= 4 else 0), g]
+        for i in range(4):
+            c[lane, i] = C[g + (8 if i >= 2 else 0), 2 * t + i % 2]
+    return a.view(np.int32).copy(), b.view(np.int32).copy(), c
+
+
+def _unpack_d(d: np.ndarray) -> np.ndarray:
+    out = np.zeros((16, 8), np.int64)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            out[g + (8 if i >= 2 else 0), 2 * t + i % 2] = d[lane, i]
+    return out
+
+
+def _run(A, B, C, active=32):
+    a, b, c = _fragments(A, B, C)
+    d = np.full((32, 4), -1, np.int32)
+    k = Emulator().probe_kernel(_PROBE, "mma_probe")
+    k((1,), (32,), (a, b, c, d, np.int32(active)))
+    return _unpack_d(d)
+
+
+@requires_cxx
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulated_mma_is_the_matrix_product(seed):
+    rng = np.random.default_rng(seed)
+    A = rng.integers(-128, 128, (16, 32), dtype=np.int8)
+    B = rng.integers(-128, 128, (32, 8), dtype=np.int8)
+    C = rng.integers(-2**20, 2**20, (16, 8), dtype=np.int32)
+    want = A.astype(np.int64) @ B.astype(np.int64) + C
+    np.testing.assert_array_equal(_run(A, B, C), want)
+
+
+@requires_cxx
+def test_emulated_mma_extremes():
+    """-128 * -128 summed 32 times (the largest product) and a single nonzero element per matrix."""
+    A = np.full((16, 32), -128, np.int8)
+    B = np.full((32, 8), -128, np.int8)
+    C = np.zeros((16, 8), np.int32)
+    np.testing.assert_array_equal(_run(A, B, C), np.full((16, 8), 32 * 128 * 128))
+    A = np.zeros((16, 32), np.int8)
+    B = np.zeros((32, 8), np.int8)
+    A[11, 21] = 3
+    B[21, 6] = -5
+    want = np.zeros((16, 8), np.int64)
+    want[11, 6] = -15
+    np.testing.assert_array_equal(_run(A, B, C), want)
+
+
+@requires_cxx
+def test_emulated_mma_needs_the_whole_warp():
+    """.aligned: all 32 lanes execute it; a lane that left first is a launch error, not garbage."""
+    z8 = np.zeros((16, 32), np.int8)
+    with pytest.raises(RuntimeError, match="mma.sync.aligned.*32 lanes"):
+        _run(z8, np.zeros((32, 8), np.int8), np.zeros((16, 8), np.int32), active=31)
