@@ -261,7 +261,8 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
     quantized or rounded x)."""
     path = backend_matmul_path(backend, node) if node.op is Op.MUL_MAT else None
     if path in ("mmvq", "mmq_q8"):
-        return mmvq.workspace_of(path, plan.of(node.src[0]).local[d].ne[0], matmul_tokens(node))
+        return mmvq.workspace_of(path, node.src[0].type.name.lower(), plan.of(node.src[0]).local[d].ne[0],
+                                 matmul_tokens(node))
     if path != "gemm":
         return {}
     lw = plan.of(node.src[0]).local[d]

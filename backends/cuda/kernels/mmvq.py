@@ -77,9 +77,20 @@ def _round_workspace(ne0: int, n_tokens: int) -> Scratch:
     return {"mmvq_xr": (n_tokens * ne0, np.float32)}
 
 
-def workspace_of(path: str, ne0: int, n_tokens: int) -> Scratch:
-    """Scratch a MUL_MAT on `path` ("mmvq" or "mmq_q8") needs on a device."""
-    return q8_workspace(ne0, n_tokens) if path == "mmvq" else _round_workspace(ne0, n_tokens)
+def _rounds_for_mmq(wtype: str) -> bool:
+    """Many tokens: is x rounded to its Q8 grid enough for the f32 tiled kernel to give the int8
+    result? Yes for Q8_0 and Q8_K (no min term, or one that multiplies d * sum q); not for Q8_1,
+    whose min term multiplies s = f16(amax/127 * sum q), not f16(amax/127) * sum q: a 5e-4 relative
+    error on a term often larger than the result (2e-3 on the logits of a Q4_1 model), so Q4_1
+    keeps the int8 kernel, 8 tokens a launch."""
+    return ACTIVATION_KIND[wtype] != "q8_1"
+
+
+def workspace_of(path: str, wtype: str, ne0: int, n_tokens: int) -> Scratch:
+    """Scratch a MUL_MAT of weight type `wtype` on `path` ("mmvq" or "mmq_q8") needs on a device."""
+    if path == "mmq_q8" and _rounds_for_mmq(wtype):
+        return _round_workspace(ne0, n_tokens)
+    return q8_workspace(ne0, n_tokens)
 
 
 # ---------------------------------------------------------------- launchers
@@ -270,8 +281,12 @@ def many_token_steps(ex: CupyExecutable, d: int, mm: Tensor, data, wtype: str, r
                      xr, yr) -> list:
     """A MUL_MAT of more than MATVEC_MAX_TOKENS tokens under numerics="q8": x rounded to its Q8 grid
     (the codes and scales the int8 kernels use), then the f32 tiled `mmq` (not cuBLAS's f16
-    operands, which would round again). The one place an int8 tensor-core mmq would replace."""
+    operands, which would round again); Q4_1 weights: the int8 kernel 8 tokens a launch
+    (`_rounds_for_mmq`). The one place an int8 tensor-core mmq would replace."""
     n_tok = xr.shape[0]
+    if not _rounds_for_mmq(wtype):
+        xq, xds = _scratch(ex, d, q8_workspace(k, n_tok))
+        return record(mmvq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes, xq=xq, xds=xds)
     (buf,) = _scratch(ex, d, _round_workspace(k, n_tok))
     xq = buf[: n_tok * k].reshape(n_tok, k)
     steps = record(round_q8, xr, ACTIVATION_KIND[wtype], xq, ne0=k)
