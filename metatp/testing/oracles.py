@@ -14,7 +14,8 @@ import numpy as np
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 - re-exported for the checks
 
 __all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "kv_quantize", "kv_dequantize",
-           "kv_rows", "ref_rope", "ref_attention", "ref_mask_cells", "ref_q8_quantize", "ref_q8_matmul", "Q8_KIND_OF_WEIGHT", "gelu", "silu"]
+           "kv_rows", "ref_rope", "ref_attention", "ref_mask_cells", "ref_q8_quantize",
+           "ref_q8_matmul", "Q8_KIND_OF_WEIGHT", "gelu", "silu"]
 
 
 def _gguf():

@@ -369,7 +369,8 @@ def _fused_matvec_glu(ex: CupyExecutable, d: int, f: Fusion) -> list:
     du, _, _, _ = weight_operand(ex, d, up.src[0])
     loc_w = ex.plan.of(gate.src[0]).local[d]
     act = "swiglu" if node.params["glu"] == GluOp.SWIGLU.value else "geglu"
-    return record(_decode_launcher(ex, d, matvec_glu, gate), dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
+    launcher = _decode_launcher(ex, d, matvec_glu, gate)
+    return record(launcher, dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
                   array_of(ex, d, node).reshape(-1), ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
                   w_row_bytes=row_bytes, act=act, **_folded_norm_args(ex, d, norm))
 
@@ -382,7 +383,8 @@ def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
         loc_w = ex.plan.of(mm.src[0]).local[d]
         ne0 = loc_w.ne[0]
         jobs.append((data, array_of(ex, d, mm).reshape(-1), loc_w.ne[1], row_bytes))
-    return record(_decode_launcher(ex, d, matvec_multi, members[0]), jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
+    launcher = _decode_launcher(ex, d, matvec_multi, members[0])
+    return record(launcher, jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
                   ne0=ne0, **_folded_norm_args(ex, d, norm))
 
 

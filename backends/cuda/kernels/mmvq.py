@@ -170,7 +170,8 @@ def mmvq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, 
         _, qk, nbytes = check_block_type(qtype, ne0)
         w_row_bytes = ne0 // qk * nbytes
     x_small = (x.shape[1] < ne0 or x.shape[0] < n_tokens) if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + ne0
-    y_small = (y.shape[1] < n_rows or y.shape[0] < n_tokens) if y.ndim == 2 else y.size < (n_tokens - 1) * y_stride + n_rows
+    y_small = ((y.shape[1] < n_rows or y.shape[0] < n_tokens) if y.ndim == 2
+               else y.size < (n_tokens - 1) * y_stride + n_rows)
     if x_small or y_small:
         raise ValueError(f"x {x.shape} / y {y.shape} too small for ne0={ne0}, n_rows={n_rows}, n_tokens={n_tokens}")
     if n_rows == 0 or n_tokens == 0:
