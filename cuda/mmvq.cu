@@ -499,19 +499,25 @@ __device__ __forceinline__ void mt_mmvq(const mt_u8* w, const mt_i8* xq, const f
 
 // mmvq_<type>_x1(const uint8 *w, const float *x, float *y, int32 ne0, int32 n_rows,
 //     int32 row_bytes, const float *add /* or null */)
-// One token, x rounded in the prologue. Launch as matvec, dynamic shared memory 1.25 * ne0 bytes.
+// One token, x rounded in the prologue. Launch: block (bx, by) as matvec, any grid (a block
+// walks the row blocks blockIdx.x, + gridDim.x, ...: one prologue serves several of them),
+// dynamic shared memory 1.25 * ne0 bytes.
 template <typename W>
 __device__ __forceinline__ void mt_mmvq_x1(const mt_u8* w, const float* x, float* y, int ne0,
                                            int n_rows, int row_bytes, const float* add) {
     mt_mmvq_prologue<W::KIND>(x, ne0, 0, 0.0f, 0);
     const mt_u8* ws[1] = {w};
-    float acc[1][1];
     const float* sd = mt_mmvq_sd(ne0);
-    if (!mt_mmvq_rows_any<W, 1, 1>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, n_rows, row_bytes, 1,
-                                   acc, blockIdx.x))
-        return;
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    y[row] = acc[0][0] + (add != 0 ? add[row] : 0.0f);
+    const int n_rb = (n_rows + blockDim.y - 1) / blockDim.y;
+    for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
+        float acc[1][1];
+        if (mt_mmvq_rows_any<W, 1, 1>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, n_rows, row_bytes,
+                                      1, acc, rb)) {
+            const int row = rb * blockDim.y + threadIdx.y;
+            y[row] = acc[0][0] + (add != 0 ? add[row] : 0.0f);
+        }
+        __syncthreads();  // the reduction's shared memory is reused by the next row block
+    }
 }
 
 #define MT_MMVQ_ENTRY_T(name, W, NT)                                                             \
@@ -536,7 +542,9 @@ __device__ __forceinline__ void mt_mmvq_x1(const mt_u8* w, const float* x, float
 MT_FOR_ALL_MMVQ_TYPES(MT_MMVQ_ENTRY)
 
 // ------------------------------------------------------------------ several weights, one x
-// mmvq_multi_<type>: matvec_multi's arguments and grid; dynamic shared memory 1.25 * ne0 bytes.
+// mmvq_multi_<type>: matvec_multi's arguments; block as matvec, any grid (a block walks the
+// sum_j ceil(rows_j / by) row blocks with stride gridDim.x: the first ceil(rows0 / by) are W0's,
+// the next W1's, then W2's); dynamic shared memory 1.25 * ne0 bytes.
 template <typename W>
 __device__ __forceinline__ void mt_mmvq_multi(const mt_u8* w0, const mt_u8* w1, const mt_u8* w2,
                                               float* y0, float* y1, float* y2, int rows0, int rows1,
@@ -545,23 +553,26 @@ __device__ __forceinline__ void mt_mmvq_multi(const mt_u8* w0, const mt_u8* w1, 
     mt_mmvq_prologue<W::KIND>(x, ne0, norm_w, eps, norm);
     const int by = blockDim.y;
     const int nb0 = (rows0 + by - 1) / by, nb1 = (rows1 + by - 1) / by;
-    int b = blockIdx.x;
-    const mt_u8* w = w0;
-    float* y = y0;
-    int rows = rows0, rb = rb0;
-    if (b >= nb0 + nb1) {
-        b -= nb0 + nb1;
-        w = w2; y = y2; rows = rows2; rb = rb2;
-    } else if (b >= nb0) {
-        b -= nb0;
-        w = w1; y = y1; rows = rows1; rb = rb1;
-    }
-    const mt_u8* ws[1] = {w};
-    float acc[1][1];
+    const int n_rb = nb0 + nb1 + (rows2 + by - 1) / by;
     const float* sd = mt_mmvq_sd(ne0);
-    if (!mt_mmvq_rows_any<W, 1, 1>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, rows, rb, 1, acc, b))
-        return;
-    y[b * by + threadIdx.y] = acc[0][0];
+    for (int vb = blockIdx.x; vb < n_rb; vb += gridDim.x) {
+        int b = vb;
+        const mt_u8* w = w0;
+        float* y = y0;
+        int rows = rows0, rb = rb0;
+        if (b >= nb0 + nb1) {
+            b -= nb0 + nb1;
+            w = w2; y = y2; rows = rows2; rb = rb2;
+        } else if (b >= nb0) {
+            b -= nb0;
+            w = w1; y = y1; rows = rows1; rb = rb1;
+        }
+        const mt_u8* ws[1] = {w};
+        float acc[1][1];
+        if (mt_mmvq_rows_any<W, 1, 1>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, rows, rb, 1, acc, b))
+            y[b * by + threadIdx.y] = acc[0][0];
+        __syncthreads();  // the reduction's shared memory is reused by the next row block
+    }
 }
 
 #define MT_MMVQ_MULTI_ENTRY(name, W)                                                            \
@@ -576,8 +587,9 @@ __device__ __forceinline__ void mt_mmvq_multi(const mt_u8* w0, const mt_u8* w1, 
 MT_FOR_ALL_MMVQ_TYPES(MT_MMVQ_MULTI_ENTRY)
 
 // ------------------------------------------------------------------ gate/up + GLU
-// mmvq_<swiglu|geglu>_<type>: matvec_<act>'s arguments and grid; dynamic shared memory
-// 1.25 * ne0 bytes. y[r] = act(Wg[r] . x') * (Wu[r] . x'), x' rounded after the norm.
+// mmvq_<swiglu|geglu>_<type>: matvec_<act>'s arguments; block as matvec, any grid (row blocks
+// walked as mmvq_x1); dynamic shared memory 1.25 * ne0 bytes.
+// y[r] = act(Wg[r] . x') * (Wu[r] . x'), x' rounded after the norm.
 struct MqSilu { static __device__ __forceinline__ float f(float v) { return mt_silu(v); } };
 struct MqGelu { static __device__ __forceinline__ float f(float v) { return mt_gelu(v); } };
 
@@ -587,13 +599,17 @@ __device__ __forceinline__ void mt_mmvq_glu(const mt_u8* wg, const mt_u8* wu, co
                                             const float* norm_w, float eps, int norm) {
     mt_mmvq_prologue<W::KIND>(x, ne0, norm_w, eps, norm);
     const mt_u8* ws[2] = {wg, wu};
-    float acc[2][1];
     const float* sd = mt_mmvq_sd(ne0);
-    if (!mt_mmvq_rows_any<W, 1, 2>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, n_rows, row_bytes, 1,
-                                   acc, blockIdx.x))
-        return;
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    y[row] = ACT::f(acc[0][0]) * acc[1][0];
+    const int n_rb = (n_rows + blockDim.y - 1) / blockDim.y;
+    for (int rb = blockIdx.x; rb < n_rb; rb += gridDim.x) {
+        float acc[2][1];
+        if (mt_mmvq_rows_any<W, 1, 2>(ws, mt_mmvq_sq(), sd, sd + ne0 / 32, ne0, n_rows, row_bytes,
+                                      1, acc, rb)) {
+            const int row = rb * blockDim.y + threadIdx.y;
+            y[row] = ACT::f(acc[0][0]) * acc[1][0];
+        }
+        __syncthreads();  // the reduction's shared memory is reused by the next row block
+    }
 }
 
 #define MT_MMVQ_GLU_ENTRY(name, W)                                                            \

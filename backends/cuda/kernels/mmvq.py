@@ -25,7 +25,7 @@ import numpy as np
 from metatp.backends.cuda.kernels.handler import Scratch, record
 from metatp.backends.cuda.kernels.mmq import mmq
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, cdiv, check_block_type, check_f32, estrides, f32, i32,
-                                         launch, tail)
+                                         launch, sm_count, tail)
 from metatp.ir.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -53,6 +53,15 @@ ENTRY_POINTS = ([f"mmvq_{t}_x1" for t in ACTIVATION_KIND]
 #: one-token launches of more rows than this quantize x once into the workspace instead of in
 #: every block's prologue (an lm head has thousands of blocks; as matvec's NORM_FOLD_MAX_ROWS)
 PROLOGUE_MAX_ROWS = 8192
+#: a prologue launch has at most this many blocks per SM; each walks several row blocks, so x is
+#: rounded once per resident block rather than once per row block (GPU run: tune against the
+#: workspace route, `mmvq(..., prologue=False)`)
+PROLOGUE_BLOCKS_PER_SM = 4
+
+
+def _prologue_grid(n_row_blocks: int) -> tuple[int]:
+    """Blocks of a prologue launch: one per row block, at most PROLOGUE_BLOCKS_PER_SM per SM."""
+    return (max(1, min(n_row_blocks, PROLOGUE_BLOCKS_PER_SM * sm_count())),)
 
 
 # ---------------------------------------------------------------- the decision
@@ -183,7 +192,8 @@ def mmvq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, 
     if prologue:
         if n_tokens != 1:
             raise ValueError(f"mmvq: the prologue rounds one token, not {n_tokens}")
-        launch("mmvq", f"mmvq_{t}_x1", grid, (bx, by), (w, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), add),
+        launch("mmvq", f"mmvq_{t}_x1", _prologue_grid(grid[0]), (bx, by),
+               (w, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), add),
                shared_mem=_smem(ne0))
         return
     if xq is None or xds is None:
@@ -229,7 +239,7 @@ def mmvq_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | None 
     if n_blocks == 0:
         return
     nw, e, flag = _norm_args(ne0, norm_weight, eps)
-    launch("mmvq", f"mmvq_multi_{t}", (n_blocks,), (bx, by),
+    launch("mmvq", f"mmvq_multi_{t}", _prologue_grid(n_blocks), (bx, by),
            (*(j[0] for j in jobs), *(j[1] for j in jobs), *(i32(j[2]) for j in jobs),
             *(i32(j[3]) for j in jobs), x, i32(ne0), nw, e, flag), shared_mem=_smem(ne0))
 
@@ -250,7 +260,7 @@ def mmvq_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int, w_row_bytes: i
         return
     nw, e, flag = _norm_args(ne0, norm_weight, eps)
     bx, by = _block(ne0 // 32)
-    launch("mmvq", f"mmvq_{act}_{t}", (cdiv(n_rows, by),), (bx, by),
+    launch("mmvq", f"mmvq_{act}_{t}", _prologue_grid(cdiv(n_rows, by)), (bx, by),
            (w_gate, w_up, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), nw, e, flag), shared_mem=_smem(ne0))
 
 

@@ -107,6 +107,11 @@ def check_mmvq(c: Checker) -> None:
                               ("q4_0", 14336, 2, 1), ("q5_k", 14336, 2, 3)):
         raw, _ = make_weight(c.rng, wt, rows, ne0)
         _product_case(c, "mmvq", wt, raw, c.rng.standard_normal((nt, ne0)).astype(np.float32), ne0=ne0, rows=rows)
+    # more row blocks than a prologue launch has blocks (4 per SM): each block walks several
+    for wt, ne0, rows in (("q4_0", 256, 300), ("q6_k", 4096, 41)):
+        raw, _ = make_weight(c.rng, wt, rows, ne0)
+        _product_case(c, "mmvq prologue row walk", wt, raw, c.rng.standard_normal((1, ne0)).astype(np.float32),
+                      ne0=ne0, rows=rows, prologue=True)
     # residual (per token) and bias (one row) added in the epilogue
     for wt, nt in (("q4_1", 1), ("q4_k", 4), ("q6_k", 3)):
         raw, _ = make_weight(c.rng, wt, 21, 512)
@@ -158,7 +163,7 @@ def check_mmvq_fused(c: Checker) -> None:
         ne0 = 512
         x = _exact_norm_x(c.rng, ne0)
         nw = (1.0 + 0.25 * c.rng.integers(-2, 3, ne0)).astype(np.float32)
-        raws = [make_weight(c.rng, wt, r, ne0)[0] for r in (37, 11, 11)]
+        raws = [make_weight(c.rng, wt, r, ne0)[0] for r in ((37, 11, 11) if wt != "q8_0" else (200, 64, 64))]
         for n_jobs, norm, with_w in ((3, True, True), (2, False, False), (1, True, False)):
             xn = _normed(x, nw if with_w else None, eps) if norm else x
             refs = [ref_q8_matmul(raws[j], wt, ne0, xn[None])[0] for j in range(n_jobs)]
@@ -168,17 +173,18 @@ def check_mmvq_fused(c: Checker) -> None:
             c.case(f"mmvq_multi{' norm' if norm else ''}", wt, (n_jobs, ne0),
                    lambda jobs=jobs, kw=kw: ck.mmvq.mmvq_multi(jobs, wt, c.dev(x), ne0=ne0, **kw),
                    lambda ys=ys: np.concatenate([c.host(y) for y in ys]), np.concatenate(refs), _TOL)
-        rg, ru = (make_weight(c.rng, wt, 29, ne0)[0] for _ in range(2))
+        g_rows = 29 if wt != "q4_k" else 301          # q4_k: more row blocks than the launch's blocks
+        rg, ru = (make_weight(c.rng, wt, g_rows, ne0)[0] for _ in range(2))
         for act, f in (("swiglu", silu), ("geglu", gelu)):
             for norm in (True, False):
                 xn = _normed(x, nw, eps) if norm else x
                 with np.errstate(over="ignore"):        # silu of a large negative sum: exp overflows to 0
                     ref = f(ref_q8_matmul(rg, wt, ne0, xn[None])[0]) * ref_q8_matmul(ru, wt, ne0, xn[None])[0]
-                y = c.nan((29,))
+                y = c.nan((g_rows,))
                 kw = {"norm_weight": c.dev(nw), "eps": eps} if norm else {}
-                c.case(f"mmvq_{act}{' norm' if norm else ''}", wt, (29, ne0),
+                c.case(f"mmvq_{act}{' norm' if norm else ''}", wt, (g_rows, ne0),
                        lambda y=y, act=act, kw=kw: ck.mmvq.mmvq_glu(c.dev(rg), c.dev(ru), wt, c.dev(x), y, ne0=ne0,
-                                                                   n_rows=29, act=act, **kw),
+                                                                   n_rows=g_rows, act=act, **kw),
                        lambda y=y: c.host(y), ref, 1e-4)
 
 
