@@ -627,3 +627,25 @@ __device__ __forceinline__ void mt_mmvq_glu(const mt_u8* wg, const mt_u8* wu, co
     }
 
 MT_FOR_ALL_MMVQ_TYPES(MT_MMVQ_GLU_ENTRY)
+
+// ------------------------------------------------------------------ f16 / bf16 weights
+// mmvq_round_f16(const float *x, int32 x_stride, int32 ne0, int32 n_tokens, float *out,
+//     int32 out_stride, const float *norm_w /* or null */, float32 eps, int32 norm)
+// out[t*out_stride + i] = f16(x'[t, i]) as float: llama.cpp's CPU backend rounds x to f16 before a
+// product with an f16 or bf16 weight; x' = x, or with norm != 0 (x * rms scale) * norm_w, the
+// norm folded into the product that reads x. Launch: block (256), grid (n_tokens).
+extern "C" __global__ void __launch_bounds__(256)
+    mmvq_round_f16(const float* x, int x_stride, int ne0, int n_tokens, float* out, int out_stride,
+                   const float* norm_w, float eps, int norm) {
+    const float* xt = x + (mt_i64)blockIdx.x * x_stride;
+    float* ot = out + (mt_i64)blockIdx.x * out_stride;
+    const float scale = norm ? mt_mmvq_rms_scale(xt, ne0, eps) : 1.0f;
+    for (int i = threadIdx.x; i < ne0; i += blockDim.x) {
+        float v = xt[i];
+        if (norm) {
+            v = __fmul_rn(v, scale);
+            if (norm_w != 0) v = __fmul_rn(v, norm_w[i]);
+        }
+        ot[i] = mt_round_half(v);
+    }
+}

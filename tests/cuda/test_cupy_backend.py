@@ -255,6 +255,32 @@ def test_q8_numerics_match_numpy_q8(synth_model, kind, n_prompt):
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
+def test_q8_numerics_on_k_quants_and_half_weights(synth_factory, kind):
+    """numerics="q8" on Q4_K q/k/v (one fused launch), Q4_0, Q6_K, Q5_K and F16 (x rounded to f16, as
+    the numpy backend's round_f16) weights: the numpy backend's q8 logits, on one device and on two
+    (tensor split), over a 12-token prompt and decode steps."""
+    spec = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=300, seed=5, tied=False,
+                     types={"q": "Q4_K", "k": "Q4_K", "v": "Q4_K", "o": "Q4_0", "gate": "F16", "up": "F16",
+                            "down": "Q6_K", "output": "Q5_K", "embd": "Q8_0"})
+    model = load_model(synth_factory(spec)[0])
+    for n in (1, 2):
+        lay = layout_for(n)
+        rt = runtime(kind)
+        ran: list[str] = []
+        if rt is not None:
+            trip = rt.emu.before_launch
+            rt.emu.before_launch = lambda name: (ran.append(name), trip(name))
+        eng = Engine(model, 512, lay, CupyBackend(lay, runtime=rt, numerics="q8", kv_dtype="f32"))
+        ref = Engine(model, 512, lay, NumpyBackend(lay, numerics="q8"))
+        got, want = teacher_forced(eng, ref, PROMPT, 3)
+        errs = [rel_err(a, b) for a, b in zip(got, want)]
+        assert max(errs) < 5e-3 and sum(e < 1e-5 for e in errs) >= len(errs) - 1, errs
+        assert_same_greedy(got, want, 5e-3)
+        if rt is not None:
+            assert {"mmvq_multi_q4_k", "mmvq_round_f16", "mmvq_q6_k_x1", "mmvq_round_q8_k"} <= set(ran)
+
+
+@pytest.mark.parametrize("kind", RUNTIMES)
 def test_default_numerics_f16_kv_and_gemm(synth_model, kind):
     """f16 KV cache and f16 operands for the prefill GEMM: close, same greedy tokens (the tiled
     kernel turned off: the prompt's 12 tokens are in its default range)."""

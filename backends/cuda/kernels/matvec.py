@@ -336,7 +336,7 @@ def _decode_launcher(ex: CupyExecutable, d: int, launcher, mm: Tensor):
     arguments) where mm's path is "mmvq" (numerics="q8"): the one place the choice is made."""
     if backend_matmul_path(ex.backend, mm) != "mmvq":
         return launcher
-    return mmvq.int8_twin(ex, d, launcher.__name__, mm)
+    return mmvq.int8_twin(ex, d, launcher, mm)
 
 
 def _folded_norm_args(ex: CupyExecutable, d: int, norm) -> dict:

@@ -10,9 +10,9 @@ workspace (`q8_workspace`) and the product reads them. More than MATVEC_MAX_TOKE
 `many_token_steps` rounds x to its Q8 grid (q * d) and runs the f32 tiled `mmq` on it.
 
 Which MUL_MAT runs what is `q8_path` (called by `matvec.backend_matmul_path`, the family's one
-decision); f32, f16 and bf16 weights keep the exact kernels (the numpy backend rounds x to f16
-before an f16 / bf16 product: not done here, see docs/kernels.md), as does MUL_MAT_ID (exact in the
-numpy backend too).
+decision). f16 and bf16 weights: x rounded to f16 (`round_f16`, after the folded norm), then matvec's
+own kernels (or mmq), as the numpy backend's round_f16; f32 weights and MUL_MAT_ID stay exact (as in
+the numpy backend).
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'ACTIVATION_KIND', 'Q8_NUMERICS', 'q8_path', 'q8_workspace', 'quantize_q8', 'round_q8',
-           'mmvq', 'mmvq_multi', 'mmvq_glu', 'int8_twin', 'many_token_steps', 'HANDLERS', 'FUSIONS', 'workspace']
+           'mmvq', 'mmvq_multi', 'mmvq_glu', 'round_f16', 'half_rounded', 'int8_twin', 'many_token_steps', 'HANDLERS', 'FUSIONS', 'workspace']
 
 #: weight type -> the Q8 kind its activations are rounded to (llama.cpp's vec_dot_type)
 ACTIVATION_KIND = {"q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_1", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k"}
-#: elements per activation block of each kind
-_KIND_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256}
+#: half-float weights: x rounded to f16 before the float product (the numpy backend's round_f16)
+_HALF_TYPES = ("f16", "bf16")
+#: elements per activation block of each kind (f16: the numpy backend rounds rows of 32k elements only)
+_KIND_BLOCK = {"q8_0": 32, "q8_1": 32, "q8_k": 256, "f16": 32}
 #: the backend's numerics values that select this family
 Q8_NUMERICS = ("q8", "llamacpp")
 
@@ -48,7 +50,8 @@ ENTRY_POINTS = ([f"mmvq_{t}_x1" for t in ACTIVATION_KIND]
                 + [f"mmvq_{t}_t{n}" for t in ACTIVATION_KIND for n in _NT]
                 + [f"mmvq_multi_{t}" for t in ACTIVATION_KIND]
                 + [f"mmvq_{a}_{t}" for t in ACTIVATION_KIND for a in _GLU_ACTS]
-                + [f"mmvq_{op}_{k}" for k in _KIND_BLOCK for op in ("quantize", "round")])
+                + [f"mmvq_{op}_{k}" for k in ("q8_0", "q8_1", "q8_k") for op in ("quantize", "round")]
+                + ["mmvq_round_f16"])
 
 #: one-token launches of more rows than this quantize x once into the workspace instead of in
 #: every block's prologue (an lm head has thousands of blocks; as matvec's NORM_FOLD_MAX_ROWS)
@@ -71,10 +74,15 @@ def q8_path(backend: CupyBackend, node: Tensor, path: str) -> str:
     "mmq" or "gemm", for a quantized weight this family reads; else `path` unchanged."""
     if backend.numerics not in Q8_NUMERICS or path == "general":
         return path
-    kind = ACTIVATION_KIND.get(node.src[0].type.name.lower())
+    kind = _kind_of(node.src[0].type.name.lower())
     if kind is None or node.src[0].ne[0] % _KIND_BLOCK[kind]:
         return path
     return "mmvq" if path == "matvec" else "mmq_q8"
+
+
+def _kind_of(wtype: str) -> str | None:
+    """The activation rounding of a weight type: a Q8 kind, "f16" (half-float weights), or None."""
+    return "f16" if wtype in _HALF_TYPES else ACTIVATION_KIND.get(wtype)
 
 
 def q8_workspace(ne0: int, n_tokens: int) -> Scratch:
@@ -92,12 +100,12 @@ def _rounds_for_mmq(wtype: str) -> bool:
     whose min term multiplies s = f16(amax/127 * sum q), not f16(amax/127) * sum q: a 5e-4 relative
     error on a term often larger than the result (2e-3 on the logits of a Q4_1 model), so Q4_1
     keeps the int8 kernel, 8 tokens a launch."""
-    return ACTIVATION_KIND[wtype] != "q8_1"
+    return _kind_of(wtype) != "q8_1"
 
 
 def workspace_of(path: str, wtype: str, ne0: int, n_tokens: int) -> Scratch:
     """Scratch a MUL_MAT of weight type `wtype` on `path` ("mmvq" or "mmq_q8") needs on a device."""
-    if path == "mmq_q8" and _rounds_for_mmq(wtype):
+    if _kind_of(wtype) == "f16" or (path == "mmq_q8" and _rounds_for_mmq(wtype)):
         return _round_workspace(ne0, n_tokens)
     return q8_workspace(ne0, n_tokens)
 
@@ -153,6 +161,33 @@ def round_q8(x, kind: str, out, *, ne0: int, n_tokens: int | None = None, x_stri
     out_stride = (estrides(out)[0] if out.ndim == 2 else ne0) if out_stride is None else out_stride
     if n_tokens:
         _q8_launch("round", kind, x, x_stride, ne0, n_tokens, (out, i32(out_stride)))
+
+
+def round_f16(x, out, *, ne0: int, n_tokens: int | None = None, x_stride: int | None = None,
+              out_stride: int | None = None, norm_weight=None, eps: float | None = None) -> None:
+    """out = x rounded to f16 (as float32), after x's RMS norm when eps is given (norm_weight: its
+    weight, or None): what llama.cpp's CPU backend multiplies an f16 / bf16 weight with."""
+    check_f32(x, out)
+    n_tokens = (x.shape[0] if x.ndim == 2 else 1) if n_tokens is None else n_tokens
+    x_stride = (estrides(x)[0] if x.ndim == 2 else ne0) if x_stride is None else x_stride
+    out_stride = (estrides(out)[0] if out.ndim == 2 else ne0) if out_stride is None else out_stride
+    nw, e, flag = _norm_args(ne0, norm_weight, eps)
+    if n_tokens:
+        launch("mmvq", "mmvq_round_f16", (n_tokens,), (256,),
+               (x, i32(x_stride), i32(ne0), i32(n_tokens), out, i32(out_stride), nw, e, flag))
+
+
+def half_rounded(launcher, buf, *args, **kw) -> None:
+    """`launcher` (matvec, matvec_multi or matvec_glu, called with its own arguments) on x rounded
+    to f16 in `buf` (the folded RMS norm, if any, applied while rounding)."""
+    name = launcher.__name__
+    x_at = {"matvec": 2, "matvec_multi": 2, "matvec_glu": 3}[name]
+    x, ne0 = args[x_at], kw["ne0"]
+    norm = {"norm_weight": kw.pop("norm_weight", None), "eps": kw.pop("eps", None)}
+    n_tok = (x.shape[0] if x.ndim == 2 else 1) if name == "matvec" else 1
+    xh = buf[: n_tok * ne0].reshape(n_tok, ne0)
+    round_f16(x if x.ndim == 2 or name != "matvec" else x.reshape(1, ne0), xh, ne0=ne0, n_tokens=n_tok, **norm)
+    launcher(*args[:x_at], xh if name == "matvec" and x.ndim == 2 else xh.reshape(-1), *args[x_at + 1:], **kw)
 
 
 def _smem(ne0: int) -> int:
@@ -269,16 +304,21 @@ def _scratch(ex: CupyExecutable, d: int, need: Scratch) -> list:
     return [ex.scratch_buffer(d, key, n, dtype) for key, (n, dtype) in need.items()]
 
 
-def int8_twin(ex: CupyExecutable, d: int, name: str, mm: Tensor):
-    """The int8 launcher standing in for matvec's `name` ("matvec", "matvec_multi", "matvec_glu")
-    on the product `mm`, with the same arguments (the plain one bound to its workspace)."""
+def int8_twin(ex: CupyExecutable, d: int, launcher, mm: Tensor):
+    """The launcher standing in for matvec's `launcher` (matvec, matvec_multi, matvec_glu) on the
+    product `mm`, with the same arguments: the int8 one (the plain one bound to its workspace), or
+    for an f16 / bf16 weight `launcher` itself on x rounded to f16 (`half_rounded`)."""
+    name = launcher.__name__
+    loc_w = ex.plan.of(mm.src[0]).local[d]
+    if _kind_of(mm.src[0].type.name.lower()) == "f16":
+        (buf,) = _scratch(ex, d, _round_workspace(loc_w.ne[0], _tokens(mm)))
+        return functools.partial(half_rounded, launcher, buf)
     if name == "matvec_multi":
         return mmvq_multi
     if name == "matvec_glu":
         return mmvq_glu
     if name != "matvec":
         raise ValueError(f"mmvq: no int8 twin of {name!r}")
-    loc_w = ex.plan.of(mm.src[0]).local[d]
     xq, xds = _scratch(ex, d, q8_workspace(loc_w.ne[0], _tokens(mm)))
     return functools.partial(mmvq, xq=xq, xds=xds)
 
@@ -295,6 +335,11 @@ def many_token_steps(ex: CupyExecutable, d: int, mm: Tensor, data, wtype: str, r
     operands, which would round again); Q4_1 weights: the int8 kernel 8 tokens a launch
     (`_rounds_for_mmq`). The one place an int8 tensor-core mmq would replace."""
     n_tok = xr.shape[0]
+    if _kind_of(wtype) == "f16":
+        (buf,) = _scratch(ex, d, _round_workspace(k, n_tok))
+        xh = buf[: n_tok * k].reshape(n_tok, k)
+        return record(round_f16, xr, xh, ne0=k) + record(mmq, data, wtype, xh, yr, ne0=k, n_rows=m,
+                                                         w_row_bytes=row_bytes)
     if not _rounds_for_mmq(wtype):
         xq, xds = _scratch(ex, d, q8_workspace(k, n_tok))
         return record(mmvq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes, xq=xq, xds=xds)

@@ -12,7 +12,7 @@ import numpy as np
 from metatp.testing.kernel_checks.harness import Checker
 from metatp.testing.oracles import Q8_KIND_OF_WEIGHT, gelu, make_weight, ref_q8_matmul, ref_q8_quantize, silu
 
-CHECKS = ('mmvq_quantize', 'mmvq', 'mmvq_fused')
+CHECKS = ('mmvq_quantize', 'mmvq', 'mmvq_fused', 'mmvq_half')
 
 #: integer sums are exact: only the float order of the per-block scale products differs
 _TOL = 1e-5
@@ -186,6 +186,57 @@ def check_mmvq_fused(c: Checker) -> None:
                        lambda y=y, act=act, kw=kw: ck.mmvq.mmvq_glu(c.dev(rg), c.dev(ru), wt, c.dev(x), y, ne0=ne0,
                                                                    n_rows=g_rows, act=act, **kw),
                        lambda y=y: c.host(y), ref, 1e-4)
+
+
+def check_mmvq_half(c: Checker) -> None:
+    """mmvq_round_f16: x (strided rows) rounded to f16 bit for bit, with and without the folded RMS
+    norm; matvec / matvec_multi / matvec_glu on f16 and bf16 weights through `half_rounded` against
+    a float64 product with x rounded to f16."""
+    ck = c.ck
+    for n, ne0, norm in ((3, 1000, False), (1, 512, True), (1, 512, False)):
+        x = _exact_norm_x(c.rng, ne0)[None].repeat(n, 0) if norm else c.rng.standard_normal((n, ne0)).astype(np.float32)
+        if not norm:          # (the norm's inputs stay multiples of 1/8: an exact scale in any order)
+            x[0, :3] = (70000.0, 1e-8, 1.0 + 2.0 ** -11)      # overflow to inf, subnormal, a tie to even
+        nw = (1.0 + 0.25 * c.rng.integers(-2, 3, ne0)).astype(np.float32)
+        with np.errstate(over="ignore"):
+            want = (_normed(x[0], nw, 1e-5)[None] if norm else x).astype(np.float16).astype(np.float32)
+        xp = np.zeros((n, ne0 + 8), np.float32)
+        xp[:, :ne0] = x
+        dx, out = c.dev(xp), c.nan((n, ne0))
+        kw = {"norm_weight": c.dev(nw), "eps": 1e-5} if norm else {}
+        c.case(f"mmvq_round_f16{' norm' if norm else ''}", "f16", (n, ne0),
+               lambda dx=dx, out=out, kw=kw, ne0=ne0: ck.mmvq.round_f16(dx[:, :ne0], out, ne0=ne0, **kw),
+               lambda out=out, want=want: _mismatch(c.host(out)[:want.shape[0]], want), None, 0.0, lambda o, r: o)
+    for wt in ("f16", "bf16"):
+        ne0, rows = 256, 19
+        raw, deq = make_weight(c.rng, wt, rows, ne0)
+        raw2, deq2 = make_weight(c.rng, wt, rows, ne0)
+        buf = c.nan((8 * ne0,))
+        x = c.rng.standard_normal((3, ne0)).astype(np.float32)
+        xh = x.astype(np.float16).astype(np.float64)
+        y = c.nan((3, rows))
+        c.case("half_rounded matvec", wt, (rows, ne0, 3),
+               lambda raw=raw, y=y, wt=wt, x=x, buf=buf: ck.mmvq.half_rounded(
+                   ck.matvec.matvec, buf, c.dev(raw), wt, c.dev(x), y, ne0=ne0, n_rows=rows),
+               lambda y=y: c.host(y), xh @ deq.astype(np.float64).T, _TOL)
+        x1 = _exact_norm_x(c.rng, ne0)
+        nw = (1.0 + 0.25 * c.rng.integers(-2, 3, ne0)).astype(np.float32)
+        xn = _normed(x1, nw, 1e-5).astype(np.float16).astype(np.float64)
+        y1, y2 = c.nan((rows,)), c.nan((rows,))
+        c.case("half_rounded matvec_multi norm", wt, (rows, ne0),
+               lambda raw=raw, raw2=raw2, y1=y1, y2=y2, wt=wt, x1=x1, nw=nw, buf=buf: ck.mmvq.half_rounded(
+                   ck.matvec.matvec_multi, buf, [(c.dev(raw), y1, rows, raw.shape[1]), (c.dev(raw2), y2, rows,
+                                                                                         raw2.shape[1])],
+                   wt, c.dev(x1), ne0=ne0, norm_weight=c.dev(nw), eps=1e-5),
+               lambda y1=y1, y2=y2: np.concatenate([c.host(y1), c.host(y2)]),
+               np.concatenate([deq.astype(np.float64) @ xn, deq2.astype(np.float64) @ xn]), _TOL)
+        yg = c.nan((rows,))
+        ref = silu(deq.astype(np.float64) @ xn) * (deq2.astype(np.float64) @ xn)
+        c.case("half_rounded matvec_glu norm", wt, (rows, ne0),
+               lambda raw=raw, raw2=raw2, yg=yg, wt=wt, x1=x1, nw=nw, buf=buf: ck.mmvq.half_rounded(
+                   ck.matvec.matvec_glu, buf, c.dev(raw), c.dev(raw2), wt, c.dev(x1), yg, ne0=ne0, n_rows=rows,
+                   act="swiglu", norm_weight=c.dev(nw), eps=1e-5),
+               lambda yg=yg: c.host(yg), ref, 1e-4)
 
 
 assert set(Q8_KIND_OF_WEIGHT) >= set(_TYPES)
