@@ -115,9 +115,8 @@ def _opts(*options: Option) -> dict[str, Option]:
 
 
 _NUMERICS = Option("numerics", ("exact", "llamacpp", "q8"), "exact",
-                   "exact float32, or llama.cpp's CPU rounding of matmul activations (q8: the same)")
-_EXACT = Option("numerics", ("exact",), "exact",
-                "float32 only; the numpy backend emulates llama.cpp's rounding")
+                   "exact float32, or llama.cpp's CPU rounding of matmul activations (q8: the same; on cupy, int8 "
+                   "dot products for decode)")
 _ALLREDUCE = Option("allreduce", ALLREDUCE_CHOICES, "auto", "the all-reduce between devices")
 _WIRE = Option("wire", ("auto", "f32", "bf16"), "auto", "all-reduce wire type (auto: f32 below a size, bf16 above)")
 
@@ -134,7 +133,7 @@ BACKENDS: dict[str, BackendEntry] = {
                "True insists on them)"),
     ), renamed={"threads": "parallel_devices"}, rank_wiring="metatp.backends.distributed:mpi_wiring"),
     "cupy": BackendEntry("cupy", "metatp.backends.cuda.backend:CupyBackend", _opts(
-        _EXACT, _ALLREDUCE, _WIRE,
+        _NUMERICS, _ALLREDUCE, _WIRE,
         Option("cuda_graphs", bool, True, "capture the decode step as a CUDA graph"),
         Option("kv_dtype", ("f16", "bf16", "f32"), "f16", "KV cache storage type"),
         Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),

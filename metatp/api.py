@@ -80,8 +80,8 @@ class LLM(CompletionMethods, EmbeddingMethods):
     -sm tensor over T devices; P alone: -sm layer over P; both: -sm layer,tensor over P*T, each
     stage a tensor group of T, `tensor_split` one share per device of a group); a contradiction
     with n_devices, split_mode or tensor_split is a ConfigError naming both (`metatp.parallel`).
-    `numerics`: "exact" (float32) or "llamacpp" (numpy backend only: round activations and the KV
-    cache as llama.cpp's CPU backend does, to compare logits with it).
+    `numerics`: "exact" (float32) or "llamacpp" / "q8" (round matmul activations as llama.cpp's CPU
+    backend does, to compare logits with it; the cupy backend takes int8 dot products for decode).
     `memory_budget`: bytes per device ("8GiB"); default: what the backend reports free. The memory
     plan is checked before any weight is loaded; `fit_context=True` shrinks n_ctx to fit instead
     of refusing.

@@ -80,8 +80,8 @@ def add_micro_batches_arg(p: argparse.ArgumentParser) -> None:
 
 def add_numerics_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default="exact", choices=["exact", "q8", "llamacpp"],
-                   help="numpy backend: exact (float32) | q8 (llama.cpp's int8 activations and rounding; "
-                        "also spelt llamacpp); default exact")
+                   help="exact (float32) | q8 (llama.cpp's int8 activations and rounding, numpy and cupy "
+                        "backends; also spelt llamacpp); default exact")
 
 
 def add_webui_arg(p: argparse.ArgumentParser) -> None:

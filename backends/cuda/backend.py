@@ -105,8 +105,12 @@ class CupyBackend(Backend):
     needs a `collective` spanning the processes that own the others (its `prepare_allreduce`
     takes this process's buffers and the device stream, `allgather` reads split values).
 
-    Option values are checked by `backends.registry` (numerics: "exact" only; the numpy
-    backend emulates llama.cpp's rounding)."""
+    numerics: "exact" (float32 products), or "q8" / "llamacpp" (the numpy backend's llama.cpp
+    rounding on the GPU: products with a quantized weight round x to the weight type's Q8 blocks;
+    up to MATVEC_MAX_TOKENS tokens they are int8 dot products, kernels/mmvq.py; above, x rounded to
+    its Q8 grid then the f32 tiled kernel; f32 / f16 / bf16 weights and MUL_MAT_ID stay exact).
+
+    Option values are checked by `backends.registry`."""
 
     name = "cupy"
     spanning = "cuda.nccl.NcclCollective"
@@ -197,7 +201,8 @@ class CupyBackend(Backend):
                                     ("matmul_dtype", self.matmul_dtype), ("multi_gpu_graphs", self.multi_gpu_graphs),
                                     ("gpus", tuple(self.gpus)), ("virtual", self.virtual),
                                     ("batch_invariant", self.batch_invariant), ("attn_merge", self.attn_merge),
-                                    ("fuse_qkv_rope", self.fuse_qkv_rope), ("pdl", self.pdl)))
+                                    ("fuse_qkv_rope", self.fuse_qkv_rope), ("pdl", self.pdl),
+                                    ("numerics", self.numerics)))
 
     @property
     def fault(self) -> DeviceFaultError | None:

@@ -14,7 +14,8 @@ import numpy as np
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 - re-exported for the checks
 
 __all__ = ["rel_err", "f32_to_bf16_bits", "bf16_bits_to_f32", "make_weight", "kv_quantize", "kv_dequantize",
-           "kv_rows", "ref_rope", "ref_attention", "ref_mask_cells", "ref_q8_quantize", "gelu", "silu"]
+           "kv_rows", "ref_rope", "ref_attention", "ref_mask_cells", "ref_q8_quantize",
+           "ref_q8_matmul", "Q8_KIND_OF_WEIGHT", "gelu", "silu"]
 
 
 def _gguf():
@@ -216,6 +217,39 @@ def ref_q8_quantize(x, kind: int):
     q = q.astype(np.int8).reshape(n, k)
     isum = q.reshape(n, k // 16, 16).astype(np.int32).sum(axis=-1, dtype=np.int32)
     return q, np.asarray(d, np.float32), s, isum
+
+
+#: weight type -> the ref_q8_quantize kind its activations are rounded to (llama.cpp's vec_dot_type)
+Q8_KIND_OF_WEIGHT = {"q8_0": 0, "q4_0": 0, "q5_0": 0, "q4_1": 1, "q5_1": 1, "q4_k": 2, "q5_k": 2, "q6_k": 2}
+
+
+def ref_q8_matmul(raw, wtype: str, ne0: int, x):
+    """y [n, rows] = x [n, ne0] times the weight `raw` (uint8 [rows, row_bytes] of a quantized ggml
+    type) as llama.cpp's CPU vec_dot kernels compute it: x rounded by `ref_q8_quantize` (the type's
+    kind), exact integer sums of weight codes times activation codes per weight block (16 or 32
+    elements), then in float64 sum_b scale[r, b] * d_x[b] * isum + offset[r, b] * s_x[b], with s_x
+    Q8_1's s, or d * (sum of the block's codes) for Q8_K. Codes, scales and offsets are the weight's
+    integer decomposition (`backends.numpy.codes.affine_blocks`: scale = f32(d * sc), offset =
+    -f32(dmin * m))."""
+    from metatp.backends.numpy.codes import affine_blocks  # noqa: PLC0415
+    from metatp.ir.tensor import GGMLType  # noqa: PLC0415
+
+    kind = Q8_KIND_OF_WEIGHT[wtype]
+    aw = affine_blocks(np.asarray(raw, np.uint8), GGMLType[wtype.upper()], ne0)
+    blk = aw.block
+    codes = aw.codes().astype(np.int64)
+    rows, nb = codes.shape[0], ne0 // blk
+    q, d, s, _ = ref_q8_quantize(np.asarray(x, np.float32).reshape(-1, ne0), kind)
+    n = q.shape[0]
+    qb = q.astype(np.int64).reshape(n, nb, blk)
+    isum = np.einsum("rbk,nbk->nrb", codes.reshape(rows, nb, blk), qb)          # exact integers
+    d64 = d.astype(np.float64)
+    dx = np.repeat(d64, ne0 // d.shape[1] // blk, axis=1)                          # per weight block
+    y = np.einsum("rb,nb,nrb->nr", aw.scale.astype(np.float64), dx, isum.astype(np.float64))
+    if aw.offset is not None:
+        xs = s.astype(np.float64) if kind == 1 else dx * qb.sum(axis=-1).astype(np.float64)
+        y += xs @ aw.offset.astype(np.float64).T
+    return y
 
 
 def gelu(x):

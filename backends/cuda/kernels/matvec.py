@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from metatp.backends.cuda.device_ops import HostStep
+from metatp.backends.cuda.kernels import mmvq
 from metatp.backends.cuda.kernels.dequant import dequantize
 from metatp.backends.cuda.kernels.elementwise import copy
 from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, record, rows_view, unfused_in_order,
@@ -243,8 +244,11 @@ def backend_mmq_tokens(backend: CupyBackend) -> tuple[int, int]:
 
 
 def backend_matmul_path(backend: CupyBackend, node: Tensor) -> str:
-    """`matmul_path` with the backend's cuBLAS, tiled-kernel range and batch invariance."""
-    return matmul_path(node, backend.rt.gemm_available(), backend_mmq_tokens(backend), backend.batch_invariant)
+    """`matmul_path` with the backend's cuBLAS, tiled-kernel range and batch invariance; under
+    numerics="q8" a quantized weight's "matvec" is "mmvq" (int8 dot products) and its "mmq" / "gemm"
+    "mmq_q8" (`mmvq.q8_path`)."""
+    path = matmul_path(node, backend.rt.gemm_available(), backend_mmq_tokens(backend), backend.batch_invariant)
+    return mmvq.q8_path(backend, node, path)
 
 
 def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
@@ -254,15 +258,16 @@ def _gemm_scratch(k: int, m: int, n_tok: int, matmul_dtype: str) -> Scratch:
 
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
-    """A MUL_MAT on the GEMM path needs its operand copies on device d; one on the int8 path
-    (numerics "q8", mmq.py) its Q8 activations."""
-    if node.op is not Op.MUL_MAT:
-        return {}
-    path = backend_matmul_path(backend, node)
-    if path in ("mmq", "gemm"):
+    """A MUL_MAT on the GEMM path needs its operand copies on device d (on an int8 path: its
+    quantized or rounded x; on the int8 tensor-core mmq, mmq.py, its Q8 activations)."""
+    path = backend_matmul_path(backend, node) if node.op is Op.MUL_MAT else None
+    if path == "mmq_q8":
         int8 = int8_mmq_workspace(backend, plan, node, d)
         if int8:
             return int8
+    if path in ("mmvq", "mmq_q8"):
+        return mmvq.workspace_of(path, node.src[0].type.name.lower(), plan.of(node.src[0]).local[d].ne[0],
+                                 matmul_tokens(node))
     if path != "gemm":
         return {}
     lw = plan.of(node.src[0]).local[d]
@@ -279,10 +284,13 @@ def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
     loc_w = ex.plan.of(w).local[d]
     k, m = loc_w.ne[0], loc_w.ne[1]
     xr, yr = rows_view(ex, array_of(ex, d, x)), rows_view(ex, array_of(ex, d, node))
-    if path in ("mmq", "gemm") and backend_int8_mmq(ex.backend, wtype, xr.shape[0], k):    # numerics "q8"
-        return int8_mmq_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
-    if path == "matvec":
-        return record(matvec, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
+    if path in ("matvec", "mmvq"):
+        return record(_decode_launcher(ex, d, matvec, node), data, wtype, xr, yr, ne0=k, n_rows=m,
+                      w_row_bytes=row_bytes)
+    if path == "mmq_q8":      # numerics "q8", many tokens: the int8 tensor-core mmq where it takes the type
+        if backend_int8_mmq(ex.backend, wtype, xr.shape[0], k):
+            return int8_mmq_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
+        return mmvq.many_token_steps(ex, d, node, data, wtype, row_bytes, k, m, xr, yr)
     if path == "mmq":
         return record(mmq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
     return _gemm_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
@@ -330,6 +338,14 @@ def _run_mul_mat_id(ex: CupyExecutable, d: int, node: Tensor) -> list:
 
 
 # ---------------------------------------------------------------- fused handlers
+def _decode_launcher(ex: CupyExecutable, d: int, launcher, mm: Tensor):
+    """`launcher` (matvec, matvec_multi or matvec_glu) for the product mm, or its int8 twin (same
+    arguments) where mm's path is "mmvq" (numerics="q8"): the one place the choice is made."""
+    if backend_matmul_path(ex.backend, mm) != "mmvq":
+        return launcher
+    return mmvq.int8_twin(ex, d, launcher, mm)
+
+
 def _folded_norm_args(ex: CupyExecutable, d: int, norm) -> dict:
     """matvec keyword arguments folding MUL(RMS_NORM(x0), w) into the prologue."""
     if norm is None:
@@ -350,7 +366,7 @@ def _fused_matvec_add(ex: CupyExecutable, d: int, f: Fusion) -> list:
     oa = rows_view(ex, array_of(ex, d, other))
     broadcast = other.ne != mm.ne
     add_stride = 0 if broadcast else (oa.strides[0] // 4 if oa.shape[0] > 1 else loc_w.ne[1])
-    return record(matvec, data, wtype, xr, yr, ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
+    return record(_decode_launcher(ex, d, matvec, mm), data, wtype, xr, yr, ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
                   w_row_bytes=row_bytes, add=oa, add_stride=add_stride)
 
 
@@ -360,7 +376,8 @@ def _fused_matvec_glu(ex: CupyExecutable, d: int, f: Fusion) -> list:
     du, _, _, _ = weight_operand(ex, d, up.src[0])
     loc_w = ex.plan.of(gate.src[0]).local[d]
     act = "swiglu" if node.params["glu"] == GluOp.SWIGLU.value else "geglu"
-    return record(matvec_glu, dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
+    launcher = _decode_launcher(ex, d, matvec_glu, gate)
+    return record(launcher, dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
                   array_of(ex, d, node).reshape(-1), ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
                   w_row_bytes=row_bytes, act=act, **_folded_norm_args(ex, d, norm))
 
@@ -373,7 +390,8 @@ def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
         loc_w = ex.plan.of(mm.src[0]).local[d]
         ne0 = loc_w.ne[0]
         jobs.append((data, array_of(ex, d, mm).reshape(-1), loc_w.ne[1], row_bytes))
-    return record(matvec_multi, jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
+    launcher = _decode_launcher(ex, d, matvec_multi, members[0])
+    return record(launcher, jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
                   ne0=ne0, **_folded_norm_args(ex, d, norm))
 
 
