@@ -629,6 +629,29 @@ def test_qkv_rope_kv_fusion_decodes_as_the_kernels_apart(synth_factory, spec, n,
     assert not _qkv_launches(apart)
 
 
+def test_qkv_rope_kv_fallback_runs_the_nodes_at_the_fusion(synth_factory, monkeypatch):
+    """When the fused kernel refuses, the fusion's nodes run one by one at its position (the
+    first product): the buffers they write there (`early`) and x (`keep`) are live, results equal."""
+    require("emulator")
+    from dataclasses import replace
+
+    from metatp.backends.cuda import ops as cuda_ops
+    from metatp.backends.fusion import FusionKind
+
+    def refuse(ex, d, f):
+        raise ValueError("layout not supported by the fused kernel")
+    model = load_model(synth_factory(QKV_SPECS["llama-q4_1"])[0])
+    eng, ref = engines(model, "emu", n=2, ts=(1, 2), kv_dtype="f32", matmul_dtype="f32")
+    monkeypatch.setitem(cuda_ops.FUSION_ROWS, FusionKind.QKV_ROPE_KV,
+                        replace(cuda_ops.FUSION_ROWS[FusionKind.QKV_ROPE_KV], run=refuse))
+    got, want = run_teacher_forced(eng, ref, 2)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert any(f.kind is FusionKind.QKV_ROPE_KV for ex in eng.backend._executables.values()
+               for f in ex.fusions.values())
+    assert not _qkv_launches(eng)
+
+
 @pytest.mark.parametrize("kind", RUNTIMES)
 def test_float_upload_path_of_todays_engine(synth_model, kind):
     """The engine as it is (weights dequantized to float32 by `upload`) also runs on cupy."""

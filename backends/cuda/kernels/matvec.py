@@ -180,6 +180,8 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     if k_ne0 < n_head_kv * head_dim or v_ne0 < v_rows:
         raise ValueError(f"cache rows of {k_ne0} / {v_ne0} elements cannot hold k ({n_head_kv * head_dim}) "
                          f"/ v ({v_rows})")
+    if q.ndim and q.shape[-1] > 1 and estrides(q)[-1] != 1:
+        raise ValueError("q's head_dim must be its contiguous dimension")
     if q_head_stride is None:
         q_head_stride = estrides(q)[0] if q.ndim == 2 else head_dim
     if q.size < (n_head - 1) * q_head_stride + head_dim:
