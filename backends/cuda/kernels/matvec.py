@@ -588,7 +588,7 @@ def _qkv_chain(ex: CupyExecutable, mm: Tensor) -> tuple[str, Tensor | None, Tens
     return "q", nxt, None
 
 
-def _rope_fusable(ex: CupyExecutable, rq: Tensor, rk: Tensor) -> bool:
+def _rope_fusable(rq: Tensor, rk: Tensor) -> bool:
     """Q and K ropes the kernel's epilogue does: one token, same parameters, positions and freq
     factors, NORMAL or NEOX, one head size."""
     prm = rq.params
@@ -597,7 +597,7 @@ def _rope_fusable(ex: CupyExecutable, rq: Tensor, rk: Tensor) -> bool:
             and set(prm) == {"n_dims", "mode", "freq_base", "freq_scale"})
 
 
-def _stores_fusable(ex: CupyExecutable, sk: Tensor, sv: Tensor) -> bool:
+def _stores_fusable(sk: Tensor, sv: Tensor) -> bool:
     """K and V stores the kernel writes: one row, the same row index, float caches of one type."""
     ids = sk.src[1]
     return (ids is sv.src[1] and ids.ne == (1, 1, 1, 1) and sk.type == sv.type
@@ -629,7 +629,7 @@ def _find_qkv_rope_kv(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
             return []
         chains[c[0]] = (mm, c[1], c[2])
     (mq, rq, _), (mk, rk, sk), (mv, _, sv) = chains["q"], chains["k"], chains["v"]
-    if not (_rope_fusable(ex, rq, rk) and _stores_fusable(ex, sk, sv)):
+    if not (_rope_fusable(rq, rk) and _stores_fusable(sk, sv)):
         return []
     if not _same_weight_layout(ex, [mq.src[0], mk.src[0], mv.src[0]]):
         return []
