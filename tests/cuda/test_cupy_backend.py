@@ -652,6 +652,38 @@ def test_qkv_rope_kv_fallback_runs_the_nodes_at_the_fusion(synth_factory, monkey
     assert not _qkv_launches(eng)
 
 
+@pytest.mark.parametrize("kt, fused", [("f16", True), ("bf16", True), ("q8_0", False), ("q4_0", False)])
+def test_qkv_rope_kv_takes_float_caches_only(synth_factory, kt, fused):
+    """A quantized cache's rows stay with the quantizing set_rows (a block needs 32 consecutive
+    values in one warp; the fused kernel's thread row holds one pair): the finder refuses it."""
+    require("emulator")
+    from metatp.backends.fusion import FusionKind
+    from metatp.ir.models import ModelTensors
+    from metatp.ir.models.common import BatchSpec, cache_type
+
+    model = load_model(synth_factory(QKV_SPECS["llama-q4_1"])[0])
+    eng, _ = engines(model, "emu")
+    eng.tensors = ModelTensors(model, 512, cache_type(kt), cache_type(kt, "v"))
+    _, ex = eng.plan_for(BatchSpec(1, eng.kv_span(10, 1), 1))
+    kinds = [f.kind for f in ex.fusions.values()]
+    assert (kinds.count(FusionKind.QKV_ROPE_KV) == QKV_SPECS["llama-q4_1"].n_layer) is fused
+    assert (FusionKind.SET_ROWS_PAIR in kinds) is not fused
+
+
+def test_qkv_rope_kv_launcher_refuses_a_quantized_cache():
+    require("emulator")
+    from metatp.backends.cuda.kernels.matvec import qkv_rope_kv
+    from metatp.backends.cuda.launch import using
+    from metatp.testing.cuda_emulator import Emulator
+
+    w = np.zeros((64, 64), np.float32)
+    cache = np.zeros((4, 34), np.uint8)
+    with using(Emulator()), pytest.raises(UnsupportedOpError, match="q8_0"):
+        qkv_rope_kv([(w, 256)] * 3, "f32", np.zeros(64, np.float32), np.zeros((1, 32), np.float32), cache, cache,
+                    np.zeros(1, np.int32), np.zeros(1, np.int32), ne0=64, n_head=1, n_head_kv=1, head_dim=32,
+                    n_dims=32, neox=False, freq_base=1e4, cache_type="q8_0")
+
+
 @pytest.mark.parametrize("kind", RUNTIMES)
 def test_float_upload_path_of_todays_engine(synth_model, kind):
     """The engine as it is (weights dequantized to float32 by `upload`) also runs on cupy."""
