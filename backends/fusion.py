@@ -30,6 +30,7 @@ class FusionKind(str, enum.Enum):
 
     MATVEC_GLU = "matvec_glu"           # GLU(gate matvec, up matvec) (+ the folded RMS norm)
     MATVEC_ADD = "matvec_add"           # ADD(matvec, residual or bias): the add in the epilogue
+    QKV_ROPE_KV = "qkv_rope_kv"         # one token: (RMS norm +) q/k/v matvecs + RoPE of q, k + K/V cache rows
     MATVEC_MULTI = "matvec_multi"       # up to three matvecs of one x (q, k, v) (+ the folded RMS norm)
     NORM = "norm"                       # MUL(RMS_NORM / NORM (x), w): one norm x weight kernel
     ROPE_PAIR = "rope_pair"             # ROPE of Q and K with the same positions

@@ -644,6 +644,102 @@ def test_fused_kernels_fall_back_to_single_launches(synth_model, monkeypatch):
     assert any(ex.fusions for ex in eng.backend._executables.values())
 
 
+#: models whose attention input the QKV_ROPE_KV fusion takes: q/k/v of one weight type, no biases
+#: or q/k norms; llama ropes NORMAL pairs, qwen2 (without its biases) NEOX halves
+QKV_SPECS = {
+    "llama-q4_1": SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
+                            types={"q": "Q4_1", "k": "Q4_1", "v": "Q4_1", "o": "Q4_1", "embd": "Q8_0"}),
+    "qwen2-neox-f32": SynthSpec(arch="qwen2", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=128, seed=5),
+}
+
+
+def _qkv_launches(eng) -> set[str]:
+    """The qkv_rope_kv kernels the engine's emulated runtime launched."""
+    return {name for _, name, _ in eng.backend.rt._kernels if name.startswith("qkv_rope_kv_")}
+
+
+@pytest.mark.parametrize("spec, n, kv_dtype", [("llama-q4_1", 1, "f16"), ("llama-q4_1", 2, "bf16"),
+                                               ("qwen2-neox-f32", 1, "f32"), ("qwen2-neox-f32", 2, "f16")])
+def test_qkv_rope_kv_fusion_decodes_as_the_kernels_apart(synth_factory, spec, n, kv_dtype):
+    """fuse_qkv_rope=True (norm + q/k/v + RoPE + K/V cache rows in one launch per layer) decodes
+    to the logits and greedy tokens of fuse_qkv_rope=False (today's matvec_multi, rope pair and
+    set_rows pair), eagerly and through captured CUDA graphs; the fused kernel is what runs."""
+    require("emulator")
+    from metatp.backends.fusion import FusionKind
+
+    model = load_model(synth_factory(QKV_SPECS[spec])[0])
+    ts = (1, 1) if n > 1 else None
+    runs = {}
+    for fuse in (True, False):
+        eng, ref = engines(model, "emu", n=n, ts=ts, kv_dtype=kv_dtype, matmul_dtype="f32", fuse_qkv_rope=fuse)
+        runs[fuse] = (eng, run_teacher_forced(eng, ref, 4))
+    (fused, got), (apart, want) = runs[True], runs[False]
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+    assert_same_greedy(got, want, 0.0)
+
+    def kinds(eng) -> set:
+        return {f.kind for ex in eng.backend._executables.values() for f in ex.fusions.values()}
+    assert FusionKind.QKV_ROPE_KV in kinds(fused) and FusionKind.QKV_ROPE_KV not in kinds(apart)
+    assert {name.rsplit("_", 1)[1] for name in _qkv_launches(fused)} == {kv_dtype}
+    assert not _qkv_launches(apart)
+
+
+def test_qkv_rope_kv_fallback_runs_the_nodes_at_the_fusion(synth_factory, monkeypatch):
+    """When the fused kernel refuses, the fusion's nodes run one by one at its position (the
+    first product): the buffers they write there (`early`) and x (`keep`) are live, results equal."""
+    require("emulator")
+    from dataclasses import replace
+
+    from metatp.backends.cuda import ops as cuda_ops
+    from metatp.backends.fusion import FusionKind
+
+    def refuse(ex, d, f):
+        raise ValueError("layout not supported by the fused kernel")
+    model = load_model(synth_factory(QKV_SPECS["llama-q4_1"])[0])
+    eng, ref = engines(model, "emu", n=2, ts=(1, 2), kv_dtype="f32", matmul_dtype="f32")
+    monkeypatch.setitem(cuda_ops.FUSION_ROWS, FusionKind.QKV_ROPE_KV,
+                        replace(cuda_ops.FUSION_ROWS[FusionKind.QKV_ROPE_KV], run=refuse))
+    got, want = run_teacher_forced(eng, ref, 2)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-4
+    assert any(f.kind is FusionKind.QKV_ROPE_KV for ex in eng.backend._executables.values()
+               for f in ex.fusions.values())
+    assert not _qkv_launches(eng)
+
+
+@pytest.mark.parametrize("kt, fused", [("f16", True), ("bf16", True), ("q8_0", False), ("q4_0", False)])
+def test_qkv_rope_kv_takes_float_caches_only(synth_factory, kt, fused):
+    """A quantized cache's rows stay with the quantizing set_rows (a block needs 32 consecutive
+    values in one warp; the fused kernel's thread row holds one pair): the finder refuses it."""
+    require("emulator")
+    from metatp.backends.fusion import FusionKind
+    from metatp.ir.models import ModelTensors
+    from metatp.ir.models.common import BatchSpec, cache_type
+
+    model = load_model(synth_factory(QKV_SPECS["llama-q4_1"])[0])
+    eng, _ = engines(model, "emu")
+    eng.tensors = ModelTensors(model, 512, cache_type(kt), cache_type(kt, "v"))
+    _, ex = eng.plan_for(BatchSpec(1, eng.kv_span(10, 1), 1))
+    kinds = [f.kind for f in ex.fusions.values()]
+    assert (kinds.count(FusionKind.QKV_ROPE_KV) == QKV_SPECS["llama-q4_1"].n_layer) is fused
+    assert (FusionKind.SET_ROWS_PAIR in kinds) is not fused
+
+
+def test_qkv_rope_kv_launcher_refuses_a_quantized_cache():
+    require("emulator")
+    from metatp.backends.cuda.kernels.matvec import qkv_rope_kv
+    from metatp.backends.cuda.launch import using
+    from metatp.testing.cuda_emulator import Emulator
+
+    w = np.zeros((64, 64), np.float32)
+    cache = np.zeros((4, 34), np.uint8)
+    with using(Emulator()), pytest.raises(UnsupportedOpError, match="q8_0"):
+        qkv_rope_kv([(w, 256)] * 3, "f32", np.zeros(64, np.float32), np.zeros((1, 32), np.float32), cache, cache,
+                    np.zeros(1, np.int32), np.zeros(1, np.int32), ne0=64, n_head=1, n_head_kv=1, head_dim=32,
+                    n_dims=32, neox=False, freq_base=1e4, cache_type="q8_0")
+
+
 @pytest.mark.parametrize("kind", RUNTIMES)
 def test_float_upload_path_of_todays_engine(synth_model, kind):
     """The engine as it is (weights dequantized to float32 by `upload`) also runs on cupy."""

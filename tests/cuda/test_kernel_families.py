@@ -47,7 +47,8 @@ def test_fusion_rows_run_in_fusion_kind_order():
     kinds = [row.kind for row in cuda_fusion.ORDERED_ROWS]
     assert kinds == [k for k in FusionKind if k in kinds]
     assert set(kinds) == set(ops.FUSION_ROWS)
-    assert kinds[:4] == [FusionKind.MATVEC_GLU, FusionKind.MATVEC_ADD, FusionKind.MATVEC_MULTI, FusionKind.NORM]
+    assert kinds[:5] == [FusionKind.MATVEC_GLU, FusionKind.MATVEC_ADD, FusionKind.QKV_ROPE_KV, FusionKind.MATVEC_MULTI,
+                         FusionKind.NORM]
 
 
 def test_an_op_claimed_by_two_families_is_an_error():
