@@ -372,6 +372,7 @@ __device__ __forceinline__ void mt_qkv_rope_kv(
         int v_row_stride, int n_head, int n_head_kv, int v_rows, int head_dim, int n_dims,       \
         int neox, const int* pos, const float* freq_factors, float freq_base, float freq_scale,  \
         float attn_factor) {                                                                     \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                               \
         mt_qkv_rope_kv<W, O>(wq, wk, wv, rbq, rbk, rbv, x, ne0, norm_w, eps, norm, q,            \
                              q_head_stride, k_cache, v_cache, kv_row, k_row_stride, v_row_stride, \
                              n_head, n_head_kv, v_rows, head_dim, n_dims, neox, pos,             \

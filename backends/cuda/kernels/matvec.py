@@ -649,7 +649,7 @@ def _find_qkv_rope_kv(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     if not ex.backend.fuse_qkv_rope:
         return []
     mms = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
-    if len(mms) != 3:
+    if len(mms) != 3 or backend_matmul_path(ex.backend, mms[0]) != "matvec":    # numerics "q8": the int8 twins
         return []
     chains = {}
     for mm in mms:
