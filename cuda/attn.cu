@@ -27,24 +27,47 @@ __device__ __forceinline__ float mt_attn_score(float dot, float scale, float sof
 }
 
 // ------------------------------------------------------------------ split-KV merge
-// One output row from the n_split partials of a decode launch (acc at pa[s * D + d], m and l at
-// ml[2 * s], ml[2 * s + 1]), in split-index order: out = sum_s e^(m_s - M) acc_s /
-// sum_s e^(m_s - M) l_s, M = max_s m_s (0 when the sum is 0). Threads d0, d0 + dstep, .. < D.
-// P is const float* (the merge kernel) or const volatile float* (the last block of a decode
-// launch reading the other blocks' partials past its L1). attn_merge_f32 and the in-launch merge
-// share it, so both give the same bits.
-template <typename P>
-__device__ __forceinline__ void mt_attn_merge_row(P pa, P ml, float* __restrict__ o_row, int D, int n_split,
-                                                  int d0, int dstep) {
-    float M = MT_NEG_BIG;
-    for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[2 * s]);
-    float L = 0.0f;
-    for (int s = 0; s < n_split; ++s) L += expf(ml[2 * s] - M) * ml[2 * s + 1];
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+// Rows g < ng (consecutive rows of the decode output) from the n_split partials of a decode launch:
+// row g's acc at pa[g * n_split * D + s * D + d], its m and l at ml[g * n_split * 2 + 2 * s] and
+// [.. + 1]; out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s (0 when the sum
+// is 0), every sum in split-index order; threads d0, d0 + dstep, .. < D. The rows' sums run side by
+// side (independent loads in flight together), each in the same order as alone. P is const float*
+// (attn_merge_f32, NG = 1) or const volatile float* (the last block of a decode launch reading the
+// other blocks' partials past its L1). Both use this code, so both give the same bits.
+template <int NG, typename P>
+__device__ __forceinline__ void mt_attn_merge_rows(P pa, P ml, float* __restrict__ o_rows, int ng, int D,
+                                                   int n_split, int d0, int dstep) {
+    const mt_i64 pa_row = (mt_i64)n_split * D, ml_row = (mt_i64)n_split * 2;
+    float M[NG], inv[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) M[g] = MT_NEG_BIG;
+    for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) M[g] = fmaxf(M[g], ml[g * ml_row + 2 * s]);
+    }
+    float L[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) L[g] = 0.0f;
+    for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) L[g] += expf(ml[g * ml_row + 2 * s] - M[g]) * ml[g * ml_row + 2 * s + 1];
+    }
+#pragma unroll
+    for (int g = 0; g < NG; ++g) inv[g] = L[g] > 0.0f ? 1.0f / L[g] : 0.0f;
     for (int d = d0; d < D; d += dstep) {
-        float o = 0.0f;
-        for (int s = 0; s < n_split; ++s) o += expf(ml[2 * s] - M) * pa[(mt_i64)s * D + d];
-        o_row[d] = o * inv;
+        float o[NG];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) o[g] = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < ng) o[g] += expf(ml[g * ml_row + 2 * s] - M[g]) * pa[g * pa_row + (mt_i64)s * D + d];
+        }
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) o_rows[(mt_i64)g * D + d] = o[g] * inv[g];
     }
 }
 
@@ -53,6 +76,7 @@ __device__ __forceinline__ void mt_attn_merge_row(P pa, P ml, float* __restrict_
 // blockIdx.y]; the block drawing the last one (n_split - 1) merges the group's rows and puts
 // the counter back to 0 for the next launch (or CUDA-graph replay). No block waits for another,
 // so block order does not matter. Rows row0 .. row0 + ng - 1 (token-major, D floats each).
+template <int NG>
 __device__ __forceinline__ void mt_attn_merge_if_last(const float* part, float* __restrict__ out, int* ticket,
                                                       int D, int n_head, int n_tokens, int n_split, mt_i64 row0,
                                                       int ng) {
@@ -64,13 +88,9 @@ __device__ __forceinline__ void mt_attn_merge_if_last(const float* part, float* 
     __syncthreads();
     if (!last_s) return;
     __threadfence();  // ... and the other blocks' partials are read after theirs
-    const volatile float* pv = part;
-    const volatile float* mlv = part + (mt_i64)n_tokens * n_head * n_split * D;
-    for (int g = 0; g < ng; ++g) {
-        const mt_i64 row = row0 + g;
-        mt_attn_merge_row(pv + row * n_split * D, mlv + row * n_split * 2, out + row * D, D, n_split,
-                          (int)threadIdx.x, (int)blockDim.x);
-    }
+    const volatile float* pv = part + row0 * n_split * D;
+    const volatile float* mlv = part + (mt_i64)n_tokens * n_head * n_split * D + row0 * n_split * 2;
+    mt_attn_merge_rows<NG>(pv, mlv, out + row0 * D, ng, D, n_split, (int)threadIdx.x, (int)blockDim.x);
     if (threadIdx.x == 0) atomicExch(ticket + slot, 0);
 }
 
@@ -241,7 +261,7 @@ __device__ __forceinline__ void attn_decode_impl(
         }
     }
     if (n_split > 1 && ticket != 0)
-        mt_attn_merge_if_last(part, out, ticket, D, n_head, n_tokens, n_split, row0, ng);
+        mt_attn_merge_if_last<NG>(part, out, ticket, D, n_head, n_tokens, n_split, row0, ng);
 }
 
 // attn_decode_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
@@ -332,8 +352,8 @@ extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, 
                                           int n_tokens, int n_split) {
     const mt_i64 row = (mt_i64)blockIdx.y * n_head + blockIdx.x;
     const float* ml = part + (mt_i64)n_tokens * n_head * n_split * D + row * n_split * 2;
-    mt_attn_merge_row(part + row * n_split * D, ml, out + row * D, D, n_split, (int)threadIdx.x,
-                      (int)blockDim.x);
+    mt_attn_merge_rows<1>(part + row * n_split * D, ml, out + row * D, 1, D, n_split, (int)threadIdx.x,
+                          (int)blockDim.x);
 }
 
 // ------------------------------------------------------------------ prefill
