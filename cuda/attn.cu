@@ -26,6 +26,74 @@ __device__ __forceinline__ float mt_attn_score(float dot, float scale, float sof
     return s;
 }
 
+// ------------------------------------------------------------------ split-KV merge
+// Rows g < ng (consecutive rows of the decode output) from the n_split partials of a decode launch:
+// row g's acc at pa[g * n_split * D + s * D + d], its m and l at ml[g * n_split * 2 + 2 * s] and
+// [.. + 1]; out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s, M = max_s m_s (0 when the sum
+// is 0), every sum in split-index order; threads d0, d0 + dstep, .. < D. The rows' sums run side by
+// side (independent loads in flight together), each in the same order as alone. P is const float*
+// (attn_merge_f32, NG = 1) or const volatile float* (the last block of a decode launch reading the
+// other blocks' partials past its L1). Both use this code, so both give the same bits.
+template <int NG, typename P>
+__device__ __forceinline__ void mt_attn_merge_rows(P pa, P ml, float* __restrict__ o_rows, int ng, int D,
+                                                   int n_split, int d0, int dstep) {
+    const mt_i64 pa_row = (mt_i64)n_split * D, ml_row = (mt_i64)n_split * 2;
+    float M[NG], inv[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) M[g] = MT_NEG_BIG;
+    for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) M[g] = fmaxf(M[g], ml[g * ml_row + 2 * s]);
+    }
+    float L[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) L[g] = 0.0f;
+    for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) L[g] += expf(ml[g * ml_row + 2 * s] - M[g]) * ml[g * ml_row + 2 * s + 1];
+    }
+#pragma unroll
+    for (int g = 0; g < NG; ++g) inv[g] = L[g] > 0.0f ? 1.0f / L[g] : 0.0f;
+    for (int d = d0; d < D; d += dstep) {
+        float o[NG];
+#pragma unroll
+        for (int g = 0; g < NG; ++g) o[g] = 0.0f;
+        for (int s = 0; s < n_split; ++s) {
+#pragma unroll
+            for (int g = 0; g < NG; ++g)
+                if (g < ng) o[g] += expf(ml[g * ml_row + 2 * s] - M[g]) * pa[g * pa_row + (mt_i64)s * D + d];
+        }
+#pragma unroll
+        for (int g = 0; g < NG; ++g)
+            if (g < ng) o_rows[(mt_i64)g * D + d] = o[g] * inv[g];
+    }
+}
+
+// The end of a split decode block that merges inside its launch: its partials are in `part`;
+// it takes a ticket on the counter of its (token, head group), ticket[blockIdx.z * gridDim.y +
+// blockIdx.y]; the block drawing the last one (n_split - 1) merges the group's rows and puts
+// the counter back to 0 for the next launch (or CUDA-graph replay). No block waits for another,
+// so block order does not matter. Rows row0 .. row0 + ng - 1 (token-major, D floats each).
+template <int NG>
+__device__ __forceinline__ void mt_attn_merge_if_last(const float* part, float* __restrict__ out, int* ticket,
+                                                      int D, int n_head, int n_tokens, int n_split, mt_i64 row0,
+                                                      int ng) {
+    __shared__ int last_s;
+    __threadfence();  // this block's partials are visible device-wide before its ticket
+    __syncthreads();
+    const int slot = blockIdx.z * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) last_s = atomicAdd(ticket + slot, 1) == n_split - 1;
+    __syncthreads();
+    if (!last_s) return;
+    __threadfence();  // ... and the other blocks' partials are read after theirs
+    const volatile float* pv = part + row0 * n_split * D;
+    const volatile float* mlv = part + (mt_i64)n_tokens * n_head * n_split * D + row0 * n_split * 2;
+    mt_attn_merge_rows<NG>(pv, mlv, out + row0 * D, ng, D, n_split, (int)threadIdx.x, (int)blockDim.x);
+    if (threadIdx.x == 0) atomicExch(ticket + slot, 0);
+}
+
 // ------------------------------------------------------------------ decode
 // grid (n_split, n_head_kv * n_qgroup, n_tokens), block (nth): nth = max(64, D rounded up
 // to 32) threads, nth >= D, D <= 256. One block: NG query heads of one KV head, one token,
@@ -41,7 +109,7 @@ template <typename KT, typename VT, int NG>
 __device__ __forceinline__ void attn_decode_impl(
     const float* __restrict__ q, const typename KT::T* __restrict__ k,
     const typename VT::T* __restrict__ v, const float* __restrict__ mask,
-    const int* __restrict__ kv_len, float* __restrict__ out, float* __restrict__ part, int D,
+    const int* __restrict__ kv_len, float* __restrict__ out, float* __restrict__ part, int* ticket, int D,
     int n_head, int n_head_kv, int n_tokens, int n_kv, int q_s1, int q_s2, int k_s1, int k_s2,
     int v_s1, int v_s2, int mask_s1, int chunk, float scale, float softcap, int causal,
     int causal_offset, const int* __restrict__ cells = 0, const int* __restrict__ cell_off = 0) {
@@ -172,12 +240,12 @@ __device__ __forceinline__ void attn_decode_impl(
         __syncthreads();
     }
 
+    const mt_i64 row0 = (mt_i64)tok * n_head + h0;
     if (tid < D) {
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
             if (g < ng) {
-                const int h = h0 + g;
-                const mt_i64 row = (mt_i64)tok * n_head + h;
+                const mt_i64 row = row0 + g;
                 if (n_split == 1) {
                     const float l = l_s[g];
                     out[row * D + tid] = l > 0.0f ? acc[g] / l : 0.0f;
@@ -192,10 +260,13 @@ __device__ __forceinline__ void attn_decode_impl(
             }
         }
     }
+    if (n_split > 1 && ticket != 0)
+        mt_attn_merge_if_last<NG>(part, out, ticket, D, n_head, n_tokens, n_split, row0, ng);
 }
 
 // attn_decode_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const float *mask /* or null */,
-//     const int32 *kv_len /* or null */, float *out, float *part, int32 D, int32 n_head,
+//     const int32 *kv_len /* or null */, float *out, float *part, int32 *ticket /* or null */,
+//     int32 D, int32 n_head,
 //     int32 n_head_kv, int32 n_tokens, int32 n_kv, int32 q_s1, int32 q_s2, int32 k_s1,
 //     int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1, int32 chunk, float32 scale,
 //     float32 softcap, int32 causal, int32 causal_offset)
@@ -206,15 +277,18 @@ __device__ __forceinline__ void attn_decode_impl(
 // nth >= max(D, 64), D <= 256; dynamic smem 4*(NG*D + NG*nth + 3*NG) bytes;
 // chunk = keys per split (n_split * chunk >= n_kv). With n_split == 1 the result goes
 // straight to out; otherwise partials go to part (floats: n_tokens*n_head*n_split*(D+2))
-// and attn_merge_f32 finishes.
+// and, with ticket null, attn_merge_f32 finishes; with ticket (int32 counters, one per
+// (token, head group): n_tokens * gridDim.y, all 0 before the first launch) the last block of
+// each group merges in split-index order (the same bits as attn_merge_f32) and puts its
+// counter back to 0.
 #define MT_DECODE_ENTRY(kvname, KV, NG)                                                       \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_##kvname##_g##NG(          \
         const float* q, const KV::T* k, const KV::T* v, const float* mask, const int* kv_len, \
-        float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, int n_kv,     \
-        int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,    \
-        float scale, float softcap, int causal, int causal_offset) {                          \
+        float* out, float* part, int* ticket, int D, int n_head, int n_head_kv, int n_tokens,  \
+        int n_kv, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1,     \
+        int chunk, float scale, float softcap, int causal, int causal_offset) {               \
         mt_pdl_wait(); mt_pdl_launch_dependents();                                            \
-        attn_decode_impl<KV, KV, NG>(q, k, v, mask, kv_len, out, part, D, n_head, n_head_kv,      \
+        attn_decode_impl<KV, KV, NG>(q, k, v, mask, kv_len, out, part, ticket, D, n_head, n_head_kv, \
                                  n_tokens, n_kv, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2,         \
                                  mask_s1, chunk, scale, softcap, causal, causal_offset);     \
     }
@@ -234,7 +308,8 @@ MT_DECODE_ENTRIES(q5_0, KvQ5_0)
 MT_DECODE_ENTRIES(q5_1, KvQ5_1)
 
 // attn_decode_cells_<kv>_g<NG>(const float *q, const KV *k, const KV *v, const int32 *cells,
-//     const int32 *cell_off, const float *mask /* or null */, float *out, float *part, int32 D,
+//     const int32 *cell_off, const float *mask /* or null */, float *out, float *part,
+//     int32 *ticket /* or null */, int32 D,
 //     int32 n_head, int32 n_head_kv, int32 n_tokens, int32 q_s1, int32 q_s2, int32 k_s1,
 //     int32 k_s2, int32 v_s1, int32 v_s2, int32 mask_s1, int32 chunk, float32 scale,
 //     float32 softcap)
@@ -247,11 +322,11 @@ MT_DECODE_ENTRIES(q5_1, KvQ5_1)
 #define MT_DECODE_CELLS_ENTRY(kvname, KV, NG)                                                     \
     extern "C" __global__ void __launch_bounds__(256) attn_decode_cells_##kvname##_g##NG(        \
         const float* q, const KV::T* k, const KV::T* v, const int* cells, const int* cell_off,    \
-        const float* mask, float* out, float* part, int D, int n_head, int n_head_kv, int n_tokens, \
-        int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1, int chunk,        \
-        float scale, float softcap) {                                                              \
+        const float* mask, float* out, float* part, int* ticket, int D, int n_head, int n_head_kv,  \
+        int n_tokens, int q_s1, int q_s2, int k_s1, int k_s2, int v_s1, int v_s2, int mask_s1,     \
+        int chunk, float scale, float softcap) {                                                   \
         mt_pdl_wait(); mt_pdl_launch_dependents();                                                 \
-        attn_decode_impl<KV, KV, NG>(q, k, v, mask, 0, out, part, D, n_head, n_head_kv, n_tokens, \
+        attn_decode_impl<KV, KV, NG>(q, k, v, mask, 0, out, part, ticket, D, n_head, n_head_kv, n_tokens, \
                                      0, q_s1, q_s2, k_s1, k_s2, v_s1, v_s2, mask_s1, chunk, scale, \
                                      softcap, 0, 0, cells, cell_off);                             \
     }
@@ -280,17 +355,8 @@ extern "C" __global__ void attn_merge_f32(const float* part, float* out, int D, 
     mt_pdl_wait(); mt_pdl_launch_dependents();
     const mt_i64 row = (mt_i64)blockIdx.y * n_head + blockIdx.x;
     const float* ml = part + (mt_i64)n_tokens * n_head * n_split * D + row * n_split * 2;
-    float M = MT_NEG_BIG;
-    for (int s = 0; s < n_split; ++s) M = fmaxf(M, ml[2 * s]);
-    float L = 0.0f;
-    for (int s = 0; s < n_split; ++s) L += expf(ml[2 * s] - M) * ml[2 * s + 1];
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    const float* pa = part + row * n_split * D;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < n_split; ++s) o += expf(ml[2 * s] - M) * pa[(mt_i64)s * D + d];
-        out[row * D + d] = o * inv;
-    }
+    mt_attn_merge_rows<1>(part + row * n_split * D, ml, out + row * D, 1, D, n_split, (int)threadIdx.x,
+                          (int)blockDim.x);
 }
 
 // ------------------------------------------------------------------ prefill

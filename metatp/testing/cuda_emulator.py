@@ -206,13 +206,45 @@ inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+// Atomics: CUDA's int / unsigned / float overloads only (a kernel using another type does not build
+// here either). Blocks run one at a time on one host thread; the builtins keep them atomic anyway.
+// atomicAdd on f32 rounds to nearest and flushes subnormal inputs and results to sign-preserving
+// zero (PTX atom.add.f32); the int one wraps on overflow (two's complement, as the GPU's add).
+inline int atomicAdd(int* p, int v) {
+    return (int)__atomic_fetch_add((unsigned*)p, (unsigned)v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline float mt_emu_ftz(float x) { return (x != 0.0f && fabsf(x) < 1.17549435e-38f) ? copysignf(0.0f, x) : x; }
+inline float atomicAdd(float* p, float v) {
+    unsigned ob = __atomic_load_n((unsigned*)p, __ATOMIC_SEQ_CST), nb;
+    for (;;) {
+        float old, sum;
+        memcpy(&old, &ob, 4);
+        sum = mt_emu_ftz(mt_emu_ftz(old) + mt_emu_ftz(v));
+        memcpy(&nb, &sum, 4);
+        if (__atomic_compare_exchange_n((unsigned*)p, &ob, nb, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            return old;
+    }
+}
+inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
+inline float atomicExch(float* p, float v) {
+    unsigned nb, ob;
+    memcpy(&nb, &v, 4);
+    ob = __atomic_exchange_n((unsigned*)p, nb, __ATOMIC_SEQ_CST);
+    float old;
+    memcpy(&old, &ob, 4);
+    return old;
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <class T> inline T min(T a, T b) { return b < a ? b : a; }
 template <class T> inline T max(T a, T b) { return a < b ? b : a; }
 // ---- end of prelude ----
 """
 
 _EMU_LAUNCHER = r"""
-// ---- emulator launcher: blocks one after another, the threads of a block as fibers ----
+// ---- emulator launcher: blocks one after another (in index order, reversed or shuffled), the
+// threads of a block as fibers ----
 namespace mt_emu {
 static std::vector<Fiber> fibers;
 static std::vector<std::vector<char>> stacks;
@@ -270,7 +302,8 @@ static bool run_block(int nth, char* err, int err_len) {
 
 extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, unsigned gy,
                              unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                             unsigned long smem, char* err, int err_len) {
+                             unsigned long smem, int order, unsigned long long seed, char* err,
+                             int err_len) {
     using namespace mt_emu;
     const long nth = (long)bx * by * bz;
     if (nth <= 0 || nth > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx == 0 || gy == 0 ||
@@ -291,36 +324,53 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
     fault[0] = 0;
     block_dim = {bx, by, bz};
     grid_dim = {gx, gy, gz};
-    for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                block_idx = {x, y, z};
-                for (long i = 0; i < nth; ++i) {
-                    Fiber& f = fibers[i];
-                    f.tid = {(unsigned)(i % bx), (unsigned)((i / bx) % by), (unsigned)(i / ((long)bx * by))};
-                    f.lin = (int)i;
-                    f.wait = 0;
-                    f.done = false;
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = stacks[i].data();
-                    f.ctx.uc_stack.ss_size = kStack;
-                    f.ctx.uc_link = &sched;
-                    makecontext(&f.ctx, (void (*)())fiber_main, 0);
-                }
-                if (!run_block((int)nth, err, err_len)) return 2;
-                if (fault[0]) {
-                    snprintf(err, err_len, "%s", fault);
-                    return 3;
-                }
-                memset(mma_calls, 0, sizeof mma_calls);
-                memset(mma_done, 0, sizeof mma_done);
-            }
+    // the blocks' linear indices (x fastest) in the order they run: 0 as numbered, 1 reversed,
+    // 2 a Fisher-Yates shuffle drawn from `seed` (splitmix64)
+    const unsigned long long n_blocks = (unsigned long long)gx * gy * gz;
+    std::vector<unsigned long long> block_order(n_blocks);
+    for (unsigned long long b = 0; b < n_blocks; ++b) block_order[b] = order == 1 ? n_blocks - 1 - b : b;
+    if (order == 2) {
+        unsigned long long st = seed;
+        for (unsigned long long b = n_blocks; b > 1; --b) {
+            st += 0x9E3779B97F4A7C15ull;
+            unsigned long long r = st;
+            r = (r ^ (r >> 30)) * 0xBF58476D1CE4E5B9ull;
+            r = (r ^ (r >> 27)) * 0x94D049BB133111EBull;
+            r ^= r >> 31;
+            std::swap(block_order[b - 1], block_order[r % b]);
+        }
+    }
+    for (unsigned long long b : block_order) {
+        block_idx = {(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((unsigned long long)gx * gy))};
+        for (long i = 0; i < nth; ++i) {
+            Fiber& f = fibers[i];
+            f.tid = {(unsigned)(i % bx), (unsigned)((i / bx) % by), (unsigned)(i / ((long)bx * by))};
+            f.lin = (int)i;
+            f.wait = 0;
+            f.done = false;
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = stacks[i].data();
+            f.ctx.uc_stack.ss_size = kStack;
+            f.ctx.uc_link = &sched;
+            makecontext(&f.ctx, (void (*)())fiber_main, 0);
+        }
+        if (!run_block((int)nth, err, err_len)) return 2;
+        if (fault[0]) {
+            snprintf(err, err_len, "%s", fault);
+            return 3;
+        }
+        memset(mma_calls, 0, sizeof mma_calls);
+        memset(mma_done, 0, sizeof mma_done);
+    }
     return 0;
 }
 
 // mt_pdl_wait() calls of the last launch: every thread of a programmatic launch must wait
 extern "C" long mt_emu_pdl_waits() { return mt_emu::pdl_waits; }
 """
+
+#: Emulator.block_order -> the launcher's order code
+_BLOCK_ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 
 _SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
 
@@ -424,8 +474,10 @@ class _EmuKernel:
             self.emu.before_launch(self.name)
         ptrs = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
         err = ctypes.create_string_buffer(512)
+        order, seed = self.emu.next_block_order()
         rc = self._launch(self._tramp, ptrs, *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
-                          ctypes.c_ulong(shared_mem), err, ctypes.c_int(len(err)))
+                          ctypes.c_ulong(shared_mem), ctypes.c_int(order), ctypes.c_ulonglong(seed), err,
+                          ctypes.c_int(len(err)))
         if rc != 0:
             raise RuntimeError(f"{self.name}: {err.value.decode()}")
         if programmatic:
@@ -459,13 +511,19 @@ class Emulator:
     (what a backend's emulated CUDA-graph capture records and replays). ``before_launch(name)``,
     when set, is called as each kernel runs, eagerly or in a replayed graph (an emulated
     runtime's fault injection). ``programmatic`` counts, per kernel, the launches that ran with
-    the programmatic stream serialization attribute (the backend's pdl option)."""
+    the programmatic stream serialization attribute (the backend's pdl option). ``block_order``:
+    the order a launch runs its blocks in, "forward" (index order), "reverse" or "shuffle" (a new
+    permutation each launch, drawn from ``seed``): a GPU promises no order, so a kernel whose
+    blocks cooperate (the last one to finish merges) is tested with the others."""
 
     name = "emulator"
     _libs: dict[Path, Any] = {}         # compiled library (by source hash) -> loaded ctypes handle
 
-    def __init__(self, sm_count: int = 4) -> None:
+    def __init__(self, sm_count: int = 4, block_order: str = "forward", seed: int = 0) -> None:
         self._sm_count = sm_count
+        self.block_order = block_order
+        self._seed = seed
+        self._n_launched = 0
         self.current_device = 0
         self.capture: list | None = None
         self.launches = 0
@@ -510,6 +568,13 @@ class Emulator:
 
     def sm_count(self) -> int:
         return self._sm_count
+
+    def next_block_order(self) -> tuple[int, int]:
+        """(order code, seed) of the next launch's blocks (see `block_order`)."""
+        if self.block_order not in _BLOCK_ORDERS:
+            raise ValueError(f"block_order {self.block_order!r}; choose one of {', '.join(_BLOCK_ORDERS)}")
+        self._n_launched += 1
+        return _BLOCK_ORDERS[self.block_order], (self._seed * 1_000_003 + self._n_launched) % 2**64
 
     def dispatch(self, work) -> None:
         self.launches += 1

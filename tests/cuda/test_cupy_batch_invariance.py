@@ -5,7 +5,8 @@ decode steps -- are the same bits alone and in a step of 8 sequences of other le
 its place among them. What makes it so (kernels/matvec.py `matmul_path`, kernels/attn.py
 `attention_splits`): every MUL_MAT runs the tiled mmq kernel (its per-row sum is one FMA chain
 in a fixed order, for any token count), no cuBLAS and no one-token fusion; attention runs the
-split-KV decode kernel for every row count over 128-key chunks at absolute cells, always merged,
+split-KV decode kernel for every row count over 128-key chunks at absolute cells, always merged
+(in split-index order, inside the decode launch or by the merge kernel after it: the same bits),
 and sequences start on such a chunk (`kv_page`). Norms, RoPE and the KV writes are per row
 already (the test would show it otherwise). Without the option the same run gives other bits
 (on the emulator deterministically: an 11-row pass runs mmq, a pass of the batch's ~90 rows
@@ -101,9 +102,20 @@ def test_the_invariant_run_takes_one_matmul_kernel_and_the_decode_attention(batc
     assert seen["gemm"] == 0
     assert not any(n.startswith(("matvec_", "attn_prefill_")) for n in names), names
     assert any(n.startswith("mmq_") for n in names) and any(n.startswith("attn_decode_") for n in names)
-    assert seen["attn_merge_f32"] > 0
+    assert "attn_merge_f32" not in seen          # always split, merged inside the decode launch (attn_merge)
     default = batchinv_runs[False][3]
     assert any(n.startswith("matvec_") for n in default)     # the default decode: matvec + its fusions
+
+
+def test_the_merge_kernel_after_the_decode_launch_gives_the_same_bits(path, batchinv_runs):
+    """attn_merge=False: attn_merge_f32 merges the splits (the same arithmetic, split-index order)."""
+    rt = EmuRuntime()
+    llm = emulated_llm(path, rt, batch_invariant=True, backend_options={"attn_merge": False})
+    with counting(rt) as seen:
+        apart = sequence_logits(llm, batched=False)
+    assert seen["attn_merge_f32"] > 0
+    for a, b in zip(batchinv_runs[True][0], apart):
+        assert a.tobytes() == b.tobytes()
 
 
 def test_batch_invariant_pages_the_cache_at_the_attention_chunk(path):

@@ -135,9 +135,11 @@ def test_workspace_covers_what_the_handlers_ask(synth_factory, monkeypatch, n):
         be = CupyBackend(lay, runtime=EmuRuntime(), cuda_graphs=False)
         eng = Engine(model, 512, lay, be)
     # 3 tokens on one device (4 emulated SMs) fill the GPU without splitting the KV; with half the
-    # heads per device they split it; a masked step of several rows makes its mask's cell lists
+    # heads per device they split it (partials and, merged in the launch, its counters); a masked step
+    # of several rows makes its mask's cell lists
     cells = {"attn_cells@kq_mask", "attn_cell_off@kq_mask", "attn_cell_counts@kq_mask"}
-    expected = {1: {"attn"}, 3: cells | (set() if n == 1 else {"attn"}), 64: {"gemm_w_float16", "gemm_x_float16"} | cells}
+    split = {"attn", "attn_ticket"}
+    expected = {1: split, 3: cells | (set() if n == 1 else split), 64: {"gemm_w_float16", "gemm_x_float16"} | cells}
     for tokens, keys in expected.items():
         asked.clear()
         plan, ex = eng.plan_for(BatchSpec(tokens, eng.kv_span(tokens + 300, tokens), 1))

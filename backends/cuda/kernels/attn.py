@@ -10,6 +10,12 @@ of several rows reads each row's own cells: mask -> cell lists -> the cell-list 
 else `attention_splits`: FLASH_ATTN_EXT over a few query tokens runs the decode kernel split over
 the KV (with a merge and a scratch workspace when it splits), over more tokens the prefill
 kernel. The handler and `workspace` both ask them.
+
+The merge of a split launch: with the cupy backend's option ``attn_merge`` (default), inside the
+decode launch itself (each block writes its partial, takes a ticket on its (token, head group)
+counter, and the last block merges in split-index order and puts the counter back to 0: the
+counters, int32 scratch ``attn_ticket``, are zeroed once when first handed out); without it, by
+the ``attn_merge_f32`` kernel after it. Both give the same bits.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import Scratch, array_of, record
 from metatp.backends.cuda.launch import (CACHE_TYPES, KV_QUANT_TYPES, head_strides, launch, empty, sm_count, i32, f32,
-                                         cdiv, cache_type_of, estrides, check_f32, check_i32, check_contig)
+                                         cdiv, cache_type_of, estrides, check_f32, check_i32, check_contig,
+                                         device_ptr)
 from metatp.backends.cuda.storage import graph_itemsize, quant_cache_type
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import Op
@@ -32,7 +39,8 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'BATCH_INVARIANT_KV_CHUNK', 'attn_workspace_floats', 'choose_splits',
+__all__ = ['ENTRY_POINTS', 'ATTN_DECODE_MAX_TOKENS', 'BATCH_INVARIANT_KV_CHUNK', 'attn_workspace_floats',
+           'attn_ticket_ints', 'choose_splits',
            'decode_splits', 'ATTN_CELLS_MAX_TOKENS', 'attention_splits', 'attention_cells_splits', 'flash_attn_decode',
            'flash_attn_decode_cells', 'mask_cells', 'flash_attn_prefill', 'HANDLERS', 'FUSIONS', 'workspace']
 
@@ -78,11 +86,21 @@ def attn_workspace_floats(n_head: int, head_dim: int, n_tokens: int, n_splits: i
     return n_tokens * n_head * n_splits * (head_dim + 2)
 
 
+def _heads_per_block(n_head: int, n_head_kv: int) -> int:
+    """NG: query heads one decode block serves (all of its KV head's group, up to 8)."""
+    g = n_head // n_head_kv
+    return next(n for n in _ATTN_NG if n >= min(g, 8))
+
+
+def attn_ticket_ints(n_head: int, n_head_kv: int, n_tokens: int) -> int:
+    """Counters a decode launch that merges its own splits needs: one per (token, head group)."""
+    return n_tokens * n_head_kv * cdiv(n_head // n_head_kv, _heads_per_block(n_head, n_head_kv))
+
+
 def choose_splits(n_head_kv: int, n_head: int, n_tokens: int, n_kv: int) -> int:
     """Split-KV count: about two waves of blocks, chunks of at least 64 keys."""
     g = n_head // n_head_kv
-    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
-    base = n_head_kv * cdiv(g, ng) * n_tokens
+    base = n_head_kv * cdiv(g, _heads_per_block(n_head, n_head_kv)) * n_tokens
     want = cdiv(2 * sm_count(), max(1, base))
     return max(1, min(want, cdiv(max(n_kv, 1), 64)))
 
@@ -113,12 +131,45 @@ def _split_workspace(workspace, n_head: int, head_dim: int, n_tokens: int, n_spl
     return workspace
 
 
+def _split_tickets(tickets, n_head: int, n_head_kv: int, n_tokens: int):
+    """The merge counters of a decode launch that merges its own splits: the ones given
+    (checked; they must be 0, as every such launch leaves them) or new zeroed ones."""
+    need = attn_ticket_ints(n_head, n_head_kv, n_tokens)
+    if tickets is None:
+        tickets = empty((need,), np.int32)
+        tickets.fill(0)
+        return tickets
+    check_i32(tickets)
+    check_contig(tickets)
+    if tickets.size < need:
+        raise ValueError(f"tickets has {tickets.size} counters, need {need}")
+    return tickets
+
+
+def _split_decode(family_entry: str, grid: tuple, nth: int, smem: int, head_args: tuple, tail_args: tuple, out,
+                  workspace, tickets, merge_in_launch: bool, *, n_head: int, n_head_kv: int, head_dim: int,
+                  n_tokens: int) -> None:
+    """One decode launch (args: head_args, out, partials, tickets, tail_args) and, when it splits
+    the KV and does not merge in the launch, the merge kernel after it."""
+    n_splits = grid[0]
+    part = tick = None
+    if n_splits > 1:
+        part = _split_workspace(workspace, n_head, head_dim, n_tokens, n_splits)
+        if merge_in_launch:
+            tick = _split_tickets(tickets, n_head, n_head_kv, n_tokens)
+    launch("attn", family_entry, grid, (nth,), (*head_args, out, part, tick, *tail_args), shared_mem=smem)
+    if n_splits > 1 and not merge_in_launch:
+        launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
+               (part, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+
+
 def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: int,
                       n_tokens: int, n_kv: int, scale: float, mask=None, softcap: float = 0.0,
                       causal: bool = True, causal_offset: int | None = None,
                       n_splits: int | None = None, workspace=None, q_strides=None,
                       k_strides=None, v_strides=None, mask_stride: int | None = None,
-                      kv_len=None, kv_type: str | None = None, chunk: int | None = None) -> None:
+                      kv_len=None, kv_type: str | None = None, chunk: int | None = None,
+                      merge_in_launch: bool = True, tickets=None) -> None:
     """Split-KV flash attention for a few query tokens (decode).
 
     ``q``: f32 [n_tokens, n_head, head_dim]; ``k``/``v``: cache [n_ctx, n_head_kv, head_dim]
@@ -130,37 +181,33 @@ def flash_attn_decode(q, k, v, out, *, n_head: int, n_head_kv: int, head_dim: in
     skipped. ``workspace``: f32 scratch of ``attn_workspace_floats`` (allocated when None
     and n_splits > 1). Strides: (head, row) in elements. ``chunk``: keys per split, fixed
     (batch invariance; at least ``n_splits`` splits); None: the span cut into n_splits.
+    ``merge_in_launch``: a split launch merges its partials itself (the last block of each
+    (token, head group)), over ``tickets``: int32 counters of ``attn_ticket_ints``, all 0 (every
+    launch leaves them 0; zeroed ones are made when None); False: attn_merge_f32 after it.
     """
     kvt, qs, ks, vs, ms, c, co = _attn_common(q, k, v, out, mask, kv_len, n_head, n_head_kv,
                                                head_dim, n_tokens, n_kv, q_strides, k_strides,
                                                v_strides, mask_stride, causal, causal_offset, kv_type)
     if n_tokens == 0:
         return
-    g = n_head // n_head_kv
-    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
-    n_qgroup = cdiv(g, ng)
+    ng = _heads_per_block(n_head, n_head_kv)
+    n_qgroup = cdiv(n_head // n_head_kv, ng)
     n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, n_kv, n_splits, chunk)
     nth = max(64, cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng)
-    if n_splits > 1:
-        workspace = _split_workspace(workspace, n_head, head_dim, n_tokens, n_splits)
-    launch("attn", f"attn_decode_{kvt}_g{ng}", (n_splits, n_head_kv * n_qgroup, n_tokens),
-           (nth,),
-           (q, k, v, mask, kv_len, out, workspace if n_splits > 1 else None, i32(head_dim),
-            i32(n_head), i32(n_head_kv), i32(n_tokens), i32(n_kv), i32(qs[0]),
-            i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]), i32(vs[1]), i32(ms),
-            i32(chunk), f32(scale), f32(softcap), i32(c), i32(co)),
-           shared_mem=smem)
-    if n_splits > 1:
-        launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
-               (workspace, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+    _split_decode(f"attn_decode_{kvt}_g{ng}", (n_splits, n_head_kv * n_qgroup, n_tokens), nth, smem,
+                  (q, k, v, mask, kv_len), (i32(head_dim), i32(n_head), i32(n_head_kv), i32(n_tokens), i32(n_kv),
+                                            i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]), i32(vs[0]), i32(vs[1]),
+                                            i32(ms), i32(chunk), f32(scale), f32(softcap), i32(c), i32(co)),
+                  out, workspace, tickets, merge_in_launch, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                  n_tokens=n_tokens)
 
 
 def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_head_kv: int, head_dim: int,
                             n_tokens: int, max_cells: int, scale: float, softcap: float = 0.0,
                             n_splits: int | None = None, workspace=None, q_strides=None, k_strides=None,
                             v_strides=None, kv_type: str | None = None, mask=None,
-                            mask_stride: int | None = None) -> None:
+                            mask_stride: int | None = None, merge_in_launch: bool = True, tickets=None) -> None:
     """Decode of many sequences, each query token reading only its own cells (paged attention
     over the engine's cell layout) instead of a mask over every cell.
 
@@ -169,7 +216,8 @@ def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_hea
     order, all visible; an empty list gives 0). ``max_cells``: a bound on the longest list (it
     sizes the splits; the lists may change between launches up to it, as a CUDA graph
     replays). ``mask``: optional, the dense additive mask the lists came from (its value at a
-    listed cell is added to the score). Other arguments as flash_attn_decode."""
+    listed cell is added to the score). Other arguments (``merge_in_launch``, ``tickets`` too) as
+    flash_attn_decode."""
     if cells is None or cell_off is None:
         raise ValueError("flash_attn_decode_cells needs cells and cell_off")
     check_i32(cells, cell_off)
@@ -181,21 +229,16 @@ def flash_attn_decode_cells(q, k, v, out, cells, cell_off, *, n_head: int, n_hea
                                              kv_type)
     if n_tokens == 0:
         return
-    g = n_head // n_head_kv
-    ng = next(n for n in _ATTN_NG if n >= min(g, 8))
+    ng = _heads_per_block(n_head, n_head_kv)
     n_splits, chunk = decode_splits(n_head_kv, n_head, n_tokens, max_cells, n_splits)
     nth = max(64, cdiv(head_dim, 32) * 32)
     smem = 4 * (ng * head_dim + ng * nth + 3 * ng + nth)
-    if n_splits > 1:
-        workspace = _split_workspace(workspace, n_head, head_dim, n_tokens, n_splits)
-    launch("attn", f"attn_decode_cells_{kvt}_g{ng}", (n_splits, n_head_kv * cdiv(g, ng), n_tokens), (nth,),
-           (q, k, v, cells, cell_off, mask, out, workspace if n_splits > 1 else None, i32(head_dim),
-            i32(n_head), i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]), i32(ks[1]),
-            i32(vs[0]), i32(vs[1]), i32(ms), i32(chunk), f32(scale), f32(softcap)),
-           shared_mem=smem)
-    if n_splits > 1:
-        launch("attn", "attn_merge_f32", (n_head, n_tokens), (max(32, cdiv(head_dim, 32) * 32),),
-               (workspace, out, i32(head_dim), i32(n_head), i32(n_tokens), i32(n_splits)))
+    _split_decode(f"attn_decode_cells_{kvt}_g{ng}", (n_splits, n_head_kv * cdiv(n_head // n_head_kv, ng), n_tokens),
+                  nth, smem, (q, k, v, cells, cell_off, mask),
+                  (i32(head_dim), i32(n_head), i32(n_head_kv), i32(n_tokens), i32(qs[0]), i32(qs[1]), i32(ks[0]),
+                   i32(ks[1]), i32(vs[0]), i32(vs[1]), i32(ms), i32(chunk), f32(scale), f32(softcap)),
+                  out, workspace, tickets, merge_in_launch, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+                  n_tokens=n_tokens)
 
 
 def mask_cells(mask, cells, cell_off, counts, *, n_rows: int, n_kv: int, mask_stride: int | None = None,
@@ -296,14 +339,17 @@ def attention_cells_splits(n_head: int, n_head_kv: int, n_tokens: int, n_kv: int
     return decode_splits(n_head_kv, n_head, n_tokens, n_kv)[0]
 
 
-def _scratch(n_head: int, head_dim: int, n_tokens: int, n_splits: int | None, cells_kv: int = 0,
-             mask: Tensor | None = None) -> Scratch:
-    """The decode kernel's per-split partial results, when it splits the KV; with cell lists
-    (`cells_kv`: the span they index) the lists of `mask`, their offsets and the per-row counts
-    (buffers of their own per mask: every layer reading that mask reads the same lists)."""
+def _scratch(n_head: int, n_head_kv: int, head_dim: int, n_tokens: int, n_splits: int | None, merge_in_launch: bool,
+             cells_kv: int = 0, mask: Tensor | None = None) -> Scratch:
+    """The decode kernel's per-split partial results, when it splits the KV (and its merge
+    counters when it merges in the launch); with cell lists (`cells_kv`: the span they index)
+    the lists of `mask`, their offsets and the per-row counts (buffers of their own per mask:
+    every layer reading that mask reads the same lists)."""
     need: Scratch = {}
     if n_splits is not None and n_splits > 1:
         need["attn"] = (attn_workspace_floats(n_head, head_dim, n_tokens, n_splits), np.float32)
+        if merge_in_launch:
+            need[_TICKETS] = (attn_ticket_ints(n_head, n_head_kv, n_tokens), np.int32)
     if cells_kv and mask is not None:
         need[_cells_key("attn_cells", mask)] = (n_tokens * cells_kv, np.int32)
         need[_cells_key("attn_cell_off", mask)] = (n_tokens + 1, np.int32)
@@ -313,6 +359,26 @@ def _scratch(n_head: int, head_dim: int, n_tokens: int, n_splits: int | None, ce
 
 def _cells_key(what: str, mask: Tensor) -> str:
     return f"{what}@{mask.name}"
+
+
+#: the scratch key of the in-launch merge's counters (one buffer a device: every launch leaves it 0)
+_TICKETS = "attn_ticket"
+
+
+def _scratch_buffers(ex: CupyExecutable, d: int, need: Scratch) -> dict:
+    """Device d's scratch buffers for `need` (keys without their '@mask' part); the merge
+    counters zeroed on the device's stream the first time a buffer is handed out (the
+    executable synchronizes its devices before any step runs; the launches keep them 0)."""
+    bufs = {}
+    for key, (n, dtype) in need.items():
+        buf = bufs[key.split("@")[0]] = ex.scratch_buffer(d, key, n, dtype)
+        if key == _TICKETS:
+            zeroed = ex.__dict__.setdefault("attn_zeroed_tickets", set())     # (device, address) zeroed once
+            if (d, device_ptr(buf)) not in zeroed:
+                with ex.rt.device(ex.devs[d].gpu):
+                    ex.rt.memset(device_ptr(buf), int(buf.nbytes), ex.devs[d].stream)
+                zeroed.add((d, device_ptr(buf)))
+    return bufs
 
 
 # ---------------------------------------------------------------- handler
@@ -350,10 +416,11 @@ def _run_flash_attn_ext(ex: CupyExecutable, d: int, node: Tensor) -> list:
     n_splits = attention_splits(H, Hkv, T, n_kv, invariant)
     if n_splits is None:
         return record(flash_attn_prefill, qa, ka, va, out, **kw)
-    for key, (n, dtype) in _scratch(H, D, T, n_splits).items():
-        kw["workspace"] = ex.scratch_buffer(d, key, n, dtype)
+    merge = ex.backend.attn_merge
+    buf = _scratch_buffers(ex, d, _scratch(H, Hkv, D, T, n_splits, merge))
     return record(flash_attn_decode, qa, ka, va, out, n_splits=n_splits,
-                  chunk=BATCH_INVARIANT_KV_CHUNK if invariant else None, **kw)
+                  chunk=BATCH_INVARIANT_KV_CHUNK if invariant else None, workspace=buf.get("attn"),
+                  merge_in_launch=merge, tickets=buf.get(_TICKETS), **kw)
 
 
 def _cells_steps(ex: CupyExecutable, d: int, node: Tensor, arrays: tuple, kw: dict, n_splits: int) -> list:
@@ -362,8 +429,8 @@ def _cells_steps(ex: CupyExecutable, d: int, node: Tensor, arrays: tuple, kw: di
     the order they are made; the other layers read the same mask, so the same lists)."""
     H, D, T, n_kv = kw["n_head"], kw["head_dim"], kw["n_tokens"], kw["n_kv"]
     mask = node.src[3]
-    buf = {key.split("@")[0]: ex.scratch_buffer(d, key, n, dtype)
-           for key, (n, dtype) in _scratch(H, D, T, n_splits, cells_kv=n_kv, mask=mask).items()}
+    merge = ex.backend.attn_merge
+    buf = _scratch_buffers(ex, d, _scratch(H, kw["n_head_kv"], D, T, n_splits, merge, cells_kv=n_kv, mask=mask))
     makers = ex.__dict__.setdefault("attn_cell_list_makers", {})     # (device, mask) -> the node making its lists
     steps = []
     if makers.setdefault((d, mask), node) is node:
@@ -374,7 +441,7 @@ def _cells_steps(ex: CupyExecutable, d: int, node: Tensor, arrays: tuple, kw: di
                           scale=kw["scale"], softcap=kw["softcap"], n_splits=n_splits,
                           workspace=buf.get("attn"), q_strides=kw["q_strides"], k_strides=kw["k_strides"],
                           v_strides=kw["v_strides"], kv_type=kw["kv_type"], mask=kw["mask"],
-                          mask_stride=kw["mask_stride"])
+                          mask_stride=kw["mask_stride"], merge_in_launch=merge, tickets=buf.get(_TICKETS))
 
 
 def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_too: bool = False) -> Scratch:
@@ -388,8 +455,10 @@ def workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int, one_token_
     masked = len(node.src) > 3 and node.src[3] is not None
     for tok in sorted({T, 1} if one_token_too else {T}):
         cell_splits = attention_cells_splits(H, Hkv, tok, n_kv, masked, backend.batch_invariant)
-        scratch = (_scratch(H, D, tok, cell_splits, cells_kv=n_kv, mask=node.src[3]) if cell_splits is not None
-                   else _scratch(H, D, tok, attention_splits(H, Hkv, tok, n_kv, backend.batch_invariant)))
+        merge = backend.attn_merge
+        scratch = (_scratch(H, Hkv, D, tok, cell_splits, merge, cells_kv=n_kv, mask=node.src[3])
+                   if cell_splits is not None
+                   else _scratch(H, Hkv, D, tok, attention_splits(H, Hkv, tok, n_kv, backend.batch_invariant), merge))
         for key, (n, dtype) in scratch.items():
             if n > need.get(key, (0, None))[0]:
                 need[key] = (n, dtype)

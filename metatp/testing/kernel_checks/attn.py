@@ -4,6 +4,7 @@ dequantization)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -13,7 +14,7 @@ from metatp.backends.cuda.launch import KV_QUANT_TYPES
 from metatp.testing.oracles import f32_to_bf16_bits, bf16_bits_to_f32, kv_rows, ref_attention, ref_mask_cells
 
 CHECKS = ('attn_decode', 'attn_prefill', 'attn_kv_len', 'attn_quant', 'attn_prefill_tiles', 'attn_prefill_seqs',
-          'attn_decode_cells', 'attn_mask_cells')
+          'attn_decode_cells', 'attn_mask_cells', 'attn_decode_merge')
 
 
 def _kv(c: Checker, kvt, n_ctx, hkv, D):
@@ -276,8 +277,6 @@ def check_attn_decode_cells(c: Checker) -> None:
     0, 1, 31..33 and 100 cells (across the 64-key tile and the splits), cells out of order and
     shared by no one else, the cells nobody lists NaN (never read); every cache type, several head
     groupings and split counts."""
-    from metatp.backends.cuda.launch import CACHE_TYPES
-
     n_ctx = 260
     lens = (1, 33, 0, 100, 31, 32)
     perm = c.rng.permutation(n_ctx - 20)          # the last 20 cells belong to no list
@@ -386,3 +385,112 @@ def check_attn_mask_cells(c: Checker) -> None:
         for path in ("decode", "prefill"):
             c.case("attn_mask_cells", f"{kvt} cells vs {path}", (D, H, hkv, n_ctx, T), lambda: None,
                    lambda: c.host(outs["cells"]), c.host(outs[path]), 1e-5)
+
+
+@contextlib.contextmanager
+def _block_order(order: str):
+    """Run the launches inside in another block order where the engine can (the emulator runs blocks
+    one after another; a GPU in an order of its own)."""
+    from metatp.backends.cuda.launch import current_engine
+
+    engine = current_engine()
+    prev = getattr(engine, "block_order", None)
+    if prev is not None:
+        engine.block_order = order
+    try:
+        yield
+    finally:
+        if prev is not None:
+            engine.block_order = prev
+
+
+def _bits(a, ref) -> float:
+    """0 when two float arrays hold the same bits, else inf."""
+    a, ref = np.asarray(a), np.asarray(ref)
+    return 0.0 if a.shape == ref.shape and np.array_equal(a.view(np.uint32), ref.view(np.uint32)) else float("inf")
+
+
+def check_attn_decode_merge(c: Checker) -> None:
+    """Split-KV decode merging its partials inside its own launch (the last block of each (token, head
+    group) by a ticket counter): against float64 on every cache type, GQA groups of 1..16 heads, one
+    split and many, KV lengths on both sides of a split boundary, the blocks run in index order,
+    reversed and shuffled; three launches in a row over the same counters (each leaves them 0, so the
+    next and a CUDA-graph replay start from zero); and bit for bit the same as attn_merge_f32 after it.
+    Then the cell-list decode kernel merging in its launch."""
+    from metatp.backends.cuda.launch import CACHE_TYPES
+
+    ck = c.ck
+    configs = [
+        # (kv, D, H, Hkv, n_kv, T, splits, order)
+        ("f16", 64, 9, 3, 128, 1, 2, "reverse"),          # 64-key chunks: 128 fills both
+        ("f16", 64, 9, 3, 129, 1, 2, "shuffle"),          # one key past the boundary (chunk 65)
+        ("f16", 64, 9, 3, 300, 1, 1, "reverse"),          # one split: no merge, no counters
+        ("f16", 64, 9, 3, 300, 1, 7, "shuffle"),
+        ("bf16", 64, 32, 8, 255, 1, 4, "reverse"),        # G=4 (Llama-3 shapes), chunk 64 - 1
+        ("f32", 128, 32, 8, 257, 1, 4, "shuffle"),        # chunk 65: the last split holds 62 keys
+        ("f16", 64, 8, 8, 200, 2, 5, "shuffle"),          # G=1, two tokens
+        ("f16", 64, 16, 1, 190, 3, 3, "reverse"),         # G=16: two head groups of 8
+        ("f32", 64, 6, 2, 40, 1, 9, "shuffle"),           # more splits than 64-key tiles: empty splits
+    ]
+    configs += [(qt, 64, 12, 4, 161, 1, 3, "shuffle") for qt in KV_QUANT_TYPES]
+    for kvt, D, H, hkv, n_kv, T, splits, order in configs:
+        ks, vs, k64, v64, strides = _any_kv(c, kvt, n_kv + 3, hkv, D)
+        quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+        scale = 1.0 / math.sqrt(D)
+        dk, dv = c.dev(ks), c.dev(vs)
+        n_tick = ck.attn_ticket_ints(H, hkv, T)
+        tickets = c.dev(np.zeros(n_tick, np.int32))
+        label = f"{kvt} G={H // hkv} T={T} n_kv={n_kv} splits={splits} {order}"
+        for rep in range(3):
+            q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+            ref = ref_attention(q.astype(np.float64), k64[:n_kv], v64[:n_kv], scale, None, 0.0, True, n_kv - T)
+            dq = c.dev(q)
+            outs = {m: c.nan((T, H, D)) for m in (True, False)}
+
+            def run(dq=dq, outs=outs, D=D, H=H, hkv=hkv, T=T, n_kv=n_kv, splits=splits, scale=scale, dk=dk, dv=dv,
+                    quant=quant, tickets=tickets, order=order):
+                with _block_order(order):
+                    for m, out in outs.items():
+                        ck.flash_attn_decode(dq, dk, dv, out, n_head=H, n_head_kv=hkv, head_dim=D, n_tokens=T,
+                                             n_kv=n_kv, scale=scale, n_splits=splits, merge_in_launch=m,
+                                             tickets=tickets, **quant)
+            c.case("attn_decode_merge", f"{label} launch {rep + 1}", (D, H, hkv, n_kv, T), run,
+                   lambda outs=outs: c.host(outs[True]), ref, 1e-4)
+            c.case("attn_decode_merge", f"{label} launch {rep + 1} == attn_merge_f32", (D, H, hkv, n_kv, T),
+                   lambda: None, lambda outs=outs: c.host(outs[True]), c.host(outs[False]), 0.0, err_fn=_bits)
+        c.case("attn_decode_merge", f"{label} counters back to 0", (n_tick,), lambda: None,
+               lambda tickets=tickets: c.host(tickets), np.zeros(n_tick, np.int32), 0.0, err_fn=_exact)
+
+    # the cell-list kernel: lists of 0..150 cells, out of order, split 4 ways
+    n_ctx, D, H, hkv = 200, 64, 8, 2
+    lens = (150, 0, 64, 65, 1)
+    offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cells = np.concatenate([c.rng.permutation(n_ctx)[:n] for n in lens]).astype(np.int32)
+    T = len(lens)
+    for kvt in CACHE_TYPES:
+        ks, vs, k64, v64, strides = _any_kv(c, kvt, n_ctx, hkv, D)
+        quant = {"k_strides": strides, "v_strides": strides, "kv_type": kvt} if strides else {}
+        q = c.rng.standard_normal((T, H, D)).astype(np.float32)
+        ref = np.zeros((T, H, D))
+        for t in range(T):
+            rows = cells[offs[t]:offs[t + 1]]
+            if len(rows):
+                ref[t] = ref_attention(q[t:t + 1].astype(np.float64), k64[rows], v64[rows], 1 / 8.0, None, 0.0,
+                                       False)[0]
+        dq, dk, dv, dc, do = c.dev(q), c.dev(ks), c.dev(vs), c.dev(cells), c.dev(offs)
+        tickets = c.dev(np.zeros(ck.attn_ticket_ints(H, hkv, T), np.int32))
+        outs = {m: c.nan((T, H, D)) for m in (True, False)}
+
+        def run(dq=dq, dk=dk, dv=dv, dc=dc, do=do, outs=outs, quant=quant, tickets=tickets):
+            with _block_order("shuffle"):
+                for _ in range(2):
+                    for m, out in outs.items():
+                        ck.flash_attn_decode_cells(dq, dk, dv, out, dc, do, n_head=H, n_head_kv=hkv, head_dim=D,
+                                                   n_tokens=T, max_cells=max(lens), scale=1 / 8.0, n_splits=4,
+                                                   merge_in_launch=m, tickets=tickets, **quant)
+        c.case("attn_decode_merge", f"cells {kvt} G={H // hkv} splits=4 shuffle", (D, H, hkv, n_ctx, T), run,
+               lambda outs=outs: c.host(outs[True]), ref, 1e-4)
+        c.case("attn_decode_merge", f"cells {kvt} == attn_merge_f32, counters 0", (D, H, hkv, n_ctx, T), lambda: None,
+               lambda outs=outs, tickets=tickets: (c.host(outs[True]), c.host(tickets)),
+               (c.host(outs[False]), np.zeros(tickets.size, np.int32)), 0.0,
+               err_fn=lambda a, r: max(_bits(a[0], r[0]), _exact(a[1], r[1])))
