@@ -248,7 +248,9 @@ def test_q8_numerics_match_numpy_q8(synth_model, kind, n_prompt):
     if rt is not None:
         kinds = {n.split("_")[1] for n in ran if n.startswith("mmvq_")}
         assert {"multi", "swiglu"} <= kinds and not any(n.startswith("matvec_") and "q4_1" in n for n in ran)
-        assert any(n.startswith("mmvq_round_q8_") for n in ran) == (n_prompt > MATVEC_MAX_TOKENS)
+        # many tokens: Q8 activations quantized once, then the int8 tensor-core mmq (kernels/mmq.py)
+        assert any(n.startswith("mmq_i8_") for n in ran) == (n_prompt > MATVEC_MAX_TOKENS)
+        assert any(n.startswith("q8_quantize_") for n in ran) == (n_prompt > MATVEC_MAX_TOKENS)
     exact = teacher_forced(Engine(synth_model, 512, lay, CupyBackend(lay, runtime=runtime(kind), kv_dtype="f32")),
                            ref, PROMPT[:n_prompt], 4)[0]
     assert min(rel_err(a, b) for a, b in zip(exact, want)) > 1e-4      # q8 is not exact mode
@@ -277,7 +279,8 @@ def test_q8_numerics_on_k_quants_and_half_weights(synth_factory, kind):
         assert max(errs) < 5e-3 and sum(e < 1e-5 for e in errs) >= len(errs) - 1, errs
         assert_same_greedy(got, want, 5e-3)
         if rt is not None:
-            assert {"mmvq_multi_q4_k", "mmvq_round_f16", "mmvq_q6_k_x1", "mmvq_round_q8_k"} <= set(ran)
+            assert {"mmvq_multi_q4_k", "mmvq_round_f16", "mmvq_q6_k_x1", "q8_quantize_k"} <= set(ran)
+            assert any(n.startswith("mmq_i8_q6_k_t") for n in ran)
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
