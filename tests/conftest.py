@@ -56,6 +56,7 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 from metatp.testing.synth import SynthSpec, write_synthetic_gguf  # noqa: E402
+from support.prebuild import prebuild  # noqa: E402
 from support.require import NAMES, apply_markers, require, required_names  # noqa: E402
 
 
@@ -72,6 +73,13 @@ def pytest_configure(config) -> None:
         required_names()
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
+
+
+def pytest_collection_finish(session) -> None:
+    """The compiled libraries the collected tests need, built in parallel before the first test
+    (tests/support/prebuild.py); not for --collect-only."""
+    if session.items and not session.config.option.collectonly:
+        prebuild(session.items)
 
 
 @pytest.hookimpl(tryfirst=True)
