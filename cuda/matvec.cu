@@ -83,36 +83,7 @@ __device__ __forceinline__ bool mt_matvec_rows(const mt_u8* const* w, const floa
         }
     }
 
-#pragma unroll
-    for (int j = 0; j < NW; ++j)
-#pragma unroll
-        for (int t = 0; t < NT; ++t) acc[j][t] = mt_warp_sum(acc[j][t]);
-
-    const int lane = threadIdx.x & 31;
-    const int wpr = blockDim.x >> 5;  // warps per row (uniform over the block)
-    if (wpr == 1) return lane == 0 && row < n_rows;
-
-    __shared__ float red[8][NW * NT];  // <= 256 threads -> <= 8 warps
-    const int warp = (threadIdx.y * blockDim.x + threadIdx.x) >> 5;
-    if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < NW; ++j)
-#pragma unroll
-            for (int t = 0; t < NT; ++t) red[warp][j * NT + t] = acc[j][t];
-    }
-    __syncthreads();
-    if (threadIdx.x != 0 || row >= n_rows) return false;
-    const int w0 = threadIdx.y * wpr;
-#pragma unroll
-    for (int j = 0; j < NW; ++j) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            float s = 0.0f;
-            for (int i = 0; i < wpr; ++i) s += red[w0 + i][j * NT + t];
-            acc[j][t] = s;
-        }
-    }
-    return true;
+    return mt_rows_reduce<NW, NT>(acc, row, n_rows);
 }
 
 // matvec_<type>_t<NT>(const uint8 *w, const float *x, float *y, int32 ne0, int32 n_rows,

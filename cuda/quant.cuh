@@ -138,6 +138,45 @@ __device__ __forceinline__ float mt_block_max(float v, float* scratch) {
     return mt_warp_max(v);
 }
 
+// The epilogue of a rows kernel (matvec.cu, mmvq.cu): blocks of (bx, by) threads, by rows a block,
+// bx threads (whole warps) a row, each thread holding partial sums acc[j][t] of its row. Sums them
+// over the row's threads (warp shuffles, then across the row's warps through shared memory) and
+// returns true in the one thread per row (threadIdx.x == 0, row < n_rows) that holds the totals.
+// Every thread of the block must call it (it may synchronize the block). <= 256 threads.
+template <int NW, int NT>
+__device__ __forceinline__ bool mt_rows_reduce(float (&acc)[NW][NT], int row, int n_rows) {
+#pragma unroll
+    for (int j = 0; j < NW; ++j)
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[j][t] = mt_warp_sum(acc[j][t]);
+
+    const int lane = threadIdx.x & 31;
+    const int wpr = blockDim.x >> 5;  // warps per row (uniform over the block)
+    if (wpr == 1) return lane == 0 && row < n_rows;
+
+    __shared__ float red[8][NW * NT];  // <= 256 threads -> <= 8 warps
+    const int warp = (threadIdx.y * blockDim.x + threadIdx.x) >> 5;
+    if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < NW; ++j)
+#pragma unroll
+            for (int t = 0; t < NT; ++t) red[warp][j * NT + t] = acc[j][t];
+    }
+    __syncthreads();
+    if (threadIdx.x != 0 || row >= n_rows) return false;
+    const int w0 = threadIdx.y * wpr;
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            float s = 0.0f;
+            for (int i = 0; i < wpr; ++i) s += red[w0 + i][j * NT + t];
+            acc[j][t] = s;
+        }
+    }
+    return true;
+}
+
 // ------------------------------------------------------------ weight types
 // Every weight type is described by one struct:
 //   QK      elements per block          BYTES   bytes per block
