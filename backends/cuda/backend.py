@@ -167,6 +167,7 @@ class CupyBackend(Backend):
         if requested.device_only and self.n > 1 and self.collective is None:
             self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
         used = sorted({dev.gpu for dev in self.local_devices})
+        self.int8_tensor_cores = self._check_numerics_capability(used)
         self.pdl = bool(pdl)
         if self.pdl:              # before any kernel is compiled: the runtime hands out launch-capable ones
             self.rt.enable_pdl(used)
@@ -192,6 +193,18 @@ class CupyBackend(Backend):
         if self.n == 1:
             return "none"
         return self.collective.name if self.collective is not None else self.mode.name
+
+    def _check_numerics_capability(self, gpus: Sequence[int]) -> bool:
+        """numerics "q8" needs dp4a (sm_61+; refused below, naming the GPU); its many-token products use
+        the int8 tensor-core mmq from sm_80 on and x rounded to its Q8 grid + the f32 mmq below (the same
+        rounding). Returns whether every GPU has int8 tensor cores."""
+        caps = {gpu: self.rt.capability(gpu) for gpu in gpus}
+        if self.numerics in ("q8", "llamacpp"):
+            old = [gpu for gpu, cc in caps.items() if cc < 61]
+            if old:
+                raise ConfigError(f"numerics={self.numerics!r} needs int8 dot products (dp4a, sm_61+); GPU {old[0]} "
+                                  f"({self.rt.gpu_name(old[0])}) is sm_{caps[old[0]]}; use numerics='exact'")
+        return all(cc >= 80 for cc in caps.values())
 
     def describe(self) -> BackendInfo:
         return BackendInfo(name=self.name, n_devices=self.n, owned=tuple(self.owned),

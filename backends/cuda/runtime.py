@@ -126,8 +126,7 @@ class CupyRuntime:
         from cupy_backends.cuda.api.driver import CUDADriverError
 
         for gpu in gpus:
-            cc = int(self.cp.cuda.Device(gpu).compute_capability)
-            require_capable(gpu, cc, self.gpu_name(gpu))
+            require_capable(gpu, self.capability(gpu), self.gpu_name(gpu))
         with _lock:
             self._pdl = PdlLauncher(error=CUDADriverError)
             self._kernels.clear()             # kernels handed out before: plain RawKernels
@@ -135,6 +134,10 @@ class CupyRuntime:
 
     def _current_stream_handle(self) -> int:
         return int(self.cp.cuda.get_current_stream().ptr)
+
+    def capability(self, gpu: int) -> int:
+        """GPU `gpu`'s compute capability as an int (90: sm_90)."""
+        return int(self.cp.cuda.Device(gpu).compute_capability)
 
     def sm_count(self) -> int:
         gpu = int(self.cp.cuda.runtime.getDevice())

@@ -160,6 +160,10 @@ class EmuRuntime:
     def sm_count(self) -> int:
         return self.emu.sm_count()
 
+    def capability(self, gpu: int) -> int:
+        """Every emulated GPU's compute capability (`compute_capability`)."""
+        return self.compute_capability
+
     def enable_pdl(self, gpus: Sequence[int]) -> None:
         """As the real runtime's: refused below sm_90; the emulator's kernels take the attribute
         themselves (no binding needed)."""

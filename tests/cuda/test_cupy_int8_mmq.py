@@ -39,11 +39,11 @@ def _rel_err(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _cupy(model, n_devices: int = 1, **kw):
-    """A cupy engine on the emulator (n_devices: tensor parallel), and the set of kernel names it
-    launches (filled as it runs)."""
+def _cupy(model, n_devices: int = 1, compute_capability: int = 90, **kw):
+    """A cupy engine on the emulator (n_devices: tensor parallel; GPUs of that compute capability),
+    and the set of kernel names it launches (filled as it runs)."""
     lay = DeviceLayout(n_devices, "tensor" if n_devices > 1 else "none", None)
-    rt = EmuRuntime()
+    rt = EmuRuntime(compute_capability=compute_capability)
     launched: set[str] = set()
     trip = rt.emu.before_launch
     rt.emu.before_launch = lambda name: (launched.add(name), trip(name))
@@ -83,6 +83,21 @@ def test_q8_matches_numpy_llamacpp_numerics(synth_model, prompt, n_devices):
     want, exact = _numpy(synth_model, "llamacpp").forward(prompt), _numpy(synth_model, "exact").forward(prompt)
     assert _rel_err(got, want) < 1e-5
     assert _rel_err(exact, want) > 1e-3
+
+
+def test_below_sm80_q8_keeps_its_rounding_without_tensor_cores_and_below_sm61_is_refused(synth_model):
+    """mma's int8 shapes need sm_80: on an sm_75 GPU the 12-token products round x to its Q8 grid for
+    the f32 tiles (or take the int8 dot kernel, Q4_1), no mmq_i8 launch, and the logits are still the
+    numpy backend's llama.cpp numerics; without dp4a (sm_60) numerics "q8" is refused by name."""
+    from metatp.ir.errors import ConfigError
+
+    eng, ran = _cupy(synth_model, compute_capability=75, numerics="q8")
+    got = eng.forward(PROMPT)
+    assert ran and not {n for n in ran if n.startswith("mmq_i8_")}
+    assert _rel_err(got, _numpy(synth_model, "llamacpp").forward(PROMPT)) < 1e-4
+    with pytest.raises(ConfigError, match=r"numerics='q8' needs int8 dot products \(dp4a, sm_61\+\); GPU 0 .*sm_60"):
+        _cupy(synth_model, compute_capability=60, numerics="q8")
+    assert _cupy(synth_model, compute_capability=60)[0] is not None        # exact numerics: any GPU
 
 
 def test_int8_decision_and_refusals():

@@ -218,8 +218,10 @@ def use_int8_mmq(numerics: str, wtype: str, n_tokens: int, ne0: int, batch_invar
 
 
 def backend_int8_mmq(backend: CupyBackend, wtype: str, n_tokens: int, ne0: int) -> bool:
-    """`use_int8_mmq` with the backend's numerics and batch invariance."""
-    return use_int8_mmq(getattr(backend, "numerics", "exact"), wtype, n_tokens, ne0, backend.batch_invariant)
+    """`use_int8_mmq` with the backend's numerics and batch invariance, on GPUs with int8 tensor cores
+    (sm_80+; below, q8's many-token products round x to its grid for the f32 mmq: `mmvq.many_token_steps`)."""
+    return (getattr(backend, "int8_tensor_cores", True)
+            and use_int8_mmq(getattr(backend, "numerics", "exact"), wtype, n_tokens, ne0, backend.batch_invariant))
 
 
 def int8_mmq_workspace(backend: CupyBackend, plan: Plan, node: Tensor, d: int) -> Scratch:
