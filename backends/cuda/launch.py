@@ -288,6 +288,7 @@ _KERNEL_DEF_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bou
 _DEFINE_RE = re.compile(r"[ \t]*#[ \t]*define[ \t]+\w+\(([^)]*)\)")
 _COMMENTS_RE = re.compile(r"(?:\s+|//[^\n]*|/\*.*?\*/)*", re.DOTALL)
 _pdl_cache: dict[str, tuple[list[re.Pattern[str]], list[re.Pattern[str]]]] = {}
+_pdl_answers: dict[tuple[str, str], bool] = {}      # (family, kernel) -> pdl_ready
 
 
 def _name_pattern(token: str, params: set[str]) -> re.Pattern[str]:
@@ -329,13 +330,19 @@ def kernel_definitions(source: str) -> list[tuple[re.Pattern[str], bool]]:
 
 def pdl_ready(family: str, name: str) -> bool:
     """May kernel `name` of `family` be launched programmatically: does every definition that can
-    make this name begin with ``mt_pdl_wait();`` (and is there one)?"""
+    make this name begin with ``mt_pdl_wait();`` (and is there one)? Answered once a kernel (an eager
+    step asks at every launch)."""
+    known = _pdl_answers.get((family, name))
+    if known is not None:
+        return known
     defs = _pdl_cache.get(family)
     if defs is None:
         found = kernel_definitions(module_source(family))
         defs = _pdl_cache[family] = ([p for p, ok in found if ok], [p for p, ok in found if not ok])
     ready, not_ready = defs
-    return any(p.fullmatch(name) for p in ready) and not any(p.fullmatch(name) for p in not_ready)
+    answer = _pdl_answers[(family, name)] = (any(p.fullmatch(name) for p in ready)
+                                             and not any(p.fullmatch(name) for p in not_ready))
+    return answer
 
 
 # --------------------------------------------------------------------------- argument helpers

@@ -68,6 +68,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 '''
     monkeypatch.setattr(launch, "module_source", lambda family: src)
     monkeypatch.setattr(launch, "_pdl_cache", {})
+    monkeypatch.setattr(launch, "_pdl_answers", {})
     assert launch.pdl_ready("fam", "k_f32_x")
     assert not launch.pdl_ready("fam", "early")          # returns before waiting
     assert not launch.pdl_ready("fam", "k_twice_x")      # a second definition makes the name without the wait
