@@ -12,6 +12,7 @@ import os
 import sys
 
 from metatp.backends.registry import ALLREDUCE_CHOICES
+from metatp.cli_options import FUSION_OPTIONS, backend_options
 from metatp.ir.errors import ConfigError
 from metatp.ir.models.common import KV_CACHE_TYPES
 from metatp.parallel import FLAGS, parallel_layout
@@ -60,7 +61,19 @@ def add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="all-reduce between devices: " + " | ".join(ALLREDUCE_CHOICES)
                    + " (llama.cpp's GGML_CUDA_ALLREDUCE spellings; default $GGML_CUDA_ALLREDUCE or auto)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="cupy backend: run eagerly, no CUDA graphs (llama.cpp's GGML_CUDA_DISABLE_GRAPHS=1)")
+                   help="cupy backend: run eagerly, no CUDA graphs (also llama.cpp's $GGML_CUDA_DISABLE_GRAPHS)")
+    p.add_argument("--no-fusion", dest="fusion", action="store_const", const=False, default=None,
+                   help="cupy backend: its optional fusions off (options " + ", ".join(FUSION_OPTIONS) + ": the "
+                        "attention KV-split merge and the one-token norm+q/k/v+RoPE+KV-write launch run as separate "
+                        "kernels; the other fusions have no switch and stay; also llama.cpp's "
+                        "$GGML_CUDA_DISABLE_FUSION=1)")
+    p.add_argument("--pdl", action="store_const", const=True, default=None,
+                   help="cupy backend: programmatic dependent launch (sm_90+ and the pdl extra's cuda-bindings, "
+                        "refused otherwise; also llama.cpp's $GGML_CUDA_PDL=1; default off)")
+    p.add_argument("--backend-option", dest="backend_option", action="append", default=None, metavar="KEY=VALUE",
+                   help="any option of the chosen backend (repeatable; e.g. kv_dtype=f32, mmq_max_tokens=64, "
+                        "attn_merge=false; the backends' tables: metatp.backends.registry); a flag setting the "
+                        "same option to another value is an error")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a sequence's tokens and logits do not depend on its batch-mates, bitwise (also "
                         "$METATP_BATCH_INVARIANT=1 or vLLM's $VLLM_BATCH_INVARIANT=1; cupy: one matmul kernel, "
@@ -139,7 +152,9 @@ def stage_layout(n: int | None, mode: str | None, ts: tuple[float, ...] | None, 
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """n_devices / split_mode / tensor_split from the flags (-ts alone implies its device count;
     under `mpiexec -n N` without either, the world size does), and the backend options the
-    flags set (`--no-cuda-graphs`; `-t N`: the numpy backend's kernel_threads; `--batch-invariant`)."""
+    flags set, checked against the chosen backend (`cli_options.backend_options`: --no-cuda-graphs,
+    --no-fusion, --pdl, -t N, --batch-invariant, --backend-option KEY=VALUE, llama.cpp's
+    GGML_CUDA_* switches on cupy)."""
     from metatp.backends.distributed import every_rank, launched_world_size
     from metatp.passes.plan import DeviceLayout
 
@@ -156,15 +171,17 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
     if n is None:
         n = len(ts) if staged and ts else 1     # -sm layer,tensor -ts alone: one stage
     mode = mode or ("tensor" if n > 1 or ts else "none")
-    options = {} if getattr(args, "cuda_graphs", True) else {"cuda_graphs": False}
-    if getattr(args, "threads", None):
-        options["kernel_threads"] = args.threads
-    if getattr(args, "batch_invariant", False):
-        options["batch_invariant"] = True
-    return {"n_devices": n, "split_mode": mode, "tensor_split": ts,
-            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
-            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
-            "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
+    try:
+        options = backend_options(args)
+    except ConfigError as e:
+        raise every_rank(e) from None
+    out = {"n_devices": n, "split_mode": mode, "tensor_split": ts,
+           "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
+           "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
+           "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
+    if "cpu_kernels" in options:         # LLM's own argument: as a backend option it would be dropped
+        out["cpu_kernels"] = options.pop("cpu_kernels")
+    return out
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:

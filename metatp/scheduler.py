@@ -1,10 +1,11 @@
 """Continuous batching: many requests share every engine step (vLLM's scheduler, llama-server's slots).
 
-A `Request` is one sample being generated (or one prompt being scored or embedded). Requests wait in a
-FIFO queue; at each step boundary the scheduler admits the oldest ones while a slot
-(`max_num_seqs`) and cells for the prompt and its next token are free. Cells come on demand
+A `Request` (`metatp.request_state`) is one sample being generated (or one prompt being scored or
+embedded). Requests wait in a FIFO queue; at each step boundary the oldest ones are admitted while a
+slot (`max_num_seqs`) and cells for the prompt and its next token are free (`metatp.admission`,
+which decides who holds cells; the scheduler keeps the step loop). Cells come on demand
 (`metatp.kv_demand`): each decoding request gets a page more as it needs it; when the cache has
-none, the most recently admitted running request is preempted (`Scheduler.preempt`: its cells
+none, the most recently admitted running request is preempted (`admission.Admission.preempt`: its cells
 freed, its tokens and sampling state kept, queued first) and re-prefilled as first computed, so its client sees
 one stream and the tokens of a run alone. A step that preempts admits nothing. With the prefix
 cache (`metatp.prefix_cache`, on by default) a request begins with the cached blocks its prompt
@@ -44,23 +45,18 @@ what a call returns reaches the other ranks through `metatp.mpi_calls`.
 from __future__ import annotations
 
 import collections
-import enum
-import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from metatp.admission import Admission
 from metatp.ir.errors import ConfigError, ContextOverflowError, MetatpError, RequestStateError
-from metatp.kv_cells import SeqCells
 from metatp.kv_demand import CellDemand
 from metatp.lockstep import Leader
 from metatp.metrics import Metrics
 from metatp.output_processor import TokenEvent
-from metatp.prefix_cache import Namespace
+from metatp.request_state import PROMPT_KINDS, Request, RequestState, context_budget
 from metatp.runner import ModelRunner, Purpose, ScheduledItem, TokenResult
-from metatp.sampling import SamplingParams
 from metatp.speculative import Speculator
 
 if TYPE_CHECKING:
@@ -69,135 +65,9 @@ if TYPE_CHECKING:
 __all__ = ["Request", "RequestState", "TokenEvent", "Scheduler", "QueueFullError", "Metrics", "context_budget",
            "PROMPT_KINDS"]
 
-# request kinds that run their prompt only and end with what it gives: "score" (the logits of every
-# position) and "embed" (the final hidden state of every position, `metatp.embeddings` pools them)
-PROMPT_KINDS = ("score", "embed")
-
 
 class QueueFullError(MetatpError):
     """The waiting queue is full (a server answers 503 / 429): try again later."""
-
-
-def context_budget(n_prompt: int, n_ctx: int, max_model_len: int | None = None) -> int:
-    """The one context-length rule: how many tokens a sequence with an `n_prompt`-token prompt
-    may generate. The cache holds n_ctx cells and the last token needs none of its own
-    (n_ctx - n_prompt + 1). A per-request cap `max_model_len` bounds prompt + completion
-    (vLLM's meaning; llama-server's n_ctx/np slot). A prompt past either is a ContextOverflowError."""
-    if max_model_len is not None and n_prompt > max_model_len:
-        raise ContextOverflowError(
-            f"the prompt has {n_prompt} tokens but a request may hold at most {max_model_len} "
-            "(max_model_len); shorten the prompt or raise --max-model-len")
-    if n_prompt > n_ctx:
-        raise ContextOverflowError(
-            f"the prompt has {n_prompt} tokens but the context holds {n_ctx} (n_ctx); "
-            "shorten the prompt or raise n_ctx")
-    budget = n_ctx - n_prompt + 1
-    return budget if max_model_len is None else min(budget, max_model_len - n_prompt)
-
-
-class RequestState(str, enum.Enum):
-    """Where a request is (a str, so that it reads and compares as its name)."""
-
-    WAITING = "waiting"     # queued (or preempted, queued first)
-    PREFILL = "prefill"     # admitted: its prompt (or a preemption's refill) is being fed
-    DECODE = "decode"       # one token a step
-    DONE = "done"           # finished, failed or cancelled
-
-    def __str__(self) -> str:
-        return self.value
-
-
-_request_ids = itertools.count()
-
-
-class Request:
-    """One sample of one prompt (or one prompt to score or embed, `PROMPT_KINDS`): its token ids, counts and state.
-
-    `eog_ids`: the model's end-of-generation tokens (ignored with ignore_eos). `sink`: where its
-    `TokenEvent`s go (from the stepping thread, outside the state lock); without one they queue
-    on `events` for `Scheduler.next_event`. One or the other, never both. `tenant`: who sent it
-    (the server's API-key tenant; None: anonymous): with params.cache_salt, the prefix-cache
-    namespace it may reuse blocks from and keeps its own in."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, rng: np.random.Generator, n_ctx: int,
-                 kind: str = "generate", index: int = 0, max_model_len: int | None = None,
-                 eog_ids: Iterable[int] = (), sink: Callable[[TokenEvent], None] | None = None,
-                 tenant: str | None = None) -> None:
-        budget = context_budget(len(prompt_ids), n_ctx, max_model_len)
-        self.id = next(_request_ids)
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.rng = rng
-        self.kind = kind
-        self.index = index
-        self.sink = sink
-        self.cache_namespace = Namespace(tenant, params.cache_salt)   # whose cached prefixes it may reuse
-        self.max_new = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        if kind in PROMPT_KINDS:
-            self.max_new = 0
-        self.n_cells = len(prompt_ids) + max(self.max_new - 1, 0)
-        self.stop_ids = frozenset(params.stop_token_ids)
-        self.end_ids = self.stop_ids | frozenset(() if params.ignore_eos else eog_ids)   # min_tokens holds them back
-        self.state = RequestState.WAITING
-        self.seq: SeqCells | None = None
-        self.n_fed = 0                         # prompt tokens already in the cache
-        self.n_reused = 0                      # ... of them found in the prefix cache (CellDemand.admit)
-        self.pending: int | None = None        # the sampled token the next step feeds
-        self.refill: list[int] | None = None   # after a preemption: the tokens to prefill again (`requeue`)
-        self.history = list(prompt_ids)
-        self.output_ids: list[int] = []
-        self.events: collections.deque[TokenEvent] = collections.deque()
-        self.cancelled: str | None = None      # the finish reason a cancel gives ("cancelled", "stop")
-        self.closed = False                    # ended, and its last event delivered
-        self.finish_reason: str | None = None
-        self.t_submit = time.perf_counter()
-        self.t_first: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.state is RequestState.DONE
-
-    @property
-    def prefill_ids(self) -> list[int]:
-        """What its prefill feeds: its prompt, or after a preemption its prompt and generated
-        tokens but the pending one (`refill`), whose cell the next decode step writes."""
-        return self.prompt_ids if self.refill is None else self.refill
-
-    def prefill_chunk(self, budget: int, small_rows: int) -> list[int]:
-        """The next at most `budget` tokens of its prefill. A refill is computed as it was first:
-        its prompt part apart, its generated part in passes of at most `small_rows` rows (the
-        backend's few-token path, where a row's sums do not depend on the pass, as in a decode
-        step), so its cells get the bits they had and its next logits are those of a run never
-        preempted."""
-        ids, end = self.prefill_ids, self.n_fed + budget
-        if self.refill is not None:
-            n = len(self.prompt_ids)
-            end = min(end, n) if self.n_fed < n else min(end, self.n_fed + small_rows)
-        return ids[self.n_fed:end]
-
-    def requeue(self) -> None:
-        """Back to waiting after a recompute preemption (`Scheduler.preempt`), its cells freed:
-        a decoding request prefills its prompt and generated tokens but the pending one again."""
-        if self.state is RequestState.DECODE:
-            self.refill = self.history[:-1]
-        self.seq, self.n_fed, self.state = None, 0, RequestState.WAITING
-
-    def deliver(self, ev: TokenEvent) -> None:
-        """Send one event down the request's one channel."""
-        if self.sink is not None:
-            self.sink(ev)
-        else:
-            self.events.append(ev)
-
-    def event_for(self, res: TokenResult) -> TokenEvent:
-        """The event of the token `res` just gave this request (already in `output_ids`), ending
-        it on the token-level rules: an end token (EOS unless ignore_eos, stop_token_ids), a
-        complete constraint, max_tokens."""
-        tok = res.token
-        if tok in self.end_ids:
-            return TokenEvent(tok, "stop", tok if tok in self.stop_ids else None, True, res.logprob, res.top_logprobs)
-        finish = "stop" if res.complete else "length" if len(self.output_ids) >= self.max_new else None
-        return TokenEvent(tok, finish, None, False, res.logprob, res.top_logprobs)
 
 
 class Scheduler:
@@ -224,8 +94,9 @@ class Scheduler:
         self._stop = threading.Event()
         self.metrics = Metrics()
         self._leader: Leader | None = None     # under MPI, serving: rank 0 posts every step (`lead`)
-        # KV cells on demand (metatp.kv_demand); which request waits or is preempted is decided here
+        # KV cells on demand (metatp.kv_demand); which request waits or is preempted: metatp.admission
         self.demand = CellDemand(engine.cells, self.metrics, prefix_caching)
+        self.admission = Admission(self.demand, self.metrics)
         # speculative decoding (metatp.speculative): decode steps carry drafted tokens to verify
         self.speculator = speculator
 
@@ -290,7 +161,7 @@ class Scheduler:
                 with self._state:
                     if req in self.running:
                         self.running.remove(req)
-                        self._release(req, keep=True)
+                        self.admission.release(req, keep=True)
                         self._end_cancelled(req)
             finally:
                 self._step_lock.release()
@@ -393,19 +264,9 @@ class Scheduler:
         with self._state:
             for r in [r for r in self.running if r.cancelled]:
                 self.running.remove(r)
-                self._release(r, keep=True)
+                self.admission.release(r, keep=True)
                 self._end_cancelled(r)
-            preempted = self._make_room()
-            while self.waiting and len(self.running) < self.max_num_seqs and not preempted:
-                r = self.waiting[0]     # no admission in a step that preempted (vLLM): it would take their cells
-                seq = self.demand.admit(r.prefill_ids, r.n_cells, alone=not self.running, cached=r.kind not in PROMPT_KINDS,
-                                        namespace=r.cache_namespace)
-                if seq is None:
-                    break
-                self.waiting.popleft()
-                r.seq, r.state = seq, RequestState.PREFILL
-                r.n_fed = r.n_reused = seq.n_past         # positions found in the prefix cache
-                self.running.append(r)
+            self.admission.schedule(self.waiting, self.running, self.max_num_seqs)
             work: list[ScheduledItem] = []
             budget = self.n_batch
             for r in self.running:
@@ -458,31 +319,6 @@ class Scheduler:
         self.runner.forget(r.id)
         if self.speculator is not None:
             self.speculator.forget(r.id)
-
-    def _make_room(self) -> bool:
-        """Give every decoding request (oldest first) a cell for the token it feeds this step;
-        while the cache has none, preempt the most recently admitted running request (possibly
-        the one growing). Returns whether anything was preempted."""
-        preempted = False
-        for r in list(self.running):
-            while r.state is RequestState.DECODE and not self.demand.grow(r.seq, r.n_cells, len(self.running) > 1):
-                self.preempt(self.running.pop())
-                preempted = True
-        return preempted
-
-    def preempt(self, r: Request) -> None:
-        """Recompute preemption (vLLM's) of `r`, already out of the running list: its cells are
-        freed (their whole blocks kept in the prefix cache), its tokens and sampling state kept,
-        and it waits first in line; re-admitted, it prefills its prompt and generated tokens but
-        the pending one as they were first computed, and decodes on from the pending token, so
-        its client sees one stream."""
-        self._release(r, keep=True)
-        if r.state is RequestState.PREFILL and r.refill is None:   # a prompt cut short: counted once, when fed again
-            self.metrics.prompt_tokens -= r.n_fed - r.n_reused
-            self.metrics.recomputed_tokens += r.n_fed - r.n_reused
-        r.requeue()
-        self.waiting.appendleft(r)
-        self.metrics.preemptions += 1
 
     def _advance(self, w: ScheduledItem, res: TokenResult | None, now: float) -> None:
         """Take one step's result for its request (under the state lock): the token it got (its
@@ -559,7 +395,7 @@ class Scheduler:
     def _finish(self, r: Request, ev: TokenEvent) -> None:
         if r in self.running:
             self.running.remove(r)
-        self._release(r, keep=True)
+        self.admission.release(r, keep=True)
         r.state, r.finish_reason = RequestState.DONE, ev.finish_reason
         self.metrics.requests_finished += 1
         self._forget(r)
@@ -570,19 +406,11 @@ class Scheduler:
             self.running.remove(r)
         if r in self.waiting:
             self.waiting.remove(r)
-        self._release(r)
+        self.admission.release(r)
         r.state, r.finish_reason = RequestState.DONE, "error"
         self.metrics.requests_failed += 1
         self._forget(r)
         self._emit(r, TokenEvent(None, "error", error=e))
-
-    def _release(self, r: Request, keep: bool = False) -> None:
-        """Free `r`'s cells; `keep`: its whole blocks stay in the prefix cache (it did not fail).
-        An embedded input's never do: embedding inputs are rarely prompts again, and would push
-        out prefixes that are."""
-        keep = keep and r.kind != "embed"
-        if r.seq is not None:
-            self.demand.free(r.seq, r.history if keep else None, r.cache_namespace)
 
     # ---------------------------------------------------------------- driver thread (server)
     def start(self) -> None:

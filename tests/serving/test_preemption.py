@@ -93,13 +93,13 @@ def test_streams_through_a_preemption_deliver_each_token_once_in_order(llm, solo
     params[2] = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, stop=[stop])
     events: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
     delivered_at_preemption: list[tuple[int, int]] = []
-    preempt = sched.preempt
+    preempt = sched.admission.preempt
     index: dict[int, int] = {}
 
-    def recording(r):
+    def recording(r, waiting):
         delivered_at_preemption.append((index[id(r)], len(events[index[id(r)]])))
-        preempt(r)
-    monkeypatch.setattr(sched, "preempt", recording)
+        preempt(r, waiting)
+    monkeypatch.setattr(sched.admission, "preempt", recording)
     reqs = [llm.submit(p, sp, on_output=lambda out, i=i: events[i].append(out)).request
             for i, (p, sp) in enumerate(zip(PROMPTS, params))]      # queued; no step runs before the loop
     index.update({id(r): i for i, r in enumerate(reqs)})
@@ -141,12 +141,12 @@ def test_a_request_preempted_mid_prompt_starts_its_prompt_again(path, monkeypatc
     want = [llm.generate([ids], sp)[0].outputs[0] for ids, sp in
             (([5, 6, 7], grow), ([8, 9], grow), (long_prompt, short))]
     seen: list[tuple[str, int]] = []
-    preempt = sched.preempt
+    preempt = sched.admission.preempt
 
-    def recording(r):
+    def recording(r, waiting):
         seen.append((r.state, r.n_fed))
-        preempt(r)
-    monkeypatch.setattr(sched, "preempt", recording)
+        preempt(r, waiting)
+    monkeypatch.setattr(sched.admission, "preempt", recording)
     a = llm.submit([5, 6, 7], grow).request
     while a.seq is None or a.seq.n_past < 126:                  # a: one page, two cells short of its end
         sched.step()
