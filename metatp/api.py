@@ -70,6 +70,25 @@ def batch_invariant_requested(value: Any) -> bool:
     return any(os.environ.get(name, "").strip() == "1" for name in BATCH_INVARIANT_ENV)
 
 
+
+def with_keyword_options(options: dict[str, Any], **keywords: tuple[Any, Any]) -> dict[str, Any]:
+    """`LLM`'s own keywords that are backend options too (numerics, cpu_kernels, allreduce), each
+    given as (value, default), joined with `backend_options`: a keyword left at its default takes
+    the option's value, a set keyword fills the option, and the two set differently is a
+    ConfigError naming both (never one silently dropped). A value that is still None (cpu_kernels'
+    default) is left out: it is not an option of every backend."""
+    out = dict(options)
+    for key, (value, default) in keywords.items():
+        given = out.get(key, default)
+        if value != default and key in out and given != value:
+            raise ConfigError(f"{key}={value!r} contradicts backend_options {key}={given!r}; set one")
+        chosen = value if value != default else given
+        if chosen is None:
+            out.pop(key, None)
+        else:
+            out[key] = chosen
+    return out
+
 class LLM(CompletionMethods, EmbeddingMethods):
     """A GGUF model on one or more (simulated or real) devices.
 
@@ -257,9 +276,8 @@ class LLM(CompletionMethods, EmbeddingMethods):
             options.pop("kernel_threads")       # a GPU backend: no compute on CPU threads to count
         if batch_invariant_requested(batch_invariant):
             options["batch_invariant"] = True
-        options.update(numerics=numerics, cpu_kernels=cpu_kernels, allreduce=allreduce)
-        if cpu_kernels is None:
-            options.pop("cpu_kernels")          # the numpy default; not an option of other backends
+        options = with_keyword_options(options, numerics=(numerics, "exact"), cpu_kernels=(cpu_kernels, None),
+                                       allreduce=(allreduce, "auto"))
         # options are checked (and the backend set up) before the model file is read
         self.backend = create_backend(backend, self.layout, world=self.world, **options)
         self.model_path = resolve_model(model, quiet=not verbose)

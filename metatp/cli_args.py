@@ -179,8 +179,6 @@ def layout_kwargs(args: argparse.Namespace) -> dict:
            "memory_budget": getattr(args, "memory_budget", None), "fit_context": getattr(args, "fit", False),
            "allreduce": getattr(args, "allreduce", "auto"), "backend_options": options,
            "cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", None)}
-    if "cpu_kernels" in options:         # LLM's own argument: as a backend option it would be dropped
-        out["cpu_kernels"] = options.pop("cpu_kernels")
     return out
 
 

@@ -33,6 +33,19 @@ def test_model_path_is_the_model_and_once_only(path, dropin_llama):
         Llama(path, model_path=path, backend="numpy")
 
 
+def test_backend_options_numerics_cpu_kernels_allreduce_are_applied_or_refused(path):
+    """LLM's own keywords that are also backend options: given only in backend_options they are
+    applied (they used to be overwritten by the keywords' defaults); given both ways differently,
+    a ConfigError naming both (before the model is read)."""
+    llm = LLM(path, n_ctx=32, backend="numpy", backend_options={"numerics": "q8", "cpu_kernels": False})
+    assert llm.backend.numerics == "q8" and llm.backend.use_kernels is False
+    assert LLM(path, n_ctx=32, backend="numpy", numerics="q8",
+               backend_options={"numerics": "q8"}).backend.numerics == "q8"
+    with pytest.raises(ConfigError, match=r"numerics='q8' contradicts backend_options numerics='exact'"):
+        LLM("no-such-file.gguf", backend="numpy", numerics="q8", backend_options={"numerics": "exact"})
+    with pytest.raises(ConfigError, match=r"cpu_kernels=True contradicts backend_options cpu_kernels=False"):
+        LLM("no-such-file.gguf", backend="numpy", cpu_kernels=True, backend_options={"cpu_kernels": False})
+
 def test_n_threads_sets_the_cpu_kernels_threads(path, dropin_llama):
     assert dropin_llama.backend.kernel_threads == 1
     assert LLM(path, n_ctx=32, backend="numpy", n_threads=3).backend.kernel_threads == 3
