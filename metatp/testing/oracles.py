@@ -220,7 +220,8 @@ def ref_q8_quantize(x, kind: int):
 
 
 #: weight type -> the ref_q8_quantize kind its activations are rounded to (llama.cpp's vec_dot_type)
-Q8_KIND_OF_WEIGHT = {"q8_0": 0, "q4_0": 0, "q5_0": 0, "q4_1": 1, "q5_1": 1, "q4_k": 2, "q5_k": 2, "q6_k": 2}
+Q8_KIND_OF_WEIGHT = {"q8_0": 0, "q4_0": 0, "q5_0": 0, "q4_1": 1, "q5_1": 1, "q2_k": 2, "q3_k": 2, "q4_k": 2, "q5_k": 2,
+                     "q6_k": 2}
 
 
 def ref_q8_matmul(raw, wtype: str, ne0: int, x):

@@ -36,7 +36,8 @@ __all__ = ['ENTRY_POINTS', 'ACTIVATION_KIND', 'Q8_NUMERICS', 'q8_path', 'q8_work
            'mmvq', 'mmvq_multi', 'mmvq_glu', 'round_f16', 'half_rounded', 'int8_twin', 'many_token_steps', 'HANDLERS', 'FUSIONS', 'workspace']
 
 #: weight type -> the Q8 kind its activations are rounded to (llama.cpp's vec_dot_type)
-ACTIVATION_KIND = {"q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_1", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k"}
+ACTIVATION_KIND = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "q2_k": "q8_k",
+                   "q3_k": "q8_k", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k"}
 #: half-float weights: x rounded to f16 before the float product (the numpy backend's round_f16)
 _HALF_TYPES = ("f16", "bf16")
 #: elements per activation block of each kind (f16: the numpy backend rounds rows of 32k elements only)
