@@ -100,7 +100,7 @@ def _rounds_for_mmq(wtype: str) -> bool:
     result? Yes for Q8_0 and Q8_K (no min term, or one that multiplies d * sum q); not for Q8_1,
     whose min term multiplies s = f16(amax/127 * sum q), not f16(amax/127) * sum q: a 5e-4 relative
     error on a term often larger than the result (2e-3 on the logits of a Q4_1 model), so Q4_1
-    keeps the int8 kernel, 8 tokens a launch."""
+    keeps the int8 kernel, 8 tokens a launch (and Q5_1, the same kind)."""
     return _kind_of(wtype) != "q8_1"
 
 
@@ -333,7 +333,7 @@ def many_token_steps(ex: CupyExecutable, d: int, mm: Tensor, data, wtype: str, r
                      xr, yr) -> list:
     """A MUL_MAT of more than MATVEC_MAX_TOKENS tokens under numerics="q8": x rounded to its Q8 grid
     (the codes and scales the int8 kernels use), then the f32 tiled `mmq` (not cuBLAS's f16
-    operands, which would round again); Q4_1 weights: the int8 kernel 8 tokens a launch
+    operands, which would round again); Q4_1 and Q5_1 weights (Q8_1): the int8 kernel 8 tokens a launch
     (`_rounds_for_mmq`). The one place an int8 tensor-core mmq would replace."""
     n_tok = xr.shape[0]
     if _kind_of(wtype) == "f16":
