@@ -148,6 +148,9 @@ MT_FOR_ALL_WTYPES(MT_MMQ_ENTRY)
 //      q4_k, q5_k (Q8_K):       wd = d * sc_j, codes n (4/5 bits);  wm = -dmin * m_j, xs = xd * sum q
 //      q6_k (Q8_K):             two products per unit (16-element scales: A's columns 0..15 and
 //                               16..31 are separate registers), wd0 = d * sc, wd1 = d * sc'
+//      q5_0 (Q8_0), q5_1 (Q8_1): as q4_0 / q4_1, 5-bit codes
+//      q3_k (Q8_K):             as q6_k (codes: 2 bits and the hmask bit, minus 4)
+//      q2_k (Q8_K):             as q6_k, plus an offset per half: wm_h * xd * (the half's sum of q)
 // =============================================================================================
 #define MT_Q8_0 0
 #define MT_Q8_1 1
@@ -269,11 +272,12 @@ __device__ __forceinline__ void mt_mma_s8(int (&c)[4], const int (&a)[4], const 
 
 // ---- weights as int8 units of 32 elements (natural order), one struct per type:
 //   KIND   the activation rounding its products take (llama.cpp's vec_dot_type)
-//   SPLIT  1: the unit's two halves of 16 have scales of their own (q6_k)
-//   load(row, u, q, wd0, wd1, wm): unit u of the row -> 8 words of 4 int8 codes, scales, offset.
+//   SPLIT  1: the unit's two halves of 16 have scales of their own (q2_k, q3_k, q6_k)
+//   MIN16  1: and offsets of their own (q2_k: wm[0], wm[1], each times d * its half's code sum)
+//   load(row, u, q, wd0, wd1, wm): unit u of the row -> 8 words of 4 int8 codes, scales, offset(s).
 // (n + 0x78) ^ 0x80 per byte is n - 8 for n in 0..15, (n + 0x60) ^ 0x80 is n - 32 for 0..63.
 struct Q8WQ8_0 {
-    enum { KIND = MT_Q8_0, SPLIT = 0 };
+    enum { KIND = MT_Q8_0, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         const mt_u8* b = row + (mt_i64)u * 34;
         *wd0 = mt_ldh(b);
@@ -284,7 +288,7 @@ struct Q8WQ8_0 {
     }
 };
 struct Q8WQ4_0 {
-    enum { KIND = MT_Q8_0, SPLIT = 0 };
+    enum { KIND = MT_Q8_0, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         const mt_u8* b = row + (mt_i64)u * 18;
         *wd0 = mt_ldh(b);
@@ -299,7 +303,7 @@ struct Q8WQ4_0 {
     }
 };
 struct Q8WQ4_1 {
-    enum { KIND = MT_Q8_1, SPLIT = 0 };
+    enum { KIND = MT_Q8_1, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         const mt_u8* b = row + (mt_i64)u * 20;
         *wd0 = mt_ldh(b);
@@ -310,6 +314,84 @@ struct Q8WQ4_1 {
             const mt_u32 v = mt_ld32(b + 4 + 4 * i);
             q[i] = (int)(v & 0x0F0F0F0Fu);
             q[4 + i] = (int)((v >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+};
+// Q5_0 / Q5_1: Q4_0's nibbles (qs at 6 / 8) plus bit 4 from the u32 qh (at 2 / 4; bit i for
+// element i); Q5_0's codes minus 16, Q5_1's unsigned with the offset m.
+__device__ __forceinline__ mt_u32 mt_q8w_qh_bytes(mt_u32 qh, int i0) {
+    const mt_u32 h = (qh >> i0) & 15u;
+    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << 4;
+}
+template <int OFF, bool SIGNED>
+__device__ __forceinline__ void mt_q8w_q5(const mt_u8* b, int* q) {
+    const mt_u32 qh = mt_ld32(b + OFF);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const mt_u32 v = mt_ld32(b + OFF + 4 + 4 * i);
+        const mt_u32 lo = (v & 0x0F0F0F0Fu) | mt_q8w_qh_bytes(qh, 4 * i);
+        const mt_u32 hi = ((v >> 4) & 0x0F0F0F0Fu) | mt_q8w_qh_bytes(qh, 16 + 4 * i);
+        // (n + 0x70) ^ 0x80 per byte is n - 16 for n in 0..31
+        q[i] = SIGNED ? (int)((lo + 0x70707070u) ^ 0x80808080u) : (int)lo;
+        q[4 + i] = SIGNED ? (int)((hi + 0x70707070u) ^ 0x80808080u) : (int)hi;
+    }
+}
+struct Q8WQ5_0 {
+    enum { KIND = MT_Q8_0, SPLIT = 0, MIN16 = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const mt_u8* b = row + (mt_i64)u * 22;
+        *wd0 = mt_ldh(b);
+        *wd1 = 0.0f;
+        *wm = 0.0f;
+        mt_q8w_q5<2, true>(b, q);
+    }
+};
+struct Q8WQ5_1 {
+    enum { KIND = MT_Q8_1, SPLIT = 0, MIN16 = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const mt_u8* b = row + (mt_i64)u * 24;
+        *wd0 = mt_ldh(b);
+        *wd1 = 0.0f;
+        *wm = mt_ldh(b + 2);
+        mt_q8w_q5<4, false>(b, q);
+    }
+};
+// Q2_K: unit u = 32 elements 128h + 32s + l (j = u % 8 = 4h + s) of super-block u / 8: codes
+// (qs[32h + l] >> 2s) & 3; halves l < 16, l >= 16 scaled by d * (scales[2j(+1)] & 15), offsets
+// -(dmin * (scales[2j(+1)] >> 4)) in wm[0], wm[1] (MIN16: each times d * its half's code sum).
+struct Q8WQ2_K {
+    enum { KIND = MT_Q8_K, SPLIT = 1, MIN16 = 1 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const int j = u & 7;
+        const mt_u8* b = row + (mt_i64)(u >> 3) * 84;
+        const float d = mt_ldh(b + 80), dmin = mt_ldh(b + 82);
+        const int s0 = b[2 * j], s1 = b[2 * j + 1];
+        *wd0 = __fmul_rn(d, (float)(s0 & 15));
+        *wd1 = __fmul_rn(d, (float)(s1 & 15));
+        wm[0] = -__fmul_rn(dmin, (float)(s0 >> 4));
+        wm[1] = -__fmul_rn(dmin, (float)(s1 >> 4));
+        const mt_u8* qs = b + 16 + 32 * (j >> 2);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = (int)((mt_ld32(qs + 4 * i) >> (2 * (j & 3))) & 0x03030303u);
+    }
+};
+// Q3_K: unit u as Q2_K's; codes (qs[32h + l] >> 2s) & 3, minus 4 unless bit j of hmask[l] is set;
+// halves scaled by d * (6-bit scale 2j(+1) - 32). (n + 0x7C) ^ 0x80 per byte is n - 4.
+struct Q8WQ3_K {
+    enum { KIND = MT_Q8_K, SPLIT = 1, MIN16 = 0 };
+    static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
+        const int j = u & 7;
+        const mt_u8* b = row + (mt_i64)(u >> 3) * 110;
+        const float d = mt_ldh(b + 108);
+        *wd0 = __fmul_rn(d, (float)mt_q3k_scale(b + 96, 2 * j));
+        *wd1 = __fmul_rn(d, (float)mt_q3k_scale(b + 96, 2 * j + 1));
+        *wm = 0.0f;
+        const mt_u8* qs = b + 32 + 32 * (j >> 2);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const mt_u32 lo = (mt_ld32(qs + 4 * i) >> (2 * (j & 3))) & 0x03030303u;
+            const mt_u32 hb = (mt_ld32(b + 4 * i) >> j) & 0x01010101u;
+            q[i] = (int)(((lo | (hb << 2)) + 0x7C7C7C7Cu) ^ 0x80808080u);
         }
     }
 };
@@ -333,13 +415,13 @@ __device__ __forceinline__ void mt_q8w_k45(const mt_u8* row, int u, int* q, floa
     }
 }
 struct Q8WQ4_K {
-    enum { KIND = MT_Q8_K, SPLIT = 0 };
+    enum { KIND = MT_Q8_K, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         mt_q8w_k45<0>(row, u, q, wd0, wd1, wm);
     }
 };
 struct Q8WQ5_K {
-    enum { KIND = MT_Q8_K, SPLIT = 0 };
+    enum { KIND = MT_Q8_K, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         mt_q8w_k45<1>(row, u, q, wd0, wd1, wm);
     }
@@ -347,7 +429,7 @@ struct Q8WQ5_K {
 // Q6_K: unit u = 32 elements 128h + 32k + l (j = u % 8 = 4h + k, l = 0..31) of super-block u / 8;
 // scales[8h + 2k] for l < 16, scales[8h + 2k + 1] for l >= 16.
 struct Q8WQ6_K {
-    enum { KIND = MT_Q8_K, SPLIT = 1 };
+    enum { KIND = MT_Q8_K, SPLIT = 1, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
         const int j = u & 7, h = j >> 2, k = j & 3;
         const mt_u8* b = row + (mt_i64)(u >> 3) * 210;
@@ -378,9 +460,10 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
                                         int n_rows, int row_bytes, int n_tok, int y_stride) {
     enum { NT = TT / 8, UPS = MT_MMQ8_UPS, TR = MT_MMQ8_TR };
     __shared__ int w_s[TR][MT_MMQ8_WS];
-    __shared__ float wd0_s[TR][UPS], wd1_s[TR][UPS], wm_s[TR][UPS];
+    enum { U16 = Q::MIN16 ? UPS : 1 };  // the per-half offsets' arrays (unused without MIN16)
+    __shared__ float wd0_s[TR][UPS], wd1_s[TR][UPS], wm_s[TR][UPS], wm1_s[TR][U16];
     __shared__ int x_s[TT][MT_MMQ8_WS];
-    __shared__ float xd_s[TT][UPS], xs_s[TT][UPS];
+    __shared__ float xd_s[TT][UPS], xs_s[TT][UPS], xs1_s[TT][U16];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, tg = lane & 3;
     const int row0 = blockIdx.x * TR, tok0 = blockIdx.y * TT;
@@ -399,9 +482,9 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
             const int r = e / UPS, uu = e - r * UPS;
             const int row = row0 + r, u = u0 + uu;
             int qv[8];
-            float d0 = 0.0f, d1 = 0.0f, m = 0.0f;
+            float d0 = 0.0f, d1 = 0.0f, m[2] = {0.0f, 0.0f};
             if (row < n_rows && u < units) {
-                Q::load(w + (mt_i64)row * row_bytes, u, qv, &d0, &d1, &m);
+                Q::load(w + (mt_i64)row * row_bytes, u, qv, &d0, &d1, m);
             } else {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) qv[i] = 0;
@@ -410,7 +493,8 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
             for (int i = 0; i < 8; ++i) w_s[r][8 * uu + i] = qv[i];
             wd0_s[r][uu] = d0;
             wd1_s[r][uu] = d1;
-            wm_s[r][uu] = m;
+            wm_s[r][uu] = m[0];
+            if (Q::MIN16) wm1_s[r][Q::MIN16 ? uu : 0] = m[1];
         }
         // ---- the activation tile: codes (words of 4) and each (token, unit)'s scale and offset sum
         for (int e = tid; e < TT * UPS * 8; e += MT_MMQ8_NTH) {
@@ -423,12 +507,17 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
         for (int e = tid; e < TT * UPS; e += MT_MMQ8_NTH) {
             const int t = e / UPS, uu = e - t * UPS;
             const int tok = tok0 + t, u = u0 + uu;
-            float dv = 0.0f, sv = 0.0f;
+            float dv = 0.0f, sv = 0.0f, sv1 = 0.0f;
             if (tok < n_tok && u < units) {
                 if (Q::KIND == MT_Q8_K) {
                     dv = xd[(mt_i64)tok * (ne0 / 256) + (u >> 3)];
                     const int* is = xisum + (mt_i64)tok * (ne0 / 16) + 2 * u;
-                    sv = __fmul_rn(dv, (float)(is[0] + is[1]));
+                    if (Q::MIN16) {
+                        sv = __fmul_rn(dv, (float)is[0]);
+                        sv1 = __fmul_rn(dv, (float)is[1]);
+                    } else {
+                        sv = __fmul_rn(dv, (float)(is[0] + is[1]));
+                    }
                 } else {
                     dv = xd[(mt_i64)tok * units + u];
                     if (Q::KIND == MT_Q8_1) sv = xs1[(mt_i64)tok * units + u];
@@ -436,6 +525,7 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
             }
             xd_s[t][uu] = dv;
             xs_s[t][uu] = sv;
+            if (Q::MIN16) xs1_s[t][Q::MIN16 ? uu : 0] = sv1;
         }
         __syncthreads();
 #pragma unroll
@@ -448,6 +538,8 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
             const float wd0[2] = {wd0_s[r0][uu], wd0_s[r1][uu]};
             const float wd1[2] = {wd1_s[r0][uu], wd1_s[r1][uu]};
             const float wm[2] = {wm_s[r0][uu], wm_s[r1][uu]};
+            const int u16 = Q::MIN16 ? uu : 0;
+            const float wm1[2] = {wm1_s[r0][u16], wm1_s[r1][u16]};
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 int b[2];
@@ -468,6 +560,7 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
                     if (Q::SPLIT) dot = fmaf(wd1[h], (float)c1[i], dot);
                     acc[j][i] = fmaf(xd_s[t][uu], dot, acc[j][i]);
                     if (Q::KIND != MT_Q8_0) acc[j][i] = fmaf(wm[h], xs_s[t][uu], acc[j][i]);
+                    if (Q::MIN16) acc[j][i] = fmaf(wm1[h], xs1_s[t][u16], acc[j][i]);
                 }
             }
         }
@@ -507,6 +600,10 @@ __device__ __forceinline__ void mt_mmq8(const mt_u8* __restrict__ w, const mt_i8
 MT_MMQ8_ENTRY(q8_0, Q8WQ8_0)
 MT_MMQ8_ENTRY(q4_0, Q8WQ4_0)
 MT_MMQ8_ENTRY(q4_1, Q8WQ4_1)
+MT_MMQ8_ENTRY(q5_0, Q8WQ5_0)
+MT_MMQ8_ENTRY(q5_1, Q8WQ5_1)
+MT_MMQ8_ENTRY(q2_k, Q8WQ2_K)
+MT_MMQ8_ENTRY(q3_k, Q8WQ3_K)
 MT_MMQ8_ENTRY(q4_k, Q8WQ4_K)
 MT_MMQ8_ENTRY(q5_k, Q8WQ5_K)
 MT_MMQ8_ENTRY(q6_k, Q8WQ6_K)

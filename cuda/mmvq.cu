@@ -9,15 +9,15 @@
 // give the same logits up to float summation order.
 //
 // Activation kinds (the weight type's llama.cpp vec_dot_type):
-//   Q8_0 (q8_0, q4_0 weights): blocks of 32, d = f16(amax / 127), q = rint(x * (127 / amax));
-//   Q8_1 (q4_1):               Q8_0 plus s = f16(amax/127 * sum q) (the unrounded d);
-//   Q8_K (q4_k, q5_k, q6_k):   blocks of 256, max = the first x of largest |x|, iscale =
+//   Q8_0 (q8_0, q4_0, q5_0):  blocks of 32, d = f16(amax / 127), q = rint(x * (127 / amax));
+//   Q8_1 (q4_1, q5_1):         Q8_0 plus s = f16(amax/127 * sum q) (the unrounded d);
+//   Q8_K (q2_k .. q6_k):       blocks of 256, max = the first x of largest |x|, iscale =
 //                              -127 / max, q = min(127, rint(iscale * x)), d = 1 / iscale;
 //                              the min term takes s = d * (sum of q over the 32-element block).
 // In memory (workspace or shared): codes int8 [ne0] per token; d and s float [ne0 / 32] each
 // per token (Q8_K's d repeated over its 8 blocks of 32).
 //
-// Entry points (W: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k; matvec's shapes):
+// Entry points (W: q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k; matvec's shapes):
 //   mmvq_<t>_x1           one token, x quantized in the block's prologue (shared memory)
 //   mmvq_<t>_t<NT>        1..NT tokens from a quantized workspace (mmvq_quantize_<kind>)
 //   mmvq_multi_<t>        q/k/v in one launch, RMS norm of x folded in (as matvec_multi)
@@ -211,17 +211,19 @@ __device__ __forceinline__ int mt_unbias4(mt_u32 v, int bias) {
     return (int)((v + 0x01010101u * (mt_u32)(128 - bias)) ^ 0x80808080u);
 }
 
-// Each weight type: QK, BYTES, KIND (the activation's), NSC (scales per 32 elements: Q6_K's
-// halves of 16 have their own), HAS_MIN, and codes<VEC>(block, j, q, sc, mn): the 32 signed
-// codes of 32-element block j of the weight block as 8 words (elements 4i..4i+3 in word i,
-// lowest byte first), their scale(s) and min. VEC: 16-byte loads (the block 16-byte aligned).
+// Each weight type: QK, BYTES, KIND (the activation's), NSC (scales per 32 elements: the halves
+// of 16 of Q2_K, Q3_K and Q6_K have their own), HAS_MIN (NSC == 2: a min per half, which
+// multiplies d * the half's sum of activation codes; else one min per 32, times s), and
+// codes<VEC>(block, j, q, sc, mn): the 32 signed codes of 32-element block j of the weight block
+// as 8 words (elements 4i..4i+3 in word i, lowest byte first), their scale(s) and min(s).
+// VEC: 16-byte loads (the block 16-byte aligned).
 struct MqQ8_0 {
     enum { QK = 32, BYTES = 34, KIND = MT_Q8_0, NSC = 1, HAS_MIN = 0 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         sc[0] = mt_ldh(b);
-        mn = 0.0f;
+        mn[0] = mn[1] = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) q[i] = (int)mt_ld32(b + 2 + 4 * i);
     }
@@ -232,9 +234,9 @@ struct MqQ4_0 {
     enum { QK = 32, BYTES = 18, KIND = MT_Q8_0, NSC = 1, HAS_MIN = 0 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         sc[0] = mt_ldh(b);
-        mn = 0.0f;
+        mn[0] = mn[1] = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const mt_u32 v = mt_ld32(b + 2 + 4 * i);
@@ -248,15 +250,59 @@ struct MqQ4_1 {
     enum { QK = 32, BYTES = 20, KIND = MT_Q8_1, NSC = 1, HAS_MIN = 1 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         sc[0] = mt_ldh(b);
-        mn = mt_ldh(b + 2);
+        mn[0] = mt_ldh(b + 2);
+        mn[1] = 0.0f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const mt_u32 v = mt_ld32(b + 4 + 4 * i);
             q[i] = (int)(v & 0x0f0f0f0fu);
             q[4 + i] = (int)((v >> 4) & 0x0f0f0f0fu);
         }
+    }
+};
+
+// Q5_0 / Q5_1: Q4_0's nibbles plus bit 4 from the u32 qh (bit i for element i).
+// The 4 bits qh >> i0 (i0 .. i0+3) as bit 4 of 4 bytes.
+__device__ __forceinline__ mt_u32 mt_qh_bytes(mt_u32 qh, int i0) {
+    const mt_u32 h = (qh >> i0) & 15u;
+    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << 4;
+}
+
+template <int OFF, int BIAS>
+__device__ __forceinline__ void mt_q5_codes(const mt_u8* b, int (&q)[8]) {
+    const mt_u32 qh = mt_ld32(b + OFF);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const mt_u32 v = mt_ld32(b + OFF + 4 + 4 * i);
+        const mt_u32 lo = (v & 0x0f0f0f0fu) | mt_qh_bytes(qh, 4 * i);
+        const mt_u32 hi = ((v >> 4) & 0x0f0f0f0fu) | mt_qh_bytes(qh, 16 + 4 * i);
+        q[i] = BIAS ? mt_unbias4(lo, BIAS) : (int)lo;
+        q[4 + i] = BIAS ? mt_unbias4(hi, BIAS) : (int)hi;
+    }
+}
+
+struct MqQ5_0 {
+    enum { QK = 32, BYTES = 22, KIND = MT_Q8_0, NSC = 1, HAS_MIN = 0 };
+    template <bool VEC>
+    static __device__ __forceinline__ void codes(const mt_u8* b, int, int (&q)[8], float (&sc)[2],
+                                                 float (&mn)[2]) {
+        sc[0] = mt_ldh(b);
+        mn[0] = mn[1] = 0.0f;
+        mt_q5_codes<2, 16>(b, q);
+    }
+};
+
+struct MqQ5_1 {
+    enum { QK = 32, BYTES = 24, KIND = MT_Q8_1, NSC = 1, HAS_MIN = 1 };
+    template <bool VEC>
+    static __device__ __forceinline__ void codes(const mt_u8* b, int, int (&q)[8], float (&sc)[2],
+                                                 float (&mn)[2]) {
+        sc[0] = mt_ldh(b);
+        mn[0] = mt_ldh(b + 2);
+        mn[1] = 0.0f;
+        mt_q5_codes<4, 0>(b, q);
     }
 };
 
@@ -280,11 +326,12 @@ struct MqQ4_K {
     enum { QK = 256, BYTES = 144, KIND = MT_Q8_K, NSC = 1, HAS_MIN = 1 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int j, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         int s, m;
         mt_scale_min_k4(j, b + 4, &s, &m);
         sc[0] = __fmul_rn(mt_ldh(b), (float)s);
-        mn = -__fmul_rn(mt_ldh(b + 2), (float)m);
+        mn[0] = -__fmul_rn(mt_ldh(b + 2), (float)m);
+        mn[1] = 0.0f;
         mt_u32 w[8];
         mt_ld_words8<VEC>(b + 16 + 32 * (j >> 1), w);
         const int sh = 4 * (j & 1);
@@ -298,11 +345,12 @@ struct MqQ5_K {
     enum { QK = 256, BYTES = 176, KIND = MT_Q8_K, NSC = 1, HAS_MIN = 1 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int j, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         int s, m;
         mt_scale_min_k4(j, b + 4, &s, &m);
         sc[0] = __fmul_rn(mt_ldh(b), (float)s);
-        mn = -__fmul_rn(mt_ldh(b + 2), (float)m);
+        mn[0] = -__fmul_rn(mt_ldh(b + 2), (float)m);
+        mn[1] = 0.0f;
         mt_u32 w[8], h[8];
         mt_ld_words8<VEC>(b + 48 + 32 * (j >> 1), w);
         mt_ld_words8<VEC>(b + 16, h);
@@ -313,6 +361,49 @@ struct MqQ5_K {
     }
 };
 
+// Q2_K (84 bytes): block j = 4h + s holds elements 128h + 32s + l: (qs[32h + l] >> 2s) & 3 (qs
+// at 16); its halves scaled by d * (scales[2j(+1)] & 15), min -(dmin * (scales[2j(+1)] >> 4)).
+struct MqQ2_K {
+    enum { QK = 256, BYTES = 84, KIND = MT_Q8_K, NSC = 2, HAS_MIN = 1 };
+    template <bool VEC>
+    static __device__ __forceinline__ void codes(const mt_u8* b, int j, int (&q)[8], float (&sc)[2],
+                                                 float (&mn)[2]) {
+        const float d = mt_ldh(b + 80), dmin = mt_ldh(b + 82);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int v = b[2 * j + i];
+            sc[i] = __fmul_rn(d, (float)(v & 15));
+            mn[i] = -__fmul_rn(dmin, (float)(v >> 4));
+        }
+        const mt_u8* qs = b + 16 + 32 * (j >> 2);
+        const int sh = 2 * (j & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = (int)((mt_ld32(qs + 4 * i) >> sh) & 0x03030303u);
+    }
+};
+
+// Q3_K (110 bytes): block j = 4h + s holds elements 128h + 32s + l: (qs[32h + l] >> 2s) & 3 (qs
+// at 32), minus 4 unless bit j of hmask[l] is set; halves scaled by d * (6-bit scale 2j(+1) - 32).
+struct MqQ3_K {
+    enum { QK = 256, BYTES = 110, KIND = MT_Q8_K, NSC = 2, HAS_MIN = 0 };
+    template <bool VEC>
+    static __device__ __forceinline__ void codes(const mt_u8* b, int j, int (&q)[8], float (&sc)[2],
+                                                 float (&mn)[2]) {
+        const float d = mt_ldh(b + 108);
+        sc[0] = __fmul_rn(d, (float)mt_q3k_scale(b + 96, 2 * j));
+        sc[1] = __fmul_rn(d, (float)mt_q3k_scale(b + 96, 2 * j + 1));
+        mn[0] = mn[1] = 0.0f;
+        const mt_u8* qs = b + 32 + 32 * (j >> 2);
+        const int sh = 2 * (j & 3);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const mt_u32 lo = (mt_ld32(qs + 4 * i) >> sh) & 0x03030303u;
+            const mt_u32 hb = (mt_ld32(b + 4 * i) >> j) & 0x01010101u;
+            q[i] = mt_unbias4(lo | (hb << 2), 4);
+        }
+    }
+};
+
 // Q6_K (210 bytes, 2-byte aligned): block j = 4h + k holds elements 128h + 32k + l, l < 32:
 // (ql[64h + 32(k&1) + l] >> 4(k>>1)) & 15 | ((qh[32h + l] >> 2k) & 3) << 4, minus 32; the halves
 // l < 16 and l >= 16 scaled by d * scales[8h + 2k] and d * scales[8h + 2k + 1].
@@ -320,12 +411,12 @@ struct MqQ6_K {
     enum { QK = 256, BYTES = 210, KIND = MT_Q8_K, NSC = 2, HAS_MIN = 0 };
     template <bool VEC>
     static __device__ __forceinline__ void codes(const mt_u8* b, int j, int (&q)[8], float (&sc)[2],
-                                                 float& mn) {
+                                                 float (&mn)[2]) {
         const int h = j >> 2, k = j & 3;
         const float d = mt_ldh(b + 208);
         sc[0] = __fmul_rn(d, (float)(mt_i8)b[192 + 8 * h + 2 * k]);
         sc[1] = __fmul_rn(d, (float)(mt_i8)b[192 + 8 * h + 2 * k + 1]);
-        mn = 0.0f;
+        mn[0] = mn[1] = 0.0f;
         const mt_u8* ql = b + 64 * h + 32 * (k & 1);
         const mt_u8* qh = b + 128 + 32 * h;
         const int sl = 4 * (k >> 1), sh = 2 * k;
@@ -342,6 +433,10 @@ struct MqQ6_K {
     M(q8_0, MqQ8_0)              \
     M(q4_0, MqQ4_0)              \
     M(q4_1, MqQ4_1)              \
+    M(q5_0, MqQ5_0)              \
+    M(q5_1, MqQ5_1)              \
+    M(q2_k, MqQ2_K)              \
+    M(q3_k, MqQ3_K)              \
     M(q4_k, MqQ4_K)              \
     M(q5_k, MqQ5_K)              \
     M(q6_k, MqQ6_K)
@@ -367,7 +462,7 @@ __device__ __forceinline__ bool mt_mmvq_rows(const mt_u8* const* w, const mt_i8*
             const int ib = u / (W::QK / 32);
             const int sub = u - ib * (W::QK / 32);
             int q[NW][8];
-            float sc[NW][2], mn[NW];
+            float sc[NW][2], mn[NW][2];
 #pragma unroll
             for (int j = 0; j < NW; ++j)
                 W::template codes<VEC>(w[j] + (mt_i64)row * row_bytes + (mt_i64)ib * W::BYTES, sub,
@@ -381,6 +476,17 @@ __device__ __forceinline__ bool mt_mmvq_rows(const mt_u8* const* w, const mt_i8*
                     for (int i = 0; i < 8; ++i) xv[i] = xi[i];
                     const float dx = xd[(mt_i64)t * (ne0 / 32) + u];
                     const float sx = xs[(mt_i64)t * (ne0 / 32) + u];
+                    // a min per half (Q2_K): d * the half's sum of activation codes, as s is
+                    float sh0 = 0.0f, sh1 = 0.0f;
+                    if (W::HAS_MIN && W::NSC == 2) {
+                        int c0 = 0, c1 = 0;
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) c0 = __dp4a(xv[i], 0x01010101, c0);
+#pragma unroll
+                        for (int i = 4; i < 8; ++i) c1 = __dp4a(xv[i], 0x01010101, c1);
+                        sh0 = __fmul_rn(dx, (float)c0);
+                        sh1 = __fmul_rn(dx, (float)c1);
+                    }
 #pragma unroll
                     for (int j = 0; j < NW; ++j) {
                         int s0 = 0, s1 = 0;
@@ -393,7 +499,10 @@ __device__ __forceinline__ bool mt_mmvq_rows(const mt_u8* const* w, const mt_i8*
                             r = dx * (sc[j][0] * (float)s0 + sc[j][1] * (float)s1);
                         else
                             r = sc[j][0] * dx * (float)(s0 + s1);
-                        if (W::HAS_MIN) r = fmaf(mn[j], sx, r);
+                        if (W::HAS_MIN && W::NSC == 2)
+                            r = fmaf(mn[j][1], sh1, fmaf(mn[j][0], sh0, r));
+                        else if (W::HAS_MIN)
+                            r = fmaf(mn[j][0], sx, r);
                         acc[j][t] += r;
                     }
                 }

@@ -262,6 +262,44 @@ struct WQ8_0 {
     }
 };
 
+// Q5_0 (22 bytes): f16 d, u32 qh (bit i = bit 4 of element i), qs[16] as Q4_0's nibbles;
+// value d * (q - 16). Chunks as Q4_0 (element bits 4c+k and 16+4c+k of qh).
+struct WQ5_0 {
+    enum { QK = 32, BYTES = 22, NCHUNK = 4, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) { return WQ4_0::idx(c, k); }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const float d = mt_ldh(b);
+        const mt_u32 h = mt_ld32(b + 2);
+        const mt_u32 q = mt_ld32(b + 6 + 4 * c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int lo = (int)(((q >> (8 * k)) & 15u) | (((h >> (4 * c + k)) & 1u) << 4));
+            const int hi = (int)(((q >> (8 * k + 4)) & 15u) | (((h >> (16 + 4 * c + k)) & 1u) << 4));
+            v[k] = __fmul_rn(d, (float)(lo - 16));
+            v[4 + k] = __fmul_rn(d, (float)(hi - 16));
+        }
+    }
+};
+
+// Q5_1 (24 bytes): f16 d, f16 m, u32 qh, qs[16]; value q*d + m (q = Q5_0's 5-bit code).
+struct WQ5_1 {
+    enum { QK = 32, BYTES = 24, NCHUNK = 4, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int k) { return WQ4_0::idx(c, k); }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const float d = mt_ldh(b);
+        const float m = mt_ldh(b + 2);
+        const mt_u32 h = mt_ld32(b + 4);
+        const mt_u32 q = mt_ld32(b + 8 + 4 * c);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const mt_u32 lo = ((q >> (8 * k)) & 15u) | (((h >> (4 * c + k)) & 1u) << 4);
+            const mt_u32 hi = ((q >> (8 * k + 4)) & 15u) | (((h >> (16 + 4 * c + k)) & 1u) << 4);
+            v[k] = __fadd_rn(__fmul_rn(d, (float)lo), m);
+            v[4 + k] = __fadd_rn(__fmul_rn(d, (float)hi), m);
+        }
+    }
+};
+
 // K-quants: super-blocks of 256 elements.
 // 6-bit scale/min j (0..7) of Q4_K/Q5_K (ggml get_scale_min_k4).
 __device__ __forceinline__ void mt_scale_min_k4(int j, const mt_u8* s, int* sc, int* mn) {
@@ -360,6 +398,63 @@ struct WQ6_K {
     }
 };
 
+// Q2_K (84 bytes): scales[16] (low nibble: scale, high: min), qs[64], f16 d, f16 dmin. Element
+// 128h + 32s + l (h 0..1, s 0..3, l 0..31) = (qs[32h + l] >> 2s) & 3, sub-block j = element / 16;
+// value (d*(sc_j & 15))*q - (dmin*(sc_j >> 4)). Chunk c (0..31): h = c/16, l0 = 2*(c%16),
+// value kk = 2s + i is element 128h + 32s + l0 + i.
+struct WQ2_K {
+    enum { QK = 256, BYTES = 84, NCHUNK = 32, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int kk) {
+        const int h = c >> 4, l0 = (c & 15) * 2;
+        return 128 * h + 32 * (kk >> 1) + l0 + (kk & 1);
+    }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const int h = c >> 4, l0 = (c & 15) * 2;
+        const float d = mt_ldh(b + 80), dmin = mt_ldh(b + 82);
+        const mt_u32 q = mt_ld16(b + 16 + 32 * h + l0);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const int sc = b[8 * h + 2 * s + (l0 >> 4)];
+            const float dl = __fmul_rn(d, (float)(sc & 15)), ml = __fmul_rn(dmin, (float)(sc >> 4));
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                v[2 * s + i] = __fsub_rn(__fmul_rn(dl, (float)((q >> (8 * i + 2 * s)) & 3u)), ml);
+        }
+    }
+};
+
+// Q3_K (110 bytes): hmask[32], qs[64], scales[12] (16 6-bit scales), f16 d. Element
+// 128h + 32s + l: low bits (qs[32h + l] >> 2s) & 3, minus 4 unless bit 4h + s of hmask[l] is
+// set; sub-block j = element / 16 has scale (low nibble of scales[j % 8], j >= 8: high) |
+// ((scales[8 + j % 4] >> 2*(j / 4)) & 3) << 4, minus 32; value (d * scale) * q.
+// Chunks as Q2_K.
+__device__ __forceinline__ int mt_q3k_scale(const mt_u8* s, int j) {
+    const int lo = (s[j & 7] >> (4 * (j >> 3))) & 15;
+    const int hi = (s[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+struct WQ3_K {
+    enum { QK = 256, BYTES = 110, NCHUNK = 32, CW = 8 };
+    static __device__ __forceinline__ int idx(int c, int kk) { return WQ2_K::idx(c, kk); }
+    static __device__ __forceinline__ void load(const mt_u8* b, int c, float* v) {
+        const int h = c >> 4, l0 = (c & 15) * 2;
+        const float d = mt_ldh(b + 108);
+        const mt_u32 q = mt_ld16(b + 32 + 32 * h + l0);
+        const mt_u32 m = mt_ld16(b + l0);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const float dl = __fmul_rn(d, (float)mt_q3k_scale(b + 96, 8 * h + 2 * s + (l0 >> 4)));
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int lo = (int)((q >> (8 * i + 2 * s)) & 3u);
+                const int hb = (int)((m >> (8 * i + 4 * h + s)) & 1u);
+                v[2 * s + i] = __fmul_rn(dl, (float)(lo - (hb ? 0 : 4)));
+            }
+        }
+    }
+};
+
 // Instantiate MACRO(suffix, WeightType) for every supported weight type.
 #define MT_FOR_ALL_WTYPES(M) \
     M(f32, WF32)             \
@@ -368,6 +463,10 @@ struct WQ6_K {
     M(q8_0, WQ8_0)           \
     M(q4_0, WQ4_0)           \
     M(q4_1, WQ4_1)           \
+    M(q5_0, WQ5_0)           \
+    M(q5_1, WQ5_1)           \
+    M(q2_k, WQ2_K)           \
+    M(q3_k, WQ3_K)           \
     M(q4_k, WQ4_K)           \
     M(q5_k, WQ5_K)           \
     M(q6_k, WQ6_K)

@@ -66,6 +66,10 @@ WEIGHT_TYPES: dict[str, tuple[int, int]] = {
     "q8_0": (32, 34),
     "q4_0": (32, 18),
     "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
@@ -78,7 +82,8 @@ KV_QUANT_TYPES: dict[str, tuple[int, int]] = {"q8_0": (32, 34), "q4_0": (32, 18)
 #: Every KV-cache type: K and V of one type each have their set_rows and attention entry points.
 CACHE_TYPES = KV_TYPES + tuple(KV_QUANT_TYPES)
 #: elements per chunk (one thread's unit of work) per weight type, as in quant.cuh
-CHUNK_ELEMS = {"f32": 1, "f16": 1, "bf16": 1, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q4_k": 8, "q5_k": 8, "q6_k": 8}
+CHUNK_ELEMS = {"f32": 1, "f16": 1, "bf16": 1, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q5_0": 8, "q5_1": 8,
+                "q2_k": 8, "q3_k": 8, "q4_k": 8, "q5_k": 8, "q6_k": 8}
 
 #: Options handed to NVRTC (CuPy adds -arch of the device, -ftz=true and its -std).
 COMPILE_OPTIONS: tuple[str, ...] = ()

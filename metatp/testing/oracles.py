@@ -48,7 +48,7 @@ def rel_err(out, ref) -> float:
 def make_weight(rng: np.random.Generator, wtype: str, n_rows: int, ne0: int):
     """Random weight of a ggml type: (raw uint8 [n_rows, row_bytes], dequantized f32 [n_rows, ne0]).
 
-    Q8_0/Q4_0/Q4_1/BF16 go through ``gguf.quants.quantize``; K-quants (which gguf cannot
+    Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/BF16 go through ``gguf.quants.quantize``; K-quants (which gguf cannot
     quantize) are random raw blocks with sane f16 d / dmin; the oracle is
     ``gguf.quants.dequantize``.
     """
@@ -64,7 +64,7 @@ def make_weight(rng: np.random.Generator, wtype: str, n_rows: int, ne0: int):
         bits = f32_to_bf16_bits(w)
         return bits.view(np.uint8).copy(), bf16_bits_to_f32(bits)
     qt = _qtype(wtype)
-    if wtype in ("q8_0", "q4_0", "q4_1"):
+    if wtype in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
         raw = np.ascontiguousarray(quants.quantize(w, qt))
         return raw, quants.dequantize(raw, qt).astype(np.float32)
     bs, ts = gguf.GGML_QUANT_SIZES[qt]
@@ -220,7 +220,8 @@ def ref_q8_quantize(x, kind: int):
 
 
 #: weight type -> the ref_q8_quantize kind its activations are rounded to (llama.cpp's vec_dot_type)
-Q8_KIND_OF_WEIGHT = {"q8_0": 0, "q4_0": 0, "q5_0": 0, "q4_1": 1, "q5_1": 1, "q4_k": 2, "q5_k": 2, "q6_k": 2}
+Q8_KIND_OF_WEIGHT = {"q8_0": 0, "q4_0": 0, "q5_0": 0, "q4_1": 1, "q5_1": 1, "q2_k": 2, "q3_k": 2, "q4_k": 2, "q5_k": 2,
+                     "q6_k": 2}
 
 
 def ref_q8_matmul(raw, wtype: str, ne0: int, x):

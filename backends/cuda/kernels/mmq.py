@@ -56,7 +56,8 @@ MMQ_MAX_TOKENS = 16
 #: the numpy backend's `_Q8_KIND_OF_TYPE`): Q8_0 / Q8_1 blocks of 32, Q8_K blocks of 256.
 Q8_0, Q8_1, Q8_K = 0, 1, 2
 #: The weight types the int8 tensor-core kernel (mmq_i8_<type>_t<TT>) takes, with their activation kind.
-MMQ_Q8_KIND = {"q8_0": Q8_0, "q4_0": Q8_0, "q4_1": Q8_1, "q4_k": Q8_K, "q5_k": Q8_K, "q6_k": Q8_K}
+MMQ_Q8_KIND = {"q8_0": Q8_0, "q4_0": Q8_0, "q5_0": Q8_0, "q4_1": Q8_1, "q5_1": Q8_1, "q2_k": Q8_K, "q3_k": Q8_K,
+               "q4_k": Q8_K, "q5_k": Q8_K, "q6_k": Q8_K}
 #: the token tiles of the int8 entries
 MMQ_Q8_TILE_TOKENS = (16, 32, 64, 128)
 _Q8_QUANTIZE_ENTRY = {Q8_0: "q8_quantize_0", Q8_1: "q8_quantize_1", Q8_K: "q8_quantize_k"}

@@ -36,7 +36,8 @@ __all__ = ['ENTRY_POINTS', 'ACTIVATION_KIND', 'Q8_NUMERICS', 'q8_path', 'q8_work
            'mmvq', 'mmvq_multi', 'mmvq_glu', 'round_f16', 'half_rounded', 'int8_twin', 'many_token_steps', 'HANDLERS', 'FUSIONS', 'workspace']
 
 #: weight type -> the Q8 kind its activations are rounded to (llama.cpp's vec_dot_type)
-ACTIVATION_KIND = {"q8_0": "q8_0", "q4_0": "q8_0", "q4_1": "q8_1", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k"}
+ACTIVATION_KIND = {"q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1", "q2_k": "q8_k",
+                   "q3_k": "q8_k", "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k"}
 #: half-float weights: x rounded to f16 before the float product (the numpy backend's round_f16)
 _HALF_TYPES = ("f16", "bf16")
 #: elements per activation block of each kind (f16: the numpy backend rounds rows of 32k elements only)
@@ -99,7 +100,7 @@ def _rounds_for_mmq(wtype: str) -> bool:
     result? Yes for Q8_0 and Q8_K (no min term, or one that multiplies d * sum q); not for Q8_1,
     whose min term multiplies s = f16(amax/127 * sum q), not f16(amax/127) * sum q: a 5e-4 relative
     error on a term often larger than the result (2e-3 on the logits of a Q4_1 model), so Q4_1
-    keeps the int8 kernel, 8 tokens a launch."""
+    keeps the int8 kernel, 8 tokens a launch (and Q5_1, the same kind)."""
     return _kind_of(wtype) != "q8_1"
 
 
@@ -332,7 +333,7 @@ def many_token_steps(ex: CupyExecutable, d: int, mm: Tensor, data, wtype: str, r
                      xr, yr) -> list:
     """A MUL_MAT of more than MATVEC_MAX_TOKENS tokens under numerics="q8": x rounded to its Q8 grid
     (the codes and scales the int8 kernels use), then the f32 tiled `mmq` (not cuBLAS's f16
-    operands, which would round again); Q4_1 weights: the int8 kernel 8 tokens a launch
+    operands, which would round again); Q4_1 and Q5_1 weights (Q8_1): the int8 kernel 8 tokens a launch
     (`_rounds_for_mmq`). The one place an int8 tensor-core mmq would replace."""
     n_tok = xr.shape[0]
     if _kind_of(wtype) == "f16":

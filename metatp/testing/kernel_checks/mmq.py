@@ -4,7 +4,7 @@ partial step, strided x / y, and a per-device slice of a weight split along ne0.
 
 The int8 path (numerics "q8"): `q8_quantize` bit for bit against `oracles.ref_q8_quantize` (codes,
 scales, Q8_1's s, 16-code sums), and `mmq_q8` for every type it takes against a float64 product of the
-reference's rounded activations with the dequantized weight (plus, for q4_1, the offset through
+reference's rounded activations with the dequantized weight (plus, for q4_1 / q5_1, the offset through
 Q8_1's f16 s, as llama.cpp takes it), tokens and rows across its tiles."""
 
 from __future__ import annotations
@@ -141,22 +141,27 @@ def check_mmq_q8_quantize(c: Checker) -> None:
                    ref, 0.0, err_fn=_bits_mismatch)
 
 
-def _q4_1_offsets(raw: np.ndarray, rows: int, ne0: int) -> np.ndarray:
-    """The f16 offsets m of a q4_1 weight's blocks, float64 (rows, ne0/32)."""
-    return raw.reshape(rows, ne0 // 32, 20)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+#: bytes per block of the types whose offsets multiply Q8_1's s (f16 m at bytes 2..3)
+_Q8_1_BLOCK_BYTES = {"q4_1": 20, "q5_1": 24}
+
+
+def _q_1_offsets(raw: np.ndarray, wt: str, rows: int, ne0: int) -> np.ndarray:
+    """The f16 offsets m of a q4_1 / q5_1 weight's blocks, float64 (rows, ne0/32)."""
+    nb = _Q8_1_BLOCK_BYTES[wt]
+    return raw.reshape(rows, ne0 // 32, nb)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
 
 
 def ref_mmq_q8(wt: str, kind: int, raw, deq, x, xp=np):
     """float64 y = W . q8(x) as llama.cpp forms it: x (host) rounded by ref_q8_quantize, times the
     dequantized weight `deq` (an `xp` array: numpy, or CuPy for the GPU script's big shapes); q4_1's
-    offsets (from the host `raw` blocks) multiply Q8_1's s (f16(d * sum q)), not d * sum q."""
+    and q5_1's offsets (from the host `raw` blocks) multiply Q8_1's s (f16(d * sum q)), not d * sum q."""
     q, d, s, _ = ref_q8_quantize(x, kind)
     nt, ne0 = x.shape
     qb = 256 if kind == 2 else 32
     xd = q.astype(np.float64) * np.repeat(d.astype(np.float64), qb, axis=1)
     y = xp.asarray(xd) @ deq.astype(np.float64).T
-    if wt == "q4_1":
-        m = _q4_1_offsets(np.asarray(raw), deq.shape[0], ne0)
+    if wt in _Q8_1_BLOCK_BYTES:
+        m = _q_1_offsets(np.asarray(raw), wt, deq.shape[0], ne0)
         exact_sums = d.astype(np.float64) * q.reshape(nt, ne0 // 32, 32).astype(np.float64).sum(axis=-1)
         y += xp.asarray((s.astype(np.float64) - exact_sums) @ m.T)
     return y
