@@ -731,7 +731,7 @@ def test_qkv_rope_kv_takes_float_caches_only(synth_factory, kt, fused):
 
 def test_qkv_rope_kv_launcher_refuses_a_quantized_cache():
     require("emulator")
-    from metatp.backends.cuda.kernels.matvec import qkv_rope_kv
+    from metatp.backends.cuda.kernels.qkv_rope import qkv_rope_kv
     from metatp.backends.cuda.launch import using
     from metatp.testing.cuda_emulator import Emulator
 
