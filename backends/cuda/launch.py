@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: One CUDA source (and one module) per op family.
-FAMILIES = ("dequant", "matvec", "mmq", "mmvq", "norm", "rope", "kv", "attn", "elementwise")
+FAMILIES = ("dequant", "matvec", "qkv_rope", "mmq", "mmvq", "norm", "rope", "kv", "attn", "elementwise")
 
 #: The few-token (decode-sized) path: the matvec kernels take up to this many tokens per launch
 #: (llama.cpp's MMVQ_MAX_BATCH_SIZE; cuBLAS above), and fusions that keep an input alive or

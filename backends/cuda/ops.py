@@ -20,7 +20,7 @@ from metatp.passes.plan import Plan
 if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
 
-__all__ = ["CUDA_OPS", "FUSION_ROWS", "FAMILY_OF_OP", "scratch_needs"]
+__all__ = ["CUDA_OPS", "FUSION_ROWS", "FAMILY_OF_OP", "WORKSPACE_OF_OP", "scratch_needs"]
 
 
 def _join_handlers(families: dict[str, ModuleType]) -> tuple[dict[Op, Handler], dict[Op, ModuleType]]:
@@ -50,16 +50,32 @@ CUDA_OPS, FAMILY_OF_OP = _join_handlers(FAMILY_MODULES)
 FUSION_ROWS: dict[FusionKind, FusionRow] = _join_fusions(FAMILY_MODULES)
 
 
+def _workspace_families(families: dict[str, ModuleType]) -> dict[Op, tuple[ModuleType, ...]]:
+    """op -> the families asked for a node's `workspace`: the op's own, then any whose fusions may
+    absorb such nodes (`WORKSPACE_OPS`, e.g. a fused launch writing a cache SET_ROWS would)."""
+    out: dict[Op, tuple[ModuleType, ...]] = {op: (mod,) for op, mod in FAMILY_OF_OP.items()}
+    for mod in families.values():
+        for op in getattr(mod, "WORKSPACE_OPS", ()):
+            if mod not in out.get(op, ()):
+                out[op] = out.get(op, ()) + (mod,)
+    return out
+
+
+#: op -> the family modules whose `workspace` a node of that op is asked of
+WORKSPACE_OF_OP: dict[Op, tuple[ModuleType, ...]] = _workspace_families(FAMILY_MODULES)
+
+
 def scratch_needs(backend: CupyBackend, plan: Plan, d: int, one_token_too: bool = False) -> Scratch:
     """Scratch buffer -> (elements, dtype) the kernels of device d need to run `plan` (the largest
-    any node asks for), as each node's family says (`one_token_too`: a one-token step at the
-    same KV length too)."""
+    any node asks for), as each node's family says (and the families that may fuse it:
+    `WORKSPACE_OF_OP`; `one_token_too`: a one-token step at the same KV length too)."""
     need: dict[str, tuple[int, Any]] = {}
     for node in plan.graph.nodes:
-        family = FAMILY_OF_OP.get(node.op)
-        if family is None or not plan.of(node).compute[d]:
+        families = WORKSPACE_OF_OP.get(node.op, ())
+        if not families or not plan.of(node).compute[d]:
             continue
-        for key, (n, dtype) in family.workspace(backend, plan, node, d, one_token_too).items():
-            if n > need.get(key, (0, None))[0]:
-                need[key] = (n, dtype)
+        for family in families:
+            for key, (n, dtype) in family.workspace(backend, plan, node, d, one_token_too).items():
+                if n > need.get(key, (0, None))[0]:
+                    need[key] = (n, dtype)
     return need

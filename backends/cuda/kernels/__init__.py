@@ -18,14 +18,14 @@ import time
 from types import ModuleType
 
 from metatp.backends.cuda import launch as _launch
-from metatp.backends.cuda.kernels import attn, dequant, elementwise, kv, matvec, mmq, mmvq, norm, rope
+from metatp.backends.cuda.kernels import attn, dequant, elementwise, kv, matvec, mmq, mmvq, norm, qkv_rope, rope
 
 __all__ = ["FAMILY_MODULES", "expected_entry_points", "compile_all", "attn", "dequant", "elementwise", "kv", "matvec",
-           "mmq", "mmvq", "norm", "rope"]
+           "mmq", "mmvq", "norm", "qkv_rope", "rope"]
 
 #: family name -> its module, in `launch.FAMILIES` order
 FAMILY_MODULES: dict[str, ModuleType] = {m.__name__.rsplit(".", 1)[-1]: m
-                                         for m in (dequant, matvec, mmq, mmvq, norm, rope, kv, attn, elementwise)}
+                                         for m in (dequant, matvec, qkv_rope, mmq, mmvq, norm, rope, kv, attn, elementwise)}
 assert tuple(FAMILY_MODULES) == _launch.FAMILIES
 
 

@@ -23,13 +23,12 @@ from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, 
 from metatp.backends.cuda.kernels.mmq import (MMQ_MAX_TOKENS, MMQ_MIN_TOKENS, backend_int8_mmq, int8_mmq_steps,
                                               int8_mmq_workspace, mmq)
 from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
-from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, KV_TYPES, launch, i32, f32, cdiv,
-                                         estrides, check_f32, check_i32, tail, check_block_type, device_ptr,
-                                         cache_type_of, rows2d)
-from metatp.backends.cuda.storage import RawWeight, matmul_tokens, quant_cache_type
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv,
+                                         estrides, check_f32, check_i32, tail, check_block_type, device_ptr)
+from metatp.backends.cuda.storage import RawWeight, matmul_tokens
 from metatp.backends.fusion import Fusion, FusionKind, matmuls_of_x
 from metatp.ir.errors import UnsupportedOpError
-from metatp.ir.ops import GluOp, Op, RopeMode
+from metatp.ir.ops import GluOp, Op
 from metatp.ir.tensor import Flag, GGMLType, Tensor
 from metatp.passes.plan import Plan
 
@@ -38,15 +37,14 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'NORM_FOLD_MAX_ROWS', 'matvec', 'matvec_multi', 'matvec_glu',
-           'matvec_id', 'qkv_rope_kv', 'matmul_path', 'backend_mmq_tokens', 'backend_matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
+           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'backend_matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
 
 _MATVEC_NT = (1, 2, 4, 8)
 _GLU_ACTS = ("swiglu", "geglu")
 ENTRY_POINTS = ([f"matvec_{t}_t{n}" for t in WEIGHT_TYPES for n in _MATVEC_NT]
                 + [f"matvec_multi_{t}" for t in WEIGHT_TYPES]
                 + [f"matvec_{a}_{t}" for t in WEIGHT_TYPES for a in _GLU_ACTS]
-                + [f"matvec_id_{t}" for t in WEIGHT_TYPES]
-                + [f"qkv_rope_kv_{t}_{c}" for t in WEIGHT_TYPES for c in KV_TYPES])
+                + [f"matvec_id_{t}" for t in WEIGHT_TYPES])
 
 
 def _matvec_block(units: int) -> tuple[int, int]:
@@ -143,62 +141,6 @@ def matvec_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | Non
     launch("matvec", f"matvec_multi_{t}", (n_blocks,), (bx, by),
            (*(j[0] for j in jobs), *(j[1] for j in jobs), *(i32(j[2]) for j in jobs),
             *(i32(j[3]) for j in jobs), x, i32(ne0), nw, e, flag))
-
-
-def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int, n_head: int, n_head_kv: int,
-                head_dim: int, n_dims: int, neox: bool, freq_base: float, freq_scale: float = 1.0,
-                freq_factors=None, attn_factor: float = 1.0, v_rows: int | None = None, norm_weight=None,
-                eps: float | None = None, q_head_stride: int | None = None, cache_type: str | None = None) -> None:
-    """One token: x' (x, RMS-normalised when eps is given, as matvec_multi), q = Wq x' and k = Wk x'
-    rotated (RoPE NORMAL or NEOX at position pos[0], the first n_dims of each head), q written to
-    ``q`` [n_head, head_dim] and k, v = Wv x' converted into row kv_row[0] of the caches.
-
-    weights: ((wq, row_bytes), (wk, row_bytes), (wv, row_bytes)), raw weights of one type and
-    ne0. k_cache / v_cache: [cells, n_head_kv*head_dim] / [cells, v_rows] arrays of one float
-    storage type (f32, f16 or bf16 bits; a quantized cache is refused: its blocks need 32
-    consecutive values in one warp). pos, kv_row: int32 in device memory (graph replays)."""
-    if len(weights) != 3:
-        raise ValueError(f"qkv_rope_kv takes the q, k and v weights, got {len(weights)}")
-    t, qk, _ = check_block_type(qtype, ne0)
-    check_f32(x, q, norm_weight, freq_factors)
-    check_i32(kv_row, pos)
-    if head_dim % 2 or n_dims % 2 or not 0 < n_dims <= head_dim:
-        raise ValueError(f"head_dim ({head_dim}) and n_dims ({n_dims}) must be even, 0 < n_dims <= head_dim")
-    if v_rows is None:
-        v_rows = n_head_kv * head_dim
-    if v_rows % 2:
-        raise ValueError(f"v_rows ({v_rows}) must be even")
-    kt = cache_type_of(k_cache, cache_type)
-    if cache_type_of(v_cache, cache_type) != kt:
-        raise TypeError("the k and v caches must have the same storage type")
-    if kt not in KV_TYPES:
-        raise UnsupportedOpError(f"qkv_rope_kv writes f32/f16/bf16 caches, not {kt} (its set_rows quantizes)")
-    if freq_factors is not None and freq_factors.size < n_dims // 2:
-        raise ValueError(f"freq_factors has {freq_factors.size} entries for n_dims={n_dims}")
-    if x.size < ne0:
-        raise ValueError(f"x {x.shape} too small for ne0={ne0}")
-    k_ne0, _, k_stride = rows2d(k_cache)
-    v_ne0, _, v_stride = rows2d(v_cache)
-    if k_ne0 < n_head_kv * head_dim or v_ne0 < v_rows:
-        raise ValueError(f"cache rows of {k_ne0} / {v_ne0} elements cannot hold k ({n_head_kv * head_dim}) "
-                         f"/ v ({v_rows})")
-    if q.ndim and q.shape[-1] > 1 and estrides(q)[-1] != 1:
-        raise ValueError("q's head_dim must be its contiguous dimension")
-    if q_head_stride is None:
-        q_head_stride = estrides(q)[0] if q.ndim == 2 else head_dim
-    if q.size < (n_head - 1) * q_head_stride + head_dim:
-        raise ValueError(f"q {q.shape} too small for {n_head} heads of {head_dim}")
-    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
-    n_pairs = (n_head + n_head_kv) * head_dim // 2 + v_rows // 2
-    if n_pairs == 0:
-        return
-    bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
-    (wq, rbq), (wk, rbk), (wv, rbv) = weights
-    launch("matvec", f"qkv_rope_kv_{t}_{kt}", (cdiv(n_pairs, by),), (bx, by),
-           (wq, wk, wv, i32(rbq), i32(rbk), i32(rbv), x, i32(ne0), nw, e, flag, q, i32(q_head_stride),
-            k_cache, v_cache, kv_row, i32(k_stride), i32(v_stride), i32(n_head), i32(n_head_kv), i32(v_rows),
-            i32(head_dim), i32(n_dims), i32(1 if neox else 0), pos, freq_factors, f32(freq_base), f32(freq_scale),
-            f32(attn_factor)))
 
 
 def matvec_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int,
@@ -453,29 +395,6 @@ def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
                   ne0=ne0, **_folded_norm_args(ex, d, norm))
 
 
-def _fused_qkv_rope_kv(ex: CupyExecutable, d: int, f: Fusion) -> list:
-    """Norm + q/k/v + RoPE + K/V cache write of one token as one qkv_rope_kv launch."""
-    p = f.parts
-    mq, mk, mv, rq, sk, sv, norm = p["q"], p["k"], p["v"], p["q_rope"], p["k_store"], p["v_store"], p["norm"]
-    weights, wtype = [], None
-    for mm in (mq, mk, mv):
-        data, wtype, row_bytes, _ = weight_operand(ex, d, mm.src[0])
-        weights.append((data, row_bytes))
-    q = array_of(ex, d, rq)[0, 0]
-    n_head, head_dim = q.shape
-    k_rows = ex.plan.of(sk.src[0]).local[d].ne[0]
-    ff = rq.src[2] if len(rq.src) > 2 else None
-    prm = rq.params
-    return record(qkv_rope_kv, weights, wtype, _folded_norm_input(ex, d, mq.src[1], norm), q,
-                  array_of(ex, d, sk)[0, 0], array_of(ex, d, sv)[0, 0], array_of(ex, d, sk.src[1]).reshape(-1),
-                  array_of(ex, d, rq.src[1]).reshape(-1), ne0=ex.plan.of(mq.src[0]).local[d].ne[0],
-                  n_head=n_head, n_head_kv=k_rows // head_dim, head_dim=head_dim, n_dims=prm["n_dims"],
-                  neox=prm["mode"] == RopeMode.NEOX, freq_base=prm["freq_base"], freq_scale=prm["freq_scale"],
-                  freq_factors=array_of(ex, d, ff).reshape(-1) if ff is not None else None,
-                  v_rows=ex.plan.of(sv.src[0]).local[d].ne[0], cache_type=quant_cache_type(sk.type),
-                  **_folded_norm_args(ex, d, norm))
-
-
 # ---------------------------------------------------------------- fusion finders
 def _is_matvec(ex: CupyExecutable, mm: Tensor) -> bool:
     """A MUL_MAT the matvec kernels take (a plain weight, a few tokens; never under batch
@@ -580,111 +499,9 @@ def _find_multi(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     return out
 
 
-# ---- norm + q/k/v + RoPE + KV write (QKV_ROPE_KV)
-def _through_reshapes(ex: CupyExecutable, t: Tensor) -> tuple[list[Tensor], Tensor] | None:
-    """(the RESHAPEs after t, the one node reading the last of them) when every link has that
-    one reader and nothing else views t's memory; else None."""
-    chain: list[Tensor] = []
-    cur = t
-    while True:
-        rs = ex.facts.readers.get(cur, [])
-        if len(rs) != 1:
-            return None
-        if rs[0].op is not Op.RESHAPE:
-            break
-        cur = rs[0]
-        chain.append(cur)
-    viewers = set(ex.facts.readers_with_views.get(t, []))
-    return (chain, rs[0]) if viewers <= {*chain, rs[0]} else None
-
-
-def _qkv_chain(ex: CupyExecutable, mm: Tensor) -> tuple[str, Tensor | None, Tensor | None] | None:
-    """What follows one of the three products: ("q", rope, None), ("k", rope, store) or
-    ("v", None, store), through contiguous reshapes; None for anything else (a bias, a norm)."""
-    found = _through_reshapes(ex, mm)
-    if found is None:
-        return None
-    chain, nxt = found
-    if nxt.op is Op.SET_ROWS and nxt.src[0] is (chain[-1] if chain else mm):
-        return "v", None, nxt
-    if nxt.op is not Op.ROPE or not chain or nxt.src[0] is not chain[-1]:
-        return None
-    after = _through_reshapes(ex, nxt)
-    if after is not None and after[1].op is Op.SET_ROWS and after[1].src[0] is (after[0][-1] if after[0] else nxt):
-        return "k", nxt, after[1]
-    if any(r.op is Op.SET_ROWS for r in ex.facts.readers_with_views.get(nxt, [])):
-        return None
-    return "q", nxt, None
-
-
-def _rope_fusable(rq: Tensor, rk: Tensor) -> bool:
-    """Q and K ropes the kernel's epilogue does: one token, same parameters, positions and freq
-    factors, NORMAL or NEOX, one head size."""
-    prm = rq.params
-    return (prm == rk.params and rq.src[1:] == rk.src[1:] and prm["mode"] in (RopeMode.NORMAL, RopeMode.NEOX)
-            and rq.ne[0] == rk.ne[0] and rq.ne[2] == 1 and rk.ne[2] == 1 and rq.ne[3] == 1 and rk.ne[3] == 1
-            and set(prm) == {"n_dims", "mode", "freq_base", "freq_scale"})
-
-
-def _stores_fusable(sk: Tensor, sv: Tensor) -> bool:
-    """K and V stores the kernel writes: one row, the same row index, float caches of one type."""
-    ids = sk.src[1]
-    return (ids is sv.src[1] and ids.ne == (1, 1, 1, 1) and sk.type == sv.type
-            and quant_cache_type(sk.type) is None and quant_cache_type(sv.type) is None
-            and sk.src[0].ne[1] == 1 and sv.src[0].ne[1] == 1)
-
-
-def _untouched_between(ex: CupyExecutable, t: Tensor, start: int, end: int) -> bool:
-    """No node at graph positions start..end-1 reads `t` or a view of its memory."""
-    idx = ex.plan.graph.index
-    root = t.view_src or t
-    return not any(start <= idx[r] < end for r in ex.facts.readers_with_views.get(root, []) if r in idx)
-
-
-def _find_qkv_rope_kv(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
-    """The one-token q, k, v products of one x, q and k roped, k and v stored into the KV cache
-    (a llama layer's attention input) -> one qkv_rope_kv launch at the first product, with x's
-    RMS norm folded in when only the products read it. Refused (today's kernels run) for biases,
-    q/k norms, weights of different types, several tokens, quantized caches, other rope modes."""
-    if not ex.backend.fuse_qkv_rope:
-        return []
-    mms = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
-    if len(mms) != 3 or backend_matmul_path(ex.backend, mms[0]) != "matvec":    # numerics "q8": the int8 twins
-        return []
-    chains = {}
-    for mm in mms:
-        c = _qkv_chain(ex, mm)
-        if c is None or c[0] in chains:
-            return []
-        chains[c[0]] = (mm, c[1], c[2])
-    (mq, rq, _), (mk, rk, sk), (mv, _, sv) = chains["q"], chains["k"], chains["v"]
-    if not (_rope_fusable(rq, rk) and _stores_fusable(sk, sv)):
-        return []
-    if not _same_weight_layout(ex, [mq.src[0], mk.src[0], mv.src[0]]):
-        return []
-    at = mms[0]
-    idx = ex.plan.graph.index
-    later = (mq, rq, mk, rk, sk, mv, sv)
-    if any(t is not at and (t in taken or not ex.facts.fusable(t, at)) for t in later):
-        return []
-    leaves = [rq.src[1], sk.src[1], *rq.src[2:]]
-    if any(t.op is not Op.NONE and not (idx.get(t, len(idx)) < idx[at]) for t in leaves):
-        return []
-    if not (_untouched_between(ex, sk, idx[at], idx[sk]) and _untouched_between(ex, sv, idx[at], idx[sv])):
-        return []
-    norm = _norm_of(ex, node, set(mms)) if _group_rows(ex, mms) <= NORM_FOLD_MAX_ROWS else None
-    absorbed = tuple(t for t in later if t is not at) + (tuple(norm) if norm is not None else ())
-    # everything the unfused fallback writes at `at` lives from there (stores write the cache)
-    early = tuple(t for t in (mq, rq, mk, rk, mv) if t is not at)
-    return [Fusion(FusionKind.QKV_ROPE_KV, at, absorbed, keep=(norm[1].src[0],) if norm is not None else (),
-                   early=early, parts={"q": mq, "k": mk, "v": mv, "q_rope": rq, "k_rope": rk, "k_store": sk,
-                                       "v_store": sv, "norm": norm})]
-
-
 HANDLERS = {Op.MUL_MAT: _run_mul_mat, Op.MUL_MAT_ID: _run_mul_mat_id}
 FUSIONS = (
     FusionRow(FusionKind.MATVEC_GLU, _find_glu, _fused_matvec_glu, unfused_with_folded_norm),
     FusionRow(FusionKind.MATVEC_ADD, _find_add, _fused_matvec_add, unfused_in_order),
-    FusionRow(FusionKind.QKV_ROPE_KV, _find_qkv_rope_kv, _fused_qkv_rope_kv, unfused_with_folded_norm),
     FusionRow(FusionKind.MATVEC_MULTI, _find_multi, _fused_matvec_multi, unfused_with_folded_norm),
 )

@@ -14,17 +14,17 @@ from typing import Callable
 from metatp.backends.cuda.launch import using
 from metatp.backends.cuda.runtime import CupyRuntime
 from metatp.testing.cuda_emulator import Emulator
-from metatp.testing.kernel_checks import attn, dequant, elementwise, kv, matvec, mmq, mmvq, norm, rope
+from metatp.testing.kernel_checks import attn, dequant, elementwise, kv, matvec, mmq, mmvq, norm, qkv_rope, rope
 from metatp.testing.kernel_checks.harness import Checker, check_compile
 
 __all__ = ["FAMILY_CHECKS", "CHECK_NAMES", "CHECKS", "check_all_kernels", "markdown_table"]
 
 #: kernel family -> its check groups (the module that holds them)
-FAMILY_CHECKS = {m.__name__.rsplit(".", 1)[-1]: m.CHECKS for m in (dequant, matvec, mmq, mmvq, norm, rope, kv, attn, elementwise)}
+FAMILY_CHECKS = {m.__name__.rsplit(".", 1)[-1]: m.CHECKS for m in (dequant, matvec, qkv_rope, mmq, mmvq, norm, rope, kv, attn, elementwise)}
 
 #: group name -> check function, in run order
 CHECKS: dict[str, Callable[[Checker], None]] = {"compile": check_compile}
-for _mod in (dequant, matvec, mmq, mmvq, norm, rope, kv, attn, elementwise):
+for _mod in (dequant, matvec, qkv_rope, mmq, mmvq, norm, rope, kv, attn, elementwise):
     for _name in _mod.CHECKS:
         CHECKS[_name] = getattr(_mod, f"check_{_name}")
 CHECK_NAMES = tuple(CHECKS)
