@@ -14,11 +14,11 @@ segments, like the collectives.
 
 From its second run on, a plan whose steps CUDA can capture (kernel launches, copies, events,
 and `StreamCall`s such as a cuBLAS GEMM where the runtime's cuBLAS can be captured: no `HostStep`;
-`device_ops.capturable`) is captured as one graph on the first GPU's lead stream, every device of every GPU joining it through
-events (virtual devices, schedules and NCCL calls included), and replayed. On several GPUs,
-when that capture fails (an NCCL that cannot be captured) or `multi_gpu_graphs="segments"`,
-each (subgraph, device) is captured on its own and the collectives run eagerly between them;
-when capture fails on one GPU, the step runs eagerly.
+`device_ops.capturable`) is captured as one graph on the first GPU's lead stream, every device
+of every GPU joining it through events (virtual devices, schedules and NCCL calls included), and
+replayed. On several GPUs, when that capture fails (an NCCL that cannot be captured) or
+`multi_gpu_graphs="segments"`, each (subgraph, device) is captured on its own and the collectives
+run eagerly between them; when capture fails on one GPU, the step runs eagerly.
 
 A process owning one device of several (an MPI rank on its GPU) is the one-GPU case: its
 collective's NCCL call is issued on the device stream inside the capture, so the whole step,

@@ -3,8 +3,8 @@
 ``CupyBackend(layout, runtime=EmuRuntime())`` is the one seam: the runtime brings its own kernel
 engine (an `Emulator`). Device memory is numpy arrays, kernels run on the CUDA emulator, streams and
 events are ordered by issue order, NCCL is a sum over the emulated GPUs, and CUDA-graph capture
-records launches and stream calls (cuBLAS GEMMs, NCCL) and replays them in order. Everything above this layer (plans, launches, all-reduce
-schedules, graphs) is the real backend code.
+records launches and stream calls (cuBLAS GEMMs, NCCL) and replays them in order. Everything above
+this layer (plans, launches, all-reduce schedules, graphs) is the real backend code.
 
 Device faults: ``inject(kind, after_n_calls)`` makes a later call raise what the library would
 (out of memory, a failed launch, an NCCL error; `emulated_faults`), inside the same guard as the

@@ -230,3 +230,32 @@ def test_cupy_runtime_ends_a_failed_capture(capturing_after_end):
         rt.end_capture(stream)
     assert not state["capturing"] and rt.faults.capturing == 0
     assert ended == ([stream.ptr] if capturing_after_end else [])
+
+
+# ---------------------------------------------------------------- the GPU check's throughput row
+def test_throughput_row_names_the_plans_with_cublas_and_how_they_ran():
+    """`plans by rows`: each row count's plans, ' + cuBLAS' where one has GEMMs; then whether the
+    runtime lets a capture take them (what the next GPU run shows for the buckets 32..256)."""
+    from types import SimpleNamespace
+
+    from scripts.gpu_check.report import Report
+    from scripts.gpu_check.throughput import _graph_note
+
+    gemm = StreamCall(lambda: None, "cuBLAS GEMM", True)
+
+    def ex(mode, runs, *steps):
+        return SimpleNamespace(graph_mode=mode, runs=runs, steps=[[list(steps)]])
+    plans = {(1, 256, 1): (None, ex("whole", 5, object())), (32, 256, 32): (None, ex("whole", 5, object(), gemm)),
+             (64, 256, 64): (None, ex(None, 3, gemm)), (512, 512, 1): (None, ex(None, 1, gemm)),
+             (512, 1024, 1): (None, ex("whole", 2, gemm))}
+    for capture in (True, False):
+        rep = Report()
+        llm = SimpleNamespace(engine=SimpleNamespace(_plans=plans, backend=SimpleNamespace(
+            rt=EmuRuntime(gemm_capture=capture))))
+        _graph_note(rep, llm, "1B Q8_0")
+        rows = {r["check"]: r["result"] for r in rep.rows}
+        assert rows["plans by rows, 1B Q8_0"] == ("1: whole, 32: whole + cuBLAS, 64: eager + cuBLAS, "
+                                                  "512: once + cuBLAS/whole + cuBLAS")
+        assert rows["cuBLAS GEMM in CUDA graphs, 1B Q8_0"] == ("yes" if capture else "no (cuBLAS or the CUDA "
+                                                               "runtime below 12.2, or no cuBLAS: plans with a "
+                                                               "GEMM run eagerly)")
