@@ -78,8 +78,9 @@ class CupyBackend(Backend):
     """N devices on CuPy: one GPU each when there are enough, else virtual devices (several
     logical devices with their own stream and buffers on one GPU).
 
-    cuda_graphs: capture a plan whose steps are all kernel launches (no cuBLAS call) on its
-    second run and replay it: one graph per row bucket (GRAPH_BUCKETS). allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
+    cuda_graphs: capture a plan whose steps CUDA can capture (kernel launches; cuBLAS GEMMs where
+    cuBLAS >= 12.2, `gemm_capturable`; no cupy op) on its second run and replay it: one graph per
+    row bucket (GRAPH_BUCKETS). allreduce: "auto" (NCCL when every device is a distinct GPU and NCCL
     works, else the butterfly), "nccl", "butterfly", "ring" (or llama.cpp's "none" /
     "internal": the butterfly). wire: "auto" (FP32 below `wire_thresholds`, BF16 above),
     "f32" (exact), "bf16". kv_dtype: storage of an F32 graph KV cache ("f16"; a cache of

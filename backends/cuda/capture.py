@@ -12,23 +12,28 @@ stream, captured like the rank's all-reduces (where NCCL cannot be captured the 
 and the step runs eagerly, as below). In "segments" mode the copies run eagerly between the
 segments, like the collectives.
 
-From its second run on, a plan whose steps are all kernel launches (no `HostStep`) is captured
-as one graph on the first GPU's lead stream, every device of every GPU joining it through
-events (virtual devices, schedules and NCCL calls included), and replayed. On several GPUs,
-when that capture fails (an NCCL that cannot be captured) or `multi_gpu_graphs="segments"`,
-each (subgraph, device) is captured on its own and the collectives run eagerly between them;
-when capture fails on one GPU, the step runs eagerly.
+From its second run on, a plan whose steps CUDA can capture (kernel launches, copies, events,
+and `StreamCall`s such as a cuBLAS GEMM where the runtime's cuBLAS can be captured: no `HostStep`;
+`device_ops.capturable`) is captured as one graph on the first GPU's lead stream, every device
+of every GPU joining it through events (virtual devices, schedules and NCCL calls included), and
+replayed. On several GPUs, when that capture fails (an NCCL that cannot be captured) or
+`multi_gpu_graphs="segments"`, each (subgraph, device) is captured on its own and the collectives
+run eagerly between them; when capture fails on one GPU, the step runs eagerly.
 
 A process owning one device of several (an MPI rank on its GPU) is the one-GPU case: its
 collective's NCCL call is issued on the device stream inside the capture, so the whole step,
 all-reduces included, is one graph; where NCCL cannot be captured the capture fails and the
 step runs eagerly from then on (every rank decides alike: they run the same plan).
+
+A capture that fails is always ended (`_captured`): the step's work then runs eagerly on the same
+streams, so nothing may be left capturing; the warning names the first error, not the
+invalidated capture's at its end.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from metatp.backends.cuda.launch import device_ptr
 
@@ -140,42 +145,58 @@ class Runner:
             backend.cuda_graphs = False
             self.graph = None
 
+    def _captured(self, stream, issue: Callable[[], None]) -> Any:
+        """The graph of what `issue()` puts on `stream` (and the streams that join it). When
+        `issue` fails the capture is ended all the same (CUDA ends an invalidated one at
+        cudaStreamEndCapture; the runtime ends one left open) and that first error is raised:
+        the step then runs eagerly on these streams."""
+        rt = self.rt
+        rt.begin_capture(stream)
+        self.capturing = True
+        try:
+            issue()
+        except BaseException:
+            self.capturing = False
+            try:
+                rt.end_capture(stream)
+            except Exception:  # noqa: BLE001 - the invalidated capture's error: the cause is raised below
+                pass
+            raise
+        self.capturing = False
+        return rt.end_capture(stream)
+
     def _capture_whole(self):
         rt = self.rt
         primary, others = self._primary_and_others()
+
+        def issue() -> None:
+            rt.record(primary.stream, primary.step_fork)
+            for o in others:                      # the other GPUs join the capture
+                with o.ctx:
+                    rt.wait(o.stream, primary.step_fork)
+            self.body()
+            for o in others:                      # ... and are joined back before it ends
+                with o.ctx:
+                    rt.record(o.stream, o.step_done)
+                rt.wait(primary.stream, o.step_done)
         with primary.ctx:
-            rt.begin_capture(primary.stream)
-            self.capturing = True
-            try:
-                rt.record(primary.stream, primary.step_fork)
-                for o in others:                      # the other GPUs join the capture
-                    with o.ctx:
-                        rt.wait(o.stream, primary.step_fork)
-                self.body()
-                for o in others:                      # ... and are joined back before it ends
-                    with o.ctx:
-                        rt.record(o.stream, o.step_done)
-                    rt.wait(primary.stream, o.step_done)
-            finally:
-                self.capturing = False
-                graph = rt.end_capture(primary.stream)
-        return graph
+            return self._captured(primary.stream, issue)
 
     def _capture_segments(self) -> dict:
-        rt, segs = self.rt, {}
+        segs = {}
         for k, per_dev in enumerate(self.ex.steps):
             for d, steps in enumerate(per_dev):
                 if not steps:
                     continue
                 dev = self.devs[d]
                 with dev.ctx:
-                    rt.begin_capture(dev.stream)
-                    try:
-                        for s in steps:
-                            s()
-                    finally:
-                        segs[(k, d)] = rt.end_capture(dev.stream)
+                    segs[(k, d)] = self._captured(dev.stream, lambda steps=steps: self._issue(steps))
         return segs
+
+    @staticmethod
+    def _issue(steps: list) -> None:
+        for s in steps:
+            s()
 
     def _replay(self) -> None:
         rt = self.rt

@@ -35,7 +35,7 @@ import numpy as np
 from metatp.backends.cuda import ops
 from metatp.backends.cuda.capture import Runner
 from metatp.backends.cuda.collective import DeviceCollective
-from metatp.backends.cuda.device_ops import HostStep, Memset, Record, Wait
+from metatp.backends.cuda.device_ops import Memset, Record, Wait, capturable
 from metatp.backends.cuda.fusion import find_fusions
 from metatp.backends.cuda.launch import device_ptr
 from metatp.backends.cuda.p2p import DeviceCopy
@@ -68,8 +68,8 @@ class CupyExecutable(PlanExecutor):
         self.leads = self._lead_devices(backend.owned)
         with self.rt.kernels():
             super().__init__(backend, plan)
-        self.capturable = all(not isinstance(s, HostStep)
-                              for per_dev in self.steps for steps in per_dev for s in steps)
+        # kernel launches and stream calls the library lets CUDA capture (cuBLAS >= 12.2): one graph
+        self.capturable = all(capturable(s) for per_dev in self.steps for steps in per_dev for s in steps)
         for gpu in self.leads:
             self.rt.device_synchronize(gpu)       # allocations and zero-fills are done
         self.runner = Runner(self)

@@ -35,6 +35,12 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 _MEMCPY_H2D, _MEMCPY_DEFAULT = 1, 4
+#: cuBLAS (major * 10000 + minor * 100 + patch) and CUDA runtime (major * 1000 + minor * 10) versions
+#: from which a stream capture takes our GEMM: cuBLAS 12.2 takes its workspace from cudaMallocAsync
+#: (a node of the graph) instead of a buffer each capture would keep (PyTorch drops its own workspace
+#: for CUDA >= 12.2 for that reason)
+GEMM_CAPTURE_CUBLAS = 120200
+GEMM_CAPTURE_RUNTIME = 12020
 
 
 class DeviceContext:
@@ -67,6 +73,7 @@ class CupyRuntime:
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
         self._cublas = None
+        self._gemm_capture: bool | None = None     # `gemm_capturable`, asked once
         self._nccl = None
         self._modules: dict[tuple[str, int], Any] = {}
         self._kernels: dict[tuple[str, str, int], Any] = {}
@@ -249,9 +256,25 @@ class CupyRuntime:
         self.faults.capturing += 1
 
     def end_capture(self, stream):
+        """The captured graph. A capture that was invalidated (a call inside it that CUDA cannot
+        capture) raises here, and CUDA ends it all the same; should the stream still be
+        capturing after an error, its capture is ended again, so eager work can follow."""
         self.faults.capturing -= 1
-        with self.faults.guard():
-            return stream.end_capture()
+        try:
+            with self.faults.guard():
+                return stream.end_capture()
+        except Exception:
+            self._end_leftover_capture(stream)
+            raise
+
+    def _end_leftover_capture(self, stream) -> None:
+        """End a capture a failed cudaStreamEndCapture left open (its graph, if any, dropped)."""
+        rt = self.cp.cuda.runtime
+        try:
+            if rt.streamIsCapturing(stream.ptr) != rt.streamCaptureStatusNone:
+                rt.streamEndCapture(stream.ptr)
+        except Exception:  # noqa: BLE001 - nothing more can be done; the first error is the one raised
+            pass
 
     def launch_graph(self, graph, stream) -> None:
         with self.faults.guard():
@@ -270,9 +293,26 @@ class CupyRuntime:
                 self._cublas = False
         return bool(self._cublas)
 
+    def gemm_capturable(self) -> bool:
+        """Can a CUDA-graph capture take `gemm`? cuBLAS >= 12.2 under a CUDA runtime >= 12.2 (asked
+        once, through CuPy, on the current GPU). Host alpha / beta (pointer mode host) are read at
+        capture: fine, ours are the constants 1 and 0. False where the versions cannot be read."""
+        if self._gemm_capture is None:
+            self._gemm_capture = self.gemm_available() and self._gemm_versions_capture()
+        return self._gemm_capture
+
+    def _gemm_versions_capture(self) -> bool:
+        try:
+            cublas_version = int(self._cublas.getVersion(self.cp.cuda.device.get_cublas_handle()))
+            runtime_version = int(self.cp.cuda.runtime.runtimeGetVersion())
+        except Exception:  # noqa: BLE001 - a version we cannot read: the plan stays eager
+            return False
+        return cublas_version >= GEMM_CAPTURE_CUBLAS and runtime_version >= GEMM_CAPTURE_RUNTIME
+
     def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
              dtype: str, stream, gpu: int) -> None:
-        """y[n, m] (f32, row stride ldy) = x[n, k] @ w[m, k]^T, inputs f16 or f32 (cuBLAS).
+        """y[n, m] (f32, row stride ldy) = x[n, k] @ w[m, k]^T, inputs f16 or f32 (cuBLAS). Issued
+        on `stream`: inside a capture it becomes nodes of the graph (`gemm_capturable`).
 
         CuPy's gemmEx binds the handle to the *current* stream before the call (an explicit
         setStream is overridden), and the handle belongs to the current device: so both are

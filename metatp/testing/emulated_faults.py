@@ -33,6 +33,8 @@ _CUDA_WORDS = {
     701: ("cudaErrorLaunchOutOfResources", "too many resources requested for launch"),
     710: ("cudaErrorAssert", "device-side assert triggered"),
     719: ("cudaErrorLaunchFailure", "unspecified launch failure"),
+    900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
+    901: ("cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"),
 }
 _NCCL_WORDS = {
     1: ("ncclUnhandledCudaError", "call to CUDA function failed"),

@@ -3,8 +3,8 @@
 ``CupyBackend(layout, runtime=EmuRuntime())`` is the one seam: the runtime brings its own kernel
 engine (an `Emulator`). Device memory is numpy arrays, kernels run on the CUDA emulator, streams and
 events are ordered by issue order, NCCL is a sum over the emulated GPUs, and CUDA-graph capture
-records launches and replays them. Everything above this layer (plans, launches, all-reduce
-schedules, graphs) is the real backend code.
+records launches and stream calls (cuBLAS GEMMs, NCCL) and replays them in order. Everything above
+this layer (plans, launches, all-reduce schedules, graphs) is the real backend code.
 
 Device faults: ``inject(kind, after_n_calls)`` makes a later call raise what the library would
 (out of memory, a failed launch, an NCCL error; `emulated_faults`), inside the same guard as the
@@ -24,7 +24,7 @@ from metatp.backends.cuda.launch import using
 from metatp.backends.cuda.pdl import require_capable
 from metatp.backends.cuda.runtime import DeviceContext
 from metatp.testing.cuda_emulator import Emulator
-from metatp.testing.emulated_faults import EMULATED_ERRORS, FaultPlan, Injection
+from metatp.testing.emulated_faults import EMULATED_ERRORS, EmulatedCudaError, FaultPlan, Injection
 from metatp.ir.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 __all__ = ["EmuRuntime"]
@@ -93,17 +93,28 @@ class EmuRuntime:
     the GPU sets peer access was enabled for. `inject` arms a device fault (tests only).
     `compute_capability` is every emulated GPU's (90: sm_90, which `enable_pdl` needs); after
     `enable_pdl` the launchers launch PDL-ready kernels programmatically, and the emulator counts
-    those launches (`emu.programmatic`) and checks that every thread waited."""
+    those launches (`emu.programmatic`) and checks that every thread waited.
+
+    `gemm` (cuBLAS is there) and `gemm_capture` (a capture can take the GEMM, as cuBLAS >= 12.2:
+    `gemm_capturable`); a GEMM issued inside a capture is recorded and runs at each replay
+    (`gemm_runs` counts the GEMMs that ran, eagerly or replayed). `gemm_breaks_capture`: the runtime
+    says yes but a GEMM inside a capture fails and invalidates it, as a call CUDA cannot capture
+    does (the capture's end then fails too, and ends it)."""
 
     name = "emulator"
 
     def __init__(self, n_gpus: int = 1, sm_count: int = 4, nccl: bool = True, gemm: bool = True,
                  nccl_capture: bool = True, mem_free: int = 8 << 30, pool_free: int = 0,
-                 compute_capability: int = 90) -> None:
+                 compute_capability: int = 90, gemm_capture: bool = True,
+                 gemm_breaks_capture: bool = False) -> None:
         self.emu = Emulator(sm_count=sm_count)
         self._n_gpus = n_gpus
         self._nccl = nccl
         self._gemm = gemm
+        self._gemm_capture = gemm_capture
+        self._gemm_breaks_capture = gemm_breaks_capture
+        self.gemm_runs = 0
+        self._capture_invalidated = False
         self._nccl_capture = nccl_capture
         self.mem_free = mem_free
         self.pool_free = pool_free
@@ -255,11 +266,17 @@ class EmuRuntime:
             raise RuntimeError("a capture is already active")
         self._capture_id += 1
         self.emu.capture = []
+        self._capture_invalidated = False
         self.faults.capturing += 1
 
     def end_capture(self, stream):
+        """The recorded work; an invalidated capture ends too, and raises as cudaStreamEndCapture does."""
         self.faults.capturing -= 1
         graph, self.emu.capture = self.emu.capture, None
+        if self._capture_invalidated:
+            self._capture_invalidated = False
+            with self.faults.guard():
+                raise EmulatedCudaError(901)            # cudaErrorStreamCaptureInvalidated
         return graph
 
     def launch_graph(self, graph, stream) -> None:
@@ -271,12 +288,21 @@ class EmuRuntime:
     def gemm_available(self) -> bool:
         return self._gemm
 
+    def gemm_capturable(self) -> bool:
+        """As the real runtime's (cuBLAS >= 12.2 there): `gemm_capture`."""
+        return self._gemm and self._gemm_capture
+
     def gemm(self, m: int, n: int, k: int, w_ptr: int, x_ptr: int, y_ptr: int, ldy: int,
              dtype: str, stream, gpu: int) -> None:
         self.faults.check()
+        if self.emu.capture is not None and self._gemm_breaks_capture:
+            self._capture_invalidated = True
+            with self.faults.guard():
+                raise EmulatedCudaError(900)            # cudaErrorStreamCaptureUnsupported
         dt = np.float16 if dtype == "f16" else np.float32
 
         def run() -> None:
+            self.gemm_runs += 1
             w = _host_array(w_ptr, (m, k), dt).astype(np.float32)
             x = _host_array(x_ptr, (n, k), dt).astype(np.float32)
             y = np.lib.stride_tricks.as_strided(_host_array(y_ptr, ((n - 1) * ldy + m,), np.float32),

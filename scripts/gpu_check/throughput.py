@@ -167,13 +167,29 @@ def _invariant_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label:
 
 
 def _graph_note(rep: Report, llm, label: str) -> None:
-    """Which of the engine's plans replay a CUDA graph (one per row bucket once captured)."""
-    ex_by_rows: dict[int, str] = {}
+    """Which of the engine's plans replay a CUDA graph, by rows (one graph per row bucket once
+    captured; `_plan_mode`), then whether the runtime lets a capture take its cuBLAS GEMMs."""
+    modes_by_rows: dict[int, set[str]] = {}
     for key, (_, ex) in llm.engine._plans.items():
-        mode = ex.graph_mode or "eager"
-        ex_by_rows[key[0]] = mode if ex_by_rows.get(key[0], mode) == mode else "mixed"
-    text = ", ".join(f"{rows}: {mode}" for rows, mode in sorted(ex_by_rows.items()))
+        modes_by_rows.setdefault(key[0], set()).add(_plan_mode(ex))
+    text = ", ".join(f"{rows}: {'/'.join(sorted(modes))}" for rows, modes in sorted(modes_by_rows.items()))
     rep.add(SECTION, f"plans by rows, {label}", text or "none", None)
+    rt = llm.engine.backend.rt
+    rep.add(SECTION, f"cuBLAS GEMM in CUDA graphs, {label}",
+            "yes" if rt.gemm_capturable() else
+            "no (cuBLAS or the CUDA runtime below 12.2, or no cuBLAS: plans with a GEMM run eagerly)", None)
+
+
+def _plan_mode(ex) -> str:
+    """"whole" / "segments": the plan replays a graph; "eager": it ran again without one (a step
+    CUDA cannot capture, or graphs off after a failed capture); "once": it ran once (captured from
+    its second run on). " + cuBLAS" where its steps include cuBLAS GEMMs (the many-row products
+    above 16 rows, exact numerics): captured with the kernels where the runtime's cuBLAS can be."""
+    from metatp.backends.cuda.device_ops import StreamCall
+
+    mode = ex.graph_mode or ("eager" if ex.runs > 1 else "once")
+    gemm = any(isinstance(s, StreamCall) for per_dev in ex.steps for steps in per_dev for s in steps)
+    return f"{mode} + cuBLAS" if gemm else mode
 
 
 def _free_device_memory(cfg: Config) -> None:

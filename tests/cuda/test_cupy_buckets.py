@@ -6,8 +6,9 @@ bucket's second step on. What must hold: every B lands in its bucket, a second s
 replays one graph (no eager launches), the replay gives the eager run's bits, and the padding rows
 do not change the real rows' results (the same rows beside real sequences give the same bits).
 
-The emulator runs without cuBLAS here (`EmuRuntime(gemm=False)`): every matmul is a kernel launch,
-so plans of any bucket are capturable, as with the many-token kernels on a GPU.
+The emulator runs without cuBLAS here (`EmuRuntime(gemm=False)`): every matmul is a kernel launch.
+With cuBLAS, the buckets above 16 rows take dequantize + cuBLAS GEMMs, captured with the kernels
+where the runtime's cuBLAS can be (>= 12.2): tests/cuda/test_cupy_gemm_graphs.py.
 """
 
 from __future__ import annotations

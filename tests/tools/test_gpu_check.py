@@ -220,6 +220,7 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
     assert re.fullmatch(r"\d+\.\d\dx", rows["S_TG B=4 batch_invariant / default, 1B Q8_0"]["result"])
     graphs = dict(part.split(": ") for part in rows["plans by rows, 1B Q8_0"]["result"].split(", "))
     assert all(graphs[str(b)] == "whole" for b in (1, 2, 4))          # each decode bucket replays its graph
+    assert rows["cuBLAS GEMM in CUDA graphs, 1B Q8_0"]["result"] == "yes"    # the emulator captures its GEMMs
     for n in (16, 40):
         assert re.fullmatch(rf"{rate} tok/s \(.*\)", rows[f"pp{n} 1B Q8_0"]["result"])
     serve = rows["serve 4 concurrent vs serial, 1B Q8_0"]

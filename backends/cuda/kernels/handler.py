@@ -2,11 +2,12 @@
 launcher's launches, and reading a node's device arrays from the executable.
 
 A handler takes the executable, a device and a node (or a `Fusion`) and returns that device's
-steps: kernel launches recorded with frozen arguments, or `HostStep`s (cuBLAS, cupy ops: eager
-only). It raises ValueError / TypeError / UnsupportedOpError for a layout its kernel cannot
-take. A family module (`kernels/<family>.py`) exports its `HANDLERS`, its `FUSIONS` (one
-`FusionRow` per fusion its kernels implement) and `workspace`, its scratch needs, decided by
-the same functions its handlers call.
+steps: kernel launches recorded with frozen arguments, `StreamCall`s (a cuBLAS GEMM: captured
+with them where the runtime's cuBLAS can be) or `HostStep`s (cupy ops: eager only). It raises
+ValueError / TypeError / UnsupportedOpError for a layout its kernel cannot take. A family module
+(`kernels/<family>.py`) exports its `HANDLERS`, its `FUSIONS` (one `FusionRow` per fusion its
+kernels implement) and `workspace`, its scratch needs, decided by the same functions its handlers
+call.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from metatp.backends.cuda.device_ops import HostStep
+from metatp.backends.cuda.device_ops import HostStep, StreamCall
 from metatp.backends.cuda.kernels import mmvq
 from metatp.backends.cuda.kernels.dequant import dequantize
 from metatp.backends.cuda.kernels.elementwise import copy
@@ -297,7 +297,8 @@ def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
 
 
 def _gemm_steps(ex: CupyExecutable, d: int, data, wtype: str, row_bytes: int, k: int, m: int, xr, yr) -> list:
-    """Prefill: dequantize the weight to f16 (or f32), convert x, one cuBLAS GEMM into y."""
+    """Many tokens: dequantize the weight to f16 (or f32), convert x, one cuBLAS GEMM into y (a
+    stream call: captured with the launches where the runtime's cuBLAS can be)."""
     n_tok = xr.shape[0]
     wbuf, xbuf = (ex.scratch_buffer(d, key, n, dtype)
                   for key, (n, dtype) in _gemm_scratch(k, m, n_tok, ex.backend.matmul_dtype).items())
@@ -309,7 +310,7 @@ def _gemm_steps(ex: CupyExecutable, d: int, data, wtype: str, row_bytes: int, k:
     args = (m, n_tok, k, device_ptr(w2), device_ptr(x2), device_ptr(yr), ldy,
             ex.backend.matmul_dtype, ex.devs[d].stream, ex.devs[d].gpu)
     keep = (wbuf, xbuf, yr)
-    steps.append(HostStep(lambda keep=keep: ex.rt.gemm(*args), "cuBLAS GEMM"))
+    steps.append(StreamCall(lambda keep=keep: ex.rt.gemm(*args), "cuBLAS GEMM", ex.rt.gemm_capturable()))
     return steps
 
 
