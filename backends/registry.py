@@ -150,6 +150,9 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("pdl", bool, False,
                "programmatic dependent launch: each kernel may start while the one before it ends (sm_90+, "
                "the pdl extra's cuda-bindings)"),
+        Option("precompile", bool, True,
+               "compile the kernel modules all at once, in threads, before the first step (False: each at its "
+               "first launch)"),
     ), rank_wiring="metatp.backends.distributed:nccl_wiring"),
 }
 

@@ -30,7 +30,7 @@ from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.faults import allocating
 from metatp.backends.cuda.kernels.attn import BATCH_INVARIANT_KV_CHUNK
 from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
-from metatp.backends.cuda.launch import device_ptr
+from metatp.backends.cuda.launch import FAMILIES, device_ptr
 from metatp.backends.cuda.nccl import NcclGroup
 from metatp.backends.cuda.runtime import CupyRuntime
 from metatp.backends.cuda.storage import (STORAGE, RawWeight, cache_storage, input_layout, raw_nb,
@@ -111,6 +111,9 @@ class CupyBackend(Backend):
     up to MATVEC_MAX_TOKENS tokens they are int8 dot products, kernels/mmvq.py; above, x rounded to
     its Q8 grid then the f32 tiled kernel; f32 / f16 / bf16 weights and MUL_MAT_ID stay exact).
 
+    precompile: compile every kernel module the plans may launch at once, in threads, before
+    the first executable (`CupyRuntime.precompile`), not one by one at first launch.
+
     Option values are checked by `backends.registry`."""
 
     name = "cupy"
@@ -123,7 +126,7 @@ class CupyBackend(Backend):
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
                  collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None,
                  batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, precompile: bool = True) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -175,6 +178,9 @@ class CupyBackend(Backend):
         if len(used) > 1:        # also for virtual devices spread over several GPUs (gpus=[0, 1], 4 devices)
             self.rt.enable_peer_access(used)
         self._requested = requested
+        self.precompile = bool(precompile)
+        self._precompiled = False
+        self.compile_seconds: dict[str, float] = {}
 
     @property
     def local_devices(self) -> list[Device]:
@@ -394,7 +400,24 @@ class CupyBackend(Backend):
             self.rt.synchronize(dev.stream)
 
     # ---------------------------------------------------------------- plans
+    def kernel_families(self) -> list[str]:
+        """The kernel modules this backend's plans may launch: every family, less the int8 one
+        (mmvq) outside q8 numerics and the fused q/k/v module where `fuse_qkv_rope` is off."""
+        q8 = self.numerics in ("q8", "llamacpp")
+        return [f for f in FAMILIES if (f != "mmvq" or q8) and (f != "qkv_rope" or self.fuse_qkv_rope)]
+
+    def _precompile_kernels(self) -> None:
+        """Before the first executable: every kernel module compiled at once (`precompile`),
+        instead of one after another at each module's first launch. `compile_seconds`: each
+        module's compile time (empty when they were compiled already, or `precompile=False`)."""
+        if not self.precompile or self._precompiled:
+            return
+        self._precompiled = True
+        used = sorted({dev.gpu for dev in self.local_devices})
+        self.compile_seconds = self.rt.precompile(used, self.kernel_families())
+
     def make_executable(self, plan: Plan) -> CupyExecutable:
         self.check_cache_types(plan)
+        self._precompile_kernels()
         with allocating(f"the buffers of plan {plan.graph.name}"):    # the activations of a batch this size
             return CupyExecutable(self, plan)

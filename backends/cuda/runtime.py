@@ -16,7 +16,9 @@ kernels. Importing this module needs neither CuPy nor a GPU; CuPy is imported wh
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -125,6 +127,41 @@ class CupyRuntime:
                     raw = ProgrammaticKernel(raw, self._pdl, self._current_stream_handle)
                 k = self._kernels[key] = CheckedKernel(raw, name, gpu, self.faults)
         return k
+
+    def precompile(self, gpus: Sequence[int], families: Sequence[str], workers: int | None = None) -> dict[str, float]:
+        """Compile the kernel modules of `families` before the first launch, all at once: one
+        thread a module (NVRTC releases the GIL while it compiles), so a fresh machine waits for
+        the slowest module instead of the sum of them (CuPy's disk cache then makes the next
+        process's compile a load). One GPU of each compute capability compiles (another GPU of
+        the same one loads the cached cubin at its first launch). Returns each module's seconds
+        (a module already compiled: not listed). A compile error is raised as the lazy path
+        would raise it at the first launch."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        firsts: dict[int, int] = {}
+        for gpu in gpus:
+            firsts.setdefault(self.capability(gpu), gpu)
+        todo = [(f, g) for g in firsts.values() for f in families if (f, g) not in self._modules]
+        if not todo:
+            return {}
+
+        def compile_one(item: tuple[str, int]) -> tuple[tuple[str, int], Any, float]:
+            family, gpu = item
+            t0 = time.perf_counter()
+            with self.cp.cuda.Device(gpu):
+                mod = self.cp.RawModule(code=module_source(family), options=COMPILE_OPTIONS)
+                mod.compile()
+            return item, mod, time.perf_counter() - t0
+
+        n = max(1, min(len(todo), workers or os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="metatp-nvrtc") as pool:
+            done = list(pool.map(compile_one, todo))
+        seconds: dict[str, float] = {}
+        with _lock:
+            for key, mod, s in done:
+                self._modules.setdefault(key, mod)
+                seconds[key[0]] = max(seconds.get(key[0], 0.0), s)
+        return seconds
 
     def enable_pdl(self, gpus: Sequence[int]) -> None:
         """Launch every PDL-ready kernel with the programmatic stream serialization attribute from

@@ -125,6 +125,7 @@ class EmuRuntime:
         self.programmatic = False          # launch PDL-ready kernels programmatically (`enable_pdl`)
         self._capture_id = 0           # which capture events were recorded in (`_EmuEvent`)
         self._kernels: dict[tuple[str, str, int], CheckedKernel] = {}
+        self.precompiled: list[tuple[tuple[int, ...], tuple[str, ...]]] = []
         self.fault_plan = FaultPlan()
         self.faults = DeviceFaults(EMULATED_ERRORS, lambda: self.emu.current_device,
                                    lambda gpu: self.mem_free + self.pool_free)
@@ -160,6 +161,12 @@ class EmuRuntime:
         return using(self)
 
     # ---- kernel engine (launch.KernelEngine) over the emulator
+    def precompile(self, gpus: Sequence[int], families: Sequence[str], workers: int | None = None) -> dict[str, float]:
+        """Records what the backend asked to compile ahead (`precompiled`); the emulator builds a
+        family at its first launch (its builds are cached on disk per source), so nothing is timed."""
+        self.precompiled.append((tuple(gpus), tuple(families)))
+        return {}
+
     def kernel(self, family: str, name: str) -> CheckedKernel:
         gpu = self.emu.current_device
         k = self._kernels.get((family, name, gpu))

@@ -73,6 +73,8 @@ def test_the_merge_inside_the_decode_launch_gives_the_merge_kernels_bits(synth_m
     apart, seen_apart = decode_engine(synth_model, False, n, "forward")
     a, b = merged.forward(PROMPT), apart.forward(PROMPT)
     assert np.array_equal(a, b)
+    # the first executable asked for every module its plans may launch, once
+    assert merged.backend.rt.precompiled == [((0,), tuple(merged.backend.kernel_families()))]
     for _ in range(STEPS):
         tok = int(np.argmax(a))
         a, b = merged.forward([tok]), apart.forward([tok])

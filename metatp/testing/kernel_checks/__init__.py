@@ -30,16 +30,18 @@ for _mod in (dequant, matvec, qkv_rope, mmq, mmvq, norm, rope, kv, attn, element
 CHECK_NAMES = tuple(CHECKS)
 
 
-def check_all_kernels(names=None, *, seed: int = 0, time_reps: int = 5, emulate: bool = False) -> list[dict]:
+def check_all_kernels(names=None, *, seed: int = 0, time_reps: int = 5, emulate: bool = False,
+                      engine=None) -> list[dict]:
     """Run the kernel checks (all, or the groups in `names`); one dict per case.
 
-    emulate: run the kernels on the CPU emulator instead of a GPU (no timing)."""
+    emulate: run the kernels on the CPU emulator instead of a GPU (no timing). engine: the
+    runtime to launch on (a CupyRuntime whose modules were compiled ahead), else a new one."""
     names = list(CHECK_NAMES if names is None else names)
     for n in names:
         if n not in CHECKS:
             raise ValueError(f"unknown check {n!r}; known: {CHECK_NAMES}")
     try:
-        engine = _engine(emulate)
+        engine = engine if engine is not None else _engine(emulate)
         chk = Checker(seed, time_reps, engine if emulate else None)
     except Exception as e:  # noqa: BLE001 - no cupy / no GPU / no compiler
         return [{"name": "setup", "dtype": "-", "shape": "-", "max_rel_err": None, "threshold": None,
