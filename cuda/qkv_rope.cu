@@ -96,9 +96,9 @@ __device__ __forceinline__ void mt_qkv_quantize_group(int code, int group, const
 
 // qkv_rope_kv_<type>[_<v type>](const uint8 *wq, const uint8 *wk, const uint8 *wv,
 //     int32 rbq, int32 rbk, int32 rbv, const float *x, int32 ne0, const float *norm_w /* or null */,
-//     float32 eps, int32 norm, float *q, int32 q_head_stride, T *k_cache, T *v_cache,
-//     int32 cache_type /* MT_QKV_CACHE_CODES */, const int32 *kv_row, int32 k_row_stride, int32 v_row_stride, int32 n_head, int32 n_head_kv,
-//     int32 v_rows, int32 head_dim, int32 n_dims, int32 neox, const int32 *pos,
+//     float32 eps, int32 norm, float *q, int32 q_head_stride, uint8 *k_cache, uint8 *v_cache,
+//     int32 cache_type /* MT_QKV_CACHE_CODES */, const int32 *kv_row, int32 k_row_stride,
+//     int32 v_row_stride, int32 n_head, int32 n_head_kv, int32 v_rows, int32 head_dim, int32 n_dims, int32 neox, const int32 *pos,
 //     const float *freq_factors /* [n_dims/2] or null */, float32 freq_base, float32 freq_scale,
 //     float32 attn_factor, float *stage /* quantized caches */, int32 *tickets /* quantized caches */)
 // One token of a transformer layer's attention input in one launch: x' as in matvec_multi,
