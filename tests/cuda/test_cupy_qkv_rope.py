@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from metatp.backends.cuda.backend import CupyBackend
-from metatp.backends.cuda.launch import Launch
+from metatp.backends.cuda.kernels.qkv_rope import CACHE_CODES
+from metatp.backends.cuda.launch import CACHE_TYPES, Launch
 from metatp.backends.fusion import FusionKind
 from metatp.backends.numpy.backend import NumpyBackend
 from metatp.engine import Engine
@@ -30,13 +31,16 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 
 #: models whose attention input the QKV_ROPE_KV fusion takes: no biases or q/k norms; llama ropes
 #: NORMAL pairs, qwen2 (without its biases) NEOX halves; "llama-q4_k-v-q6_k" is a Q4_K_M layer
-#: (attn_v in Q6_K), "llama-mixed-refused" a pair of types with no kernel (the golden llama-q's)
+#: (attn_v in Q6_K), "llama-q5_0-v-q8_0" its fallback when n_embd is not a multiple of 256,
+#: "llama-mixed-refused" a pair of types with no kernel (the golden llama-q's)
 QKV_SPECS = {
     "llama-q4_1": SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
                             types={"q": "Q4_1", "k": "Q4_1", "v": "Q4_1", "o": "Q4_1", "embd": "Q8_0"}),
     "qwen2-neox-f32": SynthSpec(arch="qwen2", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=128, seed=5),
     "llama-q4_k-v-q6_k": SynthSpec(n_layer=2, n_embd=256, n_head=8, n_head_kv=2, n_ff=256, n_vocab=320, seed=7,
                                    types={"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "embd": "Q8_0"}),
+    "llama-q5_0-v-q8_0": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
+                                   types={"q": "Q5_0", "k": "Q5_0", "v": "Q8_0", "o": "Q5_0", "embd": "Q8_0"}),
     "llama-mixed-refused": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
                                      types={"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_1", "embd": "Q8_0"}),
 }
@@ -77,6 +81,25 @@ def _qkv_launches(eng) -> set[str]:
     return {name for _, name, _ in eng.backend.rt._kernels if name.startswith("qkv_rope_kv_")}
 
 
+#: position of the cache-type code among the kernel's arguments (after wq .. q_head_stride, k_cache, v_cache)
+_CODE_ARG = 15
+
+
+@pytest.fixture
+def cache_codes(monkeypatch) -> set[int]:
+    """The cache_type codes the qkv_rope_kv launches of the test passed (its launcher's `launch`, logged)."""
+    from metatp.backends.cuda.kernels import qkv_rope as family
+
+    codes: set[int] = set()
+    real = family.launch
+
+    def logged(fam, name, grid, block, args, *rest, **kw):
+        codes.add(int(args[_CODE_ARG]))
+        return real(fam, name, grid, block, args, *rest, **kw)
+    monkeypatch.setattr(family, "launch", logged)
+    return codes
+
+
 def _kinds(eng) -> set:
     return {f.kind for ex in eng.backend._executables.values() for f in ex.fusions.values()}
 
@@ -100,10 +123,11 @@ def _decode_launches(eng) -> int:
 
 @pytest.mark.parametrize("spec, n, kv_dtype", [("llama-q4_1", 1, "f16"), ("llama-q4_1", 2, "bf16"),
                                                ("qwen2-neox-f32", 1, "f32"), ("qwen2-neox-f32", 2, "f16")])
-def test_qkv_rope_kv_fusion_decodes_as_the_kernels_apart(synth_factory, spec, n, kv_dtype):
+def test_qkv_rope_kv_fusion_decodes_as_the_kernels_apart(synth_factory, cache_codes, spec, n, kv_dtype):
     """fuse_qkv_rope=True (norm + q/k/v + RoPE + K/V cache rows in one launch per layer) decodes
     to the logits and greedy tokens of fuse_qkv_rope=False (today's matvec_multi, rope pair and
-    set_rows pair), eagerly and through captured CUDA graphs; the fused kernel is what runs."""
+    set_rows pair), eagerly and through captured CUDA graphs; the fused kernel of the weight type
+    is what runs, told the cache type by its code."""
     require("emulator")
     model = load_model(synth_factory(QKV_SPECS[spec])[0])
     fused, got, apart, want = _fused_vs_apart(model, n, (1, 1) if n > 1 else None, kv_dtype=kv_dtype)
@@ -111,13 +135,14 @@ def test_qkv_rope_kv_fusion_decodes_as_the_kernels_apart(synth_factory, spec, n,
         assert rel_err(a, b) < 1e-5
     assert_same_greedy(got, want, 0.0)
     assert FusionKind.QKV_ROPE_KV in _kinds(fused) and FusionKind.QKV_ROPE_KV not in _kinds(apart)
-    assert {name.rsplit("_", 1)[1] for name in _qkv_launches(fused)} == {kv_dtype}
+    assert _qkv_launches(fused) == {f"qkv_rope_kv_{spec.rsplit('-', 1)[1]}"}      # the weight type
+    assert cache_codes == {CACHE_CODES[kv_dtype]}
     assert not _qkv_launches(apart)
 
 
 @pytest.mark.parametrize("spec, kv, n", [("llama-q4_1", "q8_0", 1), ("llama-q4_1", "q4_0", 2),
                                          ("llama-q4_k-v-q6_k", "q5_1", 1)])
-def test_qkv_rope_kv_fusion_on_quantized_caches(synth_factory, spec, kv, n):
+def test_qkv_rope_kv_fusion_on_quantized_caches(synth_factory, cache_codes, spec, kv, n):
     """A quantized cache (its blocks quantized in the launch by the warp drawing a group's last
     ticket) and a Q4_K_M-like layer (v in Q6_K): the greedy tokens and, within the cache's
     rounding, the logits of fuse_qkv_rope=False (matvec_multi, rope, the quantizing set_rows), on
@@ -130,7 +155,7 @@ def test_qkv_rope_kv_fusion_on_quantized_caches(synth_factory, spec, kv, n):
     assert_same_greedy(got, want, 1e-4)
     assert FusionKind.QKV_ROPE_KV in _kinds(fused) and FusionKind.QKV_ROPE_KV not in _kinds(apart)
     wtypes = {"llama-q4_1": "q4_1", "llama-q4_k-v-q6_k": "q4_k_q6_k"}[spec]
-    assert _qkv_launches(fused) == {f"qkv_rope_kv_{wtypes}_{kv}"}
+    assert _qkv_launches(fused) == {f"qkv_rope_kv_{wtypes}"} and cache_codes == {CACHE_CODES[kv]}
     assert not _qkv_launches(apart)
 
 
@@ -193,7 +218,8 @@ def test_qkv_rope_kv_fallback_runs_the_nodes_at_the_fusion(synth_factory, monkey
 
 
 @pytest.mark.parametrize("spec, kt, fused", [("llama-q4_1", "f16", True), ("llama-q4_1", "q4_0", True),
-                                             ("llama-q4_1", "q5_0", True), ("llama-mixed-refused", "f16", False)])
+                                             ("llama-q4_1", "q5_0", True), ("llama-q5_0-v-q8_0", "f16", True),
+                                             ("llama-mixed-refused", "f16", False)])
 def test_qkv_rope_kv_finder_takes_every_cache_type_and_the_paired_weights(synth_factory, spec, kt, fused):
     """Every cache type is fused (a quantized one's heads are whole blocks); q/k and v weights of
     types with no paired kernel (Q4_1 + Q8_0) are refused: matvec_multi and the set_rows pair run."""
@@ -225,3 +251,34 @@ def test_qkv_rope_kv_launcher_refuses_what_it_has_no_kernel_for():
             cache = np.zeros((4, 34), np.uint8)
             qkv_rope_kv([(w, 256)] * 3, "f32", *args[:1], np.zeros((2, 16), np.float32), cache, cache, *idx,
                         head_dim=16, cache_type="q8_0", **kw)
+
+
+def test_cache_codes_name_every_cache_type():
+    """cuda/qkv_rope.cu's MT_QKV_CACHE_CODES (read by the launcher) has one distinct code per cache type."""
+    assert set(CACHE_CODES) == set(CACHE_TYPES)
+    assert sorted(CACHE_CODES.values()) == list(range(len(CACHE_TYPES)))
+
+
+def test_an_unknown_cache_code_writes_nan_to_q_and_nothing_to_the_caches(monkeypatch):
+    """The launcher refuses a cache type with no code; a kernel handed a code outside the table
+    (the launcher's table patched) writes no cache row and NaN to every q value: never silently
+    nothing."""
+    require("emulator")
+    from metatp.backends.cuda.kernels import qkv_rope as family
+    from metatp.backends.cuda.launch import using
+    from metatp.testing.cuda_emulator import Emulator
+
+    with pytest.raises(UnsupportedOpError, match="not q8_1"):
+        family.entry_point("f32", "f32", "q8_1")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    x = rng.standard_normal(64).astype(np.float32)
+    q = np.zeros((2, 32), np.float32)
+    k_cache, v_cache = np.ones((4, 32), np.float32), np.ones((4, 32), np.float32)
+    idx = (np.zeros(1, np.int32), np.zeros(1, np.int32))
+    monkeypatch.setitem(family.CACHE_CODES, "f32", len(CACHE_TYPES))
+    with using(Emulator()):
+        family.qkv_rope_kv([(w, 256)] * 3, "f32", x, q, k_cache, v_cache, *idx, ne0=64, n_head=2, n_head_kv=1,
+                           head_dim=32, n_dims=32, neox=False, freq_base=1e4)
+    assert np.isnan(q).all()
+    assert (k_cache == 1).all() and (v_cache == 1).all()

@@ -17,7 +17,7 @@ from metatp.backends.cuda.kernels.matvec import (NORM_FOLD_MAX_ROWS, _folded_nor
                                                  _group_rows, _is_matvec, _matvec_block, _norm_args, _norm_of,
                                                  _same_weight_layout, backend_matmul_path)
 from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
-from metatp.backends.cuda.launch import (CACHE_TYPES, CHUNK_ELEMS, KV_QUANT_TYPES, NULL, WEIGHT_TYPES, cache_type_of,
+from metatp.backends.cuda.launch import (CHUNK_ELEMS, KV_QUANT_TYPES, NULL, WEIGHT_TYPES, cache_type_of,
                                          cdiv, check_block_type, check_contig, check_f32, check_i32, device_ptr, empty,
                                          estrides, f32, i32, kernel_sources, launch, rows2d)
 from metatp.backends.cuda.storage import matmul_tokens, quant_cache_type
@@ -31,26 +31,37 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ['ENTRY_POINTS', 'MIXED_PAIRS', 'qkv_rope_kv', 'entry_point', 'stage_floats', 'stage_tickets_ints',
+__all__ = ['ENTRY_POINTS', 'MIXED_PAIRS', 'CACHE_CODES', 'qkv_rope_kv', 'entry_point', 'stage_floats', 'stage_tickets_ints',
            'HANDLERS', 'FUSIONS', 'WORKSPACE_OPS', 'workspace']
 
 #: values per block of every quantized cache type (a block is quantized by one warp)
 QUANT_BLOCK = 32
 _PAIR_LINE = re.compile(r"^\s*M\((\w+), \w+, (\w+), \w+\)", re.MULTILINE)
+_CODE_LINE = re.compile(r"^\s*M\((\d+), (\w+)\)", re.MULTILINE)
+
+
+def _source_table(macro: str) -> str:
+    """The lines of the table macro `macro` of cuda/qkv_rope.cu (up to its blank line)."""
+    src = kernel_sources()["qkv_rope.cu"]
+    table = src[src.index(f"#define {macro}(M)"):]
+    return table[:table.index("\n\n")]
 
 
 def _mixed_pairs() -> tuple[tuple[str, str], ...]:
     """The (q/k type, v type) pairs with a kernel: `MT_QKV_MIXED_PAIRS` in cuda/qkv_rope.cu, the one table."""
-    src = kernel_sources()["qkv_rope.cu"]
-    table = src[src.index("#define MT_QKV_MIXED_PAIRS(M)"):]
-    table = table[:table.index("\n\n")]
-    return tuple(_PAIR_LINE.findall(table))
+    return tuple(_PAIR_LINE.findall(_source_table("MT_QKV_MIXED_PAIRS")))
+
+
+def _cache_codes() -> dict[str, int]:
+    """The kernel's cache_type argument per cache type: `MT_QKV_CACHE_CODES` in cuda/qkv_rope.cu."""
+    return {name: int(code) for code, name in _CODE_LINE.findall(_source_table("MT_QKV_CACHE_CODES"))}
 
 
 #: (q/k weight type, v weight type) pairs of different types the kernel takes (llama.cpp's mixes)
 MIXED_PAIRS: tuple[tuple[str, str], ...] = _mixed_pairs()
-ENTRY_POINTS = ([f"qkv_rope_kv_{t}_{c}" for t in WEIGHT_TYPES for c in CACHE_TYPES]
-                + [f"qkv_rope_kv_{a}_{b}_{c}" for a, b in MIXED_PAIRS for c in CACHE_TYPES])
+#: cache type -> the code the kernel takes as its cache_type argument (one kernel serves every cache type)
+CACHE_CODES: dict[str, int] = _cache_codes()
+ENTRY_POINTS = [f"qkv_rope_kv_{t}" for t in WEIGHT_TYPES] + [f"qkv_rope_kv_{a}_{b}" for a, b in MIXED_PAIRS]
 
 
 def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int, n_head: int, n_head_kv: int,
@@ -67,7 +78,7 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     `MIXED_PAIRS`). k_cache / v_cache: [cells, n_head_kv*head_dim] / [cells, v_rows] arrays of one
     storage type: f32, f16 or bf16 bits, or uint8 blocks of a quantized type named by `cache_type`
     (head_dim and v_rows multiples of 32; written bit for bit as set_rows quantizes the same f32
-    values). A quantized cache goes through `stage` (f32, n_head_kv*head_dim + v_rows) and
+    values); one kernel per weight type or pair serves every cache type, told by its `CACHE_CODES` code. A quantized cache goes through `stage` (f32, n_head_kv*head_dim + v_rows) and
     `tickets` (int32 counters, `stage_tickets_ints`, all 0; every launch leaves them 0), made here
     when not given. pos, kv_row: int32 in device memory (graph replays)."""
     if len(weights) != 3:
@@ -86,6 +97,7 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     if cache_type_of(v_cache, cache_type) != kt:
         raise TypeError("the k and v caches must have the same storage type")
     name = entry_point(t, vt, kt)
+    code = CACHE_CODES[kt]
     if freq_factors is not None and freq_factors.size < n_dims // 2:
         raise ValueError(f"freq_factors has {freq_factors.size} entries for n_dims={n_dims}")
     if x.size < ne0:
@@ -110,22 +122,23 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     (wq, rbq), (wk, rbk), (wv, rbv) = weights
     launch("qkv_rope", name, (cdiv(n_pairs, by),), (bx, by),
            (wq, wk, wv, i32(rbq), i32(rbk), i32(rbv), x, i32(ne0), nw, e, flag, q, i32(q_head_stride),
-            k_cache, v_cache, kv_row, i32(k_stride), i32(v_stride), i32(n_head), i32(n_head_kv), i32(v_rows),
+            k_cache, v_cache, i32(code), kv_row, i32(k_stride), i32(v_stride), i32(n_head), i32(n_head_kv), i32(v_rows),
             i32(head_dim), i32(n_dims), i32(1 if neox else 0), pos, freq_factors, f32(freq_base), f32(freq_scale),
             f32(attn_factor), stage, tickets))
 
 
 def entry_point(qk_type: str, v_type: str, cache_type: str) -> str:
-    """The kernel for q/k weights of `qk_type`, v of `v_type`, into caches of `cache_type`; a pair of
-    weight types not in `MIXED_PAIRS` is refused by name."""
-    if cache_type not in CACHE_TYPES:
-        raise UnsupportedOpError(f"qkv_rope_kv writes {', '.join(CACHE_TYPES)} caches, not {cache_type}")
+    """The kernel for q/k weights of `qk_type`, v of `v_type` (one kernel for every cache type: its
+    code is an argument); a cache type with no code and a pair of weight types not in `MIXED_PAIRS`
+    are refused by name."""
+    if cache_type not in CACHE_CODES:
+        raise UnsupportedOpError(f"qkv_rope_kv writes {', '.join(CACHE_CODES)} caches, not {cache_type}")
     if qk_type == v_type:
-        return f"qkv_rope_kv_{qk_type}_{cache_type}"
+        return f"qkv_rope_kv_{qk_type}"
     if (qk_type, v_type) not in MIXED_PAIRS:
         raise UnsupportedOpError(f"qkv_rope_kv has no kernel for q/k {qk_type} with v {v_type} (pairs: "
                                  f"{', '.join(f'{a}+{b}' for a, b in MIXED_PAIRS)})")
-    return f"qkv_rope_kv_{qk_type}_{v_type}_{cache_type}"
+    return f"qkv_rope_kv_{qk_type}_{v_type}"
 
 
 def _cache_row_size(cache_type: str, n: int) -> int:

@@ -58,7 +58,8 @@ def check_qkv_rope_kv(c: Checker) -> None:
     """Norm + q/k/v + RoPE + K/V cache write in one launch against the composed float64
     reference: every weight type, NORMAL and NEOX, n_dims < head_dim, GQA (and MQA) head
     counts, freq factors, f32 / f16 / bf16 caches, a row in the middle of the cache (the
-    other rows must stay as they were), with and without the folded norm; the mixed q/k + v pairs."""
+    other rows must stay as they were), with and without the folded norm; every mixed q/k + v pair
+    (float caches in turn). One kernel per weight type or pair: the cache type is its code argument."""
     ck = c.ck
     # (q/k weight type, v weight type, ne0, n_head, n_head_kv, head_dim, n_dims, neox, cache, norm, freq factors)
     cases = [(wt, wt, 256, 4, 2, 32, 32, False, "f32", True, False) for wt in ck.WEIGHT_TYPES]
@@ -67,7 +68,7 @@ def check_qkv_rope_kv(c: Checker) -> None:
               ("q8_0", "q8_0", 256, 6, 1, 32, 16, False, "bf16", True, False),
               ("q4_k", "q4_k", 256, 2, 2, 64, 48, True, "bf16", False, False),
               ("f16", "f16", 64, 3, 3, 16, 8, False, "f16", False, True)]
-    cases += [(a, b, 256, 4, 2, 32, 32, i % 2 == 1, "f32", True, False)
+    cases += [(a, b, 256, 4, 2, 32, 32, i % 2 == 1, ("f32", "f16", "bf16")[i % 3], True, False)
               for i, (a, b) in enumerate(ck.qkv_rope.MIXED_PAIRS)]
     for wt, vt, ne0, nh, nkv, hd, nd, neox, ct, norm, use_ff in cases:
         ws = _weights(c, wt, vt, ne0, nh, nkv, hd)
@@ -101,14 +102,15 @@ def check_qkv_rope_kv_quant(c: Checker) -> None:
     those f32 values, bit for bit: row _ROW written, every other row as it was. Blocks run forward,
     reversed and shuffled (the warp drawing a group's last ticket quantizes it, whichever it is);
     three launches reuse the counters (each leaves them 0). NORMAL and NEOX, n_dims < head_dim, GQA,
-    a v row of 3 heads of 64 (6 blocks), freq factors, a mixed q/k + v pair."""
+    a v row of 3 heads of 64 (6 blocks), freq factors, mixed q/k + v pairs."""
     ck = c.ck
     # (q/k type, v type, ne0, n_head, n_head_kv, head_dim, n_dims, neox, cache, norm, freq factors)
     cases = [("q8_0", "q8_0", 256, 4, 2, 32, 32, False, "q8_0", True, False),
              ("q4_k", "q4_k", 256, 6, 3, 64, 48, True, "q4_0", True, True),
              ("q4_1", "q4_1", 128, 4, 1, 64, 64, True, "q4_1", False, False),
              ("f16", "f16", 96, 2, 2, 32, 16, False, "q5_0", True, False),
-             (*ck.qkv_rope.MIXED_PAIRS[0], 256, 8, 2, 32, 32, True, "q5_1", True, False)]
+             (*ck.qkv_rope.MIXED_PAIRS[0], 256, 8, 2, 32, 32, True, "q5_1", True, False),
+             ("q2_k", "q4_k", 256, 4, 4, 32, 32, False, "q8_0", True, False)]
     tickets = None
     for wt, vt, ne0, nh, nkv, hd, nd, neox, ct, norm, use_ff in cases:
         ws = _weights(c, wt, vt, ne0, nh, nkv, hd)
