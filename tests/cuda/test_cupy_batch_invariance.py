@@ -1,6 +1,6 @@
 """Batch invariance on the cupy backend (issue 46 item 5), on the CPU emulator.
 
-`LLM(backend="cupy", batch_invariant=True)`: one sequence's logits -- every prompt row and 8
+`LLM(backend="cupy", batch_invariant=True)`: one sequence's logits -- every prompt row and 4
 decode steps -- are the same bits alone and in a step of 8 sequences of other lengths, whatever
 its place among them. What makes it so (kernels/matvec.py `matmul_path`, kernels/attn.py
 `attention_splits`): every MUL_MAT runs the tiled mmq kernel (its per-row sum is one FMA chain

@@ -41,7 +41,7 @@ SPEC = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab
                         "down": "Q4_1", "embd": "Q8_0"}, seed=3)
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 N_CTX = 256
-STEPS = 4
+STEPS = 3           # decode steps after the prompt: an eager one, a captured and replayed one, a replay
 #: max |logits - f32-cache logits| / max |f32-cache logits| allowed per cache type (measured on the
 #: emulator: f16 3e-5, bf16 2e-4, q8_0 9e-4, q4_0 1.6e-2, q4_1 1.3e-2, q5_0 / q5_1 6e-3)
 TOL_VS_F32 = {"f16": 2e-4, "bf16": 1e-3, "q8_0": 4e-3, "q4_0": 5e-2, "q4_1": 4e-2, "q5_0": 2e-2, "q5_1": 2e-2}
@@ -97,6 +97,12 @@ def greedy(eng: Engine, steps: int) -> list[int]:
         toks.append(int(np.argmax(logits)))
         logits = eng.forward([toks[-1]])
     return toks
+
+
+def argmax_path(logits) -> list[int]:
+    """The tokens a greedy run feeds after each of these steps' logits (the last step's is not fed):
+    where they are the teacher-forced tokens, teacher forcing ran the greedy run's very inputs."""
+    return [int(np.argmax(x)) for x in logits[:-1]]
 
 
 def assert_argmax_where_clear(got, want, margin: float = 0.1) -> None:
@@ -169,6 +175,8 @@ def test_cache_type_tensor_parallel_and_vs_f32(synth_model, f32_path, kind, kt):
     cos = [float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(one, want)]
     assert np.mean(cos) >= MIN_COSINE[kt], (kt, cos)
     assert_argmax_where_clear(one, want)
+    if argmax_path(one) == argmax_path(tp) == list(tokens):
+        return        # teacher forcing along `tokens` was each engine's own greedy run: the same tokens
     assert (greedy(cupy_engine(synth_model, kind, kt, n=3, ts=(1, 2, 1)), STEPS)
             == greedy(cupy_engine(synth_model, kind, kt), STEPS))
 

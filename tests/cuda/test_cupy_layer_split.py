@@ -33,7 +33,7 @@ SPEC = SynthSpec(n_layer=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=
 GEMMA3 = SynthSpec(arch="gemma3", n_layer=6, qk_norm=True, post_norms=True, sliding_window=4, rope_base=1e6,
                    head_dim=16, n_ff=128, norm_eps=1e-6, seed=27, types={"q": "Q5_0", "down": "Q8_0"})
 PROMPT = [1, 17, 42, 99, 7, 250, 3, 64]       # longer than gemma3's window
-N_GEN = 3
+N_GEN = 2                     # decode steps: the first runs eagerly, the second is captured and replayed
 _refs: dict[str, tuple] = {}
 
 

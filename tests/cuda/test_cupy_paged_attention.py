@@ -27,7 +27,8 @@ SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, tied=Fal
                  n_ctx_train=4096)     # head_dim 32: whole quantized blocks; the `path` fixture (tests/conftest.py)
 #: 16 prompts of 1..31 tokens: lists of different lengths, crossing the cells kernel's tiles
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(1 + 2 * i)] for i in range(16)]
-GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+#: 3 tokens: the prefill's, an eager decode step's, a captured and replayed one's
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 CELLS_KERNELS = ("attn_mask_count", "attn_mask_cells", "attn_decode_cells_")
 
 

@@ -104,8 +104,9 @@ def _kinds(eng) -> set:
     return {f.kind for ex in eng.backend._executables.values() for f in ex.fusions.values()}
 
 
-def _fused_vs_apart(model, n: int = 1, ts=None, kv_dtype: str | None = None, kv: str | None = None, steps: int = 4):
-    """Logits of the same teacher-forced run with fuse_qkv_rope True and False: (fused engine, its
+def _fused_vs_apart(model, n: int = 1, ts=None, kv_dtype: str | None = None, kv: str | None = None, steps: int = 3):
+    """Logits of the same teacher-forced run (3 decode steps: eager, captured, replayed) with
+    fuse_qkv_rope True and False: (fused engine, its
     logits, unfused engine, its logits)."""
     runs = {}
     for fuse in (True, False):

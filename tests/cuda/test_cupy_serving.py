@@ -28,7 +28,7 @@ pytestmark = requires("emulator")
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
 PROMPTS = [[3 + i, 40 + 2 * i, 7] for i in range(16)]
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
 
@@ -57,16 +57,16 @@ def test_sixteen_concurrent_sequences_get_their_solo_tokens(gpuengine_llm, gpuen
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == gpuengine_solo
     # passes carry many sequences: a few prompt passes, then one decode pass per token (one per
-    # sequence and token would be 16 * 6)
+    # sequence and token would be 16 * 3)
     assert llm.engine.passes - before <= 2 * (GREEDY.max_tokens + 1)
     assert llm.engine.cells.n_used == 0 and not llm.engine.cells.live
 
 
 def test_cache_exhaustion_preempts_and_every_request_gets_its_solo_tokens(path):
-    """Five requests of 24 cells on a 64-cell cache: some are preempted and recomputed; each
+    """Five requests of 13 cells on a 32-cell cache: some are preempted and recomputed; each
     ends with its solo tokens, no cell leaked."""
-    llm = emulated_llm(path, n_ctx=64, n_batch=64, max_num_seqs=8, enable_prefix_caching=False)
-    long = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+    llm = emulated_llm(path, n_ctx=32, n_batch=32, max_num_seqs=8, enable_prefix_caching=False)
+    long = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = PROMPTS[:5]
     m = llm.scheduler.metrics
     solo = [llm.generate([p], long)[0].outputs[0].token_ids for p in prompts[:2]]
@@ -74,7 +74,7 @@ def test_cache_exhaustion_preempts_and_every_request_gets_its_solo_tokens(path):
     got = [o.outputs[0] for o in llm.generate(prompts, long)]
     assert m.preemptions > 0 and m.recomputed_tokens > 0
     assert [o.token_ids for o in got[:2]] == solo
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 21 for o in got)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == long.max_tokens for o in got)
     alone = [llm.generate([p], long)[0].outputs[0].token_ids for p in prompts[2:]]
     assert [o.token_ids for o in got[2:]] == alone
     assert llm.engine.cells.n_used == 0 and not llm.engine.cells.live

@@ -11,8 +11,16 @@ explicit arch) and the driver's module load (the cubin is kept instead). So the 
 options and library are exactly a GPU machine's.
 
 Option sets: CuPy 14 (``--std=c++17``, its default) and CuPy 13 (``--std=c++11``, its default
-then), each for sm_80 and sm_90. Each compile must succeed with an empty NVRTC log (no
+then); archs sm_80 and sm_90. Each compile must succeed with an empty NVRTC log (no
 warnings) and export exactly ``expected_entry_points()`` as kernels.
+
+The two axes are independent: the option set changes only the front end (the C++ standard), the
+arch only the ``__CUDA_ARCH__`` branches, which hold inline PTX alone (``mt_mma_s8``'s mma at
+sm_80+, ``griddepcontrol`` at sm_90+), the same text under either standard. So by default each
+option set and each arch is compiled once: CuPy 14 at sm_90 and CuPy 13 at sm_80 (the strictest
+front end with the mma branch, the newest with every branch); the interaction (the other two
+pairs, half of the attention family's minute) is left out. ``METATP_NVRTC_ALL=1`` compiles the
+full product, e.g. in a GPU session or after a change under an ``__CUDA_ARCH__`` branch.
 
 Needs the ``nvrtc`` extra (``pip install -e '.[nvrtc]'``: cupy-cuda12x, the NVRTC and CUDA
 runtime-header wheels; about 230 MB of downloads, no GPU): .ci/run installs it. The tests
@@ -22,6 +30,7 @@ skip, saying why, only where those wheels cannot be imported.
 from __future__ import annotations
 
 import io
+import os
 import struct
 import types
 
@@ -33,6 +42,16 @@ from support.require import requires
 #: (name, --std) of the option sets of the CuPy versions the backend supports
 OPTION_SETS = (("cupy14", "c++17"), ("cupy13", "c++11"))
 ARCHS = ("80", "90")
+#: METATP_NVRTC_ALL=1: every (option set, arch) pair; else each option set and each arch once
+ALL_PAIRS = os.environ.get("METATP_NVRTC_ALL", "") not in ("", "0")
+
+
+def compile_targets() -> list[tuple[str, str, str]]:
+    """(cupy version, --std, arch) to compile: the full product with METATP_NVRTC_ALL, else the
+    diagonal {CuPy 14, sm_90}, {CuPy 13, sm_80} (each option set and each arch once)."""
+    if ALL_PAIRS:
+        return [(version, std, arch) for version, std in OPTION_SETS for arch in ARCHS]
+    return [(version, std, arch) for (version, std), arch in zip(OPTION_SETS, reversed(ARCHS))]
 
 
 def _toolchain():
@@ -117,9 +136,15 @@ def cupy_compile(monkeypatch):
     return run
 
 
+def test_the_default_targets_cover_each_option_set_and_each_arch():
+    """The diagonal still compiles every option set and every arch at least once."""
+    targets = compile_targets()
+    assert {(v, s) for v, s, _ in targets} == set(OPTION_SETS)
+    assert {a for _, _, a in targets} == set(ARCHS)
+
+
 @requires_nvrtc
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cupy_version, std", OPTION_SETS)
+@pytest.mark.parametrize("cupy_version, std, arch", compile_targets())
 @pytest.mark.parametrize("family", ck.FAMILIES)
 def test_rawmodule_compiles_through_nvrtc(cupy_compile, family, cupy_version, std, arch):
     cubin, log, options = cupy_compile(family, std, arch)

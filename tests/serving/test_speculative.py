@@ -375,7 +375,7 @@ def test_greedy_tokens_are_plain_decodings_on_the_cupy_backend(path, monkeypatch
     monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
     monkeypatch.setattr(cuda_backend, "CupyRuntime", lambda: rt)
     kw = dict(backend="cupy", n_ctx=128, n_batch=64, n_devices=2, split_mode="tensor")
-    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)      # verification passes of k+1 rows, each with a rejection
     plain = ids_of(LLM(path, **kw).generate(PROMPTS[:2], p))
     spec = LLM(path, speculative_config=NGRAM, **kw)
     spec.scheduler.speculator.proposer = OracleProposer(PROMPTS[:2], plain)

@@ -9,7 +9,7 @@ from metatp.engine import StepItem
 
 PROMPT = [5, 17, 3, 99, 42, 8, 61, 7, 23, 150, 11]
 OTHERS = [[3 + i] * (2 + 4 * i) for i in range(7)]       # 2..26 tokens: the batch's other lengths
-STEPS = 8
+STEPS = 4           # decode steps: each one a pass of all 8 sequences (the emulator's seconds)
 
 
 def sequence_logits(llm: LLM, batched: bool, at: int = 3) -> list[np.ndarray]:

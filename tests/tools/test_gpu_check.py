@@ -168,28 +168,41 @@ def test_bytes_read_per_token_of_the_1b_shapes():
     assert w8 == (32 * per_layer8 + 128256 * 4096 + 4096) // 256 * 144 + (32 * 2 + 1) * 4096 * 4
 
 
+#: a default-variant decode row of the shapes section (what row_text writes)
+DECODE_ROW = (r"[\d,]+ tok/s \([\d,]+ µs/token, \d+ launches/token, [\d,.]+ MB weights \+ [\d,.]+ MB KV "
+              r"read/token = [\d,.]+ GB/s, \d+\.\d\d of the copy's [\d,]+ GB/s; whole\)")
+
+
+def assert_shape_rows(rows: dict, name: str) -> None:
+    """A shape's model row and its CUDA-graph decode row at each KV length (default variant)."""
+    import re
+
+    assert rows[f"decode {name} model"]["status"] == "info"
+    for kv in (16, 64):
+        row = rows[f"decode {name} KV {kv} CUDA graph"]
+        assert row["status"] == "pass" and re.fullmatch(DECODE_ROW, row["result"]), row
+
+
 def test_emulated_dry_run_writes_the_model_size_rows(tmp_path):
-    """`python3 scripts/gpu_check --emulate --big --variants default`, the shapes section alone: a copy-bandwidth row,
-    then per shape a model row and a CUDA-graph decode row at each KV length, each with tok/s,
-    launches and bytes a token and the fraction of the copy bandwidth."""
+    """`python3 scripts/gpu_check --emulate --big --variants default --shapes 1B,8B`, the shapes section
+    alone: a copy-bandwidth row, then per shape a model row and a CUDA-graph decode row at each KV
+    length, each with tok/s, launches and bytes a token and the fraction of the copy bandwidth. The
+    135M shape's rows are checked alike by test_emulated_dry_run_compares_the_kernel_variants, whose
+    run has them (its default variant): not run twice."""
     import json
     import re
 
     out = tmp_path / "r.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--big", "--variants",
-                        "default", "--budget", "100000", "--skip", "kernels,model,speed,profile,llama-cpp,throughput,"
-                        "nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "default", "--shapes", "1B,8B", "--budget", "100000", "--skip",
+                        "kernels,model,speed,profile,llama-cpp,throughput,nccl,mpi", "--workdir", str(tmp_path),
+                        "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert re.fullmatch(r"[\d,]+ GB/s", rows["device-to-device copy bandwidth (read + written)"]["result"])
-    pattern = (r"[\d,]+ tok/s \([\d,]+ µs/token, \d+ launches/token, [\d,.]+ MB weights \+ [\d,.]+ MB KV "
-               r"read/token = [\d,.]+ GB/s, \d+\.\d\d of the copy's [\d,]+ GB/s; whole\)")
-    for name in ("135M Q4_1", "1B Q8_0", "8B Q4_K"):
-        assert rows[f"decode {name} model"]["status"] == "info"
-        for kv in (16, 64):
-            row = rows[f"decode {name} KV {kv} CUDA graph"]
-            assert row["status"] == "pass" and re.fullmatch(pattern, row["result"]), row
+    for name in ("1B Q8_0", "8B Q4_K"):
+        assert_shape_rows(rows, name)
+    assert "decode 135M Q4_1 model" not in rows                  # --shapes 1B,8B
     assert not list(tmp_path.glob("shape-*.gguf"))          # each file removed after its rows
 
 
@@ -198,14 +211,15 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
     """`python3 scripts/gpu_check --emulate`, the throughput section alone: batched-bench rows per B
     with S_PP/S_TG/S, the S_TG ratios named as the issue names them, which plans replay a graph
     (every decode bucket does), the long-prompt rows, and the serve comparison through `metatp serve
-    --backend cupy` (emulated) and the openai client."""
+    --backend cupy` (emulated) and the openai client. The llama-cpp section (before it, and
+    independent) is skipped: tests/tools/test_gpu_check_llama_cpp.py runs it alone."""
     import json
     import re
 
     out = tmp_path / "r.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--skip",
-                        "kernels,model,speed,profile,shapes,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
-                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+                        "kernels,model,speed,profile,shapes,llama-cpp,nccl,mpi", "--workdir", str(tmp_path), "--out",
+                        str(out)], capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
     rate = r"[\d,.]+(e[-+]\d+)?"
@@ -282,6 +296,7 @@ def test_emulated_dry_run_compares_the_kernel_variants(tmp_path):
             assert re.fullmatch(summary(n), rows[label]["result"]), rows[label]
             assert f"### {label}: kernels one by one\n\n{n} launches a token, {n / 2:.1f} a layer (2 layers)" in written
     assert ran >= 2                                  # default and before exist on every tree of this round
+    assert_shape_rows(rows, "135M Q4_1")             # the default's rows, as the other shapes' in the shapes-only run
     assert "| kernel | launches | µs a step | share | of the step |" in written
     assert "decode 1B Q8_0 model" not in rows and "decode 8B Q4_K" not in rows      # --shapes 135M
     assert not [row for row in rows.values() if row["status"] == "FAIL"]

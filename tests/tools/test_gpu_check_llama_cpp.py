@@ -224,13 +224,14 @@ def test_the_build_script_refuses_an_unknown_mode_and_a_device_build_without_the
 def test_the_command_line_runs_the_section_after_shapes_in_an_emulated_dry_run(tmp_path):
     """`python3 scripts/gpu_check --emulate` with the other sections skipped: the llama-cpp rows
     come (its skip row without llama-cpp-python; with a CPU build, a load row per shape and the
-    comparisons), and the run passes."""
+    comparisons), and the run passes. The throughput section, which runs after this one and reads
+    none of its rows, is skipped too: tests/tools/test_gpu_check.py runs it (a minute emulated)."""
     import json
 
     out = tmp_path / "r.md"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--skip",
-                        "kernels,model,speed,profile,shapes,nccl,mpi", "--workdir", str(tmp_path), "--out", str(out)],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        "kernels,model,speed,profile,shapes,throughput,nccl,mpi", "--workdir", str(tmp_path), "--out",
+                        str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [row for row in json.loads(out.with_suffix(".json").read_text())["rows"] if row["section"] == "llama-cpp"]
     if section.llama_cpp_importable():
