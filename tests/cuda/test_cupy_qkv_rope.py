@@ -106,8 +106,7 @@ def _kinds(eng) -> set:
 
 def _fused_vs_apart(model, n: int = 1, ts=None, kv_dtype: str | None = None, kv: str | None = None, steps: int = 3):
     """Logits of the same teacher-forced run (3 decode steps: eager, captured, replayed) with
-    fuse_qkv_rope True and False: (fused engine, its
-    logits, unfused engine, its logits)."""
+    fuse_qkv_rope True and False: (fused engine, its logits, unfused engine, its logits)."""
     runs = {}
     for fuse in (True, False):
         kw = {"kv_dtype": kv_dtype} if kv_dtype else {}
