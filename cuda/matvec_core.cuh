@@ -1,26 +1,9 @@
-// metatp: the matvec row core shared by matvec.cu and qkv_rope.cu: the RMS scale of x and
+// metatp: the matvec row core shared by matvec.cu and qkv_rope.cu:
 // mt_matvec_rows (NW dot products of one row index sharing x, for NT tokens).
 #ifndef METATP_MATVEC_CORE_CUH
 #define METATP_MATVEC_CORE_CUH
 
 #include "quant.cuh"
-
-// 1 / sqrt(mean(x^2) + eps) over x[0..ne0), reduced by the whole (2-D) block; every
-// thread must call it. <= 256 threads.
-__device__ __forceinline__ float mt_rms_scale(const float* __restrict__ x, int ne0, float eps) {
-    __shared__ float part[8];
-    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nth = blockDim.x * blockDim.y;
-    float s = 0.0f;
-    for (int i = tid; i < ne0; i += nth) s = fmaf(x[i], x[i], s);
-    s = mt_warp_sum(s);
-    if ((tid & 31) == 0) part[tid >> 5] = s;
-    __syncthreads();
-    float t = 0.0f;
-    for (int w = 0; w < (nth >> 5); ++w) t += part[w];
-    __syncthreads();  // part is reused by the next call
-    return 1.0f / sqrtf(t / (float)ne0 + eps);
-}
 
 // Block (bx, by): by rows per block, bx threads per row (bx a multiple of 32, bx*by <= 256).
 // Each thread walks chunks (CW weights) of its row with stride bx; partial sums are

@@ -38,23 +38,6 @@ __device__ __forceinline__ int mt_warp_sum_i(int v) {
 
 __device__ __forceinline__ float mt_round_half(float v) { return mt_h2f(mt_f2h(v)); }
 
-// 1 / sqrt(mean(x^2) + eps) over x[0..ne0), reduced by the whole (2-D) block (as matvec's
-// mt_rms_scale); every thread must call it. <= 256 threads.
-__device__ __forceinline__ float mt_mmvq_rms_scale(const float* __restrict__ x, int ne0, float eps) {
-    __shared__ float part[8];
-    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nth = blockDim.x * blockDim.y;
-    float s = 0.0f;
-    for (int i = tid; i < ne0; i += nth) s = fmaf(x[i], x[i], s);
-    s = mt_warp_sum(s);
-    if ((tid & 31) == 0) part[tid >> 5] = s;
-    __syncthreads();
-    float t = 0.0f;
-    for (int w = 0; w < (nth >> 5); ++w) t += part[w];
-    __syncthreads();
-    return 1.0f / sqrtf(t / (float)ne0 + eps);
-}
-
 // ------------------------------------------------------------------ activation rounding
 // One warp rounds one activation block (32 elements for Q8_0/Q8_1, 256 for Q8_K; lane l holds
 // elements l*E .. l*E+E-1). x' = x, or with `norm`: (x * scale) * nw (nw null: no weight), in the
@@ -537,7 +520,7 @@ extern __shared__ int mt_mmvq_smem[];
 template <int KIND>
 __device__ __forceinline__ void mt_mmvq_prologue(const float* x, int ne0, const float* norm_w,
                                                  float eps, int norm) {
-    const float scale = norm ? mt_mmvq_rms_scale(x, ne0, eps) : 1.0f;
+    const float scale = norm ? mt_rms_scale(x, ne0, eps) : 1.0f;
     mt_i8* q = (mt_i8*)mt_mmvq_smem;
     float* d = (float*)(mt_mmvq_smem + ne0 / 4);
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
@@ -719,7 +702,7 @@ extern "C" __global__ void __launch_bounds__(256)
                    const float* norm_w, float eps, int norm) { mt_pdl_wait(); mt_pdl_launch_dependents();
     const float* xt = x + (mt_i64)blockIdx.x * x_stride;
     float* ot = out + (mt_i64)blockIdx.x * out_stride;
-    const float scale = norm ? mt_mmvq_rms_scale(xt, ne0, eps) : 1.0f;
+    const float scale = norm ? mt_rms_scale(xt, ne0, eps) : 1.0f;
     for (int i = threadIdx.x; i < ne0; i += blockDim.x) {
         float v = xt[i];
         if (norm) {

@@ -176,18 +176,7 @@ __device__ __forceinline__ void mt_qkv_rope_kv(
     int last_group = -1;  // the group whose last ticket this thread drew
     if (holder) {
         float a = acc[0][0] * s, b = acc[1][0] * s;
-        if (rot) {
-            float theta = (float)pos[0] * powf(freq_base, -(float)(2 * i) / (float)n_dims);
-            if (freq_factors != 0) theta = theta / freq_factors[i];
-            theta = freq_scale * theta;
-            float sn, cs;
-            sincosf(theta, &sn, &cs);
-            cs *= attn_factor;
-            sn *= attn_factor;
-            const float a0 = a;
-            a = a0 * cs - b * sn;
-            b = a0 * sn + b * cs;
-        }
+        if (rot) mt_rope_pair(a, b, (float)pos[0], i, n_dims, freq_factors, freq_base, freq_scale, attn_factor);
         if (!mt_qkv_known_cache(cache_type)) {  // no cache written: q says so
             a = __int_as_float(0x7fc00000);
             b = a;

@@ -177,6 +177,42 @@ __device__ __forceinline__ bool mt_rows_reduce(float (&acc)[NW][NT], int row, in
     return true;
 }
 
+// 1 / sqrt(mean(x^2) + eps) over x[0..ne0), reduced by the whole (2-D) block; every
+// thread must call it. <= 256 threads.
+__device__ __forceinline__ float mt_rms_scale(const float* __restrict__ x, int ne0, float eps) {
+    __shared__ float part[8];
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nth = blockDim.x * blockDim.y;
+    float s = 0.0f;
+    for (int i = tid; i < ne0; i += nth) s = fmaf(x[i], x[i], s);
+    s = mt_warp_sum(s);
+    if ((tid & 31) == 0) part[tid >> 5] = s;
+    __syncthreads();
+    float t = 0.0f;
+    for (int w = 0; w < (nth >> 5); ++w) t += part[w];
+    __syncthreads();  // part is reused by the next call
+    return 1.0f / sqrtf(t / (float)ne0 + eps);
+}
+
+// RoPE of one rotated pair (a, b) at position p, pair ip (dims 2ip, 2ip+1 of the rotated part;
+// ggml's theta = p * base^(-2ip/n_dims), divided by freq_factors[ip] when given, times freq_scale;
+// cos and sin scaled by attn_factor). One definition for rope.cu and the fused qkv_rope.cu, so
+// the fused kernel rotates with the rope kernel's arithmetic.
+__device__ __forceinline__ void mt_rope_pair(float& a, float& b, float p, int ip, int n_dims,
+                                             const float* freq_factors, float freq_base,
+                                             float freq_scale, float attn_factor) {
+    float theta = p * powf(freq_base, -(float)(2 * ip) / (float)n_dims);
+    if (freq_factors != 0) theta = theta / freq_factors[ip];
+    theta = freq_scale * theta;
+    float sn, cs;
+    sincosf(theta, &sn, &cs);
+    cs *= attn_factor;
+    sn *= attn_factor;
+    const float a0 = a;
+    a = a0 * cs - b * sn;
+    b = a0 * sn + b * cs;
+}
+
 // ------------------------------------------------------------ weight types
 // Every weight type is described by one struct:
 //   QK      elements per block          BYTES   bytes per block

@@ -20,18 +20,12 @@ __device__ __forceinline__ void rope_pair(const float* xr, float* yr, int i0, in
         yr[i0 + 1] = b;
         return;
     }
-    float theta = p * powf(freq_base, -(float)i0 / (float)n_dims);
-    if (freq_factors != 0) theta = theta / freq_factors[ip];
-    theta = freq_scale * theta;
-    float sn, cs;
-    sincosf(theta, &sn, &cs);
-    cs *= attn_factor;
-    sn *= attn_factor;
     const int ia = NEOX ? ip : i0;
     const int ib = NEOX ? ip + (n_dims >> 1) : i0 + 1;
-    const float x0 = xr[ia], x1 = xr[ib];
-    yr[ia] = x0 * cs - x1 * sn;
-    yr[ib] = x0 * sn + x1 * cs;
+    float a = xr[ia], b = xr[ib];
+    mt_rope_pair(a, b, p, ip, n_dims, freq_factors, freq_base, freq_scale, attn_factor);
+    yr[ia] = a;
+    yr[ib] = b;
 }
 
 template <bool NEOX>
