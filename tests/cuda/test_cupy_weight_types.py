@@ -17,7 +17,6 @@ from metatp.backends.cuda.backend import CupyBackend
 from metatp.backends.cuda.storage import RawWeight
 from metatp.backends.numpy.backend import NumpyBackend
 from metatp.engine import Engine
-from metatp.ir.loader import load_model
 from metatp.ir.tensor import block_size, type_size
 from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
@@ -35,11 +34,6 @@ SPEC = SynthSpec(n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab
                         "down": "Q2_K", "output": "Q2_K", "embd": "Q5_1"})
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 NEW_TYPES = ("q5_0", "q5_1", "q2_k", "q3_k")
-
-
-@pytest.fixture(scope="module")
-def model(synth_factory):
-    return load_model(synth_factory(SPEC)[0])
 
 
 def _engines(model, kind: str, numerics: str, ran: list[str]):
@@ -71,9 +65,10 @@ def _same_greedy(got, want, tol: float) -> None:
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_new_weight_types_are_stored_raw_and_match_numpy(model, kind):
+def test_new_weight_types_are_stored_raw_and_match_numpy(synth_model, kind):
     """Exact numerics: every Q5_0 / Q5_1 / Q2_K / Q3_K weight is kept as its blocks (the memory plan
     counts the blocks' bytes, not f32), and the logits are the numpy backend's."""
+    model = synth_model
     ran: list[str] = []
     eng, ref = _engines(model, kind, "exact", ran)
     raw_bytes = sum(int(np.prod(w.ne)) // block_size(w.type) * type_size(w.type) for w in model.weights.values())
@@ -92,10 +87,11 @@ def test_new_weight_types_are_stored_raw_and_match_numpy(model, kind):
 
 
 @pytest.mark.parametrize("kind", RUNTIMES)
-def test_new_weight_types_q8_numerics_match_numpy_q8(model, kind):
+def test_new_weight_types_q8_numerics_match_numpy_q8(synth_model, kind):
     """numerics="q8": the numpy backend's llama.cpp products (Q8_0 activations for Q5_0, Q8_1 for
     Q5_1, Q8_K for Q2_K / Q3_K) up to float order, with its greedy tokens; the int8 kernels of
     every new type run (decode: mmvq, the prompt: the int8 mmq)."""
+    model = synth_model
     ran: list[str] = []
     eng, ref = _engines(model, kind, "q8", ran)
     got, want = teacher_forced(eng, ref, PROMPT, 3)
