@@ -317,25 +317,7 @@ struct Q8WQ4_1 {
         }
     }
 };
-// Q5_0 / Q5_1: Q4_0's nibbles (qs at 6 / 8) plus bit 4 from the u32 qh (at 2 / 4; bit i for
-// element i); Q5_0's codes minus 16, Q5_1's unsigned with the offset m.
-__device__ __forceinline__ mt_u32 mt_q8w_qh_bytes(mt_u32 qh, int i0) {
-    const mt_u32 h = (qh >> i0) & 15u;
-    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << 4;
-}
-template <int OFF, bool SIGNED>
-__device__ __forceinline__ void mt_q8w_q5(const mt_u8* b, int* q) {
-    const mt_u32 qh = mt_ld32(b + OFF);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const mt_u32 v = mt_ld32(b + OFF + 4 + 4 * i);
-        const mt_u32 lo = (v & 0x0F0F0F0Fu) | mt_q8w_qh_bytes(qh, 4 * i);
-        const mt_u32 hi = ((v >> 4) & 0x0F0F0F0Fu) | mt_q8w_qh_bytes(qh, 16 + 4 * i);
-        // (n + 0x70) ^ 0x80 per byte is n - 16 for n in 0..31
-        q[i] = SIGNED ? (int)((lo + 0x70707070u) ^ 0x80808080u) : (int)lo;
-        q[4 + i] = SIGNED ? (int)((hi + 0x70707070u) ^ 0x80808080u) : (int)hi;
-    }
-}
+// Q5_0 / Q5_1: quant.cuh's mt_q5_codes (Q5_0's codes minus 16, Q5_1's unsigned with the offset m).
 struct Q8WQ5_0 {
     enum { KIND = MT_Q8_0, SPLIT = 0, MIN16 = 0 };
     static __device__ __forceinline__ void load(const mt_u8* row, int u, int* q, float* wd0, float* wd1, float* wm) {
@@ -343,7 +325,7 @@ struct Q8WQ5_0 {
         *wd0 = mt_ldh(b);
         *wd1 = 0.0f;
         *wm = 0.0f;
-        mt_q8w_q5<2, true>(b, q);
+        mt_q5_codes<2, 16>(b, q);
     }
 };
 struct Q8WQ5_1 {
@@ -353,7 +335,7 @@ struct Q8WQ5_1 {
         *wd0 = mt_ldh(b);
         *wd1 = 0.0f;
         *wm = mt_ldh(b + 2);
-        mt_q8w_q5<4, false>(b, q);
+        mt_q5_codes<4, 0>(b, q);
     }
 };
 // Q2_K: unit u = 32 elements 128h + 32s + l (j = u % 8 = 4h + s) of super-block u / 8: codes

@@ -189,10 +189,7 @@ MT_MMVQ_Q8_ENTRIES(q8_1, MT_Q8_1)
 MT_MMVQ_Q8_ENTRIES(q8_k, MT_Q8_K)
 
 // ------------------------------------------------------------------ weight codes
-// Signed bytes b - bias from 4 unsigned bytes b <= 127 + bias, with no carry between bytes.
-__device__ __forceinline__ int mt_unbias4(mt_u32 v, int bias) {
-    return (int)((v + 0x01010101u * (mt_u32)(128 - bias)) ^ 0x80808080u);
-}
+// (mt_unbias4, mt_qh_bytes and mt_q5_codes: quant.cuh, shared with mmq.cu)
 
 // Each weight type: QK, BYTES, KIND (the activation's), NSC (scales per 32 elements: the halves
 // of 16 of Q2_K, Q3_K and Q6_K have their own), HAS_MIN (NSC == 2: a min per half, which
@@ -247,25 +244,6 @@ struct MqQ4_1 {
 };
 
 // Q5_0 / Q5_1: Q4_0's nibbles plus bit 4 from the u32 qh (bit i for element i).
-// The 4 bits qh >> i0 (i0 .. i0+3) as bit 4 of 4 bytes.
-__device__ __forceinline__ mt_u32 mt_qh_bytes(mt_u32 qh, int i0) {
-    const mt_u32 h = (qh >> i0) & 15u;
-    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << 4;
-}
-
-template <int OFF, int BIAS>
-__device__ __forceinline__ void mt_q5_codes(const mt_u8* b, int (&q)[8]) {
-    const mt_u32 qh = mt_ld32(b + OFF);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const mt_u32 v = mt_ld32(b + OFF + 4 + 4 * i);
-        const mt_u32 lo = (v & 0x0f0f0f0fu) | mt_qh_bytes(qh, 4 * i);
-        const mt_u32 hi = ((v >> 4) & 0x0f0f0f0fu) | mt_qh_bytes(qh, 16 + 4 * i);
-        q[i] = BIAS ? mt_unbias4(lo, BIAS) : (int)lo;
-        q[4 + i] = BIAS ? mt_unbias4(hi, BIAS) : (int)hi;
-    }
-}
-
 struct MqQ5_0 {
     enum { QK = 32, BYTES = 22, KIND = MT_Q8_0, NSC = 1, HAS_MIN = 0 };
     template <bool VEC>

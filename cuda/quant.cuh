@@ -213,6 +213,34 @@ __device__ __forceinline__ void mt_rope_pair(float& a, float& b, float p, int ip
     b = a0 * sn + b * cs;
 }
 
+// ------------------------------------------------------------ packed int8 weight codes
+// The int8 families (mmvq's dp4a, mmq's mma) take 4 codes a word, lowest byte first.
+// Signed bytes b - bias from 4 unsigned bytes b <= 127 + bias, with no carry between bytes.
+__device__ __forceinline__ int mt_unbias4(mt_u32 v, int bias) {
+    return (int)((v + 0x01010101u * (mt_u32)(128 - bias)) ^ 0x80808080u);
+}
+
+// The 4 bits qh >> i0 (i0 .. i0+3) as bit 4 of 4 bytes.
+__device__ __forceinline__ mt_u32 mt_qh_bytes(mt_u32 qh, int i0) {
+    const mt_u32 h = (qh >> i0) & 15u;
+    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << 4;
+}
+
+// Q5_0 / Q5_1 block codes as 8 words: Q4_0's nibbles (at OFF + 4) plus bit 4 from the u32 qh
+// (at OFF; bit i for element i); BIAS 16 gives Q5_0's signed codes, 0 Q5_1's unsigned ones.
+template <int OFF, int BIAS>
+__device__ __forceinline__ void mt_q5_codes(const mt_u8* b, int* q) {
+    const mt_u32 qh = mt_ld32(b + OFF);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const mt_u32 v = mt_ld32(b + OFF + 4 + 4 * i);
+        const mt_u32 lo = (v & 0x0f0f0f0fu) | mt_qh_bytes(qh, 4 * i);
+        const mt_u32 hi = ((v >> 4) & 0x0f0f0f0fu) | mt_qh_bytes(qh, 16 + 4 * i);
+        q[i] = BIAS ? mt_unbias4(lo, BIAS) : (int)lo;
+        q[4 + i] = BIAS ? mt_unbias4(hi, BIAS) : (int)hi;
+    }
+}
+
 // ------------------------------------------------------------ weight types
 // Every weight type is described by one struct:
 //   QK      elements per block          BYTES   bytes per block
