@@ -39,7 +39,8 @@ FUSION_OPTIONS = ("attn_merge", "fuse_qkv_rope")
 #: llama.cpp's environment switches read for a cupy run (`_env_options`)
 ENV_SWITCHES = ("GGML_CUDA_DISABLE_GRAPHS", "GGML_CUDA_DISABLE_FUSION", "GGML_CUDA_PDL")
 
-#: options `LLM` sets from its own arguments (so from their flags): a backend option would be overridden
+#: options with a flag of their own (they are `LLM` arguments too): `--backend-option` points at the flag,
+#: so one setting has one spelling on the command line
 _LLM_ARGUMENTS = {"numerics": "--numerics", "allreduce": "--allreduce"}
 
 _TRUE = ("true", "1", "yes", "on")
