@@ -28,7 +28,8 @@ from typing import Any
 from metatp.backends.registry import BACKENDS, BackendEntry, Option, backend_entry
 from metatp.ir.errors import ConfigError
 
-__all__ = ["FUSION_OPTIONS", "ENV_SWITCHES", "backend_options", "chosen_backend", "parse_backend_option"]
+__all__ = ["FUSION_OPTIONS", "ENV_SWITCHES", "backend_options", "chosen_backend", "environment_note",
+           "parse_backend_option"]
 
 #: the cupy backend's fusions that can be turned off (`--no-fusion`): attention merging its own
 #: KV splits, and a token's norm + q/k/v products + RoPE + KV write as one launch. Its other
@@ -62,17 +63,32 @@ def chosen_backend(args: argparse.Namespace) -> str:
     return "numpy" if world is not None and world > 1 else resolve_backend_name("auto")
 
 
-def _env_options() -> dict[str, Any]:
-    """llama.cpp's CUDA switches in the environment, as cupy options (read as llama.cpp reads them)."""
-    out: dict[str, Any] = {}
-    if os.environ.get("GGML_CUDA_DISABLE_GRAPHS") is not None:
-        out["cuda_graphs"] = False
+def _env_options() -> dict[str, tuple[Any, str]]:
+    """llama.cpp's CUDA switches in the environment, as cupy options (read as llama.cpp reads them):
+    key -> (value, the variable as set)."""
+    out: dict[str, tuple[Any, str]] = {}
+    graphs = os.environ.get("GGML_CUDA_DISABLE_GRAPHS")
+    if graphs is not None:
+        out["cuda_graphs"] = (False, f"$GGML_CUDA_DISABLE_GRAPHS={graphs}")
     if _env_int("GGML_CUDA_DISABLE_FUSION"):
-        out.update({key: False for key in FUSION_OPTIONS})
+        text = f"$GGML_CUDA_DISABLE_FUSION={os.environ['GGML_CUDA_DISABLE_FUSION']}"
+        out.update({key: (False, text) for key in FUSION_OPTIONS})
     pdl = _env_int("GGML_CUDA_PDL")
     if pdl is not None:
-        out["pdl"] = pdl != 0
+        out["pdl"] = (pdl != 0, f"$GGML_CUDA_PDL={os.environ['GGML_CUDA_PDL']}")
     return out
+
+
+def environment_note(message: str) -> str:
+    """A line naming the environment variable behind an option that an error names (``pdl=True``
+    refused on a GPU below sm_90 came from $GGML_CUDA_PDL=1, not from a flag); "" when the error
+    names none of them. The run stopped on the error: the note says where to change it."""
+    try:
+        env = _env_options()
+    except ConfigError:
+        return ""
+    named = [f"{key}={value} is {var}" for key, (value, var) in env.items() if f"{key}={value}" in message]
+    return f"metatp: note: {'; '.join(named)} in the environment (llama.cpp's switch)" if named else ""
 
 
 def _env_int(var: str) -> int | None:
@@ -177,7 +193,7 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
         if key in flags and flags[key][0] != value:
             raise ConfigError(f"{flags[key][1]} sets {key}={flags[key][0]!r} but --backend-option sets "
                               f"{key}={value!r}; give one")
-    options = _env_options() if name == "cupy" else {}
+    options = {key: value for key, (value, _) in _env_options().items()} if name == "cupy" else {}
     options.update({key: value for key, (value, _) in flags.items()})
     options.update(given)
     return options

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from metatp import pipeline
 from metatp.cli_args import first_rank
+from metatp.cli_options import environment_note
 from metatp.ir.errors import ConfigError, MetatpError
 
 __all__ = ["run_command", "check_args"]
@@ -71,7 +72,8 @@ def run_command(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) 
     try:
         return int(args.func(args) or 0)
     except MetatpError as e:
-        return finish_error(e, f"metatp: error: {e}", 1)
+        note = environment_note(str(e))
+        return finish_error(e, f"metatp: error: {e}" + (f"\n{note}" if note else ""), 1)
     except KeyboardInterrupt as e:
         return finish_error(e, "\nmetatp: interrupted", 130)
     except BrokenPipeError:

@@ -67,3 +67,23 @@ def test_no_fusion_launches_the_unfused_kernels_and_attn_merge_false_the_merge_k
     apart = launches(path, ["--backend-option", "attn_merge=false"])
     assert apart["attn_merge_f32"] > 0 and fused_qkv(apart) == fused_qkv(fused)
     assert sum(apart.values()) == sum(fused.values()) + apart["attn_merge_f32"]
+
+
+def test_a_switch_the_gpu_refuses_is_named_under_the_error(path, capsys, monkeypatch):
+    """$GGML_CUDA_PDL=1 on a GPU below sm_90: the backend refuses pdl=True (llama.cpp's option name,
+    not the variable), and the line under the error says the environment set it."""
+    import metatp.backends as backends
+    import metatp.backends.cuda.backend as cuda_backend
+    from metatp import cli
+    from metatp.testing import EmuRuntime
+
+    monkeypatch.setattr(backends, "gpu_probe", lambda: (True, ""))
+    monkeypatch.setattr(cuda_backend, "CupyRuntime", lambda *a, **k: EmuRuntime(*a, compute_capability=80, **k))
+    for var in ENV_SWITCHES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GGML_CUDA_PDL", "1")
+    rc = cli.main(["generate", "-m", path, "--backend", "cupy", "-p", "x", "-n", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 2, err
+    assert err[0].startswith("metatp: error: ") and "pdl=True needs compute capability 9.0" in err[0]
+    assert err[1] == "metatp: note: pdl=True is $GGML_CUDA_PDL=1 in the environment (llama.cpp's switch)"

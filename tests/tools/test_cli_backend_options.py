@@ -142,3 +142,16 @@ def test_the_command_says_it_on_one_line_before_reading_the_model(capsys, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1
     assert err[0].startswith("metatp: error: --pdl: the numpy backend has no option 'pdl'")
+
+
+def test_the_environment_note_names_only_the_switches_an_error_names(monkeypatch):
+    from metatp.cli_options import environment_note
+
+    refusal = "cupy backend: pdl=True needs compute capability 9.0 or newer"
+    assert environment_note(refusal) == ""                      # nothing set in the environment
+    monkeypatch.setenv("GGML_CUDA_PDL", "1")
+    monkeypatch.setenv("GGML_CUDA_DISABLE_GRAPHS", "1")
+    assert environment_note(refusal) == "metatp: note: pdl=True is $GGML_CUDA_PDL=1 in the environment (llama.cpp's switch)"
+    assert environment_note("model file not found") == ""
+    monkeypatch.setenv("GGML_CUDA_PDL", "0")                    # off: the error cannot be about it
+    assert environment_note(refusal) == ""

@@ -26,6 +26,7 @@ from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv,
                                          estrides, check_f32, check_i32, tail, check_block_type, device_ptr)
 from metatp.backends.cuda.storage import RawWeight, matmul_tokens
+from metatp.backends.cuda.token_rows import token_rows
 from metatp.backends.fusion import Fusion, FusionKind, matmuls_of_x
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.ops import GluOp, Op
@@ -71,25 +72,11 @@ def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None
     """
     t, qk, nbytes = check_block_type(qtype, ne0)
     check_f32(x, y, add)
-    if n_tokens is None:
-        n_tokens = x.shape[0] if x.ndim == 2 else 1
-    if x_stride is None:
-        x_stride = estrides(x)[0] if x.ndim == 2 else ne0
-    if y_stride is None:
-        y_stride = estrides(y)[0] if y.ndim == 2 else n_rows
-    if add is not None and add_stride is None:
-        add_stride = estrides(add)[0] if add.ndim == 2 and add.shape[0] > 1 else (
-            0 if add.size == n_rows else n_rows)
-    if add is None:
-        add_stride = 0
+    n_tokens, x_stride, y_stride, add_stride = token_rows(x, y, ne0=ne0, n_rows=n_rows, n_tokens=n_tokens,
+                                                          x_stride=x_stride, y_stride=y_stride, add=add,
+                                                          add_stride=add_stride)
     if w_row_bytes is None:
         w_row_bytes = ne0 // qk * nbytes
-    x_small = x.shape[-1] < ne0 if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + ne0
-    y_small = (y.shape[-1] < n_rows if y.ndim == 2
-               else y.size < (n_tokens - 1) * y_stride + n_rows)
-    if x_small or y_small:
-        raise ValueError(f"x {x.shape} / y {y.shape} too small for ne0={ne0}, "
-                         f"n_rows={n_rows}, n_tokens={n_tokens}")
     if n_rows == 0 or n_tokens == 0:
         return
     units = ne0 // qk * (qk // CHUNK_ELEMS[t])

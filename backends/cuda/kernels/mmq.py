@@ -22,6 +22,7 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import Scratch, record
 from metatp.backends.cuda.storage import matmul_tokens
+from metatp.backends.cuda.token_rows import require_rows, row_stride, token_count, token_rows
 from metatp.ir.errors import UnsupportedOpError
 from metatp.ir.tensor import Tensor
 from metatp.passes.plan import Plan
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.backend import CupyBackend
     from metatp.backends.cuda.executable import CupyExecutable
 from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, NULL, WEIGHT_TYPES, cdiv, check_block_type, check_f32,
-                                         empty, estrides, i32, launch)
+                                         empty, i32, launch)
 
 __all__ = ['ENTRY_POINTS', 'MMQ_TILE_ROWS', 'MMQ_TILE_TOKENS', 'MMQ_MIN_TOKENS', 'MMQ_MAX_TOKENS', 'mmq',
            'mmq_tile_tokens', 'HANDLERS', 'FUSIONS', 'workspace', 'Q8_0', 'Q8_1', 'Q8_K', 'MMQ_Q8_KIND',
@@ -80,19 +81,10 @@ def mmq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, w
     (elements) default to the arrays' leading strides."""
     t, qk, nbytes = check_block_type(qtype, ne0)
     check_f32(x, y)
-    if n_tokens is None:
-        n_tokens = x.shape[0] if x.ndim == 2 else 1
-    if x_stride is None:
-        x_stride = estrides(x)[0] if x.ndim == 2 else ne0
-    if y_stride is None:
-        y_stride = estrides(y)[0] if y.ndim == 2 else n_rows
+    n_tokens, x_stride, y_stride, _ = token_rows(x, y, ne0=ne0, n_rows=n_rows, n_tokens=n_tokens,
+                                                 x_stride=x_stride, y_stride=y_stride)
     if w_row_bytes is None:
         w_row_bytes = ne0 // qk * nbytes
-    x_small = (x.shape[1] < ne0 or x.shape[0] < n_tokens) if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + ne0
-    y_small = (y.shape[1] < n_rows or y.shape[0] < n_tokens) if y.ndim == 2 else y.size < (n_tokens - 1) * y_stride + n_rows
-    if x_small or y_small:
-        raise ValueError(f"x {x.shape} / y {y.shape} too small for ne0={ne0}, n_rows={n_rows}, "
-                         f"n_tokens={n_tokens}")
     if n_rows == 0 or n_tokens == 0:
         return
     tt = mmq_tile_tokens(n_tokens)
@@ -154,13 +146,10 @@ def q8_quantize(x, kind: int, acts: Q8Acts, *, k: int, n_tokens: int | None = No
     """Round float32 activation rows x (n_tokens, k) to Q8 blocks into `acts` (llama.cpp's
     rounding, bit for bit as `oracles.ref_q8_quantize`)."""
     check_f32(x)
-    if n_tokens is None:
-        n_tokens = x.shape[0] if x.ndim == 2 else 1
-    if x_stride is None:
-        x_stride = estrides(x)[0] if x.ndim == 2 else k
+    n_tokens = token_count(x, n_tokens)
+    x_stride = row_stride(x, k, x_stride)
     _check_acts(acts, kind, n_tokens, k)
-    if (x.shape[1] < k or x.shape[0] < n_tokens) if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + k:
-        raise ValueError(f"x {x.shape} too small for k={k}, n_tokens={n_tokens}")
+    require_rows(x, "x", k, n_tokens, x_stride)
     if n_tokens == 0:
         return
     blocks = k // (256 if kind == Q8_K else 32)
@@ -183,14 +172,10 @@ def mmq_q8(w, qtype, x, y, acts: Q8Acts, *, ne0: int, n_rows: int, n_tokens: int
         raise UnsupportedOpError(f"int8 mmq: weight type {t} has no integer kernel (types: {', '.join(MMQ_Q8_KIND)})")
     kind = MMQ_Q8_KIND[t]
     check_f32(x, y)
-    if n_tokens is None:
-        n_tokens = x.shape[0] if x.ndim == 2 else 1
-    if y_stride is None:
-        y_stride = estrides(y)[0] if y.ndim == 2 else n_rows
+    n_tokens, x_stride, y_stride, _ = token_rows(x, y, ne0=ne0, n_rows=n_rows, n_tokens=n_tokens,
+                                                 x_stride=x_stride, y_stride=y_stride)
     if w_row_bytes is None:
         w_row_bytes = ne0 // qk * nbytes
-    if (y.shape[1] < n_rows or y.shape[0] < n_tokens) if y.ndim == 2 else y.size < (n_tokens - 1) * y_stride + n_rows:
-        raise ValueError(f"y {y.shape} too small for n_rows={n_rows}, n_tokens={n_tokens}")
     q8_quantize(x, kind, acts, k=ne0, n_tokens=n_tokens, x_stride=x_stride)
     if n_rows == 0 or n_tokens == 0:
         return
@@ -200,12 +185,7 @@ def mmq_q8(w, qtype, x, y, acts: Q8Acts, *, ne0: int, n_rows: int, n_tokens: int
             i32(w_row_bytes), i32(n_tokens), i32(y_stride)))
 
 
-# ============================================================================================
-# JOIN POINT (numerics "q8"): the cupy backend's `numerics` option (values, registry, the dp4a
-# decode kernels) is another engineer's; the coordinator joins `use_int8_mmq` with their decision
-# for few tokens. Here the backend's `numerics` attribute is read as it is ("exact" keeps today's
-# paths; the registry does not let "q8" through yet, a CupyBackend built directly does).
-# ============================================================================================
+# ---------------------------------------------------------------- which products take the int8 mma
 def use_int8_mmq(numerics: str, wtype: str, n_tokens: int, ne0: int, batch_invariant: bool = False) -> bool:
     """True when a MUL_MAT runs quantize + int8 mmq: llama.cpp numerics ("q8" / "llamacpp"), more
     than MATVEC_MAX_TOKENS tokens (fewer take the dp4a matvec) or any count under batch invariance

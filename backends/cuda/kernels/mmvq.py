@@ -24,7 +24,8 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import Scratch, record
 from metatp.backends.cuda.kernels.mmq import mmq
-from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, cdiv, check_block_type, check_f32, estrides, f32, i32,
+from metatp.backends.cuda.token_rows import row_stride, token_count, token_rows
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, cdiv, check_block_type, check_f32, f32, i32,
                                          launch, sm_count, tail)
 from metatp.ir.tensor import Tensor
 
@@ -144,8 +145,8 @@ def quantize_q8(x, kind: str, xq, xds, *, ne0: int, n_tokens: int | None = None,
     """Round the rows of x (float32 (n_tokens, ne0)) to `kind` ("q8_0", "q8_1", "q8_k") blocks:
     codes into xq (int8, token t at t*ne0), d into xds[:n*ne0/32] and s into the next n*ne0/32."""
     check_f32(x, xds)
-    n_tokens = (x.shape[0] if x.ndim == 2 else 1) if n_tokens is None else n_tokens
-    x_stride = (estrides(x)[0] if x.ndim == 2 else ne0) if x_stride is None else x_stride
+    n_tokens = token_count(x, n_tokens)
+    x_stride = row_stride(x, ne0, x_stride)
     nd = n_tokens * (ne0 // 32)
     if xq.dtype != np.int8 or xq.size < n_tokens * ne0 or xds.size < 2 * nd:
         raise ValueError(f"quantize_q8: workspace too small for {n_tokens} tokens of {ne0}")
@@ -157,9 +158,9 @@ def round_q8(x, kind: str, out, *, ne0: int, n_tokens: int | None = None, x_stri
              out_stride: int | None = None) -> None:
     """out = x rounded to its `kind` grid (q * d: the codes and scales of `quantize_q8`), float32."""
     check_f32(x, out)
-    n_tokens = (x.shape[0] if x.ndim == 2 else 1) if n_tokens is None else n_tokens
-    x_stride = (estrides(x)[0] if x.ndim == 2 else ne0) if x_stride is None else x_stride
-    out_stride = (estrides(out)[0] if out.ndim == 2 else ne0) if out_stride is None else out_stride
+    n_tokens = token_count(x, n_tokens)
+    x_stride = row_stride(x, ne0, x_stride)
+    out_stride = row_stride(out, ne0, out_stride)
     if n_tokens:
         _q8_launch("round", kind, x, x_stride, ne0, n_tokens, (out, i32(out_stride)))
 
@@ -169,9 +170,9 @@ def round_f16(x, out, *, ne0: int, n_tokens: int | None = None, x_stride: int | 
     """out = x rounded to f16 (as float32), after x's RMS norm when eps is given (norm_weight: its
     weight, or None): what llama.cpp's CPU backend multiplies an f16 / bf16 weight with."""
     check_f32(x, out)
-    n_tokens = (x.shape[0] if x.ndim == 2 else 1) if n_tokens is None else n_tokens
-    x_stride = (estrides(x)[0] if x.ndim == 2 else ne0) if x_stride is None else x_stride
-    out_stride = (estrides(out)[0] if out.ndim == 2 else ne0) if out_stride is None else out_stride
+    n_tokens = token_count(x, n_tokens)
+    x_stride = row_stride(x, ne0, x_stride)
+    out_stride = row_stride(out, ne0, out_stride)
     nw, e, flag = _norm_args(ne0, norm_weight, eps)
     if n_tokens:
         launch("mmvq", "mmvq_round_f16", (n_tokens,), (256,),
@@ -204,21 +205,12 @@ def mmvq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, 
     quantized first into the workspace `xq` / `xds` (`q8_workspace`), which must then be given."""
     t, kind = _check(qtype, ne0)
     check_f32(x, y, add)
-    n_tokens = (x.shape[0] if x.ndim == 2 else 1) if n_tokens is None else n_tokens
-    x_stride = (estrides(x)[0] if x.ndim == 2 else ne0) if x_stride is None else x_stride
-    y_stride = (estrides(y)[0] if y.ndim == 2 else n_rows) if y_stride is None else y_stride
-    if add is None:
-        add_stride = 0
-    elif add_stride is None:
-        add_stride = estrides(add)[0] if add.ndim == 2 and add.shape[0] > 1 else (0 if add.size == n_rows else n_rows)
+    n_tokens, x_stride, y_stride, add_stride = token_rows(x, y, ne0=ne0, n_rows=n_rows, n_tokens=n_tokens,
+                                                          x_stride=x_stride, y_stride=y_stride, add=add,
+                                                          add_stride=add_stride)
     if w_row_bytes is None:
         _, qk, nbytes = check_block_type(qtype, ne0)
         w_row_bytes = ne0 // qk * nbytes
-    x_small = (x.shape[1] < ne0 or x.shape[0] < n_tokens) if x.ndim == 2 else x.size < (n_tokens - 1) * x_stride + ne0
-    y_small = ((y.shape[1] < n_rows or y.shape[0] < n_tokens) if y.ndim == 2
-               else y.size < (n_tokens - 1) * y_stride + n_rows)
-    if x_small or y_small:
-        raise ValueError(f"x {x.shape} / y {y.shape} too small for ne0={ne0}, n_rows={n_rows}, n_tokens={n_tokens}")
     if n_rows == 0 or n_tokens == 0:
         return
     bx, by = _block(ne0 // 32)
