@@ -22,8 +22,8 @@ from metatp.backends.cuda.kernels.handler import (FusionRow, Scratch, array_of, 
                                                   weight_operand)
 from metatp.backends.cuda.kernels.mmq import (MMQ_MAX_TOKENS, MMQ_MIN_TOKENS, backend_int8_mmq, int8_mmq_steps,
                                               int8_mmq_workspace, mmq)
-from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
-from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, f32, cdiv,
+from metatp.backends.cuda.kernels.norm import folded_norm_args, unfused_with_folded_norm
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, WEIGHT_TYPES, CHUNK_ELEMS, launch, i32, cdiv,
                                          estrides, check_f32, check_i32, tail, check_block_type, device_ptr)
 from metatp.backends.cuda.storage import RawWeight, matmul_tokens
 from metatp.backends.cuda.token_rows import token_rows
@@ -93,16 +93,6 @@ def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None
                 i32(x_stride), i32(y_stride), aa, i32(add_stride)))
 
 
-def _norm_args(x, ne0: int, norm_weight, eps: float | None) -> tuple:
-    """(norm_w, eps, flag) kernel arguments: RMS-normalise x first when eps is given."""
-    check_f32(norm_weight)
-    if norm_weight is not None and norm_weight.size != ne0:
-        raise ValueError(f"norm weight has {norm_weight.size} elements for ne0={ne0}")
-    if eps is None:
-        return None, f32(0.0), i32(0)
-    return norm_weight, f32(eps), i32(1)
-
-
 def matvec_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | None = None) -> None:
     """One token, up to three weights sharing x: ``y_j = W_j @ x'`` in one launch (q, k, v).
 
@@ -124,7 +114,7 @@ def matvec_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | Non
     n_blocks = sum(cdiv(j[2], by) for j in jobs)
     if n_blocks == 0:
         return
-    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     launch("matvec", f"matvec_multi_{t}", (n_blocks,), (bx, by),
            (*(j[0] for j in jobs), *(j[1] for j in jobs), *(i32(j[2]) for j in jobs),
             *(i32(j[3]) for j in jobs), x, i32(ne0), nw, e, flag))
@@ -147,7 +137,7 @@ def matvec_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int,
         w_row_bytes = ne0 // qk * nbytes
     if n_rows == 0:
         return
-    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
     launch("matvec", f"matvec_{act}_{t}", (cdiv(n_rows, by),), (bx, by),
            (w_gate, w_up, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), nw, e, flag))

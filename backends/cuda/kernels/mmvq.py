@@ -24,8 +24,9 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import Scratch, record
 from metatp.backends.cuda.kernels.mmq import mmq
+from metatp.backends.cuda.kernels.norm import folded_norm_args
 from metatp.backends.cuda.token_rows import row_stride, token_count, token_rows
-from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, cdiv, check_block_type, check_f32, f32, i32,
+from metatp.backends.cuda.launch import (MATVEC_MAX_TOKENS, cdiv, check_block_type, check_f32, i32,
                                          launch, sm_count, tail)
 from metatp.ir.tensor import Tensor
 
@@ -173,7 +174,7 @@ def round_f16(x, out, *, ne0: int, n_tokens: int | None = None, x_stride: int | 
     n_tokens = token_count(x, n_tokens)
     x_stride = row_stride(x, ne0, x_stride)
     out_stride = row_stride(out, ne0, out_stride)
-    nw, e, flag = _norm_args(ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     if n_tokens:
         launch("mmvq", "mmvq_round_f16", (n_tokens,), (256,),
                (x, i32(x_stride), i32(ne0), i32(n_tokens), out, i32(out_stride), nw, e, flag))
@@ -238,16 +239,6 @@ def mmvq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, 
                 i32(w_row_bytes), i32(nt), i32(y_stride), aa, i32(add_stride)))
 
 
-def _norm_args(ne0: int, norm_weight, eps: float | None) -> tuple:
-    """(norm_w, eps, flag) kernel arguments: RMS-normalise x first when eps is given."""
-    check_f32(norm_weight)
-    if norm_weight is not None and norm_weight.size != ne0:
-        raise ValueError(f"norm weight has {norm_weight.size} elements for ne0={ne0}")
-    if eps is None:
-        return None, f32(0.0), i32(0)
-    return norm_weight, f32(eps), i32(1)
-
-
 def mmvq_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | None = None) -> None:
     """`matvec.matvec_multi` with int8 dot products: one token, up to three weights sharing x (rounded
     once per block, after the folded RMS norm when eps is given)."""
@@ -266,7 +257,7 @@ def mmvq_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | None 
     n_blocks = sum(cdiv(j[2], by) for j in jobs)
     if n_blocks == 0:
         return
-    nw, e, flag = _norm_args(ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     launch("mmvq", f"mmvq_multi_{t}", _prologue_grid(n_blocks), (bx, by),
            (*(j[0] for j in jobs), *(j[1] for j in jobs), *(i32(j[2]) for j in jobs),
             *(i32(j[3]) for j in jobs), x, i32(ne0), nw, e, flag), shared_mem=_smem(ne0))
@@ -286,7 +277,7 @@ def mmvq_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int, w_row_bytes: i
     w_row_bytes = ne0 // qk * nbytes if w_row_bytes is None else w_row_bytes
     if n_rows == 0:
         return
-    nw, e, flag = _norm_args(ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     bx, by = _block(ne0 // 32)
     launch("mmvq", f"mmvq_{act}_{t}", _prologue_grid(cdiv(n_rows, by)), (bx, by),
            (w_gate, w_up, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), nw, e, flag), shared_mem=_smem(ne0))

@@ -20,10 +20,22 @@ from metatp.ir.tensor import Tensor
 if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
-__all__ = ['ENTRY_POINTS', 'rms_norm', 'norm', 'sum_rows', 'unfused_with_folded_norm',
+__all__ = ['ENTRY_POINTS', 'rms_norm', 'norm', 'sum_rows', 'folded_norm_args', 'unfused_with_folded_norm',
            'HANDLERS', 'FUSIONS', 'workspace']
 
 ENTRY_POINTS = ["rms_norm_f32", "norm_f32", "sum_rows_f32"]
+
+
+def folded_norm_args(ne0: int, norm_weight, eps: float | None) -> tuple:
+    """(norm_w, eps, flag) arguments of a product kernel that RMS-normalises x in its prologue (the
+    norm folded into matvec / mmvq / the fused q/k/v): flag 1 when eps is given; norm_w may be None
+    (no weight)."""
+    check_f32(norm_weight)
+    if norm_weight is not None and norm_weight.size != ne0:
+        raise ValueError(f"norm weight has {norm_weight.size} elements for ne0={ne0}")
+    if eps is None:
+        return None, f32(0.0), i32(0)
+    return norm_weight, f32(eps), i32(1)
 
 
 def _rows_nd(x, y) -> tuple[list[int], list[int], list[int]]:

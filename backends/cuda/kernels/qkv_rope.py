@@ -14,9 +14,9 @@ import numpy as np
 
 from metatp.backends.cuda.kernels.handler import FusionRow, Scratch, array_of, record, weight_operand
 from metatp.backends.cuda.kernels.matvec import (NORM_FOLD_MAX_ROWS, _folded_norm_args, _folded_norm_input,
-                                                 _group_rows, _is_matvec, _matvec_block, _norm_args, _norm_of,
+                                                 _group_rows, _is_matvec, _matvec_block, _norm_of,
                                                  _same_weight_layout, backend_matmul_path)
-from metatp.backends.cuda.kernels.norm import unfused_with_folded_norm
+from metatp.backends.cuda.kernels.norm import folded_norm_args, unfused_with_folded_norm
 from metatp.backends.cuda.launch import (CHUNK_ELEMS, KV_QUANT_TYPES, NULL, WEIGHT_TYPES, cache_type_of,
                                          cdiv, check_block_type, check_contig, check_f32, check_i32, device_ptr, empty,
                                          estrides, f32, i32, kernel_sources, launch, rows2d)
@@ -114,7 +114,7 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     if q.size < (n_head - 1) * q_head_stride + head_dim:
         raise ValueError(f"q {q.shape} too small for {n_head} heads of {head_dim}")
     stage, tickets = _stage_and_tickets(kt, n_head_kv, head_dim, v_rows, stage, tickets)
-    nw, e, flag = _norm_args(x, ne0, norm_weight, eps)
+    nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
     n_pairs = (n_head + n_head_kv) * head_dim // 2 + v_rows // 2
     if n_pairs == 0:
         return
