@@ -38,7 +38,10 @@ if TYPE_CHECKING:
     from metatp.backends.cuda.executable import CupyExecutable
 
 __all__ = ['ENTRY_POINTS', 'MATVEC_MAX_TOKENS', 'NORM_FOLD_MAX_ROWS', 'matvec', 'matvec_multi', 'matvec_glu',
-           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'backend_matmul_path', 'HANDLERS', 'FUSIONS', 'workspace']
+           'matvec_id', 'matmul_path', 'backend_mmq_tokens', 'backend_matmul_path', 'HANDLERS', 'FUSIONS', 'workspace',
+           # what the fused kernels built on matvec's row core (qkv_rope) share with it
+           'busiest_output_rows', 'folded_norm_input', 'folded_norm_kwargs', 'is_matvec', 'matvec_block', 'norm_of',
+           'same_weight_layout']
 
 _MATVEC_NT = (1, 2, 4, 8)
 _GLU_ACTS = ("swiglu", "geglu")
@@ -48,7 +51,7 @@ ENTRY_POINTS = ([f"matvec_{t}_t{n}" for t in WEIGHT_TYPES for n in _MATVEC_NT]
                 + [f"matvec_id_{t}" for t in WEIGHT_TYPES])
 
 
-def _matvec_block(units: int) -> tuple[int, int]:
+def matvec_block(units: int) -> tuple[int, int]:
     if units >= 512:
         return 256, 1
     if units >= 128:
@@ -80,7 +83,7 @@ def matvec(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None
     if n_rows == 0 or n_tokens == 0:
         return
     units = ne0 // qk * (qk // CHUNK_ELEMS[t])
-    bx, by = _matvec_block(units)
+    bx, by = matvec_block(units)
     grid = (cdiv(n_rows, by),)
     for t0 in range(0, n_tokens, MATVEC_MAX_TOKENS):
         nt = min(MATVEC_MAX_TOKENS, n_tokens - t0)
@@ -110,7 +113,7 @@ def matvec_multi(jobs, qtype, x, *, ne0: int, norm_weight=None, eps: float | Non
         if y.size < n_rows:
             raise ValueError(f"y {y.shape} too small for {n_rows} rows")
     jobs = list(jobs) + [(None, None, 0, 0)] * (3 - len(jobs))
-    bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
+    bx, by = matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
     n_blocks = sum(cdiv(j[2], by) for j in jobs)
     if n_blocks == 0:
         return
@@ -138,7 +141,7 @@ def matvec_glu(w_gate, w_up, qtype, x, y, *, ne0: int, n_rows: int,
     if n_rows == 0:
         return
     nw, e, flag = folded_norm_args(ne0, norm_weight, eps)
-    bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
+    bx, by = matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
     launch("matvec", f"matvec_{act}_{t}", (cdiv(n_rows, by),), (bx, by),
            (w_gate, w_up, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), nw, e, flag))
 
@@ -166,7 +169,7 @@ def matvec_id(w, qtype, x, y, ids, *, ne0: int, n_rows: int, expert_bytes: int,
         w_row_bytes = ne0 // qk * nbytes
     if n_rows * n_used * n_tok == 0:
         return
-    bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
+    bx, by = matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
     launch("matvec", f"matvec_id_{t}", (cdiv(n_rows, by), n_used, n_tok), (bx, by),
            (w, x, y, ids, i32(ne0), i32(n_rows), i32(w_row_bytes), i32(expert_bytes),
             i32(n_b), i32(xs[1]), i32(xs[0]), i32(ys[1]), i32(ys[0]), i32(is_[1]),
@@ -324,7 +327,7 @@ def _decode_launcher(ex: CupyExecutable, d: int, launcher, mm: Tensor):
     return mmvq.int8_twin(ex, d, launcher, mm)
 
 
-def _folded_norm_args(ex: CupyExecutable, d: int, norm) -> dict:
+def folded_norm_kwargs(ex: CupyExecutable, d: int, norm) -> dict:
     """matvec keyword arguments folding MUL(RMS_NORM(x0), w) into the prologue."""
     if norm is None:
         return {}
@@ -332,7 +335,7 @@ def _folded_norm_args(ex: CupyExecutable, d: int, norm) -> dict:
     return {"norm_weight": array_of(ex, d, mul.src[1]).reshape(-1), "eps": rms.params["eps"]}
 
 
-def _folded_norm_input(ex: CupyExecutable, d: int, x: Tensor, norm):
+def folded_norm_input(ex: CupyExecutable, d: int, x: Tensor, norm):
     return rows_view(ex, array_of(ex, d, norm[1].src[0] if norm is not None else x)).reshape(-1)
 
 
@@ -355,9 +358,9 @@ def _fused_matvec_glu(ex: CupyExecutable, d: int, f: Fusion) -> list:
     loc_w = ex.plan.of(gate.src[0]).local[d]
     act = "swiglu" if node.params["glu"] == GluOp.SWIGLU.value else "geglu"
     launcher = _decode_launcher(ex, d, matvec_glu, gate)
-    return record(launcher, dg, du, wtype, _folded_norm_input(ex, d, gate.src[1], norm),
+    return record(launcher, dg, du, wtype, folded_norm_input(ex, d, gate.src[1], norm),
                   array_of(ex, d, node).reshape(-1), ne0=loc_w.ne[0], n_rows=loc_w.ne[1],
-                  w_row_bytes=row_bytes, act=act, **_folded_norm_args(ex, d, norm))
+                  w_row_bytes=row_bytes, act=act, **folded_norm_kwargs(ex, d, norm))
 
 
 def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
@@ -369,19 +372,19 @@ def _fused_matvec_multi(ex: CupyExecutable, d: int, f: Fusion) -> list:
         ne0 = loc_w.ne[0]
         jobs.append((data, array_of(ex, d, mm).reshape(-1), loc_w.ne[1], row_bytes))
     launcher = _decode_launcher(ex, d, matvec_multi, members[0])
-    return record(launcher, jobs, wtype, _folded_norm_input(ex, d, members[0].src[1], norm),
-                  ne0=ne0, **_folded_norm_args(ex, d, norm))
+    return record(launcher, jobs, wtype, folded_norm_input(ex, d, members[0].src[1], norm),
+                  ne0=ne0, **folded_norm_kwargs(ex, d, norm))
 
 
 # ---------------------------------------------------------------- fusion finders
-def _is_matvec(ex: CupyExecutable, mm: Tensor) -> bool:
+def is_matvec(ex: CupyExecutable, mm: Tensor) -> bool:
     """A MUL_MAT the matvec kernels take (a plain weight, a few tokens; never under batch
     invariance, where every MUL_MAT runs the tiled kernel and nothing is fused into it)."""
     return (mm.op is Op.MUL_MAT and not ex.backend.batch_invariant and _plain_weight(mm.src[0])
             and matmul_tokens(mm) <= MATVEC_MAX_TOKENS)
 
 
-def _norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tensor, Tensor] | None:
+def norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tensor, Tensor] | None:
     """(MUL node, RMS_NORM node) when x = RMS_NORM(x0) * w (w a weight row) and exactly
     `readers` read x: the norm can be folded into their matvec prologue."""
     if x.op is not Op.MUL or set(ex.facts.readers.get(x, [])) != readers:
@@ -398,7 +401,7 @@ def _norm_of(ex: CupyExecutable, x: Tensor, readers: set[Tensor]) -> tuple[Tenso
     return x, rms
 
 
-def _same_weight_layout(ex: CupyExecutable, weights: Sequence[Tensor]) -> bool:
+def same_weight_layout(ex: CupyExecutable, weights: Sequence[Tensor]) -> bool:
     for d in ex.devices:
         ops_ = [weight_operand(ex, d, w) for w in weights]
         ne0 = {ex.plan.of(w).local[d].ne[0] for w in weights}
@@ -407,7 +410,7 @@ def _same_weight_layout(ex: CupyExecutable, weights: Sequence[Tensor]) -> bool:
     return True
 
 
-def _group_rows(ex: CupyExecutable, mms: Sequence[Tensor]) -> int:
+def busiest_output_rows(ex: CupyExecutable, mms: Sequence[Tensor]) -> int:
     """Output rows of a group of matvecs on the busiest device."""
     return max(sum(ex.plan.of(mm.src[0]).local[d].ne[1] for mm in mms) for d in ex.devices)
 
@@ -418,16 +421,16 @@ def _find_glu(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     if node.op is not Op.GLU or len(node.src) != 2 or node.src[1] is None:
         return []
     gate, up = node.src
-    if not (_is_matvec(ex, gate) and _is_matvec(ex, up)) or matmul_tokens(gate) != 1:
+    if not (is_matvec(ex, gate) and is_matvec(ex, up)) or matmul_tokens(gate) != 1:
         return []
     if gate.src[1] is not up.src[1] or gate is up or gate.src[0].ne != up.src[0].ne:
         return []
     if not (ex.facts.sole_reader(gate, node) and ex.facts.sole_reader(up, node)):
         return []
-    if not _same_weight_layout(ex, [gate.src[0], up.src[0]]):
+    if not same_weight_layout(ex, [gate.src[0], up.src[0]]):
         return []
     x = gate.src[1]
-    norm = _norm_of(ex, x, {gate, up}) if _group_rows(ex, [gate]) <= NORM_FOLD_MAX_ROWS else None
+    norm = norm_of(ex, x, {gate, up}) if busiest_output_rows(ex, [gate]) <= NORM_FOLD_MAX_ROWS else None
     if norm is not None:
         return [Fusion(FusionKind.MATVEC_GLU, node, (gate, up, *norm), keep=(norm[1].src[0],),
                        parts={"gate": gate, "up": up, "norm": norm})]
@@ -441,7 +444,7 @@ def _find_add(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
         return []
     for i in (0, 1):
         mm, other = node.src[i], node.src[1 - i]
-        if mm is other or mm in taken or not _is_matvec(ex, mm) or not ex.facts.sole_reader(mm, node):
+        if mm is other or mm in taken or not is_matvec(ex, mm) or not ex.facts.sole_reader(mm, node):
             continue
         if other.type == GGMLType.F32 and (other.ne == mm.ne or other.ne == (mm.ne[0], 1, 1, 1)):
             if not any(isinstance(ex.arrays[d].get(other), RawWeight) for d in ex.devices):
@@ -455,13 +458,13 @@ def _find_multi(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     the first one's position (later ones' outputs detached); x's RMS norm folded in when
     only they read it. A lone matvec is fused only to fold a norm in (the lm head)."""
     idx = ex.plan.graph.index
-    readers = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
+    readers = matmuls_of_x(ex.facts, node, taken, lambda r: is_matvec(ex, r) and matmul_tokens(r) == 1)
     if not readers:
         return []
-    if not _same_weight_layout(ex, [r.src[0] for r in readers]):
+    if not same_weight_layout(ex, [r.src[0] for r in readers]):
         return []
-    norm = _norm_of(ex, node, set(readers)) if len(readers) <= 3 else None
-    if norm is not None and _group_rows(ex, readers) > NORM_FOLD_MAX_ROWS:
+    norm = norm_of(ex, node, set(readers)) if len(readers) <= 3 else None
+    if norm is not None and busiest_output_rows(ex, readers) > NORM_FOLD_MAX_ROWS:
         norm = None
     groups = [readers[i:i + 3] for i in range(0, len(readers), 3)]
     out = []

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from metatp.backends.cuda.kernels.handler import FusionRow, Scratch, array_of, record, weight_operand
-from metatp.backends.cuda.kernels.matvec import (NORM_FOLD_MAX_ROWS, _folded_norm_args, _folded_norm_input,
-                                                 _group_rows, _is_matvec, _matvec_block, _norm_of,
-                                                 _same_weight_layout, backend_matmul_path)
+from metatp.backends.cuda.kernels.matvec import (NORM_FOLD_MAX_ROWS, backend_matmul_path, busiest_output_rows,
+                                                 folded_norm_input, folded_norm_kwargs, is_matvec, matvec_block,
+                                                 norm_of, same_weight_layout)
 from metatp.backends.cuda.kernels.norm import folded_norm_args, unfused_with_folded_norm
 from metatp.backends.cuda.launch import (CHUNK_ELEMS, KV_QUANT_TYPES, NULL, WEIGHT_TYPES, cache_type_of,
                                          cdiv, check_block_type, check_contig, check_f32, check_i32, device_ptr, empty,
@@ -118,7 +118,7 @@ def qkv_rope_kv(weights, qtype, x, q, k_cache, v_cache, kv_row, pos, *, ne0: int
     n_pairs = (n_head + n_head_kv) * head_dim // 2 + v_rows // 2
     if n_pairs == 0:
         return
-    bx, by = _matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
+    bx, by = matvec_block(ne0 // qk * (qk // CHUNK_ELEMS[t]))
     (wq, rbq), (wk, rbk), (wv, rbv) = weights
     launch("qkv_rope", name, (cdiv(n_pairs, by),), (bx, by),
            (wq, wk, wv, i32(rbq), i32(rbk), i32(rbv), x, i32(ne0), nw, e, flag, q, i32(q_head_stride),
@@ -195,14 +195,14 @@ def _fused_qkv_rope_kv(ex: CupyExecutable, d: int, f: Fusion) -> list:
     stage, tickets = (None, None) if cache_type is None else _stage_buffers(ex, d, k_rows, v_rows, k_rows // head_dim)
     ff = rq.src[2] if len(rq.src) > 2 else None
     prm = rq.params
-    return record(qkv_rope_kv, weights, wtypes[0], _folded_norm_input(ex, d, mq.src[1], norm), q,
+    return record(qkv_rope_kv, weights, wtypes[0], folded_norm_input(ex, d, mq.src[1], norm), q,
                   array_of(ex, d, sk)[0, 0], array_of(ex, d, sv)[0, 0], array_of(ex, d, sk.src[1]).reshape(-1),
                   array_of(ex, d, rq.src[1]).reshape(-1), ne0=ex.plan.of(mq.src[0]).local[d].ne[0],
                   n_head=n_head, n_head_kv=k_rows // head_dim, head_dim=head_dim, n_dims=prm["n_dims"],
                   neox=prm["mode"] == RopeMode.NEOX, freq_base=prm["freq_base"], freq_scale=prm["freq_scale"],
                   freq_factors=array_of(ex, d, ff).reshape(-1) if ff is not None else None,
                   v_rows=v_rows, cache_type=cache_type, v_qtype=wtypes[2], stage=stage, tickets=tickets,
-                  **_folded_norm_args(ex, d, norm))
+                  **folded_norm_kwargs(ex, d, norm))
 
 
 #: scratch keys of a quantized cache's staging row and its group counters (one of each a device,
@@ -285,7 +285,7 @@ def _stores_fusable(sk: Tensor, sv: Tensor, head_dim: int) -> bool:
 def _weight_types_fusable(ex: CupyExecutable, wq: Tensor, wk: Tensor, wv: Tensor) -> bool:
     """Wq and Wk of one type and layout, Wv of the same row length and of their type or of a
     `MIXED_PAIRS` partner, on every device."""
-    if not _same_weight_layout(ex, [wq, wk]):
+    if not same_weight_layout(ex, [wq, wk]):
         return False
     for d in ex.devices:
         qt, vt = weight_operand(ex, d, wq)[1], weight_operand(ex, d, wv)[1]
@@ -311,7 +311,7 @@ def _find_qkv_rope_kv(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
     caches whose heads are not whole blocks, other rope modes."""
     if not ex.backend.fuse_qkv_rope:
         return []
-    mms = matmuls_of_x(ex.facts, node, taken, lambda r: _is_matvec(ex, r) and matmul_tokens(r) == 1)
+    mms = matmuls_of_x(ex.facts, node, taken, lambda r: is_matvec(ex, r) and matmul_tokens(r) == 1)
     if len(mms) != 3 or backend_matmul_path(ex.backend, mms[0]) != "matvec":    # numerics "q8": the int8 twins
         return []
     chains = {}
@@ -335,7 +335,7 @@ def _find_qkv_rope_kv(ex: CupyExecutable, node: Tensor, taken) -> list[Fusion]:
         return []
     if not (_untouched_between(ex, sk, idx[at], idx[sk]) and _untouched_between(ex, sv, idx[at], idx[sv])):
         return []
-    norm = _norm_of(ex, node, set(mms)) if _group_rows(ex, mms) <= NORM_FOLD_MAX_ROWS else None
+    norm = norm_of(ex, node, set(mms)) if busiest_output_rows(ex, mms) <= NORM_FOLD_MAX_ROWS else None
     absorbed = tuple(t for t in later if t is not at) + (tuple(norm) if norm is not None else ())
     # everything the unfused fallback writes at `at` lives from there (stores write the cache)
     early = tuple(t for t in (mq, rq, mk, rk, mv) if t is not at)
