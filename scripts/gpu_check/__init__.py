@@ -25,6 +25,10 @@ goes and the whole run stays inside --budget seconds, about 7 minutes):
 5. `nccl`: a 1-rank communicator, f32 and bf16 all-reduce, eagerly and inside a CUDA graph;
 6. `mpi`: one GPU rank under mpiexec with NCCL, in a subprocess bounded in time.
 
+On a GPU each part after the environment rows (kernels; model with speed; each model size; llama_cpp;
+throughput; nccl; mpi) runs in a process of its own (`isolate`, `--isolate`): a kernel fault that
+poisons a process's CUDA context costs that part's rows, not the run's.
+
 `report` holds the table (printed, and written to --out with a JSON copy); `config` the run's
 settings and the engines; `plan` the estimated seconds of each section (`--plan`: sizes a call); `carry` what travels to the GPU machine (docs/gpu-results.md);
 `build_llama_cpp.sh` and `slim_wheel.py` make llama.cpp's wheel.

@@ -22,6 +22,7 @@ if not __package__:                   # run as a folder or file: no installed me
     import scripts  # noqa: F401,E402  (registers the source-tree mapping)
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -49,13 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     if args.plan:                          # the real GPU's estimates, whatever --emulate says
         return print_plan(Config(n_layer=args.layers, big=args.big, variants=variant_names(args.variants),
-                                 shapes=shape_names(args.shapes)), skip, args.budget)
+                                 shapes=shape_names(args.shapes)), skip, args.budget, args.isolate is not False)
     cfg = Config.dry_run(args.layers) if args.emulate else Config(n_layer=args.layers)
     cfg.big = args.big
     cfg.variants = variant_names(args.variants)
     cfg.shapes = shape_names(args.shapes)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return run(cfg, Budget(args.budget), skip, args.workdir, args.out)
+    if args.part:
+        return child_main(args, cfg, skip)
+    isolate = (not args.emulate) if args.isolate is None else args.isolate
+    return run(cfg, Budget(args.budget), skip, args.workdir, args.out, child_flags(args) if isolate else None)
 
 
 def variant_names(text: str) -> tuple[str, ...]:
@@ -77,11 +81,11 @@ def shape_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def print_plan(cfg, skip: set[str], budget_s: float) -> int:
+def print_plan(cfg, skip: set[str], budget_s: float, isolate: bool = True) -> int:
     """`--plan`: the estimated seconds of each section on the GPU against the budget; 0 when it fits."""
     from scripts.gpu_check.plan import estimate, plan_text
 
-    estimates = estimate(cfg, skip)
+    estimates = estimate(cfg, skip, part_names(cfg, skip, split_shapes=True) if isolate else None)
     print(plan_text(estimates, budget_s))
     return 0 if sum(e.seconds for e in estimates) <= budget_s else 1
 
@@ -104,15 +108,92 @@ def _parser() -> argparse.ArgumentParser:
                          "the tree's cupy backend does not take is skipped with a row saying so")
     ap.add_argument("--shapes", default="135M,1B,8B",
                     help="the model sizes the shapes and profile sections run (8B only with --big)")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="run each part (kernels, model, each model size, llama-cpp, throughput, nccl, mpi) in a "
+                         "process of its own, so a kernel fault that poisons the CUDA context costs one part "
+                         "(default: on with a GPU, off with --emulate)")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)       # a part's process (isolate.py)
+    ap.add_argument("--rows", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prior", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--t0-offset", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--plan", action="store_true",
                     help="print each section's estimated seconds on the H200 for these flags against --budget, "
                          "and stop (exit 1 when over)")
     return ap
 
 
-def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> int:
-    """Every step not in `skip`, each in its own try/except; the table written at the end."""
-    from scripts.gpu_check import allreduce, env, kernels, llama_cpp, model, preflight, ranks, shapes, speed, throughput
+#: the section a part's rows belong to (a part that dies is one FAIL row there)
+PART_SECTIONS = {"kernels": "kernels", "model": "model", "shapes": "speed", "llama-cpp": "llama-cpp",
+                 "throughput": "throughput", "nccl": "nccl", "mpi": "mpi"}
+
+
+def part_names(cfg, skip: set[str], split_shapes: bool) -> list[str]:
+    """The parts after the preflight and environment rows, in run order; with `split_shapes` one
+    part a model size (`shapes:1B`), so that each runs in a process of its own."""
+    from scripts.gpu_check.shapes import shapes_to_run
+
+    out = [p for p in ("kernels",) if p not in skip]
+    if {"model", "speed"} - skip:
+        out.append("model")
+    if {"shapes", "profile"} - skip:
+        sizes = [s.name for s in shapes_to_run(cfg)] if split_shapes else []
+        out += [f"shapes:{name}" for name in sizes] or ["shapes"]
+    out += [p for p in ("llama-cpp", "throughput") if p not in skip]
+    if "nccl" not in skip and not cfg.emulate:
+        out.append("nccl")
+    return out + [p for p in ("mpi",) if p not in skip]
+
+
+def section_of(part: str) -> str:
+    return PART_SECTIONS[part.partition(":")[0]]
+
+
+def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) -> None:
+    """One part's sections, each step in its own try/except (a failure is a row, the rest goes on)."""
+    from scripts.gpu_check import allreduce, kernels, llama_cpp, model, ranks, shapes, speed, throughput
+
+    def step(section: str, what: str, fn, *a):
+        try:
+            return fn(*a)
+        except Exception as e:  # noqa: BLE001 - one failure must not hide the other steps
+            rep.fail(section, what, e)
+            return None
+
+    def folder(prefix: str) -> Path:
+        return workdir or Path(tempfile.mkdtemp(prefix=f"metatp-gpu-{prefix}-"))
+
+    name, _, size = part.partition(":")
+    if name == "kernels":
+        step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
+    elif name == "model":
+        loaded = step("model", "synthetic GGUF", lambda: model.write_model(rep, cfg, folder("check")))
+        if loaded is not None and "model" not in skip:
+            step("model", "model checks", model.section_model, rep, cfg, loaded, budget)
+            step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
+        if loaded is not None and "speed" not in skip:
+            step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
+    elif name == "shapes":          # the model sizes' decode rows and kernel profiles
+        step("speed", "model sizes", lambda: shapes.section_shapes(
+            rep, cfg, budget, folder("shapes"), decode="shapes" not in skip, profile="profile" not in skip,
+            only=size or None))
+    elif name == "llama-cpp":       # after shapes: its rows hold metatp's numbers
+        step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
+            rep, cfg, budget, folder("llama-cpp")))
+    elif name == "throughput":
+        step("throughput", "throughput", lambda: throughput.section_throughput(rep, cfg, budget, folder("throughput")))
+    elif name == "nccl":
+        step("nccl", "NCCL checks", allreduce.section_nccl, rep)
+    elif name == "mpi":
+        step("mpi", "MPI+NCCL smoke", ranks.section_mpi, rep, cfg, budget, workdir)
+    else:
+        raise ValueError(f"unknown part {part!r}")
+
+
+def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None, child_args: list[str] | None = None) -> int:
+    """The preflight and environment rows, then every part not in `skip`: in this process, or with
+    `child_args` (the run's settings as flags) each part in a process of its own (`isolate.py`);
+    the table written at the end."""
+    from scripts.gpu_check import env, preflight
     from scripts.gpu_check.report import Report, write_outputs
 
     rep = Report()
@@ -130,34 +211,57 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None) -> 
         rep.add("preflight", "verdict", "a requirement is missing (lines above): stopping here", False)
     else:
         have_gpu = bool(step("env", "environment", env.section_env, rep, cfg))
-    if have_gpu and "kernels" not in skip:
-        step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
-    loaded = None
-    if have_gpu and ({"model", "speed"} - skip):
-        loaded = step("model", "synthetic GGUF", lambda: model.write_model(
-            rep, cfg, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-check-"))))
-    if loaded is not None and "model" not in skip:
-        step("model", "model checks", model.section_model, rep, cfg, loaded, budget)
-        step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
-    if loaded is not None and "speed" not in skip:
-        step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
-    if have_gpu and ({"shapes", "profile"} - skip):   # the model sizes' decode rows and kernel profiles
-        step("speed", "model sizes", lambda: shapes.section_shapes(
-            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-shapes-")),
-            decode="shapes" not in skip, profile="profile" not in skip))
-    if have_gpu and "llama-cpp" not in skip:          # after shapes: its rows hold metatp's numbers
-        step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
-            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-llama-cpp-"))))
-    if have_gpu and "throughput" not in skip:
-        step("throughput", "throughput", lambda: throughput.section_throughput(
-            rep, cfg, budget, workdir or Path(tempfile.mkdtemp(prefix="metatp-gpu-throughput-"))))
-    if have_gpu and "nccl" not in skip and not cfg.emulate:
-        step("nccl", "NCCL checks", allreduce.section_nccl, rep)
-    if have_gpu and "mpi" not in skip:
-        step("mpi", "MPI+NCCL smoke", ranks.section_mpi, rep, cfg, budget, workdir)
+    if have_gpu:
+        if child_args is None:
+            for part in part_names(cfg, skip, split_shapes=False):
+                run_part(part, rep, cfg, budget, skip, workdir)
+        else:
+            _run_isolated(rep, cfg, budget, skip, child_args)
     rep.add("total", "wall time", f"{time.perf_counter() - rep.t0:.0f} s", None)
     write_outputs(rep, out)
     return 0 if (rep.passed and have_gpu) else 1
+
+
+def _run_isolated(rep, cfg, budget, skip: set[str], child_args: list[str]) -> None:
+    """Each part in a process of its own, with the time left (a part that dies: one FAIL row)."""
+    from scripts.gpu_check.isolate import CHILD_START_S, run_child
+
+    rows_dir = Path(tempfile.mkdtemp(prefix="metatp-gpu-parts-"))
+    parts = part_names(cfg, skip, split_shapes=True)
+    rep.add("env", "parts", f"each in a process of its own: {', '.join(parts)}", None)
+    for part in parts:
+        left = budget.left()
+        if left < CHILD_START_S:
+            rep.add(section_of(part), part, f"skipped (time budget: {left:.0f} s left)", None)
+            continue
+        argv = [sys.executable, str(Path(__file__).resolve().parent), *child_args, "--part", part,
+                "--budget", f"{left:.1f}"]
+        run_child(rep, part, section_of(part), argv, left, rows_dir)
+
+
+def child_main(args, cfg, skip: set[str]) -> int:
+    """`--part NAME`: one part with `--budget` seconds, its rows streamed to `--rows` (the parent
+    reads them back), after the rows so far from `--prior` (read by parts that compare with them)."""
+    from scripts.gpu_check.config import Budget
+    from scripts.gpu_check.isolate import RowSink
+    from scripts.gpu_check.report import Report
+
+    rep = Report(t0=time.perf_counter() - args.t0_offset)
+    if args.prior is not None:
+        rep.rows = json.loads(args.prior.read_text(encoding="utf-8"))
+    rep.sink = RowSink(args.rows)
+    try:
+        run_part(args.part, rep, cfg, Budget(args.budget), skip, args.workdir)
+    finally:
+        rep.sink.finish(rep)
+    return 0
+
+
+def child_flags(args) -> list[str]:
+    """The run's settings as flags for a part's process (what `Config` and the sections read)."""
+    flags = ["--layers", str(args.layers), "--skip", args.skip, "--variants", args.variants, "--shapes", args.shapes]
+    flags += ["--big"] * args.big + ["--emulate"] * args.emulate
+    return flags + (["--workdir", str(args.workdir)] if args.workdir else [])
 
 
 if __name__ == "__main__":

@@ -33,8 +33,10 @@ class Estimate:
     what: str
 
 
-def estimate(cfg: Config, skip: set[str]) -> list[Estimate]:
-    """The sections a call with `cfg` and `skip` runs, in run order, each with its seconds."""
+def estimate(cfg: Config, skip: set[str], processes: list[str] | None = None) -> list[Estimate]:
+    """The sections a call with `cfg` and `skip` runs, in run order, each with its seconds; with
+    `processes` (the parts of a run that isolates them, the default on a GPU) a last line for the
+    time their processes take to start."""
     from scripts.gpu_check import llama_cpp, shapes, speed, throughput
     from scripts.gpu_check.variants import by_names, runnable
 
@@ -69,6 +71,11 @@ def estimate(cfg: Config, skip: set[str]) -> list[Estimate]:
         parts = ("bench", "invariant", "prompts", "serve") + (("prompts 8B",) if cfg.big else ())
         out.append(Estimate("throughput", sum(throughput.NEED_S[p] for p in parts), ", ".join(parts)))
     out += [Estimate(s, FIXED_S[s], "") for s in ("nccl", "mpi") if s not in skip]
+    if processes:
+        from scripts.gpu_check.isolate import CHILD_START_S
+
+        out.append(Estimate("part processes", CHILD_START_S * len(processes),
+                            f"{len(processes)} x ~{CHILD_START_S:.0f} s to start: {', '.join(processes)}"))
     return out
 
 

@@ -8,6 +8,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -20,17 +21,23 @@ class Report:
     kernel_table: str = ""
     extra: list[str] = field(default_factory=list)     # further sections of the written report
     t0: float = field(default_factory=time.perf_counter)
+    sink: Any = None        # a part's process (`isolate.RowSink`): rows and tracebacks also go there
 
     def add(self, section: str, check: str, result: str, ok: bool | None) -> None:
         """One row; `ok` None is a plain note (info), False a failure."""
         status = "pass" if ok else ("FAIL" if ok is False else "info")
-        self.rows.append({"section": section, "check": check, "result": result, "status": status})
+        row = {"section": section, "check": check, "result": result, "status": status}
+        self.rows.append(row)
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {section:8s} {check}: {result} ({status})", flush=True)
+        if self.sink is not None:
+            self.sink.put("rows", row)
 
     def fail(self, section: str, what: str, e: BaseException) -> None:
         """A FAIL row for an exception, its traceback kept for the written report."""
         self.add(section, what, f"{type(e).__name__}: {e}"[:300], False)
         self.details.append(f"### {section}: {what}\n```\n{traceback.format_exc()}```")
+        if self.sink is not None:
+            self.sink.put("details", self.details[-1])
 
     def markdown(self) -> str:
         lines = ["| section | check | result | status |", "| --- | --- | --- | --- |"]

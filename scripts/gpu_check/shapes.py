@@ -152,26 +152,35 @@ def variant_row_text(r: dict, n_layer: int, weights: int, kv: int, copy_bps: flo
 
 
 def section_shapes(rep: Report, cfg: Config, budget: Budget, folder: Path, decode: bool = True,
-                   profile: bool = True) -> None:
+                   profile: bool = True, only: str | None = None) -> None:
     """The copy bandwidth, then each shape in turn: write, load, and per kernel variant an engine,
     its decode rows at each KV length (`decode`) and its kernel profiles (`profile`, section
     "profile"). A variant the tree's backend refuses is one info row; a shape, variant or row that no
-    longer fits the time left is skipped with a row saying so; the 8B shape only with `cfg.big`."""
+    longer fits the time left is skipped with a row saying so; the 8B shape only with `cfg.big`.
+    `only`: that shape alone (a part's process, `isolate.py`), still reserving the time of the
+    shapes after it; the rows said once a run come with the first shape."""
     chosen, refused = runnable(by_names(cfg.variants))
-    for name, why in refused.items():
-        rep.add("speed", f"decode variant [{name}]", f"skipped: {why}", None)
+    shapes = shapes_to_run(cfg)
+    first = only is None or (bool(shapes) and only == shapes[0].name)
+    if first:
+        for name, why in refused.items():
+            rep.add("speed", f"decode variant [{name}]", f"skipped: {why}", None)
+        for shape in SHAPES:
+            if shape.big and not cfg.big and shape.name in cfg.shapes:
+                rep.add("speed", shape.label, "not run (needs --big)", None)
+    if only is not None and only not in [s.name for s in shapes]:
+        raise ValueError(f"shape {only!r} is not one this run measures ({', '.join(s.name for s in shapes)})")
     copy_bps = float("nan")
     if decode:
+        label = "device-to-device copy bandwidth (read + written)" + (f", for the {only} rows" if only else "")
         try:
             copy_bps = copy_bandwidth(cfg)
-            rep.add("speed", "device-to-device copy bandwidth (read + written)", f"{copy_bps / 1e9:,.0f} GB/s", None)
+            rep.add("speed", label, f"{copy_bps / 1e9:,.0f} GB/s", None)
         except Exception as e:  # noqa: BLE001 - the decode rows still come, their fraction 'nan'
-            rep.fail("speed", "device-to-device copy bandwidth", e)
-    for shape in SHAPES:
-        if shape.big and not cfg.big and shape.name in cfg.shapes:
-            rep.add("speed", shape.label, "not run (needs --big)", None)
-    shapes = shapes_to_run(cfg)
+            rep.fail("speed", label, e)
     for i, shape in enumerate(shapes):
+        if only is not None and shape.name != only:
+            continue
         later = sum(shape_need(s, cfg, chosen[:1], decode, profile) for s in shapes[i + 1:])
         _one_shape(rep, cfg, budget, folder, shape, chosen, decode, profile, copy_bps, later)
 

@@ -1,0 +1,114 @@
+"""`scripts/gpu_check --isolate` (the default on a GPU): each part in a process of its own, so a kernel
+fault that poisons one process's CUDA context costs that part's rows, not the run's. The parent
+echoes a part's output, reads back the rows it streamed, and turns a part that dies or overruns
+into one FAIL row (its exit status and last lines in the report) before starting the next."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from scripts.gpu_check.__main__ import part_names
+from scripts.gpu_check.config import Config
+from scripts.gpu_check.isolate import load_rows, run_child
+from scripts.gpu_check.report import Report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fake_part(tmp_path: Path, body: str) -> list[str]:
+    """A part's command line: a script that streams rows as a part's process does, then `body`."""
+    script = tmp_path / "part.py"
+    script.write_text(textwrap.dedent(f"""
+        import argparse, os, sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import scripts
+        from scripts.gpu_check.isolate import RowSink
+        from scripts.gpu_check.report import Report
+        ap = argparse.ArgumentParser()
+        for flag in ("--rows", "--prior", "--t0-offset"):
+            ap.add_argument(flag)
+        args = ap.parse_args()
+        rep = Report()
+        rep.sink = RowSink(Path(args.rows))
+        rep.add("speed", "decode 1B Q8_0 KV 128 CUDA graph", "2,345 tok/s", True)
+        print("a line before the end", flush=True)
+    """) + textwrap.dedent(body))
+    return [sys.executable, str(script)]
+
+
+def test_a_part_that_finishes_gives_its_rows_to_the_parent(tmp_path, capsys):
+    rep = Report()
+    argv = _fake_part(tmp_path, """
+        rep.add("speed", "decode 1B Q8_0 KV 4096 CUDA graph", "1,900 tok/s", True)
+        rep.extra.append("### a profile")
+        rep.sink.finish(rep)
+    """)
+    assert run_child(rep, "shapes:1B", "speed", argv, 60, tmp_path) is True
+    assert [r["check"] for r in rep.rows] == ["decode 1B Q8_0 KV 128 CUDA graph", "decode 1B Q8_0 KV 4096 CUDA graph"]
+    assert rep.extra == ["### a profile"] and rep.passed
+    assert "a line before the end" in capsys.readouterr().out        # the part's output is echoed
+
+
+def test_a_part_that_dies_is_one_fail_row_with_its_last_lines(tmp_path):
+    rep = Report()
+    argv = _fake_part(tmp_path, """
+        print("CUDARuntimeError: cudaErrorIllegalAddress", flush=True)
+        os.abort()
+    """)
+    assert run_child(rep, "shapes:135M", "speed", argv, 60, tmp_path) is False
+    got = {r["check"]: r for r in rep.rows}
+    assert got["decode 1B Q8_0 KV 128 CUDA graph"]["status"] == "pass"        # what it streamed is kept
+    fail = got["shapes:135M: its process"]
+    assert fail["status"] == "FAIL" and "signal SIGABRT" in fail["result"] and "after 1 rows" in fail["result"]
+    assert "cudaErrorIllegalAddress" in rep.details[-1]
+
+
+def test_a_part_past_its_time_is_killed_with_what_it_started(tmp_path):
+    rep = Report()
+    argv = _fake_part(tmp_path, """
+        import subprocess
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # a server it started
+        time.sleep(600)
+    """)
+    assert run_child(rep, "throughput", "throughput", argv, 1.0, tmp_path, grace=1.0) is False
+    fail = rep.rows[-1]
+    assert fail["status"] == "FAIL" and fail["result"].startswith("killed after")
+
+
+def test_a_part_that_wrote_nothing_has_no_rows():
+    path = Path(__file__).parent / "__no_such_rows__.jsonl"
+    assert load_rows(path) == {"rows": [], "details": [], "kernel_table": [], "extra": [], "done": False}
+
+
+def test_a_line_torn_by_a_death_is_skipped(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"rows": {"check": "a"}}) + "\n" + '{"rows": {"che', encoding="utf-8")
+    got = load_rows(f)
+    assert got["rows"] == [{"check": "a"}] and not got["done"]
+
+
+def test_parts_split_the_model_sizes_only_when_isolated():
+    cfg = Config(variants=("default",), shapes=("135M", "1B", "8B"))
+    skip = {"llama-cpp", "throughput", "nccl", "mpi"}
+    assert part_names(cfg, skip, split_shapes=True) == ["kernels", "model", "shapes:135M", "shapes:1B"]
+    assert part_names(cfg, skip, split_shapes=False) == ["kernels", "model", "shapes"]
+    cfg.big = True
+    assert part_names(cfg, skip | {"kernels", "model", "speed"}, split_shapes=True) == \
+        ["shapes:135M", "shapes:1B", "shapes:8B"]
+
+
+def test_an_isolated_dry_run_runs_its_parts_as_processes(tmp_path):
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--isolate", "--skip",
+                        "kernels,model,speed,profile,shapes,throughput,nccl,mpi", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = {row["check"]: row for row in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["parts"]["result"] == "each in a process of its own: llama-cpp"
+    assert rows["llama.cpp beside metatp"]["section"] == "llama-cpp"          # the part's row, read back
+    assert r.stdout.count("llama.cpp beside metatp") == 2                      # echoed live, then in the table
