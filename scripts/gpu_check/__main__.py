@@ -22,6 +22,7 @@ if not __package__:                   # run as a folder or file: no installed me
     import scripts  # noqa: F401,E402  (registers the source-tree mapping)
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import tempfile  # noqa: E402
@@ -162,9 +163,9 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
     def folder(prefix: str) -> Path:
         return workdir or Path(tempfile.mkdtemp(prefix=f"metatp-gpu-{prefix}-"))
 
-    name, _, size = part.partition(":")
-    if name == "kernels":
-        step("kernels", "kernel checks", kernels.section_kernels, rep, cfg)
+    name, _, detail = part.partition(":")
+    if name == "kernels":           # `kernels:g1,g2`: those groups (what a faulted process left)
+        step("kernels", "kernel checks", kernels.section_kernels, rep, cfg, detail.split(",") if detail else None)
     elif name == "model":
         loaded = step("model", "synthetic GGUF", lambda: model.write_model(rep, cfg, folder("check")))
         if loaded is not None and "model" not in skip:
@@ -175,7 +176,7 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
     elif name == "shapes":          # the model sizes' decode rows and kernel profiles
         step("speed", "model sizes", lambda: shapes.section_shapes(
             rep, cfg, budget, folder("shapes"), decode="shapes" not in skip, profile="profile" not in skip,
-            only=size or None))
+            only=detail or None))
     elif name == "llama-cpp":       # after shapes: its rows hold metatp's numbers
         step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
             rep, cfg, budget, folder("llama-cpp")))
@@ -227,16 +228,18 @@ def _run_isolated(rep, cfg, budget, skip: set[str], child_args: list[str]) -> No
     from scripts.gpu_check.isolate import CHILD_START_S, run_child
 
     rows_dir = Path(tempfile.mkdtemp(prefix="metatp-gpu-parts-"))
-    parts = part_names(cfg, skip, split_shapes=True)
+    parts = collections.deque(part_names(cfg, skip, split_shapes=True))
     rep.add("env", "parts", f"each in a process of its own: {', '.join(parts)}", None)
-    for part in parts:
+    while parts:
+        part = parts.popleft()
         left = budget.left()
         if left < CHILD_START_S:
             rep.add(section_of(part), part, f"skipped (time budget: {left:.0f} s left)", None)
             continue
         argv = [sys.executable, str(Path(__file__).resolve().parent), *child_args, "--part", part,
                 "--budget", f"{left:.1f}"]
-        run_child(rep, part, section_of(part), argv, left, rows_dir)
+        _, resume = run_child(rep, part, section_of(part), argv, left, rows_dir)
+        parts.extendleft(reversed(resume))      # what a faulted part left, next, in a fresh process
 
 
 def child_main(args, cfg, skip: set[str]) -> int:

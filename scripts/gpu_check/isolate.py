@@ -58,8 +58,9 @@ class RowSink:
 
 
 def load_rows(path: Path) -> dict:
-    """What a child streamed: rows, details, kernel tables, profiles, and whether it finished."""
-    out: dict = {"rows": [], "details": [], "kernel_table": [], "extra": [], "done": False}
+    """What a child streamed: rows, details, kernel tables, profiles, the parts it asks to run next in a
+    fresh process (`Report.resume`), and whether it finished."""
+    out: dict = {"rows": [], "details": [], "kernel_table": [], "extra": [], "resume": [], "done": False}
     if not path.exists():
         return out
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -84,10 +85,10 @@ def merge(rep: Report, got: dict) -> None:
 
 
 def run_child(rep: Report, part: str, section: str, argv: list[str], seconds: float, folder: Path,
-              grace: float = GRACE_S) -> bool:
+              grace: float = GRACE_S) -> tuple[bool, list[str]]:
     """Run `argv` (a part's command line, to which `--rows FILE --prior FILE` are added) for at most
-    `seconds` + `grace`, echoing its output; merge what it streamed into `rep`. False, with a FAIL row
-    in `section`, when it did not finish cleanly (a fault, a signal, the time limit)."""
+    `seconds` + `grace`, echoing its output; merge what it streamed into `rep`. (finished cleanly, the
+    parts it asks to run next); not finished (a fault, a signal, the time limit) is a FAIL row in `section`."""
     rows, prior = folder / f"part-{_file_name(part)}.jsonl", folder / f"prior-{_file_name(part)}.json"
     rows.unlink(missing_ok=True)
     prior.write_text(json.dumps(rep.rows, default=str), encoding="utf-8")
@@ -119,13 +120,13 @@ def run_child(rep: Report, part: str, section: str, argv: list[str], seconds: fl
     got = load_rows(rows)
     merge(rep, got)
     if got["done"] and rc == 0 and not killed.is_set():
-        return True
+        return True, got["resume"]
     how = (f"killed after {time.perf_counter() - t0:.0f} s (time left was {seconds:.0f} s)" if killed.is_set()
            else f"ended with {_status_text(rc)}" + ("" if got["done"] else " before finishing"))
     rep.add(section, f"{part}: its process", f"{how} after {len(got['rows'])} rows; the next part runs in a fresh "
             "process", False)
     rep.details.append(f"### {part}: the last {len(tail)} lines of its process\n```\n" + "\n".join(tail) + "\n```")
-    return False
+    return False, got["resume"]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

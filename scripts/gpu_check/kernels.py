@@ -9,12 +9,25 @@ from scripts.gpu_check.config import Config
 from scripts.gpu_check.report import Report
 
 
-def section_kernels(rep: Report, cfg: Config) -> None:
+def section_kernels(rep: Report, cfg: Config, groups: list[str] | None = None) -> None:
+    """The kernel checks (all, or `groups`), a group at a time, a row per kernel group. After a group
+    that failed, a GPU whose context no longer answers (a fault's sticky error) ends this process's
+    checks: the groups left are handed on (`Report.resume`) to run in a fresh process."""
     from metatp.testing import kernel_checks as gkc
 
     t0 = time.perf_counter()
     engine = None if cfg.emulate else _precompiled_runtime(rep)
-    results = gkc.check_all_kernels(time_reps=3, emulate=cfg.emulate, engine=engine)
+    names = list(gkc.CHECK_NAMES if groups is None else groups)
+    results: list[dict] = []
+    for i, name in enumerate(names):
+        got = gkc.check_all_kernels([name], time_reps=3, emulate=cfg.emulate, engine=engine)
+        results += got
+        if any(not r["pass"] for r in got) and not _context_usable(engine):
+            rep.add("kernels", f"after {name}", "the GPU's context is lost (a sticky error: the traceback rows "
+                    f"above); {len(names) - i - 1} groups left for a fresh process", False)
+            if names[i + 1:]:
+                rep.resume("kernels:" + ",".join(names[i + 1:]))
+            break
     rep.kernel_table = gkc.markdown_table(results)
     by_group: dict[str, list[dict]] = {}
     for r in results:
@@ -30,6 +43,18 @@ def section_kernels(rep: Report, cfg: Config) -> None:
                                              for r in bad[:3])
         rep.add("kernels", name, res, not bad)
     rep.add("kernels", "time", f"{time.perf_counter() - t0:.1f} s (NVRTC compile included)", None)
+
+
+def _context_usable(engine) -> bool:
+    """Does the GPU still answer (no sticky error from a faulting kernel)? True without a runtime to ask
+    (the emulator, or a runtime that never started)."""
+    if engine is None or not hasattr(engine, "device_synchronize"):
+        return True
+    try:
+        engine.device_synchronize(engine.current_gpu())
+        return True
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
 
 
 def _precompiled_runtime(rep: Report):

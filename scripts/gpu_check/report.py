@@ -39,6 +39,13 @@ class Report:
         if self.sink is not None:
             self.sink.put("details", self.details[-1])
 
+    def resume(self, part: str) -> None:
+        """Ask for `part` (what is left of this one) to run next in a fresh process: after a fault's
+        sticky error this process can no longer use the GPU. Without a parent to ask (one process
+        for the whole run) the rest runs here and fails fast, as before."""
+        if self.sink is not None:
+            self.sink.put("resume", part)
+
     def markdown(self) -> str:
         lines = ["| section | check | result | status |", "| --- | --- | --- | --- |"]
         for r in self.rows:

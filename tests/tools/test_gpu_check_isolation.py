@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from scripts.gpu_check import __main__ as gpu_check_main
+from scripts.gpu_check import kernels
 from scripts.gpu_check.__main__ import part_names
 from scripts.gpu_check.config import Config
 from scripts.gpu_check.isolate import load_rows, run_child
@@ -48,7 +50,7 @@ def test_a_part_that_finishes_gives_its_rows_to_the_parent(tmp_path, capsys):
         rep.extra.append("### a profile")
         rep.sink.finish(rep)
     """)
-    assert run_child(rep, "shapes:1B", "speed", argv, 60, tmp_path) is True
+    assert run_child(rep, "shapes:1B", "speed", argv, 60, tmp_path) == (True, [])
     assert [r["check"] for r in rep.rows] == ["decode 1B Q8_0 KV 128 CUDA graph", "decode 1B Q8_0 KV 4096 CUDA graph"]
     assert rep.extra == ["### a profile"] and rep.passed
     assert "a line before the end" in capsys.readouterr().out        # the part's output is echoed
@@ -60,7 +62,7 @@ def test_a_part_that_dies_is_one_fail_row_with_its_last_lines(tmp_path):
         print("CUDARuntimeError: cudaErrorIllegalAddress", flush=True)
         os.abort()
     """)
-    assert run_child(rep, "shapes:135M", "speed", argv, 60, tmp_path) is False
+    assert run_child(rep, "shapes:135M", "speed", argv, 60, tmp_path) == (False, [])
     got = {r["check"]: r for r in rep.rows}
     assert got["decode 1B Q8_0 KV 128 CUDA graph"]["status"] == "pass"        # what it streamed is kept
     fail = got["shapes:135M: its process"]
@@ -75,14 +77,15 @@ def test_a_part_past_its_time_is_killed_with_what_it_started(tmp_path):
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])   # a server it started
         time.sleep(600)
     """)
-    assert run_child(rep, "throughput", "throughput", argv, 1.0, tmp_path, grace=1.0) is False
+    assert run_child(rep, "throughput", "throughput", argv, 1.0, tmp_path, grace=1.0) == (False, [])
     fail = rep.rows[-1]
     assert fail["status"] == "FAIL" and fail["result"].startswith("killed after")
 
 
 def test_a_part_that_wrote_nothing_has_no_rows():
     path = Path(__file__).parent / "__no_such_rows__.jsonl"
-    assert load_rows(path) == {"rows": [], "details": [], "kernel_table": [], "extra": [], "done": False}
+    assert load_rows(path) == {"rows": [], "details": [], "kernel_table": [], "extra": [], "resume": [],
+                               "done": False}
 
 
 def test_a_line_torn_by_a_death_is_skipped(tmp_path):
@@ -112,3 +115,69 @@ def test_an_isolated_dry_run_runs_its_parts_as_processes(tmp_path):
     assert rows["parts"]["result"] == "each in a process of its own: llama-cpp"
     assert rows["llama.cpp beside metatp"]["section"] == "llama-cpp"          # the part's row, read back
     assert r.stdout.count("llama.cpp beside metatp") == 2                      # echoed live, then in the table
+
+
+def test_a_part_can_hand_what_it_left_to_a_fresh_process(tmp_path):
+    rep = Report()
+    argv = _fake_part(tmp_path, """
+        rep.resume("kernels:mmq,attn")
+        rep.sink.finish(rep)
+    """)
+    assert run_child(rep, "kernels", "kernels", argv, 60, tmp_path) == (True, ["kernels:mmq,attn"])
+
+
+class _LosesItsContext:
+    """A runtime whose GPU stops answering once a group has faulted (a sticky error)."""
+
+    def __init__(self) -> None:
+        self.lost = False
+
+    def current_gpu(self) -> int:
+        return 0
+
+    def device_synchronize(self, gpu: int) -> None:
+        if self.lost:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
+
+
+def test_kernel_checks_stop_at_a_lost_context_and_hand_on_the_groups_left(monkeypatch):
+    from metatp.testing import kernel_checks as gkc
+
+    engine = _LosesItsContext()
+    ran = []
+
+    def check(names, **kw):
+        ran.extend(names)
+        ok = names != ["qkv_rope_kv"]
+        engine.lost = engine.lost or not ok
+        return [{"name": f"{names[0]}:case", "dtype": "f32", "shape": "-", "max_rel_err": None if ok else 1.0,
+                 "threshold": 1e-5, "pass": ok, "time_us": 1.0, "error": None if ok else "illegal address"}]
+
+    monkeypatch.setattr(gkc, "CHECK_NAMES", ("compile", "matvec", "qkv_rope_kv", "mmq_q8", "attn_decode"))
+    monkeypatch.setattr(gkc, "check_all_kernels", check)
+    monkeypatch.setattr(kernels, "_precompiled_runtime", lambda rep: engine)
+    rep, handed = Report(), []
+    rep.resume = handed.append
+    kernels.section_kernels(rep, Config())
+    assert ran == ["compile", "matvec", "qkv_rope_kv"]
+    assert handed == ["kernels:mmq_q8,attn_decode"]
+    rows = {r["check"]: r["status"] for r in rep.rows}
+    assert rows["after qkv_rope_kv"] == "FAIL" and rows["qkv_rope_kv"] == "FAIL" and rows["matvec"] == "pass"
+    ran.clear()
+    kernels.section_kernels(Report(), Config(), ["mmq_q8", "attn_decode"])       # the fresh process's part
+    assert ran == ["mmq_q8", "attn_decode"]
+
+
+def test_the_parent_runs_a_handed_on_part_next(monkeypatch):
+    calls = []
+
+    def fake_child(rep, part, section, argv, seconds, folder, grace=0.0):
+        calls.append((part, argv[argv.index("--part") + 1]))
+        return True, (["kernels:attn_decode"] if part == "kernels" else [])
+
+    monkeypatch.setattr("scripts.gpu_check.isolate.run_child", fake_child)
+    skip = {"speed", "profile", "shapes", "llama-cpp", "throughput", "nccl"}
+    from scripts.gpu_check.config import Budget
+
+    gpu_check_main._run_isolated(Report(), Config(), Budget(600), skip, ["--layers", "30"])
+    assert [c[0] for c in calls] == ["kernels", "kernels:attn_decode", "model", "mpi"]
