@@ -173,10 +173,11 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
             step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
         if loaded is not None and "speed" not in skip:
             step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
-    elif name == "shapes":          # the model sizes' decode rows and kernel profiles
+    elif name == "shapes":          # the model sizes' decode rows and kernel profiles; `shapes:1B[:q8,pdl]`
+        size, _, left = detail.partition(":")      # one size [the variants a faulted process left of it]
         step("speed", "model sizes", lambda: shapes.section_shapes(
             rep, cfg, budget, folder("shapes"), decode="shapes" not in skip, profile="profile" not in skip,
-            only=detail or None))
+            only=size or None, resume=tuple(left.split(",")) if left else None))
     elif name == "llama-cpp":       # after shapes: its rows hold metatp's numbers
         step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
             rep, cfg, budget, folder("llama-cpp")))

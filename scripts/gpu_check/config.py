@@ -76,6 +76,21 @@ class Config:
         return self.spec().n_vocab
 
 
+def gpu_answers(cfg: Config) -> bool:
+    """Does the GPU still answer this process? After a kernel fault (a misaligned or illegal address, a
+    trap) the CUDA context keeps a sticky error and every call fails: the rest of a part then belongs
+    in a fresh process (`Report.resume`). Always True on the emulator."""
+    if cfg.emulate:
+        return True
+    try:
+        import cupy as cp
+
+        cp.cuda.runtime.deviceSynchronize()
+        return True
+    except Exception:  # noqa: BLE001 - any error here means the context is gone
+        return False
+
+
 class Budget:
     """Seconds left of the whole run (each section checks it before a long step)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from scripts.gpu_check.config import Config
+from scripts.gpu_check.config import Config, gpu_answers
 from scripts.gpu_check.report import Report
 
 
@@ -22,7 +22,7 @@ def section_kernels(rep: Report, cfg: Config, groups: list[str] | None = None) -
     for i, name in enumerate(names):
         got = gkc.check_all_kernels([name], time_reps=3, emulate=cfg.emulate, engine=engine)
         results += got
-        if any(not r["pass"] for r in got) and not _context_usable(engine):
+        if any(not r["pass"] for r in got) and not gpu_answers(cfg):
             rep.add("kernels", f"after {name}", "the GPU's context is lost (a sticky error: the traceback rows "
                     f"above); {len(names) - i - 1} groups left for a fresh process", False)
             if names[i + 1:]:
@@ -43,18 +43,6 @@ def section_kernels(rep: Report, cfg: Config, groups: list[str] | None = None) -
                                              for r in bad[:3])
         rep.add("kernels", name, res, not bad)
     rep.add("kernels", "time", f"{time.perf_counter() - t0:.1f} s (NVRTC compile included)", None)
-
-
-def _context_usable(engine) -> bool:
-    """Does the GPU still answer (no sticky error from a faulting kernel)? True without a runtime to ask
-    (the emulator, or a runtime that never started)."""
-    if engine is None or not hasattr(engine, "device_synchronize"):
-        return True
-    try:
-        engine.device_synchronize(engine.current_gpu())
-        return True
-    except Exception:  # noqa: BLE001 - any error here means the context is gone
-        return False
 
 
 def _precompiled_runtime(rep: Report):

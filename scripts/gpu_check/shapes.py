@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from metatp.testing.synth import SynthSpec
-from scripts.gpu_check.config import Budget, Config, cupy_engine
+from scripts.gpu_check.config import Budget, Config, cupy_engine, gpu_answers
 from scripts.gpu_check.fast_gguf import tensor_plan, write_fast_gguf
 from scripts.gpu_check.profile import profile_engine
 from scripts.gpu_check.report import Report
@@ -152,16 +152,17 @@ def variant_row_text(r: dict, n_layer: int, weights: int, kv: int, copy_bps: flo
 
 
 def section_shapes(rep: Report, cfg: Config, budget: Budget, folder: Path, decode: bool = True,
-                   profile: bool = True, only: str | None = None) -> None:
+                   profile: bool = True, only: str | None = None, resume: tuple[str, ...] | None = None) -> None:
     """The copy bandwidth, then each shape in turn: write, load, and per kernel variant an engine,
     its decode rows at each KV length (`decode`) and its kernel profiles (`profile`, section
     "profile"). A variant the tree's backend refuses is one info row; a shape, variant or row that no
     longer fits the time left is skipped with a row saying so; the 8B shape only with `cfg.big`.
     `only`: that shape alone (a part's process, `isolate.py`), still reserving the time of the
-    shapes after it; the rows said once a run come with the first shape."""
+    shapes after it; the rows said once a run come with the first shape. `resume`: the variants a
+    process that lost its GPU context left of `only` (the others' rows are in already)."""
     chosen, refused = runnable(by_names(cfg.variants))
     shapes = shapes_to_run(cfg)
-    first = only is None or (bool(shapes) and only == shapes[0].name)
+    first = resume is None and (only is None or (bool(shapes) and only == shapes[0].name))
     if first:
         for name, why in refused.items():
             rep.add("speed", f"decode variant [{name}]", f"skipped: {why}", None)
@@ -182,7 +183,8 @@ def section_shapes(rep: Report, cfg: Config, budget: Budget, folder: Path, decod
         if only is not None and shape.name != only:
             continue
         later = sum(shape_need(s, cfg, chosen[:1], decode, profile) for s in shapes[i + 1:])
-        _one_shape(rep, cfg, budget, folder, shape, chosen, decode, profile, copy_bps, later)
+        todo = chosen if resume is None else tuple(v for v in chosen if v.name in resume)
+        _one_shape(rep, cfg, budget, folder, shape, todo, decode, profile, copy_bps, later, resume is None)
 
 
 def shape_need(shape: Shape, cfg: Config, variants: tuple[Variant, ...], decode: bool, profile: bool) -> float:
@@ -196,10 +198,11 @@ def _skip_text(budget: Budget, need: float) -> str:
 
 
 def _one_shape(rep: Report, cfg: Config, budget: Budget, folder: Path, shape: Shape, variants: tuple[Variant, ...],
-               decode: bool, profile: bool, copy_bps: float, later: float) -> None:
+               decode: bool, profile: bool, copy_bps: float, later: float, from_first: bool = True) -> None:
     """One shape's file, then its variants in order; after the first (the default, unless --variants
-    says otherwise) a variant runs only when the time left also covers `later`, the first variant's
-    part of the shapes still to come."""
+    says otherwise; every one when not `from_first`, a resumed part) a variant runs only when the time
+    left also covers `later`, the first variant's part of the shapes still to come. A variant that
+    failed and left the GPU unusable ends this process's part: the variants left are handed on."""
     from metatp.ir.loader import load_model
 
     spec = shape.small if cfg.emulate else shape.spec
@@ -225,11 +228,19 @@ def _one_shape(rep: Report, cfg: Config, budget: Budget, folder: Path, shape: Sh
             need = variant_need(shape, cfg, variant, decode, profile)
             if not need:
                 continue
-            reserve = 0.0 if variant is variants[0] else later
+            reserve = 0.0 if from_first and variant is variants[0] else later
             if budget.left() < need + reserve:
                 rep.add("speed", f"{shape.label}{variant.suffix()}", _skip_text(budget, need + reserve), None)
                 continue
+            failures = sum(r["status"] == "FAIL" for r in rep.rows)
             _one_variant(rep, cfg, budget, shape, spec, model, variant, decode, profile, copy_bps, default_rates)
+            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
+                left = variants[variants.index(variant) + 1:]
+                rep.add("speed", f"{shape.label} after{variant.suffix()}", "the GPU's context is lost (a sticky "
+                        f"error: the rows above); {len(left)} variants left for a fresh process", False)
+                if left:
+                    rep.resume(f"shapes:{shape.name}:{','.join(v.name for v in left)}")
+                break
     finally:
         del model
         path.unlink(missing_ok=True)           # the next shape's file needs the disk

@@ -126,36 +126,22 @@ def test_a_part_can_hand_what_it_left_to_a_fresh_process(tmp_path):
     assert run_child(rep, "kernels", "kernels", argv, 60, tmp_path) == (True, ["kernels:mmq,attn"])
 
 
-class _LosesItsContext:
-    """A runtime whose GPU stops answering once a group has faulted (a sticky error)."""
-
-    def __init__(self) -> None:
-        self.lost = False
-
-    def current_gpu(self) -> int:
-        return 0
-
-    def device_synchronize(self, gpu: int) -> None:
-        if self.lost:
-            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access was encountered")
-
-
 def test_kernel_checks_stop_at_a_lost_context_and_hand_on_the_groups_left(monkeypatch):
     from metatp.testing import kernel_checks as gkc
 
-    engine = _LosesItsContext()
-    ran = []
+    lost, ran = [], []
 
     def check(names, **kw):
         ran.extend(names)
         ok = names != ["qkv_rope_kv"]
-        engine.lost = engine.lost or not ok
+        lost.extend([] if ok else names)              # the faulting kernel leaves a sticky error
         return [{"name": f"{names[0]}:case", "dtype": "f32", "shape": "-", "max_rel_err": None if ok else 1.0,
                  "threshold": 1e-5, "pass": ok, "time_us": 1.0, "error": None if ok else "illegal address"}]
 
     monkeypatch.setattr(gkc, "CHECK_NAMES", ("compile", "matvec", "qkv_rope_kv", "mmq_q8", "attn_decode"))
     monkeypatch.setattr(gkc, "check_all_kernels", check)
-    monkeypatch.setattr(kernels, "_precompiled_runtime", lambda rep: engine)
+    monkeypatch.setattr(kernels, "_precompiled_runtime", lambda rep: None)
+    monkeypatch.setattr(kernels, "gpu_answers", lambda cfg: not lost)
     rep, handed = Report(), []
     rep.resume = handed.append
     kernels.section_kernels(rep, Config())
@@ -166,6 +152,34 @@ def test_kernel_checks_stop_at_a_lost_context_and_hand_on_the_groups_left(monkey
     ran.clear()
     kernels.section_kernels(Report(), Config(), ["mmq_q8", "attn_decode"])       # the fresh process's part
     assert ran == ["mmq_q8", "attn_decode"]
+
+
+def test_a_shape_stops_at_a_lost_context_and_hands_on_its_variants_left(monkeypatch, tmp_path):
+    from scripts.gpu_check import shapes
+    from scripts.gpu_check.config import Budget
+
+    lost, ran = [], []
+
+    def one_variant(rep, cfg, budget, shape, spec, model, variant, *rest):
+        ran.append(variant.name)
+        if variant.name == "before":
+            rep.add("speed", f"{shape.label} KV 16 CUDA graph [before]", "CUDARuntimeError: illegal address", False)
+            lost.append(variant.name)
+
+    monkeypatch.setattr(shapes, "_one_variant", one_variant)
+    monkeypatch.setattr(shapes, "gpu_answers", lambda cfg: not lost)
+    cfg = Config.dry_run()
+    cfg.variants, cfg.shapes = ("default", "before", "q8"), ("135M", "1B")
+    rep, handed = Report(), []
+    rep.resume = handed.append
+    shapes.section_shapes(rep, cfg, Budget(1e6), tmp_path, only="135M")
+    assert ran == ["default", "before"] and handed == ["shapes:135M:q8"]
+    assert any(r["check"] == "decode 135M Q4_1 after [before]" and r["status"] == "FAIL" for r in rep.rows)
+    ran.clear(), lost.clear()
+    again = Report()
+    shapes.section_shapes(again, cfg, Budget(1e6), tmp_path, only="135M", resume=("q8",))   # the fresh process
+    assert ran == ["q8"]
+    assert not any(r["check"].startswith("decode variant") for r in again.rows)   # said once, by the first process
 
 
 def test_the_parent_runs_a_handed_on_part_next(monkeypatch):
