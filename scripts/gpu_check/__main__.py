@@ -25,6 +25,7 @@ import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -207,21 +208,32 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None, chi
             rep.fail(section, what, e)
             return None
 
-    ready = step("preflight", "preflight", preflight.preflight, rep, cfg)
+    # `timeout` around the run sends SIGTERM: end as after the last part, so the report is still written
+    previous = signal.signal(signal.SIGTERM, _terminated)
     have_gpu = False
-    if not ready:
-        rep.add("preflight", "verdict", "a requirement is missing (lines above): stopping here", False)
-    else:
-        have_gpu = bool(step("env", "environment", env.section_env, rep, cfg))
-    if have_gpu:
-        if child_args is None:
-            for part in part_names(cfg, skip, split_shapes=False):
-                run_part(part, rep, cfg, budget, skip, workdir)
+    try:
+        ready = step("preflight", "preflight", preflight.preflight, rep, cfg)
+        if not ready:
+            rep.add("preflight", "verdict", "a requirement is missing (lines above): stopping here", False)
         else:
-            _run_isolated(rep, cfg, budget, skip, child_args)
+            have_gpu = bool(step("env", "environment", env.section_env, rep, cfg))
+        if have_gpu:
+            if child_args is None:
+                for part in part_names(cfg, skip, split_shapes=False):
+                    run_part(part, rep, cfg, budget, skip, workdir)
+            else:
+                _run_isolated(rep, cfg, budget, skip, child_args)
+    except SystemExit as e:
+        rep.add("total", "stopped", f"by a signal (exit status {e.code}: `timeout`?); the rows so far are kept", False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     rep.add("total", "wall time", f"{time.perf_counter() - rep.t0:.0f} s", None)
     write_outputs(rep, out)
     return 0 if (rep.passed and have_gpu) else 1
+
+
+def _terminated(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run_isolated(rep, cfg, budget, skip: set[str], child_args: list[str]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -106,6 +107,9 @@ def run_child(rep: Report, part: str, section: str, argv: list[str], seconds: fl
 
     timer = threading.Timer(max(seconds, 0.0) + grace, kill)
     timer.start()
+    # `timeout` around the run ends the parent with SIGTERM: the part (its own session, so the device
+    # machine would keep it running into the next call) must go with it
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -114,6 +118,7 @@ def run_child(rep: Report, part: str, section: str, argv: list[str], seconds: fl
         rc = proc.wait()
     finally:
         timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
         if proc.poll() is None:
             _kill_group(proc)
             proc.wait()
@@ -129,9 +134,11 @@ def run_child(rep: Report, part: str, section: str, argv: list[str], seconds: fl
     return False, got["resume"]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
+def _exit_on_term(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
+
+def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -140,8 +147,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _status_text(rc: int) -> str:
     if rc < 0:
-        import signal
-
         try:
             return f"signal {signal.Signals(-rc).name}"
         except ValueError:

@@ -195,3 +195,66 @@ def test_the_parent_runs_a_handed_on_part_next(monkeypatch):
 
     gpu_check_main._run_isolated(Report(), Config(), Budget(600), skip, ["--layers", "30"])
     assert [c[0] for c in calls] == ["kernels", "kernels:attn_decode", "model", "mpi"]
+
+
+def test_a_parent_ended_by_timeout_takes_its_part_and_the_part_s_servers_along(tmp_path):
+    """`timeout` ends the run with SIGTERM; a part runs in a session of its own (the device machine keeps
+    such processes alive into the next call), so the parent must end it and what it started."""
+    import signal
+    import time
+
+    part = _fake_part(tmp_path, """
+        import subprocess
+        server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("pids", os.getpid(), server.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = tmp_path / "parent.py"
+    parent.write_text(textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import scripts
+        from scripts.gpu_check.isolate import run_child
+        from scripts.gpu_check.report import Report
+        run_child(Report(), "throughput", "throughput", {part!r}, 600, Path({str(tmp_path)!r}))
+    """))
+    proc = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True)
+    pids = []
+    for line in proc.stdout:
+        if line.startswith("pids "):
+            pids = [int(p) for p in line.split()[1:]]
+            break
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    assert pids and not [pid for pid in pids if _running(pid)]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed server whose parent died waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_run_ended_by_timeout_still_writes_its_report(tmp_path):
+    """`timeout` sends SIGTERM: the rows so far are written to --out, with a FAIL row saying why it stopped."""
+    import signal
+
+    out = tmp_path / "r.md"
+    # the emulated model section runs long enough on this machine to be stopped inside it
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check"), "--emulate", "--skip",
+                             "kernels,speed,profile,shapes,llama-cpp,throughput,nccl,mpi", "--out", str(out)],
+                            stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    for line in proc.stdout:
+        if " env " in line and "gpu:" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(timeout=60) == 1
+    rows = {r["check"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert rows["stopped"]["status"] == "FAIL" and "exit status 143" in rows["stopped"]["result"]
+    assert rows["gpu"]["section"] == "env"                        # what came before is kept
