@@ -137,16 +137,25 @@ struct UbsanLocation { const char* file; unsigned line, column; };
 struct UbsanType { unsigned short kind, info; char name[1]; };
 struct UbsanMismatch { UbsanLocation loc; const UbsanType* type; unsigned char log_alignment, check_kind; };
 inline char misaligned[384];
-inline void note_misaligned(const UbsanMismatch* d, unsigned long ptr) {
+inline void report_misaligned(unsigned line, const char* access, const char* type, unsigned long ptr,
+                              unsigned alignment) {
     if (misaligned[0]) return;
-    static const char* const what[] = {"load of", "store to", "reference to", "member access in",
-                                       "member call on", "constructor call on"};
-    const char* access = d->check_kind < 6 ? what[d->check_kind] : "access to";
     char thread[96] = "outside a kernel thread";
     if (cur) snprintf(thread, sizeof thread, "block (%u,%u,%u) thread (%u,%u,%u)", block_idx.x, block_idx.y,
                       block_idx.z, cur->tid.x, cur->tid.y, cur->tid.z);
     snprintf(misaligned, sizeof misaligned, "line %u: %s %s at address 0x%lx, which needs %u-byte alignment, "
-             "in %s", d->loc.line, access, d->type->name, ptr, 1u << d->log_alignment, thread);
+             "in %s", line, access, type, ptr, alignment, thread);
+}
+inline void note_misaligned(const UbsanMismatch* d, unsigned long ptr) {
+    static const char* const what[] = {"load of", "store to", "reference to", "member access in",
+                                       "member call on", "constructor call on"};
+    report_misaligned(d->loc.line, d->check_kind < 6 ? what[d->check_kind] : "access to", d->type->name, ptr,
+                      1u << d->log_alignment);
+}
+// The atomics below reach memory through builtins, which the sanitizer does not see: checked here
+// (`line`: the caller's, for the report).
+template <class T> inline void require_aligned(const T* p, const char* op, unsigned line) {
+    if (((unsigned long)p) % sizeof(T)) report_misaligned(line, op, "on a 4-byte word", (unsigned long)p, sizeof(T));
 }
 }  // namespace mt_emu
 extern "C" void __ubsan_handle_type_mismatch_v1(mt_emu::UbsanMismatch* d, unsigned long ptr) {
@@ -261,12 +270,17 @@ inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
 // here either). Blocks run one at a time on one host thread; the builtins keep them atomic anyway.
 // atomicAdd on f32 rounds to nearest and flushes subnormal inputs and results to sign-preserving
 // zero (PTX atom.add.f32); the int one wraps on overflow (two's complement, as the GPU's add).
-inline int atomicAdd(int* p, int v) {
+inline int atomicAdd(int* p, int v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
     return (int)__atomic_fetch_add((unsigned*)p, (unsigned)v, __ATOMIC_SEQ_CST);
 }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 inline float mt_emu_ftz(float x) { return (x != 0.0f && fabsf(x) < 1.17549435e-38f) ? copysignf(0.0f, x) : x; }
-inline float atomicAdd(float* p, float v) {
+inline float atomicAdd(float* p, float v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
     unsigned ob = __atomic_load_n((unsigned*)p, __ATOMIC_SEQ_CST), nb;
     for (;;) {
         float old, sum;
@@ -277,9 +291,16 @@ inline float atomicAdd(float* p, float v) {
             return old;
     }
 }
-inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-inline float atomicExch(float* p, float v) {
+inline int atomicExch(int* p, int v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicExch(unsigned* p, unsigned v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+inline float atomicExch(float* p, float v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
     unsigned nb, ob;
     memcpy(&nb, &v, 4);
     ob = __atomic_exchange_n((unsigned*)p, nb, __ATOMIC_SEQ_CST);

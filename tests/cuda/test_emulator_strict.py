@@ -24,7 +24,8 @@ from support.require import requires
 
 requires_cxx = requires("emulator")
 
-# One load of `width` bytes at buf + offset per thread, through CUDA's types for that width.
+# One load of `width` bytes at buf + offset per thread, through CUDA's types for that width (0: an
+# atomicAdd of 0 on the 4-byte word there).
 _ALIGN_PROBE = r"""
 extern "C" __global__ void __launch_bounds__(64) align_probe(const unsigned char* buf, int offset, int width,
                                                              unsigned* out) {
@@ -38,6 +39,8 @@ extern "C" __global__ void __launch_bounds__(64) align_probe(const unsigned char
         v = u.x ^ u.y;
     } else if (width == 4) {
         v = *(const unsigned*)p;
+    } else if (width == 0) {         // an atomic on the 4-byte word there (adds 0: reads it)
+        v = (unsigned)atomicAdd((int*)p, 0);
     } else {
         v = *(const unsigned short*)p;
     }
@@ -62,6 +65,7 @@ def _aligned_bytes(n: int) -> np.ndarray:
 
 
 def _expected(buf: np.ndarray, offset: int, width: int) -> int:
+    width = width or 4
     words = buf[offset:offset + width].view(np.uint16 if width == 2 else np.uint32)
     return int(np.bitwise_xor.reduce(words.astype(np.uint32)))
 
@@ -73,12 +77,12 @@ def align_probe():
 
 @requires_cxx
 @pytest.mark.parametrize("width, offset", [(16, 0), (16, 16), (16, 8), (16, 4), (8, 8), (8, 4), (4, 4), (4, 2),
-                                           (4, 18), (2, 2), (2, 1)])
+                                           (4, 18), (2, 2), (2, 1), (0, 8), (0, 2)])
 def test_a_load_at_a_misaligned_address_fails_the_launch(align_probe, width, offset):
     buf = _aligned_bytes(64)
     out = np.zeros(32, np.uint32)
     args = (buf, np.int32(offset), np.int32(width), out)
-    if offset % width == 0:
+    if offset % (width or 4) == 0:
         align_probe((1,), (32,), args)
         assert (out == _expected(buf, offset, width)).all()
         return
@@ -88,8 +92,9 @@ def test_a_load_at_a_misaligned_address_fails_the_launch(align_probe, width, off
     assert e.status == 716
     text = str(e)
     assert text.startswith("cudaErrorMisalignedAddress: misaligned address (align_probe: ")
-    assert f"at address {hex(buf.ctypes.data + offset)}, which needs {width}-byte alignment" in text
-    assert "block (0,0,0) thread (0,0,0)" in text and "*(const " in text   # the faulting source line
+    assert f"at address {hex(buf.ctypes.data + offset)}, which needs {width or 4}-byte alignment" in text
+    assert "block (0,0,0) thread (0,0,0)" in text
+    assert ("atomicAdd((int*)p, 0)" if width == 0 else "*(const ") in text    # the faulting source line
 
 
 @requires_cxx
