@@ -2,11 +2,18 @@
 
 The same `cuda/*.cu` sources are compiled as host C++ by g++ (one fiber per CUDA thread,
 `__syncthreads` and warp shuffles emulated) and launched on numpy arrays through ctypes. It
-refuses what a real launch would refuse (block/grid limits, shared memory, argument C types,
-and a ``None`` pointer, which CuPy 13 would pass as garbage), so a kernel that passes here has
-had its logic and its launch contract checked; memory ordering, alignment and speed still need
-a GPU. An `Emulator` is a kernel engine: ``with launch.using(Emulator()):`` runs the launchers
-on it, and `EmuRuntime` (the emulated device API the backend is tested with) brings one.
+refuses what a real launch would refuse (block/grid limits, a block above the kernel's
+``__launch_bounds__``, shared memory, argument C types, and a ``None`` pointer, which CuPy 13 would
+pass as garbage), and what a GPU faults on: a load, store or atomic through a typed pointer at an
+address that is not a multiple of the type's alignment (CUDA's: 2 for 16-bit types, 4 for int and
+float, 8 for uint2 / float2, 16 for uint4 / float4), checked on every access by g++'s
+``-fsanitize=alignment`` and raised as cudaErrorMisalignedAddress naming the kernel, the address,
+the thread and the source line (sticky through `EmuRuntime`, as on a GPU). So a kernel that passes
+here has had its logic, its launch contract and its alignment checked. Still only a GPU shows:
+memory ordering and races, registers (a block the registers do not allow: checked from ptxas's
+report by ``tests/cuda/test_cuda_compile.py``, not at launch here), and speed. An `Emulator` is a
+kernel engine: ``with launch.using(Emulator()):`` runs the launchers on it, and `EmuRuntime` (the
+emulated device API the backend is tested with) brings one.
 """
 
 from __future__ import annotations
