@@ -29,7 +29,7 @@ import subprocess
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -500,10 +500,19 @@ def _build(name: str, host_source: str) -> Path:
 
 def _compile_emulator(family: str) -> Path:
     """The shared library of one family (compiled once, cached by source hash)."""
+    return _built_family(family, module_source(family))[0]
+
+
+@functools.lru_cache(maxsize=32)
+def _built_family(family: str, cuda_source: str) -> tuple[Path, tuple[str, ...], dict[str, int]]:
+    """A family's library, the lines of the host C++ it was built from (to quote a faulting line)
+    and its kernels' launch bounds; once per process and source text."""
+    host = _host_source(cuda_source, expected_entry_points()[family])
     try:
-        return _build(family, emulator_source(family))
+        path = _build(family, host)
     except RuntimeError as e:
         raise RuntimeError(f"emulator build of {family}.cu failed: {e}") from None
+    return path, tuple(host.splitlines()), launch_bounds(cuda_source)
 
 
 _BOUNDS_MARK = "__mt_launch_bounds__"
@@ -547,12 +556,12 @@ def _int_expression(text: str, kernel: str) -> int:
 class _EmuKernel:
     """A kernel of the emulator, called like cupy.RawKernel."""
 
-    def __init__(self, emu: "Emulator", lib, name: str, source_lines: list[str] | None = None,
+    def __init__(self, emu: "Emulator", lib, name: str, source_lines: Sequence[str] = (),
                  max_threads: int | None = None) -> None:
         self.emu = emu
         self.name = name
         self.max_threads = max_threads          # __launch_bounds__ (None: none given)
-        self._source_lines = source_lines or []  # the host C++ it was compiled from (to quote a faulting line)
+        self._source_lines = source_lines        # the host C++ it was compiled from (to quote a faulting line)
         self._tramp = ctypes.cast(getattr(lib, f"mt_tramp_{name}"), ctypes.c_void_p)
         sig_fn = getattr(lib, f"mt_sig_{name}")
         sig_fn.restype = ctypes.c_char_p
@@ -650,7 +659,7 @@ class _EmuKernel:
 
 
 class _EmuModule:
-    def __init__(self, emu: "Emulator", lib, source_lines: list[str], bounds: dict[str, int]) -> None:
+    def __init__(self, emu: "Emulator", lib, source_lines: Sequence[str], bounds: dict[str, int]) -> None:
         self.emu = emu
         self.lib = lib
         self.source_lines = source_lines
@@ -692,9 +701,9 @@ class Emulator:
 
     def module(self, family: str) -> _EmuModule:
         with _lock:
-            path = _compile_emulator(family)
+            path, source_lines, bounds = _built_family(family, module_source(family))
             lib = Emulator._load(path)
-        return _EmuModule(self, lib, emulator_source(family).splitlines(), launch_bounds(module_source(family)))
+        return _EmuModule(self, lib, source_lines, bounds)
 
     def probe_kernel(self, source: str, name: str) -> _EmuKernel:
         """A test's own kernel `name` from CUDA `source` (no includes) on this emulator: for
@@ -702,7 +711,7 @@ class Emulator:
         host = _host_source(source, [name])
         with _lock:
             lib = Emulator._load(_build(f"probe_{name}", host))
-        return _EmuKernel(self, lib, name, host.splitlines(), launch_bounds(source).get(name))
+        return _EmuKernel(self, lib, name, tuple(host.splitlines()), launch_bounds(source).get(name))
 
     @staticmethod
     def _load(path: Path):
