@@ -524,8 +524,8 @@ def launch_bounds(cuda_source: str) -> dict[str, int]:
     """Each kernel's ``__launch_bounds__`` maximum of threads a block, from CUDA source text (no
     includes): the source is run through the C preprocessor with the macro defined as a marker, so
     bounds given by a macro and entry names pasted by one come out as the GPU compiler sees them."""
-    cmd = [os.environ.get("CXX", "g++"), "-E", "-P", "-x", "c++", f"-D__launch_bounds__(...)={_BOUNDS_MARK}(__VA_ARGS__)",
-           "-"]
+    cmd = [os.environ.get("CXX", "g++"), "-E", "-P", "-x", "c++",
+           f"-D__launch_bounds__(...)={_BOUNDS_MARK}(__VA_ARGS__)", "-"]
     r = subprocess.run(cmd, input=cuda_source, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         raise RuntimeError(f"preprocessing for __launch_bounds__ failed:\n{r.stderr[-2000:]}")
@@ -545,12 +545,13 @@ def _int_expression(text: str, kernel: str) -> int:
             return ops[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
-        raise ValueError(f"{kernel}: __launch_bounds__({text}) is not an integer expression the emulator reads")
+        raise ValueError(unreadable)
 
+    unreadable = f"{kernel}: __launch_bounds__({text}) is not an integer expression the emulator reads"
     try:
         return value(ast.parse(text, mode="eval").body)
     except SyntaxError:
-        raise ValueError(f"{kernel}: __launch_bounds__({text}) is not an integer expression the emulator reads") from None
+        raise ValueError(unreadable) from None
 
 
 class _EmuKernel:

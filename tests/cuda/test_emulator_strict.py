@@ -124,6 +124,9 @@ def test_a_block_above_the_launch_bounds_is_refused():
         k((1,), (64,), (out,))
     assert caught.value.status == 701
     assert out[32:].tolist() == [0] * 32
+    # a bound it cannot evaluate is refused by name, not taken as "no bound"
+    with pytest.raises(ValueError, match=r"odd_probe: __launch_bounds__\(sizeof\(int\) \* 8\)"):
+        launch_bounds('extern "C" __global__ void __launch_bounds__(sizeof(int) * 8) odd_probe(int* o) {}')
 
 
 @requires_cxx
