@@ -2,30 +2,42 @@
 
 The same `cuda/*.cu` sources are compiled as host C++ by g++ (one fiber per CUDA thread,
 `__syncthreads` and warp shuffles emulated) and launched on numpy arrays through ctypes. It
-refuses what a real launch would refuse (block/grid limits, shared memory, argument C types,
-and a ``None`` pointer, which CuPy 13 would pass as garbage), so a kernel that passes here has
-had its logic and its launch contract checked; memory ordering, alignment and speed still need
-a GPU. An `Emulator` is a kernel engine: ``with launch.using(Emulator()):`` runs the launchers
-on it, and `EmuRuntime` (the emulated device API the backend is tested with) brings one.
+refuses what a real launch would refuse (block/grid limits, a block above the kernel's
+``__launch_bounds__``, shared memory, argument C types, and a ``None`` pointer, which CuPy 13 would
+pass as garbage), and what a GPU faults on: a load, store or atomic through a typed pointer at an
+address that is not a multiple of the type's alignment (CUDA's: 2 for 16-bit types, 4 for int and
+float, 8 for uint2 / float2, 16 for uint4 / float4), checked on every access by g++'s
+``-fsanitize=alignment`` and raised as cudaErrorMisalignedAddress naming the kernel, the address,
+the thread and the source line (sticky through `EmuRuntime`, as on a GPU). So a kernel that passes
+here has had its logic, its launch contract and its alignment checked. Still only a GPU shows:
+memory ordering and races, registers (a block the registers do not allow: checked from ptxas's
+report by ``tests/cuda/test_cuda_compile.py``, not at launch here), and speed. An `Emulator` is a
+kernel engine: ``with launch.using(Emulator()):`` runs the launchers on it, and `EmuRuntime` (the
+emulated device API the backend is tested with) brings one.
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
+import functools
+import operator
 import os
 import re
 import shutil
+import subprocess
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from metatp.backends.cuda.kernels import expected_entry_points
 from metatp.backends.cuda.launch import device_ptr, is_array, module_source
+from metatp.testing.emulated_faults import EmulatedCudaError
 
-__all__ = ["Emulator", "emulator_available", "emulator_source"]
+__all__ = ["Emulator", "emulator_available", "emulator_source", "launch_bounds"]
 
 
 # --------------------------------------------------------------------------- emulator
@@ -51,8 +63,24 @@ _EMU_PRELUDE = r"""
 #define __restrict__ __restrict
 
 struct mt_dim3 { unsigned int x, y, z; };
-struct uint4 { unsigned int x, y, z, w; };
-struct float4 { float x, y, z, w; };
+// CUDA's vector types with CUDA's alignment (vector_types.h): an access through one at an address
+// that is not a multiple of it is a misaligned address on the GPU, and a fault here (below).
+struct alignas(2) char2 { signed char x, y; };
+struct alignas(2) uchar2 { unsigned char x, y; };
+struct alignas(4) char4 { signed char x, y, z, w; };
+struct alignas(4) uchar4 { unsigned char x, y, z, w; };
+struct alignas(4) short2 { short x, y; };
+struct alignas(4) ushort2 { unsigned short x, y; };
+struct alignas(8) short4 { short x, y, z, w; };
+struct alignas(8) ushort4 { unsigned short x, y, z, w; };
+struct alignas(8) int2 { int x, y; };
+struct alignas(8) uint2 { unsigned int x, y; };
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) int4 { int x, y, z, w; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) longlong2 { long long x, y; };
+struct alignas(16) double2 { double x, y; };
 
 namespace mt_emu {
 struct Fiber {
@@ -105,6 +133,45 @@ inline MmaLane mma_lane[1024];
 inline unsigned mma_calls[1024];        // per lane: mma calls in this launch
 inline unsigned mma_done[32];           // per warp: the call number whose product is in mma_lane[].d
 inline char fault[256];                 // set by a collective that cannot complete (reported by the launch)
+
+// ---- misaligned accesses. The kernels are compiled with g++'s -fsanitize=alignment (and nothing
+// else of UBSan): every load, store, reference and member access through a typed pointer checks
+// that the address is a multiple of the type's alignment (2 for a 16-bit type, 4 for int and
+// float, 16 for uint4), as a GPU's memory instructions need, and calls the handler below when
+// not. The handler is defined here, so libubsan is neither linked nor loaded. The launch reports
+// the first one (cudaErrorMisalignedAddress; the kernel's other threads run on).
+struct UbsanLocation { const char* file; unsigned line, column; };
+struct UbsanType { unsigned short kind, info; char name[1]; };
+struct UbsanMismatch { UbsanLocation loc; const UbsanType* type; unsigned char log_alignment, check_kind; };
+inline char misaligned[384];
+inline void report_misaligned(unsigned line, const char* access, const char* type, unsigned long ptr,
+                              unsigned alignment) {
+    if (misaligned[0]) return;
+    char thread[96] = "outside a kernel thread";
+    if (cur) snprintf(thread, sizeof thread, "block (%u,%u,%u) thread (%u,%u,%u)", block_idx.x, block_idx.y,
+                      block_idx.z, cur->tid.x, cur->tid.y, cur->tid.z);
+    snprintf(misaligned, sizeof misaligned, "line %u: %s %s at address 0x%lx, which needs %u-byte alignment, "
+             "in %s", line, access, type, ptr, alignment, thread);
+}
+inline void note_misaligned(const UbsanMismatch* d, unsigned long ptr) {
+    static const char* const what[] = {"load of", "store to", "reference to", "member access in",
+                                       "member call on", "constructor call on"};
+    report_misaligned(d->loc.line, d->check_kind < 6 ? what[d->check_kind] : "access to", d->type->name, ptr,
+                      1u << d->log_alignment);
+}
+// The atomics below reach memory through builtins, which the sanitizer does not see: checked here
+// (`line`: the caller's, for the report).
+template <class T> inline void require_aligned(const T* p, const char* op, unsigned line) {
+    if (((unsigned long)p) % sizeof(T)) report_misaligned(line, op, "on a 4-byte word", (unsigned long)p, sizeof(T));
+}
+}  // namespace mt_emu
+extern "C" void __ubsan_handle_type_mismatch_v1(mt_emu::UbsanMismatch* d, unsigned long ptr) {
+    mt_emu::note_misaligned(d, ptr);
+}
+extern "C" void __ubsan_handle_type_mismatch_v1_abort(mt_emu::UbsanMismatch* d, unsigned long ptr) {
+    mt_emu::note_misaligned(d, ptr);
+}
+namespace mt_emu {
 
 inline int mma_a_row(int lane, int i) { return (lane >> 2) + ((i < 4 || (i >= 8 && i < 12)) ? 0 : 8); }
 inline int mma_a_col(int lane, int i) { return (lane % 4) * 4 + (i & 3) + (i < 8 ? 0 : 16); }
@@ -210,12 +277,17 @@ inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
 // here either). Blocks run one at a time on one host thread; the builtins keep them atomic anyway.
 // atomicAdd on f32 rounds to nearest and flushes subnormal inputs and results to sign-preserving
 // zero (PTX atom.add.f32); the int one wraps on overflow (two's complement, as the GPU's add).
-inline int atomicAdd(int* p, int v) {
+inline int atomicAdd(int* p, int v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
     return (int)__atomic_fetch_add((unsigned*)p, (unsigned)v, __ATOMIC_SEQ_CST);
 }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* p, unsigned v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
 inline float mt_emu_ftz(float x) { return (x != 0.0f && fabsf(x) < 1.17549435e-38f) ? copysignf(0.0f, x) : x; }
-inline float atomicAdd(float* p, float v) {
+inline float atomicAdd(float* p, float v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicAdd", line);
     unsigned ob = __atomic_load_n((unsigned*)p, __ATOMIC_SEQ_CST), nb;
     for (;;) {
         float old, sum;
@@ -226,9 +298,16 @@ inline float atomicAdd(float* p, float v) {
             return old;
     }
 }
-inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-inline float atomicExch(float* p, float v) {
+inline int atomicExch(int* p, int v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+inline unsigned atomicExch(unsigned* p, unsigned v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
+    return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST);
+}
+inline float atomicExch(float* p, float v, unsigned line = __builtin_LINE()) {
+    mt_emu::require_aligned(p, "atomicExch", line);
     unsigned nb, ob;
     memcpy(&nb, &v, 4);
     ob = __atomic_exchange_n((unsigned*)p, nb, __ATOMIC_SEQ_CST);
@@ -322,6 +401,7 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
     memset(mma_calls, 0, sizeof mma_calls);
     memset(mma_done, 0, sizeof mma_done);
     fault[0] = 0;
+    misaligned[0] = 0;
     block_dim = {bx, by, bz};
     grid_dim = {gx, gy, gz};
     // the blocks' linear indices (x fastest) in the order they run: 0 as numbered, 1 reversed,
@@ -354,7 +434,13 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
             f.ctx.uc_link = &sched;
             makecontext(&f.ctx, (void (*)())fiber_main, 0);
         }
-        if (!run_block((int)nth, err, err_len)) return 2;
+        const bool finished = run_block((int)nth, err, err_len);
+        cur = nullptr;
+        if (misaligned[0]) {         // first: the GPU would have stopped there
+            snprintf(err, err_len, "%s", misaligned);
+            return 4;
+        }
+        if (!finished) return 2;
         if (fault[0]) {
             snprintf(err, err_len, "%s", fault);
             return 3;
@@ -397,26 +483,86 @@ def emulator_available() -> bool:
 
 
 _lock = threading.RLock()
-_EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
+# -z defs: a symbol the library needs and nobody defines (a sanitizer handler) fails the build, not the load
+_EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w",
+              "-Wl,-z,defs")
+# compile-only: the alignment check of every typed access (handled by the prelude; no libubsan)
+_EMU_CHECKS = ("-fsanitize=alignment",)
+
+
+def _build(name: str, host_source: str) -> Path:
+    """The shared library of `host_source` (compiled once, cached by source hash)."""
+    from metatp.backends.host_build import build_shared_library, host_cache_dir
+
+    return build_shared_library(name, host_source, ".cpp", os.environ.get("CXX", "g++"), _EMU_FLAGS,
+                                host_cache_dir("METATP_EMU_CACHE", "metatp-emu"), compile_flags=_EMU_CHECKS)
 
 
 def _compile_emulator(family: str) -> Path:
     """The shared library of one family (compiled once, cached by source hash)."""
-    from metatp.backends.host_build import build_shared_library, host_cache_dir
+    return _built_family(family, module_source(family))[0]
 
+
+@functools.lru_cache(maxsize=32)
+def _built_family(family: str, cuda_source: str) -> tuple[Path, tuple[str, ...], dict[str, int]]:
+    """A family's library, the lines of the host C++ it was built from (to quote a faulting line)
+    and its kernels' launch bounds; once per process and source text."""
+    host = _host_source(cuda_source, expected_entry_points()[family])
     try:
-        return build_shared_library(family, emulator_source(family), ".cpp", os.environ.get("CXX", "g++"),
-                                    _EMU_FLAGS, host_cache_dir("METATP_EMU_CACHE", "metatp-emu"))
+        path = _build(family, host)
     except RuntimeError as e:
         raise RuntimeError(f"emulator build of {family}.cu failed: {e}") from None
+    return path, tuple(host.splitlines()), launch_bounds(cuda_source)
+
+
+_BOUNDS_MARK = "__mt_launch_bounds__"
+_BOUNDS_RE = re.compile(_BOUNDS_MARK + r"\s*\(((?:[^()]|\([^()]*\))*)\)\s*(\w+)\s*\(")
+
+
+@functools.lru_cache(maxsize=64)
+def launch_bounds(cuda_source: str) -> dict[str, int]:
+    """Each kernel's ``__launch_bounds__`` maximum of threads a block, from CUDA source text (no
+    includes): the source is run through the C preprocessor with the macro defined as a marker, so
+    bounds given by a macro and entry names pasted by one come out as the GPU compiler sees them."""
+    cmd = [os.environ.get("CXX", "g++"), "-E", "-P", "-x", "c++",
+           f"-D__launch_bounds__(...)={_BOUNDS_MARK}(__VA_ARGS__)", "-"]
+    r = subprocess.run(cmd, input=cuda_source, capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"preprocessing for __launch_bounds__ failed:\n{r.stderr[-2000:]}")
+    return {name: _int_expression(args.split(",")[0], name) for args, name in _BOUNDS_RE.findall(r.stdout)}
+
+
+def _int_expression(text: str, kernel: str) -> int:
+    """The value of a preprocessed integer constant expression (literals, + - * / % and parentheses)."""
+    text = re.sub(r"\b(\d+)[uUlL]+\b", r"\1", text.strip())
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.floordiv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        raise ValueError(unreadable)
+
+    unreadable = f"{kernel}: __launch_bounds__({text}) is not an integer expression the emulator reads"
+    try:
+        return value(ast.parse(text, mode="eval").body)
+    except SyntaxError:
+        raise ValueError(unreadable) from None
 
 
 class _EmuKernel:
     """A kernel of the emulator, called like cupy.RawKernel."""
 
-    def __init__(self, emu: "Emulator", lib, name: str) -> None:
+    def __init__(self, emu: "Emulator", lib, name: str, source_lines: Sequence[str] = (),
+                 max_threads: int | None = None) -> None:
         self.emu = emu
         self.name = name
+        self.max_threads = max_threads          # __launch_bounds__ (None: none given)
+        self._source_lines = source_lines        # the host C++ it was compiled from (to quote a faulting line)
         self._tramp = ctypes.cast(getattr(lib, f"mt_tramp_{name}"), ctypes.c_void_p)
         sig_fn = getattr(lib, f"mt_sig_{name}")
         sig_fn.restype = ctypes.c_char_p
@@ -461,6 +607,7 @@ class _EmuKernel:
         `programmatic` count, and refused at run time unless every thread called mt_pdl_wait()."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
+        self._check_launch_bounds(block)
         if shared_mem > 48 * 1024 and shared_mem > self.max_dynamic_shared_size_bytes:
             raise RuntimeError(f"{self.name}: {shared_mem} bytes of dynamic shared memory need "
                                "max_dynamic_shared_size_bytes raised first")
@@ -478,10 +625,27 @@ class _EmuKernel:
         rc = self._launch(self._tramp, ptrs, *(ctypes.c_uint(g) for g in grid), *(ctypes.c_uint(b) for b in block),
                           ctypes.c_ulong(shared_mem), ctypes.c_int(order), ctypes.c_ulonglong(seed), err,
                           ctypes.c_int(len(err)))
+        if rc == 4:
+            raise EmulatedCudaError(716, f"{self.name}: {self._quote(err.value.decode())}")
         if rc != 0:
             raise RuntimeError(f"{self.name}: {err.value.decode()}")
         if programmatic:
             self._check_programmatic(grid, block)
+
+    def _check_launch_bounds(self, block) -> None:
+        """A block larger than the kernel's __launch_bounds__ is refused by the driver, as CuPy
+        raises it at the launch (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES; the context stays usable)."""
+        threads = int(np.prod(block))
+        if self.max_threads is not None and self.max_threads < threads <= 1024:
+            raise EmulatedCudaError(701, f"{self.name}: a block of {threads} threads, more than its "
+                                         f"__launch_bounds__({self.max_threads})")
+
+    def _quote(self, report: str) -> str:
+        """The misaligned-access report with the source line it names ("line N: ...")."""
+        m = re.match(r"line (\d+): ", report)
+        if m is None or not 0 < int(m.group(1)) <= len(self._source_lines):
+            return report
+        return f"{report[m.end():]}, at `{self._source_lines[int(m.group(1)) - 1].strip()}`"
 
     def _check_programmatic(self, grid, block) -> None:
         """A kernel launched programmatically may start before its predecessor ends: each of its
@@ -496,12 +660,14 @@ class _EmuKernel:
 
 
 class _EmuModule:
-    def __init__(self, emu: "Emulator", lib) -> None:
+    def __init__(self, emu: "Emulator", lib, source_lines: Sequence[str], bounds: dict[str, int]) -> None:
         self.emu = emu
         self.lib = lib
+        self.source_lines = source_lines
+        self.bounds = bounds
 
     def get_function(self, name: str) -> _EmuKernel:
-        return _EmuKernel(self.emu, self.lib, name)
+        return _EmuKernel(self.emu, self.lib, name, self.source_lines, self.bounds.get(name))
 
 
 class Emulator:
@@ -536,25 +702,25 @@ class Emulator:
 
     def module(self, family: str) -> _EmuModule:
         with _lock:
-            path = _compile_emulator(family)
-            lib = Emulator._libs.get(path)
-            if lib is None:
-                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
-        return _EmuModule(self, lib)
+            path, source_lines, bounds = _built_family(family, module_source(family))
+            lib = Emulator._load(path)
+        return _EmuModule(self, lib, source_lines, bounds)
 
     def probe_kernel(self, source: str, name: str) -> _EmuKernel:
         """A test's own kernel `name` from CUDA `source` (no includes) on this emulator: for
-        checking the emulator's intrinsics and collectives alone."""
-        from metatp.backends.host_build import build_shared_library, host_cache_dir
-
+        checking the emulator's intrinsics, collectives and launch checks alone."""
+        host = _host_source(source, [name])
         with _lock:
-            path = build_shared_library(f"probe_{name}", _host_source(source, [name]), ".cpp",
-                                        os.environ.get("CXX", "g++"), _EMU_FLAGS,
-                                        host_cache_dir("METATP_EMU_CACHE", "metatp-emu"))
-            lib = Emulator._libs.get(path)
-            if lib is None:
-                lib = Emulator._libs[path] = ctypes.CDLL(str(path))
-        return _EmuKernel(self, lib, name)
+            lib = Emulator._load(_build(f"probe_{name}", host))
+        return _EmuKernel(self, lib, name, tuple(host.splitlines()), launch_bounds(source).get(name))
+
+    @staticmethod
+    def _load(path: Path):
+        """The loaded library at `path` (loaded once per process)."""
+        lib = Emulator._libs.get(path)
+        if lib is None:
+            lib = Emulator._libs[path] = ctypes.CDLL(str(path))
+        return lib
 
     def kernel(self, family: str, name: str) -> _EmuKernel:
         """launch.KernelEngine: one emulated kernel serves every emulated GPU (host memory)."""

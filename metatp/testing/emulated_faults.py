@@ -32,6 +32,7 @@ _CUDA_WORDS = {
     700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
     701: ("cudaErrorLaunchOutOfResources", "too many resources requested for launch"),
     710: ("cudaErrorAssert", "device-side assert triggered"),
+    716: ("cudaErrorMisalignedAddress", "misaligned address"),
     719: ("cudaErrorLaunchFailure", "unspecified launch failure"),
     900: ("cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing"),
     901: ("cudaErrorStreamCaptureInvalidated", "operation failed due to a previous error during capture"),
@@ -53,11 +54,12 @@ class EmulatedOutOfMemory(MemoryError):
 
 
 class EmulatedCudaError(RuntimeError):
-    """CuPy's CUDARuntimeError, emulated: `status` is the cudaError_t number."""
+    """CuPy's CUDARuntimeError, emulated: `status` is the cudaError_t number; `detail`, what the
+    emulator saw (the kernel, the address), follows CUDA's words on the same line."""
 
-    def __init__(self, status: int) -> None:
+    def __init__(self, status: int, detail: str = "") -> None:
         name, meaning = _CUDA_WORDS.get(status, (f"cudaError{status}", "emulated error"))
-        super().__init__(f"{name}: {meaning}")
+        super().__init__(f"{name}: {meaning}" + (f" ({detail})" if detail else ""))
         self.status = status
 
 

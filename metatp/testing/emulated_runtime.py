@@ -244,6 +244,9 @@ class EmuRuntime:
         return np.array(arr, copy=True)
 
     def view(self, root, offset: int, shape, strides, dtype):
+        """The root's address + `offset`, as the real runtime's ``memptr + offset``: a carved view is
+        exactly as (mis)aligned as on the GPU (roots differ: numpy's 16-byte aligned, CuPy's 256;
+        no access needs more than 16)."""
         if any(s == 0 for s in shape):
             return np.empty(shape, dtype=dtype)
         base = root if root.base is None else root.base

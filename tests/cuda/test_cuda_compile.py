@@ -1,9 +1,10 @@
 """Compile every CUDA source with nvcc (sm_80 and sm_90) and check the loader's view of them.
 
 The nvcc tests compile the exact text NVRTC will get (``module_source``: local headers
-pasted in) to PTX with ``-Werror all-warnings`` and check that the PTX entry points are
-exactly the kernel names the launchers of ``backends/cuda/kernels/`` launch. They skip only when
-nvcc is not on PATH; no GPU is needed.
+pasted in) with ``-Werror all-warnings`` (sm_80 to PTX, sm_90 to a cubin with ptxas's resource
+report) and check that the entry points are exactly the kernel names the launchers of
+``backends/cuda/kernels/`` launch, and that every sm_90 kernel's registers let its largest block
+launch. They skip only when nvcc is not on PATH; no GPU is needed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -73,21 +76,80 @@ def test_import_without_cupy():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+#: sm_80 / sm_90 (and sm_86 / sm_89): 64K 32-bit registers for a block, allocated to each warp in
+#: units of 256 (8 a thread); a block needing more is refused ("too many resources requested for launch")
+_REGISTERS_A_BLOCK = 65536
+_REGISTER_UNIT_A_WARP = 256
+_ENTRY_RE = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'\n(.*?)(?=Compiling entry function|\Z)", re.S)
+_compiled: dict[tuple[str, str], tuple[set[str], str]] = {}     # (family, arch) -> (entry points, ptxas report)
+
+
+def _compile(family: str, arch: str) -> tuple[set[str], str]:
+    """nvcc on the family's NVRTC text: sm_80 to PTX (its .entry names), sm_90 to a cubin with
+    --resource-usage (the entries ptxas compiled, and its report). Once per (family, arch)."""
+    key = (family, arch)
+    if key not in _compiled:
+        with tempfile.TemporaryDirectory() as tmp:
+            cu = Path(tmp) / f"{family}.cu"
+            cu.write_text(ck.module_source(family), encoding="utf-8")
+            cubin = arch == "sm_90"
+            out = Path(tmp) / f"{family}_{arch}.{'cubin' if cubin else 'ptx'}"
+            cmd = [NVCC, "-cubin" if cubin else "-ptx", f"-arch={arch}", "-Werror", "all-warnings",
+                   *(["--resource-usage"] if cubin else []), "-o", str(out), str(cu)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
+            report = r.stdout + r.stderr
+            entries = ({m[0] for m in _ENTRY_RE.findall(report)} if cubin
+                       else set(re.findall(r"\.entry\s+(\w+)", out.read_text())))
+        _compiled[key] = entries, report
+    return _compiled[key]
+
+
 @requires("nvcc", why=None if NVCC else "nvcc not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("family", ck.FAMILIES)
-def test_nvcc_compiles(family, arch, tmp_path):
-    cu = tmp_path / f"{family}.cu"
-    cu.write_text(ck.module_source(family), encoding="utf-8")
-    ptx = tmp_path / f"{family}_{arch}.ptx"
-    cmd = [NVCC, "-ptx", f"-arch={arch}", "-Werror", "all-warnings", "-o", str(ptx), str(cu)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
-    entries = set(re.findall(r"\.entry\s+(\w+)", ptx.read_text()))
+def test_nvcc_compiles(family, arch):
+    entries, _ = _compile(family, arch)
     expected = set(ck.expected_entry_points()[family])
     assert entries == expected, (
         f"missing: {sorted(expected - entries)}; unexpected: {sorted(entries - expected)}"
     )
+
+
+def registers_a_block(registers: int, threads: int) -> int:
+    """The registers a block of `threads` takes when each thread uses `registers` (whole warps,
+    each given a multiple of 256)."""
+    per_warp = -(-registers * 32 // _REGISTER_UNIT_A_WARP) * _REGISTER_UNIT_A_WARP
+    return -(-threads // 32) * per_warp
+
+
+def test_registers_a_block_rounds_as_the_gpu_allocates():
+    assert registers_a_block(255, 256) == 65536 and registers_a_block(255, 257) > 65536
+    assert registers_a_block(64, 1024) == 65536 and registers_a_block(65, 1024) > 65536
+    assert registers_a_block(33, 32) == 40 * 32 and registers_a_block(1, 1) == 256
+
+
+@requires("nvcc", why=None if NVCC else "nvcc not on PATH")
+@pytest.mark.parametrize("family", ck.FAMILIES)
+def test_kernels_fit_their_largest_block(family):
+    """Each sm_90 entry point's registers (ptxas) for its largest block: __launch_bounds__(N) -> N
+    threads, none -> 1024 (what a launch may ask). Spills are printed (-rP shows them), not failed."""
+    from metatp.testing.cuda_emulator import launch_bounds
+
+    _, report = _compile(family, "sm_90")
+    bounds = launch_bounds(ck.module_source(family))
+    too_big, spills = [], []
+    for name, _arch, props in _ENTRY_RE.findall(report):
+        registers = int(re.search(r"Used (\d+) registers", props).group(1))
+        threads = bounds.get(name, 1024)
+        need = registers_a_block(registers, threads)
+        if need > _REGISTERS_A_BLOCK:
+            too_big.append(f"{name}: {registers} registers x {threads} threads = {need} > {_REGISTERS_A_BLOCK}")
+        stores, loads = map(int, re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", props).groups())
+        if stores or loads:
+            spills.append(f"{name}: {registers} registers, {stores} B spill stores, {loads} B spill loads")
+    print(f"{family} (sm_90) spills:", *(spills or ["none"]), sep="\n  ")
+    assert not too_big, "blocks the driver would refuse:\n" + "\n".join(too_big)
 
 
 # ------------------------------------------------------------- the GPU probe ("auto")
