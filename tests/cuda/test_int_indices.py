@@ -12,6 +12,7 @@ the table of every kernel's largest offsets, are in docs/kernels.md ("32-bit ind
 from __future__ import annotations
 
 import mmap
+import sys
 
 import numpy as np
 import pytest
@@ -23,8 +24,8 @@ from support.require import requires
 
 pytestmark = requires("emulator")
 
-#: Linux's MAP_NORESERVE (Python's mmap module names it from 3.13 on)
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+#: MAP_NORESERVE (0x4000 on Linux; not every Python's mmap module names it): address space only
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 #: a row stride whose third row (index 2) starts past 2^31 units
 STRIDE = 2**30 + 2**16
 PAGE = 4096
@@ -34,7 +35,11 @@ class Sparse:
     """A lazily backed host buffer: `base` (uint8) starts `before` bytes into the mapping."""
 
     def __init__(self, before: int, after: int):
-        self._mm = mmap.mmap(-1, before + after, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        try:
+            self._mm = mmap.mmap(-1, before + after, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError as e:
+            pytest.fail(f"cannot reserve {before + after} bytes of address space (strict overcommit, "
+                        f"vm.overcommit_memory=2, or a ulimit -v?): {e}")
         self.base = np.frombuffer(self._mm, dtype=np.uint8)[before:]
 
     def at(self, offset: int, dtype, count: int) -> np.ndarray:
