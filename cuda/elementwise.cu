@@ -66,18 +66,20 @@ MT_BINARY_ENTRY(sub, OpSub)
 MT_BINARY_ENTRY(mul, OpMul)
 MT_BINARY_ENTRY(div, OpDiv)
 
-// add_inplace_f32(float *y, const float *x, int32 n): y[i] += x[i]
-extern "C" __global__ void add_inplace_f32(float* y, const float* x, int n) {
+// Whole-array counts (n) are int64: an array of 2^31 elements is 8 GiB of f32, within reach of a
+// vocab x tokens logits buffer; the grid-stride index is 64-bit as well.
+// add_inplace_f32(float *y, const float *x, int64 n): y[i] += x[i]
+extern "C" __global__ void add_inplace_f32(float* y, const float* x, mt_i64 n) {
     mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] += x[i];
 }
-// add_inplace_f32_bf16(float *y, const uint16 *x /* bf16 */, int32 n): y[i] += float(x[i])
-extern "C" __global__ void add_inplace_f32_bf16(float* y, const mt_u16* x, int n) {
+// add_inplace_f32_bf16(float *y, const uint16 *x /* bf16 */, int64 n): y[i] += float(x[i])
+extern "C" __global__ void add_inplace_f32_bf16(float* y, const mt_u16* x, mt_i64 n) {
     mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] += mt_bf2f(x[i]);
 }
-// add_inplace_bf16(uint16 *y, const uint16 *x, int32 n): y = bf16(float(y) + float(x))
-extern "C" __global__ void add_inplace_bf16(mt_u16* y, const mt_u16* x, int n) {
+// add_inplace_bf16(uint16 *y, const uint16 *x, int64 n): y = bf16(float(y) + float(x))
+extern "C" __global__ void add_inplace_bf16(mt_u16* y, const mt_u16* x, mt_i64 n) {
     mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_f2bf(mt_bf2f(y[i]) + mt_bf2f(x[i]));
 }
@@ -428,13 +430,13 @@ MT_CPY_ENTRY(f16, MtF16, f16, MtF16)
 MT_CPY_ENTRY(f32, MtF32, bf16, MtBF16)
 MT_CPY_ENTRY(bf16, MtBF16, f32, MtF32)
 
-// f32_to_bf16(const float *x, uint16 *y, int32 n)  (round to nearest even, as ggml)
-extern "C" __global__ void f32_to_bf16(const float* x, mt_u16* y, int n) {
+// f32_to_bf16(const float *x, uint16 *y, int64 n)  (round to nearest even, as ggml)
+extern "C" __global__ void f32_to_bf16(const float* x, mt_u16* y, mt_i64 n) {
     mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_f2bf(x[i]);
 }
-// bf16_to_f32(const uint16 *x, float *y, int32 n)
-extern "C" __global__ void bf16_to_f32(const mt_u16* x, float* y, int n) {
+// bf16_to_f32(const uint16 *x, float *y, int64 n)
+extern "C" __global__ void bf16_to_f32(const mt_u16* x, float* y, mt_i64 n) {
     mt_pdl_wait(); mt_pdl_launch_dependents();
     MT_GRID_STRIDE(i, n) y[i] = mt_bf2f(x[i]);
 }

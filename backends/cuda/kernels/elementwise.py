@@ -94,7 +94,7 @@ def add_inplace(y, x) -> None:
     if name is None:
         raise TypeError(f"add_inplace: unsupported types y={ty} x={tx}")
     if y.size:
-        launch("elementwise", name, grid1d(y.size), (BLOCK_1D,), (y, x, i32(y.size)))
+        launch("elementwise", name, grid1d(y.size), (BLOCK_1D,), (y, x, i64(y.size)))
 
 
 def unary(op: str, x, out, p0: float = 0.0, p1: float = 0.0) -> None:
@@ -136,9 +136,11 @@ def softplus(x, out) -> None:
 
 
 def fill(y, value: float = 0.0) -> None:
-    """Fill a contiguous f32 array."""
+    """Fill a contiguous f32 array (fill_f32 counts in int32: at most 2^31 - 1 elements)."""
     check_f32(y)
     check_contig(y)
+    if y.size >= 2**31:
+        raise ValueError(f"fill: an array of shape {tuple(y.shape)} has {y.size} elements; fill_f32 takes fewer than 2^31")
     if y.size:
         launch("elementwise", "fill_f32", grid1d(y.size), (BLOCK_1D,),
                (y, i32(y.size), f32(value)))
@@ -281,7 +283,7 @@ def f32_to_bf16(x, out) -> None:
         raise TypeError("out must be uint16 (bf16 bits)")
     if x.size:
         launch("elementwise", "f32_to_bf16", grid1d(x.size), (BLOCK_1D,),
-               (x, out, i32(x.size)))
+               (x, out, i64(x.size)))
 
 
 def bf16_to_f32(x, out) -> None:
@@ -292,7 +294,7 @@ def bf16_to_f32(x, out) -> None:
         raise TypeError("x must be uint16 (bf16 bits)")
     if x.size:
         launch("elementwise", "bf16_to_f32", grid1d(x.size), (BLOCK_1D,),
-               (x, out, i32(x.size)))
+               (x, out, i64(x.size)))
 
 
 # ---------------------------------------------------------------- handlers
