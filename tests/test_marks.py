@@ -10,17 +10,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _collected(*args: str) -> set[str]:
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", *args,
+def _split_by_mark(expression: str) -> tuple[set[str], set[str]]:
+    """(files of the tests `-m expression` selects, files of those it deselects) over tests/mpi,
+    tests/serving and tests/test_fixtures.py, from one --collect-only run (tests/support/mark_split.py)."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / "mark_split.py"), expression,
                         "tests/mpi", "tests/serving", "tests/test_fixtures.py"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return {line.split("::")[0] for line in r.stdout.splitlines() if "::" in line}
+    halves: dict[str, set[str]] = {"selected": set(), "deselected": set()}
+    for line in r.stdout.splitlines():
+        half, _, path = line.partition(" ")
+        if half in halves and "/" in path:
+            halves[half].add(path)
+    return halves["selected"], halves["deselected"]
 
 
 def test_process_mark_covers_the_mpi_and_serving_folders():
-    marked = _collected("-m", "process")
-    unmarked = _collected("-m", "not process")
+    unmarked, marked = _split_by_mark("not process")
     assert unmarked == {"tests/test_fixtures.py"}
     on_disk = {p.relative_to(ROOT).as_posix() for d in ("mpi", "serving")
                for p in (ROOT / "tests" / d).glob("test_*.py")}

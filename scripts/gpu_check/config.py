@@ -44,9 +44,11 @@ class Config:
     @classmethod
     def dry_run(cls, n_layer: int = 2) -> Config:
         """`--emulate`: the same sections on the kernel emulator, a tiny model, a few steps."""
+        # every emulated launch costs tens of ms (each CUDA thread a fiber): one timed step a shape row
+        # and profile graphs of 0 and 1 copies (the same capture and replay code, a third of the launches)
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
-                   shape_decode_steps=2, decode_steps=4,
-                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(1, 2), profile_kv_lengths=(16,),
+                   shape_decode_steps=1, decode_steps=4,
+                   prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(0, 1), profile_kv_lengths=(16,),
                    bench_batches=(1, 2, 4), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
                    serve_tokens=4)
 
@@ -57,7 +59,7 @@ class Config:
 
         if self.emulate:
             return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=192, n_head=6, n_head_kv=3,
-                             n_ff=256, n_vocab=512, n_ctx_train=8192, rope_base=100000.0, norm_eps=1e-5,
+                             n_ff=128, n_vocab=384, n_ctx_train=8192, rope_base=100000.0, norm_eps=1e-5,
                              tied=True, types=dict(SMOLLM2_TYPES), seed=0)
         return SynthSpec(arch="llama", n_layer=self.n_layer, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536,
                          n_vocab=49152, n_ctx_train=8192, rope_base=100000.0, norm_eps=1e-5, tied=True,

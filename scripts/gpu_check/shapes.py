@@ -64,11 +64,11 @@ def _llama(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, qtype, tied, embd_
 
 SHAPES = (
     Shape("135M", "Q4_1", _llama(30, 576, 9, 3, 1536, 49152, "Q4_1", True, "Q8_0"),
-          _llama(2, 192, 3, 1, 256, 512, "Q4_1", True, "Q8_0"), write_s=8, engine_s=6, row_s=6, profile_s=12),
+          _llama(2, 192, 3, 1, 128, 384, "Q4_1", True, "Q8_0"), write_s=8, engine_s=6, row_s=6, profile_s=12),
     Shape("1B", "Q8_0", _llama(16, 2048, 32, 8, 8192, 128256, "Q8_0", True),
-          _llama(2, 256, 4, 1, 512, 512, "Q8_0", True), write_s=15, engine_s=8, row_s=8, profile_s=10),
+          _llama(2, 256, 4, 1, 256, 384, "Q8_0", True), write_s=15, engine_s=8, row_s=8, profile_s=10),
     Shape("8B", "Q4_K", _llama(32, 4096, 32, 8, 14336, 128256, "Q4_K", False),
-          _llama(2, 256, 4, 1, 512, 512, "Q4_K", False), write_s=50, engine_s=25, row_s=20, profile_s=20, big=True),
+          _llama(2, 256, 4, 1, 256, 384, "Q4_K", False), write_s=50, engine_s=25, row_s=20, profile_s=20, big=True),
 )
 # How these were guessed: the 2026-12-04 run's speed section (30 layers, 135M shapes) did four decode
 # rows, a replay check, a 512-token prefill and an N=3 engine in ~15 s; the 1B file writes in ~5 s on the

@@ -23,6 +23,7 @@ from metatp.engine import Engine
 from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import record_launches
 from support.require import requires
 
 pytestmark = requires("emulator")
@@ -48,12 +49,7 @@ def decode_engine(model, attn_merge: bool, n: int, order: str):
         return a
     rt.empty = garbage
     seen: Counter = Counter()
-    trip = rt.emu.before_launch
-
-    def count(name: str) -> None:
-        seen[name] += 1
-        trip(name)
-    rt.emu.before_launch = count
+    record_launches(rt, lambda name: seen.update((name,)))
     lay = DeviceLayout(n, "tensor" if n > 1 else "none")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -38,6 +38,7 @@ from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import record_launches
 from support.require import require, requires
 
 requires_gpu = requires("gpu")
@@ -237,8 +238,7 @@ def test_q8_numerics_match_numpy_q8(synth_model, kind, n_prompt):
     rt = runtime(kind)
     ran: list[str] = []
     if rt is not None:           # the emulator says which kernels ran
-        trip = rt.emu.before_launch
-        rt.emu.before_launch = lambda name: (ran.append(name), trip(name))
+        record_launches(rt, ran.append)
     be = CupyBackend(lay, runtime=rt, numerics="q8", kv_dtype="f32")
     eng, ref = Engine(synth_model, 512, lay, be), Engine(synth_model, 512, lay, NumpyBackend(lay, numerics="q8"))
     got, want = teacher_forced(eng, ref, PROMPT[:n_prompt], 4)
@@ -270,8 +270,7 @@ def test_q8_numerics_on_k_quants_and_half_weights(synth_factory, kind):
         rt = runtime(kind)
         ran: list[str] = []
         if rt is not None:
-            trip = rt.emu.before_launch
-            rt.emu.before_launch = lambda name: (ran.append(name), trip(name))
+            record_launches(rt, ran.append)
         eng = Engine(model, 512, lay, CupyBackend(lay, runtime=rt, numerics="q8", kv_dtype="f32"))
         ref = Engine(model, 512, lay, NumpyBackend(lay, numerics="q8"))
         got, want = teacher_forced(eng, ref, PROMPT, 3)

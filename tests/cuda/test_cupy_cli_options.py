@@ -12,6 +12,7 @@ import pytest
 from metatp.cli_options import ENV_SWITCHES
 from metatp.testing.synth import SynthSpec
 from metatp.tools import batched_bench
+from support.emulated_gpu import record_launches
 from support.require import requires
 
 pytestmark = requires("emulator")
@@ -34,12 +35,7 @@ def launches(monkeypatch):
 
         def counting_runtime(*a, **k):
             rt = EmuRuntime(*a, **k)
-            trip = rt.emu.before_launch
-
-            def count(name: str) -> None:
-                seen[name] += 1
-                trip(name)
-            rt.emu.before_launch = count
+            record_launches(rt, lambda name: seen.update((name,)))
             return rt
         monkeypatch.setattr(cuda_backend, "CupyRuntime", counting_runtime)
         for var in ENV_SWITCHES:

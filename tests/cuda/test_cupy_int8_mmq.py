@@ -20,6 +20,7 @@ from metatp.engine import Engine
 from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import record_launches
 from support.require import requires
 
 pytestmark = requires("emulator")
@@ -45,8 +46,7 @@ def _cupy(model, n_devices: int = 1, compute_capability: int = 90, **kw):
     lay = DeviceLayout(n_devices, "tensor" if n_devices > 1 else "none", None)
     rt = EmuRuntime(compute_capability=compute_capability)
     launched: set[str] = set()
-    trip = rt.emu.before_launch
-    rt.emu.before_launch = lambda name: (launched.add(name), trip(name))
+    record_launches(rt, launched.add)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Engine(model, 512, lay, CupyBackend(lay, runtime=rt, kv_dtype="f32", **kw)), launched

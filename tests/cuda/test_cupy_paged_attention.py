@@ -20,7 +20,7 @@ from metatp import LLM, SamplingParams
 from metatp.backends.cuda.kernels.attn import attention_cells_splits, attention_splits
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
-from support.emulated_gpu import on_emulator
+from support.emulated_gpu import on_emulator, record_launches
 from support.require import requires
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, tied=False, seed=11, default_type="Q8_0",
@@ -42,13 +42,7 @@ class Launched:
 
     def __init__(self, rt: EmuRuntime) -> None:
         self.names: set[str] = set()
-        inner = rt.emu.before_launch
-
-        def seen(name: str) -> None:
-            self.names.add(name)
-            if inner is not None:
-                inner(name)
-        rt.emu.before_launch = seen
+        record_launches(rt, self.names.add)
 
     def ran_cells_path(self) -> bool:
         return all(any(n.startswith(k) for n in self.names) for k in CELLS_KERNELS)

@@ -32,16 +32,17 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 #: models whose attention input the QKV_ROPE_KV fusion takes: no biases or q/k norms; llama ropes
 #: NORMAL pairs, qwen2 (without its biases) NEOX halves; "llama-q4_k-v-q6_k" is a Q4_K_M layer
 #: (attn_v in Q6_K), "llama-q5_0-v-q8_0" its fallback when n_embd is not a multiple of 256,
-#: "llama-mixed-refused" a pair of types with no kernel (the golden llama-q's)
+#: "llama-mixed-refused" a pair of types with no kernel (the golden llama-q's); a narrow FFN (n_ff 64,
+#: F32): the fusion is the attention input's, and each emulated FFN row costs as much as a q/k/v row
 QKV_SPECS = {
-    "llama-q4_1": SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
+    "llama-q4_1": SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=64, n_vocab=320, seed=3,
                             types={"q": "Q4_1", "k": "Q4_1", "v": "Q4_1", "o": "Q4_1", "embd": "Q8_0"}),
-    "qwen2-neox-f32": SynthSpec(arch="qwen2", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=128, seed=5),
-    "llama-q4_k-v-q6_k": SynthSpec(n_layer=2, n_embd=256, n_head=8, n_head_kv=2, n_ff=256, n_vocab=320, seed=7,
+    "qwen2-neox-f32": SynthSpec(arch="qwen2", n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=64, seed=5),
+    "llama-q4_k-v-q6_k": SynthSpec(n_layer=2, n_embd=256, n_head=8, n_head_kv=2, n_ff=64, n_vocab=320, seed=7,
                                    types={"q": "Q4_K", "k": "Q4_K", "v": "Q6_K", "o": "Q4_K", "embd": "Q8_0"}),
-    "llama-q5_0-v-q8_0": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
+    "llama-q5_0-v-q8_0": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=64, n_vocab=320, seed=3,
                                    types={"q": "Q5_0", "k": "Q5_0", "v": "Q8_0", "o": "Q5_0", "embd": "Q8_0"}),
-    "llama-mixed-refused": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320, seed=3,
+    "llama-mixed-refused": SynthSpec(n_layer=1, n_embd=192, n_head=6, n_head_kv=3, n_ff=64, n_vocab=320, seed=3,
                                      types={"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_1", "embd": "Q8_0"}),
 }
 

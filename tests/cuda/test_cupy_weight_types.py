@@ -22,6 +22,7 @@ from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from support.emulated_gpu import record_launches
 from support.require import requires
 
 RUNTIMES = [pytest.param("emu", marks=requires("emulator"), id="emulator"),
@@ -41,8 +42,7 @@ def _engines(model, kind: str, numerics: str, ran: list[str]):
     lay = DeviceLayout(1, "none")
     rt = EmuRuntime() if kind == "emu" else None
     if rt is not None:
-        trip = rt.emu.before_launch
-        rt.emu.before_launch = lambda name: (ran.append(name), trip(name))
+        record_launches(rt, ran.append)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eng = Engine(model, 512, lay, CupyBackend(lay, runtime=rt, numerics=numerics, kv_dtype="f32",

@@ -5,11 +5,23 @@ backend's real code paths on a machine without a GPU (tests/cuda)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from metatp.testing import EmuRuntime
+
+
+def record_launches(rt: EmuRuntime, record: Callable[[str], object]) -> None:
+    """`record(name)` for each kernel `rt` runs from now on, eagerly or in a replayed graph (the
+    emulator's before_launch); the runtime's own hook (its fault injection) still runs after it."""
+    inner = rt.emu.before_launch
+
+    def seen(name: str) -> None:
+        record(name)
+        if inner is not None:
+            inner(name)
+    rt.emu.before_launch = seen
 
 
 @contextmanager
