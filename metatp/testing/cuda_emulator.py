@@ -44,6 +44,7 @@ __all__ = ["Emulator", "emulator_available", "emulator_source", "launch_bounds"]
 _EMU_PRELUDE = r"""
 // ---- metatp CUDA emulator prelude: the kernels as host C++ (tests only) ----
 #include <ucontext.h>
+#include <setjmp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -84,7 +85,9 @@ struct alignas(16) double2 { double x, y; };
 
 namespace mt_emu {
 struct Fiber {
-    ucontext_t ctx;
+    ucontext_t ctx;  // the fiber's first entry (makecontext / setcontext)
+    jmp_buf jb;      // where it yielded (_setjmp): switches without swapcontext's signal-mask system call
+    bool started;
     mt_dim3 tid;
     int lin;    // linear thread index in the block (warp = lin / 32)
     int wait;   // 0 runnable, 1 at __syncthreads, 2 at a warp exchange
@@ -92,7 +95,7 @@ struct Fiber {
 };
 inline Fiber* cur = nullptr;
 inline mt_dim3 block_idx, block_dim, grid_dim;
-inline ucontext_t sched;
+inline jmp_buf sched_jb;     // the scheduler's place (run_block), where a fiber yields to
 inline unsigned char xch[1024 * 8];
 inline unsigned char* dyn_smem = nullptr;
 inline void (*launch_tramp)(void**) = nullptr;
@@ -101,7 +104,7 @@ inline void** launch_args = nullptr;
 inline long pdl_waits = 0;   // mt_pdl_wait() calls of the current launch (quant.cuh)
 inline void note_pdl_wait() { ++pdl_waits; }
 
-inline void yield_to_scheduler() { swapcontext(&cur->ctx, &sched); }
+inline void yield_to_scheduler() { if (!_setjmp(cur->jb)) _longjmp(sched_jb, 1); }
 inline void sync_block() { cur->wait = 1; yield_to_scheduler(); }
 inline void sync_warp() { cur->wait = 2; yield_to_scheduler(); }
 
@@ -331,6 +334,7 @@ static const size_t kStack = 128 * 1024;
 static void fiber_main() {
     launch_tramp(launch_args);
     cur->done = true;
+    _longjmp(sched_jb, 1);
 }
 // Runs every fiber until all are done; releases warp exchanges and block barriers when every
 // live thread of the warp / block has reached them. Returns false on a deadlock.
@@ -340,7 +344,14 @@ static bool run_block(int nth, char* err, int err_len) {
             Fiber& f = fibers[i];
             if (!f.done && f.wait == 0) {
                 cur = &f;
-                swapcontext(&sched, &f.ctx);
+                if (!_setjmp(sched_jb)) {
+                    if (!f.started) {
+                        f.started = true;
+                        setcontext(&f.ctx);
+                    } else {
+                        _longjmp(f.jb, 1);
+                    }
+                }
             }
         }
         int live = 0, at_block = 0;
@@ -428,10 +439,11 @@ extern "C" int mt_emu_launch(void (*tramp)(void**), void** args, unsigned gx, un
             f.lin = (int)i;
             f.wait = 0;
             f.done = false;
+            f.started = false;
             getcontext(&f.ctx);
             f.ctx.uc_stack.ss_sp = stacks[i].data();
             f.ctx.uc_stack.ss_size = kStack;
-            f.ctx.uc_link = &sched;
+            f.ctx.uc_link = nullptr;     // fiber_main never returns: it jumps back to the scheduler
             makecontext(&f.ctx, (void (*)())fiber_main, 0);
         }
         const bool finished = run_block((int)nth, err, err_len);
@@ -484,8 +496,9 @@ def emulator_available() -> bool:
 
 _lock = threading.RLock()
 # -z defs: a symbol the library needs and nobody defines (a sanitizer handler) fails the build, not the load
+# -U_FORTIFY_SOURCE: the fibers _longjmp between their stacks (glibc's __longjmp_chk would refuse it)
 _EMU_FLAGS = ("-std=c++20", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w",
-              "-Wl,-z,defs")
+              "-Wl,-z,defs", "-U_FORTIFY_SOURCE")
 # compile-only: the alignment check of every typed access (handled by the prelude; no libubsan)
 _EMU_CHECKS = ("-fsanitize=alignment",)
 
