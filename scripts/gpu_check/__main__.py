@@ -154,12 +154,7 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
     """One part's sections, each step in its own try/except (a failure is a row, the rest goes on)."""
     from scripts.gpu_check import allreduce, kernels, llama_cpp, model, ranks, shapes, speed, throughput
 
-    def step(section: str, what: str, fn, *a):
-        try:
-            return fn(*a)
-        except Exception as e:  # noqa: BLE001 - one failure must not hide the other steps
-            rep.fail(section, what, e)
-            return None
+    step = rep.step
 
     def folder(prefix: str) -> Path:
         return workdir or Path(tempfile.mkdtemp(prefix=f"metatp-gpu-{prefix}-"))
@@ -201,12 +196,7 @@ def run(cfg, budget, skip: set[str], workdir: Path | None, out: Path | None, chi
 
     rep = Report()
 
-    def step(section: str, what: str, fn, *a):
-        try:
-            return fn(*a)
-        except Exception as e:  # noqa: BLE001 - one failure must not hide the other steps
-            rep.fail(section, what, e)
-            return None
+    step = rep.step
 
     # `timeout` around the run sends SIGTERM: end as after the last part, so the report is still written
     previous = signal.signal(signal.SIGTERM, _terminated)

@@ -39,6 +39,14 @@ class Report:
         if self.sink is not None:
             self.sink.put("details", self.details[-1])
 
+    def step(self, section: str, what: str, fn, *args):
+        """fn(*args), or None with a FAIL row for its exception: one failure must not hide the other steps."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            self.fail(section, what, e)
+            return None
+
     def resume(self, part: str) -> None:
         """Ask for `part` (what is left of this one) to run next in a fresh process: after a fault's
         sticky error this process can no longer use the GPU. Without a parent to ask (one process
