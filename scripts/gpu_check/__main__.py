@@ -153,6 +153,7 @@ def section_of(part: str) -> str:
 def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) -> None:
     """One part's sections, each step in its own try/except (a failure is a row, the rest goes on)."""
     from scripts.gpu_check import allreduce, kernels, llama_cpp, model, ranks, shapes, speed, throughput
+    from scripts.gpu_check.config import gpu_answers
 
     step = rep.step
 
@@ -162,13 +163,22 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
     name, _, detail = part.partition(":")
     if name == "kernels":           # `kernels:g1,g2`: those groups (what a faulted process left)
         step("kernels", "kernel checks", kernels.section_kernels, rep, cfg, detail.split(",") if detail else None)
-    elif name == "model":
+    elif name == "model":           # `model:layer,speed`: those sections (what a faulted process left)
         loaded = step("model", "synthetic GGUF", lambda: model.write_model(rep, cfg, folder("check")))
-        if loaded is not None and "model" not in skip:
-            step("model", "model checks", model.section_model, rep, cfg, loaded, budget)
-            step("model", "-sm layer check", model.section_layer, rep, cfg, loaded, budget)
-        if loaded is not None and "speed" not in skip:
-            step("speed", "speed checks", speed.section_speed, rep, cfg, loaded, budget)
+        sections = [("checks", "model", "model checks", model.section_model),
+                    ("layer", "model", "-sm layer check", model.section_layer),
+                    ("speed", "speed", "speed checks", speed.section_speed)]
+        todo = [row for row in sections if row[1] not in skip and (not detail or row[0] in detail.split(","))]
+        for i, (_, section, what, fn) in enumerate(todo if loaded is not None else ()):
+            failures = sum(r["status"] == "FAIL" for r in rep.rows)
+            step(section, what, fn, rep, cfg, loaded, budget)
+            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
+                left = [key for key, *_ in todo[i + 1:]]
+                rep.add(section, f"after {what}", f"the GPU's context is lost (a sticky error: the rows above); "
+                        f"{len(left)} sections left for a fresh process", False)
+                if left:
+                    rep.resume("model:" + ",".join(left))
+                break
     elif name == "shapes":          # the model sizes' decode rows and kernel profiles; `shapes:1B[:q8,pdl]`
         size, _, left = detail.partition(":")      # one size [the variants a faulted process left of it]
         step("speed", "model sizes", lambda: shapes.section_shapes(

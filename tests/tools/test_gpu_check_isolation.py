@@ -258,3 +258,34 @@ def test_a_run_ended_by_timeout_still_writes_its_report(tmp_path):
     rows = {r["check"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
     assert rows["stopped"]["status"] == "FAIL" and "exit status 143" in rows["stopped"]["result"]
     assert rows["gpu"]["section"] == "env"                        # what came before is kept
+
+
+def test_the_model_part_hands_its_sections_left_to_a_fresh_process(monkeypatch, tmp_path):
+    """A fault in the model checks (the q8 variant's logits, say) loses the context: the -sm layer check
+    and the speed rows run in the next process, after the model file is written again there."""
+    from scripts.gpu_check import config, model, speed
+
+    lost, ran = [], []
+
+    def checks(rep, cfg, loaded, budget):
+        ran.append("checks")
+        rep.add("model", "logits vs numpy, N=1 [q8]", "CUDARuntimeError: misaligned address", False)
+        lost.append(True)
+
+    monkeypatch.setattr(model, "write_model", lambda rep, cfg, folder: ran.append("write") or object())
+    monkeypatch.setattr(model, "section_model", checks)
+    monkeypatch.setattr(model, "section_layer", lambda *a: ran.append("layer"))
+    monkeypatch.setattr(speed, "section_speed", lambda *a: ran.append("speed"))
+    monkeypatch.setattr(config, "gpu_answers", lambda cfg: not lost)
+    rep, handed = Report(), []
+    rep.resume = handed.append
+    gpu_check_main.run_part("model", rep, Config(), config.Budget(600), set(), tmp_path)
+    assert ran == ["write", "checks"] and handed == ["model:layer,speed"]
+    assert rep.rows[-1]["check"] == "after model checks" and rep.rows[-1]["status"] == "FAIL"
+    ran.clear(), lost.clear()
+    gpu_check_main.run_part("model:layer,speed", Report(), Config(), config.Budget(600), set(), tmp_path)
+    assert ran == ["write", "layer", "speed"]
+    ran.clear()
+    monkeypatch.setattr(model, "section_model", lambda *a: ran.append("checks"))
+    gpu_check_main.run_part("model", Report(), Config(), config.Budget(600), {"speed"}, tmp_path)
+    assert ran == ["write", "checks", "layer"]                 # nothing lost: every section, `skip` obeyed
