@@ -187,8 +187,9 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
     elif name == "llama-cpp":       # after shapes: its rows hold metatp's numbers
         step("llama-cpp", "llama.cpp beside metatp", lambda: llama_cpp.section_llama_cpp(
             rep, cfg, budget, folder("llama-cpp")))
-    elif name == "throughput":
-        step("throughput", "throughput", lambda: throughput.section_throughput(rep, cfg, budget, folder("throughput")))
+    elif name == "throughput":      # `throughput:prompts,serve,8B`: those parts (what a faulted process left)
+        step("throughput", "throughput", lambda: throughput.section_throughput(
+            rep, cfg, budget, folder("throughput"), tuple(detail.split(",")) if detail else None))
     elif name == "nccl":
         step("nccl", "NCCL checks", allreduce.section_nccl, rep)
     elif name == "mpi":

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.gpu_check.config import Budget, Config, cupy_llm
+from scripts.gpu_check.config import Budget, Config, cupy_llm, gpu_answers
 from scripts.gpu_check.fast_gguf import write_fast_gguf
 from scripts.gpu_check.report import Report
 from scripts.gpu_check.shapes import SHAPES
@@ -64,24 +64,45 @@ def _rate(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path) -> None:
+#: the section's parts on the 1B file, in order (`throughput:prompts,serve` runs those alone)
+PARTS_1B = ("bench", "invariant", "prompts", "serve")
+
+
+def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path,
+                       parts: tuple[str, ...] | None = None) -> None:
     """The 1B shapes' batched-bench rows, long prompts and the serve comparison, then (--big) the
-    8B shapes' long prompts; each part skipped with a row when the time left is short."""
+    8B shapes' long prompts; each part skipped with a row when the time left is short. `parts`: those
+    of PARTS_1B alone (what a process that lost its GPU context left; the 8B prompts come after them).
+    A part that fails and leaves the GPU unusable hands the parts left on (`Report.resume`)."""
+    todo = PARTS_1B if parts is None else tuple(p for p in PARTS_1B if p in parts)
     one_b = _shape("1B")
     label = f"{one_b.name} {one_b.qtype}"
-    if not _fits(rep, cfg, budget, f"throughput {label}", NEED_S["bench"]):
+    if todo and not _fits(rep, cfg, budget, f"throughput {label}", NEED_S[todo[0]]):
         return
-    path = _model_file(cfg, one_b, folder)
+    path = _model_file(cfg, one_b, folder) if todo else None
+    s_tg: dict[int, float] = {}
     try:
-        s_tg = _bench_rows(rep, cfg, budget, path, label)
-        _free_device_memory(cfg)
-        _invariant_rows(rep, cfg, budget, path, label, s_tg)
-        _free_device_memory(cfg)
-        _prompt_rows(rep, cfg, budget, path, label, NEED_S["prompts"])
-        _free_device_memory(cfg)
-        _serve_rows(rep, cfg, budget, path, label)
+        for i, part in enumerate(todo):
+            failures = sum(r["status"] == "FAIL" for r in rep.rows)
+            if part == "bench":
+                s_tg = _bench_rows(rep, cfg, budget, path, label)
+            elif part == "invariant":
+                _invariant_rows(rep, cfg, budget, path, label, s_tg)
+            elif part == "prompts":
+                _prompt_rows(rep, cfg, budget, path, label, NEED_S["prompts"])
+            else:
+                _serve_rows(rep, cfg, budget, path, label)
+            _free_device_memory(cfg)
+            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
+                rep.add(SECTION, f"after {part}", "the GPU's context is lost (a sticky error: the rows above); "
+                        "the parts left run in a fresh process", False)
+                rep.resume("throughput:" + ",".join([*todo[i + 1:], "8B"]))
+                return
     finally:
-        path.unlink(missing_ok=True)
+        if path is not None:
+            path.unlink(missing_ok=True)
+    if parts is not None and "8B" not in parts:
+        return
     big = _shape("8B")
     label = f"{big.name} {big.qtype}"
     if not cfg.big:

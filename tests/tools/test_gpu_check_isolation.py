@@ -289,3 +289,33 @@ def test_the_model_part_hands_its_sections_left_to_a_fresh_process(monkeypatch, 
     monkeypatch.setattr(model, "section_model", lambda *a: ran.append("checks"))
     gpu_check_main.run_part("model", Report(), Config(), config.Budget(600), {"speed"}, tmp_path)
     assert ran == ["write", "checks", "layer"]                 # nothing lost: every section, `skip` obeyed
+
+
+def test_the_throughput_part_hands_its_parts_left_to_a_fresh_process(monkeypatch, tmp_path):
+    from scripts.gpu_check import throughput
+    from scripts.gpu_check.config import Budget
+
+    lost, ran = [], []
+
+    def bench(rep, *a):
+        ran.append("bench")
+        rep.add("throughput", "batched-bench 1B Q8_0 PP 128 TG 32 B=256", "CUDARuntimeError: illegal address", False)
+        lost.append(True)
+        return {}
+
+    monkeypatch.setattr(throughput, "_model_file", lambda cfg, shape, folder: tmp_path / "m.gguf")
+    monkeypatch.setattr(throughput, "_bench_rows", bench)
+    monkeypatch.setattr(throughput, "_invariant_rows", lambda *a: ran.append("invariant"))
+    monkeypatch.setattr(throughput, "_prompt_rows", lambda *a: ran.append("prompts"))
+    monkeypatch.setattr(throughput, "_serve_rows", lambda *a: ran.append("serve"))
+    monkeypatch.setattr(throughput, "_free_device_memory", lambda cfg: None)
+    monkeypatch.setattr(throughput, "gpu_answers", lambda cfg: not lost)
+    rep, handed = Report(), []
+    rep.resume = handed.append
+    throughput.section_throughput(rep, Config(), Budget(600), tmp_path)
+    assert ran == ["bench"] and handed == ["throughput:invariant,prompts,serve,8B"]
+    ran.clear(), lost.clear()
+    again = Report()
+    throughput.section_throughput(again, Config(), Budget(600), tmp_path, ("invariant", "prompts", "serve", "8B"))
+    assert ran == ["invariant", "prompts", "serve"]
+    assert again.rows[-1]["result"] == "not run (needs --big)"
