@@ -153,7 +153,7 @@ def section_of(part: str) -> str:
 def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) -> None:
     """One part's sections, each step in its own try/except (a failure is a row, the rest goes on)."""
     from scripts.gpu_check import allreduce, kernels, llama_cpp, model, ranks, shapes, speed, throughput
-    from scripts.gpu_check.config import gpu_answers
+    from scripts.gpu_check.isolate import hand_on_if_lost
 
     step = rep.step
 
@@ -170,14 +170,10 @@ def run_part(part: str, rep, cfg, budget, skip: set[str], workdir: Path | None) 
                     ("speed", "speed", "speed checks", speed.section_speed)]
         todo = [row for row in sections if row[1] not in skip and (not detail or row[0] in detail.split(","))]
         for i, (_, section, what, fn) in enumerate(todo if loaded is not None else ()):
-            failures = sum(r["status"] == "FAIL" for r in rep.rows)
+            failures = rep.failures()
             step(section, what, fn, rep, cfg, loaded, budget)
-            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
-                left = [key for key, *_ in todo[i + 1:]]
-                rep.add(section, f"after {what}", f"the GPU's context is lost (a sticky error: the rows above); "
-                        f"{len(left)} sections left for a fresh process", False)
-                if left:
-                    rep.resume("model:" + ",".join(left))
+            if hand_on_if_lost(rep, cfg, rep.failures() > failures, section, what, "model",
+                               [key for key, *_ in todo[i + 1:]]):
                 break
     elif name == "shapes":          # the model sizes' decode rows and kernel profiles; `shapes:1B[:q8,pdl]`
         size, _, left = detail.partition(":")      # one size [the variants a faulted process left of it]

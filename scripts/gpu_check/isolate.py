@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from scripts.gpu_check.config import Config, gpu_answers
 from scripts.gpu_check.report import Report
 
 #: seconds a part's process needs before its first row on the H200 (Python, CuPy, metatp, the CUDA
@@ -33,7 +34,21 @@ CHILD_START_S = 4.0
 GRACE_S = 20.0
 TAIL_LINES = 15
 
-__all__ = ["CHILD_START_S", "RowSink", "load_rows", "run_child"]
+__all__ = ["CHILD_START_S", "RowSink", "hand_on_if_lost", "load_rows", "run_child"]
+
+
+def hand_on_if_lost(rep: Report, cfg: Config, failed: bool, section: str, after: str, part: str,
+                    left: list[str]) -> bool:
+    """After a step of a part: when it `failed` and the GPU no longer answers (a sticky error), a FAIL
+    row `after <step>`, the rest (`part:left`) asked to run next in a fresh process, and True: the
+    caller stops. False (go on) otherwise."""
+    if not failed or gpu_answers(cfg):
+        return False
+    rep.add(section, f"after {after}", f"the GPU's context is lost (a sticky error: the rows above); {len(left)} "
+            "left for a fresh process", False)
+    if left:
+        rep.resume(f"{part}:{','.join(left)}")
+    return True
 
 
 class RowSink:

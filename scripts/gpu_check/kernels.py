@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from scripts.gpu_check.config import Config, gpu_answers
+from scripts.gpu_check.config import Config
+from scripts.gpu_check.isolate import hand_on_if_lost
 from scripts.gpu_check.report import Report
 
 
@@ -22,11 +23,7 @@ def section_kernels(rep: Report, cfg: Config, groups: list[str] | None = None) -
     for i, name in enumerate(names):
         got = gkc.check_all_kernels([name], time_reps=3, emulate=cfg.emulate, engine=engine)
         results += got
-        if any(not r["pass"] for r in got) and not gpu_answers(cfg):
-            rep.add("kernels", f"after {name}", "the GPU's context is lost (a sticky error: the traceback rows "
-                    f"above); {len(names) - i - 1} groups left for a fresh process", False)
-            if names[i + 1:]:
-                rep.resume("kernels:" + ",".join(names[i + 1:]))
+        if hand_on_if_lost(rep, cfg, any(not r["pass"] for r in got), "kernels", name, "kernels", names[i + 1:]):
             break
     rep.kernel_table = gkc.markdown_table(results)
     by_group: dict[str, list[dict]] = {}

@@ -60,6 +60,10 @@ class Report:
             lines.append(f"| {r['section']} | {r['check']} | {r['result'].replace('|', '/')} | {r['status']} |")
         return "\n".join(lines)
 
+    def failures(self) -> int:
+        """FAIL rows so far (a step that adds one failed)."""
+        return sum(r["status"] == "FAIL" for r in self.rows)
+
     @property
     def passed(self) -> bool:
         return all(r["status"] != "FAIL" for r in self.rows)

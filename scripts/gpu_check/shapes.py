@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from metatp.testing.synth import SynthSpec
-from scripts.gpu_check.config import Budget, Config, cupy_engine, gpu_answers
+from scripts.gpu_check.config import Budget, Config, cupy_engine
 from scripts.gpu_check.fast_gguf import tensor_plan, write_fast_gguf
+from scripts.gpu_check.isolate import hand_on_if_lost
 from scripts.gpu_check.profile import profile_engine
 from scripts.gpu_check.report import Report
 from scripts.gpu_check.speed import time_decode
@@ -232,14 +233,11 @@ def _one_shape(rep: Report, cfg: Config, budget: Budget, folder: Path, shape: Sh
             if budget.left() < need + reserve:
                 rep.add("speed", f"{shape.label}{variant.suffix()}", _skip_text(budget, need + reserve), None)
                 continue
-            failures = sum(r["status"] == "FAIL" for r in rep.rows)
+            failures = rep.failures()
             _one_variant(rep, cfg, budget, shape, spec, model, variant, decode, profile, copy_bps, default_rates)
-            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
-                left = variants[variants.index(variant) + 1:]
-                rep.add("speed", f"{shape.label} after{variant.suffix()}", "the GPU's context is lost (a sticky "
-                        f"error: the rows above); {len(left)} variants left for a fresh process", False)
-                if left:
-                    rep.resume(f"shapes:{shape.name}:{','.join(v.name for v in left)}")
+            left = [v.name for v in variants[variants.index(variant) + 1:]]
+            if hand_on_if_lost(rep, cfg, rep.failures() > failures, "speed", f"{shape.label}{variant.suffix()}",
+                               f"shapes:{shape.name}", left):
                 break
     finally:
         del model

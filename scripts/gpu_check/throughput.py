@@ -33,8 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.gpu_check.config import Budget, Config, cupy_llm, gpu_answers
+from scripts.gpu_check.config import Budget, Config, cupy_llm
 from scripts.gpu_check.fast_gguf import write_fast_gguf
+from scripts.gpu_check.isolate import hand_on_if_lost
 from scripts.gpu_check.report import Report
 from scripts.gpu_check.shapes import SHAPES
 
@@ -83,7 +84,7 @@ def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path,
     s_tg: dict[int, float] = {}
     try:
         for i, part in enumerate(todo):
-            failures = sum(r["status"] == "FAIL" for r in rep.rows)
+            failures = rep.failures()
             if part == "bench":
                 s_tg = _bench_rows(rep, cfg, budget, path, label)
             elif part == "invariant":
@@ -93,10 +94,8 @@ def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path,
             else:
                 _serve_rows(rep, cfg, budget, path, label)
             _free_device_memory(cfg)
-            if sum(r["status"] == "FAIL" for r in rep.rows) > failures and not gpu_answers(cfg):
-                rep.add(SECTION, f"after {part}", "the GPU's context is lost (a sticky error: the rows above); "
-                        "the parts left run in a fresh process", False)
-                rep.resume("throughput:" + ",".join([*todo[i + 1:], "8B"]))
+            if hand_on_if_lost(rep, cfg, rep.failures() > failures, SECTION, part, "throughput",
+                               [*todo[i + 1:], "8B"]):
                 return
     finally:
         if path is not None:

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 from scripts.gpu_check import __main__ as gpu_check_main
-from scripts.gpu_check import kernels
+from scripts.gpu_check import isolate, kernels
 from scripts.gpu_check.__main__ import part_names
 from scripts.gpu_check.config import Config
 from scripts.gpu_check.isolate import load_rows, run_child
@@ -141,7 +141,7 @@ def test_kernel_checks_stop_at_a_lost_context_and_hand_on_the_groups_left(monkey
     monkeypatch.setattr(gkc, "CHECK_NAMES", ("compile", "matvec", "qkv_rope_kv", "mmq_q8", "attn_decode"))
     monkeypatch.setattr(gkc, "check_all_kernels", check)
     monkeypatch.setattr(kernels, "_precompiled_runtime", lambda rep: None)
-    monkeypatch.setattr(kernels, "gpu_answers", lambda cfg: not lost)
+    monkeypatch.setattr(isolate, "gpu_answers", lambda cfg: not lost)
     rep, handed = Report(), []
     rep.resume = handed.append
     kernels.section_kernels(rep, Config())
@@ -167,14 +167,14 @@ def test_a_shape_stops_at_a_lost_context_and_hands_on_its_variants_left(monkeypa
             lost.append(variant.name)
 
     monkeypatch.setattr(shapes, "_one_variant", one_variant)
-    monkeypatch.setattr(shapes, "gpu_answers", lambda cfg: not lost)
+    monkeypatch.setattr(isolate, "gpu_answers", lambda cfg: not lost)
     cfg = Config.dry_run()
     cfg.variants, cfg.shapes = ("default", "before", "q8"), ("135M", "1B")
     rep, handed = Report(), []
     rep.resume = handed.append
     shapes.section_shapes(rep, cfg, Budget(1e6), tmp_path, only="135M")
     assert ran == ["default", "before"] and handed == ["shapes:135M:q8"]
-    assert any(r["check"] == "decode 135M Q4_1 after [before]" and r["status"] == "FAIL" for r in rep.rows)
+    assert any(r["check"] == "after decode 135M Q4_1 [before]" and r["status"] == "FAIL" for r in rep.rows)
     ran.clear(), lost.clear()
     again = Report()
     shapes.section_shapes(again, cfg, Budget(1e6), tmp_path, only="135M", resume=("q8",))   # the fresh process
@@ -276,7 +276,7 @@ def test_the_model_part_hands_its_sections_left_to_a_fresh_process(monkeypatch, 
     monkeypatch.setattr(model, "section_model", checks)
     monkeypatch.setattr(model, "section_layer", lambda *a: ran.append("layer"))
     monkeypatch.setattr(speed, "section_speed", lambda *a: ran.append("speed"))
-    monkeypatch.setattr(config, "gpu_answers", lambda cfg: not lost)
+    monkeypatch.setattr(isolate, "gpu_answers", lambda cfg: not lost)
     rep, handed = Report(), []
     rep.resume = handed.append
     gpu_check_main.run_part("model", rep, Config(), config.Budget(600), set(), tmp_path)
@@ -309,7 +309,7 @@ def test_the_throughput_part_hands_its_parts_left_to_a_fresh_process(monkeypatch
     monkeypatch.setattr(throughput, "_prompt_rows", lambda *a: ran.append("prompts"))
     monkeypatch.setattr(throughput, "_serve_rows", lambda *a: ran.append("serve"))
     monkeypatch.setattr(throughput, "_free_device_memory", lambda cfg: None)
-    monkeypatch.setattr(throughput, "gpu_answers", lambda cfg: not lost)
+    monkeypatch.setattr(isolate, "gpu_answers", lambda cfg: not lost)
     rep, handed = Report(), []
     rep.resume = handed.append
     throughput.section_throughput(rep, Config(), Budget(600), tmp_path)
