@@ -38,6 +38,7 @@ from metatp.passes.plan import single_device_plan
 from metatp.passes.state import SplitState
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from metatp.testing.oracles import rel_err
 from support.emulated_gpu import record_launches
 from support.require import require, requires
 
@@ -70,11 +71,6 @@ def engines(model, kind, n=1, ts=None, ref_n=None, **backend_kw):
         ref_lay = lay if ref_n is None else layout_for(ref_n)
         be = CupyBackend(lay, runtime=runtime(kind), **backend_kw)
         return Engine(model, 512, lay, be), Engine(model, 512, ref_lay, NumpyBackend(ref_lay))
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def run_teacher_forced(eng, ref, steps: int):

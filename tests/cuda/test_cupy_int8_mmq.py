@@ -20,6 +20,7 @@ from metatp.engine import Engine
 from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
+from metatp.testing.oracles import rel_err
 from support.emulated_gpu import record_launches
 from support.require import requires
 
@@ -33,11 +34,6 @@ INT8_KERNELS = {f"mmq_i8_{t}_t16" for t in ("q4_k", "q4_0", "q8_0", "q6_k", "q5_
 #: the prompt's 12-token products: q, k, v, o (the last layer keeps the output token's row only after
 #: attention, so its FFN and the head multiply one token)
 PROMPT_INT8_KERNELS = {f"mmq_i8_{t}_t16" for t in ("q4_k", "q4_0", "q8_0", "q6_k")}
-
-
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def _cupy(model, n_devices: int = 1, compute_capability: int = 90, **kw):
@@ -81,8 +77,8 @@ def test_q8_matches_numpy_llamacpp_numerics(synth_model, prompt, n_devices):
     got = eng.forward(prompt)
     assert INT8_KERNELS <= ran
     want, exact = _numpy(synth_model, "llamacpp").forward(prompt), _numpy(synth_model, "exact").forward(prompt)
-    assert _rel_err(got, want) < 1e-5
-    assert _rel_err(exact, want) > 1e-3
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(exact, want) > 1e-3
 
 
 def test_below_sm80_q8_keeps_its_rounding_without_tensor_cores_and_below_sm61_is_refused(synth_model):
@@ -94,7 +90,7 @@ def test_below_sm80_q8_keeps_its_rounding_without_tensor_cores_and_below_sm61_is
     eng, ran = _cupy(synth_model, compute_capability=75, numerics="q8")
     got = eng.forward(PROMPT)
     assert ran and not {n for n in ran if n.startswith("mmq_i8_")}
-    assert _rel_err(got, _numpy(synth_model, "llamacpp").forward(PROMPT)) < 1e-4
+    assert rel_err(got, _numpy(synth_model, "llamacpp").forward(PROMPT)) < 1e-4
     with pytest.raises(ConfigError, match=r"numerics='q8' needs int8 dot products \(dp4a, sm_61\+\); GPU 0 .*sm_60"):
         _cupy(synth_model, compute_capability=60, numerics="q8")
     assert _cupy(synth_model, compute_capability=60)[0] is not None        # exact numerics: any GPU

@@ -27,6 +27,7 @@ from metatp.ir.models.common import cache_type
 from metatp.ir.tensor import Flag, row_bytes
 from metatp.passes import DeviceLayout
 from metatp.testing.synth import SynthSpec
+from metatp.testing.oracles import rel_err
 from support.require import requires
 
 requires_gpu = requires("gpu")
@@ -64,11 +65,6 @@ def cupy_engine(model, kind: str, kt: str, vt: str | None = None, n: int = 1, ts
         eng = Engine(model, N_CTX, lay, be)
     eng.tensors = ModelTensors(model, N_CTX, cache_type(kt), cache_type(vt or kt, "v"))
     return eng
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 @pytest.fixture(scope="module")

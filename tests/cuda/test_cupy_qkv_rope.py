@@ -25,7 +25,9 @@ from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from metatp.testing.oracles import rel_err
 from support.require import require
+from support.emulated_gpu import record_scratch_requests
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12]
 
@@ -61,11 +63,6 @@ def engines(model, n: int = 1, ts=None, kv: str | None = None, **backend_kw) -> 
     if kv is not None:
         eng.tensors = ModelTensors(model, 512, cache_type(kv), cache_type(kv, "v"))
     return eng, ref
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def assert_same_greedy(got, want, tol: float) -> None:
@@ -179,15 +176,8 @@ def test_quantized_cache_scratch_is_declared(synth_factory, monkeypatch, n):
     """The staging row and counters a quantized cache's fused launch asks for fit what `workspace`
     declared (so `_presize` allocated them once): the family's WORKSPACE_OPS (SET_ROWS) at work."""
     require("emulator")
-    from metatp.backends.cuda.executable import CupyExecutable
 
-    asked: list[tuple[str, int]] = []
-    original = CupyExecutable.scratch_buffer
-
-    def logged(self, d, key, count, dtype):
-        asked.append((key, count))
-        return original(self, d, key, count, dtype)
-    monkeypatch.setattr(CupyExecutable, "scratch_buffer", logged)
+    asked = record_scratch_requests(monkeypatch)
     model = load_model(synth_factory(QKV_SPECS["llama-q4_1"])[0])
     eng, _ = engines(model, n, (1, 2) if n > 1 else None, kv="q4_1")
     plan, ex = eng.plan_for(BatchSpec(1, eng.kv_span(40, 1), 1))

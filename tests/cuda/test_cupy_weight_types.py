@@ -22,6 +22,7 @@ from metatp.passes import DeviceLayout
 from metatp.testing import EmuRuntime
 from metatp.testing.compare import teacher_forced
 from metatp.testing.synth import SynthSpec
+from metatp.testing.oracles import rel_err
 from support.emulated_gpu import record_launches
 from support.require import requires
 
@@ -51,11 +52,6 @@ def _engines(model, kind: str, numerics: str, ran: list[str]):
     return eng, ref
 
 
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
 def _same_greedy(got, want, tol: float) -> None:
     """Same argmax, unless the reference's top two are closer than the numerical tolerance."""
     for i, (a, b) in enumerate(zip(got, want)):
@@ -77,7 +73,7 @@ def test_new_weight_types_are_stored_raw_and_match_numpy(synth_model, kind):
     stored = [v for v in eng.backend.leaf[0].values() if isinstance(v, RawWeight)]
     assert {w.wtype for w in stored} >= set(NEW_TYPES)
     for a, b in zip(got, want):
-        assert _rel_err(a, b) < 1e-4
+        assert rel_err(a, b) < 1e-4
     _same_greedy(got, want, 0.0)
     if kind == "emu":
         for t in NEW_TYPES:
@@ -95,7 +91,7 @@ def test_new_weight_types_q8_numerics_match_numpy_q8(synth_model, kind):
     ran: list[str] = []
     eng, ref = _engines(model, kind, "q8", ran)
     got, want = teacher_forced(eng, ref, PROMPT, 3)
-    errs = [_rel_err(a, b) for a, b in zip(got, want)]
+    errs = [rel_err(a, b) for a, b in zip(got, want)]
     assert max(errs) < 5e-3 and sum(e < 1e-5 for e in errs) >= len(errs) - 1, errs
     _same_greedy(got, want, 5e-3)
     if kind == "emu":

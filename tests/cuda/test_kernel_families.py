@@ -22,6 +22,7 @@ from metatp.ir.ops import Op
 from metatp.ir.tensor import Flag, GGMLType
 from metatp.testing.synth import SynthSpec
 from support.require import require
+from support.emulated_gpu import record_scratch_requests
 
 SPEC = SynthSpec(n_layer=2, n_embd=192, n_head=6, n_head_kv=3, n_ff=256, n_vocab=320,
                  types={"q": "Q4_1", "k": "Q4_1", "v": "Q8_0", "o": "Q4_1", "gate": "Q4_1", "up": "Q4_1",
@@ -114,20 +115,13 @@ def test_workspace_covers_what_the_handlers_ask(synth_factory, monkeypatch, n):
     reported for it (so `_presize` allocated it once and nothing was outgrown)."""
     require("emulator")
     from metatp.backends.cuda.backend import CupyBackend
-    from metatp.backends.cuda.executable import CupyExecutable
     from metatp.engine import Engine
     from metatp.ir.loader import load_model
     from metatp.ir.models.common import BatchSpec
     from metatp.passes import DeviceLayout
     from metatp.testing import EmuRuntime
 
-    asked: list[tuple[str, int]] = []
-    original = CupyExecutable.scratch_buffer
-
-    def logged(self, d, key, count, dtype):
-        asked.append((key, count))
-        return original(self, d, key, count, dtype)
-    monkeypatch.setattr(CupyExecutable, "scratch_buffer", logged)
+    asked = record_scratch_requests(monkeypatch)
     model = load_model(str(synth_factory(SPEC)[0]))
     lay = DeviceLayout(n, "tensor" if n > 1 else "none", None)
     with warnings.catch_warnings():

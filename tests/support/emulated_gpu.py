@@ -24,6 +24,21 @@ def record_launches(rt: EmuRuntime, record: Callable[[str], object]) -> None:
     rt.emu.before_launch = seen
 
 
+def record_scratch_requests(monkeypatch) -> list[tuple[str, int]]:
+    """(key, element count) of every scratch buffer a cupy executable asks for from now on (the test's
+    `monkeypatch` undoes it): what a plan's handlers request, to hold against `workspace`'s needs."""
+    from metatp.backends.cuda.executable import CupyExecutable
+
+    asked: list[tuple[str, int]] = []
+    original = CupyExecutable.scratch_buffer
+
+    def logged(self, d, key, count, dtype):
+        asked.append((key, count))
+        return original(self, d, key, count, dtype)
+    monkeypatch.setattr(CupyExecutable, "scratch_buffer", logged)
+    return asked
+
+
 @contextmanager
 def on_emulator(rt: EmuRuntime, env: dict[str, str] | None = None) -> Iterator[None]:
     """Inside: `LLM(backend="cupy")` runs on `rt`; `env` sets environment variables for as long."""
