@@ -29,6 +29,7 @@ class Config:
     profile_copies: tuple[int, int] = (4, 36)     # a launch's copies in the profile's two graphs
     profile_shapes: tuple[str, ...] = ("135M", "1B")  # the shapes whose decode step the profile times
     profile_kv_lengths: tuple[int, ...] = (128,)
+    profile_flush_bytes: int = 0                   # bytes an L2 flush reads; 0: twice the GPU's L2 (profile.py)
     # the kernel variants the shapes and profile sections compare (variants.py), in this order
     variants: tuple[str, ...] = ("default", "before", "q8", "pdl")
     # the speed section's virtual devices on one GPU (issue 44 item 6): (N, split mode, the issue's bar)
@@ -49,6 +50,7 @@ class Config:
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
                    shape_decode_steps=1, decode_steps=4,
                    prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(0, 1), profile_kv_lengths=(16,),
+                   profile_flush_bytes=2**16,
                    bench_batches=(1, 2, 4), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
                    serve_tokens=4)
 

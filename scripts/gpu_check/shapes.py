@@ -65,9 +65,9 @@ def _llama(n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab, qtype, tied, embd_
 
 SHAPES = (
     Shape("135M", "Q4_1", _llama(30, 576, 9, 3, 1536, 49152, "Q4_1", True, "Q8_0"),
-          _llama(2, 192, 3, 1, 128, 384, "Q4_1", True, "Q8_0"), write_s=8, engine_s=6, row_s=6, profile_s=12),
+          _llama(2, 192, 3, 1, 128, 384, "Q4_1", True, "Q8_0"), write_s=8, engine_s=6, row_s=6, profile_s=13),
     Shape("1B", "Q8_0", _llama(16, 2048, 32, 8, 8192, 128256, "Q8_0", True),
-          _llama(2, 256, 4, 1, 256, 384, "Q8_0", True), write_s=15, engine_s=8, row_s=8, profile_s=10),
+          _llama(2, 256, 4, 1, 256, 384, "Q8_0", True), write_s=15, engine_s=8, row_s=8, profile_s=11),
     Shape("8B", "Q4_K", _llama(32, 4096, 32, 8, 14336, 128256, "Q4_K", False),
           _llama(2, 256, 4, 1, 256, 384, "Q4_K", False), write_s=50, engine_s=25, row_s=20, profile_s=20, big=True),
 )
@@ -75,7 +75,8 @@ SHAPES = (
 # rows, a replay check, a 512-token prefill and an N=3 engine in ~15 s; the 1B file writes in ~5 s on the
 # 2-core CPU machine (8B ~20 s, 4.5 GB) and uploads at several GB/s; a KV 4096 fill is one 4096-token
 # prefill (~0.1-1 s); the profile captures each launch into two graphs (~3 ms a launch, 130-250 launches)
-# after a short decode run. Margins are generous: a skipped row costs less than a run cut by `timeout`.
+# after a short decode run; since 2026-12-05 also into two graphs with an L2 flush before each copy, ~8 ms
+# more a launch, +1 s a profile. Margins are generous: a skipped row costs less than a run cut by `timeout`.
 
 
 def bytes_read_per_token(spec: SynthSpec, kv_len: int, kv_bytes: int = KV_BYTES) -> tuple[int, int]:
@@ -276,7 +277,7 @@ def _one_variant(rep: Report, cfg: Config, budget: Budget, shape: Shape, spec: S
                 rep.add("profile", label, _skip_text(budget, shape.profile_s), None)
                 continue
             try:
-                profile_engine(rep, cfg, budget, eng, label, kv_len, spec.n_layer, spec.n_vocab)
+                profile_engine(rep, cfg, budget, eng, label, kv_len, spec.n_layer, spec.n_vocab, copy_bps)
             except Exception as e:  # noqa: BLE001
                 rep.fail("profile", label, e)
     del eng

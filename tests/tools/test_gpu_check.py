@@ -112,7 +112,7 @@ def test_profile_groups_a_steps_launches_by_kernel():
     assert [(name, n) for name, n, _, _ in rows] == [("matvec_q4_1", 2), ("rms_norm", 2)]
     assert abs(rows[0][2] - 8e-6) < 1e-12 and rows[0][3].grid == (192,)
     text = table(times)
-    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 5.00 | (192,) | (32, 8) |" in text
+    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 0.0 | 0.00 | - | 5.00 | (192,) | (32, 8) |" in text
     assert "| rms_norm | 2 | 2.0 | 20.0% |" in text
 
 
@@ -274,7 +274,8 @@ def test_emulated_dry_run_compares_the_kernel_variants(tmp_path):
                 r"bandwidth; whole\); \d+\.\d\dx \[default\]")
 
     def summary(n: int) -> str:
-        return (r"kernels sum [\d,]+ µs of a [\d,]+ µs step \(whole\); top 3: \S+ \d+%, \S+ \d+%, \S+ \d+%; "
+        return (r"kernels sum [\d,]+ µs of a [\d,]+ µs step \(whole\), [\d,]+ µs with the L2 warm; top 3: \S+ \d+%, "
+                r"\S+ \d+%, \S+ \d+%; weights [\d.,]+ MB read at [\d,]+ GB/s \([\d.]+ of the copy\); "
                 rf"{n} launches/token, {n / 2:.1f}/layer")
     ran = 0
     for v in VARIANTS:
@@ -297,7 +298,8 @@ def test_emulated_dry_run_compares_the_kernel_variants(tmp_path):
             assert f"### {label}: kernels one by one\n\n{n} launches a token, {n / 2:.1f} a layer (2 layers)" in written
     assert ran >= 2                                  # default and before exist on every tree of this round
     assert_shape_rows(rows, "135M Q4_1")             # the default's rows, as the other shapes' in the shapes-only run
-    assert "| kernel | launches | µs a step | share | of the step |" in written
+    assert ("| kernel | launches | µs a step | share | of the step | µs L2 warm | weights MB | weights read at |"
+            in written)
     assert "decode 1B Q8_0 model" not in rows and "decode 8B Q4_K" not in rows      # --shapes 135M
     assert not [row for row in rows.values() if row["status"] == "FAIL"]
 
@@ -401,10 +403,64 @@ def test_profile_summary_names_the_top_kernels_and_launches_per_layer():
 
     times = [LaunchTime("matvec_q4_1", (72,), (32, 8), 3e-6), LaunchTime("rms_norm", (1,), (256,), 1e-6),
              LaunchTime("matvec_q4_1", (192,), (32, 8), 5e-6), LaunchTime("attn_decode", (9, 4), (128,), 1e-6)]
-    assert summary(times, 20.0, "whole", 4, 2) == ("kernels sum 10 µs of a 20 µs step (whole); top 3: matvec_q4_1 "
-                                                   "80%, rms_norm 10%, attn_decode 10%; 4 launches/token, 2.0/layer")
+    assert summary(times, 20.0, "whole", 4, 2) == ("kernels sum 10 µs of a 20 µs step (whole), 0 µs with the L2 "
+                                                   "warm; top 3: matvec_q4_1 80%, rms_norm 10%, attn_decode 10%; "
+                                                   "4 launches/token, 2.0/layer")
     assert "(time budget: the first 4 of 9 launches)" in summary(times, 20.0, "whole", 9, 2)
-    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 40.0% | 5.00 | (192,) | (32, 8) |" in table(times, 20e-6)
+    assert "| matvec_q4_1 | 2 | 8.0 | 80.0% | 40.0% | 0.0 | 0.00 | - | 5.00 | (192,) | (32, 8) |" in table(times, 20e-6)
+
+
+def test_profile_gives_each_kernel_its_weight_bandwidth_cold_and_warm():
+    """With the L2 warm and cold times and the weight bytes of each launch: per kernel the warm total,
+    the weights read and their bandwidth (against the copy's when given); in the summary the warm sum
+    and the weights' bandwidth over the launches that read weights."""
+    from scripts.gpu_check.profile import LaunchTime, summary, table
+
+    times = [LaunchTime("matvec_q8_0", (1024,), (128, 2), 4e-6, 2e-6, 8_000_000),
+             LaunchTime("matvec_q8_0", (1024,), (128, 2), 6e-6, 3e-6, 12_000_000),
+             LaunchTime("attn_decode", (4, 8), (64,), 5e-6, 9e-6, 0)]
+    text = table(times, 30e-6, copy_bps=4e12)
+    assert ("| matvec_q8_0 | 2 | 10.0 | 66.7% | 33.3% | 5.0 | 20.00 | 2,000 GB/s (0.50 of the copy) | 6.00 | "
+            "(1024,) | (128, 2) |") in text
+    assert "| attn_decode | 1 | 5.0 | 33.3% | 16.7% | 9.0 | 0.00 | - | 5.00 |" in text
+    assert summary(times, 30.0, "whole", 3, 1, copy_bps=4e12) == (
+        "kernels sum 15 µs of a 30 µs step (whole), 14 µs with the L2 warm; top 3: matvec_q8_0 67%, attn_decode 33%; "
+        "weights 20.0 MB read at 2,000 GB/s (0.50 of the copy); 3 launches/token, 3.0/layer")
+    # the shapes section's copy bandwidth is NaN when its copy failed: the bandwidth without the fraction
+    assert "weights 20.0 MB read at 2,000 GB/s; " in summary(times, 30.0, "whole", 3, 1, copy_bps=float("nan"))
+
+
+def test_profile_counts_every_weight_a_decode_step_reads_once(tmp_path):
+    """The weight bytes the profile gives a decode step's launches add up to what the shapes rows say a
+    token reads (every layer matrix and norm, the tied output matrix whole; the embedding gather
+    reads one row, counted by neither), and the L2 flush is one launch reading at least what it is asked."""
+    import numpy as np
+
+    from scripts.gpu_check.config import Budget, Config, cupy_engine
+    from scripts.gpu_check.fast_gguf import write_fast_gguf
+    from scripts.gpu_check.profile import flush_launch, launch_times, weight_bytes_of
+    from scripts.gpu_check.shapes import SHAPES, bytes_read_per_token
+    from scripts.gpu_check.speed import time_decode
+    from metatp.ir.loader import load_model
+
+    cfg = Config.dry_run()
+    shape = SHAPES[0]
+    path = tmp_path / "m.gguf"
+    write_fast_gguf(path, shape.small)
+    eng = cupy_engine(cfg, load_model(path), 64, cuda_graphs=True)
+    ex = time_decode(cfg, eng, 8, 1, vocab=shape.small.n_vocab)["executable"]
+    d = ex.devices[0]
+    weights = weight_bytes_of(ex, d)
+    steps = [s for per_dev in ex.steps for s in per_dev[d]]
+    assert sum(weights(s) for s in steps) == bytes_read_per_token(shape.small, 0)[0]
+    assert [weights(s) for s in steps if s.name.startswith("get_rows")] == [0]
+    flush = flush_launch(ex.rt, ex.devs[d], 100_000)
+    w = flush.args[0]
+    assert flush.name.startswith("matvec_q8_0") and w.dtype == np.uint8 and 100_000 - w.shape[1] < w.nbytes <= 100_000
+    times = launch_times(ex, Budget(1e6), *cfg.profile_copies, flush_bytes=cfg.profile_flush_bytes)
+    assert [t.name for t in times] == [s.name for s in steps]
+    assert all(t.seconds >= 0 and t.warm is not None and t.warm >= 0 for t in times)
+    assert [t.weight_bytes for t in times] == [weights(s) for s in steps]
 
 
 def test_virtual_device_rows_compare_with_n1_on_the_emulator(tmp_path):
