@@ -29,7 +29,8 @@ from metatp.backends.cuda.kernels.matvec import matvec
 from metatp.backends.cuda.kernels.mmq import MMQ_Q8_KIND, mmq, mmq_q8, q8_acts_empty
 from metatp.backends.cuda.launch import WEIGHT_TYPES, device_ptr
 
-__all__ = ["PATHS", "EXACT_PATHS", "TOKENS", "SHAPES", "crossover", "suggest", "suggest_int8", "main"]
+__all__ = ["PATHS", "EXACT_PATHS", "TOKENS", "SHAPES", "crossover", "suggest", "suggest_int8", "disagreeing",
+           "markdown", "main"]
 
 #: the exact numerics' paths (what `suggest` compares) and numerics "q8"'s int8 path
 EXACT_PATHS = ("matvec", "mmq", "gemm")
@@ -178,6 +179,14 @@ def suggest_int8(rows: list[dict]) -> tuple[int, int] | None:
     return _wins(rows, "mmq_i8", ("mmq", "gemm"))
 
 
+def disagreeing(rows: list[dict]) -> list[tuple[dict, str]]:
+    """(row, path) where a path's result is off its reference by more than it may be: f16 operands on
+    the GEMM path (its error grows like sqrt(ne0) * 2^-11), f32 sums elsewhere. A path that has no
+    result (mmq_i8 for a type without an int8 kernel) is not counted."""
+    return [(r, p) for r in rows for p in PATHS
+            if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= (3e-3 if p == "gemm" else 1e-5 * math.sqrt(8192))]
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | type | T | matvec µs | mmq µs | gemm µs | mmq_i8 µs | fastest exact | "
              "max rel err (mv/mmq/gemm/i8) |",
@@ -203,9 +212,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = crossover(emulate=args.emulate, reps=args.reps, tokens=args.tokens)
     print(markdown(rows))
-    # f16 operands on the GEMM path: its error grows like sqrt(ne0) * 2^-11
-    bad = [r for r in rows for p in PATHS   # mmq_i8 has no error for a type without an int8 kernel
-           if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= (3e-3 if p == "gemm" else 1e-5 * math.sqrt(8192))]
+    bad = disagreeing(rows)
     s, s8 = suggest(rows), suggest_int8(rows)
     print(f"\nsuggested mmq_min_tokens, mmq_max_tokens: {s[0]}, {s[1]}" if s else
           "\nno suggestion (untimed, or the tiled kernel is not the fastest for every shape at any T)")

@@ -36,6 +36,8 @@ class Config:
     virtual_cases: tuple[tuple[int, str, float], ...] = ((2, "tensor", 0.8), (3, "tensor", 0.8), (2, "layer", 0.95))
     # the throughput section (throughput.py): batched-bench rows, long prompts, `metatp serve`
     bench_batches: tuple[int, ...] = (1, 8, 64, 256)
+    crossover_tokens: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)   # the many-token products' T (throughput.py)
+    crossover_reps: int = 10
     bench_pp: int = 128
     bench_tg: int = 32
     prompt_lengths: tuple[int, ...] = (512, 4096)
@@ -51,7 +53,7 @@ class Config:
                    shape_decode_steps=1, decode_steps=4,
                    prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(0, 1), profile_kv_lengths=(16,),
                    profile_flush_bytes=2**16,
-                   bench_batches=(1, 2, 4), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
+                   bench_batches=(1, 2, 4), crossover_tokens=(1, 9, 17), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
                    serve_tokens=4)
 
     def spec(self):

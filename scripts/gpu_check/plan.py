@@ -68,7 +68,7 @@ def estimate(cfg: Config, skip: set[str], processes: list[str] | None = None) ->
         else:
             out.append(Estimate("llama-cpp", 0.0, "skips itself: no llama_cpp_python in .whl/"))
     if "throughput" not in skip:
-        parts = ("bench", "invariant", "prompts", "serve") + (("prompts 8B",) if cfg.big else ())
+        parts = throughput.PARTS_1B + (("prompts 8B",) if cfg.big else ())
         out.append(Estimate("throughput", sum(throughput.NEED_S[p] for p in parts), ", ".join(parts)))
     out += [Estimate(s, FIXED_S[s], "") for s in ("nccl", "mpi") if s not in skip]
     if processes:

@@ -3,6 +3,13 @@
 On the Llama-3.2-1B shapes in Q8_0 (a synthetic GGUF written here, `fast_gguf`), rows named as
 the issue names them:
 
+- `MUL_MAT 1B gate/up 8192x2048 q8_0 T=64` for the 1B projections (and the 8B FFN with --big) at T = 1..256
+  tokens: each way a product of many tokens can run timed alone (`scripts/mmq_crossover`: the matvec kernel,
+  the tiled kernel `mmq`, dequantize + cuBLAS, numerics q8's int8 tiles), then `many-token products, 1B Q8_0`:
+  where the tiled kernel (and the int8 one) is the fastest on every shape, against the default range
+  (issue 46 item 2's crossover). Where the measured range differs from the default, the batched-bench rows
+  at B = 64 and 256 run once more with it (`... B=64 [mmq 9..64]`, with its ratio to the default's row);
+  where the int8 tiles are the fastest at T = 64, B = 64 once more with numerics q8 (`... [q8]`);
 - `batched-bench 1B Q8_0 PP 128 TG 32 B=b` for B = 1, 8, 64, 256: llama-batched-bench's S_PP,
   S_TG and S (`metatp.tools.batched_bench.run_config`, every plan compiled in an untimed run
   first), then `S_TG B=64 / B=1, 1B Q8_0` and `S_TG B=256 / B=1, 1B Q8_0` (targets 25x, 60x);
@@ -43,7 +50,7 @@ __all__ = ["section_throughput", "serve_command", "serve_main"]
 
 SECTION = "throughput"
 #: seconds each part needs on the H200 (estimates; the budget guard skips a part that does not fit)
-NEED_S = {"bench": 120, "invariant": 45, "prompts": 40, "prompts 8B": 150, "serve": 90}
+NEED_S = {"crossover": 20, "bench": 120, "tuned": 60, "invariant": 45, "prompts": 40, "prompts 8B": 150, "serve": 90}
 
 
 def _shape(name: str):
@@ -66,7 +73,7 @@ def _rate(x: float) -> str:
 
 
 #: the section's parts on the 1B file, in order (`throughput:prompts,serve` runs those alone)
-PARTS_1B = ("bench", "invariant", "prompts", "serve")
+PARTS_1B = ("crossover", "bench", "tuned", "invariant", "prompts", "serve")
 
 
 def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path,
@@ -82,11 +89,16 @@ def section_throughput(rep: Report, cfg: Config, budget: Budget, folder: Path,
         return
     path = _model_file(cfg, one_b, folder) if todo else None
     s_tg: dict[int, float] = {}
+    measured: dict[str, tuple[int, int] | None] = {}
     try:
         for i, part in enumerate(todo):
             failures = rep.failures()
-            if part == "bench":
+            if part == "crossover":
+                measured = _crossover_rows(rep, cfg, budget, label)
+            elif part == "bench":
                 s_tg = _bench_rows(rep, cfg, budget, path, label)
+            elif part == "tuned":
+                _tuned_rows(rep, cfg, budget, path, label, measured, s_tg)
             elif part == "invariant":
                 _invariant_rows(rep, cfg, budget, path, label, s_tg)
             elif part == "prompts":
@@ -123,25 +135,103 @@ def _fits(rep: Report, cfg: Config, budget: Budget, what: str, need: float) -> b
     return False
 
 
+# ---------------------------------------------------------------- many-token products
+def _crossover_rows(rep: Report, cfg: Config, budget: Budget, label: str) -> dict[str, tuple[int, int] | None]:
+    """Each way a MUL_MAT of many tokens runs, timed alone on the 1B projections (the 8B FFN with
+    --big; the emulator's tiny shapes, untimed, there): a row per (shape, T), a FAIL row for a path
+    off its reference, then where the tiled kernel and the int8 tiles are the fastest on every shape.
+    Returns those ranges ({"mmq": (lo, hi) or None, "int8": ...}) for the tuned rows."""
+    from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
+    from scripts.mmq_crossover import PATHS, SHAPES as PRODUCTS, crossover, disagreeing, suggest, suggest_int8
+
+    if not _fits(rep, cfg, budget, f"many-token products, {label}", NEED_S["crossover"]):
+        return {}
+    shapes = None if cfg.emulate else tuple(s for s in PRODUCTS if s[0].startswith("1B") or cfg.big)
+    try:
+        rows = crossover(emulate=cfg.emulate, reps=cfg.crossover_reps, tokens=cfg.crossover_tokens, shapes=shapes)
+    except Exception as e:  # noqa: BLE001
+        rep.fail(SECTION, f"many-token products, {label}", e)
+        return {}
+    for r in rows:
+        times = [f"{p} {'-' if r.get(f'{p}_us') is None else format(r[f'{p}_us'], ',.1f')}" for p in PATHS]
+        rep.add(SECTION, f"MUL_MAT {r['shape']} {r['type']} T={r['tokens']}",
+                f"{', '.join(times)} µs" + (" (emulator: untimed)" if cfg.emulate else ""), None)
+    for r, path in disagreeing(rows):
+        rep.add(SECTION, f"MUL_MAT {r['shape']} {r['type']} T={r['tokens']} [{path}]",
+                f"max rel err {r[f'{path}_err']:.1e} against its reference: too far", False)
+    found = {"mmq": suggest(rows), "int8": suggest_int8(rows)}
+
+    def span(x: tuple[int, int] | None) -> str:
+        return "at no T" if x is None else f"for T = {x[0]}..{x[1]}"
+    rep.add(SECTION, f"many-token products, {label}",
+            f"the tiled kernel (mmq) is the fastest exact path on every shape {span(found['mmq'])} (default "
+            f"T = {MMQ_MIN_TOKENS}..{MMQ_MAX_TOKENS}: mmq_min_tokens, mmq_max_tokens); numerics q8's int8 tiles "
+            f"the fastest {span(found['int8'])}", None)
+    return found
+
+
+def _tuned_range(found: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The mmq range to try in the tuned rows: from the first token count past the matvec kernel's
+    to the last T where the tiled kernel won; None where that is the default's range already, or it
+    never won above the matvec kernel's rows (the bench's many-row steps then keep cuBLAS, as now)."""
+    from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
+
+    if found is None or found[1] < MMQ_MIN_TOKENS:
+        return None
+    tuned = (MMQ_MIN_TOKENS, found[1])
+    return None if tuned == (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS) else tuned
+
+
+def _tuned_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str,
+                found: dict[str, tuple[int, int] | None], s_tg: dict[int, float]) -> None:
+    """The batched-bench rows of the many-row steps again with what the crossover rows measured: the
+    tiled kernel's range where it differs from the default (B above the matvec kernel's rows), numerics
+    q8 at B=64 where the int8 tiles won at T=64; each with its S_TG against the default row's."""
+    from metatp.backends.cuda.launch import MATVEC_MAX_TOKENS
+
+    runs = []
+    mmq = _tuned_range(found.get("mmq"))
+    many = [b for b in cfg.bench_batches if b > MATVEC_MAX_TOKENS]
+    if mmq is not None and many:
+        runs.append((f"mmq {mmq[0]}..{mmq[1]}", {"backend_options": {"mmq_min_tokens": mmq[0], "mmq_max_tokens": mmq[1]}},
+                     many))
+    int8 = found.get("int8")
+    b64 = max((b for b in cfg.bench_batches if b <= 64), default=0)
+    if int8 is not None and b64 > MATVEC_MAX_TOKENS and int8[0] <= b64 <= int8[1]:
+        runs.append(("q8", {"numerics": "q8"}, [b64]))
+    if not runs:
+        rep.add(SECTION, f"batched-bench {label} tuned", "not run: the crossover rows measured nothing to change "
+                "(or did not run)", None)
+        return
+    for tag, kw, batches in runs:
+        got = _bench_rows(rep, cfg, budget, path, label, batches, f" [{tag}]", kw)
+        for b, rate in got.items():
+            if s_tg.get(b):
+                rep.add(SECTION, f"S_TG B={b} [{tag}] / default, {label}", f"{rate / s_tg[b]:.2f}x", None)
+
+
 # ---------------------------------------------------------------- batched-bench
-def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str) -> dict[int, float]:
-    """The batched-bench rows; returns S_TG by B (the ones that ran)."""
+def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str,
+                batches: list[int] | None = None, tag: str = "", llm_kw: dict | None = None) -> dict[int, float]:
+    """The batched-bench rows (of `batches`, default the config's; `tag` ends each row's name and
+    `llm_kw` goes to the LLM: the tuned rows); returns S_TG by B (the ones that ran)."""
     from metatp.tools.batched_bench import run_config
 
+    batches = list(batches or cfg.bench_batches)
     pp, tg = cfg.bench_pp, cfg.bench_tg
-    n_ctx = max(cfg.bench_batches) * (pp + tg)
+    n_ctx = max(batches) * (pp + tg)
     try:
-        llm = cupy_llm(cfg, path, n_ctx=n_ctx, n_batch=512, max_num_seqs=max(cfg.bench_batches),
-                       enable_prefix_caching=False)
+        llm = cupy_llm(cfg, path, n_ctx=n_ctx, n_batch=512, max_num_seqs=max(batches),
+                       enable_prefix_caching=False, **(llm_kw or {}))
     except Exception as e:  # noqa: BLE001
-        rep.fail(SECTION, f"batched-bench {label} LLM", e)
+        rep.fail(SECTION, f"batched-bench {label} LLM{tag}", e)
         return {}
     # a prompt pass attends over the cells in use rounded up to 256: B=256 prompts of 128 tokens make
     # 64 passes of 512 rows, each a plan of its own span; all are kept, so the timed run compiles none
     llm.engine.max_plans = max(llm.engine.max_plans, 2 * n_ctx // 512 + 32)
     s_tg: dict[int, float] = {}
-    for b in cfg.bench_batches:
-        row = f"batched-bench {label} PP {pp} TG {tg} B={b}"
+    for b in batches:
+        row = f"batched-bench {label} PP {pp} TG {tg} B={b}{tag}"
         if not _fits(rep, cfg, budget, row, 15 + b / 8):
             continue
         try:
@@ -151,8 +241,10 @@ def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str
                     f"(T_PP {r.t_pp:.3f} s, T_TG {r.t_tg:.3f} s, N_KV {r.n_kv:,})", None)
         except Exception as e:  # noqa: BLE001
             rep.fail(SECTION, row, e)
+    if tag:
+        return s_tg
     one = s_tg.get(1)
-    for b in cfg.bench_batches[1:]:
+    for b in batches[1:]:
         if one and b in s_tg:
             rep.add(SECTION, f"S_TG B={b} / B=1, {label}", f"{s_tg[b] / one:.1f}x", None)
     _graph_note(rep, llm, label)

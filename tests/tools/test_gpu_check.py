@@ -242,8 +242,67 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
         rf"\d+\.\dx \({rate} tok/s for 4 at once, {rate} tok/s one after another over 4 of them; 4 tokens each\)",
         serve["result"]), serve
     assert rows["pp 8B Q4_K"]["result"] == "not run (needs --big)"
+    # the many-token products, each path checked against its reference (untimed on the emulator)
+    for t in (1, 9, 17):
+        assert rows[f"MUL_MAT tiny q8_0 70x64 q8_0 T={t}"]["result"] == ("matvec -, mmq -, gemm -, mmq_i8 - µs "
+                                                                      "(emulator: untimed)")
+    assert "is the fastest exact path on every shape at no T (default T = 9..16" in rows[
+        "many-token products, 1B Q8_0"]["result"]
+    assert rows["batched-bench 1B Q8_0 tuned"]["result"].startswith("not run")
     assert not [row for row in rows.values() if row["status"] == "FAIL"]
     assert not list(tmp_path.glob("throughput-*"))          # each file removed after its rows
+
+
+def test_tuned_rows_run_the_many_row_steps_again_with_the_measured_choice(tmp_path, monkeypatch):
+    """Where the crossover rows found the tiled kernel fastest up to T=64 and the int8 tiles too, the
+    many-row batched-bench steps run again with mmq_min_tokens..mmq_max_tokens = 9..64, and the B<=64
+    one with numerics q8, each row named by its choice with its S_TG against the default row's."""
+    import re
+
+    from scripts.gpu_check import throughput
+    from scripts.gpu_check.config import Budget, Config
+    from scripts.gpu_check.report import Report
+    from scripts.gpu_check.shapes import SHAPES
+
+    assert throughput._tuned_range(None) is None
+    assert throughput._tuned_range((16, 16)) is None            # the default range already
+    assert throughput._tuned_range((1, 4)) is None              # never won above the matvec kernel's rows
+    assert throughput._tuned_range((16, 64)) == (9, 64)
+    cfg = Config.dry_run()
+    cfg.bench_batches = (1, 9)
+    made = []
+    real_llm = throughput.cupy_llm
+
+    def spy(cfg_, path, **kw):
+        made.append(kw)
+        return real_llm(cfg_, path, **kw)
+    monkeypatch.setattr(throughput, "cupy_llm", spy)
+    rep = Report()
+    path = throughput._model_file(cfg, SHAPES[1], tmp_path)
+    throughput._tuned_rows(rep, cfg, Budget(1e6), path, "1B Q8_0", {"mmq": (16, 64), "int8": (9, 256)}, {9: 1.0})
+    rows = {r["check"]: r for r in rep.rows}
+    assert [kw.get("backend_options") or kw.get("numerics") for kw in made] == [
+        {"mmq_min_tokens": 9, "mmq_max_tokens": 64}, "q8"]
+    assert re.fullmatch(r"S_PP .* t/s, S_TG .* t/s, S .* t/s \(.*\)", rows["batched-bench 1B Q8_0 PP 4 TG 3 B=9 "
+                                                                          "[mmq 9..64]"]["result"])
+    assert "batched-bench 1B Q8_0 PP 4 TG 3 B=1 [mmq 9..64]" not in rows      # one row: the matvec kernel's
+    for tag in ("mmq 9..64", "q8"):
+        assert re.fullmatch(r"\d+\.\d\dx", rows[f"S_TG B=9 [{tag}] / default, 1B Q8_0"]["result"])
+    assert not [r for r in rep.rows if r["status"] == "FAIL"]
+
+
+def test_plan_of_the_throughput_call_fits_its_budget():
+    """The throughput call of docs/gpu-results.md (issue 44's sections and llama-cpp left out: they are
+    other calls) fits its --budget 420 with every part of the section, the crossover and tuned rows too."""
+    from scripts.gpu_check import plan
+    from scripts.gpu_check.__main__ import part_names
+    from scripts.gpu_check.config import Config
+
+    skip = {"kernels", "model", "speed", "shapes", "profile", "llama-cpp", "nccl", "mpi"}
+    estimates = plan.estimate(Config(), skip, part_names(Config(), skip, split_shapes=True))
+    assert [e.section for e in estimates] == ["preflight", "env", "throughput", "part processes"]
+    assert "crossover, bench, tuned" in estimates[2].what
+    assert sum(e.seconds for e in estimates) <= 420
 
 
 def test_emulated_dry_run_compares_the_kernel_variants(tmp_path):
