@@ -304,7 +304,9 @@ def test_the_throughput_part_hands_its_parts_left_to_a_fresh_process(monkeypatch
         return {}
 
     monkeypatch.setattr(throughput, "_model_file", lambda cfg, shape, folder: tmp_path / "m.gguf")
+    monkeypatch.setattr(throughput, "_crossover_rows", lambda *a: ran.append("crossover") or {})
     monkeypatch.setattr(throughput, "_bench_rows", bench)
+    monkeypatch.setattr(throughput, "_tuned_rows", lambda *a: ran.append("tuned"))
     monkeypatch.setattr(throughput, "_invariant_rows", lambda *a: ran.append("invariant"))
     monkeypatch.setattr(throughput, "_prompt_rows", lambda *a: ran.append("prompts"))
     monkeypatch.setattr(throughput, "_serve_rows", lambda *a: ran.append("serve"))
@@ -313,7 +315,7 @@ def test_the_throughput_part_hands_its_parts_left_to_a_fresh_process(monkeypatch
     rep, handed = Report(), []
     rep.resume = handed.append
     throughput.section_throughput(rep, Config(), Budget(600), tmp_path)
-    assert ran == ["bench"] and handed == ["throughput:invariant,prompts,serve,8B"]
+    assert ran == ["crossover", "bench"] and handed == ["throughput:tuned,invariant,prompts,serve,8B"]
     ran.clear(), lost.clear()
     again = Report()
     throughput.section_throughput(again, Config(), Budget(600), tmp_path, ("invariant", "prompts", "serve", "8B"))
