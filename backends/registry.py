@@ -139,6 +139,9 @@ BACKENDS: dict[str, BackendEntry] = {
         Option("matmul_dtype", ("f16", "f32"), "f16", "operand type of the cuBLAS prefill path"),
         Option("mmq_min_tokens", int, None, "fewest tokens a MUL_MAT runs the tiled many-token kernel for"),
         Option("mmq_max_tokens", int, None, "most tokens a MUL_MAT runs the tiled many-token kernel for"),
+        Option("mmq_tensor_cores", bool, False,
+               "the tiled many-token kernel multiplies f16 tiles on the tensor cores (sm_80+; the cuBLAS path's "
+               "operand rounding) instead of f32 on the CUDA cores"),
         Option("multi_gpu_graphs", ("whole", "segments"), "whole",
                "one CUDA graph across GPUs, or per-subgraph segments"),
         Option("batch_invariant", bool, False,

@@ -130,6 +130,135 @@ __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float*
 MT_FOR_ALL_WTYPES(MT_MMQ_ENTRY)
 
 
+// ---- The same tiles on the tensor cores (the cupy option mmq_tensor_cores): the weight tile and
+// the activation tile are decoded as in mt_mmq (each weight block once a step, both in the type's
+// chunk order) but kept as f16 in shared memory (rounded to nearest even, as the cuBLAS path rounds
+// its operands), pairs of elements in 32-bit words, and multiplied with mma.sync.m16n8k16 f16 ->
+// f32. 8 warps: warp w takes the block's rows 16 (w & 3) .. +15 and tokens (w >> 2) TT/2 .. +TT/2-1,
+// TT/16 products of 8 tokens for every 16 elements. f32 accumulation across the steps.
+#define MT_MMQH_LDW (MT_MMQ_KS / 2 + 4)  // words per shared row: 144 bytes, fragment loads on 32 banks
+
+// D (16 x 8 f32) += A (16 x 16 f16, row) B (16 x 8 f16, col). Fragments as the PTX ISA lays them out
+// for m16n8k16 with .f16 (g = lane >> 2, t = lane & 3; a word holds two f16, the lower index in its
+// low half): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] =
+// A[g+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c[0..1] = D[g][2t, 2t+1],
+// c[2..3] = D[g+8][2t, 2t+1].
+__device__ __forceinline__ void mt_mma_f16(float (&c)[4], const mt_u32 (&a)[4], const mt_u32 (&b)[2]) {
+#ifndef MT_HOST_EMU
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __trap();  // f16 mma m16n8k16 needs sm_80+: an older GPU gets a launch error, never a wrong sum
+#endif
+#else
+    mt_emu::mma_m16n8k16_f16(c, a, b, c);
+#endif
+}
+
+__device__ __forceinline__ mt_u32 mt_f2h2(float lo, float hi) {
+    return (mt_u32)mt_f2h(lo) | ((mt_u32)mt_f2h(hi) << 16);
+}
+
+template <typename W, int NTT>
+__device__ __forceinline__ void mt_mmq_h(const mt_u8* __restrict__ w, const float* __restrict__ x,
+                                         float* __restrict__ y, int ne0, int n_rows, int row_bytes,
+                                         int n_tok, int x_stride, int y_stride) {
+    // PW: elements a thread decodes at once (a whole unit; two for the one-element units of f32/f16/bf16)
+    enum { TT = 16 * NTT, NB = TT / 16, PW = W::CW >= 2 ? W::CW : 2, UPW = PW / W::CW };
+    __shared__ mt_u32 w_s[MT_MMQ_TR][MT_MMQH_LDW];
+    __shared__ mt_u32 x_s[TT][MT_MMQH_LDW];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int wr = 16 * (warp & 3), wt = (warp >> 2) * (TT / 2);
+    const int row0 = blockIdx.x * MT_MMQ_TR;
+    const int tok0 = blockIdx.y * TT;
+    const int units = (ne0 / W::QK) * W::NCHUNK;
+
+    float acc[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+
+    for (int u0 = 0; u0 < units; u0 += MT_MMQ_KS / W::CW) {
+        // ---- the weight tile: PW elements (UPW units) a work item, each unit decoded once
+        for (int e = tid; e < MT_MMQ_TR * (MT_MMQ_KS / PW); e += MT_MMQ_NTH) {
+            const int r = e / (MT_MMQ_KS / PW), q0 = (e - r * (MT_MMQ_KS / PW)) * PW;
+            const int row = row0 + r;
+            float v[PW];
+#pragma unroll
+            for (int h = 0; h < UPW; ++h) {
+                const int u = u0 + q0 / W::CW + h;
+                if (row < n_rows && u < units) {
+                    const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
+                    W::load(w + (mt_i64)row * row_bytes + (mt_i64)ib * W::BYTES, c, v + h * W::CW);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < W::CW; ++k) v[h * W::CW + k] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < PW; k += 2) w_s[r][(q0 + k) / 2] = mt_f2h2(v[k], v[k + 1]);
+        }
+        // ---- the activation tile: the same elements of TT tokens, two a word
+        for (int e = tid; e < TT * (MT_MMQ_KS / 2); e += MT_MMQ_NTH) {
+            const int t = e / (MT_MMQ_KS / 2), p = 2 * (e - t * (MT_MMQ_KS / 2));
+            const int tok = tok0 + t;
+            float xv[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int uu = (p + h) / W::CW, k = (p + h) - uu * W::CW, u = u0 + uu;
+                if (tok < n_tok && u < units) {
+                    const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
+                    xv[h] = __ldg(x + (mt_i64)tok * x_stride + (mt_i64)ib * W::QK + W::idx(c, k));
+                }
+            }
+            x_s[t][p / 2] = mt_f2h2(xv[0], xv[1]);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k0 = 0; k0 < MT_MMQ_KS / 2; k0 += 8) {  // 16 elements (8 words) a product
+            const mt_u32 a[4] = {w_s[wr + g][k0 + t4], w_s[wr + g + 8][k0 + t4], w_s[wr + g][k0 + 4 + t4],
+                                 w_s[wr + g + 8][k0 + 4 + t4]};
+#pragma unroll
+            for (int j = 0; j < NB; ++j) {
+                const mt_u32 b[2] = {x_s[wt + 8 * j + g][k0 + t4], x_s[wt + 8 * j + g][k0 + 4 + t4]};
+                mt_mma_f16(acc[j], a, b);
+            }
+        }
+        __syncthreads();  // the tiles are rewritten by the next step
+    }
+
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + wr + g + (i < 2 ? 0 : 8), tok = tok0 + wt + 8 * j + 2 * t4 + (i & 1);
+            if (row < n_rows && tok < n_tok) y[(mt_i64)tok * y_stride + row] = acc[j][i];
+        }
+}
+
+// mmq_h_<type>_t<TT>: mmq_<type>_t<TT>'s arguments, launch and result, the products on the tensor
+// cores from f16 tiles (sm_80+; the f16 rounding of both operands, f32 accumulation).
+#define MT_MMQH_ENTRY_T(name, W, NTT, TT)                                                      \
+    extern "C" __global__ void __launch_bounds__(MT_MMQ_NTH)                                  \
+        mmq_h_##name##_t##TT(const mt_u8* w, const float* x, float* y, int ne0, int n_rows,    \
+                             int row_bytes, int n_tokens, int x_stride, int y_stride) {        \
+        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
+        mt_mmq_h<W, NTT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride);       \
+    }
+#define MT_MMQH_ENTRY(name, W)         \
+    MT_MMQH_ENTRY_T(name, W, 1, 16)    \
+    MT_MMQH_ENTRY_T(name, W, 2, 32)    \
+    MT_MMQH_ENTRY_T(name, W, 4, 64)
+
+MT_FOR_ALL_WTYPES(MT_MMQH_ENTRY)
+
+
 // =============================================================================================
 // The int8 path (numerics "q8": llama.cpp's rounding of activations, its MMQ on tensor cores).
 //

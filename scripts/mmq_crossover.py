@@ -9,8 +9,10 @@ tensor-core path (quantize + ``mmq_i8_<type>``) beats dequantize + cuBLAS:
 
 The paths are the ones `matvec._run_mul_mat` records: "matvec" (launched 8 tokens at a time),
 "mmq" (the tiled kernel) and "gemm" (dequantize to f16, convert x, one cuBLAS GEMM), the exact
-numerics' choices; and "mmq_i8" (numerics "q8": x rounded to Q8 blocks by q8_quantize, then the
-int8 mma.sync kernel; checked against the float64 product of the rounded x). Shapes: the
+numerics' choices; "mmq_h" (the tiled kernel's f16 tiles on the tensor cores, the cupy option
+``mmq_tensor_cores``: the GEMM path's operand rounding without its f16 copy of the weight); and
+"mmq_i8" (numerics "q8": x rounded to Q8 blocks by q8_quantize, then the int8 mma.sync kernel;
+checked against the float64 product of the rounded x). Shapes: the
 Llama-3.2-1B projections (Q8_0) and the Llama-3-8B FFN (Q4_K), as in ``tools/gpu_check``'s shapes.
 Each row is the median of ``--reps`` timed runs after one warm-up (CUDA events).
 """
@@ -29,12 +31,16 @@ from metatp.backends.cuda.kernels.matvec import matvec
 from metatp.backends.cuda.kernels.mmq import MMQ_Q8_KIND, mmq, mmq_q8, q8_acts_empty
 from metatp.backends.cuda.launch import WEIGHT_TYPES, device_ptr
 
-__all__ = ["PATHS", "EXACT_PATHS", "TOKENS", "SHAPES", "crossover", "suggest", "suggest_int8", "disagreeing",
+__all__ = ["PATHS", "EXACT_PATHS", "F16_PATHS", "TOKENS", "SHAPES", "crossover", "suggest", "suggest_tensor_cores",
+           "suggest_int8", "disagreeing",
            "markdown", "main"]
 
-#: the exact numerics' paths (what `suggest` compares) and numerics "q8"'s int8 path
+#: the exact numerics' paths (what `suggest` compares), the f16 tensor-core tiles (`suggest_tensor_cores`)
+#: and numerics "q8"'s int8 path
 EXACT_PATHS = ("matvec", "mmq", "gemm")
-PATHS = EXACT_PATHS + ("mmq_i8",)
+PATHS = EXACT_PATHS + ("mmq_h", "mmq_i8")
+#: the paths whose operands are rounded to f16 (their error against the exact product is f16's)
+F16_PATHS = ("gemm", "mmq_h")
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: (label, n_rows, ne0, weight type)
 SHAPES = (("1B q/o 2048x2048", 2048, 2048, "q8_0"), ("1B gate/up 8192x2048", 8192, 2048, "q8_0"),
@@ -71,8 +77,8 @@ class _Paths:
     def run(self, path: str, w, wtype: str, x, y, ne0: int, n_rows: int, acts=None) -> None:
         if path == "matvec":
             matvec(w, wtype, x, y, ne0=ne0, n_rows=n_rows)
-        elif path == "mmq":
-            mmq(w, wtype, x, y, ne0=ne0, n_rows=n_rows)
+        elif path in ("mmq", "mmq_h"):
+            mmq(w, wtype, x, y, ne0=ne0, n_rows=n_rows, tensor_cores=path == "mmq_h")
         elif path == "mmq_i8":
             mmq_q8(w, wtype, x, y, acts, ne0=ne0, n_rows=n_rows)
         else:
@@ -173,6 +179,13 @@ def suggest(rows: list[dict]) -> tuple[int, int] | None:
     return _wins(rows, "mmq", ("matvec", "gemm"))
 
 
+def suggest_tensor_cores(rows: list[dict]) -> tuple[int, int] | None:
+    """The token counts (first, last) where the tiled kernel on the tensor cores (option
+    mmq_tensor_cores) beats every exact path on every shape (the range mmq_min_tokens /
+    mmq_max_tokens should take with the option on), or None."""
+    return _wins(rows, "mmq_h", EXACT_PATHS)
+
+
 def suggest_int8(rows: list[dict]) -> tuple[int, int] | None:
     """The token counts (first, last) where numerics "q8"'s int8 path beats dequantize + cuBLAS
     and the f32 tiled kernel on every shape (the crossover `mmq.use_int8_mmq` should follow), or None."""
@@ -181,16 +194,16 @@ def suggest_int8(rows: list[dict]) -> tuple[int, int] | None:
 
 def disagreeing(rows: list[dict]) -> list[tuple[dict, str]]:
     """(row, path) where a path's result is off its reference by more than it may be: f16 operands on
-    the GEMM path (its error grows like sqrt(ne0) * 2^-11), f32 sums elsewhere. A path that has no
+    the GEMM path and the tensor-core tiles (their error grows like sqrt(ne0) * 2^-11), f32 sums elsewhere. A path that has no
     result (mmq_i8 for a type without an int8 kernel) is not counted."""
     return [(r, p) for r in rows for p in PATHS
-            if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= (3e-3 if p == "gemm" else 1e-5 * math.sqrt(8192))]
+            if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= (3e-3 if p in F16_PATHS else 1e-5 * math.sqrt(8192))]
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | type | T | matvec µs | mmq µs | gemm µs | mmq_i8 µs | fastest exact | "
-             "max rel err (mv/mmq/gemm/i8) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| shape | type | T | matvec µs | mmq µs | gemm µs | mmq_h µs | mmq_i8 µs | fastest exact | "
+             "max rel err (mv/mmq/gemm/h/i8) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         t = {p: r.get(f"{p}_us") for p in PATHS}
         cells = ["-" if v is None else f"{v:.1f}" for v in t.values()]
@@ -213,14 +226,16 @@ def main(argv=None) -> int:
     rows = crossover(emulate=args.emulate, reps=args.reps, tokens=args.tokens)
     print(markdown(rows))
     bad = disagreeing(rows)
-    s, s8 = suggest(rows), suggest_int8(rows)
+    s, sh, s8 = suggest(rows), suggest_tensor_cores(rows), suggest_int8(rows)
     print(f"\nsuggested mmq_min_tokens, mmq_max_tokens: {s[0]}, {s[1]}" if s else
           "\nno suggestion (untimed, or the tiled kernel is not the fastest for every shape at any T)")
+    print(f"mmq_tensor_cores: the f16 tensor-core tiles are the fastest on every shape for T = {sh[0]}..{sh[1]}"
+          if sh else "mmq_tensor_cores: no range (untimed, or the f16 tiles are not the fastest everywhere at any T)")
     print(f"numerics q8: the int8 path is the fastest on every shape for T = {s8[0]}..{s8[1]}" if s8 else
           "numerics q8: no int8 crossover (untimed, or the int8 path is not the fastest everywhere at any T)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"rows": rows, "suggested": s, "int8_fastest": s8}, f, indent=1)
+            json.dump({"rows": rows, "suggested": s, "tensor_cores_fastest": sh, "int8_fastest": s8}, f, indent=1)
     if bad:
         print(f"{len(bad)} path results disagree with the reference", file=sys.stderr)
     return 1 if bad else 0

@@ -126,7 +126,7 @@ class CupyBackend(Backend):
                  multi_gpu_graphs: str = "whole", runtime=None, devices: Sequence[int] | None = None,
                  collective=None, mmq_min_tokens: int | None = None, mmq_max_tokens: int | None = None,
                  batch_invariant: bool = False, attn_merge: bool = True, fuse_qkv_rope: bool = True,
-                 pdl: bool = False, precompile: bool = True) -> None:
+                 pdl: bool = False, precompile: bool = True, mmq_tensor_cores: bool = False) -> None:
         requested = resolve_mode(allreduce, auto="nccl")
         super().__init__(layout, devices, collective)
         if collective is not None and len(self.owned) > 1:
@@ -146,6 +146,12 @@ class CupyBackend(Backend):
         # the token counts a MUL_MAT runs the tiled many-token kernel for (kernels/mmq.py)
         self.mmq_min_tokens = MMQ_MIN_TOKENS if mmq_min_tokens is None else int(mmq_min_tokens)
         self.mmq_max_tokens = MMQ_MAX_TOKENS if mmq_max_tokens is None else int(mmq_max_tokens)
+        # the tiled kernel's products on the tensor cores from f16 tiles (mmq_h_*), not f32 on the CUDA cores
+        self.mmq_tensor_cores = bool(mmq_tensor_cores)
+        if self.mmq_tensor_cores and batch_invariant:
+            raise ConfigError("cupy backend: mmq_tensor_cores=True with batch_invariant=True: the batch-invariant "
+                              "products keep the f32 tiles (one FMA chain a (row, token) in a fixed order; the tensor "
+                              "cores' order inside a product is not specified); set one of them")
         self.multi_gpu_graphs = multi_gpu_graphs
         # one matmul kernel and fixed KV chunks for every row count (kernels/matvec.py, attn.py)
         self.batch_invariant = bool(batch_invariant)
@@ -172,6 +178,12 @@ class CupyBackend(Backend):
             self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
         used = sorted({dev.gpu for dev in self.local_devices})
         self.int8_tensor_cores = self._check_numerics_capability(used)
+        if self.mmq_tensor_cores:
+            old = [gpu for gpu in used if self.rt.capability(gpu) < 80]
+            if old:
+                raise ConfigError(f"cupy backend: mmq_tensor_cores=True needs compute capability 8.0 (f16 "
+                                  f"mma.sync m16n8k16); GPU {old[0]} ({self.rt.gpu_name(old[0])}) is "
+                                  f"sm_{self.rt.capability(old[0])}")
         self.pdl = bool(pdl)
         if self.pdl:              # before any kernel is compiled: the runtime hands out launch-capable ones
             self.rt.enable_pdl(used)
@@ -222,6 +234,7 @@ class CupyBackend(Backend):
                                     ("gpus", tuple(self.gpus)), ("virtual", self.virtual),
                                     ("batch_invariant", self.batch_invariant), ("attn_merge", self.attn_merge),
                                     ("fuse_qkv_rope", self.fuse_qkv_rope), ("pdl", self.pdl),
+                                    ("mmq_tensor_cores", self.mmq_tensor_cores),
                                     ("numerics", self.numerics)))
 
     @property

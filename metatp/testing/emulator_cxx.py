@@ -197,6 +197,71 @@ inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
     sync_warp();
 }
 
+// ---- mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16 with floating point type"): a word holds two f16, the lower index in its low half.
+//   A (16 x 16): a0..a7 (halves of 4 registers): row = groupID for i in {0, 1, 4, 5}, else groupID + 8;
+//     col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0).
+//   B (16 x 8): b0..b3 (halves of 2 registers): row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0); col = groupID.
+//   C, D (16 x 8 f32): as the integer form's.
+// The same strictness (all 32 lanes at the same call). Each D element is C plus the 16 exact
+// products, summed in double and rounded once to f32 (the tensor cores' internal order is not
+// specified; the kernel checks' tolerances cover the difference).
+inline float f16_of(const int* regs, int i) {
+    const unsigned short h = (unsigned short)(((unsigned)regs[i / 2] >> (16 * (i % 2))) & 0xffffu);
+    _Float16 x;
+    memcpy(&x, &h, 2);
+    return (float)x;
+}
+inline void mma_warp_product_f16(int w0) {
+    double A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const MmaLane& f = mma_lane[w0 + l];
+        const int g = l >> 2, t = l % 4;
+        for (int i = 0; i < 8; ++i)
+            A[g + ((i & 2) ? 8 : 0)][t * 2 + (i & 1) + (i >= 4 ? 8 : 0)] = f16_of(f.a, i);
+        for (int i = 0; i < 4; ++i) B[t * 2 + (i & 1) + (i >= 2 ? 8 : 0)][g] = f16_of(f.b, i);
+        for (int i = 0; i < 4; ++i) {
+            float cv;
+            memcpy(&cv, &f.c[i], 4);
+            C[mma_c_row(l, i)][mma_c_col(l, i)] = cv;
+        }
+    }
+    for (int l = 0; l < 32; ++l)
+        for (int i = 0; i < 4; ++i) {
+            const int r = mma_c_row(l, i), n = mma_c_col(l, i);
+            double acc = C[r][n];
+            for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][n];
+            const float dv = (float)acc;
+            memcpy(&mma_lane[w0 + l].d[i], &dv, 4);
+        }
+}
+
+inline void mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b, const float* c) {
+    const int lin = cur->lin, w0 = lin & ~31;
+    MmaLane& me = mma_lane[lin];
+    memcpy(me.a, a, sizeof me.a);
+    memcpy(me.b, b, sizeof me.b);
+    memcpy(me.c, c, sizeof me.c);
+    const unsigned call = ++mma_calls[lin];
+    sync_warp();
+    const long nth = (long)block_dim.x * block_dim.y * block_dim.z;
+    bool whole = w0 + 32 <= nth;
+    for (int l = 0; whole && l < 32; ++l) whole = mma_calls[w0 + l] == call;
+    if (!whole) {
+        if (!fault[0])
+            snprintf(fault, sizeof fault, "mma.sync.aligned in block (%u,%u,%u) warp %d without all 32 lanes "
+                     "at the same call", block_idx.x, block_idx.y, block_idx.z, w0 / 32);
+        for (int i = 0; i < 4; ++i) d[i] = 0.0f;
+    } else {
+        if (mma_done[w0 / 32] != call) {
+            mma_warp_product_f16(w0);
+            mma_done[w0 / 32] = call;
+        }
+        memcpy(d, me.d, sizeof me.d);
+    }
+    sync_warp();
+}
+
 template <class T> constexpr char kind() {
     if constexpr (std::is_pointer_v<T>) return 'p';
     else if constexpr (std::is_same_v<T, int>) return 'i';

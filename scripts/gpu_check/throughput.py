@@ -5,11 +5,12 @@ the issue names them:
 
 - `MUL_MAT 1B gate/up 8192x2048 q8_0 T=64` for the 1B projections (and the 8B FFN with --big) at T = 1..256
   tokens: each way a product of many tokens can run timed alone (`scripts/mmq_crossover`: the matvec kernel,
-  the tiled kernel `mmq`, dequantize + cuBLAS, numerics q8's int8 tiles), then `many-token products, 1B Q8_0`:
-  where the tiled kernel (and the int8 one) is the fastest on every shape, against the default range
-  (issue 46 item 2's crossover). Where the measured range differs from the default, the batched-bench rows
-  at B = 64 and 256 run once more with it (`... B=64 [mmq 9..64]`, with its ratio to the default's row);
-  where the int8 tiles are the fastest at T = 64, B = 64 once more with numerics q8 (`... [q8]`);
+  the tiled kernel `mmq`, dequantize + cuBLAS, the tiled kernel's f16 tiles on the tensor cores `mmq_h`,
+  numerics q8's int8 tiles), then `many-token products, 1B Q8_0`: where the tiled kernel (f32, on the tensor
+  cores, int8) is the fastest on every shape, against the default range (issue 46 item 2's crossover). Where
+  the tensor-core tiles won (else where the f32 tiles' range differs from the default), the batched-bench rows
+  at B = 64 and 256 run once more with that choice (`... B=64 [mmq_h 9..256]`, with its ratio to the
+  default's row); where the int8 tiles are the fastest at T = 64, B = 64 once more with numerics q8 (`... [q8]`);
 - `batched-bench 1B Q8_0 PP 128 TG 32 B=b` for B = 1, 8, 64, 256: llama-batched-bench's S_PP,
   S_TG and S (`metatp.tools.batched_bench.run_config`, every plan compiled in an untimed run
   first), then `S_TG B=64 / B=1, 1B Q8_0` and `S_TG B=256 / B=1, 1B Q8_0` (targets 25x, 60x);
@@ -142,7 +143,8 @@ def _crossover_rows(rep: Report, cfg: Config, budget: Budget, label: str) -> dic
     off its reference, then where the tiled kernel and the int8 tiles are the fastest on every shape.
     Returns those ranges ({"mmq": (lo, hi) or None, "int8": ...}) for the tuned rows."""
     from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
-    from scripts.mmq_crossover import PATHS, SHAPES as PRODUCTS, crossover, disagreeing, suggest, suggest_int8
+    from scripts.mmq_crossover import (PATHS, SHAPES as PRODUCTS, crossover, disagreeing, suggest, suggest_int8,
+                                       suggest_tensor_cores)
 
     if not _fits(rep, cfg, budget, f"many-token products, {label}", NEED_S["crossover"]):
         return {}
@@ -159,40 +161,48 @@ def _crossover_rows(rep: Report, cfg: Config, budget: Budget, label: str) -> dic
     for r, path in disagreeing(rows):
         rep.add(SECTION, f"MUL_MAT {r['shape']} {r['type']} T={r['tokens']} [{path}]",
                 f"max rel err {r[f'{path}_err']:.1e} against its reference: too far", False)
-    found = {"mmq": suggest(rows), "int8": suggest_int8(rows)}
+    found = {"mmq": suggest(rows), "mmq_h": suggest_tensor_cores(rows), "int8": suggest_int8(rows)}
 
     def span(x: tuple[int, int] | None) -> str:
         return "at no T" if x is None else f"for T = {x[0]}..{x[1]}"
     rep.add(SECTION, f"many-token products, {label}",
             f"the tiled kernel (mmq) is the fastest exact path on every shape {span(found['mmq'])} (default "
-            f"T = {MMQ_MIN_TOKENS}..{MMQ_MAX_TOKENS}: mmq_min_tokens, mmq_max_tokens); numerics q8's int8 tiles "
-            f"the fastest {span(found['int8'])}", None)
+            f"T = {MMQ_MIN_TOKENS}..{MMQ_MAX_TOKENS}: mmq_min_tokens, mmq_max_tokens); its f16 tiles on the tensor "
+            f"cores (mmq_tensor_cores) the fastest of all exact paths {span(found['mmq_h'])}; numerics q8's int8 "
+            f"tiles the fastest {span(found['int8'])}", None)
     return found
 
 
-def _tuned_range(found: tuple[int, int] | None) -> tuple[int, int] | None:
+def _tuned_range(found: tuple[int, int] | None, default: tuple[int, int] | None) -> tuple[int, int] | None:
     """The mmq range to try in the tuned rows: from the first token count past the matvec kernel's
-    to the last T where the tiled kernel won; None where that is the default's range already, or it
-    never won above the matvec kernel's rows (the bench's many-row steps then keep cuBLAS, as now)."""
-    from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
+    to the last T where the kernel won; None where that is `default` (what the engine does already),
+    or it never won above the matvec kernel's rows (the bench's many-row steps then keep cuBLAS)."""
+    from metatp.backends.cuda.kernels.mmq import MMQ_MIN_TOKENS
 
     if found is None or found[1] < MMQ_MIN_TOKENS:
         return None
     tuned = (MMQ_MIN_TOKENS, found[1])
-    return None if tuned == (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS) else tuned
+    return None if tuned == default else tuned
 
 
 def _tuned_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str,
                 found: dict[str, tuple[int, int] | None], s_tg: dict[int, float]) -> None:
-    """The batched-bench rows of the many-row steps again with what the crossover rows measured: the
-    tiled kernel's range where it differs from the default (B above the matvec kernel's rows), numerics
-    q8 at B=64 where the int8 tiles won at T=64; each with its S_TG against the default row's."""
+    """The batched-bench rows of the many-row steps again with what the crossover rows measured (B above
+    the matvec kernel's rows): the tiled kernel on the tensor cores over the range where it won, else the
+    f32 tiled kernel's range where it differs from the default; numerics q8 at B=64 where the int8 tiles
+    won at T=64; each with its S_TG against the default row's."""
+    from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
     from metatp.backends.cuda.launch import MATVEC_MAX_TOKENS
 
     runs = []
-    mmq = _tuned_range(found.get("mmq"))
     many = [b for b in cfg.bench_batches if b > MATVEC_MAX_TOKENS]
-    if mmq is not None and many:
+    tensor_cores = _tuned_range(found.get("mmq_h"), None)
+    mmq = _tuned_range(found.get("mmq"), (MMQ_MIN_TOKENS, MMQ_MAX_TOKENS))
+    if tensor_cores is not None and many:
+        lo, hi = tensor_cores
+        runs.append((f"mmq_h {lo}..{hi}", {"backend_options": {"mmq_tensor_cores": True, "mmq_min_tokens": lo,
+                                                               "mmq_max_tokens": hi}}, many))
+    elif mmq is not None and many:
         runs.append((f"mmq {mmq[0]}..{mmq[1]}", {"backend_options": {"mmq_min_tokens": mmq[0], "mmq_max_tokens": mmq[1]}},
                      many))
     int8 = found.get("int8")

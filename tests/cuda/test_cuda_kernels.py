@@ -234,3 +234,21 @@ def test_mmq_crossover_int8_range_is_where_it_beats_cublas_and_the_f32_tiles_eve
     assert suggest_int8(rows) == (16, 16)       # at 64 tokens cuBLAS wins for shape b; at 256 for a
     assert suggest_int8(rows[:2]) == (16, 64)
     assert suggest_int8([row("a", 16, 3.0, 9.0, None)]) is None
+
+
+def test_mmq_crossover_tensor_core_range_is_where_it_beats_every_exact_path_everywhere():
+    from scripts.mmq_crossover import disagreeing, suggest, suggest_tensor_cores
+
+    def row(shape, t, mv, mq, gm, h):
+        return {"shape": shape, "tokens": t, "matvec_us": mv, "mmq_us": mq, "gemm_us": gm, "mmq_h_us": h}
+    rows = [row("a", 8, 1.0, 2.0, 9.0, 1.5), row("a", 16, 5.0, 3.0, 9.0, 2.0), row("a", 256, 80.0, 30.0, 10.0, 8.0),
+            row("b", 16, 5.0, 3.0, 9.0, 2.5), row("b", 256, 80.0, 30.0, 10.0, 11.0)]
+    assert suggest_tensor_cores(rows) == (16, 16)      # at 8 tokens the matvec kernel wins; at 256 cuBLAS for b
+    assert suggest_tensor_cores(rows[:3]) == (16, 256)
+    assert suggest(rows) == (16, 16)                   # the f32 tiles' range ignores the tensor-core column
+    assert suggest_tensor_cores([{**row("a", 16, 5.0, 3.0, 9.0, 2.0), "mmq_h_us": None}]) is None
+    # its error is held to the f16 bound, as the GEMM path's (both round their operands to f16)
+    errs = {"matvec_err": 1e-7, "mmq_err": 1e-7, "gemm_err": 1e-3, "mmq_h_err": 1e-3, "mmq_i8_err": None}
+    assert disagreeing([{**row("a", 16, 1, 1, 1, 1), **errs}]) == []
+    bad = {**row("a", 16, 1, 1, 1, 1), **errs, "mmq_h_err": 1e-2}
+    assert disagreeing([bad]) == [(bad, "mmq_h")]

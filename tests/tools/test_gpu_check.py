@@ -244,8 +244,8 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
     assert rows["pp 8B Q4_K"]["result"] == "not run (needs --big)"
     # the many-token products, each path checked against its reference (untimed on the emulator)
     for t in (1, 9, 17):
-        assert rows[f"MUL_MAT tiny q8_0 70x64 q8_0 T={t}"]["result"] == ("matvec -, mmq -, gemm -, mmq_i8 - µs "
-                                                                      "(emulator: untimed)")
+        assert rows[f"MUL_MAT tiny q8_0 70x64 q8_0 T={t}"]["result"] == ("matvec -, mmq -, gemm -, mmq_h -, mmq_i8 - "
+                                                                      "µs (emulator: untimed)")
     assert "is the fastest exact path on every shape at no T (default T = 9..16" in rows[
         "many-token products, 1B Q8_0"]["result"]
     assert rows["batched-bench 1B Q8_0 tuned"]["result"].startswith("not run")
@@ -256,7 +256,8 @@ def test_emulated_dry_run_writes_the_throughput_rows(tmp_path):
 def test_tuned_rows_run_the_many_row_steps_again_with_the_measured_choice(tmp_path, monkeypatch):
     """Where the crossover rows found the tiled kernel fastest up to T=64 and the int8 tiles too, the
     many-row batched-bench steps run again with mmq_min_tokens..mmq_max_tokens = 9..64, and the B<=64
-    one with numerics q8, each row named by its choice with its S_TG against the default row's."""
+    one with numerics q8, each row named by its choice with its S_TG against the default row's; where
+    the tensor-core tiles won, they are what runs (the f32 tiles' range is then not tried)."""
     import re
 
     from scripts.gpu_check import throughput
@@ -264,10 +265,11 @@ def test_tuned_rows_run_the_many_row_steps_again_with_the_measured_choice(tmp_pa
     from scripts.gpu_check.report import Report
     from scripts.gpu_check.shapes import SHAPES
 
-    assert throughput._tuned_range(None) is None
-    assert throughput._tuned_range((16, 16)) is None            # the default range already
-    assert throughput._tuned_range((1, 4)) is None              # never won above the matvec kernel's rows
-    assert throughput._tuned_range((16, 64)) == (9, 64)
+    assert throughput._tuned_range(None, (9, 16)) is None
+    assert throughput._tuned_range((16, 16), (9, 16)) is None   # the default range already
+    assert throughput._tuned_range((1, 4), (9, 16)) is None     # never won above the matvec kernel's rows
+    assert throughput._tuned_range((16, 64), (9, 16)) == (9, 64)
+    assert throughput._tuned_range((16, 16), None) == (9, 16)   # an option off by default: any range is new
     cfg = Config.dry_run()
     cfg.bench_batches = (1, 9)
     made = []
@@ -288,6 +290,14 @@ def test_tuned_rows_run_the_many_row_steps_again_with_the_measured_choice(tmp_pa
     assert "batched-bench 1B Q8_0 PP 4 TG 3 B=1 [mmq 9..64]" not in rows      # one row: the matvec kernel's
     for tag in ("mmq 9..64", "q8"):
         assert re.fullmatch(r"\d+\.\d\dx", rows[f"S_TG B=9 [{tag}] / default, 1B Q8_0"]["result"])
+    assert not [r for r in rep.rows if r["status"] == "FAIL"]
+    made.clear()
+    rep = Report()
+    throughput._tuned_rows(rep, cfg, Budget(1e6), path, "1B Q8_0", {"mmq": (16, 64), "mmq_h": (9, 256)}, {9: 1.0})
+    assert [kw.get("backend_options") for kw in made] == [{"mmq_tensor_cores": True, "mmq_min_tokens": 9,
+                                                           "mmq_max_tokens": 256}]
+    rows = {r["check"]: r for r in rep.rows}
+    assert re.fullmatch(r"\d+\.\d\dx", rows["S_TG B=9 [mmq_h 9..256] / default, 1B Q8_0"]["result"])
     assert not [r for r in rep.rows if r["status"] == "FAIL"]
 
 

@@ -272,7 +272,8 @@ def _run_mul_mat(ex: CupyExecutable, d: int, node: Tensor) -> list:
             return int8_mmq_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
         return mmvq.many_token_steps(ex, d, node, data, wtype, row_bytes, k, m, xr, yr)
     if path == "mmq":
-        return record(mmq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes)
+        return record(mmq, data, wtype, xr, yr, ne0=k, n_rows=m, w_row_bytes=row_bytes,
+                      tensor_cores=ex.backend.mmq_tensor_cores)
     return _gemm_steps(ex, d, data, wtype, row_bytes, k, m, xr, yr)
 
 

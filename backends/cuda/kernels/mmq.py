@@ -63,7 +63,8 @@ MMQ_Q8_KIND = {"q8_0": Q8_0, "q4_0": Q8_0, "q5_0": Q8_0, "q4_1": Q8_1, "q5_1": Q
 MMQ_Q8_TILE_TOKENS = (16, 32, 64, 128)
 _Q8_QUANTIZE_ENTRY = {Q8_0: "q8_quantize_0", Q8_1: "q8_quantize_1", Q8_K: "q8_quantize_k"}
 
-ENTRY_POINTS = ([f"mmq_{t}_t{n}" for t in WEIGHT_TYPES for n in MMQ_TILE_TOKENS] + list(_Q8_QUANTIZE_ENTRY.values())
+ENTRY_POINTS = ([f"mmq_{t}_t{n}" for t in WEIGHT_TYPES for n in MMQ_TILE_TOKENS]
+                + [f"mmq_h_{t}_t{n}" for t in WEIGHT_TYPES for n in MMQ_TILE_TOKENS] + list(_Q8_QUANTIZE_ENTRY.values())
                 + [f"mmq_i8_{t}_t{n}" for t in MMQ_Q8_KIND for n in MMQ_Q8_TILE_TOKENS])
 
 
@@ -73,12 +74,14 @@ def mmq_tile_tokens(n_tokens: int) -> int:
 
 
 def mmq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, w_row_bytes: int | None = None,
-        x_stride: int | None = None, y_stride: int | None = None) -> None:
+        x_stride: int | None = None, y_stride: int | None = None, tensor_cores: bool = False) -> None:
     """``y[t, r] = sum_i W[r, i] * x[t, i]`` for many tokens, one launch.
 
     ``w``: raw weight bytes, row r at ``r * w_row_bytes`` (default: packed rows of ne0);
     ``x``: float32 (n_tokens, ne0); ``y``: float32 (n_tokens, n_rows). Token strides
-    (elements) default to the arrays' leading strides."""
+    (elements) default to the arrays' leading strides. ``tensor_cores``: the same tiles rounded to
+    f16 and multiplied on the tensor cores (``mmq_h_*``, sm_80+; the cuBLAS path's operand rounding,
+    f32 sums), else f32 products on the CUDA cores."""
     t, qk, nbytes = check_block_type(qtype, ne0)
     check_f32(x, y)
     n_tokens, x_stride, y_stride, _ = token_rows(x, y, ne0=ne0, n_rows=n_rows, n_tokens=n_tokens,
@@ -88,7 +91,7 @@ def mmq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, w
     if n_rows == 0 or n_tokens == 0:
         return
     tt = mmq_tile_tokens(n_tokens)
-    launch("mmq", f"mmq_{t}_t{tt}", (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (256,),
+    launch("mmq", f"mmq_{'h_' if tensor_cores else ''}{t}_t{tt}", (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (256,),
            (w, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), i32(n_tokens), i32(x_stride), i32(y_stride)))
 
 

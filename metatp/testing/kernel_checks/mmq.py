@@ -1,6 +1,7 @@
 """Kernel checks of the ``mmq`` family: the tiled many-token product for every weight type, with token and
 row counts on both sides of the tiles (64 rows; 16, 32, 64 tokens), a row length that ends in a
-partial step, strided x / y, and a per-device slice of a weight split along ne0.
+partial step, strided x / y, and a per-device slice of a weight split along ne0; the same on the
+tensor cores (`tensor_cores=True`, f16 tiles) against the f16-rounded operands' product.
 
 The int8 path (numerics "q8"): `q8_quantize` bit for bit against `oracles.ref_q8_quantize` (codes,
 scales, Q8_1's s, 16-code sums), and `mmq_q8` for every type it takes against a float64 product of the
@@ -16,22 +17,29 @@ import numpy as np
 from metatp.testing.kernel_checks.harness import Checker
 from metatp.testing.oracles import make_weight, ref_q8_quantize
 
-CHECKS = ('mmq', 'mmq_tiles', 'mmq_q8_quantize', 'mmq_q8', 'mmq_q8_tiles')
+CHECKS = ('mmq', 'mmq_tiles', 'mmq_h', 'mmq_q8_quantize', 'mmq_q8', 'mmq_q8_tiles')
 
 _TOL = 1e-5
 
 
 def _case(c: Checker, label: str, wt: str, raw, deq, x, *, ne0: int, rows: int, w_row_bytes=None,
-          x_pad: int = 0, y_pad: int = 0) -> None:
-    """One launch: x (T, ne0) possibly inside wider rows (x_pad), y inside wider rows (y_pad)."""
+          x_pad: int = 0, y_pad: int = 0, tensor_cores: bool = False) -> None:
+    """One launch: x (T, ne0) possibly inside wider rows (x_pad), y inside wider rows (y_pad).
+    `tensor_cores`: the f16 tiles (mmq_h_*), against the float64 product of the f16-rounded weight
+    and activations (the rounding is the kernel's contract; its f32 sums are what is checked)."""
     nt = x.shape[0]
     xs = np.zeros((nt, ne0 + x_pad), np.float32)
     xs[:, :ne0] = x
-    ref = x.astype(np.float64) @ deq.astype(np.float64).T
+    if tensor_cores:
+        ref = (x.astype(np.float16).astype(np.float64)
+               @ np.asarray(deq, np.float32).astype(np.float16).astype(np.float64).T)
+    else:
+        ref = x.astype(np.float64) @ deq.astype(np.float64).T
     d_raw, dx = c.dev(raw), c.dev(xs)
     y = c.nan((nt, rows + y_pad))
     c.case(label, wt, (rows, ne0, nt),
-           lambda: c.ck.mmq.mmq(d_raw, wt, dx[:, :ne0], y[:, :rows], ne0=ne0, n_rows=rows, w_row_bytes=w_row_bytes),
+           lambda: c.ck.mmq.mmq(d_raw, wt, dx[:, :ne0], y[:, :rows], ne0=ne0, n_rows=rows, w_row_bytes=w_row_bytes,
+                                tensor_cores=tensor_cores),
            lambda: c.host(y)[:, :rows], ref, _TOL * math.sqrt(ne0))
     if y_pad:       # the padding past n_rows is never written
         c.case(f"{label} (y padding untouched)", wt, (rows, ne0, nt), lambda: None,
@@ -80,6 +88,35 @@ def check_mmq_tiles(c: Checker) -> None:
         sliced = np.ascontiguousarray(raw.reshape(-1)[b0:])
         _case(c, "mmq ne0-slice", f"{wt}", sliced, deq[:, sl0:sl1], x, ne0=sl1 - sl0, rows=40,
               w_row_bytes=raw.shape[1])
+
+
+def check_mmq_h(c: Checker) -> None:
+    """The tensor-core tiles (mmq_h_*): every weight type across a row tile and a 16-token tile;
+    token counts around each tile (16, 32, 64), rows around 64, a row length ending in a partial
+    step (q4_0, and f16's one-element units), strided x / y, and a slice of a weight split along ne0."""
+    for wt in c.ck.WEIGHT_TYPES:
+        raw, deq = make_weight(c.rng, wt, 67, 512)
+        x = c.rng.standard_normal((17, 512)).astype(np.float32)
+        _case(c, "mmq_h", wt, raw, deq, x, ne0=512, rows=67, tensor_cores=True)
+    wt, ne0 = "q4_k", 256
+    raw, deq = make_weight(c.rng, wt, 3 * 64 + 5, ne0)
+    for nt, rows in ((1, 37), (15, 64), (32, 65), (33, 63), (64, 37), (65, 3 * 64 + 5)):
+        x = c.rng.standard_normal((nt, ne0)).astype(np.float32)
+        _case(c, "mmq_h tiles", wt, raw[:rows], deq[:rows], x, ne0=ne0, rows=rows, tensor_cores=True)
+    for wt, ne0, rows, nt in (("q4_0", 96, 5, 33), ("f16", 33, 1, 16)):
+        raw, deq = make_weight(c.rng, wt, rows, ne0)
+        x = c.rng.standard_normal((nt, ne0)).astype(np.float32)
+        _case(c, "mmq_h", wt, raw, deq, x, ne0=ne0, rows=rows, tensor_cores=True)
+    raw, deq = make_weight(c.rng, "q6_k", 70, 256)
+    x = c.rng.standard_normal((40, 256)).astype(np.float32)
+    _case(c, "mmq_h strided x/y", "q6_k", raw, deq, x, ne0=256, rows=70, x_pad=32, y_pad=3, tensor_cores=True)
+    full, sl0, sl1 = 1024, 256, 768
+    raw, deq = make_weight(c.rng, "q8_0", 40, full)
+    qk, nb = c.ck.WEIGHT_TYPES["q8_0"]
+    x = c.rng.standard_normal((24, sl1 - sl0)).astype(np.float32)
+    sliced = np.ascontiguousarray(raw.reshape(-1)[sl0 // qk * nb:])
+    _case(c, "mmq_h ne0-slice", "q8_0", sliced, deq[:, sl0:sl1], x, ne0=sl1 - sl0, rows=40, w_row_bytes=raw.shape[1],
+          tensor_cores=True)
 
 
 # ------------------------------------------------------------------ the int8 path
