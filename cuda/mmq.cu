@@ -44,6 +44,27 @@ __device__ __forceinline__ void mt_mmq_tile_f32(const float (*w_s)[MT_MMQ_KS + 1
     }
 }
 
+// The tiles' two loads, shared by the f32 and the tensor-core kernels: unit u (CW elements) of a
+// weight row decoded, zeros past the edges; element k of unit u of token tok's activations, 0 past them.
+template <typename W>
+__device__ __forceinline__ void mt_mmq_unit(const mt_u8* __restrict__ w, int row, int u, int n_rows, int units,
+                                            int row_bytes, float* v) {
+    if (row < n_rows && u < units) {
+        const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
+        W::load(w + (mt_i64)row * row_bytes + (mt_i64)ib * W::BYTES, c, v);
+    } else {
+#pragma unroll
+        for (int k = 0; k < W::CW; ++k) v[k] = 0.0f;
+    }
+}
+template <typename W>
+__device__ __forceinline__ float mt_mmq_act(const float* __restrict__ x, int tok, int u, int k, int n_tok, int units,
+                                            int x_stride) {
+    if (tok >= n_tok || u >= units) return 0.0f;
+    const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
+    return __ldg(x + (mt_i64)tok * x_stride + (mt_i64)ib * W::QK + W::idx(c, k));
+}
+
 // TT = 16 * NTT tokens per block.
 template <typename W, int NTT>
 __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float* __restrict__ x,
@@ -68,29 +89,16 @@ __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float*
         // ---- the weight tile: each of TR x UPS chunks decoded once (zeros past the edges)
         for (int e = tid; e < MT_MMQ_TR * UPS; e += MT_MMQ_NTH) {
             const int r = e / UPS, uu = e - r * UPS;
-            const int row = row0 + r, u = u0 + uu;
             float v[W::CW];
-            if (row < n_rows && u < units) {
-                const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
-                W::load(w + (mt_i64)row * row_bytes + (mt_i64)ib * W::BYTES, c, v);
-            } else {
-#pragma unroll
-                for (int k = 0; k < W::CW; ++k) v[k] = 0.0f;
-            }
+            mt_mmq_unit<W>(w, row0 + r, u0 + uu, n_rows, units, row_bytes, v);
 #pragma unroll
             for (int k = 0; k < W::CW; ++k) w_s[r][uu * W::CW + k] = v[k];
         }
         // ---- the activation tile: the same elements of TT tokens, in the same order
         for (int e = tid; e < TT * MT_MMQ_KS; e += MT_MMQ_NTH) {
             const int t = e / MT_MMQ_KS, p = e - t * MT_MMQ_KS;
-            const int uu = p / W::CW, k = p - uu * W::CW;
-            const int tok = tok0 + t, u = u0 + uu;
-            float xv = 0.0f;
-            if (tok < n_tok && u < units) {
-                const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
-                xv = __ldg(x + (mt_i64)tok * x_stride + (mt_i64)ib * W::QK + W::idx(c, k));
-            }
-            x_s[t][p] = xv;
+            const int uu = p / W::CW;
+            x_s[t][p] = mt_mmq_act<W>(x, tok0 + t, u0 + uu, p - uu * W::CW, n_tok, units, x_stride);
         }
         __syncthreads();
         mt_mmq_tile_f32<NTT>(w_s, x_s, ty, tx, acc);
@@ -188,36 +196,19 @@ __device__ __forceinline__ void mt_mmq_h(const mt_u8* __restrict__ w, const floa
         // ---- the weight tile: PW elements (UPW units) a work item, each unit decoded once
         for (int e = tid; e < MT_MMQ_TR * (MT_MMQ_KS / PW); e += MT_MMQ_NTH) {
             const int r = e / (MT_MMQ_KS / PW), q0 = (e - r * (MT_MMQ_KS / PW)) * PW;
-            const int row = row0 + r;
             float v[PW];
 #pragma unroll
-            for (int h = 0; h < UPW; ++h) {
-                const int u = u0 + q0 / W::CW + h;
-                if (row < n_rows && u < units) {
-                    const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
-                    W::load(w + (mt_i64)row * row_bytes + (mt_i64)ib * W::BYTES, c, v + h * W::CW);
-                } else {
-#pragma unroll
-                    for (int k = 0; k < W::CW; ++k) v[h * W::CW + k] = 0.0f;
-                }
-            }
+            for (int h = 0; h < UPW; ++h)
+                mt_mmq_unit<W>(w, row0 + r, u0 + q0 / W::CW + h, n_rows, units, row_bytes, v + h * W::CW);
 #pragma unroll
             for (int k = 0; k < PW; k += 2) w_s[r][(q0 + k) / 2] = mt_f2h2(v[k], v[k + 1]);
         }
         // ---- the activation tile: the same elements of TT tokens, two a word
         for (int e = tid; e < TT * (MT_MMQ_KS / 2); e += MT_MMQ_NTH) {
             const int t = e / (MT_MMQ_KS / 2), p = 2 * (e - t * (MT_MMQ_KS / 2));
-            const int tok = tok0 + t;
-            float xv[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int uu = (p + h) / W::CW, k = (p + h) - uu * W::CW, u = u0 + uu;
-                if (tok < n_tok && u < units) {
-                    const int ib = u / W::NCHUNK, c = u - ib * W::NCHUNK;
-                    xv[h] = __ldg(x + (mt_i64)tok * x_stride + (mt_i64)ib * W::QK + W::idx(c, k));
-                }
-            }
-            x_s[t][p / 2] = mt_f2h2(xv[0], xv[1]);
+            const int ua = p / W::CW, ub = (p + 1) / W::CW;
+            x_s[t][p / 2] = mt_f2h2(mt_mmq_act<W>(x, tok0 + t, u0 + ua, p - ua * W::CW, n_tok, units, x_stride),
+                                    mt_mmq_act<W>(x, tok0 + t, u0 + ub, p + 1 - ub * W::CW, n_tok, units, x_stride));
         }
         __syncthreads();
 #pragma unroll

@@ -171,7 +171,10 @@ inline void mma_warp_product(int w0) {
         }
 }
 
-inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
+// What every mma form shares: the lane's fragments (4 + 2 + 4 words) in, all 32 lanes of the warp
+// met at the same call (else a fault and zeros), the warp's product computed once by `product`, the
+// lane's 4 words of D out.
+inline void mma_collective(void* d, const void* a, const void* b, const void* c, void (*product)(int)) {
     const int lin = cur->lin, w0 = lin & ~31;
     MmaLane& me = mma_lane[lin];
     memcpy(me.a, a, sizeof me.a);
@@ -186,15 +189,19 @@ inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
         if (!fault[0])
             snprintf(fault, sizeof fault, "mma.sync.aligned in block (%u,%u,%u) warp %d without all 32 lanes "
                      "at the same call", block_idx.x, block_idx.y, block_idx.z, w0 / 32);
-        for (int i = 0; i < 4; ++i) d[i] = 0;
+        memset(d, 0, sizeof me.d);
     } else {
         if (mma_done[w0 / 32] != call) {
-            mma_warp_product(w0);
+            product(w0);
             mma_done[w0 / 32] = call;
         }
         memcpy(d, me.d, sizeof me.d);
     }
     sync_warp();
+}
+
+inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
+    mma_collective(d, a, b, c, mma_warp_product);
 }
 
 // ---- mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA, "Matrix Fragments for
@@ -203,9 +210,9 @@ inline void mma_m16n8k32_s8(int* d, const int* a, const int* b, const int* c) {
 //     col = tig * 2 + (i & 1) + (i >= 4 ? 8 : 0).
 //   B (16 x 8): b0..b3 (halves of 2 registers): row = tig * 2 + (i & 1) + (i >= 2 ? 8 : 0); col = groupID.
 //   C, D (16 x 8 f32): as the integer form's.
-// The same strictness (all 32 lanes at the same call). Each D element is C plus the 16 exact
-// products, summed in double and rounded once to f32 (the tensor cores' internal order is not
-// specified; the kernel checks' tolerances cover the difference).
+// The same strictness (`mma_collective`: all 32 lanes at the same call). Each D element is C plus
+// the 16 exact products, summed in double and rounded once to f32 (the tensor cores' internal order
+// is not specified; the kernel checks' tolerances cover the difference).
 inline float f16_of(const int* regs, int i) {
     const unsigned short h = (unsigned short)(((unsigned)regs[i / 2] >> (16 * (i % 2))) & 0xffffu);
     _Float16 x;
@@ -237,29 +244,7 @@ inline void mma_warp_product_f16(int w0) {
 }
 
 inline void mma_m16n8k16_f16(float* d, const unsigned* a, const unsigned* b, const float* c) {
-    const int lin = cur->lin, w0 = lin & ~31;
-    MmaLane& me = mma_lane[lin];
-    memcpy(me.a, a, sizeof me.a);
-    memcpy(me.b, b, sizeof me.b);
-    memcpy(me.c, c, sizeof me.c);
-    const unsigned call = ++mma_calls[lin];
-    sync_warp();
-    const long nth = (long)block_dim.x * block_dim.y * block_dim.z;
-    bool whole = w0 + 32 <= nth;
-    for (int l = 0; whole && l < 32; ++l) whole = mma_calls[w0 + l] == call;
-    if (!whole) {
-        if (!fault[0])
-            snprintf(fault, sizeof fault, "mma.sync.aligned in block (%u,%u,%u) warp %d without all 32 lanes "
-                     "at the same call", block_idx.x, block_idx.y, block_idx.z, w0 / 32);
-        for (int i = 0; i < 4; ++i) d[i] = 0.0f;
-    } else {
-        if (mma_done[w0 / 32] != call) {
-            mma_warp_product_f16(w0);
-            mma_done[w0 / 32] = call;
-        }
-        memcpy(d, me.d, sizeof me.d);
-    }
-    sync_warp();
+    mma_collective(d, a, b, c, mma_warp_product_f16);
 }
 
 template <class T> constexpr char kind() {
