@@ -1,4 +1,5 @@
-"""Many sequences per step on the cupy backend (issue 46 item 1), on the CPU emulator.
+"""Many sequences per step on the cupy backend (issue 46 item 1), on the CPU emulator (and the 16
+concurrent requests on a GPU when one is present).
 
 The engine, scheduler and KV cells are the CPU path's: continuous batching, cells on demand,
 recompute preemption and the prefix cache. What must hold on the cupy backend as on numpy: 16
@@ -22,8 +23,6 @@ from metatp.testing import EmuRuntime
 from metatp.testing.synth import SynthSpec
 from support.emulated_gpu import on_emulator
 from support.require import requires
-
-pytestmark = requires("emulator")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
@@ -51,6 +50,7 @@ def gpuengine_solo(gpuengine_llm):
     return [gpuengine_llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
 
 
+@requires("emulator")
 def test_sixteen_concurrent_sequences_get_their_solo_tokens(gpuengine_llm, gpuengine_solo):
     llm = gpuengine_llm
     before = llm.engine.passes
@@ -62,6 +62,24 @@ def test_sixteen_concurrent_sequences_get_their_solo_tokens(gpuengine_llm, gpuen
     assert llm.engine.cells.n_used == 0 and not llm.engine.cells.live
 
 
+@pytest.mark.gpu
+@requires("gpu")
+def test_sixteen_concurrent_sequences_get_their_solo_tokens_on_the_gpu(path):
+    """The same on a real GPU (issue 46: the emulator in CI, the GPU when present): the passes of 16
+    sequences take the many-row kernels (cuBLAS GEMMs for the 48-row prompt pass, the mmq tiles for the
+    16-row decode steps), and every request still gets the tokens it gets alone; no cell leaked."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(path, backend="cupy", n_ctx=512, n_batch=64, max_num_seqs=16)
+    solo = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    before = llm.engine.passes
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert got == solo
+    assert llm.engine.passes - before <= 2 * (GREEDY.max_tokens + 1)
+    assert llm.engine.cells.n_used == 0 and not llm.engine.cells.live
+
+
+@requires("emulator")
 def test_cache_exhaustion_preempts_and_every_request_gets_its_solo_tokens(path):
     """Five requests of 13 cells on a 32-cell cache: some are preempted and recomputed; each
     ends with its solo tokens, no cell leaked."""
@@ -81,6 +99,7 @@ def test_cache_exhaustion_preempts_and_every_request_gets_its_solo_tokens(path):
     assert not llm.scheduler.running and not llm.scheduler.waiting
 
 
+@requires("emulator")
 def test_a_cached_prefix_is_looked_up_not_prefilled_with_the_same_tokens(path):
     shared = [int(x) for x in np.random.default_rng(7).integers(3, 250, 40)]
     cached = emulated_llm(path, n_ctx=256, n_batch=64, max_num_seqs=4)
