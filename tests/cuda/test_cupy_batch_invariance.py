@@ -1,4 +1,5 @@
-"""Batch invariance on the cupy backend (issue 46 item 5), on the CPU emulator.
+"""Batch invariance on the cupy backend (issue 46 item 5), on the CPU emulator (and the bits alone vs
+batched on a GPU when one is present: the order of a real GPU's work is what the emulator cannot show).
 
 `LLM(backend="cupy", batch_invariant=True)`: one sequence's logits -- every prompt row and 4
 decode steps -- are the same bits alone and in a step of 8 sequences of other lengths, whatever
@@ -32,7 +33,6 @@ from support.batch_invariance import PROMPT, STEPS, sequence_logits
 from support.emulated_gpu import on_emulator
 from support.require import requires
 
-pytestmark = requires("emulator")
 
 SPEC = SynthSpec(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, tied=False, seed=5, default_type="Q8_0",
                  n_ctx_train=4096)     # the `path` fixture (tests/conftest.py)
@@ -82,6 +82,7 @@ def batchinv_runs(path):
     return runs
 
 
+@requires("emulator")
 def test_a_sequence_gets_the_same_logits_bits_alone_and_in_a_batch_of_8(batchinv_runs):
     alone, batched, first, _ = batchinv_runs[True]
     assert len(alone) == STEPS + 1 and alone[0].shape[0] == len(PROMPT)
@@ -89,6 +90,23 @@ def test_a_sequence_gets_the_same_logits_bits_alone_and_in_a_batch_of_8(batchinv
         assert a.tobytes() == b.tobytes() and a.tobytes() == c.tobytes()
 
 
+@pytest.mark.gpu
+@requires("gpu")
+def test_on_the_gpu_a_sequence_gets_the_same_logits_bits_alone_and_in_a_batch_of_8(path):
+    """The same run on a real GPU: the sequence's logits (prompt rows and decode steps) alone, then among 7
+    others at two places, bit for bit."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = LLM(path, backend="cupy", n_ctx=1024, n_batch=256, max_num_seqs=8, batch_invariant=True)
+    alone = sequence_logits(llm, batched=False)
+    for at in (3, 0):
+        batched = sequence_logits(llm, batched=True, at=at)
+        assert len(batched) == len(alone)
+        for a, b in zip(alone, batched):
+            assert a.tobytes() == b.tobytes()
+
+
+@requires("emulator")
 def test_without_the_option_a_batch_changes_the_bits(batchinv_runs):
     alone, batched, _, _ = batchinv_runs[False]
     assert any(a.tobytes() != b.tobytes() for a, b in zip(alone, batched))
@@ -96,6 +114,7 @@ def test_without_the_option_a_batch_changes_the_bits(batchinv_runs):
     np.testing.assert_allclose(batched[0], alone[0], rtol=1e-2, atol=1e-2)
 
 
+@requires("emulator")
 def test_the_invariant_run_takes_one_matmul_kernel_and_the_decode_attention(batchinv_runs):
     seen = batchinv_runs[True][3]
     names = set(seen)
@@ -107,6 +126,7 @@ def test_the_invariant_run_takes_one_matmul_kernel_and_the_decode_attention(batc
     assert any(n.startswith("matvec_") for n in default)     # the default decode: matvec + its fusions
 
 
+@requires("emulator")
 def test_the_merge_kernel_after_the_decode_launch_gives_the_same_bits(path, batchinv_runs):
     """attn_merge=False: attn_merge_f32 merges the splits (the same arithmetic, split-index order)."""
     rt = EmuRuntime()
@@ -118,6 +138,7 @@ def test_the_merge_kernel_after_the_decode_launch_gives_the_same_bits(path, batc
         assert a.tobytes() == b.tobytes()
 
 
+@requires("emulator")
 def test_batch_invariant_pages_the_cache_at_the_attention_chunk(path):
     rt = EmuRuntime()
     assert emulated_llm(path, rt, batch_invariant=True).backend.kv_page() == BATCH_INVARIANT_KV_CHUNK
@@ -125,6 +146,7 @@ def test_batch_invariant_pages_the_cache_at_the_attention_chunk(path):
     assert llm.backend.kv_page() == 1 and llm.backend.batch_invariant is False
 
 
+@requires("emulator")
 def test_batch_invariant_keeps_the_wire_type_fixed():
     """wire "auto" chooses by message size (the pass's rows): under batch invariance it is f32."""
     from metatp.backends import create_backend
@@ -136,6 +158,7 @@ def test_batch_invariant_keeps_the_wire_type_fixed():
         assert create_backend("cupy", DeviceLayout(2, "tensor")).wire == "auto"
 
 
+@requires("emulator")
 def test_the_environment_spellings_turn_it_on(monkeypatch):
     for name in ("METATP_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT"):
         monkeypatch.delenv("METATP_BATCH_INVARIANT", raising=False)
@@ -158,6 +181,7 @@ def _mul_mat(tokens: int, weight: bool = True):
     return ir_ops.mul_mat(w, ir_ops.new_tensor("x", (64, tokens, 1), GGMLType.F32, Flag.INPUT))
 
 
+@requires("emulator")
 @pytest.mark.parametrize("tokens", [1, 2, 8, 9, 16, 17, 64, 512])
 def test_every_token_count_takes_the_tiled_kernel(tokens):
     from metatp.backends.cuda.kernels.matvec import matmul_path
@@ -167,6 +191,7 @@ def test_every_token_count_takes_the_tiled_kernel(tokens):
     assert matmul_path(_mul_mat(tokens, weight=False), gemm_available=True, batch_invariant=True) == "general"
 
 
+@requires("emulator")
 @pytest.mark.parametrize("n_kv", [1, 127, 128, 129, 256, 300, 4096])
 @pytest.mark.parametrize("tokens", [1, 4, 5, 64])
 def test_attention_chunks_are_fixed_and_always_merged(n_kv, tokens):
@@ -180,6 +205,7 @@ def test_attention_chunks_are_fixed_and_always_merged(n_kv, tokens):
         assert attention_splits(8, 2, tokens, n_kv) is None      # the default: the prefill kernel
 
 
+@requires("emulator")
 def test_two_devices_tensor_split_alone_equals_batched(path):
     """-sm tensor over 2 emulated GPUs: the all-reduces sum per element in a fixed order on an f32
     wire, so a row's bits stay its own there too."""

@@ -1,9 +1,10 @@
-"""The emulator's mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 alone, against numpy.
+"""The emulator's mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 and m16n8k16.row.col.f32.f16.f16.f32
+alone, against numpy.
 
 The fragments are laid out here from the PTX ISA's tables ("Matrix Fragments for mma.m16n8k32",
 integer types), written apart from both the emulator and cuda/mmq.cu: a wrong lane / register /
 byte mapping in the emulator fails this test, and one in the kernel fails the mmq_q8 checks
-(whose products go through this emulated instruction).
+(whose products go through this emulated instruction); likewise the f16 form and the mmq_h checks.
 """
 
 from __future__ import annotations
@@ -103,3 +104,77 @@ def test_emulated_mma_needs_the_whole_warp():
     z8 = np.zeros((16, 32), np.int8)
     with pytest.raises(RuntimeError, match="mma.sync.aligned.*32 lanes"):
         _run(z8, np.zeros((32, 8), np.int8), np.zeros((16, 8), np.int32), active=31)
+
+
+# ---- mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (the tensor-core tiles, mmq_h_*)
+_PROBE_F16 = r"""
+extern "C" __global__ void mma_f16_probe(const unsigned* a, const unsigned* b, const float* c, float* d, int active) {
+    const int lane = threadIdx.x;
+    if (lane >= active) return;
+    unsigned av[4], bv[2];
+    float cv[4], dv[4];
+    for (int i = 0; i < 4; ++i) av[i] = a[4 * lane + i];
+    for (int i = 0; i < 2; ++i) bv[i] = b[2 * lane + i];
+    for (int i = 0; i < 4; ++i) cv[i] = c[4 * lane + i];
+    mt_emu::mma_m16n8k16_f16(dv, av, bv, cv);
+    for (int i = 0; i < 4; ++i) d[4 * lane + i] = dv[i];
+}
+"""
+
+
+def _fragments_f16(A: np.ndarray, B: np.ndarray, C: np.ndarray):
+    """The PTX ISA's table for m16n8k16 with .f16 (groupID = lane // 4, t = lane % 4):
+    a_i (i < 8): row groupID for a0, a1, a4, a5 and groupID + 8 for a2, a3, a6, a7; col 2t + (i & 1),
+    + 8 for i >= 4; b_i (i < 4): row 2t + (i & 1), + 8 for i >= 2; col groupID; c as the integer form.
+    Element i is half i % 2 (the low half first) of register i // 2."""
+    a = np.zeros((32, 8), np.float16)
+    b = np.zeros((32, 4), np.float16)
+    c = np.zeros((32, 4), np.float32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(8):
+            a[lane, i] = A[g + (8 if i in (2, 3, 6, 7) else 0), 2 * t + (i & 1) + (8 if i >= 4 else 0)]
+        for i in range(4):
+            b[lane, i] = B[2 * t + (i & 1) + (8 if i >= 2 else 0), g]
+        for i in range(4):
+            c[lane, i] = C[g + (8 if i >= 2 else 0), 2 * t + i % 2]
+    return a.view(np.uint32).copy(), b.view(np.uint32).copy(), c
+
+
+def _run_f16(A, B, C, active=32):
+    a, b, c = _fragments_f16(A, B, C)
+    d = np.full((32, 4), np.nan, np.float32)
+    k = Emulator().probe_kernel(_PROBE_F16, "mma_f16_probe")
+    k((1,), (32,), (a, b, c, d, np.int32(active)))
+    out = np.zeros((16, 8), np.float32)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(4):
+            out[g + (8 if i >= 2 else 0), 2 * t + i % 2] = d[lane, i]
+    return out
+
+
+@requires_cxx
+@pytest.mark.parametrize("seed", [0, 1])
+def test_emulated_f16_mma_is_the_matrix_product(seed):
+    """D = A B + C with f16 A and B, f32 C and D: the products are exact in f32 and the sum is rounded
+    once, so the result is the float64 product rounded to f32."""
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((16, 16)).astype(np.float16)
+    B = rng.standard_normal((16, 8)).astype(np.float16)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    want = (A.astype(np.float64) @ B.astype(np.float64) + C).astype(np.float32)
+    np.testing.assert_array_equal(_run_f16(A, B, C), want)
+    # one nonzero element each: the mapping of a single (row, k, col)
+    A, B = np.zeros((16, 16), np.float16), np.zeros((16, 8), np.float16)
+    A[13, 9], B[9, 5] = 0.5, -3.0
+    want = np.zeros((16, 8), np.float32)
+    want[13, 5] = -1.5
+    np.testing.assert_array_equal(_run_f16(A, B, np.zeros((16, 8), np.float32)), want)
+
+
+@requires_cxx
+def test_emulated_f16_mma_needs_the_whole_warp():
+    with pytest.raises(RuntimeError, match="mma.sync.aligned.*32 lanes"):
+        _run_f16(np.zeros((16, 16), np.float16), np.zeros((16, 8), np.float16), np.zeros((16, 8), np.float32),
+                 active=30)
