@@ -19,18 +19,24 @@ requires_cxx = requires("emulator")
 
 # Each lane loads its fragments (a: 4 words, b: 2, c: 4) from global memory, runs the mma and
 # stores its 4 outputs; lanes >= `active` leave before the mma (which must then fault).
-_PROBE = r"""
-extern "C" __global__ void mma_probe(const int* a, const int* b, const int* c, int* d, int active) {
+def _probe(name: str, word: str, acc: str, call: str) -> str:
+    return f"""
+extern "C" __global__ void {name}(const {word}* a, const {word}* b, const {acc}* c, {acc}* d, int active) {{
     const int lane = threadIdx.x;
     if (lane >= active) return;
-    int av[4], bv[2], cv[4], dv[4];
+    {word} av[4], bv[2];
+    {acc} cv[4], dv[4];
     for (int i = 0; i < 4; ++i) av[i] = a[4 * lane + i];
     for (int i = 0; i < 2; ++i) bv[i] = b[2 * lane + i];
     for (int i = 0; i < 4; ++i) cv[i] = c[4 * lane + i];
-    mt_emu::mma_m16n8k32_s8(dv, av, bv, cv);
+    mt_emu::{call}(dv, av, bv, cv);
     for (int i = 0; i < 4; ++i) d[4 * lane + i] = dv[i];
-}
+}}
 """
+
+
+_PROBE = _probe("mma_probe", "int", "int", "mma_m16n8k32_s8")
+_PROBE_F16 = _probe("mma_f16_probe", "unsigned", "float", "mma_m16n8k16_f16")
 
 
 def _fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray):
@@ -55,7 +61,8 @@ def _fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray):
 
 
 def _unpack_d(d: np.ndarray) -> np.ndarray:
-    out = np.zeros((16, 8), np.int64)
+    """D (16 x 8) from the lanes' c-layout outputs."""
+    out = np.zeros((16, 8), d.dtype)
     for lane in range(32):
         g, t = divmod(lane, 4)
         for i in range(4):
@@ -63,12 +70,15 @@ def _unpack_d(d: np.ndarray) -> np.ndarray:
     return out
 
 
-def _run(A, B, C, active=32):
-    a, b, c = _fragments(A, B, C)
-    d = np.full((32, 4), -1, np.int32)
-    k = Emulator().probe_kernel(_PROBE, "mma_probe")
+def _launch(source: str, name: str, a, b, c, active: int) -> np.ndarray:
+    d = np.full((32, 4), -1, c.dtype)
+    k = Emulator().probe_kernel(source, name)
     k((1,), (32,), (a, b, c, d, np.int32(active)))
     return _unpack_d(d)
+
+
+def _run(A, B, C, active=32):
+    return _launch(_PROBE, "mma_probe", *_fragments(A, B, C), active).astype(np.int64)
 
 
 @requires_cxx
@@ -107,21 +117,6 @@ def test_emulated_mma_needs_the_whole_warp():
 
 
 # ---- mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (the tensor-core tiles, mmq_h_*)
-_PROBE_F16 = r"""
-extern "C" __global__ void mma_f16_probe(const unsigned* a, const unsigned* b, const float* c, float* d, int active) {
-    const int lane = threadIdx.x;
-    if (lane >= active) return;
-    unsigned av[4], bv[2];
-    float cv[4], dv[4];
-    for (int i = 0; i < 4; ++i) av[i] = a[4 * lane + i];
-    for (int i = 0; i < 2; ++i) bv[i] = b[2 * lane + i];
-    for (int i = 0; i < 4; ++i) cv[i] = c[4 * lane + i];
-    mt_emu::mma_m16n8k16_f16(dv, av, bv, cv);
-    for (int i = 0; i < 4; ++i) d[4 * lane + i] = dv[i];
-}
-"""
-
-
 def _fragments_f16(A: np.ndarray, B: np.ndarray, C: np.ndarray):
     """The PTX ISA's table for m16n8k16 with .f16 (groupID = lane // 4, t = lane % 4):
     a_i (i < 8): row groupID for a0, a1, a4, a5 and groupID + 8 for a2, a3, a6, a7; col 2t + (i & 1),
@@ -142,16 +137,7 @@ def _fragments_f16(A: np.ndarray, B: np.ndarray, C: np.ndarray):
 
 
 def _run_f16(A, B, C, active=32):
-    a, b, c = _fragments_f16(A, B, C)
-    d = np.full((32, 4), np.nan, np.float32)
-    k = Emulator().probe_kernel(_PROBE_F16, "mma_f16_probe")
-    k((1,), (32,), (a, b, c, d, np.int32(active)))
-    out = np.zeros((16, 8), np.float32)
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        for i in range(4):
-            out[g + (8 if i >= 2 else 0), 2 * t + i % 2] = d[lane, i]
-    return out
+    return _launch(_PROBE_F16, "mma_f16_probe", *_fragments_f16(A, B, C), active)
 
 
 @requires_cxx
