@@ -32,8 +32,7 @@ from metatp.backends.cuda.kernels.mmq import MMQ_Q8_KIND, mmq, mmq_q8, q8_acts_e
 from metatp.backends.cuda.launch import WEIGHT_TYPES, device_ptr
 
 __all__ = ["PATHS", "EXACT_PATHS", "F16_PATHS", "TOKENS", "SHAPES", "crossover", "suggest", "suggest_tensor_cores",
-           "suggest_int8", "disagreeing",
-           "markdown", "main"]
+           "suggest_int8", "disagreeing", "markdown", "main"]
 
 #: the exact numerics' paths (what `suggest` compares), the f16 tensor-core tiles (`suggest_tensor_cores`)
 #: and numerics "q8"'s int8 path
@@ -194,10 +193,11 @@ def suggest_int8(rows: list[dict]) -> tuple[int, int] | None:
 
 def disagreeing(rows: list[dict]) -> list[tuple[dict, str]]:
     """(row, path) where a path's result is off its reference by more than it may be: f16 operands on
-    the GEMM path and the tensor-core tiles (their error grows like sqrt(ne0) * 2^-11), f32 sums elsewhere. A path that has no
-    result (mmq_i8 for a type without an int8 kernel) is not counted."""
-    return [(r, p) for r in rows for p in PATHS
-            if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= (3e-3 if p in F16_PATHS else 1e-5 * math.sqrt(8192))]
+    the GEMM path and the tensor-core tiles (their error grows like sqrt(ne0) * 2^-11), f32 sums
+    elsewhere. A path that has no result (mmq_i8 for a type without an int8 kernel) is not counted."""
+    def bound(path: str) -> float:
+        return 3e-3 if path in F16_PATHS else 1e-5 * math.sqrt(8192)
+    return [(r, p) for r in rows for p in PATHS if r.get(f"{p}_err") is not None and not r[f"{p}_err"] <= bound(p)]
 
 
 def markdown(rows: list[dict]) -> str:

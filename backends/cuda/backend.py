@@ -177,13 +177,7 @@ class CupyBackend(Backend):
         if requested.device_only and self.n > 1 and self.collective is None:
             self.nccl = NcclGroup(self.rt, [dev.gpu for dev in self.local_devices], required=allreduce == "nccl")
         used = sorted({dev.gpu for dev in self.local_devices})
-        self.int8_tensor_cores = self._check_numerics_capability(used)
-        if self.mmq_tensor_cores:
-            old = [gpu for gpu in used if self.rt.capability(gpu) < 80]
-            if old:
-                raise ConfigError(f"cupy backend: mmq_tensor_cores=True needs compute capability 8.0 (f16 "
-                                  f"mma.sync m16n8k16); GPU {old[0]} ({self.rt.gpu_name(old[0])}) is "
-                                  f"sm_{self.rt.capability(old[0])}")
+        self.int8_tensor_cores = self._check_capability(used)
         self.pdl = bool(pdl)
         if self.pdl:              # before any kernel is compiled: the runtime hands out launch-capable ones
             self.rt.enable_pdl(used)
@@ -213,17 +207,24 @@ class CupyBackend(Backend):
             return "none"
         return self.collective.name if self.collective is not None else self.mode.name
 
-    def _check_numerics_capability(self, gpus: Sequence[int]) -> bool:
-        """numerics "q8" needs dp4a (sm_61+; refused below, naming the GPU); its many-token products use
-        the int8 tensor-core mmq from sm_80 on and x rounded to its Q8 grid + the f32 mmq below (the same
-        rounding). Returns whether every GPU has int8 tensor cores."""
+    def _check_capability(self, gpus: Sequence[int]) -> bool:
+        """What the options need of the GPUs, refused by name below it: numerics "q8" dp4a (sm_61+; its
+        many-token products use the int8 tensor-core mmq from sm_80 on and x rounded to its Q8 grid + the
+        f32 mmq below: the same rounding), mmq_tensor_cores the f16 mma.sync m16n8k16 (sm_80+). Returns
+        whether every GPU has int8 tensor cores."""
         caps = {gpu: self.rt.capability(gpu) for gpu in gpus}
-        if self.numerics in ("q8", "llamacpp"):
-            old = [gpu for gpu, cc in caps.items() if cc < 61]
-            if old:
-                raise ConfigError(f"numerics={self.numerics!r} needs int8 dot products (dp4a, sm_61+); GPU {old[0]} "
-                                  f"({self.rt.gpu_name(old[0])}) is sm_{caps[old[0]]}; use numerics='exact'")
-        return all(cc >= 80 for cc in caps.values())
+
+        def below(cc: int) -> int | None:
+            return next((gpu for gpu, c in caps.items() if c < cc), None)
+        gpu = below(61)
+        if self.numerics in ("q8", "llamacpp") and gpu is not None:
+            raise ConfigError(f"numerics={self.numerics!r} needs int8 dot products (dp4a, sm_61+); GPU {gpu} "
+                              f"({self.rt.gpu_name(gpu)}) is sm_{caps[gpu]}; use numerics='exact'")
+        gpu = below(80)
+        if self.mmq_tensor_cores and gpu is not None:
+            raise ConfigError(f"cupy backend: mmq_tensor_cores=True needs compute capability 8.0 (f16 mma.sync "
+                              f"m16n8k16); GPU {gpu} ({self.rt.gpu_name(gpu)}) is sm_{caps[gpu]}")
+        return gpu is None
 
     def describe(self) -> BackendInfo:
         return BackendInfo(name=self.name, n_devices=self.n, owned=tuple(self.owned),

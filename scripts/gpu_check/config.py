@@ -52,9 +52,8 @@ class Config:
         return cls(emulate=True, n_layer=min(n_layer, 2), kv_lengths=(16, 64), shape_kv_lengths=(16, 64),
                    shape_decode_steps=1, decode_steps=4,
                    prompt_len=12, greedy_steps=3, prefill_len=24, profile_copies=(0, 1), profile_kv_lengths=(16,),
-                   profile_flush_bytes=2**16,
-                   bench_batches=(1, 2, 4), crossover_tokens=(1, 9, 17), bench_pp=4, bench_tg=3, prompt_lengths=(16, 40), serve_clients=4,
-                   serve_tokens=4)
+                   profile_flush_bytes=2**16, bench_batches=(1, 2, 4), crossover_tokens=(1, 9, 17), bench_pp=4,
+                   bench_tg=3, prompt_lengths=(16, 40), serve_clients=4, serve_tokens=4)
 
     def spec(self):
         """The synthetic model: SmolLM2-135M's shapes (the real model cannot travel to the GPU

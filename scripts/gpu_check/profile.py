@@ -106,9 +106,10 @@ def flush_launch(rt, dev, nbytes: int):
     few KB: a Q8_0 matvec over garbage bytes, whose result nobody reads. Read, not written, so the
     L2 it leaves behind holds clean lines, and the next launch's own traffic is all it pays for."""
     from metatp.backends.cuda.kernels.matvec import matvec
-    from metatp.backends.cuda.launch import recording
+    from metatp.backends.cuda.launch import WEIGHT_TYPES, recording
 
-    row_bytes = _FLUSH_NE0 // 32 * 34
+    qk, block_bytes = WEIGHT_TYPES["q8_0"]
+    row_bytes = _FLUSH_NE0 // qk * block_bytes
     rows = max(1, nbytes // row_bytes)
     with rt.device(dev.gpu):
         w = rt.empty((rows, row_bytes), np.uint8)
@@ -206,7 +207,8 @@ def table(times: list[LaunchTime], step_seconds: float | None = None, copy_bps: 
     groups = _groups(times)
     lines = ["| kernel | launches | µs a step | share |" + (" of the step |" if step_col else "") +
              " µs L2 warm | weights MB | weights read at | slowest launch µs | its grid | its block |",
-             "| --- | ---: | ---: | ---: |" + (" ---: |" if step_col else "") + " ---: | ---: | ---: | ---: | --- | --- |"]
+             "| --- | ---: | ---: | ---: |" + (" ---: |" if step_col else "") +
+             " ---: | ---: | ---: | ---: | --- | --- |"]
     for name, n, s, worst in by_kernel(times):
         of_step = f" {100 * s / step_seconds:.1f}% |" if step_col else ""
         warm = sum(t.warm or 0.0 for t in groups[name])
@@ -227,11 +229,12 @@ def summary(times: list[LaunchTime], step_us: float, graph: str, n_all: int, n_l
     tops = ", ".join(f"{name} {100 * s / max(total, 1e-12):.0f}%" for name, _, s, _ in by_kernel(times)[:top])
     reading = [t for t in times if t.weight_bytes]
     nbytes = sum(t.weight_bytes for t in reading)
-    weights = (f"weights {nbytes / 1e6:,.1f} MB read at {_bandwidth(nbytes, sum(t.seconds for t in reading), copy_bps)}; "
-               if nbytes else "")
+    read_at = _bandwidth(nbytes, sum(t.seconds for t in reading), copy_bps)
+    weights = f"weights {nbytes / 1e6:,.1f} MB read at {read_at}; " if nbytes else ""
     part = "" if len(times) == n_all else f" (time budget: the first {len(times)} of {n_all} launches)"
     return (f"kernels sum {total * 1e6:,.0f} µs of a {step_us:,.0f} µs step ({graph}), {warm * 1e6:,.0f} µs with "
-            f"the L2 warm; top {top}: {tops}; {weights}{n_all} launches/token, {n_all / max(n_layer, 1):.1f}/layer{part}")
+            f"the L2 warm; top {top}: {tops}; {weights}{n_all} launches/token, "
+            f"{n_all / max(n_layer, 1):.1f}/layer{part}")
 
 
 def flush_size(cfg: Config, rt, gpu: int) -> int:
@@ -254,9 +257,10 @@ def profile_engine(rep: Report, cfg: Config, budget: Budget, eng, label: str, kv
     times = launch_times(ex, budget, *cfg.profile_copies, flush_bytes=flush_bytes)
     n_all = sum(len(per_dev[ex.devices[0]]) for per_dev in ex.steps)
     rep.add("profile", label, summary(times, step["us"], step["graph"], n_all, n_layer, copy_bps=copy_bps), None)
-    rep.extra.append(f"### {label}: kernels one by one\n\n{n_all} launches a token, {n_all / max(n_layer, 1):.1f} a "
-                     f"layer ({n_layer} layers); the step's replay {step['us']:,.0f} µs ({step['graph']}), its "
-                     f"launches alone in graphs {sum(t.seconds for t in times) * 1e6:,.0f} µs with the L2 flushed "
+    rep.extra.append(f"### {label}: kernels one by one\n\n{n_all} launches a token, "
+                     f"{n_all / max(n_layer, 1):.1f} a layer ({n_layer} layers); the step's replay "
+                     f"{step['us']:,.0f} µs ({step['graph']}), its launches alone in graphs "
+                     f"{sum(t.seconds for t in times) * 1e6:,.0f} µs with the L2 flushed "
                      f"({flush_bytes / 2**20:,.0f} MiB read) before each, "
                      f"{sum(t.warm or 0.0 for t in times) * 1e6:,.0f} µs with it warm.\n\n"
                      f"{table(times, step['us'] / 1e6, copy_bps)}\n")

@@ -140,8 +140,9 @@ def _fits(rep: Report, cfg: Config, budget: Budget, what: str, need: float) -> b
 def _crossover_rows(rep: Report, cfg: Config, budget: Budget, label: str) -> dict[str, tuple[int, int] | None]:
     """Each way a MUL_MAT of many tokens runs, timed alone on the 1B projections (the 8B FFN with
     --big; the emulator's tiny shapes, untimed, there): a row per (shape, T), a FAIL row for a path
-    off its reference, then where the tiled kernel and the int8 tiles are the fastest on every shape.
-    Returns those ranges ({"mmq": (lo, hi) or None, "int8": ...}) for the tuned rows."""
+    off its reference, then where the tiled kernel (f32, on the tensor cores) and the int8 tiles are the
+    fastest on every shape. Returns those ranges ({"mmq" / "mmq_h" / "int8": (lo, hi) or None}) for the
+    tuned rows."""
     from metatp.backends.cuda.kernels.mmq import MMQ_MAX_TOKENS, MMQ_MIN_TOKENS
     from scripts.mmq_crossover import (PATHS, SHAPES as PRODUCTS, crossover, disagreeing, suggest, suggest_int8,
                                        suggest_tensor_cores)
@@ -203,8 +204,8 @@ def _tuned_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str
         runs.append((f"mmq_h {lo}..{hi}", {"backend_options": {"mmq_tensor_cores": True, "mmq_min_tokens": lo,
                                                                "mmq_max_tokens": hi}}, many))
     elif mmq is not None and many:
-        runs.append((f"mmq {mmq[0]}..{mmq[1]}", {"backend_options": {"mmq_min_tokens": mmq[0], "mmq_max_tokens": mmq[1]}},
-                     many))
+        lo, hi = mmq
+        runs.append((f"mmq {lo}..{hi}", {"backend_options": {"mmq_min_tokens": lo, "mmq_max_tokens": hi}}, many))
     int8 = found.get("int8")
     b64 = max((b for b in cfg.bench_batches if b <= 64), default=0)
     if int8 is not None and b64 > MATVEC_MAX_TOKENS and int8[0] <= b64 <= int8[1]:
@@ -227,7 +228,7 @@ def _bench_rows(rep: Report, cfg: Config, budget: Budget, path: Path, label: str
     `llm_kw` goes to the LLM: the tuned rows); returns S_TG by B (the ones that ran)."""
     from metatp.tools.batched_bench import run_config
 
-    batches = list(batches or cfg.bench_batches)
+    batches = list(cfg.bench_batches if batches is None else batches)
     pp, tg = cfg.bench_pp, cfg.bench_tg
     n_ctx = max(batches) * (pp + tg)
     try:

@@ -91,7 +91,8 @@ def mmq(w, qtype, x, y, *, ne0: int, n_rows: int, n_tokens: int | None = None, w
     if n_rows == 0 or n_tokens == 0:
         return
     tt = mmq_tile_tokens(n_tokens)
-    launch("mmq", f"mmq_{'h_' if tensor_cores else ''}{t}_t{tt}", (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (256,),
+    name = f"mmq_h_{t}_t{tt}" if tensor_cores else f"mmq_{t}_t{tt}"
+    launch("mmq", name, (cdiv(n_rows, MMQ_TILE_ROWS), cdiv(n_tokens, tt)), (256,),
            (w, x, y, i32(ne0), i32(n_rows), i32(w_row_bytes), i32(n_tokens), i32(x_stride), i32(y_stride)))
 
 

@@ -76,18 +76,28 @@ def check_mmq_tiles(c: Checker) -> None:
         x = c.rng.standard_normal((20, ne0)).astype(np.float32)
         _case(c, "mmq rows", wt, raw[:rows], deq[:rows], x, ne0=ne0, rows=rows)
     for wt in ("q6_k", "q4_1", "bf16"):
-        raw, deq = make_weight(c.rng, wt, 70, 256)
-        x = c.rng.standard_normal((40, 256)).astype(np.float32)
-        _case(c, "mmq strided x/y", wt, raw, deq, x, ne0=256, rows=70, x_pad=32, y_pad=3)
+        _strided_case(c, "mmq strided x/y", wt)
     for wt in ("q5_k", "q8_0", "f32"):
-        full, sl0, sl1 = 1024, 256, 768
-        raw, deq = make_weight(c.rng, wt, 40, full)
-        qk, nb = c.ck.WEIGHT_TYPES[wt]
-        b0 = sl0 // qk * nb
-        x = c.rng.standard_normal((24, sl1 - sl0)).astype(np.float32)
-        sliced = np.ascontiguousarray(raw.reshape(-1)[b0:])
-        _case(c, "mmq ne0-slice", f"{wt}", sliced, deq[:, sl0:sl1], x, ne0=sl1 - sl0, rows=40,
-              w_row_bytes=raw.shape[1])
+        _ne0_slice_case(c, "mmq ne0-slice", wt)
+
+
+def _strided_case(c: Checker, label: str, wt: str, tensor_cores: bool = False) -> None:
+    """x and y as views of wider rows (70 rows of 256, 40 tokens; y's padding must stay untouched)."""
+    raw, deq = make_weight(c.rng, wt, 70, 256)
+    x = c.rng.standard_normal((40, 256)).astype(np.float32)
+    _case(c, label, wt, raw, deq, x, ne0=256, rows=70, x_pad=32, y_pad=3, tensor_cores=tensor_cores)
+
+
+def _ne0_slice_case(c: Checker, label: str, wt: str, tensor_cores: bool = False) -> None:
+    """A per-device slice of a weight split along ne0 (elements 256..768 of 1,024): a pointer into the
+    rows, which keep their full byte stride."""
+    full, sl0, sl1 = 1024, 256, 768
+    raw, deq = make_weight(c.rng, wt, 40, full)
+    qk, nb = c.ck.WEIGHT_TYPES[wt]
+    x = c.rng.standard_normal((24, sl1 - sl0)).astype(np.float32)
+    sliced = np.ascontiguousarray(raw.reshape(-1)[sl0 // qk * nb:])
+    _case(c, label, wt, sliced, deq[:, sl0:sl1], x, ne0=sl1 - sl0, rows=40, w_row_bytes=raw.shape[1],
+          tensor_cores=tensor_cores)
 
 
 def check_mmq_h(c: Checker) -> None:
@@ -107,16 +117,8 @@ def check_mmq_h(c: Checker) -> None:
         raw, deq = make_weight(c.rng, wt, rows, ne0)
         x = c.rng.standard_normal((nt, ne0)).astype(np.float32)
         _case(c, "mmq_h", wt, raw, deq, x, ne0=ne0, rows=rows, tensor_cores=True)
-    raw, deq = make_weight(c.rng, "q6_k", 70, 256)
-    x = c.rng.standard_normal((40, 256)).astype(np.float32)
-    _case(c, "mmq_h strided x/y", "q6_k", raw, deq, x, ne0=256, rows=70, x_pad=32, y_pad=3, tensor_cores=True)
-    full, sl0, sl1 = 1024, 256, 768
-    raw, deq = make_weight(c.rng, "q8_0", 40, full)
-    qk, nb = c.ck.WEIGHT_TYPES["q8_0"]
-    x = c.rng.standard_normal((24, sl1 - sl0)).astype(np.float32)
-    sliced = np.ascontiguousarray(raw.reshape(-1)[sl0 // qk * nb:])
-    _case(c, "mmq_h ne0-slice", "q8_0", sliced, deq[:, sl0:sl1], x, ne0=sl1 - sl0, rows=40, w_row_bytes=raw.shape[1],
-          tensor_cores=True)
+    _strided_case(c, "mmq_h strided x/y", "q6_k", tensor_cores=True)
+    _ne0_slice_case(c, "mmq_h ne0-slice", "q8_0", tensor_cores=True)
 
 
 # ------------------------------------------------------------------ the int8 path
