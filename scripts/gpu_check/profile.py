@@ -12,16 +12,15 @@ the step's own buffers after a real decode step, so the shapes and data are the 
 the engine is thrown away afterwards). The sum over the step's launches against the step's
 own replay says whether the kernels or the gaps between them hold the step.
 
-Repeated back to back, a launch finds its weights in the L2 cache (50 MB on an H100/H200: every
-matrix of the 1B shapes but the output head fits), which the real step, streaming the whole
-model once a token, never does: timed that way alone, the matvecs look up to 2-3x faster than
-they are in the step, and the step's time would wrongly be put on the gaps between kernels. So
-each launch is also timed "L2 cold", as Nsight Compute does by default: in graphs where every
-copy follows a flush (a matvec reading a buffer of twice the L2, leaving it holding clean lines
-of its own), less the same graphs of flushes alone. The cold time is the one the table sorts by;
-with the bytes of weights each launch reads it gives each kernel's weight bandwidth, against the
-run's copy bandwidth where the shapes section measured it.
-"""
+Repeated back to back, a launch finds its weights in the L2 cache (50 MB on an H100, 60 MB read on
+an H200: every matrix of the 1B shapes but the output head fits), which the real step, streaming
+the whole model once a token, never does: timed that way alone, the matvecs look up to 2-3x faster
+than they are in the step, and the step's time would wrongly be put on the gaps between kernels.
+So each launch is also timed "L2 cold", as Nsight Compute does by default: in graphs where every
+copy follows a flush (a matvec reading a buffer of twice the L2, leaving it holding clean lines of
+its own), less the same graphs of flushes alone. The cold time is the one the table sorts by; with
+the bytes of weights each launch reads it gives each kernel's weight bandwidth, against the run's
+copy bandwidth where the shapes section measured it. """
 
 from __future__ import annotations
 
