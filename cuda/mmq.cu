@@ -123,17 +123,20 @@ __device__ __forceinline__ void mt_mmq(const mt_u8* __restrict__ w, const float*
 // TT in {16, 32, 64} tokens per block. Launch: block (256), grid (ceil(n_rows / 64),
 // ceil(n_tokens / TT)). ne0 must be a multiple of the type's block size (any number of
 // steps: a partial last step is zero-filled). Static shared memory 4*(64 + TT)*65 bytes.
-#define MT_MMQ_ENTRY_T(name, W, NTT, TT)                                                       \
+// One entry macro for both tiled kernels: kernel_<type>_t<TT> calling fn<W, NTT> (mt_mmq here,
+// mt_mmq_h below: the same arguments and launch).
+#define MT_MMQ_ENTRY_T(kernel, fn, name, W, NTT, TT)                                           \
     extern "C" __global__ void __launch_bounds__(MT_MMQ_NTH)                                  \
-        mmq_##name##_t##TT(const mt_u8* w, const float* x, float* y, int ne0, int n_rows,      \
-                           int row_bytes, int n_tokens, int x_stride, int y_stride) {          \
+        kernel##_##name##_t##TT(const mt_u8* w, const float* x, float* y, int ne0, int n_rows,  \
+                                int row_bytes, int n_tokens, int x_stride, int y_stride) {     \
         mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
-        mt_mmq<W, NTT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride);         \
+        fn<W, NTT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride);             \
     }
-#define MT_MMQ_ENTRY(name, W)         \
-    MT_MMQ_ENTRY_T(name, W, 1, 16)    \
-    MT_MMQ_ENTRY_T(name, W, 2, 32)    \
-    MT_MMQ_ENTRY_T(name, W, 4, 64)
+#define MT_MMQ_ENTRIES(kernel, fn, name, W)         \
+    MT_MMQ_ENTRY_T(kernel, fn, name, W, 1, 16)      \
+    MT_MMQ_ENTRY_T(kernel, fn, name, W, 2, 32)      \
+    MT_MMQ_ENTRY_T(kernel, fn, name, W, 4, 64)
+#define MT_MMQ_ENTRY(name, W) MT_MMQ_ENTRIES(mmq, mt_mmq, name, W)
 
 MT_FOR_ALL_WTYPES(MT_MMQ_ENTRY)
 
@@ -235,17 +238,7 @@ __device__ __forceinline__ void mt_mmq_h(const mt_u8* __restrict__ w, const floa
 
 // mmq_h_<type>_t<TT>: mmq_<type>_t<TT>'s arguments, launch and result, the products on the tensor
 // cores from f16 tiles (sm_80+; the f16 rounding of both operands, f32 accumulation).
-#define MT_MMQH_ENTRY_T(name, W, NTT, TT)                                                      \
-    extern "C" __global__ void __launch_bounds__(MT_MMQ_NTH)                                  \
-        mmq_h_##name##_t##TT(const mt_u8* w, const float* x, float* y, int ne0, int n_rows,    \
-                             int row_bytes, int n_tokens, int x_stride, int y_stride) {        \
-        mt_pdl_wait(); mt_pdl_launch_dependents();                                             \
-        mt_mmq_h<W, NTT>(w, x, y, ne0, n_rows, row_bytes, n_tokens, x_stride, y_stride);       \
-    }
-#define MT_MMQH_ENTRY(name, W)         \
-    MT_MMQH_ENTRY_T(name, W, 1, 16)    \
-    MT_MMQH_ENTRY_T(name, W, 2, 32)    \
-    MT_MMQH_ENTRY_T(name, W, 4, 64)
+#define MT_MMQH_ENTRY(name, W) MT_MMQ_ENTRIES(mmq_h, mt_mmq_h, name, W)
 
 MT_FOR_ALL_WTYPES(MT_MMQH_ENTRY)
 

@@ -38,18 +38,13 @@ from metatp.backends.cuda.launch import device_ptr, is_array, module_source
 from metatp.testing.emulated_faults import EmulatedCudaError
 from metatp.testing.emulator_cxx import LAUNCHER, PRELUDE
 
-__all__ = ["Emulator", "emulator_available", "emulator_source", "launch_bounds"]
+__all__ = ["Emulator", "compile_family", "emulator_available", "launch_bounds"]
 
 
 #: Emulator.block_order -> the launcher's order code
 _BLOCK_ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
 
 _SHARED_EXTERN_RE = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;")
-
-
-def emulator_source(family: str) -> str:
-    """One family as host C++: prelude, the kernels (shared memory made static), trampolines."""
-    return _host_source(module_source(family), expected_entry_points()[family])
 
 
 def _host_source(src: str, entries) -> str:
@@ -85,8 +80,9 @@ def _build(name: str, host_source: str) -> Path:
                                 host_cache_dir("METATP_EMU_CACHE", "metatp-emu"), compile_flags=_EMU_CHECKS)
 
 
-def _compile_emulator(family: str) -> Path:
-    """The shared library of one family (compiled once, cached by source hash)."""
+def compile_family(family: str) -> Path:
+    """The shared library of one family (compiled once, cached by source hash): what a test
+    session builds ahead, in parallel, before its tests load it."""
     return _built_family(family, module_source(family))[0]
 
 

@@ -43,11 +43,9 @@ def _fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray):
     """Per lane (groupID = lane // 4, t = lane % 4), as the PTX ISA tables give them:
     a_i (i < 16): row groupID (+8 for i in 4..7 and 12..15), col 4t + i % 4 (+16 for i >= 8);
     b_i (i < 8): row 4t + i % 4 (+16 for i >= 4), col groupID;
-    c_i (i < 4): row groupID (+8 for i >= 2), col 2t + i % 2.
-    Element i of a / b is byte i % 4 (little-endian) of register i // 4."""
+    c: `_c_fragments`. Element i of a / b is byte i % 4 (little-endian) of register i // 4."""
     a = np.zeros((32, 16), np.int8)
     b = np.zeros((32, 8), np.int8)
-    c = np.zeros((32, 4), np.int32)
     for lane in range(32):
         g, t = divmod(lane, 4)
         for i in range(16):
@@ -55,18 +53,26 @@ def _fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray):
             a[lane, i] = A[row, 4 * t + i % 4 + (16 if i >= 8 else 0)]
         for i in range(8):
             b[lane, i] = B[4 * t + i % 4 + (16 if i >= 4 else 0), g]
-        for i in range(4):
-            c[lane, i] = C[g + (8 if i >= 2 else 0), 2 * t + i % 2]
-    return a.view(np.int32).copy(), b.view(np.int32).copy(), c
+    return a.view(np.int32).copy(), b.view(np.int32).copy(), _c_fragments(C, np.int32)
+
+
+def _c_index(lane: int, i: int) -> tuple[int, int]:
+    """(row, col) of c_i / d_i (i < 4) in lane, both forms: row groupID (+8 for i >= 2), col 2t + i % 2."""
+    g, t = divmod(lane, 4)
+    return g + (8 if i >= 2 else 0), 2 * t + i % 2
+
+
+def _c_fragments(C: np.ndarray, dtype) -> np.ndarray:
+    """The lanes' accumulator fragments (32 x 4) of C (16 x 8)."""
+    return np.array([[C[_c_index(lane, i)] for i in range(4)] for lane in range(32)], dtype)
 
 
 def _unpack_d(d: np.ndarray) -> np.ndarray:
     """D (16 x 8) from the lanes' c-layout outputs."""
     out = np.zeros((16, 8), d.dtype)
     for lane in range(32):
-        g, t = divmod(lane, 4)
         for i in range(4):
-            out[g + (8 if i >= 2 else 0), 2 * t + i % 2] = d[lane, i]
+            out[_c_index(lane, i)] = d[lane, i]
     return out
 
 
@@ -124,16 +130,13 @@ def _fragments_f16(A: np.ndarray, B: np.ndarray, C: np.ndarray):
     Element i is half i % 2 (the low half first) of register i // 2."""
     a = np.zeros((32, 8), np.float16)
     b = np.zeros((32, 4), np.float16)
-    c = np.zeros((32, 4), np.float32)
     for lane in range(32):
         g, t = divmod(lane, 4)
         for i in range(8):
             a[lane, i] = A[g + (8 if i in (2, 3, 6, 7) else 0), 2 * t + (i & 1) + (8 if i >= 4 else 0)]
         for i in range(4):
             b[lane, i] = B[2 * t + (i & 1) + (8 if i >= 2 else 0), g]
-        for i in range(4):
-            c[lane, i] = C[g + (8 if i >= 2 else 0), 2 * t + i % 2]
-    return a.view(np.uint32).copy(), b.view(np.uint32).copy(), c
+    return a.view(np.uint32).copy(), b.view(np.uint32).copy(), _c_fragments(C, np.float32)
 
 
 def _run_f16(A, B, C, active=32):

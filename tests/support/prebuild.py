@@ -47,7 +47,7 @@ def _emulator_builds() -> list[Build]:
 
     if not cuda_emulator.emulator_available():
         return []
-    return [lambda fam=family: cuda_emulator._compile_emulator(fam) for family in ck.FAMILIES]
+    return [lambda fam=family: cuda_emulator.compile_family(fam) for family in ck.FAMILIES]
 
 
 def _needs(items: Iterable[pytest.Item]) -> tuple[bool, bool]:
